@@ -1,0 +1,241 @@
+"""Configuration dataclasses for the model and its MoE layers: the one place for defaults.
+
+Every field carries a one-line docstring. Validation runs in ``__post_init__`` and raises a
+``ValueError`` whose message starts with the offending field's path (``moe.top_k: ...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+
+class ScoreFunc(str, Enum):
+    """How router logits become expert scores."""
+
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class RoutingMode(str, Enum):
+    """Which experts a token goes to. Every mode still runs the router's compute."""
+
+    LEARNED = "learned"
+    """Top-k of the router scores (what a real model trains with)."""
+    RANDOM = "random"
+    """k distinct experts drawn uniformly at random per token (seeded, on the device)."""
+    BALANCED = "balanced"
+    """Exact round-robin: assignment j of token t goes to expert (t*k + j) mod E."""
+    SKEWED = "skewed"
+    """Expert popularity follows a Zipf law with exponent ``zipf_exponent``."""
+
+
+class ExpertBackendKind(str, Enum):
+    """Implementation of the experts' grouped SwiGLU."""
+
+    LOOP = "loop"
+    """Plain per-expert matmuls with ordinary autograd: the reference (syncs with the host)."""
+    TORCH = "torch"
+    """``torch._grouped_mm`` with device-side offsets (the default)."""
+
+
+class Precision(str, Enum):
+    """Numerical precision of parameters and compute."""
+
+    FP32 = "fp32"
+    """fp32 parameters and compute."""
+    BF16 = "bf16"
+    """bf16 parameters and compute, fp32 master weights in the optimizer, fp32 router."""
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16}[self]
+
+
+def _require(ok: bool, path: str, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"{path}: {reason}")
+
+
+@dataclass
+class MoEConfig:
+    """The mixture-of-experts feed-forward layer."""
+
+    num_experts: int = 8
+    """Number of routed experts E."""
+    top_k: int = 2
+    """Experts each token is routed to (k)."""
+    expert_hidden: int = 512
+    """Hidden size F of each routed expert's SwiGLU."""
+    shared_expert_hidden: int = 0
+    """Hidden size of the always-on shared expert; 0 means no shared expert."""
+    score_func: ScoreFunc = ScoreFunc.SOFTMAX
+    """Router score function."""
+    normalize_top_k: bool = False
+    """Renormalise the k selected weights of a token to sum to one."""
+    routing: RoutingMode = RoutingMode.LEARNED
+    """How experts are selected (benchmarks use random, balanced or skewed)."""
+    zipf_exponent: float = 1.0
+    """Exponent s of the Zipf popularity p_e ~ 1/(e+1)^s in skewed routing."""
+    routing_seed: int = 0
+    """Seed of the random and skewed routing generators (offset per layer)."""
+    aux_loss_weight: float = 0.01
+    """Weight of the load-balancing loss E * sum_e f_e * P_e."""
+    z_loss_weight: float = 0.001
+    """Weight of the router z-loss mean_t logsumexp(logits_t)^2."""
+    expert_bias_rate: float = 0.0
+    """Update rate of the aux-loss-free expert bias (selection only); 0 disables it."""
+    backend: ExpertBackendKind = ExpertBackendKind.TORCH
+    """Grouped-GEMM implementation of the experts."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, "moe.")
+        self.validate("moe")
+
+    def validate(self, prefix: str = "moe") -> None:
+        _require(self.num_experts >= 1, f"{prefix}.num_experts", f"must be >= 1, got {self.num_experts}")
+        _require(self.top_k >= 1, f"{prefix}.top_k", f"must be >= 1, got {self.top_k}")
+        _require(
+            self.top_k <= self.num_experts,
+            f"{prefix}.top_k",
+            f"{self.top_k} exceeds {prefix}.num_experts={self.num_experts}",
+        )
+        _require(self.expert_hidden >= 1, f"{prefix}.expert_hidden", f"must be >= 1, got {self.expert_hidden}")
+        _require(
+            self.shared_expert_hidden >= 0,
+            f"{prefix}.shared_expert_hidden",
+            f"must be >= 0, got {self.shared_expert_hidden}",
+        )
+        _require(self.zipf_exponent >= 0, f"{prefix}.zipf_exponent", f"must be >= 0, got {self.zipf_exponent}")
+        for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_rate"):
+            value = getattr(self, name)
+            _require(value >= 0, f"{prefix}.{name}", f"must be >= 0, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer with MoE (or leading dense) feed-forward layers."""
+
+    vocab_size: int = 1024
+    """Vocabulary size V."""
+    d_model: int = 256
+    """Model (residual stream) width D."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention query heads."""
+    n_kv_heads: int = 4
+    """Attention key/value heads (grouped-query attention when fewer than n_heads)."""
+    seq_len: int = 128
+    """Maximum sequence length (RoPE tables are built for it)."""
+    n_dense_layers: int = 0
+    """Leading blocks whose feed-forward is a dense SwiGLU instead of an MoE layer."""
+    dense_hidden: int = 0
+    """Hidden size of the dense SwiGLU in the leading dense layers (required when there are any)."""
+    qk_norm: bool = False
+    """RMSNorm over the full query and key projections before RoPE (as OLMoE does)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight matrix."""
+    dtype: Precision = Precision.BF16
+    """Parameter and compute precision (the router always computes in fp32)."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """The MoE feed-forward layers."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, "")
+        if isinstance(self.moe, Mapping):
+            self.moe = MoEConfig(**self.moe)
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    def validate(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len"):
+            value = getattr(self, name)
+            _require(value >= 1, name, f"must be >= 1, got {value}")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "d_model",
+            f"{self.d_model} is not divisible by n_heads={self.n_heads}",
+        )
+        _require(self.head_dim % 2 == 0, "n_heads", f"head_dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        _require(
+            self.n_heads % self.n_kv_heads == 0,
+            "n_kv_heads",
+            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}",
+        )
+        _require(
+            0 <= self.n_dense_layers <= self.n_layers,
+            "n_dense_layers",
+            f"must be between 0 and n_layers={self.n_layers}, got {self.n_dense_layers}",
+        )
+        _require(
+            self.n_dense_layers == 0 or self.dense_hidden >= 1,
+            "dense_hidden",
+            f"must be >= 1 when n_dense_layers={self.n_dense_layers}, got {self.dense_hidden}",
+        )
+        _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        self.moe.validate("moe")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        """Build from plain data (a scenario file); unknown keys are an error, not ignored."""
+        data = dict(data)
+        moe = data.pop("moe", {})
+        _reject_unknown(cls, data, "")
+        _reject_unknown(MoEConfig, moe, "moe.")
+        return cls(**data, moe=MoEConfig(**moe))
+
+
+def _reject_unknown(cls, data: Mapping[str, Any], prefix: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            raise ValueError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(known - {'moe'}))})")
+
+
+def _coerce_enums(obj, prefix: str) -> None:
+    """Accept the enum's string value wherever an enum field is expected."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        enum_type = _ENUM_FIELDS.get(f.name)
+        if enum_type is not None and not isinstance(value, enum_type):
+            try:
+                setattr(obj, f.name, enum_type(value))
+            except ValueError:
+                choices = ", ".join(e.value for e in enum_type)
+                raise ValueError(f"{prefix}{f.name}: {value!r} is not one of {choices}") from None
+
+
+_ENUM_FIELDS = {
+    "score_func": ScoreFunc,
+    "routing": RoutingMode,
+    "backend": ExpertBackendKind,
+    "dtype": Precision,
+}
+
+
+def _plain(value):
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value

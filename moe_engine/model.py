@@ -1,0 +1,93 @@
+"""Decoder-only transformer with MoE feed-forward layers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.config import ModelConfig, Precision
+from moe_engine.modules.attention import Attention
+from moe_engine.modules.mlp import SwiGLU
+from moe_engine.modules.norm import RMSNorm
+from moe_engine.modules.rope import RotaryEmbedding
+from moe_engine.moe.layer import MoELayer
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        if layer_idx < config.n_dense_layers:
+            self.ffn = SwiGLU(config.d_model, config.dense_hidden)
+        else:
+            self.ffn = MoELayer(config.d_model, config.moe, layer_idx)
+
+    def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), rope)
+        return h_BSD + self.ffn(self.ffn_norm(h_BSD))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.rope = RotaryEmbedding(config.head_dim, config.seq_len, config.rope_theta)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Logits (B, S, V) in the model's compute dtype."""
+        h_BSD = self.embed(tokens_BS)
+        for block in self.blocks:
+            h_BSD = block(h_BSD, self.rope)
+        return self.lm_head(self.norm(h_BSD))
+
+    def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy in fp32. Router losses enter the gradient through the MoE layers."""
+        logits_BSV = self.forward(tokens_BS)
+        return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.modules() if isinstance(m, MoELayer)]
+
+    def router_loss(self) -> torch.Tensor:
+        """Weighted router losses of the last forward, summed over layers (detached)."""
+        losses = [layer.last_router_loss for layer in self.moe_layers() if layer.last_router_loss is not None]
+        if not losses:
+            return torch.zeros(())
+        return torch.stack(losses).sum()
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        for name, param in self.named_parameters():
+            if param.ndim >= 2:
+                nn.init.normal_(param, std=std)
+
+
+def cast_parameters(model: nn.Module, precision: Precision) -> nn.Module:
+    """Cast parameters to the precision's dtype, except in modules marked ``keep_fp32``."""
+    dtype = precision.torch_dtype
+    keep = {id(p) for m in model.modules() if getattr(m, "keep_fp32", False) for p in m.parameters()}
+    for param in model.parameters():
+        if id(param) not in keep:
+            param.data = param.data.to(dtype)
+    return model
+
+
+def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
+    """Build, initialise (seeded) and cast a model on ``device``."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(config)
+    model.init_weights(config.init_std)
+    return cast_parameters(model, config.dtype)

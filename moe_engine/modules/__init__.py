@@ -1,0 +1,1 @@
+"""Dense building blocks of the transformer."""

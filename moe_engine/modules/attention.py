@@ -1,0 +1,38 @@
+"""Causal self-attention with grouped-query heads, optional QK-norm and RoPE, through SDPA."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.config import ModelConfig
+from moe_engine.modules.norm import RMSNorm
+from moe_engine.modules.rope import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads
+        self.head_dim = config.head_dim
+        q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.d_model, q_dim, bias=False)
+        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, config.d_model, bias=False)
+        self.q_norm = RMSNorm(q_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(kv_dim, config.norm_eps) if config.qk_norm else None
+
+    def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        batch, seq_len, _ = x_BSD.shape
+        q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHSd = q.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGSd = k.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v_BGSd = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q_BHSd, k_BGSd = rope(q_BHSd, k_BGSd)
+        o_BHSd = F.scaled_dot_product_attention(
+            q_BHSd, k_BGSd, v_BGSd, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.o_proj(o_BHSd.transpose(1, 2).reshape(batch, seq_len, -1))

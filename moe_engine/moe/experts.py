@@ -1,0 +1,113 @@
+"""Routed experts: SwiGLU over grouped GEMM, with swappable backends behind one seam.
+
+Weight layout (the (out, in) convention of ``nn.Linear``, also OLMoE's in transformers):
+
+- ``gate_up`` (E, 2F, D): rows [0, F) of expert e are the gate projection, rows [F, 2F) the up
+  projection, so ``h = x @ gate_up[e].T`` and ``silu(h[:, :F]) * h[:, F:]``.
+- ``down`` (E, D, F): ``y = a @ down[e].T``.
+
+Rows arrive sorted by expert; expert e owns rows [offsets[e-1], offsets[e]). A backend implements
+``ExpertBackend.forward``; the module holds the weights and picks the backend from the config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.config import ExpertBackendKind
+from moe_engine.moe.permute import RoutingPlan
+
+
+class ExpertBackend(ABC):
+    """The seam: compute the experts' SwiGLU for rows already sorted by expert."""
+
+    @abstractmethod
+    def forward(
+        self,
+        x_ND: torch.Tensor,
+        plan: RoutingPlan,
+        gate_up_EHD: torch.Tensor,
+        down_EDF: torch.Tensor,
+    ) -> torch.Tensor:
+        """(N, D) expert outputs for the (N, D) rows, row i by the expert that owns it."""
+
+
+class LoopBackend(ExpertBackend):
+    """Per-expert matmuls with ordinary autograd: the reference. Reads counts on the host."""
+
+    def forward(self, x_ND, plan, gate_up_EHD, down_EDF):
+        outputs = []
+        for e, x_expert in enumerate(torch.split(x_ND, plan.counts_E.tolist())):
+            gate, up = F.linear(x_expert, gate_up_EHD[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_EDF[e]))
+        return torch.cat(outputs)
+
+
+def swiglu(h_NH: torch.Tensor) -> torch.Tensor:
+    gate_NF, up_NF = h_NH.chunk(2, dim=-1)
+    return F.silu(gate_NF) * up_NF
+
+
+def swiglu_backward(h_NH: torch.Tensor, grad_a_NF: torch.Tensor) -> torch.Tensor:
+    """d/dh of silu(gate) * up, computed in fp32 and returned in h's dtype."""
+    gate_NF, up_NF = h_NH.float().chunk(2, dim=-1)
+    grad_a_NF = grad_a_NF.float()
+    sig_NF = torch.sigmoid(gate_NF)
+    silu_NF = gate_NF * sig_NF
+    grad_gate_NF = grad_a_NF * up_NF * sig_NF * (1 + gate_NF * (1 - sig_NF))
+    grad_up_NF = grad_a_NF * silu_NF
+    return torch.cat([grad_gate_NF, grad_up_NF], dim=-1).to(h_NH.dtype)
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """Both GEMMs of the experts on ``torch._grouped_mm``; saves x and h, recomputes the activation."""
+
+    @staticmethod
+    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF):
+        h_NH = torch._grouped_mm(x_ND, gate_up_EHD.transpose(1, 2), offs=offsets_E)
+        y_ND = torch._grouped_mm(swiglu(h_NH), down_EDF.transpose(1, 2), offs=offsets_E)
+        ctx.save_for_backward(x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF)
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_y_ND):
+        x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
+        # A zero-stride gradient (from y.sum()) breaks the grouped GEMM's backward kernels.
+        grad_y_ND = grad_y_ND.contiguous()
+        a_NF = swiglu(h_NH)
+        grad_down_EDF = torch._grouped_mm(grad_y_ND.t(), a_NF, offs=offsets_E)
+        grad_a_NF = torch._grouped_mm(grad_y_ND, down_EDF, offs=offsets_E)
+        grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
+        grad_gate_up_EHD = torch._grouped_mm(grad_h_NH.t(), x_ND, offs=offsets_E)
+        grad_x_ND = torch._grouped_mm(grad_h_NH, gate_up_EHD, offs=offsets_E)
+        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF
+
+
+class TorchGroupedBackend(ExpertBackend):
+    """``torch._grouped_mm`` with device-side offsets; no host sync."""
+
+    def forward(self, x_ND, plan, gate_up_EHD, down_EDF):
+        return _GroupedSwiGLU.apply(x_ND, plan.offsets_E, gate_up_EHD, down_EDF)
+
+
+BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
+    ExpertBackendKind.LOOP: LoopBackend,
+    ExpertBackendKind.TORCH: TorchGroupedBackend,
+}
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts of hidden size F, stored as two stacked weight tensors."""
+
+    def __init__(self, d_model: int, hidden: int, num_experts: int, backend: ExpertBackendKind):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
+        self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.backend = BACKENDS[ExpertBackendKind(backend)]()
+
+    def forward(self, x_ND: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        return self.backend.forward(x_ND, plan, self.gate_up, self.down)

@@ -1,0 +1,87 @@
+"""Single-process training step: AdamW over fp32 master weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_engine.model import Transformer
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW hyper-parameters."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam moment decay rates."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not norms or vectors)."""
+
+
+class MasterWeightAdamW:
+    """AdamW that keeps an fp32 master copy of every low-precision parameter.
+
+    fp32 parameters are their own master. After each step the masters are copied (rounded) into
+    the model's parameters, so the model computes in its own dtype while updates accumulate in fp32.
+    """
+
+    def __init__(self, params, config: OptimizerConfig):
+        self.params = [p for p in params if p.requires_grad]
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
+        decay = [m for m in self.masters if m.ndim >= 2]
+        no_decay = [m for m in self.masters if m.ndim < 2]
+        self.inner = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+        )
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                master.grad = None if param.grad is None else param.grad.float()
+        self.inner.step()
+        for param, master in zip(self.params, self.masters):
+            if master is not param:
+                param.copy_(master)
+
+    def zero_grad(self) -> None:
+        for param, master in zip(self.params, self.masters):
+            param.grad = None
+            master.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes held by the optimizer: fp32 masters of low-precision parameters and Adam moments."""
+        masters = sum(m.numel() * m.element_size() for m, p in zip(self.masters, self.params) if m is not p)
+        moments = sum(
+            t.numel() * t.element_size()
+            for state in self.inner.state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.ndim > 0
+        )
+        return masters + moments
+
+
+class Trainer:
+    """Forward, backward, optimizer step and expert-bias update for one batch."""
+
+    def __init__(self, model: Transformer, config: OptimizerConfig | None = None):
+        self.model = model
+        self.optimizer = MasterWeightAdamW(model.parameters(), config or OptimizerConfig())
+
+    def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """One training step; returns the (detached, on-device) cross-entropy loss."""
+        self.optimizer.zero_grad()
+        loss = self.model.loss(tokens_BS, labels_BS)
+        loss.backward()
+        self.optimizer.step()
+        for layer in self.model.moe_layers():
+            layer.update_expert_bias()
+        return loss.detach()
