@@ -52,15 +52,15 @@ def swiglu(h_NH: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_NF) * up_NF
 
 
-def swiglu_backward(h_NH: torch.Tensor, grad_a_NF: torch.Tensor) -> torch.Tensor:
-    """d/dh of silu(gate) * up, computed in fp32 and returned in h's dtype."""
-    gate_NF, up_NF = h_NH.float().chunk(2, dim=-1)
-    grad_a_NF = grad_a_NF.float()
-    sig_NF = torch.sigmoid(gate_NF)
-    silu_NF = gate_NF * sig_NF
-    grad_gate_NF = grad_a_NF * up_NF * sig_NF * (1 + gate_NF * (1 - sig_NF))
-    grad_up_NF = grad_a_NF * silu_NF
-    return torch.cat([grad_gate_NF, grad_up_NF], dim=-1).to(h_NH.dtype)
+def swiglu_backward(h_NH: torch.Tensor, grad_a_NF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recomputes a = silu(gate) * up and returns (a, d/dh), each written once, no concatenation."""
+    gate_NF, up_NF = h_NH.chunk(2, dim=-1)
+    silu_NF = F.silu(gate_NF)
+    grad_h_NH = torch.empty_like(h_NH)
+    grad_gate_NF, grad_up_NF = grad_h_NH.chunk(2, dim=-1)
+    torch.mul(grad_a_NF, silu_NF, out=grad_up_NF)
+    grad_gate_NF.copy_(torch.ops.aten.silu_backward(grad_a_NF * up_NF, gate_NF))
+    return silu_NF.mul_(up_NF), grad_h_NH
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -78,10 +78,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
         x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         # A zero-stride gradient (from y.sum()) breaks the grouped GEMM's backward kernels.
         grad_y_ND = grad_y_ND.contiguous()
-        a_NF = swiglu(h_NH)
-        grad_down_EDF = torch._grouped_mm(grad_y_ND.t(), a_NF, offs=offsets_E)
         grad_a_NF = torch._grouped_mm(grad_y_ND, down_EDF, offs=offsets_E)
-        grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
+        a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
+        grad_down_EDF = torch._grouped_mm(grad_y_ND.t(), a_NF, offs=offsets_E)
         grad_gate_up_EHD = torch._grouped_mm(grad_h_NH.t(), x_ND, offs=offsets_E)
         grad_x_ND = torch._grouped_mm(grad_h_NH, gate_up_EHD, offs=offsets_E)
         return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF

@@ -1,0 +1,160 @@
+import math
+
+import pytest
+import torch
+
+from moe_engine.config import MoEConfig, RoutingMode, ScoreFunc
+from moe_engine.moe.router import Router, expert_counts
+
+
+def make_router(d_model=16, **kwargs) -> Router:
+    router = Router(d_model, MoEConfig(**kwargs))
+    torch.nn.init.normal_(router.weight, std=0.5)
+    return router
+
+
+def assert_distinct_per_token(expert_TK):
+    sorted_TK = expert_TK.sort(dim=1).values
+    assert (sorted_TK[:, 1:] != sorted_TK[:, :-1]).all()
+
+
+def test_random_routing_is_uniform_and_distinct():
+    tokens, experts, k = 20000, 16, 4
+    router = make_router(num_experts=experts, top_k=k, routing="random", routing_seed=3)
+    expert_TK = router(torch.randn(tokens, 16)).expert_TK
+    assert_distinct_per_token(expert_TK)
+    counts = expert_counts(expert_TK, experts).double()
+    # Each expert is in a token's k-subset with probability k/E, independently across tokens.
+    p = k / experts
+    mean, std = tokens * p, math.sqrt(tokens * p * (1 - p))
+    assert (counts - mean).abs().max() < 5 * std
+    # ...and every expert is equally likely in every slot, not just overall.
+    first_slot = expert_counts(expert_TK[:, :1], experts).double()
+    assert (first_slot - tokens / experts).abs().max() < 5 * math.sqrt(tokens / experts)
+
+
+def test_random_routing_seeds_reproduce_and_differ():
+    x = torch.randn(512, 16)
+
+    def route(seed):
+        return make_router(num_experts=8, top_k=2, routing="random", routing_seed=seed)(x).expert_TK
+
+    assert torch.equal(route(1), route(1))
+    assert not torch.equal(route(1), route(2))
+    router = make_router(num_experts=8, top_k=2, routing="random", routing_seed=1)
+    first, second = router(x).expert_TK, router(x).expert_TK
+    assert not torch.equal(first, second), "successive steps must draw new routings"
+    router.reset_routing_generator()
+    assert torch.equal(router(x).expert_TK, first)
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(64, 8, 2), (96, 12, 3), (10, 4, 4)])
+def test_balanced_routing_is_exact(tokens, experts, k):
+    router = make_router(num_experts=experts, top_k=k, routing="balanced")
+    expert_TK = router(torch.randn(tokens, 16)).expert_TK
+    assert_distinct_per_token(expert_TK)
+    counts = expert_counts(expert_TK, experts)
+    assert counts.tolist() == [tokens * k // experts] * experts
+
+
+@pytest.mark.parametrize("exponent", [0.5, 1.0, 1.5])
+def test_skewed_routing_follows_zipf(exponent):
+    tokens, experts, k = 40000, 16, 4
+    router = make_router(num_experts=experts, top_k=k, routing="skewed", zipf_exponent=exponent)
+    expert_TK = router(torch.randn(tokens, 16)).expert_TK
+    assert_distinct_per_token(expert_TK)
+    # Gumbel-top-k draws without replacement; its first pick has exactly the Zipf probabilities.
+    zipf = [1 / (e + 1) ** exponent for e in range(experts)]
+    p = torch.tensor([z / sum(zipf) for z in zipf], dtype=torch.float64)
+    first = expert_counts(expert_TK[:, :1], experts).double()
+    std = (tokens * p * (1 - p)).sqrt()
+    assert ((first - tokens * p).abs() < 5 * std).all()
+    # The fitted log-log slope of the first-pick frequencies recovers the exponent.
+    log_rank = torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
+    log_freq = torch.log(first / tokens)
+    slope = torch.cov(torch.stack([log_rank, log_freq]))[0, 1] / log_rank.var()
+    assert abs(-slope.item() - exponent) < 0.1
+    # Popularity is monotone in the overall counts too.
+    overall = expert_counts(expert_TK, experts)
+    assert overall[0] > overall[experts // 2] > overall[-1]
+
+
+@pytest.mark.parametrize("mode", list(RoutingMode))
+def test_every_mode_gives_router_gradients(mode):
+    router = make_router(num_experts=8, top_k=2, routing=mode, normalize_top_k=False)
+    x = torch.randn(64, 16, requires_grad=True)
+    out = router(x)
+    (out.weight_TK * torch.randn_like(out.weight_TK)).sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    assert x.grad.abs().sum() > 0
+    # Weights are the real scores of the chosen experts.
+    scores = torch.softmax(x.detach() @ router.weight.detach().T, dim=-1)
+    assert torch.allclose(out.weight_TK, scores.gather(1, out.expert_TK))
+
+
+def _softmax(row):
+    m = max(row)
+    exps = [math.exp(v - m) for v in row]
+    return [e / sum(exps) for e in exps]
+
+
+def test_aux_and_z_loss_match_hand_computation():
+    # Identity router weight: the logits are the inputs themselves.
+    logits = [[2.0, 0.0, -1.0], [0.5, 1.5, 0.0], [0.0, 0.0, 3.0], [1.0, 2.0, 0.5]]
+    router = Router(3, MoEConfig(num_experts=3, top_k=1, aux_loss_weight=0.1, z_loss_weight=0.01))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(3))
+    out = router(torch.tensor(logits))
+
+    probs = [_softmax(row) for row in logits]
+    chosen = [max(range(3), key=lambda e: row[e]) for row in probs]  # [0, 1, 2, 1]
+    assert out.expert_TK.flatten().tolist() == chosen
+    fraction = [chosen.count(e) / 4 for e in range(3)]
+    mean_prob = [sum(p[e] for p in probs) / 4 for e in range(3)]
+    aux = 3 * sum(f * p for f, p in zip(fraction, mean_prob))
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / 4
+
+    assert out.aux_loss.item() == pytest.approx(aux, rel=1e-6)
+    assert out.z_loss.item() == pytest.approx(z, rel=1e-6)
+    assert out.loss.item() == pytest.approx(0.1 * aux + 0.01 * z, rel=1e-6)
+    assert out.weight_TK.flatten().tolist() == pytest.approx([p[c] for p, c in zip(probs, chosen)], rel=1e-6)
+
+
+def test_sigmoid_scores_with_top_k_renormalisation():
+    router = make_router(num_experts=6, top_k=3, score_func=ScoreFunc.SIGMOID, normalize_top_k=True)
+    x = torch.randn(32, 16)
+    out = router(x)
+    scores = torch.sigmoid(x @ router.weight.detach().T)
+    top = scores.topk(3, dim=-1)
+    assert torch.equal(out.expert_TK, top.indices)
+    assert torch.allclose(out.weight_TK, top.values / top.values.sum(-1, keepdim=True))
+    # The balance loss sees scores normalised per token.
+    probs = scores / scores.sum(-1, keepdim=True)
+    counts = expert_counts(out.expert_TK, 6).float()
+    expected = 6 * (counts / (32 * 3) * probs.mean(0)).sum()
+    assert out.aux_loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_expert_bias_shifts_selection_not_weights():
+    router = make_router(num_experts=4, top_k=1, expert_bias_rate=0.5)
+    x = torch.randn(200, 16)
+    before = router(x)
+    counts = expert_counts(before.expert_TK, 4)
+    router.update_expert_bias(counts)
+    # Over-loaded experts lose bias, under-loaded ones gain it, by exactly the rate.
+    mean = counts.float().mean()
+    expected = 0.5 * torch.sign(mean - counts.float())
+    assert torch.equal(router.expert_bias, expected)
+
+    with torch.no_grad():
+        router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 100.0]))
+    after = router(x)
+    assert (after.expert_TK == 3).all()
+    scores = torch.softmax(x @ router.weight.detach().T, dim=-1)
+    assert torch.allclose(after.weight_TK[:, 0], scores[:, 3])
+
+
+def test_expert_bias_disabled_by_default():
+    router = make_router(num_experts=4, top_k=1)
+    router.update_expert_bias(torch.tensor([10, 0, 0, 0]))
+    assert torch.equal(router.expert_bias, torch.zeros(4))

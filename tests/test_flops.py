@@ -1,0 +1,175 @@
+"""Parameter counts against built models, and FLOPs per token against hand arithmetic.
+
+The expected numbers are written out with literals on purpose: reusing the module's helpers here
+would only check that the module agrees with itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from moe_engine import ModelConfig, MoEConfig, build_model
+from moe_engine.flops import ParameterCounts, forward_flops_per_token, parameter_counts, training_flops_per_token
+
+
+def dense_gqa_config() -> ModelConfig:
+    """Leading dense layer, GQA (4 query heads over 2 kv heads), QK-norm, no shared expert."""
+    return ModelConfig(
+        vocab_size=128,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,  # head_dim 16, q_dim 64
+        n_kv_heads=2,  # kv_dim 32
+        seq_len=32,
+        n_dense_layers=1,
+        dense_hidden=96,
+        qk_norm=True,
+        dtype="fp32",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, backend="loop"),
+    )
+
+
+def shared_expert_config() -> ModelConfig:
+    """All-MoE, sigmoid router, shared expert, no QK-norm."""
+    return ModelConfig(
+        vocab_size=100,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,  # head_dim 16, q_dim 32
+        n_kv_heads=2,  # kv_dim 32
+        seq_len=16,
+        dtype="fp32",
+        moe=MoEConfig(
+            num_experts=6, top_k=3, expert_hidden=16, shared_expert_hidden=24, score_func="sigmoid", backend="loop"
+        ),
+    )
+
+
+def trillion_config() -> ModelConfig:
+    """Kimi-K2-like shape (~1.03T parameters): 4 TB in fp32, so it cannot be built here."""
+    return ModelConfig(
+        vocab_size=163840,
+        d_model=7168,
+        n_layers=61,
+        n_heads=64,  # head_dim 112
+        n_kv_heads=8,
+        seq_len=4096,
+        n_dense_layers=1,
+        dense_hidden=18432,
+        qk_norm=True,
+        moe=MoEConfig(num_experts=384, top_k=8, expert_hidden=2048, shared_expert_hidden=2048),
+    )
+
+
+def built_numel(config: ModelConfig) -> int:
+    return sum(p.numel() for p in build_model(config).parameters())
+
+
+@pytest.mark.parametrize("make_config", [dense_gqa_config, shared_expert_config])
+def test_total_matches_built_model(make_config):
+    config = make_config()
+    assert parameter_counts(config).total == built_numel(config)
+
+
+def test_dense_gqa_counts_by_hand():
+    counts = parameter_counts(dense_gqa_config())
+    embedding = 128 * 64  # 8192
+    lm_head = 64 * 128  # 8192
+    attention = 3 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64)  # q, k, v, o: 3 * 12288 = 36864
+    norms = 3 * (64 + 64 + 64 + 32) + 64  # attn/ffn norms, q_norm, k_norm per block; final: 736
+    dense_ffn = 1 * 3 * 64 * 96  # 18432
+    router = 2 * 4 * 64  # 512
+    experts = 2 * 4 * 3 * 64 * 32  # 49152
+    total = embedding + lm_head + attention + norms + dense_ffn + router + experts
+    assert total == 122080
+    # Each of the 2 MoE layers skips 4 - 2 = 2 experts of 3 * 64 * 32 = 6144 parameters.
+    active = 122080 - 2 * (4 - 2) * 3 * 64 * 32
+    assert active == 97504
+    assert counts == ParameterCounts(
+        total=122080,
+        active=97504,
+        embedding=8192,
+        lm_head=8192,
+        attention=36864,
+        norms=736,
+        dense_ffn=18432,
+        router=512,
+        shared_expert=0,
+        experts=49152,
+    )
+
+
+def test_shared_expert_counts_by_hand():
+    counts = parameter_counts(shared_expert_config())
+    total = (
+        100 * 32  # embedding 3200
+        + 32 * 100  # lm_head 3200
+        + 2 * 4 * 32 * 32  # attention 8192
+        + 2 * (32 + 32) + 32  # norms 160
+        + 2 * 6 * 32  # router 384
+        + 2 * 3 * 32 * 24  # shared expert 4608
+        + 2 * 6 * 3 * 32 * 16  # routed experts 18432
+    )
+    assert counts.total == total == 38176
+    # Each of the 2 MoE layers skips 6 - 3 = 3 experts of 3 * 32 * 16 = 1536 parameters.
+    assert counts.active == 38176 - 2 * (6 - 3) * 3 * 32 * 16 == 28960
+    assert counts.shared_expert == 4608
+    assert counts.router == 384
+
+
+@pytest.mark.parametrize("make_config", [dense_gqa_config, shared_expert_config, trillion_config])
+def test_components_partition_total(make_config):
+    counts = parameter_counts(make_config())
+    parts = {f.name: getattr(counts, f.name) for f in dataclasses.fields(counts)}
+    assert parts.pop("total") == sum(v for k, v in parts.items() if k != "active")
+
+
+def test_training_flops_by_hand():
+    # 6 * matmul params per token + n_layers * 6 * seq_len * q_dim (QK^T and AV, causal, fwd+bwd).
+    # dense_gqa: attention 3 * 12288, dense 3*64*96, 2 MoE layers * top_k 2 * 3*64*32, lm_head 64*128.
+    matmul = 3 * 12288 + 3 * 64 * 96 + 2 * 2 * 3 * 64 * 32 + 64 * 128  # 88064
+    expected = 6 * matmul + 3 * 6 * 2 * 32 * 64 * 0.5  # 528384 + 36864
+    assert expected == 565248
+    assert training_flops_per_token(dense_gqa_config()) == 565248.0
+
+    # shared_expert: attention 2 * 4*32*32, 2 MoE layers * (top_k 3 * 3*32*16 + shared 3*32*24), lm_head 32*100.
+    matmul = 2 * 4 * 32 * 32 + 2 * (3 * 3 * 32 * 16 + 3 * 32 * 24) + 32 * 100  # 25216
+    expected = 6 * matmul + 2 * 6 * 2 * 16 * 32 * 0.5  # 151296 + 6144
+    assert expected == 157440
+    assert training_flops_per_token(shared_expert_config()) == 157440.0
+
+
+def test_seq_len_only_moves_attention_term():
+    config = dense_gqa_config()
+    # Doubling seq_len from 32 to 64 adds n_layers * 6 * 32 * q_dim = 3 * 6 * 32 * 64.
+    assert training_flops_per_token(config, seq_len=64) - training_flops_per_token(config) == 3 * 6 * 32 * 64
+    assert training_flops_per_token(config, seq_len=32) == training_flops_per_token(config)
+    assert forward_flops_per_token(config) == pytest.approx(565248 / 3)
+    with pytest.raises(ValueError, match="seq_len"):
+        training_flops_per_token(config, seq_len=0)
+
+
+def test_trillion_parameter_config_is_pure_arithmetic():
+    # Building this model would need ~4 TB in fp32; the count must come from arithmetic alone.
+    config = trillion_config()
+    start = time.perf_counter()
+    counts = parameter_counts(config)
+    flops = training_flops_per_token(config)
+    assert time.perf_counter() - start < 0.1
+
+    assert all(type(getattr(counts, f.name)) is int for f in dataclasses.fields(counts))
+    assert 1.0e12 < counts.total < 1.1e12
+    assert 3.0e10 < counts.active < 4.0e10  # ~32B active, as Kimi K2 reports
+    assert counts.total > counts.active
+    assert counts.experts > 0.95 * counts.total
+    # Routed experts: 60 MoE layers * 384 experts * 3 * 7168 * 2048, exactly.
+    assert counts.experts == 60 * 384 * 3 * 7168 * 2048
+
+    assert isinstance(flops, float)
+    # Matmul FLOPs are 6x the active parameters minus those that do no matmul (embedding, router,
+    # norms); the attention term adds 61 * 6 * 4096 * 7168 on top.
+    no_matmul = counts.embedding + counts.router + counts.norms
+    assert flops == 6 * (counts.active - no_matmul) + 61 * 6 * 4096 * 7168
