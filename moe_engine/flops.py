@@ -38,9 +38,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_engine.config import ModelConfig
+from moe_engine.config import ModelConfig, MoEConfig
 
-__all__ = ["ParameterCounts", "forward_flops_per_token", "parameter_counts", "training_flops_per_token"]
+__all__ = [
+    "ParameterCounts",
+    "dense_ffn_training_flops_per_token",
+    "forward_flops_per_token",
+    "moe_ffn_training_flops_per_token",
+    "parameter_counts",
+    "training_flops_per_token",
+]
+
+# 2 FLOPs per multiply-add, x3 for forward plus backward.
+_TRAINING_FLOPS_PER_MATMUL_PARAM = 6
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,21 @@ def _attention_projection_params(config: ModelConfig) -> int:
     q_dim = config.n_heads * config.head_dim
     kv_dim = config.n_kv_heads * config.head_dim
     return 2 * config.d_model * q_dim + 2 * config.d_model * kv_dim
+
+
+def _moe_matmul_params_per_token(d_model: int, moe: MoEConfig) -> int:
+    """The k routed experts a token visits plus the shared expert, in one MoE layer."""
+    return moe.top_k * _swiglu_params(d_model, moe.expert_hidden) + _swiglu_params(d_model, moe.shared_expert_hidden)
+
+
+def moe_ffn_training_flops_per_token(d_model: int, moe: MoEConfig) -> int:
+    """Training FLOPs per token of one MoE feed-forward layer (router excluded): 6 * (k*3*D*F + 3*D*F_shared)."""
+    return _TRAINING_FLOPS_PER_MATMUL_PARAM * _moe_matmul_params_per_token(d_model, moe)
+
+
+def dense_ffn_training_flops_per_token(d_model: int, hidden: int) -> int:
+    """Training FLOPs per token of one dense SwiGLU feed-forward layer: 6 * 3 * D * hidden."""
+    return _TRAINING_FLOPS_PER_MATMUL_PARAM * _swiglu_params(d_model, hidden)
 
 
 def parameter_counts(config: ModelConfig) -> ParameterCounts:
@@ -147,14 +172,13 @@ def training_flops_per_token(config: ModelConfig, seq_len: int | None = None) ->
     matmul_params_per_token = (
         config.n_layers * _attention_projection_params(config)
         + config.n_dense_layers * _swiglu_params(d, config.dense_hidden)
-        + config.n_moe_layers
-        * (moe.top_k * _swiglu_params(d, moe.expert_hidden) + _swiglu_params(d, moe.shared_expert_hidden))
+        + config.n_moe_layers * _moe_matmul_params_per_token(d, moe)
         + d * config.vocab_size
     )
     # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add x S keys x q_dim, halved by the causal mask,
     # x3 for forward + backward. Kept as 6 * S * q_dim (exact integer) before the float conversion.
     attention_scores = config.n_layers * 6 * s * q_dim
-    return float(6 * matmul_params_per_token + attention_scores)
+    return float(_TRAINING_FLOPS_PER_MATMUL_PARAM * matmul_params_per_token + attention_scores)
 
 
 def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:

@@ -173,3 +173,12 @@ def test_trillion_parameter_config_is_pure_arithmetic():
     # norms); the attention term adds 61 * 6 * 4096 * 7168 on top.
     no_matmul = counts.embedding + counts.router + counts.norms
     assert flops == 6 * (counts.active - no_matmul) + 61 * 6 * 4096 * 7168
+
+
+def test_layer_flops_of_the_micro_benchmark_shape():
+    from moe_engine.flops import dense_ffn_training_flops_per_token, moe_ffn_training_flops_per_token
+
+    moe = MoEConfig(num_experts=64, top_k=8, expert_hidden=512, shared_expert_hidden=256)
+    # 6 x (8 experts x 3 matrices x 1024 x 512 + shared 3 x 1024 x 256)
+    assert moe_ffn_training_flops_per_token(1024, moe) == 6 * (8 * 3 * 1024 * 512 + 3 * 1024 * 256)
+    assert dense_ffn_training_flops_per_token(1024, 4096) == 6 * 3 * 1024 * 4096
