@@ -1,0 +1,172 @@
+"""Scenario files: load YAML, validate against scenarios/schema.json, check the layout, build configs.
+
+Every problem becomes a ``ScenarioError`` naming the file, the field path and the reason, raised
+before any work starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from bench.results import REPO_ROOT
+from moe_engine.config import ModelConfig
+
+SCENARIO_SCHEMA_PATH = REPO_ROOT / "scenarios" / "schema.json"
+SCENARIOS_DIR = REPO_ROOT / "scenarios"
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot run: ``<file>: <field path>: <reason>``."""
+
+    def __init__(self, file: str | Path | None, path: str, reason: str):
+        self.file, self.field_path, self.reason = str(file) if file else "<scenario>", path, reason
+        super().__init__(f"{self.file}: {path or '(top level)'}: {reason}")
+
+
+@dataclass
+class Scenario:
+    """A validated scenario with its defaults filled in."""
+
+    name: str
+    """Scenario name (file stem unless the file sets one)."""
+    file: Path | None
+    """Where it was loaded from."""
+    spec: dict[str, Any]
+    """The scenario as run: the file's content with every default filled in."""
+    model: ModelConfig
+    """Engine config, with the scenario's routing and precision applied."""
+
+    @property
+    def mode(self) -> str:
+        return self.spec["mode"]
+
+    @property
+    def precision(self) -> str:
+        return self.spec["precision"]
+
+    @property
+    def parallel(self) -> dict[str, Any]:
+        return self.spec["parallel"]
+
+    @property
+    def run(self) -> dict[str, Any]:
+        return self.spec["run"]
+
+    @property
+    def cluster(self) -> dict[str, Any] | None:
+        return self.spec.get("cluster")
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel["dp"] * self.parallel["pp"]
+
+
+def _schema() -> dict[str, Any]:
+    import json
+
+    return json.loads(SCENARIO_SCHEMA_PATH.read_text())
+
+
+def _fill_defaults(instance: dict[str, Any], schema: dict[str, Any]) -> None:
+    for key, sub in schema.get("properties", {}).items():
+        if key not in instance and "default" in sub:
+            instance[key] = copy.deepcopy(sub["default"])
+        if key in instance and isinstance(instance[key], dict) and sub.get("type") == "object":
+            _fill_defaults(instance[key], sub)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ScenarioError(path, "", f"cannot read: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ScenarioError(path, "", f"not valid YAML: {where}{getattr(err, 'problem', None) or err}") from None
+    return scenario_from_dict(data, file=path)
+
+
+def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
+    if not isinstance(data, dict):
+        raise ScenarioError(file, "", "a scenario must be a mapping")
+    schema = _schema()
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(data), key=lambda e: (len(e.path), str(e.path)))
+    if errors:
+        err = errors[0]
+        raise ScenarioError(file, ".".join(str(p) for p in err.absolute_path), err.message)
+
+    spec = copy.deepcopy(data)
+    spec.setdefault("name", Path(file).stem if file else "scenario")
+    for section in ("routing", "parallel", "run"):
+        spec.setdefault(section, {})
+    spec.setdefault("precision", schema["properties"]["precision"]["default"])
+    _fill_defaults(spec, schema)
+    if spec.get("cluster"):
+        _fill_defaults(spec["cluster"], schema["properties"]["cluster"])
+
+    model = _model_config(spec, file)
+    spec["run"].setdefault("tokens_per_step", 4 * model.seq_len)
+    _check_layout(spec, model, file)
+    return Scenario(name=spec["name"], file=Path(file) if file else None, spec=spec, model=model)
+
+
+def _model_config(spec: dict[str, Any], file) -> ModelConfig:
+    model = copy.deepcopy(spec["model"])
+    routing = spec["routing"]
+    model["moe"].update(routing=routing["mode"], routing_seed=routing["seed"], zipf_exponent=routing["zipf_exponent"])
+    # mxfp8 keeps bf16 parameters and dense compute; the engine's expert GEMMs decide the rest.
+    model["dtype"] = "bf16" if spec["precision"] == "mxfp8" else spec["precision"]
+    try:
+        return ModelConfig.from_dict(model)
+    except ValueError as err:
+        field, _, reason = str(err).partition(": ")
+        if field in ("moe.routing", "moe.routing_seed", "moe.zipf_exponent"):
+            field = "routing." + field.split(".")[1].replace("routing_", "")
+        elif field == "dtype":
+            field = "precision"
+        else:
+            field = "model." + field
+        raise ScenarioError(file, field, reason) from None
+
+
+def _check_layout(spec: dict[str, Any], model: ModelConfig, file) -> None:
+    par, run = spec["parallel"], spec["run"]
+    dp, ep, pp = par["dp"], par["ep"], par["pp"]
+    experts = model.moe.num_experts
+    if dp % ep:
+        raise ScenarioError(file, "parallel.ep", f"ep={ep} does not divide dp={dp}")
+    if experts % ep:
+        raise ScenarioError(file, "parallel.ep", f"ep={ep} does not divide model.moe.num_experts={experts}")
+    stages = pp * par["virtual_stages"]
+    if stages > model.n_layers:
+        raise ScenarioError(
+            file, "parallel.pp", f"pp * virtual_stages = {stages} exceeds model.n_layers={model.n_layers}"
+        )
+    if "world_size" in par and par["world_size"] != dp * pp:
+        raise ScenarioError(file, "parallel.world_size", f"{par['world_size']} != dp * pp = {dp * pp}")
+    if par["virtual_stages"] > 1 and par["schedule"] != "interleaved1f1b":
+        raise ScenarioError(file, "parallel.virtual_stages", "more than one stage per rank needs schedule interleaved1f1b")
+    cluster = spec.get("cluster")
+    if cluster and cluster["gpus"] != dp * pp:
+        raise ScenarioError(file, "cluster.gpus", f"{cluster['gpus']} GPUs but the layout uses dp * pp = {dp * pp}")
+    tokens = run["tokens_per_step"]
+    if tokens % model.seq_len:
+        raise ScenarioError(file, "run.tokens_per_step", f"{tokens} is not a multiple of model.seq_len={model.seq_len}")
+    sequences = tokens // model.seq_len
+    if sequences % dp:
+        raise ScenarioError(file, "run.tokens_per_step", f"{sequences} sequences do not split over dp={dp}")
+    if (sequences // dp) % par["microbatches"]:
+        raise ScenarioError(
+            file, "parallel.microbatches",
+            f"{sequences // dp} sequences per rank do not split into {par['microbatches']} microbatches",
+        )
