@@ -42,7 +42,9 @@ class MoELayer(nn.Module):
         )
         # Assignments per expert since the last expert-bias update (device tensor, no sync).
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+        # Statistics of the last forward, for logging (detached, on the device).
         self.last_router_loss: torch.Tensor | None = None
+        self.last_counts_E: torch.Tensor | None = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
@@ -56,6 +58,7 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert += route.counts_E
         self.last_router_loss = route.loss.detach()
+        self.last_counts_E = route.counts_E
         if torch.is_grad_enabled() and route.loss.requires_grad:
             y_TD = _AttachLoss.apply(y_TD, route.loss)
         return y_TD.view_as(x_BSD)

@@ -1,0 +1,121 @@
+"""``moe-bench``: run scenarios, plan, compare, gate, plot and export results.
+
+Exit codes: 0 success; 1 a scenario did not finish ok, or a gate found a regression; 2 bad input
+(nothing was run and nothing was written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _fail(message: str) -> int:
+    print(f"moe-bench: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
+    from bench.runner import Runner, expand_paths, load_all, resolve_device, suite_files
+    from bench.scenario import ScenarioError
+
+    try:
+        device = resolve_device(args.device)
+        files = expand_paths(args.files) if args.files else suite_files(args.suite or "default", device)
+        if args.files and args.suite:
+            files += suite_files(args.suite, device)
+        missing = [f for f in files if not Path(f).exists()]
+        if missing:
+            return _fail(f"{missing[0]}: no such scenario file")
+        if not files:
+            return _fail("no scenarios to run")
+        scenarios = load_all(files)
+        if plan_only:
+            not_plans = [s for s in scenarios if s.mode != "plan"]
+            if not_plans:
+                return _fail(f"{not_plans[0].file}: mode: '{not_plans[0].mode}' is not a plan scenario")
+    except ScenarioError as err:
+        return _fail(str(err))
+
+    runner = Runner(device, Path(args.out))
+    outcomes = runner.run(scenarios)
+    print_summary(outcomes)
+    failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
+    print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def print_summary(outcomes) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="moe-bench results")
+    for column in ("scenario", "mode", "status", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory", "params (total/active)"):
+        table.add_column(column, justify="left" if column in ("scenario", "mode", "status") else "right")
+    for o in outcomes:
+        m = o.metrics
+
+        def med(name, fmt):
+            return fmt(m[name]["median"]) if name in m else ""
+
+        memory = next((n for n in ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes") if n in m), None)
+        params = ""
+        if "total_params" in m:
+            params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"
+        table.add_row(
+            o.scenario.name, o.scenario.mode, o.status,
+            med("tokens_per_s_per_gpu", lambda v: f"{v:,.0f}"),
+            med("tflops_per_gpu", lambda v: f"{v:.3f}"),
+            med("mfu", lambda v: f"{v:.1%}"),
+            f"{m[memory]['median'] / 2**30:.2f} GiB" if memory else "",
+            params,
+        )
+    Console(width=max(120, Console().width)).print(table)
+
+
+def cmd_micro(args: argparse.Namespace) -> int:
+    from bench.micro_runner import run_micro
+
+    return run_micro(args.device, Path(args.out))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run scenarios (default: the default suite)")
+    run.add_argument("files", nargs="*", help="scenario files or folders")
+    run.add_argument("--suite", help="a suite from scenarios/suites.yaml (default, ci, gpu)")
+    run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    run.add_argument("--out", default="results", help="results root (default: results)")
+    run.set_defaults(func=cmd_run)
+
+    plan = sub.add_parser("plan", help="plan scenarios: parameters, FLOPs, per-rank memory and traffic")
+    plan.add_argument("files", nargs="+")
+    plan.add_argument("--out", default="results")
+    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu"), plan_only=True))
+
+    micro = sub.add_parser("micro", help="run the micro-benchmarks and fold them into a result document")
+    micro.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    micro.add_argument("--out", default="results")
+    micro.set_defaults(func=cmd_micro)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["run"]
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("moe-bench: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,534 @@
+"""Plot result documents: trends across engine versions, a summary, an expert-count sweep, an index page.
+
+``plot_results(results_dir, out_dir)`` reads every document under ``results_dir`` (laid out as
+``results/<version>/<machine>/<scenario>[.N].json``) and writes into ``out_dir``:
+
+* one PNG per (machine, scenario): a subplot per metric, x = engine version (semantic order),
+  y = median with min..max error bars, the IQR as a band and each sample as a faint dot;
+* ``summary.png``: each (machine, scenario)'s headline metric as a ratio to its first version;
+* ``expert_sweep.png``: throughput against the number of experts for scenarios of the newest
+  version that differ only in ``model.moe.num_experts`` (written only when such a group exists);
+* ``index.html``: a self-contained page with every figure and a table of every document.
+
+Documents whose status is not ``ok`` are left out of the figures and listed in the index. When a
+(version, machine, scenario) was run more than once, the figures use the latest ``ok`` run (by
+timestamp, then file name).
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import json
+import math
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
+
+from bench.results import ResultDocument, load_results  # noqa: E402
+
+__all__ = [
+    "HEADLINE_METRICS",
+    "THROUGHPUT_METRIC",
+    "headline_metric",
+    "plot_results",
+    "sort_versions",
+    "sweep_groups",
+    "version_sort_key",
+]
+
+HEADLINE_METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu")
+"""Preferred headline metrics, in order; else the first metric with a direction (better != null)."""
+THROUGHPUT_METRIC = "tokens_per_s_per_gpu"
+ACTIVE_PARAMS_METRIC = "active_params"
+
+SUMMARY_NAME = "summary.png"
+SWEEP_NAME = "expert_sweep.png"
+INDEX_NAME = "index.html"
+
+_DPI = 100
+
+
+# --------------------------------------------------------------------------------------------
+# Version ordering
+# --------------------------------------------------------------------------------------------
+
+try:  # packaging ships with pip and matplotlib; keep a fallback so plotting never depends on it.
+    from packaging.version import InvalidVersion as _InvalidVersion
+    from packaging.version import Version as _Version
+except ImportError:  # pragma: no cover - exercised only without packaging
+    _Version = None
+    _InvalidVersion = ValueError
+
+_FALLBACK_RE = re.compile(
+    r"^v?(?P<release>\d+(?:\.\d+)*)"
+    r"(?:[-_.]?(?P<pre>a|alpha|b|beta|c|rc|pre|preview)[-_.]?(?P<pre_n>\d*))?"
+    r"(?:[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
+    r"(?:[-_.]?dev[-_.]?(?P<dev>\d*))?"
+    r"(?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?$",
+    re.IGNORECASE,
+)
+_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
+
+
+def _fallback_key(text: str) -> tuple | None:
+    """A PEP 440-like ordering key for the common forms, or None for an unknown string."""
+    m = _FALLBACK_RE.match(text.strip())
+    if not m:
+        return None
+    release = [int(p) for p in m["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    inf = math.inf
+    if m["pre"]:
+        pre = (_PRE_RANK[m["pre"].lower()], int(m["pre_n"] or 0))
+    elif m["dev"] is not None and m["post"] is None:
+        pre = (-inf, 0)  # 1.0.dev1 sorts before 1.0a1
+    else:
+        pre = (inf, 0)
+    post = int(m["post"] or 0) if m["post"] is not None else -inf
+    dev = int(m["dev"] or 0) if m["dev"] is not None else inf
+    local = tuple((0, int(p), "") if p.isdigit() else (-1, 0, p) for p in re.split(r"[-_.]", m["local"] or "") if p)
+    return (tuple(release), pre, post, dev, local)
+
+
+def version_sort_key(version: str) -> tuple:
+    """Sort key for an engine version string: semantic order, unknown strings last (alphabetical).
+
+    ``0.2.0 < 0.10.0``, ``0.1.0.dev3 < 0.1.0rc1 < 0.1.0 < 0.1.0+g1234.dirty < 0.1.1``.
+    """
+    if _Version is not None:
+        try:
+            return (0, _Version(version), version)
+        except _InvalidVersion:
+            return (1, version)
+    key = _fallback_key(version)
+    return (0, key, version) if key is not None else (1, version)
+
+
+def sort_versions(versions: Iterable[str]) -> list[str]:
+    """Distinct version strings in semantic order (unknown strings last)."""
+    return sorted(set(versions), key=version_sort_key)
+
+
+# --------------------------------------------------------------------------------------------
+# Selection helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _doc_order_key(doc: ResultDocument) -> tuple:
+    return (str(doc.data.get("timestamp", "")), _run_index(doc.path), str(doc.path or ""))
+
+
+def _run_index(path: Path | None) -> int:
+    """1 for ``name.json``, N for ``name.N.json``."""
+    if path is None:
+        return 0
+    m = re.search(r"\.(\d+)\.json$", path.name)
+    return int(m.group(1)) if m else 1
+
+
+def _latest_ok(docs: list[ResultDocument]) -> dict[tuple[str, str, str], ResultDocument]:
+    """(version, machine, scenario) -> latest ok document."""
+    chosen: dict[tuple[str, str, str], ResultDocument] = {}
+    for doc in sorted((d for d in docs if d.status == "ok"), key=_doc_order_key):
+        chosen[(doc.version, doc.machine, doc.name)] = doc
+    return chosen
+
+
+def headline_metric(metric_sets: Iterable[dict[str, dict[str, Any]]]) -> str | None:
+    """The headline metric among the given metrics dicts (one scenario across versions)."""
+    metric_sets = list(metric_sets)
+    present = set().union(*(m.keys() for m in metric_sets)) if metric_sets else set()
+    for name in HEADLINE_METRICS:
+        if name in present:
+            return name
+    for metrics in metric_sets:
+        for name, entry in metrics.items():
+            if entry.get("better") is not None:
+                return name
+    return None
+
+
+def _quartiles(samples: list[float]) -> tuple[float, float]:
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q1, q3
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "x"
+
+
+def _fmt_count(value: float) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Per-(machine, scenario) trend figures
+# --------------------------------------------------------------------------------------------
+
+
+def _plot_scenario(
+    machine: str, scenario: str, versions: list[str], by_version: dict[str, ResultDocument], path: Path
+) -> Path | None:
+    """One subplot per metric with samples; None (nothing written) when no ok doc has metrics."""
+    metric_names: list[str] = []
+    for v in versions:
+        doc = by_version.get(v)
+        if doc is None:
+            continue
+        for name, entry in doc.metrics.items():
+            if entry.get("samples") and name not in metric_names:
+                metric_names.append(name)
+    if not metric_names:
+        return None
+
+    ncols = min(3, len(metric_names))
+    nrows = math.ceil(len(metric_names) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows), squeeze=False)
+    positions = {v: i for i, v in enumerate(versions)}
+    for idx, name in enumerate(metric_names):
+        ax = axes[idx // ncols][idx % ncols]
+        xs, medians, lows, highs, q1s, q3s = [], [], [], [], [], []
+        unit, better = "", None
+        for v in versions:
+            doc = by_version.get(v)
+            entry = doc.metrics.get(name) if doc is not None else None
+            if not entry or not entry.get("samples"):
+                continue
+            samples = [float(s) for s in entry["samples"]]
+            x = positions[v]
+            unit, better = entry.get("unit", unit), entry.get("better", better)
+            xs.append(x)
+            medians.append(float(entry["median"]))
+            lows.append(float(entry["spread"]["min"]))
+            highs.append(float(entry["spread"]["max"]))
+            q1, q3 = _quartiles(samples)
+            q1s.append(q1)
+            q3s.append(q3)
+            # Samples as faint dots just right of the bar, so the error bar does not hide them.
+            ax.scatter([x + 0.07] * len(samples), samples, s=12, alpha=0.45, color="tab:gray", linewidths=0,
+                       zorder=4)
+        if len(xs) >= 2:
+            ax.fill_between(xs, q1s, q3s, color="tab:blue", alpha=0.15, linewidth=0, label="IQR")
+        yerr = [[max(0.0, m - lo) for m, lo in zip(medians, lows)], [max(0.0, hi - m) for m, hi in zip(medians, highs)]]
+        ax.errorbar(xs, medians, yerr=yerr, fmt="o-", color="tab:blue", capsize=3, markersize=4, zorder=3,
+                    label="median (min..max)")
+        arrow = {"higher": " ↑ better", "lower": " ↓ better"}.get(better or "", "")
+        ax.set_title(f"{name}{arrow}", fontsize=10)
+        ax.set_ylabel(unit or name, fontsize=9)
+        ax.set_xticks(range(len(versions)))
+        ax.set_xticklabels(versions, rotation=30, ha="right", fontsize=8)
+        ax.set_xlim(-0.5, len(versions) - 0.5)
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(axis="y", labelsize=8)
+    for idx in range(len(metric_names), nrows * ncols):
+        axes[idx // ncols][idx % ncols].set_visible(False)
+    fig.suptitle(f"{scenario} — {machine}", fontsize=12)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Summary figure
+# --------------------------------------------------------------------------------------------
+
+
+def _plot_summary(
+    versions: list[str], groups: dict[tuple[str, str], dict[str, ResultDocument]], path: Path
+) -> Path:
+    machines = {m for m, _ in groups}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(versions) + 4), 4.5))
+    positions = {v: i for i, v in enumerate(versions)}
+    lines = 0
+    for (machine, scenario), by_version in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        name = headline_metric(by_version[v].metrics for v in versions if v in by_version)
+        if name is None:
+            continue
+        xs, ys = [], []
+        base = None
+        for v in versions:
+            entry = by_version[v].metrics.get(name) if v in by_version else None
+            if not entry:
+                continue
+            value = float(entry["median"])
+            if base is None:
+                if value == 0:
+                    continue
+                base = value
+            xs.append(positions[v])
+            ys.append(value / base)
+        if not xs:
+            continue
+        better = next((by_version[v].metrics[name].get("better") for v in versions
+                       if v in by_version and name in by_version[v].metrics), None)
+        arrow = {"higher": ", ↑ better", "lower": ", ↓ better"}.get(better or "", "")
+        where = scenario if len(machines) == 1 else f"{scenario} @ {machine}"
+        label = f"{where} ({name}{arrow})"
+        ax.plot(xs, ys, "o-", markersize=4, label=label)
+        lines += 1
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(versions)))
+    ax.set_xticklabels(versions, rotation=30, ha="right", fontsize=8)
+    ax.set_xlim(-0.5, max(len(versions) - 0.5, 0.5))
+    ax.set_ylabel("headline metric / first version")
+    ax.set_xlabel("engine version")
+    ax.set_title("Headline metric across versions (ratio to each scenario's first version)")
+    ax.grid(True, alpha=0.3)
+    if lines:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 if lines <= 20 else 2)
+    else:
+        ax.text(0.5, 0.5, "no ok results with a headline metric", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Expert-count sweep
+# --------------------------------------------------------------------------------------------
+
+
+def _num_experts(spec: dict[str, Any]) -> int | None:
+    try:
+        n = spec["model"]["moe"]["num_experts"]
+    except (KeyError, TypeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _sweep_key(spec: dict[str, Any]) -> str:
+    """The spec with the expert count and the labels (name, description) removed, as canonical JSON."""
+    rest = copy.deepcopy(spec)
+    rest.pop("name", None)
+    rest.pop("description", None)
+    rest["model"]["moe"].pop("num_experts", None)
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def sweep_groups(docs: Iterable[ResultDocument]) -> list[dict[str, Any]]:
+    """Expert-count sweeps among ok documents of each machine's newest version.
+
+    Documents are grouped by machine and by their scenario spec without ``model.moe.num_experts``
+    (and without the ``name``/``description`` labels); only documents carrying the throughput
+    metric count. A group is returned only with >= 2 distinct expert counts, as a dict with
+    ``machine``, ``version``, ``spec`` (a member's spec), ``top_k`` and ``points``: a list sorted by
+    expert count of ``{"num_experts", "throughput", "active_params" (or None), "scenario"}``.
+    """
+    latest = _latest_ok(list(docs))
+    newest: dict[str, str] = {}
+    for version, machine, _ in latest:
+        if machine not in newest or version_sort_key(version) > version_sort_key(newest[machine]):
+            newest[machine] = version
+    grouped: dict[tuple[str, str], dict[int, ResultDocument]] = defaultdict(dict)
+    for (version, machine, _), doc in sorted(latest.items(), key=lambda kv: _doc_order_key(kv[1])):
+        if version != newest[machine] or THROUGHPUT_METRIC not in doc.metrics:
+            continue
+        spec = doc.data.get("scenario", {}).get("spec")
+        if not isinstance(spec, dict):
+            continue
+        n = _num_experts(spec)
+        if n is None or n < 1:
+            continue
+        grouped[(machine, _sweep_key(spec))][n] = doc
+    result = []
+    for (machine, _), members in sorted(grouped.items()):
+        if len(members) < 2:
+            continue
+        points = []
+        for n in sorted(members):
+            doc = members[n]
+            active = doc.metrics.get(ACTIVE_PARAMS_METRIC)
+            points.append({
+                "num_experts": n,
+                "throughput": float(doc.metrics[THROUGHPUT_METRIC]["median"]),
+                "unit": doc.metrics[THROUGHPUT_METRIC].get("unit", ""),
+                "active_params": float(active["median"]) if active else None,
+                "scenario": doc.name,
+            })
+        spec = members[min(members)].data["scenario"]["spec"]
+        result.append({
+            "machine": machine,
+            "version": newest[machine],
+            "spec": spec,
+            "top_k": spec["model"]["moe"].get("top_k"),
+            "points": points,
+        })
+    return result
+
+
+def _plot_sweep(groups: list[dict[str, Any]], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(8.0, 5.0))
+    all_n: set[int] = set()
+    units = {p["unit"] for g in groups for p in g["points"] if p["unit"]}
+    for group in groups:
+        xs = [p["num_experts"] for p in group["points"]]
+        ys = [p["throughput"] for p in group["points"]]
+        all_n.update(xs)
+        names = ", ".join(p["scenario"] for p in group["points"])
+        if len(names) > 60:
+            names = names[:57] + "..."
+        label = f"{group['machine']} v{group['version']}: top_k={group['top_k']} [{names}]"
+        (line,) = ax.plot(xs, ys, "o-", label=label)
+        for p in group["points"]:
+            if p["active_params"] is not None:
+                ax.annotate(f"{_fmt_count(p['active_params'])} active", (p["num_experts"], p["throughput"]),
+                            textcoords="offset points", xytext=(4, 6), fontsize=7, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ticks = sorted(all_n)
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([str(n) for n in ticks])
+    ax.set_xlabel("number of experts (log2)")
+    ax.set_ylabel(f"{THROUGHPUT_METRIC} median" + (f" [{', '.join(sorted(units))}]" if units else ""))
+    ax.set_title("Throughput vs number of experts (newest version)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------------------------
+# Index page
+# --------------------------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em; color: #222; }
+h1, h2 { font-weight: 600; }
+figure { margin: 1.5em 0; }
+figure img { max-width: 100%; border: 1px solid #ddd; }
+figcaption { font-size: 0.9em; color: #555; margin-top: 0.3em; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; }
+tr.notok td { background: #fff0f0; }
+td.status-ok { color: #1a7f37; }
+td.status-bad { color: #b42318; font-weight: 600; }
+"""
+
+
+def _write_index(
+    out_dir: Path, figures: list[tuple[Path, str]], docs: list[ResultDocument], results_dir: Path
+) -> Path:
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>moe-bench results</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>moe-bench results</h1>",
+        f"<p>Source: <code>{e(str(results_dir))}</code> — {len(docs)} document(s).</p>",
+        "<h2>Figures</h2>",
+    ]
+    if figures:
+        for path, caption in figures:
+            parts.append(
+                f'<figure><img src="{e(path.name, quote=True)}" alt="{e(caption, quote=True)}">'
+                f"<figcaption>{e(caption)}</figcaption></figure>"
+            )
+    else:
+        parts.append("<p>No figures (no ok results with metrics).</p>")
+
+    bad = [d for d in docs if d.status != "ok"]
+    rows_sorted = sorted(docs, key=lambda d: (version_sort_key(d.version), d.machine, d.name, _doc_order_key(d)))
+    if bad:
+        parts.append(f"<h2>Not ok ({len(bad)})</h2><ul>")
+        for d in sorted(bad, key=lambda d: (version_sort_key(d.version), d.machine, d.name)):
+            parts.append(f"<li>{e(d.name)} — {e(d.machine)}, {e(d.version)}: <b>{e(d.status)}</b>"
+                         + (f" — {e(str(d.data.get('error')))}" if d.data.get("error") else "") + "</li>")
+        parts.append("</ul>")
+    parts.append("<h2>Documents</h2>")
+    parts.append("<table><thead><tr><th>version</th><th>machine</th><th>scenario</th><th>mode</th>"
+                 "<th>status</th><th>error</th><th>file</th></tr></thead><tbody>")
+    for d in rows_sorted:
+        ok = d.status == "ok"
+        try:
+            rel = str(d.path.relative_to(results_dir)) if d.path is not None else ""
+        except ValueError:
+            rel = str(d.path)
+        parts.append(
+            f'<tr class="{"ok" if ok else "notok"}"><td>{e(d.version)}</td><td>{e(d.machine)}</td>'
+            f"<td>{e(d.name)}</td><td>{e(str(d.data.get('mode', '')))}</td>"
+            f'<td class="{"status-ok" if ok else "status-bad"}">{e(d.status)}</td>'
+            f"<td>{e(str(d.data.get('error') or ''))}</td><td><code>{e(rel)}</code></td></tr>"
+        )
+    parts.append("</tbody></table></body></html>")
+    path = out_dir / INDEX_NAME
+    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------
+
+
+def plot_results(results_dir: Path, out_dir: Path) -> list[Path]:
+    """Write the figures and ``index.html`` for every result under ``results_dir`` into ``out_dir``.
+
+    Returns the files written: per-(machine, scenario) PNGs, ``summary.png``, ``expert_sweep.png``
+    (only when an expert-count sweep exists) and ``index.html`` (last).
+    """
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    docs = load_results(results_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    latest = _latest_ok(docs)
+    all_versions = sort_versions(d.version for d in docs)
+    # Every (machine, scenario) that has documents, and the versions it was run with (ok or not).
+    group_versions: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for d in docs:
+        group_versions[(d.machine, d.name)].add(d.version)
+    groups: dict[tuple[str, str], dict[str, ResultDocument]] = defaultdict(dict)
+    for (version, machine, scenario), doc in latest.items():
+        groups[(machine, scenario)][version] = doc
+
+    written: list[Path] = []
+    figures: list[tuple[Path, str]] = []
+    used_names = {SUMMARY_NAME, SWEEP_NAME}
+    with plt.rc_context({"figure.max_open_warning": 0}):
+        for machine, scenario in sorted(groups):
+            base = f"{_safe_name(machine)}--{_safe_name(scenario)}"
+            name, i = f"{base}.png", 2
+            while name in used_names:
+                name, i = f"{base}-{i}.png", i + 1
+            versions = sort_versions(group_versions[(machine, scenario)])
+            path = _plot_scenario(machine, scenario, versions, groups[(machine, scenario)], out_dir / name)
+            if path is not None:
+                used_names.add(name)
+                written.append(path)
+                figures.append((path, f"{scenario} on {machine}: metrics across engine versions "
+                                      "(median, min..max bars, IQR band, samples as dots)"))
+
+        ok_versions = sort_versions(v for v, _, _ in latest)
+        summary = _plot_summary(ok_versions or all_versions, groups, out_dir / SUMMARY_NAME)
+        written.append(summary)
+        figures.insert(0, (summary, "Summary: each scenario's headline metric relative to its first version"))
+
+        sweeps = sweep_groups(docs)
+        if sweeps:
+            sweep = _plot_sweep(sweeps, out_dir / SWEEP_NAME)
+            written.append(sweep)
+            figures.insert(1, (sweep, "Throughput (tokens/s per GPU, median) vs number of experts, newest version "
+                                      "per machine; scenarios identical except model.moe.num_experts"))
+
+    written.append(_write_index(out_dir, figures, docs, results_dir))
+    return written
