@@ -82,6 +82,21 @@ def cmd_micro(args: argparse.Namespace) -> int:
     return run_micro(args.device, Path(args.out))
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from bench.plot import plot_results
+    from bench.results import ResultValidationError
+
+    results_dir = Path(args.results_dir)
+    if not results_dir.is_dir():
+        return _fail(f"{results_dir}: no such results folder")
+    try:
+        written = plot_results(results_dir, Path(args.out))
+    except ResultValidationError as err:
+        return _fail(str(err))
+    print(f"wrote {len(written)} files; open {Path(args.out) / 'index.html'}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("files", nargs="+")
     plan.add_argument("--out", default="results")
     plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu"), plan_only=True))
+
+    plot = sub.add_parser("plot", help="PNG plots of every scenario across versions, and an index.html")
+    plot.add_argument("results_dir")
+    plot.add_argument("--out", required=True)
+    plot.set_defaults(func=cmd_plot)
 
     micro = sub.add_parser("micro", help="run the micro-benchmarks and fold them into a result document")
     micro.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -260,15 +260,15 @@ class ScenarioIssue:
         return self.kind == "not_ok" and self.side in ("candidate", "both")
 
     def describe(self) -> str:
-        where = f"{self.scenario} [{self.machine}]"
+        where, machine = self.scenario, f" [{self.machine}]"
         if self.kind == "missing_in_candidate":
-            return f"MISSING {where}: in the baseline ({self.base_status}) but not in the candidate"
+            return f"MISSING {where}: in the baseline ({self.base_status}) but not in the candidate{machine}"
         if self.kind == "missing_in_baseline":
-            return f"NEW {where}: only in the candidate ({self.cand_status}); nothing to compare against"
+            return f"NEW {where}: only in the candidate ({self.cand_status}); nothing to compare against{machine}"
         if self.kind == "mismatched":
             return (
                 f"MISMATCHED {where}: scenario hash differs (baseline {_short(self.base_hash)}, "
-                f"candidate {_short(self.cand_hash)}); not a like-for-like comparison"
+                f"candidate {_short(self.cand_hash)}); not a like-for-like comparison{machine}"
             )
         parts = []
         if self.side in ("baseline", "both"):
@@ -276,7 +276,7 @@ class ScenarioIssue:
         if self.side in ("candidate", "both"):
             parts.append(f"candidate {self.cand_status}" + (f" ({self.cand_error})" if self.cand_error else ""))
         label = "NOT-OK" if self.fails_gate else "NOTE NOT-OK"
-        return f"{label} {where}: " + "; ".join(parts)
+        return f"{label} {where}: " + "; ".join(parts) + machine
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: getattr(self, k) for k in self.__dataclass_fields__}
