@@ -45,7 +45,20 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     print_summary(outcomes)
     failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
     print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
+    if getattr(args, "plots", False):
+        _plot_after_run(Path(args.out))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _plot_after_run(out_root: Path) -> None:
+    """Redraw the plots of everything under the results root; a plotting problem never hides results."""
+    from bench.plot import plot_results
+
+    try:
+        plot_results(out_root, out_root / "plots")
+        print(f"plots: {out_root / 'plots' / 'index.html'}")
+    except Exception as err:  # the results are written; report and go on
+        print(f"moe-bench: warning: plotting failed: {err}", file=sys.stderr)
 
 
 def print_summary(outcomes) -> None:
@@ -106,12 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--suite", help="a suite from scenarios/suites.yaml (default, ci, gpu)")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument("--out", default="results", help="results root (default: results)")
+    run.add_argument("--no-plots", dest="plots", action="store_false", help="skip redrawing <out>/plots")
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser("plan", help="plan scenarios: parameters, FLOPs, per-rank memory and traffic")
     plan.add_argument("files", nargs="+")
     plan.add_argument("--out", default="results")
-    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu"), plan_only=True))
+    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", plots=False), plan_only=True))
 
     plot = sub.add_parser("plot", help="PNG plots of every scenario across versions, and an index.html")
     plot.add_argument("results_dir")
