@@ -95,6 +95,55 @@ def cmd_micro(args: argparse.Namespace) -> int:
     return run_micro(args.device, Path(args.out))
 
 
+def _load_side(path: str):
+    from bench.results import load_results
+
+    return load_results(Path(path))
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from bench.compare import compare, render_rich_table
+
+    try:
+        comparison = compare(_load_side(args.base), _load_side(args.cand))
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    from rich.console import Console
+
+    Console(width=160).print(render_rich_table(comparison, title=f"{args.base} -> {args.cand}"))
+    for issue in comparison.issues:
+        print(issue.describe())
+    return EXIT_OK
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from bench.compare import compare, gate, parse_tolerance
+
+    try:
+        tolerance = parse_tolerance(args.tolerance)
+        result = gate(compare(_load_side(args.baseline), _load_side(args.candidate), tolerance), tolerance)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    print(result.report, end="")
+    return result.exit_code
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from bench.export import export_files
+
+    try:
+        files = export_files(_load_side(args.results), args.format, include_machine=args.include_machine)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for suffix, text in files.items():
+        target = out.parent / f"{out.name}{suffix}"
+        target.write_text(text)
+        print(f"wrote {target}")
+    return EXIT_OK
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from bench.plot import plot_results
     from bench.results import ResultValidationError
@@ -104,7 +153,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         return _fail(f"{results_dir}: no such results folder")
     try:
         written = plot_results(results_dir, Path(args.out))
-    except ResultValidationError as err:
+    except (ResultValidationError, ValueError) as err:
         return _fail(str(err))
     print(f"wrote {len(written)} files; open {Path(args.out) / 'index.html'}")
     return EXIT_OK
@@ -126,6 +175,24 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("files", nargs="+")
     plan.add_argument("--out", default="results")
     plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", plots=False), plan_only=True))
+
+    compare = sub.add_parser("compare", help="compare two result sets metric by metric")
+    compare.add_argument("base")
+    compare.add_argument("cand")
+    compare.set_defaults(func=cmd_compare)
+
+    gate = sub.add_parser("gate", help="exit 1 on a regression outside tolerance and noise")
+    gate.add_argument("--baseline", required=True)
+    gate.add_argument("--candidate", required=True)
+    gate.add_argument("--tolerance", default="5%")
+    gate.set_defaults(func=cmd_gate)
+
+    export = sub.add_parser("export", help="export metrics for CI dashboards")
+    export.add_argument("results")
+    export.add_argument("--format", required=True, choices=["github-action-benchmark", "bencher"])
+    export.add_argument("--out", default="moe-bench-export", help="output path prefix (suffixes are added)")
+    export.add_argument("--include-machine", action="store_true", help="prefix names with the machine")
+    export.set_defaults(func=cmd_export)
 
     plot = sub.add_parser("plot", help="PNG plots of every scenario across versions, and an index.html")
     plot.add_argument("results_dir")

@@ -44,7 +44,10 @@ either side, with status and error) and ``mismatched`` (scenario hash differs be
 changed scenario is not a like-for-like comparison, so no metric rows are produced for it).
 
 ``gate`` fails (exit code 1) on any regressed metric, any scenario missing in the candidate, any
-scenario not ``ok`` in the candidate and any mismatched scenario; otherwise it passes (0).
+scenario not ``ok`` in the candidate and any mismatched scenario; otherwise it passes (0). The one
+exception: a scenario ``skipped`` on both sides (e.g. a CUDA-only scenario in two CPU runs) is
+listed in ``not_ok`` but does not fail. Scenarios only in the candidate, not ok only in the
+baseline, metrics on one side only, improvements and ``info`` metrics are reported, not failed.
 
 Everything here is a pure function over loaded documents; the ``moe-bench`` CLI does the I/O.
 """
@@ -257,7 +260,10 @@ class ScenarioIssue:
     def fails_gate(self) -> bool:
         if self.kind in ("missing_in_candidate", "mismatched"):
             return True
-        return self.kind == "not_ok" and self.side in ("candidate", "both")
+        if self.kind != "not_ok" or self.side not in ("candidate", "both"):
+            return False
+        # Skipped on both sides (e.g. a CUDA scenario on two CPU runs): consistently not measured.
+        return not (self.cand_status == "skipped" and self.base_status == "skipped")
 
     def describe(self) -> str:
         where, machine = self.scenario, f" [{self.machine}]"
@@ -595,16 +601,17 @@ def parse_tolerance(text: str | float) -> float:
 
 
 def format_number(value: float | None) -> str:
-    """Compact, exponent-free for ordinary magnitudes: 1000, 812.5, 0.4321, 1.2e-07."""
+    """Compact: integers below a million exactly (1000), else 4 significant digits (812.5, 0.4321,
+    1.288e+10, 1.2e-07)."""
     if value is None:
         return "-"
     if not math.isfinite(value):
         return str(value)
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
     magnitude = abs(value)
-    if magnitude < 1e-4 or magnitude >= 1e15:
+    if magnitude >= 1e6 or (0 < magnitude < 1e-4):
         return f"{value:.4g}"
+    if value == int(value):
+        return str(int(value))
     decimals = max(0, 3 - math.floor(math.log10(magnitude)))
     text = f"{value:.{decimals}f}"
     return text.rstrip("0").rstrip(".") if "." in text else text

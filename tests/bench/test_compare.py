@@ -252,7 +252,7 @@ def test_failed_in_baseline_only_is_reported_not_failed(tmp_path):
     assert result.exit_code == 0
     (issue,) = result.comparison.not_ok
     assert issue.side == "baseline"
-    assert "NOTE NOT-OK smoke-e8: baseline failed (boom)" in result.report
+    assert "NOTE NOT-OK smoke-e8: baseline failed (boom) [1xnvidia-h200]" in result.report
 
 
 def test_mismatched_hash_reported(tmp_path):
@@ -401,3 +401,24 @@ def test_parse_tolerance(text, expected):
 def test_parse_tolerance_rejects(text):
     with pytest.raises(ValueError, match="tolerance"):
         parse_tolerance(text)
+
+
+def test_skipped_on_both_sides_does_not_fail(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(status="skipped", error="needs CUDA")],
+        [make_doc(status="skipped", error="needs CUDA")],
+    )
+    assert result.exit_code == 0
+    assert result.comparison.not_ok[0].side == "both"
+    assert "NOTE NOT-OK smoke-e8" in result.report
+
+
+def test_skipped_in_candidate_only_fails(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [make_doc(status="skipped", error="needs CUDA")],
+    )
+    assert result.exit_code == 1
+    assert "NOT-OK smoke-e8: candidate skipped (needs CUDA)" in result.report
