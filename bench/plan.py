@@ -77,7 +77,6 @@ GPU's memory (no allowance for the CUDA context, allocator fragmentation or tran
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -466,7 +465,8 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         "most_loaded": {"memory": by_memory["pipeline_rank"], "comm": by_comm["pipeline_rank"]},
         "stages": [
             {"pipeline_rank": r["pipeline_rank"], "layers": len(r["layers"]), "dense_params": r["dense_params"],
-             "local_expert_params": r["local_expert_params"], "memory_total_bytes": r["memory_bytes"]["total"], "comm_total_bytes": r["comm_bytes"]["total"]}
+             "local_expert_params": r["local_expert_params"], "memory_total_bytes": r["memory_bytes"]["total"],
+             "comm_total_bytes": r["comm_bytes"]["total"]}
             for r in ranks
         ],
         "assumptions": _assumptions(scenario),
