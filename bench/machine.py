@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -25,12 +26,10 @@ GPU_PEAK_TFLOPS_BF16 = {
 
 
 def cpu_model() -> str:
-    try:
+    with contextlib.suppress(OSError):  # no /proc on this platform
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 
@@ -93,11 +92,10 @@ def engine_info() -> dict[str, Any]:
 
     commit = dirty = None
     version = __version__
-    try:
+    # Outside a git checkout (an installed package, a container) the commit is unknown.
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
         commit = _git("rev-parse", "HEAD")
         dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.CalledProcessError):
-        pass
     return {"version": version, "git_commit": commit, "git_dirty": dirty}
 
 

@@ -6,6 +6,7 @@ memory or times out is recorded with that status and the suite goes on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -280,8 +281,6 @@ def run_with_timeout(command: list[str], timeout: float, on_line: Callable[[str]
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # already gone
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     process.wait()
