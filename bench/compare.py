@@ -333,7 +333,7 @@ class Comparison:
         """The same comparison with verdicts recomputed for another tolerance."""
         if tolerance == self.tolerance:
             return self
-        rows = tuple(_row(r.scenario, r.machine, r.metric, _RowInputs.of(r), tolerance) for r in self.rows)
+        rows = tuple(_evaluate(r, tolerance) for r in self.rows)
         return replace(self, rows=rows, tolerance=tolerance)
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,22 +348,6 @@ class Comparison:
             "not_ok": [i.to_dict() for i in self.not_ok],
             "mismatched": [i.to_dict() for i in self.mismatched],
         }
-
-
-@dataclass(frozen=True)
-class _RowInputs:
-    unit: str
-    better: str | None
-    base: float | None
-    cand: float | None
-    base_rel_iqr: float | None
-    cand_rel_iqr: float | None
-    base_n: int
-    cand_n: int
-
-    @classmethod
-    def of(cls, row: MetricRow) -> "_RowInputs":
-        return cls(row.unit, row.better, row.base, row.cand, row.base_rel_iqr, row.cand_rel_iqr, row.base_n, row.cand_n)
 
 
 def _ratio(base: float, cand: float) -> float:
@@ -390,35 +374,33 @@ def classify(ratio: float, noise: float, better: str | None, tolerance: float) -
     raise ValueError(f"metric direction must be 'higher', 'lower' or null, got {better!r}")
 
 
-def _row(scenario: str, machine: str, name: str, inp: _RowInputs, tolerance: float) -> MetricRow:
-    if inp.base is None or inp.cand is None:
-        return MetricRow(
-            scenario, machine, name, inp.unit, inp.better, inp.base, inp.cand, inp.base_rel_iqr, inp.cand_rel_iqr,
-            inp.base_n, inp.cand_n, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing",
-        )
-    ratio = _ratio(inp.base, inp.cand)
-    noise = (inp.base_rel_iqr or 0.0) + (inp.cand_rel_iqr or 0.0)
-    outside, verdict = classify(ratio, noise, inp.better, tolerance)
-    return MetricRow(
-        scenario, machine, name, inp.unit, inp.better, inp.base, inp.cand, inp.base_rel_iqr, inp.cand_rel_iqr,
-        inp.base_n, inp.cand_n, ratio=ratio, noise=noise, threshold=max(tolerance, noise),
-        outside_noise=outside, verdict=verdict,
+def _evaluate(row: MetricRow, tolerance: float) -> MetricRow:
+    """Fill in ratio, noise, threshold and verdict from the row's medians and spreads."""
+    if row.base is None or row.cand is None:
+        return replace(row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing")
+    ratio = _ratio(row.base, row.cand)
+    noise = (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
+    outside, verdict = classify(ratio, noise, row.better, tolerance)
+    return replace(
+        row, ratio=ratio, noise=noise, threshold=max(tolerance, noise), outside_noise=outside, verdict=verdict
     )
 
 
-def _inputs(base: dict[str, Any] | None, cand: dict[str, Any] | None) -> _RowInputs:
+def _row(
+    scenario: str, machine: str, name: str, base: dict[str, Any] | None, cand: dict[str, Any] | None, tolerance: float
+) -> MetricRow:
     ref = cand if cand is not None else base
-    assert ref is not None
-    return _RowInputs(
-        unit=ref["unit"],
-        better=ref["better"],
+    row = MetricRow(
+        scenario, machine, name, unit=ref["unit"], better=ref["better"],
         base=None if base is None else float(base["median"]),
         cand=None if cand is None else float(cand["median"]),
         base_rel_iqr=None if base is None else float(base["spread"]["rel_iqr"]),
         cand_rel_iqr=None if cand is None else float(cand["spread"]["rel_iqr"]),
         base_n=0 if base is None else len(base["samples"]),
         cand_n=0 if cand is None else len(cand["samples"]),
+        ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing",
     )
+    return _evaluate(row, tolerance)
 
 
 def compare(
@@ -468,7 +450,7 @@ def compare(
             continue
         compared.append(key)
         for name in sorted(set(b.metrics) | set(c.metrics)):
-            rows.append(_row(key[0], key[1], name, _inputs(b.metrics.get(name), c.metrics.get(name)), tolerance))
+            rows.append(_row(key[0], key[1], name, b.metrics.get(name), c.metrics.get(name), tolerance))
     return Comparison(
         rows=tuple(rows),
         compared=tuple(compared),

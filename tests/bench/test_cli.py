@@ -6,34 +6,18 @@ import json
 
 import pytest
 
-from bench import results
 from bench.cli import main
 from bench.micro_runner import fold_benchmarks
-from bench.results import write_result
-
-
-def document(name: str, throughput: list[float], version="0.1.0") -> dict:
-    return {
-        "schema_version": 1,
-        "engine": {"version": version, "git_commit": None, "git_dirty": None},
-        "timestamp": results.utc_now(),
-        "machine": {
-            "name": "cpu-test", "cpu_model": "test", "cpu_cores": 2, "gpu_name": None, "gpu_count": 0,
-            "torch": "2", "triton": None, "python": "3.11",
-        },
-        "scenario": {"name": name, "file": None, "hash": results.scenario_hash({"n": name}), "spec": {"n": name}},
-        "mode": "execute",
-        "status": "ok",
-        "error": None,
-        "metrics": {"tokens_per_s_per_gpu": results.metric(throughput, "tokens/s", "higher")},
-    }
+from bench.results import metric, write_result
+from result_docs import make_doc
 
 
 @pytest.fixture
 def sides(tmp_path):
     base, cand = tmp_path / "base", tmp_path / "cand"
-    write_result(document("s", [1000, 1001, 999, 1000]), base)
-    write_result(document("s", [700, 701, 699, 700], version="0.2.0"), cand)
+    write_result(make_doc("s", {"tokens_per_s_per_gpu": metric([1000, 1001, 999, 1000], "tokens/s", "higher")}), base)
+    cand_metrics = {"tokens_per_s_per_gpu": metric([700, 701, 699, 700], "tokens/s", "higher")}
+    write_result(make_doc("s", cand_metrics, version="0.2.0"), cand)
     return base, cand
 
 

@@ -18,52 +18,14 @@ from bench.compare import (
     render_table,
     to_json,
 )
-from bench.results import load_results, metric, scenario_hash, write_result
-
-MACHINE = {
-    "name": "1xnvidia-h200",
-    "cpu_model": "Test CPU",
-    "cpu_cores": 16,
-    "gpu_name": "NVIDIA H200",
-    "gpu_count": 1,
-    "torch": "2.13.0",
-    "triton": "3.4.0",
-    "python": "3.11.0",
-    "platform": "Linux",
-}
-
+from bench.results import load_results, metric, write_result
+from result_docs import make_doc
 
 def spread(median: float, rel_iqr: float, n: int = 5) -> list[float]:
     """n samples around ``median`` whose relative IQR is exactly ``rel_iqr`` (n = 5, inclusive quartiles)."""
     assert n == 5
     half = rel_iqr * median / 2
     return [median - 2 * half, median - half, median, median + half, median + 2 * half]
-
-
-def make_doc(
-    name: str = "smoke-e8",
-    metrics: dict | None = None,
-    *,
-    status: str = "ok",
-    error: str | None = None,
-    spec: dict | None = None,
-    version: str = "0.1.0",
-    machine: str = "1xnvidia-h200",
-    timestamp: str = "2025-01-01T00:00:00Z",
-) -> dict:
-    spec = spec if spec is not None else {"mode": "execute", "experts": 8}
-    data = {
-        "schema_version": 1,
-        "engine": {"version": version, "git_commit": "0123456789abcdef0123", "git_dirty": False},
-        "timestamp": timestamp,
-        "machine": {**MACHINE, "name": machine},
-        "scenario": {"name": name, "file": f"scenarios/{name}.yaml", "hash": scenario_hash(spec), "spec": spec},
-        "mode": "execute",
-        "status": status,
-        "error": error,
-        "metrics": metrics if metrics is not None else {},
-    }
-    return data
 
 
 def tput(median: float, rel_iqr: float = 0.01) -> dict:

@@ -15,35 +15,8 @@ from bench.export import (
     export_github_action_benchmark,
     measure_slug,
 )
-from bench.results import load_results, metric, scenario_hash, write_result
-
-MACHINE = {
-    "name": "1xnvidia-h200",
-    "cpu_model": "Test CPU",
-    "cpu_cores": 16,
-    "gpu_name": "NVIDIA H200",
-    "gpu_count": 1,
-    "torch": "2.13.0",
-    "triton": "3.4.0",
-    "python": "3.11.0",
-    "platform": "Linux",
-}
-
-
-def make_doc(name="smoke-e8", metrics=None, *, status="ok", machine="1xnvidia-h200", timestamp="2025-01-01T00:00:00Z"):
-    spec = {"mode": "execute", "experts": 8}
-    return {
-        "schema_version": 1,
-        "engine": {"version": "0.1.0", "git_commit": "0123456789abcdef0123", "git_dirty": False},
-        "timestamp": timestamp,
-        "machine": {**MACHINE, "name": machine},
-        "scenario": {"name": name, "file": None, "hash": scenario_hash(spec), "spec": spec},
-        "mode": "execute",
-        "status": status,
-        "error": None if status == "ok" else "boom",
-        "metrics": metrics or {},
-    }
-
+from bench.results import load_results, metric, write_result
+from result_docs import make_doc
 
 METRICS = {
     # samples 900, 950, 1000, 1050, 1100: median 1000, IQR 100 (inclusive quartiles 950..1050)

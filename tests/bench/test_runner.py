@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,9 @@ from bench import results
 from bench.cli import main
 from bench.results import load_results, write_result
 from bench.runner import suite_files
-from bench.scenario import SCENARIOS_DIR, ScenarioError, load_scenario
+from bench.scenario import SCENARIOS_DIR, load_scenario
 from moe_engine.flops import training_flops_per_token
+from result_docs import make_doc
 
 TINY = {
     "schema_version": 1,
@@ -148,21 +148,8 @@ def test_failures_are_recorded_and_the_suite_goes_on(tmp_path):
     assert by_name["tiny"].status == "ok"
 
 
-def _document(name="x"):
-    return {
-        "schema_version": 1,
-        "engine": {"version": "0.1.0", "git_commit": None, "git_dirty": None},
-        "timestamp": results.utc_now(),
-        "machine": {
-            "name": "cpu-test", "cpu_model": "test", "cpu_cores": 2, "gpu_name": None, "gpu_count": 0,
-            "torch": "2", "triton": None, "python": "3.11",
-        },
-        "scenario": {"name": name, "file": None, "hash": results.scenario_hash({}), "spec": {}},
-        "mode": "execute",
-        "status": "ok",
-        "error": None,
-        "metrics": {"step_time_s": results.metric([1.0, 2.0, 3.0, 4.0], "s", "lower")},
-    }
+def _document():
+    return make_doc("x", {"step_time_s": results.metric([1.0, 2.0, 3.0, 4.0], "s", "lower")})
 
 
 def test_existing_results_are_never_overwritten(tmp_path):
