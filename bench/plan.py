@@ -83,6 +83,7 @@ from typing import Any
 from bench.results import metric
 from moe_engine.config import ModelConfig
 from moe_engine.flops import parameter_counts, training_flops_per_token
+from moe_engine.parallel.layout import stage_layers
 
 __all__ = ["BYTES", "PrecisionBytes", "in_flight_microbatches", "plan_scenario", "stage_layers"]
 
@@ -166,18 +167,6 @@ def _pieces(model: ModelConfig) -> _Pieces:
         moe_dense=Params(counts.shared_expert // n_moe, counts.router // n_moe) if n_moe else Params(),
         expert=Params(counts.experts // (n_moe * model.moe.num_experts) if n_moe else 0),
     )
-
-
-def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[list[int]]:
-    """Block indices of each pipeline rank: chunk c of S = pp*v gets ceil(L/S) blocks when c < L mod S."""
-    chunks = pp * virtual_stages
-    base, extra = divmod(n_layers, chunks)
-    bounds, start = [], 0
-    for c in range(chunks):
-        size = base + (1 if c < extra else 0)
-        bounds.append(range(start, start + size))
-        start += size
-    return [[i for c in range(r, chunks, pp) for i in bounds[c]] for r in range(pp)]
 
 
 def in_flight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int) -> float:

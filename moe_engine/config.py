@@ -56,6 +56,44 @@ class Precision(str, Enum):
         return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16}[self]
 
 
+class PipelineSchedule(str, Enum):
+    """Order of microbatch forwards and backwards across pipeline stages."""
+
+    GPIPE = "gpipe"
+    """Every forward, then every backward."""
+    ONE_F_ONE_B = "1f1b"
+    """One forward, one backward in steady state (fewer microbatches in flight)."""
+    INTERLEAVED_1F1B = "interleaved1f1b"
+    """1F1B over several stages per rank (smaller bubble)."""
+
+
+class DataParallelMode(str, Enum):
+    """How parameters are replicated across data-parallel ranks."""
+
+    DDP = "ddp"
+    """Replicated dense parameters, resident experts, gradients all-reduced (the new design)."""
+    FSDP = "fsdp"
+    """Every parameter sharded and gathered per block with FSDP2 (the old design, for comparison)."""
+
+
+class OptimizerSharding(str, Enum):
+    """Whether optimizer state is sharded across data-parallel ranks."""
+
+    NONE = "none"
+    """Every rank holds the full optimizer state of its parameters."""
+    ZERO1 = "zero1"
+    """Master weights and Adam moments sharded; gradients reduce-scattered, parameters all-gathered."""
+
+
+class DispatchKind(str, Enum):
+    """How expert-parallel dispatch sizes its all-to-all."""
+
+    SYNC = "sync"
+    """Split sizes brought to the host, uneven all-to-all (dropless)."""
+    NO_SYNC = "no-sync"
+    """Fixed-capacity buffers per destination rank, no host synchronisation, tail drop over capacity."""
+
+
 def _require(ok: bool, path: str, reason: str) -> None:
     if not ok:
         raise ValueError(f"{path}: {reason}")
@@ -205,6 +243,96 @@ class ModelConfig:
         return cls(**data, moe=MoEConfig(**moe))
 
 
+@dataclass
+class ParallelConfig:
+    """The parallel layout: world = dp * pp, expert parallelism of degree ep inside dp."""
+
+    dp: int = 1
+    """Data-parallel degree (ranks per pipeline stage)."""
+    ep: int = 1
+    """Expert-parallel degree inside each data-parallel group; divides dp and the expert count."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    """Pipeline schedule (used when pp > 1)."""
+    microbatches: int = 1
+    """Microbatches per optimizer step on each data-parallel rank."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank (more than one needs the interleaved schedule)."""
+    dp_mode: DataParallelMode = DataParallelMode.DDP
+    """Replicated parameters with gradient all-reduce, or FSDP2 sharding."""
+    optimizer_sharding: OptimizerSharding = OptimizerSharding.NONE
+    """ZeRO-1 sharding of master weights and optimizer state (DDP mode only)."""
+    dispatch: DispatchKind = DispatchKind.NO_SYNC
+    """Expert-parallel all-to-all variant (used when ep > 1)."""
+    capacity_factor: float = 1.25
+    """No-sync buffer size per destination rank, as a multiple of the balanced load."""
+    bucket_elements: int = 2**22
+    """Gradient elements per all-reduce bucket (buckets launch as soon as they fill in backward)."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, "parallel.")
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel degree: replicas of each expert."""
+        return self.dp // self.ep
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def validate(self, model: "ModelConfig | None" = None) -> None:
+        for name in ("dp", "ep", "pp", "microbatches", "virtual_stages", "bucket_elements"):
+            value = getattr(self, name)
+            _require(value >= 1, f"parallel.{name}", f"must be >= 1, got {value}")
+        _require(self.capacity_factor > 0, "parallel.capacity_factor", f"must be > 0, got {self.capacity_factor}")
+        _require(self.dp % self.ep == 0, "parallel.ep", f"ep={self.ep} does not divide dp={self.dp}")
+        _require(
+            self.virtual_stages == 1 or self.schedule is PipelineSchedule.INTERLEAVED_1F1B,
+            "parallel.virtual_stages",
+            "more than one stage per rank needs schedule interleaved1f1b",
+        )
+        if self.dp_mode is DataParallelMode.FSDP:
+            _require(self.ep == 1, "parallel.dp_mode", f"fsdp shards experts over dp instead of ep; needs ep=1, got {self.ep}")
+            _require(
+                self.optimizer_sharding is OptimizerSharding.NONE,
+                "parallel.optimizer_sharding",
+                "fsdp already shards the optimizer state; use none",
+            )
+        if model is None:
+            return
+        experts = model.moe.num_experts
+        _require(experts % self.ep == 0, "parallel.ep", f"ep={self.ep} does not divide model.moe.num_experts={experts}")
+        _require(
+            self.num_stages <= model.n_layers,
+            "parallel.pp",
+            f"pp * virtual_stages = {self.num_stages} exceeds model.n_layers={model.n_layers}",
+        )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
+        """Build from plain data; ``world_size`` is accepted as a cross-check of dp * pp."""
+        data = dict(data)
+        world = data.pop("world_size", None)
+        _reject_unknown(cls, data, "parallel.")
+        config = cls(**data)
+        _require(
+            world is None or world == config.world_size,
+            "parallel.world_size",
+            f"{world} != dp * pp = {config.world_size}",
+        )
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
 def _reject_unknown(cls, data: Mapping[str, Any], prefix: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -230,6 +358,10 @@ _ENUM_FIELDS = {
     "routing": RoutingMode,
     "backend": ExpertBackendKind,
     "dtype": Precision,
+    "schedule": PipelineSchedule,
+    "dp_mode": DataParallelMode,
+    "optimizer_sharding": OptimizerSharding,
+    "dispatch": DispatchKind,
 }
 
 
