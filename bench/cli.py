@@ -19,7 +19,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
-    from bench.runner import Runner, expand_paths, load_all, resolve_device, suite_files
+    from bench.launch import detect_launch, join_launch
+    from bench.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
     try:
@@ -40,7 +41,14 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     except ScenarioError as err:
         return _fail(str(err))
 
-    runner = Runner(device, Path(args.out))
+    launch = detect_launch()
+    if launch is not None:
+        # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
+        device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
+        if launch.rank != 0:
+            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch).run(scenarios)
+            return EXIT_OK
+    runner = Runner(device, Path(args.out), launch=launch)
     outcomes = runner.run(scenarios)
     print_summary(outcomes)
     failed = [o for o in outcomes if o.status not in ("ok", "skipped")]

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import yaml
 
+from bench.launch import Launch
 from bench.machine import engine_info, machine_info, peak_tflops
 from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
@@ -132,9 +133,23 @@ class Reporter:
             self._progress.stop()
 
 
+class SilentReporter(Reporter):
+    """For the ranks of a launch other than rank 0: rank 0 reports for everyone."""
+
+    def __init__(self, total: int):
+        super().__init__(total, stream=open(os.devnull, "w"))
+
+
 class Runner:
-    def __init__(self, device: torch.device, out_root: Path, reporter_factory: Callable[[int], Reporter] = Reporter):
+    def __init__(
+        self,
+        device: torch.device,
+        out_root: Path,
+        reporter_factory: Callable[[int], Reporter] = Reporter,
+        launch: Launch | None = None,
+    ):
         self.device = device
+        self.launch = launch
         self.out_root = Path(out_root)
         self.machine = machine_info()
         self.engine = engine_info()
@@ -169,8 +184,13 @@ class Runner:
             status, error, metrics, details = self._execute(scenario, progress)
         seconds = time.perf_counter() - started
         document = self.document(scenario, status, error, metrics, details, seconds)
-        path = write_result(document, self.out_dir)
+        path = write_result(document, self.out_dir) if self.writes_results else None
         return Outcome(scenario, status, error, path, metrics, seconds)
+
+    @property
+    def writes_results(self) -> bool:
+        """Inside a launch only rank 0 writes; the other ranks compute the same outcomes."""
+        return self.launch is None or self.launch.rank == 0
 
     def document(self, scenario, status, error, metrics, details, seconds) -> dict[str, Any]:
         return {
@@ -194,13 +214,17 @@ class Runner:
         }
 
     def _skip_reason(self, scenario: Scenario) -> str | None:
-        if scenario.world_size > 1:
-            return (
-                f"multi-rank execution (dp * pp = {scenario.world_size}) is not available in this engine "
-                "version; use mode: plan for this layout"
-            )
         if scenario.precision == "mxfp8":
             return "precision mxfp8 is not available in this engine version"
+        if self.launch is not None and scenario.world_size != self.launch.world_size:
+            return (
+                f"needs {scenario.world_size} ranks (dp * pp) but this {self.launch.source} launch has "
+                f"{self.launch.world_size}; run it outside the launch and moe-bench starts its own ranks"
+            )
+        if self.launch is not None:
+            return None
+        if self.device.type == "cuda" and scenario.world_size > torch.cuda.device_count():
+            return f"needs {scenario.world_size} GPUs (dp * pp); this host has {torch.cuda.device_count()}"
         return None
 
     def _peak(self, scenario: Scenario) -> float | None:
@@ -211,25 +235,30 @@ class Runner:
             from bench.execute import measure_peak_tflops
 
             self._peaks[key] = measure_peak_tflops(self.device, scenario.model.dtype.torch_dtype)
-        return self._peaks[key]
+        # The ranks of a CPU layout share the cores the peak was measured on.
+        ranks_here = 1 if self.launch is not None else scenario.world_size
+        return self._peaks[key] / ranks_here
 
     def _execute(self, scenario: Scenario, progress) -> tuple[str, str | None, dict, dict]:
         reason = self._skip_reason(scenario)
         if reason:
             return "skipped", reason, {}, {}
         peak = self._peak(scenario)
+        if self.launch is not None:
+            return self._execute_in_launch(scenario, peak)
         timeout = scenario.run["timeout_s"]
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
             spec_path.write_text(json.dumps({"spec": scenario.spec, "file": str(scenario.file) if scenario.file else None}))
-            command = [sys.executable, "-m", "bench.worker", str(spec_path), str(out_path), "--device", str(self.device)]
+            command = worker_command(scenario.world_size) + [str(spec_path), str(out_path), "--device", str(self.device)]
             if peak:
                 command += ["--peak-tflops", str(peak)]
-            returncode, tail = run_with_timeout(command, timeout, progress)
+            returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(scenario.world_size))
             if returncode is None:
                 return "timeout", f"stopped after exceeding its timeout of {timeout:g} s", {}, {}
             if not out_path.exists():
-                detail = tail[-1] if tail else "no output"
+                rank_errors = sorted(Path(tmp).glob("outcome.json.rank*.error"))
+                detail = rank_errors[0].read_text() if rank_errors else (tail[-1] if tail else "no output")
                 status = "oom" if returncode in (-signal.SIGKILL, 137) else "failed"
                 return status, f"worker exited with code {returncode}: {detail}", {}, {}
             outcome = json.loads(out_path.read_text())
@@ -238,14 +267,46 @@ class Runner:
         return outcome["status"], outcome["error"], outcome["metrics"], details
 
 
-def run_with_timeout(command: list[str], timeout: float, on_line: Callable[[str], None]) -> tuple[int | None, list[str]]:
+    def _execute_in_launch(self, scenario: Scenario, peak: float | None) -> tuple[str, str | None, dict, dict]:
+        """Every rank of the launch executes its share here; the process group's timeout bounds hangs."""
+        from bench.worker import execute_outcome
+        from moe_engine.parallel.groups import build_process_groups
+        from moe_engine.parallel.layout import Layout
+
+        groups = build_process_groups(Layout(scenario.parallel_config))
+        outcome = execute_outcome(scenario, self.device, peak, groups)
+        details = outcome["details"]
+        details.setdefault("peak_tflops", peak)
+        return outcome["status"], outcome["error"], outcome["metrics"], details
+
+
+def worker_command(world_size: int) -> list[str]:
+    """The worker, under torchrun when the layout has several ranks (one process per rank)."""
+    if world_size == 1:
+        return [sys.executable, "-m", "bench.worker"]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+        "--max-restarts=0", "-m", "bench.worker",
+    ]
+
+
+def worker_env(world_size: int) -> dict[str, str]:
+    """Share the cores between the ranks instead of letting each rank spawn a thread per core."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    return env
+
+
+def run_with_timeout(
+    command: list[str], timeout: float, on_line: Callable[[str], None], env: dict[str, str] | None = None
+) -> tuple[int | None, list[str]]:
     """Run ``command``, relaying its output lines; kill its whole process group after ``timeout``.
 
     Returns (exit code or None on timeout, the last output lines).
     """
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parent.parent, env=env,
     )
     lines: queue.Queue[str | None] = queue.Queue()
 

@@ -15,7 +15,7 @@ import jsonschema
 import yaml
 
 from bench.results import REPO_ROOT
-from moe_engine.config import ModelConfig
+from moe_engine.config import ModelConfig, ParallelConfig
 
 SCENARIO_SCHEMA_PATH = REPO_ROOT / "scenarios" / "schema.json"
 SCENARIOS_DIR = REPO_ROOT / "scenarios"
@@ -41,6 +41,8 @@ class Scenario:
     """The scenario as run: the file's content with every default filled in."""
     model: ModelConfig
     """Engine config, with the scenario's routing and precision applied."""
+    parallel_config: ParallelConfig
+    """Engine layout config."""
 
     @property
     def mode(self) -> str:
@@ -64,7 +66,7 @@ class Scenario:
 
     @property
     def world_size(self) -> int:
-        return self.parallel["dp"] * self.parallel["pp"]
+        return self.parallel_config.world_size
 
 
 def _schema() -> dict[str, Any]:
@@ -116,8 +118,11 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
 
     model = _model_config(spec, file)
     spec["run"].setdefault("tokens_per_step", 4 * model.seq_len)
+    parallel = _parallel_config(spec, model, file)
     _check_layout(spec, model, file)
-    return Scenario(name=spec["name"], file=Path(file) if file else None, spec=spec, model=model)
+    return Scenario(
+        name=spec["name"], file=Path(file) if file else None, spec=spec, model=model, parallel_config=parallel
+    )
 
 
 def _model_config(spec: dict[str, Any], file) -> ModelConfig:
@@ -139,23 +144,19 @@ def _model_config(spec: dict[str, Any], file) -> ModelConfig:
         raise ScenarioError(file, field, reason) from None
 
 
+def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> ParallelConfig:
+    try:
+        parallel = ParallelConfig.from_dict(spec["parallel"])
+        parallel.validate(model)
+    except ValueError as err:
+        field, _, reason = str(err).partition(": ")
+        raise ScenarioError(file, field, reason) from None
+    return parallel
+
+
 def _check_layout(spec: dict[str, Any], model: ModelConfig, file) -> None:
     par, run = spec["parallel"], spec["run"]
-    dp, ep, pp = par["dp"], par["ep"], par["pp"]
-    experts = model.moe.num_experts
-    if dp % ep:
-        raise ScenarioError(file, "parallel.ep", f"ep={ep} does not divide dp={dp}")
-    if experts % ep:
-        raise ScenarioError(file, "parallel.ep", f"ep={ep} does not divide model.moe.num_experts={experts}")
-    stages = pp * par["virtual_stages"]
-    if stages > model.n_layers:
-        raise ScenarioError(
-            file, "parallel.pp", f"pp * virtual_stages = {stages} exceeds model.n_layers={model.n_layers}"
-        )
-    if "world_size" in par and par["world_size"] != dp * pp:
-        raise ScenarioError(file, "parallel.world_size", f"{par['world_size']} != dp * pp = {dp * pp}")
-    if par["virtual_stages"] > 1 and par["schedule"] != "interleaved1f1b":
-        raise ScenarioError(file, "parallel.virtual_stages", "more than one stage per rank needs schedule interleaved1f1b")
+    dp, pp = par["dp"], par["pp"]
     cluster = spec.get("cluster")
     if cluster and cluster["gpus"] != dp * pp:
         raise ScenarioError(file, "cluster.gpus", f"{cluster['gpus']} GPUs but the layout uses dp * pp = {dp * pp}")

@@ -51,7 +51,7 @@ class Transformer(nn.Module):
 
     def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in fp32. Router losses enter the gradient through the MoE layers."""
-        logits_BSV = self.forward(tokens_BS)
+        logits_BSV = self(tokens_BS)
         return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
 
     def moe_layers(self) -> list[MoELayer]:

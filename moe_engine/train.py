@@ -23,6 +23,14 @@ class OptimizerConfig:
     """Decoupled weight decay, applied to matrices only (not norms or vectors)."""
 
 
+def adamw_param_groups(params: list[torch.Tensor], config: OptimizerConfig) -> list[dict]:
+    """AdamW parameter groups: weight decay on matrices only, never on norms or vectors."""
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
 class MasterWeightAdamW:
     """AdamW that keeps an fp32 master copy of every low-precision parameter.
 
@@ -33,13 +41,8 @@ class MasterWeightAdamW:
     def __init__(self, params, config: OptimizerConfig):
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
-        decay = [m for m in self.masters if m.ndim >= 2]
-        no_decay = [m for m in self.masters if m.ndim < 2]
         self.inner = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
+            adamw_param_groups(self.masters, config), lr=config.lr, betas=config.betas, eps=config.eps
         )
 
     @torch.no_grad()

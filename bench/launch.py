@@ -1,0 +1,59 @@
+"""Running inside an existing multi-process launch (torchrun or Slurm) instead of starting one.
+
+When ``moe-bench run`` is itself one rank of a launch, every rank walks the same scenario list:
+multi-rank scenarios whose world size matches the launch execute in-process across the ranks,
+rank 0 writes the results, and the other ranks stay quiet.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a launch."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Processes in the launch."""
+    local_rank: int
+    """Rank on this node (selects the GPU)."""
+    source: str
+    """Who launched it: torchrun or slurm."""
+
+
+def detect_launch(env: dict[str, str] | None = None) -> Launch | None:
+    """The launch this process belongs to, from torchrun's or Slurm's environment; None when alone."""
+    env = os.environ if env is None else env
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")), "torchrun")
+    if int(env.get("SLURM_NTASKS", "1")) > 1:
+        return Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")), "slurm")
+    return None
+
+
+def join_launch(launch: Launch, device: torch.device, timeout_s: float) -> torch.device:
+    """Initialise the default process group for ``launch``; returns this rank's device.
+
+    Slurm does not set the rendezvous address: MASTER_ADDR (e.g. the first host of
+    ``scontrol show hostnames``) must be exported; MASTER_PORT defaults to 29500.
+    """
+    if launch.source == "slurm":
+        if "MASTER_ADDR" not in os.environ:
+            raise RuntimeError("running under Slurm: export MASTER_ADDR (the first node's address) before srun")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.update(RANK=str(launch.rank), WORLD_SIZE=str(launch.world_size), LOCAL_RANK=str(launch.local_rank))
+    if device.type == "cuda":
+        device = torch.device("cuda", launch.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device

@@ -1,0 +1,448 @@
+"""Data-parallel gradient synchronisation (DDP grad buffers) and the ZeRO-1 distributed optimizer.
+
+Families and their arithmetic
+-----------------------------
+Parameters split in two families. Expert parameters are those of ``GroupedExperts`` modules (with
+expert parallelism a rank holds only its local experts' slice); dense parameters are all the others,
+routers included. Every rank's loss is the mean over its own tokens.
+
+- Dense gradients are averaged over the dp group: the global-batch gradient is the mean of the dp
+  ranks' gradients.
+- Expert gradients are reduced over the expert-data-parallel group (edp, size dp/ep), SUMMED and
+  divided by dp, not by edp. The all-to-all already brings the tokens of all ep ranks to the expert
+  that owns them, so the local gradient of an expert is the sum of the ep ranks' contributions
+  (each the gradient of that rank's mean loss). The edp replicas of the expert together cover every
+  dp rank's tokens exactly once, so sum over edp = sum over dp ranks of d loss_r / d w, and the
+  global-batch gradient is that sum divided by dp. With ep = 1, edp = dp and this is plain averaging.
+
+Both reductions are a SUM collective after scaling the bucket by 1/dp (scaling before the
+collective keeps the division off the critical path after the last bucket arrives).
+
+Buffers and buckets
+-------------------
+Parameters of one family and dtype live in one flat parameter buffer and one flat gradient buffer
+(the model's dtype), laid out in reverse registration order (roughly the order backward produces
+gradients) and cut into buckets of about ``bucket_elements``. A bucket holds whole parameters and is
+padded to a multiple of its group's size so a reduce-scatter splits it evenly. ``param.data`` and
+``param.grad`` are views into the buffers, so autograd accumulates in place (gradient accumulation
+over microbatches needs nothing else) and the parameters keep their identity (the model holds
+references to them).
+
+Overlap with backward
+---------------------
+A post-accumulate-grad hook on every parameter marks it ready; when ``arm_overlap()`` was called
+before the last backward of a step, a complete bucket launches its async collective at once
+(all-reduce for plain DDP, reduce-scatter for ZeRO-1). Buckets launch strictly in one fixed order,
+the same on every rank, because collectives on a group are matched by issue order.
+``finish_grad_sync()`` launches whatever is left (nothing armed, or parameters that got no gradient
+this step) and waits for all of it.
+
+Optimizer
+---------
+AdamW over fp32 masters, with the decay (ndim >= 2) / no-decay split of ``MasterWeightAdamW`` and
+``torch.optim.AdamW`` doing the arithmetic, so the result is that of the single-process optimizer.
+Each rank's part of a bucket is cut into per-parameter segments (1-D views), which is what the
+inner AdamW sees. In plain mode a rank's part is the whole bucket; with ZeRO-1 (``shard=True``) it
+is the rank's 1/n slice (n = dp for dense, edp for experts): masters and moments exist only for
+it, it is updated from the reduce-scattered gradient slice, written into the rank's slice of the
+flat parameter buffer and all-gathered. fp32 parameters are their own masters (the segment is a
+view of the parameter buffer itself).
+
+Shape suffixes: ``_N`` a flat run of elements (a bucket, or a parameter's segment), ``_M`` this
+rank's share of a bucket (N/n elements with ZeRO-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_engine.config import OptimizerSharding, ParallelConfig
+from moe_engine.moe.experts import GroupedExperts
+from moe_engine.parallel.groups import ProcessGroups
+from moe_engine.train import OptimizerConfig
+
+# torch 2.13 renamed the flat collectives; older releases only have the first names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ParamFamily(str, Enum):
+    """Which reduction a parameter's gradient needs."""
+
+    DENSE = "dense"
+    """Replicated on every dp rank: averaged over dp."""
+    EXPERT = "expert"
+    """Held by one ep rank, replicated over edp: summed over edp, divided by dp."""
+
+
+def param_families(model: nn.Module) -> dict[ParamFamily, list[nn.Parameter]]:
+    """Trainable parameters by family, each list in registration order."""
+    expert_ids = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    families: dict[ParamFamily, list[nn.Parameter]] = {ParamFamily.DENSE: [], ParamFamily.EXPERT: []}
+    for param in model.parameters():
+        if param.requires_grad:
+            family = ParamFamily.EXPERT if id(param) in expert_ids else ParamFamily.DENSE
+            families[family].append(param)
+    return families
+
+
+@dataclass(frozen=True)
+class _FamilyComm:
+    """How one family's gradients are reduced on this rank."""
+
+    group: dist.ProcessGroup | None
+    """Group the gradients are reduced over (None: single process, no collectives)."""
+    divisor: int
+    """Gradients are scaled by 1/divisor before the sum (dp size for both families)."""
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else dist.get_rank(self.group)
+
+
+def _family_comms(groups: ProcessGroups | None) -> dict[ParamFamily, _FamilyComm]:
+    if groups is None:
+        return {family: _FamilyComm(None, 1) for family in ParamFamily}
+    dp = dist.get_world_size(groups.dp)
+    return {ParamFamily.DENSE: _FamilyComm(groups.dp, dp), ParamFamily.EXPERT: _FamilyComm(groups.edp, dp)}
+
+
+@dataclass(eq=False)
+class _Segment:
+    """The part of one parameter inside this rank's share of a bucket: what the inner AdamW updates."""
+
+    family: ParamFamily
+    """Family of the parameter (for per-family state accounting)."""
+    decay: bool
+    """Whether weight decay applies (the parameter is a matrix)."""
+    param_N: torch.Tensor
+    """View of the flat parameter buffer (model dtype)."""
+    grad_N: torch.Tensor
+    """View of the reduced gradient (model dtype)."""
+    master_N: torch.Tensor
+    """fp32 master: ``param_N`` itself for fp32 parameters, else an fp32 copy."""
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Whole parameters of one family and dtype whose gradients are reduced by one collective."""
+
+    family: ParamFamily
+    """Family of every parameter in the bucket."""
+    params: list[nn.Parameter]
+    """Parameters in buffer order."""
+    offsets: list[int]
+    """Start of each parameter inside the bucket."""
+    comm: _FamilyComm
+    """Group and divisor of the family."""
+    shard: bool
+    """Reduce-scatter and keep a 1/n share (ZeRO-1) instead of all-reducing."""
+    param_N: torch.Tensor
+    """View of the flat parameter buffer (padding included)."""
+    grad_N: torch.Tensor
+    """View of the flat gradient buffer (padding included)."""
+    grad_shard_M: torch.Tensor
+    """Reduced gradient of this rank's share: the reduce-scatter output, or ``grad_N`` itself."""
+    ready: set = field(default_factory=set)
+    """Parameters whose gradient is complete in the armed backward."""
+    work: dist.Work | None = None
+    """In-flight collective."""
+    launched: bool = False
+    """Whether this step's reduction was issued."""
+
+    @property
+    def share(self) -> range:
+        """Bucket positions whose update this rank owns."""
+        if not self.shard:
+            return range(self.grad_N.numel())
+        size = self.grad_N.numel() // self.comm.size
+        return range(self.comm.rank * size, (self.comm.rank + 1) * size)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def launch_reduce(self) -> None:
+        if self.comm.divisor != 1:
+            self.grad_N.div_(self.comm.divisor)
+        if self.comm.group is not None:
+            if self.shard:
+                self.work = _reduce_scatter(self.grad_shard_M, self.grad_N, group=self.comm.group, async_op=True)
+            else:
+                self.work = dist.all_reduce(self.grad_N, group=self.comm.group, async_op=True)
+        self.launched = True
+
+    def launch_gather(self) -> None:
+        if self.shard and self.comm.group is not None:
+            # In place: the input is this rank's chunk of the output (supported by NCCL and gloo).
+            share = self.share
+            self.work = _all_gather(
+                self.param_N, self.param_N[share.start : share.stop], group=self.comm.group, async_op=True
+            )
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def reset(self) -> None:
+        self.ready.clear()
+        self.launched = False
+
+
+def _plan_buckets(params: list[nn.Parameter], families: dict[int, ParamFamily], bucket_elements: int):
+    """Group parameters (in backward order) into buckets of one family and dtype.
+
+    Returns (key, params) pairs ordered by where each bucket closes in the walk, which approximates
+    the order buckets complete in backward and is the fixed launch order.
+    """
+    open_buckets: dict[tuple, list[nn.Parameter]] = {}
+    open_sizes: dict[tuple, int] = {}
+    closed: list[tuple[tuple, list[nn.Parameter]]] = []
+    for param in params:
+        key = (families[id(param)], param.dtype, param.device)
+        open_buckets.setdefault(key, []).append(param)
+        open_sizes[key] = open_sizes.get(key, 0) + param.numel()
+        if open_sizes[key] >= bucket_elements:
+            closed.append((key, open_buckets.pop(key)))
+            del open_sizes[key]
+    closed.extend(open_buckets.items())
+    return closed
+
+
+def _padded(numel: int, multiple: int) -> int:
+    return -(-numel // multiple) * multiple
+
+
+@torch.no_grad()
+def _build_buckets(
+    plan: list[tuple[tuple, list[nn.Parameter]]], comms: dict[ParamFamily, _FamilyComm], shard: bool
+) -> list[_Bucket]:
+    """Allocate one flat parameter and gradient buffer per (family, dtype, device) and re-point params."""
+    sizes = [_padded(sum(p.numel() for p in params), comms[key[0]].size) for key, params in plan]
+    totals: dict[tuple, int] = {}
+    for (key, _), size in zip(plan, sizes):
+        totals[key] = totals.get(key, 0) + size
+    flat = {
+        key: (torch.zeros(n, dtype=key[1], device=key[2]), torch.zeros(n, dtype=key[1], device=key[2]))
+        for key, n in totals.items()
+    }
+    cursor = dict.fromkeys(totals, 0)
+    buckets = []
+    for (key, params), size in zip(plan, sizes):
+        comm = comms[key[0]]
+        param_flat, grad_flat = flat[key]
+        start = cursor[key]
+        cursor[key] += size
+        param_N, grad_N = param_flat[start : start + size], grad_flat[start : start + size]
+        offsets, offset = [], 0
+        for param in params:
+            offsets.append(offset)
+            _rehome(param, param_N[offset : offset + param.numel()], grad_N[offset : offset + param.numel()])
+            offset += param.numel()
+        separate_output = shard and comm.group is not None
+        grad_shard_M = grad_N.new_zeros(size // comm.size) if separate_output else grad_N
+        buckets.append(_Bucket(key[0], params, offsets, comm, shard, param_N, grad_N, grad_shard_M))
+    return buckets
+
+
+def _rehome(param: nn.Parameter, param_view: torch.Tensor, grad_view: torch.Tensor) -> None:
+    """Move a parameter's values (and any gradient) into buffer views without replacing the object."""
+    param_view.copy_(param.data.reshape(-1))
+    if param.grad is not None:
+        grad_view.copy_(param.grad.reshape(-1))
+    param.data = param_view.view_as(param)
+    param.grad = grad_view.view_as(param)
+
+
+def _segments(bucket: _Bucket) -> list[_Segment]:
+    """Cut this rank's share of a bucket at parameter boundaries."""
+    share = bucket.share
+    segments = []
+    for param, start in zip(bucket.params, bucket.offsets):
+        lo, hi = max(start, share.start), min(start + param.numel(), share.stop)
+        if lo >= hi:
+            continue
+        param_N = bucket.param_N[lo:hi]
+        grad_N = bucket.grad_shard_M[lo - share.start : hi - share.start]
+        master_N = param_N if param_N.dtype == torch.float32 else param_N.float()
+        segments.append(_Segment(bucket.family, param.ndim >= 2, param_N, grad_N, master_N))
+    return segments
+
+
+class DataParallelOptimizer:
+    """DDP gradient buffers with backward overlap, plus AdamW over fp32 masters (optionally ZeRO-1).
+
+    Per step: ``zero_grad()``; forward/backward each microbatch, calling ``arm_overlap()`` before
+    the last backward; ``step()`` (which calls ``finish_grad_sync()`` if it was not called).
+    ``param.grad`` must stay the buffer view: use ``zero_grad()`` of this class, not the model's
+    ``zero_grad(set_to_none=True)`` (a replaced gradient is copied back into its view, but only
+    when its hook runs). With ZeRO-1 only this rank's share of the reduced gradient is kept (in the
+    bucket's reduce-scatter output); ``param.grad`` then holds this rank's local, scaled gradient.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        groups: ProcessGroups | None,
+        config: OptimizerConfig,
+        shard: bool = False,
+        bucket_elements: int = 2**22,
+    ):
+        if bucket_elements < 1:
+            raise ValueError(f"bucket_elements: must be >= 1, got {bucket_elements}")
+        self.shard = shard
+        comms = _family_comms(groups)
+        by_family = param_families(model)
+        family_of = {id(p): family for family, params in by_family.items() for p in params}
+        in_backward_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        plan = _plan_buckets(in_backward_order, family_of, bucket_elements)
+        self.buckets = _build_buckets(plan, comms, shard)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._grad_views = {id(p): p.grad for b in self.buckets for p in b.params}
+        self.segments = [seg for b in self.buckets for seg in _segments(b)]
+        self.inner = torch.optim.AdamW(
+            [
+                {"params": [s.master_N for s in self.segments if s.decay], "weight_decay": config.weight_decay},
+                {"params": [s.master_N for s in self.segments if not s.decay], "weight_decay": 0.0},
+            ],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+        )
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in in_backward_order]
+        self._next_launch = 0
+        self._armed = False
+        self._synced = False
+
+    @property
+    def launched_buckets(self) -> int:
+        """Buckets whose reduction was issued this step (for tests and overlap statistics)."""
+        return sum(b.launched for b in self.buckets)
+
+    def arm_overlap(self) -> None:
+        """Launch each bucket's reduction as soon as it completes in the next backward."""
+        self._armed = True
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if bucket.launched:
+            # The gradient would land in a buffer that is being (or was) reduced, and be lost.
+            raise RuntimeError(
+                "a gradient arrived after its bucket was reduced: call arm_overlap() only before the last "
+                "backward of a step, and zero_grad() or step() before the next one"
+            )
+        self._restore_grad_view(param)
+        if not self._armed:
+            return
+        bucket.ready.add(param)
+        self._launch_complete_buckets()
+
+    @torch.no_grad()
+    def _restore_grad_view(self, param: nn.Parameter) -> None:
+        view = self._grad_views[id(param)]
+        if param.grad is not view:
+            view.copy_(param.grad)
+            param.grad = view
+
+    def _launch_complete_buckets(self) -> None:
+        # In the fixed order only: a complete bucket waits for earlier incomplete ones.
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
+            self.buckets[self._next_launch].launch_reduce()
+            self._next_launch += 1
+
+    @torch.no_grad()
+    def finish_grad_sync(self) -> None:
+        """Launch every reduction not launched yet (in order) and wait for all of them."""
+        if self._synced:
+            return
+        for bucket in self.buckets[self._next_launch :]:
+            bucket.launch_reduce()
+        self._next_launch = len(self.buckets)
+        for bucket in self.buckets:
+            bucket.wait()
+        self._synced = True
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce gradients (if not done), update this rank's share, all-gather it (ZeRO-1)."""
+        self.finish_grad_sync()
+        for seg in self.segments:
+            seg.master_N.grad = seg.grad_N if seg.master_N.dtype == seg.grad_N.dtype else seg.grad_N.float()
+        self.inner.step()
+        for seg in self.segments:
+            seg.master_N.grad = None
+            if seg.master_N is not seg.param_N:
+                seg.param_N.copy_(seg.master_N)
+        for bucket in self.buckets:
+            bucket.launch_gather()
+        for bucket in self.buckets:
+            bucket.wait()
+        self._reset_sync()
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers (the views stay in place) and forget this step's sync state."""
+        for bucket in self.buckets:
+            bucket.grad_N.zero_()
+            for param in bucket.params:
+                param.grad = self._grad_views[id(param)]
+        self._reset_sync()
+
+    def _reset_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self._armed = False
+        self._synced = False
+
+    def state_bytes(self, family: ParamFamily | None = None) -> int:
+        """Bytes this rank holds: fp32 masters that are not the parameter itself, plus Adam moments."""
+        total = 0
+        for seg in self.segments:
+            if family is not None and seg.family is not family:
+                continue
+            if seg.master_N is not seg.param_N:
+                total += seg.master_N.numel() * seg.master_N.element_size()
+            state = self.inner.state.get(seg.master_N, {})
+            total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.ndim > 0)
+        return total
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors the optimizer keeps across steps beyond the parameter and gradient buffers.
+
+        fp32 masters that are not the parameters, Adam moments, and the ZeRO-1 reduce-scatter
+        outputs (gradient memory, not counted by ``state_bytes``).
+        """
+        tensors = [seg.master_N for seg in self.segments if seg.master_N is not seg.param_N]
+        moments = (t for state in self.inner.state.values() for t in state.values() if torch.is_tensor(t))
+        tensors += [t for t in moments if t.ndim > 0]
+        tensors += [b.grad_shard_M for b in self.buckets if b.grad_shard_M is not b.grad_N]
+        return tensors
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def build_data_parallel_optimizer(
+    model: nn.Module, groups: ProcessGroups | None, config: OptimizerConfig, parallel: ParallelConfig
+) -> DataParallelOptimizer:
+    """The optimizer a ``ParallelConfig`` asks for (ZeRO-1 or not, its bucket size)."""
+    return DataParallelOptimizer(
+        model,
+        groups,
+        config,
+        shard=parallel.optimizer_sharding is OptimizerSharding.ZERO1,
+        bucket_elements=parallel.bucket_elements,
+    )

@@ -1,0 +1,107 @@
+"""Pipeline parallelism over ``torch.distributed.pipelining``: stage modules and schedules.
+
+A stage is a contiguous run of blocks (``layout.stage_blocks``); the first stage also embeds the
+tokens, the last also applies the final norm and the LM head. Stage modules keep the full model's
+parameter names (``blocks.3.attn.wq.weight``), so a stage's state compares directly with the
+single-process model. The loss of a step is the mean of the microbatch losses (the schedule scales
+gradients by 1/microbatches), which equals the full-batch mean because microbatches are equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from moe_engine.config import ParallelConfig, PipelineSchedule
+from moe_engine.model import Transformer
+from moe_engine.parallel.layout import stage_blocks
+
+
+class StageModule(nn.Module):
+    """Blocks [first, last) of a transformer, plus the embedding and/or head at the ends."""
+
+    def __init__(self, model: Transformer, blocks: range):
+        super().__init__()
+        self.is_first = blocks.start == 0
+        self.is_last = blocks.stop == len(model.blocks)
+        self.embed = model.embed if self.is_first else None
+        self.rope = model.rope
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        self.norm = model.norm if self.is_last else None
+        self.lm_head = model.lm_head if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h_BSD = self.embed(x) if self.is_first else x
+        for block in self.blocks.values():
+            h_BSD = block(h_BSD, self.rope)
+        return self.lm_head(self.norm(h_BSD)) if self.is_last else h_BSD
+
+
+def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """The training loss, as ``Transformer.loss`` computes it: fp32 mean token cross-entropy."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+
+
+class StageParameters(nn.Module):
+    """Every module of a rank's stages under the full model's names (a container; never called)."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        first = next((s for s in stages if s.is_first), None)
+        last = next((s for s in stages if s.is_last), None)
+        self.embed = first.embed if first else None
+        self.blocks = nn.ModuleDict({i: block for s in stages for i, block in s.blocks.items()})
+        self.norm = last.norm if last else None
+        self.lm_head = last.lm_head if last else None
+
+
+_SCHEDULES = {
+    PipelineSchedule.GPIPE: ScheduleGPipe,
+    PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
+    PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+}
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs one step of them."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: ParallelConfig,
+        stage_indices: list[int],
+        group: torch.distributed.ProcessGroup,
+        device: torch.device,
+    ):
+        bounds = stage_blocks(len(model.blocks), config.num_stages)
+        self.modules = [StageModule(model, bounds[s]) for s in stage_indices]
+        self.stages = [
+            PipelineStage(module, s, config.num_stages, device, group=group)
+            for module, s in zip(self.modules, stage_indices)
+        ]
+        self.parameters_module = StageParameters(self.modules)
+        self.is_first = any(m.is_first for m in self.modules)
+        self.is_last = any(m.is_last for m in self.modules)
+        schedule = _SCHEDULES[config.schedule]
+        if schedule is ScheduleInterleaved1F1B:
+            self.schedule = schedule(self.stages, config.microbatches, loss_fn=cross_entropy)
+        else:
+            (stage,) = self.stages
+            self.schedule = schedule(stage, config.microbatches, loss_fn=cross_entropy)
+
+    def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of every microbatch; the mean loss on the last stage, else None."""
+        inputs = (tokens_BS,) if self.is_first else ()
+        if not self.is_last:
+            self.schedule.step(*inputs, return_outputs=False)
+            return None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*inputs, target=labels_BS, losses=losses, return_outputs=False)
+        return torch.stack([loss.detach() for loss in losses]).mean()

@@ -1,0 +1,169 @@
+"""One rank's share of a training step under any layout: build what the rank holds, then step it.
+
+``build_rank_model`` builds the full model from the seed (so every layout starts from the same
+weights as the single-process reference), then keeps this rank's share: its local experts (ep),
+its pipeline stages (pp), or its FSDP shards. ``ParallelTrainer.step`` runs forward and backward
+over the rank's microbatches (itself, or through the pipeline schedule), synchronises gradients and
+updates the parameters. With no process groups it is the single-process trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_engine.config import DataParallelMode, ModelConfig, OptimizerSharding, ParallelConfig, Precision
+from moe_engine.model import Transformer, build_model
+from moe_engine.moe.layer import MoELayer
+from moe_engine.parallel.data_parallel import DataParallelOptimizer
+from moe_engine.parallel.fsdp import apply_fsdp
+from moe_engine.parallel.groups import ProcessGroups
+from moe_engine.parallel.pipeline import Pipeline, cross_entropy
+from moe_engine.train import OptimizerConfig, adamw_param_groups
+
+# Offsets the random-routing seed per data-parallel rank, so that ranks draw independent routes.
+_DP_SEED_STRIDE = 7919
+
+
+@dataclass
+class RankModel:
+    """The modules one rank holds and how it runs them."""
+
+    module: nn.Module
+    """Every parameter this rank owns: the model, or its pipeline stages."""
+    model: Transformer | None
+    """The whole-model forward, when the rank runs one (pp = 1)."""
+    pipeline: Pipeline | None
+    """The rank's pipeline stages and schedule (pp > 1)."""
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [m for m in self.module.modules() if isinstance(m, MoELayer)]
+
+
+def build_rank_model(
+    config: ModelConfig,
+    parallel: ParallelConfig,
+    groups: ProcessGroups | None,
+    device: torch.device,
+    seed: int,
+) -> RankModel:
+    """Build the model from ``seed`` and keep this rank's share of it."""
+    parallel.validate(config)
+    if groups is None and parallel.world_size > 1:
+        raise ValueError(f"a layout of {parallel.world_size} ranks needs process groups")
+    fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
+    if groups is not None:
+        routing_seed = config.moe.routing_seed + _DP_SEED_STRIDE * groups.coords.dp_rank
+        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, routing_seed=routing_seed))
+    # FSDP keeps fp32 shards as the master weights and casts the gathered copies itself.
+    model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed)
+    if parallel.ep > 1:
+        for layer in model.moe_layers():
+            layer.enable_expert_parallel(
+                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor
+            )
+    if fsdp:
+        apply_fsdp(model, groups.dp, config.dtype.torch_dtype)
+    if parallel.pp > 1:
+        stages = groups.layout.stage_indices(groups.coords.pp_rank)
+        pipeline = Pipeline(model, parallel, stages, groups.pp, device)
+        return RankModel(module=pipeline.parameters_module, model=None, pipeline=pipeline)
+    return RankModel(module=model, model=model, pipeline=None)
+
+
+class ParallelTrainer:
+    """Forward, backward, gradient synchronisation and optimizer step of one rank."""
+
+    def __init__(
+        self,
+        rank_model: RankModel,
+        parallel: ParallelConfig,
+        groups: ProcessGroups | None,
+        config: OptimizerConfig | None = None,
+    ):
+        self.rank_model = rank_model
+        self.parallel = parallel
+        self.groups = groups
+        config = config or OptimizerConfig()
+        self.fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
+        if self.fsdp:
+            self.optimizer = torch.optim.AdamW(
+                adamw_param_groups(list(rank_model.module.parameters()), config),
+                lr=config.lr, betas=config.betas, eps=config.eps,
+            )
+        else:
+            self.optimizer = DataParallelOptimizer(
+                rank_model.module,
+                groups,
+                config,
+                shard=parallel.optimizer_sharding is OptimizerSharding.ZERO1,
+                bucket_elements=parallel.bucket_elements,
+            )
+
+    def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step on this rank's batch; its mean loss (detached) where the rank has one."""
+        self.optimizer.zero_grad()
+        if self.rank_model.pipeline is not None:
+            loss = self.rank_model.pipeline.step(tokens_BS, labels_BS)
+        else:
+            loss = self._accumulate(tokens_BS, labels_BS)
+        self.optimizer.step()
+        self._update_expert_bias()
+        return loss
+
+    def _accumulate(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        model, m = self.rank_model.model, self.parallel.microbatches
+        losses = []
+        for i, (tokens, labels) in enumerate(zip(tokens_BS.chunk(m), labels_BS.chunk(m))):
+            last = i == m - 1
+            if self.fsdp:
+                model.set_requires_gradient_sync(last)
+            elif last and m == 1:
+                # Buckets reduce while backward still runs; with microbatches the gradients are
+                # rescaled first (the router losses add unscaled gradients), so they reduce after.
+                self.optimizer.arm_overlap()
+            loss = cross_entropy(model(tokens), labels)
+            loss.backward()
+            losses.append(loss.detach())
+        if m > 1:
+            for param in self.rank_model.module.parameters():
+                if param.grad is not None:
+                    param.grad.div_(m)
+        return torch.stack(losses).mean()
+
+    def _update_expert_bias(self) -> None:
+        layers = self.rank_model.moe_layers()
+        if not layers or layers[0].config.expert_bias_rate == 0:
+            return
+        if self.groups is not None:
+            # The bias balances the global load, so every replica sees the same counts.
+            for layer in layers:
+                dist.all_reduce(layer.tokens_per_expert, group=self.groups.dp)
+        for layer in layers:
+            layer.update_expert_bias()
+
+    def state_bytes(self) -> int:
+        """Optimizer bytes this rank holds (fp32 masters that are not the parameters, Adam moments)."""
+        if self.fsdp:
+            return sum(
+                t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
+                for state in self.optimizer.state.values()
+                for t in state.values()
+                if torch.is_tensor(t) and t.ndim > 0
+            )
+        return self.optimizer.state_bytes()
+
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """Tensors that live across steps: parameters, buffers, gradients and optimizer state."""
+        module = self.rank_model.module
+        tensors = list(module.parameters()) + list(module.buffers())
+        tensors += [p.grad for p in module.parameters() if p.grad is not None]
+        if self.fsdp:
+            tensors += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        else:
+            tensors += self.optimizer.state_tensors()
+        return tensors

@@ -1,0 +1,118 @@
+"""Every layout trains the same model as the single-process trainer: losses, gradients, updates.
+
+Adam is invariant to the scale of the gradient, so equal parameters after a step would not catch
+a gradient summed where it should be averaged. The optimizer here uses eps = 1 and lr = 1, which
+makes the first updates nearly proportional to the gradient, and the test compares the parameter
+updates as well as the gradients.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed_harness import run_ranks
+from moe_engine import build_model
+from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.parallel.groups import build_process_groups
+from moe_engine.parallel.layout import Layout
+from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+from moe_engine.train import OptimizerConfig, Trainer
+
+CONFIG = ModelConfig(
+    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16),
+)
+OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0)
+SEQUENCES, STEPS = 8, 2
+EXPERT_PARAMS = ("experts.gate_up", "experts.down")
+
+
+def _batches(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CONFIG.vocab_size, (SEQUENCES, CONFIG.seq_len + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _layout_rank(parallel: ParallelConfig, seed: int):
+    groups = build_process_groups(Layout(parallel))
+    rank_model = build_rank_model(CONFIG, parallel, groups, torch.device("cpu"), seed)
+    trainer = ParallelTrainer(rank_model, parallel, groups, OPTIMIZER)
+    params = dict(rank_model.module.named_parameters())
+    before = {n: _full(p).detach().clone() for n, p in params.items()}
+    share = SEQUENCES // parallel.dp
+    rows = slice(groups.coords.dp_rank * share, (groups.coords.dp_rank + 1) * share)
+    losses, grads = [], None
+    for tokens, labels in _batches(seed):
+        loss = trainer.step(tokens[rows], labels[rows])
+        losses.append(loss)
+        if grads is None and parallel.optimizer_sharding.value == "none":
+            grads = {n: _full(p.grad).clone() for n, p in params.items()}
+    updates = {n: _full(p).detach() - before[n] for n, p in params.items()}
+    return {"coords": groups.coords, "losses": losses, "grads": grads, "updates": updates}
+
+
+def _reference(seed: int):
+    model = build_model(CONFIG, seed=seed)
+    trainer = Trainer(model, OPTIMIZER)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses, grads = [], None
+    for tokens, labels in _batches(seed):
+        losses.append(trainer.step(tokens, labels))
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    updates = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    return torch.stack(losses), grads, updates
+
+
+def _expected(reference: torch.Tensor, name: str, parallel: ParallelConfig, ep_rank: int) -> torch.Tensor:
+    if parallel.ep > 1 and name.endswith(EXPERT_PARAMS):
+        experts = Layout(parallel).local_experts(ep_rank, CONFIG.moe.num_experts)
+        return reference[experts.start : experts.stop]
+    return reference
+
+
+LAYOUTS = {
+    "dp2": ParallelConfig(dp=2),
+    "dp2-microbatches2": ParallelConfig(dp=2, microbatches=2),
+    "ep2-sync": ParallelConfig(dp=2, ep=2, dispatch="sync"),
+    "ep2-no-sync": ParallelConfig(dp=2, ep=2, dispatch="no-sync", capacity_factor=2.0),
+    "ep2-zero1": ParallelConfig(dp=2, ep=2, dispatch="no-sync", capacity_factor=2.0, optimizer_sharding="zero1"),
+    "dp4-ep2": ParallelConfig(dp=4, ep=2, dispatch="no-sync", capacity_factor=2.0),
+    "pp2-ep2": ParallelConfig(dp=2, ep=2, pp=2, schedule="1f1b", microbatches=2, capacity_factor=2.0),
+    "pp2-interleaved-zero1": ParallelConfig(
+        pp=2, schedule="interleaved1f1b", virtual_stages=2, microbatches=4, optimizer_sharding="zero1"
+    ),
+    "fsdp-dp2": ParallelConfig(dp=2, dp_mode="fsdp"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_like_the_single_process_model(name):
+    parallel = LAYOUTS[name]
+    seed = int(torch.randint(0, 10_000, ()))
+    ranks = run_ranks(_layout_rank, parallel.world_size, parallel, seed, timeout=180)
+    ref_losses, ref_grads, ref_updates = _reference(seed)
+
+    # The step's loss is the mean of the last pipeline stage's local losses over dp.
+    last_stage = [r for r in ranks if r["coords"].pp_rank == parallel.pp - 1]
+    assert all(r["losses"][0] is None for r in ranks if r["coords"].pp_rank != parallel.pp - 1)
+    losses = torch.stack([torch.stack(r["losses"]) for r in last_stage]).mean(dim=0)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+
+    seen = set()
+    for rank in ranks:
+        ep_rank = rank["coords"].ep_rank
+        seen |= set(rank["updates"])
+        for param_name, update in rank["updates"].items():
+            expected = _expected(ref_updates[param_name], param_name, parallel, ep_rank)
+            torch.testing.assert_close(update, expected, rtol=1e-4, atol=1e-7, msg=f"update of {param_name}")
+        if rank["grads"] is not None:
+            for param_name, grad in rank["grads"].items():
+                expected = _expected(ref_grads[param_name], param_name, parallel, ep_rank)
+                torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7, msg=f"gradient of {param_name}")
+    assert seen == set(ref_updates), "every parameter lives on some rank"
