@@ -148,6 +148,8 @@ def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> Parallel
     try:
         parallel = ParallelConfig.from_dict(spec["parallel"])
         parallel.validate(model)
+        if spec["mode"] == "execute":
+            parallel.validate_executable()
     except ValueError as err:
         field, _, reason = str(err).partition(": ")
         raise ScenarioError(file, field, reason) from None

@@ -299,7 +299,6 @@ class ParallelConfig:
             "more than one stage per rank needs schedule interleaved1f1b",
         )
         if self.dp_mode is DataParallelMode.FSDP:
-            _require(self.ep == 1, "parallel.dp_mode", f"fsdp shards experts over dp instead of ep; needs ep=1, got {self.ep}")
             _require(
                 self.optimizer_sharding is OptimizerSharding.NONE,
                 "parallel.optimizer_sharding",
@@ -313,6 +312,14 @@ class ParallelConfig:
             self.num_stages <= model.n_layers,
             "parallel.pp",
             f"pp * virtual_stages = {self.num_stages} exceeds model.n_layers={model.n_layers}",
+        )
+
+    def validate_executable(self) -> None:
+        """Layouts the plan can price but the engine does not run."""
+        _require(
+            self.dp_mode is not DataParallelMode.FSDP or self.ep == 1,
+            "parallel.dp_mode",
+            f"the engine's fsdp mode shards experts over dp (no expert parallelism); needs ep=1, got {self.ep}",
         )
 
     @classmethod

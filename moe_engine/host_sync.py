@@ -3,7 +3,9 @@
 On every device it intercepts, at the Python level, ``Tensor.item/tolist/cpu/numpy``, truth tests
 of tensors, ``nonzero``, one-argument ``where`` and boolean-mask indexing, and at the dispatcher
 level (which also sees C++ autograd backward) the ops that read device data on the host
-(``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``). On CUDA it also sets
+(``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``) and the ops whose output
+shape depends on device data (``unique``, ``bincount``, ``repeat_interleave`` without
+``output_size``, indexing with a boolean mask). On CUDA it also sets
 ``torch.cuda.set_sync_debug_mode("error")``.
 """
 
@@ -57,14 +59,35 @@ _SYNCING_OPS = {
     "aten::nonzero",
     "aten::masked_select",
     "aten::nonzero_static",
+    # Output shapes that depend on device data.
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::unique_dim_consecutive",
+    "aten::bincount",
 }
+
+_MASK_INDEXING_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def _syncs(func, args, kwargs) -> bool:
+    name = func._schema.name
+    if name in _SYNCING_OPS:
+        return True
+    if name == "aten::repeat_interleave" and func._overloadname == "Tensor":
+        return kwargs.get("output_size") is None
+    if name in _MASK_INDEXING_OPS and len(args) > 1:
+        return any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
 
 
 class _ForbidOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in _SYNCING_OPS:
+        kwargs = kwargs or {}
+        if _syncs(func, args, kwargs):
             raise HostSyncError(f"host synchronisation: {func._schema.name}")
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""Mixture-of-experts layer: router, routing metadata and permutations, grouped experts."""
+"""Mixture-of-experts layer: router, routing metadata and permutations, dispatch, grouped experts."""
 
+from moe_engine.moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from moe_engine.moe.layer import MoELayer
 
-__all__ = ["MoELayer"]
+__all__ = ["AllToAllDispatcher", "Dispatcher", "LocalDispatcher", "MoELayer"]

@@ -6,8 +6,10 @@ Weight layout (the (out, in) convention of ``nn.Linear``, also OLMoE's in transf
   projection, so ``h = x @ gate_up[e].T`` and ``silu(h[:, :F]) * h[:, F:]``.
 - ``down`` (E, D, F): ``y = a @ down[e].T``.
 
-Rows arrive sorted by expert; expert e owns rows [offsets[e-1], offsets[e]). A backend implements
-``ExpertBackend.forward``; the module holds the weights and picks the backend from the config.
+Rows arrive sorted by expert; expert e owns rows [offsets[e-1], offsets[e]). Rows after the last
+offset are padding (expert-parallel receive buffers have some): a backend may leave their outputs
+undefined, callers mask them. A backend implements ``ExpertBackend.forward``; the module holds the
+weights (all experts, or an expert-parallel rank's block of them) and picks the backend from the config.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_engine.config import ExpertBackendKind
-from moe_engine.moe.permute import RoutingPlan
+from moe_engine.moe.permute import ExpertGroups
 
 
 class ExpertBackend(ABC):
@@ -29,7 +31,7 @@ class ExpertBackend(ABC):
     def forward(
         self,
         x_ND: torch.Tensor,
-        plan: RoutingPlan,
+        groups: ExpertGroups,
         gate_up_EHD: torch.Tensor,
         down_EDF: torch.Tensor,
     ) -> torch.Tensor:
@@ -37,13 +39,17 @@ class ExpertBackend(ABC):
 
 
 class LoopBackend(ExpertBackend):
-    """Per-expert matmuls with ordinary autograd: the reference. Reads counts on the host."""
+    """Per-expert matmuls with ordinary autograd: the reference. Reads counts on the host; padding
+    rows after the last expert's get zero outputs."""
 
-    def forward(self, x_ND, plan, gate_up_EHD, down_EDF):
+    def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
+        counts = groups.counts_E.tolist()
+        *per_expert, padding = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])
         outputs = []
-        for e, x_expert in enumerate(torch.split(x_ND, plan.counts_E.tolist())):
+        for e, x_expert in enumerate(per_expert):
             gate, up = F.linear(x_expert, gate_up_EHD[e]).chunk(2, dim=-1)
             outputs.append(F.linear(F.silu(gate) * up, down_EDF[e]))
+        outputs.append(padding.new_zeros(padding.shape[0], down_EDF.shape[1]))
         return torch.cat(outputs)
 
 
@@ -89,8 +95,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
 class TorchGroupedBackend(ExpertBackend):
     """``torch._grouped_mm`` with device-side offsets; no host sync."""
 
-    def forward(self, x_ND, plan, gate_up_EHD, down_EDF):
-        return _GroupedSwiGLU.apply(x_ND, plan.offsets_E, gate_up_EHD, down_EDF)
+    def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
+        return _GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF)
 
 
 BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
@@ -100,13 +106,34 @@ BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts of hidden size F, stored as two stacked weight tensors."""
+    """SwiGLU experts of hidden size F, stored as two stacked weight tensors."""
 
     def __init__(self, d_model: int, hidden: int, num_experts: int, backend: ExpertBackendKind):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.backend = BACKENDS[ExpertBackendKind(backend)]()
+        # Global indices of the experts held here (all of them until sharded for expert parallelism).
+        self.global_experts = range(num_experts)
 
-    def forward(self, x_ND: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-        return self.backend.forward(x_ND, plan, self.gate_up, self.down)
+    @property
+    def num_experts(self) -> int:
+        """Experts held here (the local experts under expert parallelism)."""
+        return self.gate_up.shape[0]
+
+    def forward(self, x_ND: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        return self.backend.forward(x_ND, groups, self.gate_up, self.down)
+
+    def keep_only(self, experts: range) -> None:
+        """Keep the slice of ``experts`` (global indices) as new parameters with the same values."""
+        if experts.step != 1 or not (
+            self.global_experts.start <= experts.start < experts.stop <= self.global_experts.stop
+        ):
+            raise ValueError(f"experts {experts} are not a contiguous block of the held {self.global_experts}")
+        first = experts.start - self.global_experts.start
+        for name in ("gate_up", "down"):
+            old = getattr(self, name)
+            # A copy, so the full tensor can be freed once the caller drops its references.
+            new = old.detach()[first : first + len(experts)].clone()
+            setattr(self, name, nn.Parameter(new, requires_grad=old.requires_grad))
+        self.global_experts = experts

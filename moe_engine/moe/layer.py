@@ -1,14 +1,19 @@
-"""The MoE feed-forward layer: route, dispatch, experts, combine (plus an optional shared expert)."""
+"""The MoE feed-forward layer: route, dispatch, experts, combine (plus an optional shared expert).
+
+Where the experts live is the dispatcher's business (``layer.dispatcher``): all on this device by
+default, or a block of them per rank under expert parallelism (``enable_expert_parallel``).
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from moe_engine.config import MoEConfig
+from moe_engine.config import DispatchKind, MoEConfig, ParallelConfig
 from moe_engine.modules.mlp import SwiGLU
+from moe_engine.moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from moe_engine.moe.experts import GroupedExperts
-from moe_engine.moe.permute import combine, gather_tokens, plan_routing
 from moe_engine.moe.router import Router
 
 
@@ -42,16 +47,41 @@ class MoELayer(nn.Module):
         )
         # Assignments per expert since the last expert-bias update (device tensor, no sync).
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
+        self.dispatcher: Dispatcher = LocalDispatcher()
         # Statistics of the last forward, for logging (detached, on the device).
         self.last_router_loss: torch.Tensor | None = None
+        # The router's per-expert counts of this rank's tokens (all E experts, wherever they live).
         self.last_counts_E: torch.Tensor | None = None
+        # int64 scalar: assignments dropped for lack of capacity (always 0 on dropless paths).
+        self.last_dropped: torch.Tensor | None = None
+
+    def enable_expert_parallel(
+        self,
+        group,
+        ep_rank: int,
+        ep: int,
+        kind: DispatchKind = DispatchKind.NO_SYNC,
+        capacity_factor: float = 1.25,
+    ) -> None:
+        """Become rank ``ep_rank``'s shard of an expert-parallel group: keep only its block of experts
+        (new parameters, same values) and send tokens to their experts over all-to-all in ``group``."""
+        num_experts = self.config.num_experts
+        if num_experts % ep != 0:
+            raise ValueError(f"ep={ep} does not divide num_experts={num_experts}")
+        if dist.get_world_size(group) != ep:
+            raise ValueError(f"the expert-parallel group has {dist.get_world_size(group)} ranks, expected ep={ep}")
+        if self.experts.global_experts != range(num_experts):
+            raise RuntimeError(f"experts are already sharded (holding {self.experts.global_experts})")
+        # Imported here: the parallel package builds on models, so a module-level import could cycle.
+        from moe_engine.parallel.layout import Layout
+
+        self.experts.keep_only(Layout(ParallelConfig(dp=ep, ep=ep)).local_experts(ep_rank, num_experts))
+        self.dispatcher = AllToAllDispatcher(group, kind, capacity_factor)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         route = self.router(x_TD)
-        plan = plan_routing(route.expert_TK, self.config.num_experts)
-        y_ND = self.experts(gather_tokens(x_TD, plan), plan)
-        y_TD = combine(y_ND, route.weight_TK, plan)
+        y_TD, dropped = self.dispatcher(x_TD, route, self.experts)
         if self.shared_expert is not None:
             y_TD = y_TD + self.shared_expert(x_TD)
 
@@ -59,6 +89,7 @@ class MoELayer(nn.Module):
             self.tokens_per_expert += route.counts_E
         self.last_router_loss = route.loss.detach()
         self.last_counts_E = route.counts_E
+        self.last_dropped = dropped
         if torch.is_grad_enabled() and route.loss.requires_grad:
             y_TD = _AttachLoss.apply(y_TD, route.loss)
         return y_TD.view_as(x_BSD)

@@ -53,6 +53,7 @@ def build_rank_model(
 ) -> RankModel:
     """Build the model from ``seed`` and keep this rank's share of it."""
     parallel.validate(config)
+    parallel.validate_executable()
     if groups is None and parallel.world_size > 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs process groups")
     fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None

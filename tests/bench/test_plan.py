@@ -52,8 +52,35 @@ def median(metrics, name):
 # ---- the reference scenarios ------------------------------------------------------------------
 
 
+# Layout variants of a published configuration: same model and cluster, another parallel design.
+VARIANTS = {
+    "moe-128e-47b-zero1": "moe-128e-47b",
+    "moe-128e-47b-fsdp": "moe-128e-47b",
+    "moe-1.2t-512gpu-fsdp": "moe-1.2t-512gpu",
+}
+
+
 def test_every_published_configuration_has_a_scenario():
-    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == set(PUBLISHED)
+    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == set(PUBLISHED) | set(VARIANTS)
+
+
+@pytest.mark.parametrize("variant,base", sorted(VARIANTS.items()))
+def test_layout_variants_change_only_the_layout(variant, base):
+    a, b = olmo_dict(variant), olmo_dict(base)
+    assert a["model"] == b["model"] and a["cluster"] == b["cluster"] and a["run"] == b["run"]
+    assert a["parallel"] != b["parallel"]
+
+
+def test_zero1_and_fsdp_plans_of_the_47b_model():
+    ddp, _ = plan_scenario(olmo("moe-128e-47b"))
+    zero1, _ = plan_scenario(olmo("moe-128e-47b-zero1"))
+    fsdp, _ = plan_scenario(olmo("moe-128e-47b-fsdp"))
+    # ZeRO-1 shards the optimizer over dp = 8 (the experts over edp = 1: they are already sharded by ep).
+    assert median(zero1, "memory_params_bytes") == median(ddp, "memory_params_bytes")
+    assert median(zero1, "memory_optimizer_bytes") < median(ddp, "memory_optimizer_bytes")
+    # FSDP holds 1/8 of every parameter plus one gathered block, and gathers parameters every microbatch.
+    assert median(fsdp, "comm_grad_reduce_bytes") > median(ddp, "comm_grad_reduce_bytes")
+    assert median(fsdp, "comm_all_to_all_bytes") == 0
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

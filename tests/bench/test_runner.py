@@ -71,6 +71,7 @@ BAD_INPUTS = [
     ("ep-experts", variant(parallel={"dp": 3, "ep": 3}), "parallel.ep: ep=3 does not divide model.moe.num_experts=8"),
     ("ep-dp", variant(parallel={"dp": 2, "ep": 4}), "parallel.ep: ep=4 does not divide dp=2"),
     ("pp-layers", variant(parallel={"pp": 4}), "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2"),
+    ("fsdp-ep", variant(parallel={"dp": 2, "ep": 2, "dp_mode": "fsdp"}), "parallel.dp_mode: the engine's fsdp mode"),
     ("world-size", variant(parallel={"dp": 2, "world_size": 4}), "parallel.world_size: 4 != dp * pp = 2"),
     ("plan-without-cluster", variant(mode="plan"), "(top level): 'cluster' is a required property"),
     ("tokens", variant(run__tokens_per_step=100), "run.tokens_per_step: 100 is not a multiple of model.seq_len=32"),
@@ -138,13 +139,13 @@ def test_smoke_run_end_to_end_is_consistent(tmp_path):
 def test_failures_are_recorded_and_the_suite_goes_on(tmp_path):
     nan = variant(model__init_std=1e30)
     slow = variant(run__timeout_s=0.5)
-    multi = variant(parallel={"dp": 2}, run__tokens_per_step=128)
-    code, docs = run_cli(tmp_path, ("nan", nan), ("slow", slow), ("multi", multi), ("tiny", TINY))
+    mxfp8 = variant(precision="mxfp8")
+    code, docs = run_cli(tmp_path, ("nan", nan), ("slow", slow), ("mxfp8", mxfp8), ("tiny", TINY))
     assert code == 1
     by_name = {d.name: d for d in docs}
     assert by_name["nan"].status == "failed" and "loss is nan" in by_name["nan"].data["error"]
     assert by_name["slow"].status == "timeout" and "timeout of 0.5 s" in by_name["slow"].data["error"]
-    assert by_name["multi"].status == "skipped"
+    assert by_name["mxfp8"].status == "skipped"
     assert by_name["tiny"].status == "ok"
 
 

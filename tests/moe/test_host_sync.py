@@ -59,6 +59,10 @@ def test_reference_backend_is_caught(device):
         (lambda t: torch.where(t > 0), "where"),
         (lambda t: bool(t.sum() > 0), "__bool__"),
         (lambda t: t.masked_select(t > 0), "masked_select"),
+        (lambda t: torch.unique(t), "unique"),
+        (lambda t: torch.bincount((t > 0).long()), "bincount"),
+        (lambda t: torch.repeat_interleave((t > 0).long()), "repeat_interleave"),
+        (lambda t: t.index_put_((t > 0,), torch.tensor(0.0, device=t.device)), "index_put"),
     ],
 )
 def test_each_syncing_call_is_caught(offence, message, device):
@@ -66,6 +70,13 @@ def test_each_syncing_call_is_caught(offence, message, device):
     with pytest.raises(HostSyncError, match=message):
         with forbid_host_sync():
             offence(t)
+
+
+def test_shapes_known_on_the_host_are_allowed(device):
+    t = torch.tensor([1, 0, 2], device=device)
+    with forbid_host_sync():
+        torch.arange(3, device=device).repeat_interleave(t, output_size=3)
+        torch.zeros(3, device=device).index_put_((t,), torch.ones(3, device=device))
 
 
 def test_syncs_inside_autograd_backward_are_caught(device):

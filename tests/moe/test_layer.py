@@ -80,7 +80,7 @@ def test_backends_match_reference(backend, tokens, d_model, hidden, experts, k, 
     y_ref, grad_x_ref, grads_ref = run_layer(reference, x_TD, grad_TD, reference=True)
 
     if routing == "skewed":
-        counts = plan_routing(layer.router(x_TD).expert_TK, experts).counts_E
+        counts = plan_routing(layer.router(x_TD).expert_TK, experts).groups.counts_E
         assert (counts == 0).any(), "this case should exercise experts without tokens"
     assert relative_error(y, y_ref) <= 1e-5
     assert relative_error(grad_x, grad_x_ref) <= 1e-5
@@ -103,19 +103,21 @@ def test_permutation_round_trip_and_gradients():
     tokens, k, d = 33, 3, 8
     expert_TK = torch.stack([torch.randperm(7)[:k] for _ in range(tokens)])
     plan = plan_routing(expert_TK, 7)
-    assert plan.counts_E.tolist() == torch.bincount(expert_TK.flatten(), minlength=7).tolist()
-    assert plan.offsets_E.dtype == torch.int32
-    assert plan.offsets_E.tolist() == torch.cumsum(plan.counts_E, 0).tolist()
+    counts_E, offsets_E = plan.groups.counts_E, plan.groups.offsets_E
+    assert counts_E.tolist() == torch.bincount(expert_TK.flatten(), minlength=7).tolist()
+    assert offsets_E.dtype == torch.int32
+    assert offsets_E.tolist() == torch.cumsum(counts_E, 0).tolist()
+    order_N = plan.rows.assignment_R
 
     x_TD = torch.randn(tokens, d, dtype=torch.float64, requires_grad=True)
     w_TK = torch.rand(tokens, k, dtype=torch.float64, requires_grad=True)
-    x_ND = gather_tokens(x_TD, plan)
+    x_ND = gather_tokens(x_TD, plan.rows)
     # Rows are grouped by expert, in token order within an expert.
-    sorted_experts = expert_TK.flatten()[plan.order_N]
+    sorted_experts = expert_TK.flatten()[order_N]
     assert (sorted_experts[1:] >= sorted_experts[:-1]).all()
-    assert torch.equal(x_ND, x_TD.detach().repeat_interleave(k, 0)[plan.order_N])
+    assert torch.equal(x_ND, x_TD.detach().repeat_interleave(k, 0)[order_N])
 
     def scale_rows(rows_ND):
         return rows_ND * torch.arange(1, rows_ND.shape[0] + 1, dtype=rows_ND.dtype)[:, None]
 
-    torch.autograd.gradcheck(lambda x, w: combine(scale_rows(gather_tokens(x, plan)), w, plan), (x_TD, w_TK))
+    torch.autograd.gradcheck(lambda x, w: combine(scale_rows(gather_tokens(x, plan.rows)), w, plan.rows), (x_TD, w_TK))

@@ -56,7 +56,6 @@ def test_stages_cover_every_block_once():
     [
         (dict(dp=3, ep=2), "parallel.ep: ep=2 does not divide dp=3"),
         (dict(dp=2, virtual_stages=2), "parallel.virtual_stages: more than one stage per rank needs schedule interleaved1f1b"),
-        (dict(dp=2, ep=2, dp_mode="fsdp"), "parallel.dp_mode: fsdp shards experts over dp instead of ep"),
         (dict(dp=2, dp_mode="fsdp", optimizer_sharding="zero1"), "parallel.optimizer_sharding: fsdp already shards"),
         (dict(dispatch="maybe"), "parallel.dispatch: 'maybe' is not one of sync, no-sync"),
         (dict(capacity_factor=0), "parallel.capacity_factor: must be > 0"),
@@ -65,6 +64,12 @@ def test_stages_cover_every_block_once():
 def test_impossible_layouts_are_rejected_with_the_field(kwargs, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         ParallelConfig(**kwargs)
+
+
+def test_fsdp_with_expert_parallelism_is_planned_but_not_executed():
+    config = ParallelConfig(dp=4, ep=2, dp_mode="fsdp")
+    with pytest.raises(ValueError, match="parallel.dp_mode: the engine's fsdp mode shards experts over dp"):
+        config.validate_executable()
 
 
 def test_layout_checked_against_the_model():

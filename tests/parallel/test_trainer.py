@@ -8,7 +8,6 @@ updates as well as the gradients.
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from distributed_harness import run_ranks
 from moe_engine import build_model

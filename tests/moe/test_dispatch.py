@@ -1,0 +1,295 @@
+"""Expert-parallel dispatch computes the single-process layer's function (or exactly its capacity-dropped
+version), reports its drops, and the no-sync variant never synchronises with the host."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed_harness import run_ranks
+from moe_engine.config import DispatchKind, ExpertBackendKind, MoEConfig
+from moe_engine.host_sync import HostSyncError, forbid_host_sync
+from moe_engine.moe.dispatch import AllToAllDispatcher, LocalDispatcher, capacity
+from moe_engine.moe.experts import GroupedExperts
+from moe_engine.moe.layer import MoELayer
+from moe_engine.moe.permute import ExpertGroups, combine, gather_tokens, plan_routing, plan_slots
+
+D_MODEL, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 24, 8, 2, 24
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def make_layer(seed: int, routing: str, backend: str = "torch", routing_seed: int = 0) -> MoELayer:
+    """Same parameters for every ``routing_seed``: it only seeds random and skewed expert choices."""
+    torch.manual_seed(seed)
+    moe = MoEConfig(
+        num_experts=EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN, routing=routing, zipf_exponent=2.0,
+        backend=backend, routing_seed=routing_seed,
+    )
+    layer = MoELayer(D_MODEL, moe)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def make_case(name, ep, kind, capacity_factor, routing, backend="torch", tokens=None, seed=0):
+    """One expert-parallel configuration, with each rank's own fresh batch and output gradient."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    tokens = tokens or [TOKENS] * ep
+    x = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
+    grad = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
+    return dict(name=name, ep=ep, kind=kind, capacity_factor=capacity_factor, routing=routing, backend=backend,
+                seed=seed, x=x, grad=grad)
+
+
+def _step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
+    x = x_TD.clone().requires_grad_()
+    layer.zero_grad()
+    layer.router.reset_routing_generator()
+    y = layer(x)
+    (y * grad_TD).sum().backward()
+    return dict(
+        y=y.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
+        grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad,
+        dropped=layer.last_dropped, counts=layer.last_counts_E, experts=layer.experts.global_experts,
+    )
+
+
+def _sharded(case: dict, rank: int) -> MoELayer:
+    # Each rank draws its own random/skewed routing, as ranks with different data would.
+    layer = make_layer(case["seed"], case["routing"], case["backend"], routing_seed=rank)
+    layer.enable_expert_parallel(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"])
+    return layer
+
+
+def _host_sync_checks(rank: int) -> dict:
+    """No-sync forward+backward inside the guard; the sync variant must trip it."""
+    outcome = {}
+    for kind in ("no-sync", "sync"):
+        layer = _sharded(make_case("guard", 2, kind, 1.0, "skewed"), rank)
+        x = torch.randn(TOKENS, D_MODEL, requires_grad=True)
+        try:
+            with forbid_host_sync():
+                layer(x).backward(torch.randn(TOKENS, D_MODEL))
+            outcome[kind] = "ok"
+        except HostSyncError as error:
+            outcome[kind] = f"HostSyncError: {error}"
+    return outcome
+
+
+def _rank_job(cases: list[dict], guard: bool) -> dict:
+    rank = dist.get_rank()
+    results = {case["name"]: _step(_sharded(case, rank), case["x"][rank], case["grad"][rank]) for case in cases}
+    if guard:
+        results["guard"] = _host_sync_checks(rank)
+    return results
+
+
+EP2_CASES = [
+    make_case("sync-learned", 2, "sync", 1.0, "learned"),
+    make_case("no-sync-learned", 2, "no-sync", 2.0, "learned"),
+    # Uneven loads, and ranks with different token counts (the sync variant allows it).
+    make_case("sync-skewed", 2, "sync", 1.0, "skewed", tokens=[24, 17]),
+    make_case("no-sync-random", 2, "no-sync", 2.0, "random"),
+    make_case("no-sync-drops", 2, "no-sync", 0.5, "skewed"),
+    make_case("no-sync-drops-loop", 2, "no-sync", 0.5, "skewed", backend="loop"),
+]
+EP4_CASES = [
+    make_case("ep4-no-sync-drops", 4, "no-sync", 1.0, "skewed"),
+    make_case("ep4-sync-random", 4, "sync", 1.0, "random"),
+]
+CASES = {case["name"]: case for case in EP2_CASES + EP4_CASES}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """Every case's per-rank results: one spawned job per world size."""
+    ep2 = run_ranks(_rank_job, 2, EP2_CASES, True, timeout=120)
+    ep4 = run_ranks(_rank_job, 4, EP4_CASES, False, timeout=120)
+    return {
+        name: [rank_results[name] for rank_results in job]
+        for job in (ep2, ep4)
+        for name in job[0]
+    }
+
+
+def expected_kept(expert_TK: torch.Tensor, ep: int, slot_capacity: int) -> torch.Tensor:
+    """bool (T, k): each destination keeps its first ``slot_capacity`` assignments by (expert, t, j)."""
+    per_rank = EXPERTS // ep
+    kept = torch.ones(expert_TK.numel(), dtype=torch.bool)
+    flat = expert_TK.flatten().tolist()
+    for dest in range(ep):
+        queue = sorted((e, n) for n, e in enumerate(flat) if e // per_rank == dest)
+        for _, n in queue[slot_capacity:]:
+            kept[n] = False
+    return kept.view_as(expert_TK)
+
+
+def kept_reference(layer: MoELayer, x_TD, grad_TD, kept_TK) -> dict:
+    """Each token through each of its kept experts one at a time, plus the router loss."""
+    x = x_TD.clone().requires_grad_()
+    layer.zero_grad()
+    layer.router.reset_routing_generator()
+    route = layer.router(x)
+    gate_up, down = layer.experts.gate_up, layer.experts.down
+    rows = []
+    for t in range(x.shape[0]):
+        y = torch.zeros(D_MODEL)
+        for j in range(TOP_K):
+            if kept_TK[t, j]:
+                e = route.expert_TK[t, j]
+                gate, up = (gate_up[e] @ x[t]).chunk(2)
+                y = y + route.weight_TK[t, j] * (down[e] @ (F.silu(gate) * up))
+        rows.append(y)
+    y_TD = torch.stack(rows)
+    ((y_TD * grad_TD).sum() + route.loss).backward()
+    return dict(
+        y=y_TD.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad.clone(),
+        grad_gate_up=layer.experts.gate_up.grad.clone(), grad_down=layer.experts.down.grad.clone(),
+        expert_TK=route.expert_TK,
+    )
+
+
+def references(case: dict) -> list[dict]:
+    """Per rank: the full single-process layer on that rank's batch (LocalDispatcher), and which
+    assignments no-sync capacity keeps (recomputed here from the router's choices)."""
+    refs = []
+    for rank, (x_TD, grad_TD) in enumerate(zip(case["x"], case["grad"])):
+        layer = make_layer(case["seed"], case["routing"], routing_seed=rank)
+        assert isinstance(layer.dispatcher, LocalDispatcher)
+        ref = _step(layer, x_TD, grad_TD)
+        layer.router.reset_routing_generator()
+        expert_TK = layer.router(x_TD).expert_TK
+        ref["kept"] = torch.ones_like(expert_TK, dtype=torch.bool)
+        if case["kind"] == "no-sync":
+            slot_capacity = math.ceil(case["capacity_factor"] * x_TD.shape[0] * TOP_K / case["ep"])
+            ref["kept"] = expected_kept(expert_TK, case["ep"], slot_capacity)
+        if not ref["kept"].all():
+            ref.update(kept_reference(layer, x_TD, grad_TD, ref["kept"]))
+        refs.append(ref)
+    return refs
+
+
+def assert_matches_reference(case: dict, ranks: list[dict]) -> None:
+    refs = references(case)
+    per_rank = EXPERTS // case["ep"]
+    for rank, (got, ref) in enumerate(zip(ranks, refs)):
+        assert got["experts"] == range(rank * per_rank, (rank + 1) * per_rank)
+        assert got["dropped"].dtype == torch.int64 and got["dropped"].dim() == 0
+        assert got["dropped"].item() == (~ref["kept"]).sum().item()
+        assert torch.equal(got["counts"], ref["counts"])
+        for name in ("y", "grad_x", "grad_router"):
+            assert relative_error(got[name], ref[name]) <= 1e-5, (rank, name)
+        # A rank's experts receive gradient from every rank's tokens.
+        for name in ("grad_gate_up", "grad_down"):
+            expected = sum(r[name] for r in refs)[rank * per_rank : (rank + 1) * per_rank]
+            assert relative_error(got[name], expected) <= 1e-5, (rank, name)
+
+
+@pytest.mark.parametrize(
+    "name", ["sync-learned", "no-sync-learned", "sync-skewed", "no-sync-random", "ep4-sync-random"]
+)
+def test_dropless_matches_single_process_layer(results, name):
+    assert_matches_reference(CASES[name], results[name])
+    assert all(r["dropped"].item() == 0 for r in results[name])
+
+
+@pytest.mark.parametrize("name", ["no-sync-drops", "no-sync-drops-loop", "ep4-no-sync-drops"])
+def test_over_capacity_drops_are_counted_and_removed(results, name):
+    assert sum(r["dropped"].item() for r in results[name]) > 0, "this case should drop assignments"
+    assert_matches_reference(CASES[name], results[name])
+
+
+def test_no_sync_has_no_host_sync_and_sync_is_caught(results):
+    for outcome in results["guard"]:
+        assert outcome["no-sync"] == "ok"
+        assert outcome["sync"].startswith("HostSyncError") and "tolist" in outcome["sync"]
+
+
+# Single-process pieces -------------------------------------------------------------------------
+
+
+def test_capacity_is_the_factor_times_the_balanced_load():
+    assert capacity(64, 2, 1.25) == 40
+    assert capacity(48, 2, 0.5) == 12
+    assert capacity(30, 1, 0.1) == 3
+    assert capacity(10, 4, 1.0) == 3
+
+
+@pytest.mark.parametrize("ep, slot_capacity", [(2, 5), (4, 3), (2, 40)])
+def test_slot_plan_maps_both_ways_and_drops_the_tail(ep, slot_capacity):
+    torch.manual_seed(ep)
+    tokens = 20
+    expert_TK = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)])
+    expert_TK[:8, 0] = 0  # a crowded first expert
+    slots = plan_slots(plan_routing(expert_TK, EXPERTS), ep, slot_capacity)
+    rows = slots.rows
+
+    kept_TK = expected_kept(expert_TK, ep, slot_capacity)
+    assert torch.equal(rows.kept_N, kept_TK.flatten())
+    assert slots.dropped.item() == (~kept_TK).sum().item()
+    kept_E = torch.bincount(expert_TK[kept_TK], minlength=EXPERTS)
+    assert torch.equal(slots.kept_E, kept_E)
+    kept_n = rows.kept_N.nonzero().flatten()
+    filled_r = rows.filled_R.nonzero().flatten()
+    assert torch.equal(rows.assignment_R[rows.row_N[kept_n]], kept_n)
+    assert torch.equal(rows.row_N[rows.assignment_R[filled_r]], filled_r)
+    per_rank = EXPERTS // ep
+    assert torch.equal(rows.row_N[kept_n] // slot_capacity, expert_TK.flatten()[kept_n] // per_rank)
+
+    x_TD = torch.randn(tokens, 3, dtype=torch.float64, requires_grad=True)
+    w_TK = torch.rand(tokens, TOP_K, dtype=torch.float64, requires_grad=True)
+    scale_R1 = torch.arange(1.0, rows.assignment_R.numel() + 1, dtype=torch.float64).unsqueeze(1)
+    buffer_RD = gather_tokens(x_TD, rows)
+    assert (buffer_RD[~rows.filled_R] == 0).all()
+    expected_TD = (w_TK * kept_TK).unsqueeze(2).mul(x_TD.unsqueeze(1)).mul(
+        scale_R1[rows.row_N].view(tokens, TOP_K, 1)
+    ).sum(1)
+    assert torch.allclose(combine(buffer_RD * scale_R1, w_TK, rows), expected_TD)
+    torch.autograd.gradcheck(lambda x, w: combine(gather_tokens(x, rows) * scale_R1, w, rows), (x_TD, w_TK))
+
+
+@pytest.mark.parametrize("backend", list(ExpertBackendKind))
+def test_backends_ignore_trailing_padding_rows(backend):
+    torch.manual_seed(0)
+    experts = GroupedExperts(D_MODEL, HIDDEN, 3, backend)
+    reference = GroupedExperts(D_MODEL, HIDDEN, 3, ExpertBackendKind.LOOP)
+    for p, q in zip(experts.parameters(), reference.parameters()):
+        torch.nn.init.normal_(p, std=0.3)
+        q.data.copy_(p.data)
+    counts_E = torch.tensor([4, 0, 3])
+    x_ND = torch.randn(7, D_MODEL)
+    padded_ND = torch.cat([x_ND, torch.full((5, D_MODEL), float("nan"))])
+    grad_ND = torch.randn(7, D_MODEL)
+
+    y_ND = experts(padded_ND, ExpertGroups.from_counts(counts_E))[:7]
+    (y_ND * grad_ND).sum().backward()
+    y_ref = reference(x_ND, ExpertGroups.from_counts(counts_E))
+    (y_ref * grad_ND).sum().backward()
+    assert relative_error(y_ND, y_ref) <= 1e-5
+    for p, q in zip(experts.parameters(), reference.parameters()):
+        assert relative_error(p.grad, q.grad) <= 1e-5
+
+
+def test_keep_only_copies_the_block_into_new_parameters():
+    full = make_layer(0, "learned").experts
+    gate_up, down = full.gate_up, full.down
+    full.keep_only(range(2, 4))
+    assert full.global_experts == range(2, 4) and full.num_experts == 2
+    assert full.gate_up is not gate_up and full.gate_up.requires_grad
+    assert torch.equal(full.gate_up, gate_up[2:4]) and torch.equal(full.down, down[2:4])
+    with pytest.raises(ValueError, match="contiguous block"):
+        full.keep_only(range(0, 2))
+
+
+def test_dispatcher_kinds_are_validated():
+    assert DispatchKind("no-sync") is DispatchKind.NO_SYNC
+    with pytest.raises(ValueError, match="capacity_factor"):
+        AllToAllDispatcher(None, DispatchKind.NO_SYNC, 0.0)
