@@ -13,7 +13,9 @@ CONFIG = ModelConfig(
     vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0),
 )
-OPTIMIZER = OptimizerConfig(lr=1e-2)
+# eps = 1 keeps Adam's update proportional to the gradient: with the usual eps, gradients of 1e-8
+# (equal here to 1e-10) become updates of +-lr whose last digits depend on summation order.
+OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.1)
 STEPS = 2
 
 
