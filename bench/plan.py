@@ -32,7 +32,9 @@ State memory per rank (P = parameter bytes, G = gradient bytes, O = optimizer by
     fsdp:          every tensor sharded: P_dense / dp + P_exp / edp (= the stage's experts / dp), same for
                    G and O, plus one transient gathered unit: the largest FSDP unit of the rank (a block
                    with its E/ep local experts, the embedding, or final norm + LM head) counted once in
-                   params and once in grads (no prefetch of a second unit).
+                   params and once in grads (no prefetch of a second unit). The engine's FSDP mode keeps
+                   the fp32 master as the sharded parameter and reduces fp32 gradients, a 4/4/8 split of
+                   the same 16 bytes per parameter that this 2/2/12 split prices.
 
 Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * in-flight / v
     T = tokens_per_step / dp / m tokens per microbatch per rank; a = activation bytes (4 fp32, 2 otherwise);

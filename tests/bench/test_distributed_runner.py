@@ -120,3 +120,25 @@ def test_launch_detection():
     assert (torchrun.rank, torchrun.world_size, torchrun.source) == (2, 4, "torchrun")
     slurm = detect_launch({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"})
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.source) == (5, 8, 1, "slurm")
+
+
+def test_run_inside_an_existing_torchrun_launch(tmp_path):
+    import subprocess
+    import sys
+
+    two = write_scenario(tmp_path, "two-ranks", variant(**EXACT, parallel={"dp": 2}))
+    one = write_scenario(tmp_path, "one-rank", variant(**EXACT))
+    out = tmp_path / "results"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "bench.cli", "run", str(two), str(one), "--out", str(out), "--device", "cpu",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr
+    docs = {d.name: d for d in load_results(out)}
+    assert set(docs) == {"two-ranks", "one-rank"}, "rank 0 writes each result once"
+    assert len(list(out.rglob("*.json"))) == 2
+    assert docs["two-ranks"].status == "ok"
+    assert [r["rank"] for r in docs["two-ranks"].data["details"]["per_rank"]] == [0, 1]
+    assert docs["one-rank"].status == "skipped"
+    assert "needs 1 ranks (dp * pp) but this torchrun launch has 2" in docs["one-rank"].data["error"]
