@@ -39,6 +39,8 @@ class ExpertBackendKind(str, Enum):
     """Plain per-expert matmuls with ordinary autograd: the reference (syncs with the host)."""
     TORCH = "torch"
     """``torch._grouped_mm`` with device-side offsets (the default)."""
+    MXFP8 = "mxfp8"
+    """MXFP8 grouped GEMMs (Triton ``tl.dot_scaled`` on GPUs, a torch emulation elsewhere)."""
 
 
 class Precision(str, Enum):

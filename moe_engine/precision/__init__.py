@@ -1,0 +1,1 @@
+"""Low-precision formats: OCP microscaling (MXFP8)."""
