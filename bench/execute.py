@@ -171,10 +171,20 @@ def execute(
             if device.type == "cpu" else "datasheet table"
         ),
         expert_backend=config.moe.backend.value,
+        expert_backend_path=_backend_path(rank_model),
         losses=losses,
         per_rank=[_rank_details(r, groups) for r in records],
     )
     return result
+
+
+def _backend_path(rank_model) -> str:
+    """Which implementation the experts ran (the MXFP8 backend picks one by hardware)."""
+    layers = rank_model.moe_layers()
+    if not layers:
+        return "none"
+    backend = layers[0].experts.backend
+    return getattr(backend, "path", type(backend).__name__)
 
 
 def _global_loss(loss: torch.Tensor | None, groups: ProcessGroups | None, dp: int) -> float:

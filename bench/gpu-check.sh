@@ -6,7 +6,7 @@
 # 1. the test suite on the GPU (CUDA-marked tests plus the device-parametrised ones, MOE_TEST_DEVICE=cuda);
 # 2. the micro-benchmarks on the GPU (pytest-benchmark JSON with the derived ratios);
 # 3. the `gpu` scenario suite through moe-bench (result documents under OUTDIR/results).
-# Each step has its own time limit so that the whole check stays under 8 minutes on one H200; a
+# Each step has its own time limit so that the whole check stays under 9 minutes on one H200; a
 # failing step is recorded and the next one still runs. Exit status: 0 only if every step passed.
 set -uo pipefail
 
@@ -40,7 +40,7 @@ run_step tests-cuda 150 env MOE_TEST_DEVICE=cuda "$python" -m pytest tests -m "c
     --junitxml="$out/tests-cuda.xml" -p no:cacheprovider
 run_step micro-cuda 120 env MOE_BENCH_DEVICE=cuda "$python" -m pytest bench/micro -q --benchmark-enable \
     --benchmark-json="$out/micro-cuda.json" -p no:cacheprovider
-run_step suite-gpu 180 "$python" -m bench.cli run --suite gpu --device cuda --out "$out/results" --no-plots
+run_step suite-gpu 240 "$python" -m bench.cli run --suite gpu --device cuda --out "$out/results" --no-plots
 
 echo "gpu-check: results in $out (status $status)"
 exit $status

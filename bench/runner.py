@@ -214,8 +214,6 @@ class Runner:
         }
 
     def _skip_reason(self, scenario: Scenario) -> str | None:
-        if scenario.precision == "mxfp8":
-            return "precision mxfp8 is not available in this engine version"
         if self.launch is not None and scenario.world_size != self.launch.world_size:
             return (
                 f"needs {scenario.world_size} ranks (dp * pp) but this {self.launch.source} launch has "

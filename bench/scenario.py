@@ -129,8 +129,14 @@ def _model_config(spec: dict[str, Any], file) -> ModelConfig:
     model = copy.deepcopy(spec["model"])
     routing = spec["routing"]
     model["moe"].update(routing=routing["mode"], routing_seed=routing["seed"], zipf_exponent=routing["zipf_exponent"])
-    # mxfp8 keeps bf16 parameters and dense compute; the engine's expert GEMMs decide the rest.
-    model["dtype"] = "bf16" if spec["precision"] == "mxfp8" else spec["precision"]
+    if spec["precision"] == "mxfp8":
+        # bf16 parameters and dense compute (fp32 masters, fp32 router); the experts run MXFP8 GEMMs.
+        backend = model["moe"].setdefault("backend", "mxfp8")
+        if backend != "mxfp8":
+            raise ScenarioError(file, "model.moe.backend", f"precision mxfp8 runs the mxfp8 expert backend, not {backend!r}")
+        model["dtype"] = "bf16"
+    else:
+        model["dtype"] = spec["precision"]
     try:
         return ModelConfig.from_dict(model)
     except ValueError as err:

@@ -22,6 +22,8 @@ from torch import nn
 
 from moe_engine.config import ExpertBackendKind
 from moe_engine.moe.permute import ExpertGroups
+from moe_engine.precision import mxfp8_gemm as mx
+from moe_engine.precision.mxfp8 import MXTensor
 
 
 class ExpertBackend(ABC):
@@ -99,9 +101,95 @@ class TorchGroupedBackend(ExpertBackend):
         return _GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF)
 
 
+def _real_rows(x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """(N, 1) bool: whether each row belongs to an expert (rows after the last offset are padding)."""
+    return (torch.arange(x_ND.shape[0], device=x_ND.device) < offsets_E[-1]).unsqueeze(1)
+
+
+class _MXFP8GroupedSwiGLU(torch.autograd.Function):
+    """The experts' SwiGLU with the four fprop/dgrad GEMMs in MXFP8 and the two wgrad GEMMs in BF16.
+
+    Which GEMM runs in which precision, and why the weight gradients stay in BF16 (token groups are
+    not multiples of 32, so MX blocks along the token axis would straddle experts), is tabulated in
+    ``moe_engine.precision.mxfp8_gemm``. Each weight is quantized along its reduction axis twice per
+    step: along D / F for fprop, along 2F / D (a fresh quantization, not a transposed reuse) for dgrad.
+
+    Saved for backward, besides the weights and offsets:
+
+    - x in MXFP8, the fprop operand itself (blocks along D), so wgrad of gate_up sees exactly the x
+      values the forward GEMM multiplied;
+    - h = x @ gate_up^T in MXFP8 (blocks along 2F) instead of BF16; backward recomputes
+      a = silu(gate) * up and the SwiGLU derivative from the dequantized h.
+
+    Numerical consequence of saving h in MXFP8: backward sees h rounded to E4M3 (relative error up
+    to 2^-4 per element, against 2^-8 for BF16), so the recomputed a that feeds wgrad of ``down``
+    and the SwiGLU derivative that forms grad_h differ from the forward's by that much. The
+    gradients are those of a slightly different function than the forward computed; the error is of
+    the same order as the one the MXFP8 GEMMs already introduce.
+
+    Padding rows (after the last offset) may hold anything, NaN included: they are zeroed before
+    every quantization, so no NaN scale arises, and their outputs and input gradients are zero.
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, path):
+        real_N1 = _real_rows(x_ND, offsets_E)
+        x_mx = mx.quantize_rows(torch.where(real_N1, x_ND, 0))
+        h_NH = mx.grouped_mm(x_mx, mx.quantize_weight(gate_up_EHD), offsets_E, x_ND.dtype, path)
+        a_mx = mx.quantize_rows(swiglu(h_NH))
+        y_ND = mx.grouped_mm(a_mx, mx.quantize_weight(down_EDF), offsets_E, x_ND.dtype, path)
+
+        if any(ctx.needs_input_grad):
+            h_mx = mx.quantize_rows(h_NH)
+            ctx.save_for_backward(x_mx.data, x_mx.scales, h_mx.data, h_mx.scales, offsets_E, gate_up_EHD, down_EDF)
+            ctx.path = path
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, grad_y_ND):
+        x_data, x_scales, h_data, h_scales, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
+        _, hidden2, d_model = gate_up_EHD.shape
+        dtype, path = grad_y_ND.dtype, ctx.path
+        # Contiguous: a zero-stride gradient (from y.sum()) breaks the grouped GEMM's kernels.
+        grad_y_ND = torch.where(_real_rows(grad_y_ND, offsets_E), grad_y_ND, 0).contiguous()
+
+        down_dgrad = mx.quantize_weight(down_EDF, transposed=True)
+        grad_a_NF = mx.grouped_mm(mx.quantize_rows(grad_y_ND), down_dgrad, offsets_E, dtype, path)
+        h_NH = mx.dequantize_rows(MXTensor(h_data, h_scales, axis=-1), hidden2, dtype)
+        a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
+
+        grad_x_ND = grad_gate_up_EHD = grad_down_EDF = None
+        if ctx.needs_input_grad[3]:
+            grad_down_EDF = torch._grouped_mm(grad_y_ND.t(), a_NF, offs=offsets_E)
+        if ctx.needs_input_grad[2]:
+            x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
+            grad_gate_up_EHD = torch._grouped_mm(grad_h_NH.t(), x_ND, offs=offsets_E)
+        if ctx.needs_input_grad[0]:
+            gate_up_dgrad = mx.quantize_weight(gate_up_EHD, transposed=True)
+            grad_x_ND = mx.grouped_mm(mx.quantize_rows(grad_h_NH), gate_up_dgrad, offsets_E, dtype, path)
+        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None
+
+
+class MXFP8Backend(ExpertBackend):
+    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8_gemm``) with device-side offsets; no host sync.
+
+    ``path`` names the implementation the last forward ran ("triton-dot-scaled" on CUDA,
+    "torch-emulation" elsewhere); before any forward, the one a CUDA device would get if present.
+    """
+
+    def __init__(self):
+        self.path: str = mx.available_path("cuda" if torch.cuda.is_available() else "cpu").value
+
+    def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
+        path = mx.available_path(x_ND.device)
+        self.path = path.value
+        return _MXFP8GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, path)
+
+
 BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
     ExpertBackendKind.LOOP: LoopBackend,
     ExpertBackendKind.TORCH: TorchGroupedBackend,
+    ExpertBackendKind.MXFP8: MXFP8Backend,
 }
 
 

@@ -77,7 +77,8 @@ def quantize(
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     bad = ~torch.isfinite(amax)
     biased = torch.where(bad, E8M0_NAN, shared + 127).to(torch.uint8)
-    data = data.reshape(*blocks.shape[:-2], -1).movedim(-1, axis)
+    # The axis length spelled out, not -1: reshape cannot infer it when another dimension is 0.
+    data = data.reshape(*blocks.shape[:-2], blocks.shape[-2] * block).movedim(-1, axis)
     scales = biased.squeeze(-1).movedim(-1, axis).view(torch.float8_e8m0fnu)
     return data.contiguous(), scales.contiguous()
 
@@ -90,7 +91,7 @@ def dequantize(
     biased = scales.view(torch.uint8).movedim(axis % scales.ndim, -1).unsqueeze(-1)
     scale = torch.exp2(biased.float() - 127)
     scale = torch.where(biased == E8M0_NAN, float("nan"), scale)
-    values = (blocks * scale).reshape(*blocks.shape[:-2], -1).movedim(-1, axis)
+    values = (blocks * scale).reshape(*blocks.shape[:-2], blocks.shape[-2] * block).movedim(-1, axis)
     return values.to(dtype)
 
 

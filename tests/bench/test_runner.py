@@ -72,6 +72,7 @@ BAD_INPUTS = [
     ("ep-dp", variant(parallel={"dp": 2, "ep": 4}), "parallel.ep: ep=4 does not divide dp=2"),
     ("pp-layers", variant(parallel={"pp": 4}), "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2"),
     ("fsdp-ep", variant(parallel={"dp": 2, "ep": 2, "dp_mode": "fsdp"}), "parallel.dp_mode: the engine's fsdp mode"),
+    ("mxfp8-backend", variant(precision="mxfp8", model__moe__backend="loop"), "model.moe.backend: precision mxfp8 runs the mxfp8 expert backend"),
     ("world-size", variant(parallel={"dp": 2, "world_size": 4}), "parallel.world_size: 4 != dp * pp = 2"),
     ("plan-without-cluster", variant(mode="plan"), "(top level): 'cluster' is a required property"),
     ("tokens", variant(run__tokens_per_step=100), "run.tokens_per_step: 100 is not a multiple of model.seq_len=32"),
@@ -139,13 +140,11 @@ def test_smoke_run_end_to_end_is_consistent(tmp_path):
 def test_failures_are_recorded_and_the_suite_goes_on(tmp_path):
     nan = variant(model__init_std=1e30)
     slow = variant(run__timeout_s=0.5)
-    mxfp8 = variant(precision="mxfp8")
-    code, docs = run_cli(tmp_path, ("nan", nan), ("slow", slow), ("mxfp8", mxfp8), ("tiny", TINY))
+    code, docs = run_cli(tmp_path, ("nan", nan), ("slow", slow), ("tiny", TINY))
     assert code == 1
     by_name = {d.name: d for d in docs}
     assert by_name["nan"].status == "failed" and "loss is nan" in by_name["nan"].data["error"]
     assert by_name["slow"].status == "timeout" and "timeout of 0.5 s" in by_name["slow"].data["error"]
-    assert by_name["mxfp8"].status == "skipped"
     assert by_name["tiny"].status == "ok"
 
 
@@ -184,3 +183,16 @@ def test_metric_statistics():
     assert m["spread"]["min"] == 1.0 and m["spread"]["max"] == 100.0
     assert m["spread"]["iqr"] == 2.0  # quartiles 2 and 4 (inclusive method)
     assert m["spread"]["rel_iqr"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.slow
+def test_mxfp8_scenario_records_the_path_that_ran(tmp_path):
+    code, docs = run_cli(tmp_path, ("mx", variant(precision="mxfp8")), ("bf", variant(precision="bf16")))
+    assert code == 0
+    by_name = {d.name: d for d in docs}
+    mx, bf = by_name["mx"].data, by_name["bf"].data
+    assert mx["details"]["expert_backend"] == "mxfp8"
+    assert mx["details"]["expert_backend_path"] == "torch-emulation"  # no GPU: the emulation, and it says so
+    assert bf["details"]["expert_backend"] == "torch"
+    # Same seed, same data: the first measured losses agree to MXFP8 accuracy.
+    assert mx["details"]["losses"][0] == pytest.approx(bf["details"]["losses"][0], rel=0.02)

@@ -1,0 +1,246 @@
+"""MXFP8 grouped GEMMs for the routed experts: both operands in blocks of 32 along the reduction dim.
+
+One function, ``grouped_mm``, computes ``out[rows of e] = A[rows of e] @ B[e]^T`` for rows sorted by
+expert (``offsets_E`` int32 cumulative ends, read on the device only), where A (M, K) and B (E, N, K)
+are ``MXTensor``s blocked along K. Two implementations compute the same thing on the quantized values:
+
+- ``GemmPath.TRITON``: a Triton grouped GEMM on ``tl.dot_scaled`` (e4m3 operands, e8m0 scales, fp32
+  accumulation). Each program finds its expert and row tile from the offsets on the device; the grid
+  is the worst case ``cdiv(M, BLOCK_M) + E`` row tiles, the programs past the real tiles return at once.
+- ``GemmPath.EMULATION``: dequantize both operands to fp32 and run ``torch._grouped_mm`` (fp32 in,
+  fp32 accumulate). Dequantized E4M3 x 2^k values are exact in fp32, so only the summation order differs.
+
+``available_path(device)`` picks Triton on CUDA and the emulation elsewhere. GPUs with MX tensor
+cores (Blackwell) run ``tl.dot_scaled`` natively; on others (Hopper) Triton decomposes it into an
+upcast to bf16 (exact for E4M3 x 2^k) and a bf16 MMA: the same numbers, without the FP8 speed-up.
+
+The kernel also runs in the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors), which is how it
+is tested without a GPU. There ``tl.dot_scaled`` decodes both operands and their scales to fp32 and
+multiplies in fp32, so it matches the emulation up to summation order. The scales reach the kernel
+as uint8 views: Triton 3.9 has no type for a ``float8_e8m0fnu`` tensor argument (a KeyError at launch).
+
+Which GEMMs of the SwiGLU experts run in MXFP8 (``experts._MXFP8GroupedSwiGLU``), with the reduction dim:
+
+==========  =============================  ==========  ======================================
+GEMM        what                           reduction   precision
+==========  =============================  ==========  ======================================
+fprop 1     h = x @ gate_up[e]^T           D           MXFP8 (x and gate_up blocked along D)
+fprop 2     y = a @ down[e]^T              F           MXFP8 (a and down blocked along F)
+dgrad 2     grad_a = grad_y @ down[e]      D           MXFP8 (grad_y along D; down re-quantized
+                                                       along its D axis)
+dgrad 1     grad_x = grad_h @ gate_up[e]   2F          MXFP8 (grad_h along 2F; gate_up
+                                                       re-quantized along its 2F axis)
+wgrad 2     grad_down = grad_y^T @ a       tokens      BF16 (the model dtype)
+wgrad 1     grad_gate_up = grad_h^T @ x    tokens      BF16 (the model dtype)
+==========  =============================  ==========  ======================================
+
+A transposed use of a weight re-quantizes it along the other axis: the blocks must run along the
+reduction dim of each GEMM, and blocks along D of ``down`` are not blocks along F.
+
+The weight gradients stay in BF16: their reduction runs over the tokens of each expert, and those
+groups have data-dependent sizes that are not multiples of 32, so MX blocks along the token axis
+would straddle two experts unless every group were padded to a multiple of 32 (up to 31 * E extra
+rows, placed by device-side counts). Keeping wgrad in high precision is also what many MXFP8 recipes
+do: the weight update is a sum of many small contributions that block scaling would coarsen.
+
+Sizes along K that are not multiples of 32 are padded with zeros (exact: a zero does not change a
+block's largest magnitude, and it adds nothing to the dot product).
+
+Rows after the last offset (expert-parallel padding) take part in no GEMM; ``grouped_mm`` returns
+zeros there, whatever the input rows held (even NaN).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+
+from moe_engine.precision.mxfp8 import BLOCK, MXTensor
+from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a platform without Triton still has the emulation
+    triton = None
+
+
+class GemmPath(str, Enum):
+    """Implementation of the MXFP8 grouped GEMM."""
+
+    TRITON = "triton-dot-scaled"
+    """Triton grouped GEMM on ``tl.dot_scaled`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    EMULATION = "torch-emulation"
+    """Dequantize to fp32, then ``torch._grouped_mm`` (any device)."""
+
+
+def available_path(device: torch.device | str) -> GemmPath:
+    """The fastest implementation on ``device``: Triton on CUDA, the emulation elsewhere."""
+    if triton is not None and torch.device(device).type == "cuda":
+        return GemmPath.TRITON
+    return GemmPath.EMULATION
+
+
+# --- operands -----------------------------------------------------------------------------------
+
+
+def _pad_to_block(t: torch.Tensor, axis: int) -> torch.Tensor:
+    axis = axis % t.ndim
+    missing = -t.shape[axis] % BLOCK
+    if not missing:
+        return t
+    # F.pad lists (left, right) pairs from the last dim backwards.
+    return F.pad(t, [0, 0] * (t.ndim - 1 - axis) + [0, missing])
+
+
+def quantize_rows(t_MK: torch.Tensor) -> MXTensor:
+    """An (M, K) activation or gradient as the A operand: blocks along K, K zero-padded to 32."""
+    data, scales = quantize(_pad_to_block(t_MK, -1), axis=-1)
+    return MXTensor(data, scales, axis=-1)
+
+
+def quantize_weight(w_EOI: torch.Tensor, transposed: bool = False) -> MXTensor:
+    """An (E, O, I) weight as the B operand (E, N, K) of ``grouped_mm``.
+
+    ``transposed=False``: for ``A @ w[e]^T`` (K = I), blocks along I.
+    ``transposed=True``: for ``A @ w[e]`` (K = O), blocks along O, returned as an (E, I, O) view.
+    """
+    axis = 1 if transposed else 2
+    data, scales = quantize(_pad_to_block(w_EOI, axis), axis=axis)
+    if transposed:
+        return MXTensor(data.transpose(1, 2), scales.transpose(1, 2), axis=2)
+    return MXTensor(data, scales, axis=2)
+
+
+def dequantize_rows(t: MXTensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (M, size) values a ``quantize_rows`` operand stands for (its K padding dropped)."""
+    return t.dequantize(dtype)[:, :size]
+
+
+# --- the grouped GEMM ---------------------------------------------------------------------------
+
+
+def grouped_mm(
+    a_MK: MXTensor,
+    b_ENK: MXTensor,
+    offsets_E: torch.Tensor,
+    out_dtype: torch.dtype,
+    path: GemmPath | str | None = None,
+) -> torch.Tensor:
+    """(M, N): rows of expert e times B[e]^T on the quantized values; zero rows after the last offset.
+
+    ``path`` None picks ``available_path`` of A's device.
+    """
+    if a_MK.data.shape[1] != b_ENK.data.shape[2]:
+        raise ValueError(f"K mismatch: A is {tuple(a_MK.data.shape)}, B is {tuple(b_ENK.data.shape)}")
+    path = available_path(a_MK.data.device) if path is None else GemmPath(path)
+    if path is GemmPath.TRITON:
+        return _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype)
+    return _emulated_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype)
+
+
+def _emulated_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype):
+    a_f32 = a_MK.dequantize(torch.float32)
+    b_f32 = b_ENK.dequantize(torch.float32)
+    out_MN = torch._grouped_mm(a_f32, b_f32.transpose(1, 2), offs=offsets_E)
+    # The grouped GEMM leaves rows after the last offset uninitialised.
+    real_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offsets_E[-1]).unsqueeze(1)
+    return torch.where(real_M1, out_MN, 0).to(out_dtype)
+
+
+def _block_k(k: int) -> int:
+    return next(b for b in (128, 64, 32) if k % b == 0)
+
+
+def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, block_n: int = 64):
+    if triton is None:
+        raise RuntimeError("the Triton MXFP8 grouped GEMM needs triton, which is not installed")
+    m, k = a_MK.data.shape
+    num_experts, n, _ = b_ENK.data.shape
+    # Zeros, so that rows no expert owns come out as zeros (no program writes them).
+    out_MN = torch.zeros(m, n, dtype=out_dtype, device=a_MK.data.device)
+    if m == 0 or n == 0 or num_experts == 0:
+        return out_MN
+    a_scales = a_MK.scales.view(torch.uint8)
+    b_scales = b_ENK.scales.view(torch.uint8)
+    grid = (triton.cdiv(m, block_m) + num_experts, triton.cdiv(n, block_n))
+    _mx_grouped_mm_kernel[grid](
+        a_MK.data, a_scales, b_ENK.data, b_scales, out_MN, offsets_E,
+        m, n, k, num_experts,
+        *a_MK.data.stride(), *a_scales.stride(),
+        *b_ENK.data.stride(), *b_scales.stride(),
+        *out_MN.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k),
+        BLOCK_E=max(triton.next_power_of_2(num_experts), 2),
+    )
+    return out_MN
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_tile(offsets_ptr, num_experts, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(expert, first row, end row) of row tile ``pid_m``; expert == num_experts past the last tile."""
+        e = tl.arange(0, BLOCK_E)
+        ends = tl.load(offsets_ptr + e, mask=e < num_experts, other=0)
+        starts = tl.load(offsets_ptr + e - 1, mask=(e > 0) & (e < num_experts), other=0)
+        tiles = tl.where(e < num_experts, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+        tiles_end = tl.cumsum(tiles, 0)
+        expert = tl.sum((tiles_end <= pid_m).to(tl.int32), 0)
+        # The selected expert's entries, as masked sums (a gather from a block by a scalar index).
+        mine = e == expert
+        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
+        row_start = tl.sum(tl.where(mine, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, ends, 0), 0)
+        return expert, row_start, row_end
+
+    @triton.jit
+    def _mx_grouped_mm_kernel(
+        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
+        M, N, K, num_experts,
+        stride_am, stride_ak, stride_asm, stride_ask,
+        stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+        stride_cm, stride_cn,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):
+        """C[rows of e, n-tile] = A[rows of e] @ B[e]^T with A (M, K), B (E, N, K) in e4m3 + e8m0 scales."""
+        SCALES_K: tl.constexpr = BLOCK_K // 32
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert, row_start, row_end = _expert_tile(offsets_ptr, num_experts, pid_m, BLOCK_M, BLOCK_E)
+        if expert < num_experts:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            row_ok = rows < row_end
+            col_ok = cols < N
+            rows64 = rows.to(tl.int64)
+            cols64 = cols.to(tl.int64)
+            b_base = b_ptr + expert.to(tl.int64) * stride_be
+            bs_base = b_scale_ptr + expert.to(tl.int64) * stride_bse
+            ks = tl.arange(0, BLOCK_K)
+            ss = tl.arange(0, SCALES_K)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # K is a multiple of BLOCK_K (the launcher picks BLOCK_K among the divisors 128, 64, 32).
+            for k0 in range(0, K, BLOCK_K):
+                a = tl.load(
+                    a_ptr + rows64[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak,
+                    mask=row_ok[:, None], other=0.0,
+                )
+                # Scale byte 127 is 2^0: masked rows hold zeros times one, never NaN.
+                a_scale = tl.load(
+                    a_scale_ptr + rows64[:, None] * stride_asm + (k0 // 32 + ss)[None, :] * stride_ask,
+                    mask=row_ok[:, None], other=127,
+                )
+                b = tl.load(
+                    b_base + cols64[None, :] * stride_bn + (k0 + ks)[:, None] * stride_bk,
+                    mask=col_ok[None, :], other=0.0,
+                )
+                b_scale = tl.load(
+                    bs_base + cols64[:, None] * stride_bsn + (k0 // 32 + ss)[None, :] * stride_bsk,
+                    mask=col_ok[:, None], other=127,
+                )
+                acc = tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)
+            c = c_ptr + rows64[:, None] * stride_cm + cols64[None, :] * stride_cn
+            tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
