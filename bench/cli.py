@@ -7,6 +7,7 @@ Exit codes: 0 success; 1 a scenario did not finish ok, or a gate found a regress
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,10 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         return _fail(str(err))
 
     launch = detect_launch()
+    if launch is None or launch.rank == 0:
+        problem = _unwritable(Path(args.out))
+        if problem:
+            return _fail(problem)
     if launch is not None:
         # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
         device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
@@ -56,6 +61,20 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     if getattr(args, "plots", False):
         _plot_after_run(Path(args.out))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _unwritable(out_root: Path) -> str | None:
+    """Why the results folder cannot take results (None when it can); checked before any work."""
+    folder = out_root
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return None
+    owner = f"owned by uid {folder.stat().st_uid}" if folder.exists() else "missing"
+    return (
+        f"{out_root}: results folder not writable by uid {os.getuid()} ({folder} is {owner}); in a container, "
+        "set HOST_UID/HOST_GID to the folder's owner (see README)"
+    )
 
 
 def _plot_after_run(out_root: Path) -> None:
@@ -167,6 +186,71 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_version(args: argparse.Namespace) -> int:
+    from bench.machine import engine_info
+
+    print(engine_info()["version"])
+    return EXIT_OK
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from bench.releases import ReleaseError, cut_release, latest_release, load_releases
+
+    try:
+        if args.version is None:
+            releases = [latest_release()] if args.latest else load_releases()
+            for release in filter(None, releases):
+                print(release.version if args.latest else f"{release.version}  {release.commit}  {release.date}")
+            return EXIT_OK
+        release = cut_release(args.version, tag=args.tag)
+    except ReleaseError as err:
+        return _fail(str(err))
+    tagged = f", tagged v{release.version}" if args.tag else ""
+    print(f"recorded release {release.version} = {release.commit} in releases.json{tagged}")
+    return EXIT_OK
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from bench.ab import ABError, plan_ab, run_ab
+    from bench.compare import parse_tolerance
+    from bench.runner import expand_paths, load_all, resolve_device, suite_files
+    from bench.scenario import ScenarioError
+
+    try:
+        tolerance = parse_tolerance(args.tolerance)
+        device = resolve_device(args.device)
+        files = expand_paths(args.files) if args.files else suite_files(args.suite or "ci", device)
+        missing = [f for f in files if not Path(f).exists()]
+        if missing:
+            return _fail(f"{missing[0]}: no such scenario file")
+        keep = Path(args.out) if args.out else None
+        if keep is not None and keep.exists() and any(keep.iterdir()):
+            return _fail(f"{keep}: --out must be a new or empty folder")
+        plan = plan_ab(args.baseline_ref, load_all(files), args.pairs, tolerance)
+    except (ABError, ScenarioError, ValueError) as err:
+        return _fail(str(err))
+    print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s) "
+          f"x {plan.pairs} pairs, alternating", flush=True)
+    try:
+        report = run_ab(plan, device=args.device, keep=keep, log=lambda line: print(line, flush=True))
+    except ABError as err:  # the baseline worktree could not be made
+        return _fail(str(err))
+    print(report.render(), end="")
+    return report.exit_code
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    from bench.versions import VersionsError, run_versions
+
+    try:
+        code, table = run_versions(args.images, args.suite, Path(args.out), args.gpus,
+                                   log=lambda line: print(line, flush=True))
+    except VersionsError as err:
+        return _fail(str(err))
+    print(table, end="")
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,6 +290,33 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("results_dir")
     plot.add_argument("--out", required=True)
     plot.set_defaults(func=cmd_plot)
+
+    ab = sub.add_parser("ab", help="A/B gate: a baseline git ref and this checkout alternately, paired ratios")
+    ab.add_argument("files", nargs="*", help="scenario files or folders (default: the --suite)")
+    ab.add_argument("--baseline-ref", help="git ref of the baseline (default: the latest release in releases.json)")
+    ab.add_argument("--suite", help="suite from scenarios/suites.yaml (default: ci)")
+    ab.add_argument("--pairs", type=int, default=3, help="baseline/candidate pairs per scenario (at least 3)")
+    ab.add_argument("--tolerance", default="5%")
+    ab.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    ab.add_argument("--out", help="keep every run's result document here (default: discarded)")
+    ab.set_defaults(func=cmd_ab)
+
+    versions = sub.add_parser("versions", help="run one suite in several engine images (Docker) and compare them")
+    versions.add_argument("images", nargs="+", metavar="IMAGE")
+    versions.add_argument("--suite", default="default")
+    versions.add_argument("--out", default="results", help="results root (default: results)")
+    versions.add_argument("--gpus", choices=["auto", "all", "none"], default="auto",
+                          help="request the host's GPUs (auto: when nvidia-smi lists one)")
+    versions.set_defaults(func=cmd_versions)
+
+    release = sub.add_parser("release", help="record HEAD as release VERSION in releases.json; list releases")
+    release.add_argument("version", nargs="?", help="the version to release (default: list the recorded releases)")
+    release.add_argument("--latest", action="store_true", help="print only the latest release's version")
+    release.add_argument("--no-tag", dest="tag", action="store_false", help="do not create the tag vVERSION")
+    release.set_defaults(func=cmd_release)
+
+    version = sub.add_parser("version", help="print the engine version (the folder name under results/)")
+    version.set_defaults(func=cmd_version)
 
     micro = sub.add_parser("micro", help="run the micro-benchmarks and fold them into a result document")
     micro.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

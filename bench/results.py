@@ -116,6 +116,8 @@ def write_result(data: dict[str, Any], directory: Path) -> Path:
     text = json.dumps(data, indent=2, sort_keys=False) + "\n"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
     try:
+        # mkstemp creates 0600; results are meant to be read by others (and from the host, under Docker).
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
