@@ -41,15 +41,22 @@ class ScaleRounding(str, Enum):
     """ceil(log2(amax / 448)): the scale is rounded up so that nothing saturates."""
 
 
-def _blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int]:
-    """x with ``axis`` moved last and split into (..., n_blocks, block); returns it and the axis."""
-    axis = axis % x.ndim
-    size = x.shape[axis]
+def check_blocked_axis(shape: torch.Size, axis: int, block: int) -> int:
+    """The non-negative axis; a clear error when its size is not a multiple of the block."""
+    axis = axis % len(shape)
+    size = shape[axis]
     if size % block:
         raise ValueError(
             f"MXFP8 quantizes blocks of {block} along axis {axis}, whose size {size} is not a multiple of "
             f"{block}; pad the tensor to a multiple of {block}"
         )
+    return axis
+
+
+def _blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int]:
+    """x with ``axis`` moved last and split into (..., n_blocks, block); returns it and the axis."""
+    axis = check_blocked_axis(x.shape, axis, block)
+    size = x.shape[axis]
     moved = x.movedim(axis, -1)
     return moved.reshape(*moved.shape[:-1], size // block, block), axis
 

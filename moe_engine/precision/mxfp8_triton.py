@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_engine.precision.mxfp8 import BLOCK, ScaleRounding, quantize
+from moe_engine.precision.mxfp8 import BLOCK, ScaleRounding, check_blocked_axis, quantize
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE_ELEMENTS = 4096
@@ -120,13 +120,8 @@ def quantize_triton(
     """``mxfp8.quantize`` on the GPU: (data float8_e4m3fn shaped like x, scales float8_e8m0fnu)."""
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"MXFP8 quantization takes float32, bfloat16 or float16 tensors, not {x.dtype}")
-    axis = axis % x.ndim
+    axis = check_blocked_axis(x.shape, axis, block)
     size = x.shape[axis]
-    if size % block:
-        raise ValueError(
-            f"MXFP8 quantizes blocks of {block} along axis {axis}, whose size {size} is not a multiple of "
-            f"{block}; pad the tensor to a multiple of {block}"
-        )
     if not (x.is_cuda or _interpreted()):
         raise ValueError(
             f"quantize_triton runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), got one on {x.device}"
