@@ -9,11 +9,23 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_len: int, theta: float):
         super().__init__()
-        inv_freq_d = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        angles_Sd = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq_d)
+        self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
+        self.register_buffer("cos_SH", torch.empty(max_len, head_dim), persistent=False)
+        self.register_buffer("sin_SH", torch.empty(max_len, head_dim), persistent=False)
+        self.reset_tables()
+
+    @torch.no_grad()
+    def reset_tables(self) -> None:
+        """(Re)compute the tables in place, on whatever device the buffers live (after ``to_empty``)."""
+        device = self.cos_SH.device
+        if device.type == "meta":
+            return
+        exponent_d = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim
+        inv_freq_d = 1.0 / self.theta**exponent_d
+        angles_Sd = torch.outer(torch.arange(self.max_len, dtype=torch.float32, device=device), inv_freq_d)
         angles_SH = torch.cat([angles_Sd, angles_Sd], dim=-1)
-        self.register_buffer("cos_SH", angles_SH.cos(), persistent=False)
-        self.register_buffer("sin_SH", angles_SH.sin(), persistent=False)
+        self.cos_SH.copy_(angles_SH.cos())
+        self.sin_SH.copy_(angles_SH.sin())
 
     def forward(self, q_BHSd: torch.Tensor, k_BHSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         seq_len = q_BHSd.shape[-2]

@@ -143,31 +143,51 @@ class AllToAllDispatcher(Dispatcher):
             return self._sync(x_TD, route, experts)
         return self._no_sync(x_TD, route, experts)
 
+    def send_counts(self, expert_TK: torch.Tensor, num_local: int) -> torch.Tensor:
+        """(ep, L) rows these routes send each destination's local experts (after capacity drops)."""
+        plan = plan_routing(expert_TK, self.ep * num_local)
+        if self.kind is DispatchKind.SYNC:
+            return plan.groups.counts_E.view(self.ep, -1)
+        slot_capacity = capacity(expert_TK.numel(), self.ep, self.capacity_factor)
+        return plan_slots(plan, self.ep, slot_capacity).kept_E.view(self.ep, -1)
+
+    # The two exchanges are methods so that a proxy rank (``moe_engine.proxy``) can stand in for its peers.
+    def exchange_counts(self, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
+        """(ep, L) rows each source sends this rank's local experts."""
+        return _all_to_all(send_counts_SL, None, None, self.group)
+
+    def exchange_rows(
+        self, send_RD: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, combine: bool
+    ) -> torch.Tensor:
+        """Differentiable row all-to-all: tokens out to the experts, or (``combine``) outputs back."""
+        return all_to_all(send_RD, self.group, recv_splits, send_splits)
+
     def _sync(self, x_TD, route, experts):
-        ep, group = self.ep, self.group
+        ep = self.ep
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
         send_counts_SL = plan.groups.counts_E.view(ep, -1)
-        recv_counts_SL = _all_to_all(send_counts_SL, None, None, group)
+        recv_counts_SL = self.exchange_counts(send_counts_SL, route.expert_TK)
         # The one host synchronisation of this variant: both sides' split sizes.
         send_splits, recv_splits = torch.stack([send_counts_SL.sum(dim=1), recv_counts_SL.sum(dim=1)]).tolist()
 
-        recv_MD = all_to_all(gather_tokens(x_TD, plan.rows), group, recv_splits, send_splits)
+        recv_MD = self.exchange_rows(gather_tokens(x_TD, plan.rows), recv_splits, send_splits, combine=False)
         local_ids = torch.arange(experts.num_experts, device=x_TD.device).repeat(ep)
         local_M = torch.repeat_interleave(local_ids, recv_counts_SL.flatten(), output_size=recv_MD.shape[0])
         y_MD = _run_received(recv_MD, local_M, recv_counts_SL.sum(dim=0), experts, padded=False)
-        y_ND = all_to_all(y_MD, group, send_splits, recv_splits)
+        y_ND = self.exchange_rows(y_MD, send_splits, recv_splits, combine=True)
         return combine(y_ND, route.weight_TK, plan.rows), _no_drops(x_TD.device)
 
     def _no_sync(self, x_TD, route, experts):
-        ep, group = self.ep, self.group
+        ep = self.ep
         num_tokens, top_k = route.expert_TK.shape
         slot_capacity = capacity(num_tokens * top_k, ep, self.capacity_factor)
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
         slots = plan_slots(plan, ep, slot_capacity)
-        recv_counts_SL = _all_to_all(slots.kept_E.view(ep, -1), None, None, group)
+        recv_counts_SL = self.exchange_counts(slots.kept_E.view(ep, -1), route.expert_TK)
 
         # One gather from x_TD writes each kept assignment straight into its slot.
-        recv_RD = all_to_all(gather_tokens(x_TD, slots.rows), group)
+        recv_RD = self.exchange_rows(gather_tokens(x_TD, slots.rows), None, None, combine=False)
         local_R = received_local_experts(recv_counts_SL, slot_capacity)
         y_RD = _run_received(recv_RD, local_R, recv_counts_SL.sum(dim=0), experts, padded=True)
-        return combine(all_to_all(y_RD, group), route.weight_TK, slots.rows), slots.dropped
+        y_RD = self.exchange_rows(y_RD, None, None, combine=True)
+        return combine(y_RD, route.weight_TK, slots.rows), slots.dropped

@@ -78,6 +78,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, d_model, dtype=torch.float32))
         # Shifts selection only (aux-loss-free balancing); never enters the combine weights.
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+        self.layer_idx = layer_idx
         self._seed = config.routing_seed + _LAYER_SEED_STRIDE * layer_idx
         self._generator: torch.Generator | None = None
 

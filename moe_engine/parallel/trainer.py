@@ -44,6 +44,19 @@ class RankModel:
         return [m for m in self.module.modules() if isinstance(m, MoELayer)]
 
 
+def routing_seed(base_seed: int, dp_rank: int) -> int:
+    """The random-routing seed of a data-parallel rank (each rank draws its own routes)."""
+    return base_seed + _DP_SEED_STRIDE * dp_rank
+
+
+def rank_config(config: ModelConfig, groups: ProcessGroups | None) -> ModelConfig:
+    """The model config a rank builds: the routing seed of its data-parallel rank."""
+    if groups is None:
+        return config
+    seed = routing_seed(config.moe.routing_seed, groups.coords.dp_rank)
+    return dataclasses.replace(config, moe=dataclasses.replace(config.moe, routing_seed=seed))
+
+
 def build_rank_model(
     config: ModelConfig,
     parallel: ParallelConfig,
@@ -57,9 +70,7 @@ def build_rank_model(
     if groups is None and parallel.world_size > 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs process groups")
     fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
-    if groups is not None:
-        routing_seed = config.moe.routing_seed + _DP_SEED_STRIDE * groups.coords.dp_rank
-        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, routing_seed=routing_seed))
+    config = rank_config(config, groups)
     # FSDP keeps fp32 shards as the master weights and casts the gathered copies itself.
     model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed)
     if parallel.ep > 1:

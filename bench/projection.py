@@ -1,0 +1,444 @@
+"""Projection: one rank's measured compute and collectives priced as a step time on a whole cluster.
+
+A run on a few ranks measures how long one rank computes a microbatch and records every collective it
+issued with its byte size. The projection prices those collectives on a target network with an
+alpha-beta model (a fixed cost per message plus bytes over bandwidth) and assembles the step the
+pipeline schedule would run. Pure arithmetic on the standard library: nothing here needs torch.
+
+Notation: B = bytes of a collective (see ``Collective.nbytes`` for which buffer), n = ranks in its group,
+g = gpus_per_node, alpha = latency_us * 1e-6 s, bw_intra / bw_inter = intra_node_gbps / inter_node_gbps
+* 1e9 bytes/s, m = microbatches, v = virtual_stages.
+
+Network
+    Rank r sits on node r // g. A group spans nodes when its ranks are not all on one node; it is then
+    priced at bw_inter, else at bw_intra (beta below). Bandwidths are per GPU, each direction.
+
+Collectives (seconds of one call, times ``count``; every op but send/recv costs 0 when n = 1)
+    all_to_all:      (n-1) alpha + max(B (l-1)/n / bw_intra, B (n-l)/n / bw_inter)
+                     l = the group's ranks on the projected rank's node (itself included); the (l-1)/n of
+                     the buffer that stays on the node and the (n-l)/n that leaves it move in parallel
+    all_reduce:      2 (n-1) alpha + 2 (n-1)/n B / beta                 (ring: reduce-scatter + all-gather)
+    reduce_scatter:  (n-1) alpha + (n-1)/n B / beta                     (ring; B = the whole input)
+    all_gather:      (n-1) alpha + (n-1)/n B / beta                     (ring; B = the whole output)
+    broadcast:       (n-1) alpha + B / beta                             (pipelined ring)
+    barrier:         2 ceil(log2 n) alpha                               (dissemination, no payload)
+    send, recv:      alpha + B / beta                                   (beta from whether the pair shares a node)
+    A send and its matching recv are recorded by the two ranks for different messages, so each entry is
+    priced on its own.
+
+Step (times in seconds; c_exp, c_pipe = summed seconds of one microbatch's "expert" and "pipeline" entries)
+    t_mb      = microbatch_s + c_exp + c_pipe   (dispatch all-to-alls and stage messages sit on the
+                                                 critical path: no overlap with compute is assumed)
+    bubble    = 0                          pp = 1
+                (pp - 1) t_mb              gpipe, 1f1b   (pipeline time (m + pp - 1) t_mb)
+                (pp - 1) t_mb / v          interleaved1f1b
+    pipeline  = m t_mb + bubble            (every stage is assumed as slow as the measured rank)
+    G         = summed seconds of the per-step "grad" entries
+    exposed   = max(0, G - backward_fraction * microbatch_s) with grad_overlap (the sync hides under the
+                last microbatch's backward), else G
+    other     = summed seconds of the per-step "other" entries (never hidden)
+    step      = pipeline + exposed + optimizer_s + other
+
+Breakdown (sums to the step)
+    compute = m microbatch_s, expert_comm = m c_exp, pipeline_comm = m c_pipe, bubble, grad_sync_exposed,
+    optimizer, other_comm; grad_sync_total = G is reported beside them and is not part of the sum.
+
+Throughput
+    tokens_per_s_per_gpu = tokens_per_step / step / world_size
+    tflops_per_gpu       = flops_per_token * tokens_per_step / step / world_size / 1e12
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "Collective",
+    "Network",
+    "Projection",
+    "RankTiming",
+    "Schedule",
+    "collective_seconds",
+    "project_step",
+    "summarize_collectives",
+]
+
+OPS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv")
+PHASES = ("expert", "pipeline", "grad", "other")
+PER_MICROBATCH_PHASES = ("expert", "pipeline")
+PER_STEP_PHASES = ("grad", "other")
+KINDS = ("gpipe", "1f1b", "interleaved1f1b")
+BREAKDOWN_KEYS = (
+    "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "grad_sync_total", "optimizer",
+    "other_comm",
+)
+"""Keys of ``Projection.breakdown_s``; all but grad_sync_total add up to the step."""
+
+_CLUSTER_DEFAULTS: dict[str, Any] = {
+    "gpus_per_node": 8,
+    "intra_node_gbps": 900.0,
+    "inter_node_gbps": 50.0,
+    "latency_us": 10.0,
+}
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int subclass; True as a rank or byte count is always a mistake.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ---- the network ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Network:
+    """The links of a cluster as the projection prices them."""
+
+    gpus_per_node: int
+    """GPUs (ranks) per node; rank r sits on node r // gpus_per_node."""
+    intra_node_gbps: float
+    """Per-GPU bandwidth inside a node, GB/s (1e9 bytes/s)."""
+    inter_node_gbps: float
+    """Per-GPU bandwidth between nodes, GB/s (1e9 bytes/s)."""
+    latency_us: float
+    """Alpha: fixed cost of one message (one step of a collective), microseconds."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.gpus_per_node) or self.gpus_per_node < 1:
+            raise ValueError(f"network.gpus_per_node: must be an integer >= 1, got {self.gpus_per_node!r}")
+        for name in ("intra_node_gbps", "inter_node_gbps"):
+            value = getattr(self, name)
+            if not _is_number(value) or not value > 0:
+                raise ValueError(f"network.{name}: must be a number > 0, got {value!r}")
+        if not _is_number(self.latency_us) or not self.latency_us >= 0:
+            raise ValueError(f"network.latency_us: must be a number >= 0, got {self.latency_us!r}")
+
+    @classmethod
+    def from_cluster(cls, cluster: Mapping[str, Any]) -> Network:
+        """The network of a scenario's ``cluster:`` mapping; missing keys take the defaults, other keys are ignored."""
+        values = {key: cluster.get(key, default) for key, default in _CLUSTER_DEFAULTS.items()}
+        return cls(**values)
+
+    @property
+    def alpha_s(self) -> float:
+        return self.latency_us * 1e-6
+
+    @property
+    def intra_bytes_per_s(self) -> float:
+        return self.intra_node_gbps * 1e9
+
+    @property
+    def inter_bytes_per_s(self) -> float:
+        return self.inter_node_gbps * 1e9
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def spans_nodes(self, ranks: Iterable[int]) -> bool:
+        return len({self.node(r) for r in ranks}) > 1
+
+    def beta(self, ranks: Iterable[int]) -> float:
+        """Bytes per second a group's ring moves: the slowest link it crosses."""
+        return self.inter_bytes_per_s if self.spans_nodes(ranks) else self.intra_bytes_per_s
+
+
+# ---- collectives ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call as this rank issued it."""
+
+    op: str
+    """One of all_to_all, all_reduce, reduce_scatter, all_gather, broadcast, barrier, send, recv."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group; for send and recv the pair (this rank, peer)."""
+    nbytes: int
+    """all_to_all: this rank's send buffer; all_reduce, broadcast: the tensor; reduce_scatter: the whole
+    input; all_gather: the whole output; send, recv: the message; barrier: 0."""
+    phase: str
+    """expert (token dispatch, inside a microbatch), pipeline (stage messages, per microbatch), grad
+    (gradient / parameter sync, once per step) or other (anything else, once per step)."""
+    count: int = 1
+    """How many identical calls this entry stands for."""
+
+    def __post_init__(self) -> None:
+        # Records may come from JSON, where the group is a list; keep the frozen, hashable tuple.
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        if self.op not in OPS:
+            raise ValueError(f"collective.op: unknown op {self.op!r}; expected one of {', '.join(OPS)}")
+        if self.phase not in PHASES:
+            raise ValueError(f"collective.phase: unknown phase {self.phase!r}; expected one of {', '.join(PHASES)}")
+        if not self.ranks:
+            raise ValueError(f"collective.ranks: {self.op} needs at least one rank")
+        if not all(_is_int(r) and r >= 0 for r in self.ranks):
+            raise ValueError(f"collective.ranks: ranks must be integers >= 0, got {self.ranks!r}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"collective.ranks: {self.op} group lists a rank twice: {self.ranks!r}")
+        if self.op in ("send", "recv") and len(self.ranks) != 2:
+            raise ValueError(f"collective.ranks: {self.op} needs (this rank, peer), got {self.ranks!r}")
+        if not _is_int(self.nbytes) or self.nbytes < 0:
+            raise ValueError(f"collective.nbytes: must be an integer >= 0, got {self.nbytes!r}")
+        if self.op == "barrier" and self.nbytes != 0:
+            raise ValueError(f"collective.nbytes: a barrier carries no payload, got {self.nbytes}")
+        if not _is_int(self.count) or self.count < 1:
+            raise ValueError(f"collective.count: must be an integer >= 1, got {self.count!r}")
+
+
+def _all_to_all_seconds(c: Collective, rank: int, net: Network) -> float:
+    n, b = len(c.ranks), c.nbytes
+    local = sum(1 for r in c.ranks if net.node(r) == net.node(rank))
+    on_node = b * (local - 1) / n / net.intra_bytes_per_s
+    off_node = b * (n - local) / n / net.inter_bytes_per_s
+    return (n - 1) * net.alpha_s + max(on_node, off_node)
+
+
+def _one_call_seconds(c: Collective, rank: int, net: Network) -> float:
+    n, b, alpha = len(c.ranks), c.nbytes, net.alpha_s
+    if c.op in ("send", "recv"):
+        return alpha + b / net.beta(c.ranks)
+    if n == 1:
+        return 0.0
+    if c.op == "all_to_all":
+        return _all_to_all_seconds(c, rank, net)
+    if c.op == "barrier":
+        return 2 * math.ceil(math.log2(n)) * alpha
+    beta = net.beta(c.ranks)
+    if c.op == "all_reduce":
+        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta
+    if c.op in ("reduce_scatter", "all_gather"):
+        return (n - 1) * alpha + (n - 1) / n * b / beta
+    # broadcast: a pipelined ring moves every byte over each link once.
+    return (n - 1) * alpha + b / beta
+
+
+def collective_seconds(c: Collective, rank: int, net: Network) -> float:
+    """Seconds ``rank`` spends in ``c`` (all ``c.count`` calls) on ``net`` (formulas in the module docstring)."""
+    if rank not in c.ranks:
+        raise ValueError(f"collective.ranks: rank {rank} is not in the {c.op} group {c.ranks!r}")
+    return c.count * _one_call_seconds(c, rank, net)
+
+
+def summarize_collectives(items: list[Collective]) -> list[dict[str, Any]]:
+    """Identical (op, group size, nbytes, phase) entries merged, JSON-ready, the most bytes first."""
+    counts: dict[tuple[str, int, int, str], int] = {}
+    for c in items:
+        key = (c.op, len(c.ranks), c.nbytes, c.phase)
+        counts[key] = counts.get(key, 0) + c.count
+    rows = [
+        {"op": op, "group_size": size, "nbytes": nbytes, "phase": phase, "count": count,
+         "total_bytes": nbytes * count}
+        for (op, size, nbytes, phase), count in counts.items()
+    ]
+    # Ties are ordered by the key so the table does not depend on the order collectives were recorded in.
+    rows.sort(key=lambda r: (-r["total_bytes"], r["op"], r["phase"], r["group_size"], r["nbytes"]))
+    return rows
+
+
+# ---- the step ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The pipeline schedule the step runs."""
+
+    pp: int
+    """Pipeline stages (ranks in a pipeline)."""
+    virtual_stages: int
+    """Model chunks per pipeline rank (more than one needs interleaved1f1b)."""
+    microbatches: int
+    """Microbatches per optimizer step on each data-parallel rank."""
+    kind: str
+    """gpipe, 1f1b or interleaved1f1b; ignored when pp == 1."""
+    grad_overlap: bool
+    """Gradient sync overlaps the last microbatch's backward (the engine does this when pp == 1 and
+    microbatches == 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "virtual_stages", "microbatches"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"schedule.{name}: must be an integer >= 1, got {value!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"schedule.kind: unknown schedule {self.kind!r}; expected one of {', '.join(KINDS)}")
+        # The engine refuses this layout too (ParallelConfig.validate); the bubble formula would not apply.
+        if self.virtual_stages > 1 and self.kind != "interleaved1f1b":
+            raise ValueError(
+                f"schedule.virtual_stages: {self.virtual_stages} stages per rank needs kind interleaved1f1b, "
+                f"got {self.kind}"
+            )
+
+
+@dataclass(frozen=True)
+class RankTiming:
+    """Compute of the projected rank, per the projection's scale."""
+
+    microbatch_s: float
+    """Forward + backward compute of one microbatch on this rank (all its stages), seconds."""
+    optimizer_s: float
+    """Optimizer step, once per step, seconds."""
+    backward_fraction: float = 2 / 3
+    """Share of microbatch_s that is backward: what an overlapped gradient sync can hide under."""
+
+    def __post_init__(self) -> None:
+        for name in ("microbatch_s", "optimizer_s"):
+            value = getattr(self, name)
+            if not _is_number(value) or not value >= 0:
+                raise ValueError(f"timing.{name}: must be a number >= 0, got {value!r}")
+        if not _is_number(self.backward_fraction) or not 0 <= self.backward_fraction <= 1:
+            raise ValueError(f"timing.backward_fraction: must be in [0, 1], got {self.backward_fraction!r}")
+
+
+@dataclass(frozen=True)
+class Projection:
+    """The projected step of one rank on the target cluster."""
+
+    step_s: float
+    """Projected optimizer step time, seconds."""
+    tokens_per_s_per_gpu: float
+    """tokens_per_step / step_s / world_size."""
+    tflops_per_gpu: float
+    """flops_per_token * tokens_per_step / step_s / world_size / 1e12."""
+    breakdown_s: dict[str, float]
+    """Seconds by cause (``BREAKDOWN_KEYS``); all but grad_sync_total add up to step_s."""
+    assumptions: list[str]
+    """Every modelling assumption behind the numbers, in plain sentences with the formulas used."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready copy."""
+        return {
+            "step_s": self.step_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "breakdown_s": dict(self.breakdown_s),
+            "assumptions": list(self.assumptions),
+        }
+
+
+def _check_entries(name: str, items: list[Collective], phases: tuple[str, ...], world_size: int, rank: int) -> None:
+    elsewhere = "per_step (once per step)" if name == "per_microbatch" else "per_microbatch (one microbatch's)"
+    for i, c in enumerate(items):
+        if not isinstance(c, Collective):
+            raise ValueError(f"{name}[{i}]: expected a Collective, got {type(c).__name__}")
+        if c.phase not in phases:
+            raise ValueError(f"{name}[{i}]: phase {c.phase!r} belongs in {elsewhere}; {name} takes "
+                             f"{' and '.join(phases)}")
+        if max(c.ranks) >= world_size:
+            raise ValueError(f"{name}[{i}]: {c.op} group {c.ranks!r} names a rank >= world_size={world_size}")
+        if rank not in c.ranks:
+            raise ValueError(f"{name}[{i}]: rank {rank} is not in the {c.op} group {c.ranks!r}")
+
+
+def _seconds(items: list[Collective], phase: str, rank: int, net: Network) -> float:
+    return sum(collective_seconds(c, rank, net) for c in items if c.phase == phase)
+
+
+def _bubble(schedule: Schedule, t_mb: float) -> float:
+    pp, v = schedule.pp, schedule.virtual_stages
+    if pp == 1:
+        return 0.0
+    if schedule.kind == "interleaved1f1b":
+        # Warm-up and drain run chunk-sized pieces of a microbatch, 1/v of one each.
+        return (pp - 1) * t_mb / v
+    return (pp - 1) * t_mb
+
+
+def _assumptions(schedule: Schedule, net: Network) -> list[str]:
+    pp, v = schedule.pp, schedule.virtual_stages
+    if pp == 1:
+        pipeline = "no pipeline (pp = 1): the step runs m microbatches back to back, m * t_mb, no bubble"
+    elif schedule.kind == "interleaved1f1b":
+        pipeline = (f"interleaved 1F1B over pp = {pp} stages with v = {v} chunks per rank: pipeline time "
+                    "m * t_mb + (pp - 1) * t_mb / v; every stage is as slow as the measured rank")
+    else:
+        pipeline = (f"{schedule.kind} over pp = {pp} stages: pipeline time (m + pp - 1) * t_mb; every stage is "
+                    "as slow as the measured rank")
+    grad = ("gradient sync G overlaps the last microbatch's backward: exposed = max(0, G - backward_fraction * "
+            "microbatch_s)" if schedule.grad_overlap else "gradient sync G runs after the last backward, fully "
+            "exposed")
+    return [
+        f"network: {net.gpus_per_node} GPUs per node (rank r on node r // {net.gpus_per_node}), "
+        f"{net.intra_node_gbps:g} GB/s per GPU inside a node, {net.inter_node_gbps:g} GB/s per GPU between "
+        f"nodes (1 GB = 1e9 bytes), alpha = {net.latency_us:g} us per message",
+        "alpha-beta model: a group spanning nodes moves bytes at the inter-node bandwidth, else at the "
+        "intra-node one (beta); no contention between concurrent collectives, no protocol overheads",
+        "all_to_all: (n-1) * alpha + max(B * (l-1)/n / intra, B * (n-l)/n / inter), l = the group's ranks "
+        "on this rank's node, B = this rank's send buffer; the on-node and off-node shares move in parallel",
+        "all_reduce (ring): 2 * (n-1) * alpha + 2 * (n-1)/n * B / beta",
+        "reduce_scatter and all_gather (ring): (n-1) * alpha + (n-1)/n * B / beta, B = the whole input or output",
+        "broadcast (pipelined ring): (n-1) * alpha + B / beta",
+        "barrier: 2 * ceil(log2 n) * alpha",
+        "send and recv: alpha + B / beta, each recorded message priced on its own",
+        "a single-rank group costs nothing (except send and recv)",
+        "t_mb = microbatch compute + its expert all-to-alls + its pipeline messages: communication inside a "
+        "microbatch is on the critical path, not overlapped with compute",
+        pipeline,
+        grad,
+        "other once-per-step collectives are fully exposed; the optimizer step runs once, after the gradient sync",
+        "step = pipeline time + exposed gradient sync + optimizer + other collectives",
+    ]
+
+
+def project_step(
+    rank: int,
+    timing: RankTiming,
+    per_microbatch: list[Collective],
+    per_step: list[Collective],
+    schedule: Schedule,
+    net: Network,
+    tokens_per_step: int,
+    world_size: int,
+    flops_per_token: float,
+) -> Projection:
+    """The projected step of ``rank`` (formulas in the module docstring).
+
+    ``per_microbatch`` holds the collectives of one microbatch (phases expert and pipeline), ``per_step``
+    those issued once per step (phases grad and other); ``tokens_per_step`` is global.
+    """
+    if not _is_int(world_size) or world_size < 1:
+        raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be an integer in [0, {world_size}), got {rank!r}")
+    if not _is_int(tokens_per_step) or tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step: must be an integer >= 1, got {tokens_per_step!r}")
+    if not _is_number(flops_per_token) or not flops_per_token >= 0:
+        raise ValueError(f"flops_per_token: must be a number >= 0, got {flops_per_token!r}")
+    if schedule.pp > world_size:
+        raise ValueError(f"schedule.pp: {schedule.pp} stages exceed world_size={world_size}")
+    _check_entries("per_microbatch", per_microbatch, PER_MICROBATCH_PHASES, world_size, rank)
+    _check_entries("per_step", per_step, PER_STEP_PHASES, world_size, rank)
+
+    m = schedule.microbatches
+    expert = _seconds(per_microbatch, "expert", rank, net)
+    pipe = _seconds(per_microbatch, "pipeline", rank, net)
+    t_mb = timing.microbatch_s + expert + pipe
+    grad = _seconds(per_step, "grad", rank, net)
+    hidden = timing.backward_fraction * timing.microbatch_s if schedule.grad_overlap else 0.0
+    breakdown = {
+        "compute": m * timing.microbatch_s,
+        "expert_comm": m * expert,
+        "pipeline_comm": m * pipe,
+        "bubble": _bubble(schedule, t_mb),
+        "grad_sync_exposed": max(0.0, grad - hidden),
+        "grad_sync_total": grad,
+        "optimizer": timing.optimizer_s,
+        "other_comm": _seconds(per_step, "other", rank, net),
+    }
+    # Summing the parts (rather than pipeline time + ...) keeps the breakdown adding up to the step exactly.
+    step = sum(v for k, v in breakdown.items() if k != "grad_sync_total")
+    if not step > 0:
+        raise ValueError("projected step time is 0: give the rank some compute, optimizer or communication time")
+    return Projection(
+        step_s=step,
+        tokens_per_s_per_gpu=tokens_per_step / step / world_size,
+        tflops_per_gpu=flops_per_token * tokens_per_step / step / world_size / 1e12,
+        breakdown_s=breakdown,
+        assumptions=_assumptions(schedule, net),
+    )

@@ -1,0 +1,130 @@
+"""Stand-ins for the other ranks of a proxy rank's expert-parallel group.
+
+A proxy rank runs ``AllToAllDispatcher``'s code with one change: after each exchange, whose
+collective is issued on the fake world (and recorded) but moves nothing, the received counts and
+rows are supplied by a ``PeerTraffic``:
+
+- counts: ``SimulatedPeers`` replays each peer's router. Random, balanced and skewed routing draw
+  from a generator seeded per data-parallel rank and layer, so the proxy computes exactly the
+  routes, capacity drops and counts the real peers would send it. Learned routing depends on the
+  peers' activations, which do not exist here; each peer is then assumed to route like this rank.
+- rows: the values of the tokens peers would send are not known either; the proxy reuses its own
+  outgoing rows (repeated or cut to the received size). Expert GEMMs see the right shapes and
+  realistic magnitudes. Gradients coming back are treated the same way.
+
+Work done only to fabricate traffic runs inside ``fabrication()``, so a phase timer can leave it out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from typing import ContextManager
+
+import torch
+
+from moe_engine.config import MoEConfig, RoutingMode
+from moe_engine.moe.dispatch import AllToAllDispatcher, _all_to_all
+from moe_engine.moe.router import Router
+
+
+def repeat_rows(rows_RD: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``num_rows`` rows cycling through ``rows_RD`` (zeros when it has none)."""
+    if rows_RD.shape[0] == 0:
+        return rows_RD.new_zeros(num_rows, *rows_RD.shape[1:])
+    if rows_RD.shape[0] == num_rows:
+        return rows_RD.clone()
+    index = torch.arange(num_rows, device=rows_RD.device) % rows_RD.shape[0]
+    return rows_RD.index_select(0, index)
+
+
+class PeerTraffic:
+    """What the ep group sends this rank; the default reuses this rank's own traffic."""
+
+    def counts(self, dispatcher: AllToAllDispatcher, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
+        """(ep, L): rows each source rank sends this rank's local experts."""
+        return dispatcher.send_counts(expert_TK, send_counts_SL.shape[1])
+
+    def rows(self, send_RD: torch.Tensor, num_rows: int, combine: bool) -> torch.Tensor:
+        """The ``num_rows`` received rows, given the rows this rank sent in the same exchange."""
+        return repeat_rows(send_RD, num_rows)
+
+
+class SimulatedPeers(PeerTraffic):
+    """Peers' counts from replicas of their routers (see the module docstring)."""
+
+    def __init__(self, moe: MoEConfig, layer_idx: int, peer_routing_seeds: list[int | None], d_model: int):
+        """``peer_routing_seeds[s]`` is ep rank s's routing seed, None for this rank itself."""
+        self.routers: list[Router | None] = []
+        for seed in peer_routing_seeds:
+            if seed is None:
+                self.routers.append(None)
+                continue
+            # Only the selection stream is used: the replica's weights stay on the meta device.
+            config = dataclasses.replace(moe, routing_seed=seed)
+            with torch.device("meta"):
+                self.routers.append(Router(d_model, config, layer_idx))
+        self.learned = moe.routing is RoutingMode.LEARNED
+
+    def counts(self, dispatcher, send_counts_SL, expert_TK):
+        me = self.routers.index(None)
+        num_tokens, num_local = expert_TK.shape[0], send_counts_SL.shape[1]
+        rows = []
+        for router in self.routers:
+            if router is None:
+                rows.append(send_counts_SL[me])
+                continue
+            if self.learned:
+                peer_TK = expert_TK
+            else:
+                scores_TE = torch.empty(num_tokens, router.config.num_experts, device=expert_TK.device)
+                peer_TK = router.select_experts(scores_TE)
+            rows.append(dispatcher.send_counts(peer_TK, num_local)[me])
+        return torch.stack(rows)
+
+
+class _PeerExchange(torch.autograd.Function):
+    """The all-to-all as issued on the fake world, with received rows (and gradients) fabricated."""
+
+    @staticmethod
+    def forward(ctx, send_RD, dispatcher, recv_splits, send_splits, combine):
+        ctx.dispatcher, ctx.splits = dispatcher, (recv_splits, send_splits)
+        recv_RD = _all_to_all(send_RD, recv_splits, send_splits, dispatcher.group)
+        with dispatcher.fabrication():
+            recv_RD.copy_(dispatcher.peers.rows(send_RD, recv_RD.shape[0], combine))
+        return recv_RD
+
+    @staticmethod
+    def backward(ctx, grad_recv_RD):
+        recv_splits, send_splits = ctx.splits
+        dispatcher = ctx.dispatcher
+        grad_send_RD = _all_to_all(grad_recv_RD, send_splits, recv_splits, dispatcher.group)
+        with dispatcher.fabrication():
+            grad_send_RD.copy_(repeat_rows(grad_recv_RD, grad_send_RD.shape[0]))
+        return grad_send_RD, None, None, None, None
+
+
+class ProxyDispatcher(AllToAllDispatcher):
+    """``AllToAllDispatcher`` on a fake world, with ``peers`` supplying what the other ranks send."""
+
+    def __init__(
+        self,
+        group,
+        kind,
+        capacity_factor: float,
+        peers: PeerTraffic,
+        fabrication: Callable[[], ContextManager] = contextlib.nullcontext,
+    ):
+        super().__init__(group, kind, capacity_factor)
+        self.peers = peers
+        self.fabrication = fabrication
+
+    def exchange_counts(self, send_counts_SL, expert_TK):
+        recv_counts_SL = super().exchange_counts(send_counts_SL, expert_TK)
+        with self.fabrication():
+            recv_counts_SL.copy_(self.peers.counts(self, send_counts_SL, expert_TK))
+        return recv_counts_SL
+
+    def exchange_rows(self, send_RD, recv_splits, send_splits, combine):
+        return _PeerExchange.apply(send_RD, self, recv_splits, send_splits, combine)
