@@ -23,7 +23,7 @@ from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.pipeline import StageModule
 from moe_engine.parallel.trainer import RankModel, rank_config, routing_seed
-from moe_engine.proxy.peers import PeerTraffic, ProxyDispatcher, SimulatedPeers
+from moe_engine.proxy.peers import ProxyDispatcher, SimulatedPeers
 
 
 def check_proxy_layout(parallel: ParallelConfig) -> None:
@@ -37,7 +37,7 @@ def check_proxy_layout(parallel: ParallelConfig) -> None:
 
 
 def peer_routing_seeds(config: ModelConfig, groups: ProcessGroups) -> list[int | None]:
-    """Routing seed of every rank of this rank's ep group (None for itself)."""
+    """Routing seed of every rank of this rank's ep group (None for itself); ``config`` is the scenario's."""
     coords, ep = groups.coords, groups.layout.config.ep
     return [
         None if s == coords.ep_rank else routing_seed(config.moe.routing_seed, coords.edp_rank * ep + s)
@@ -71,23 +71,22 @@ def build_proxy_rank(
     groups: ProcessGroups,
     device: torch.device,
     seed: int,
-    peers: PeerTraffic | None = None,
 ) -> RankModel:
     """This rank's share of the model on ``device``, its dispatchers and pipeline standing in for peers.
 
-    ``peers`` replaces the simulated peers of every MoE layer (tests inject recorded traffic).
+    Each MoE layer's ``dispatcher.peers`` is a ``SimulatedPeers``; a caller may replace it.
     """
     parallel.validate(config)
     check_proxy_layout(parallel)
+    seeds = peer_routing_seeds(config, groups)
     config = rank_config(config, groups)
     model = build_model(config, "meta", seed)
     if parallel.ep > 1:
-        seeds = peer_routing_seeds(config, groups)
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
                 groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor
             )
-            layer_peers = peers or SimulatedPeers(config.moe, layer.router.layer_idx, seeds, config.d_model)
+            layer_peers = SimulatedPeers(config.moe, layer.router.layer_idx, seeds, config.d_model)
             layer.dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, parallel.capacity_factor, layer_peers)
     if parallel.pp == 1:
         module: nn.Module = model
