@@ -457,6 +457,7 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         "stages": [
             {"pipeline_rank": r["pipeline_rank"], "layers": len(r["layers"]), "dense_params": r["dense_params"],
              "local_expert_params": r["local_expert_params"], "memory_total_bytes": r["memory_bytes"]["total"],
+             "memory_bytes": r["memory_bytes"],
              "comm_total_bytes": r["comm_bytes"]["total"]}
             for r in ranks
         ],

@@ -206,7 +206,7 @@ class Runner:
                 "spec": scenario.spec,
             },
             "mode": scenario.mode,
-            "device": str(self.device) if scenario.mode == "execute" else "none",
+            "device": "none" if scenario.mode == "plan" else str(self.device),
             "status": status,
             "error": error,
             "metrics": metrics if status == "ok" else {},
@@ -214,6 +214,9 @@ class Runner:
         }
 
     def _skip_reason(self, scenario: Scenario) -> str | None:
+        if scenario.mode == "proxy":
+            # One process whatever the layout; inside a launch, rank 0 alone would have to run it.
+            return "proxy scenarios run outside a torchrun/Slurm launch" if self.launch is not None else None
         if self.launch is not None and scenario.world_size != self.launch.world_size:
             return (
                 f"needs {scenario.world_size} ranks (dp * pp) but this {self.launch.source} launch has "
@@ -226,6 +229,8 @@ class Runner:
         return None
 
     def _peak(self, scenario: Scenario) -> float | None:
+        if scenario.mode == "proxy":
+            return None
         if self.device.type == "cuda":
             return peak_tflops(self.device)
         key = scenario.model.dtype.value
@@ -248,10 +253,11 @@ class Runner:
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
             spec_path.write_text(json.dumps({"spec": scenario.spec, "file": str(scenario.file) if scenario.file else None}))
-            command = worker_command(scenario.world_size) + [str(spec_path), str(out_path), "--device", str(self.device)]
+            processes = 1 if scenario.mode == "proxy" else scenario.world_size
+            command = worker_command(processes) + [str(spec_path), str(out_path), "--device", str(self.device)]
             if peak:
                 command += ["--peak-tflops", str(peak)]
-            returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(scenario.world_size))
+            returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(processes))
             if returncode is None:
                 return "timeout", f"stopped after exceeding its timeout of {timeout:g} s", {}, {}
             if not out_path.exists():

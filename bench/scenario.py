@@ -65,6 +65,10 @@ class Scenario:
         return self.spec.get("cluster")
 
     @property
+    def proxy(self) -> dict[str, Any]:
+        return self.spec["proxy"]
+
+    @property
     def world_size(self) -> int:
         return self.parallel_config.world_size
 
@@ -115,11 +119,18 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
     _fill_defaults(spec, schema)
     if spec.get("cluster"):
         _fill_defaults(spec["cluster"], schema["properties"]["cluster"])
+    if spec["mode"] == "proxy":
+        spec.setdefault("proxy", {})
+        _fill_defaults(spec["proxy"], schema["properties"]["proxy"])
+        spec["proxy"].setdefault("cpu_scale", {})
+        _fill_defaults(spec["proxy"]["cpu_scale"], schema["properties"]["proxy"]["properties"]["cpu_scale"])
 
     model = _model_config(spec, file)
     spec["run"].setdefault("tokens_per_step", 4 * model.seq_len)
     parallel = _parallel_config(spec, model, file)
     _check_layout(spec, model, file)
+    if spec["mode"] == "proxy":
+        _check_proxy(spec, parallel, file)
     return Scenario(
         name=spec["name"], file=Path(file) if file else None, spec=spec, model=model, parallel_config=parallel
     )
@@ -160,6 +171,19 @@ def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> Parallel
         field, _, reason = str(err).partition(": ")
         raise ScenarioError(file, field, reason) from None
     return parallel
+
+
+def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
+    from moe_engine.proxy.build import check_proxy_layout
+
+    rank = spec["proxy"]["rank"]
+    if rank >= parallel.world_size:
+        raise ScenarioError(file, "proxy.rank", f"rank {rank} is outside the layout's {parallel.world_size} ranks")
+    try:
+        check_proxy_layout(parallel)
+    except ValueError as err:
+        field, _, reason = str(err).partition(": ")
+        raise ScenarioError(file, field, reason) from None
 
 
 def _check_layout(spec: dict[str, Any], model: ModelConfig, file) -> None:

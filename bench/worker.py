@@ -31,8 +31,14 @@ from moe_engine.parallel.layout import Layout
 
 def execute_outcome(scenario: Scenario, device: torch.device, peak: float | None, groups) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
+    progress = lambda line: print(line, flush=True)  # noqa: E731
     try:
-        result = execute(scenario, device, peak, progress=lambda line: print(line, flush=True), groups=groups)
+        if scenario.mode == "proxy":
+            from bench.proxy_run import run_proxy
+
+            result = run_proxy(scenario, device, progress)
+        else:
+            result = execute(scenario, device, peak, progress=progress, groups=groups)
         if result is not None:
             outcome["metrics"], outcome["details"] = result.metrics, result.details
     except NonFiniteLoss as err:
@@ -57,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = json.load(handle)
     scenario = scenario_from_dict(payload["spec"], file=payload.get("file"))
     device, groups = torch.device(args.device), None
-    launch = detect_launch()
+    launch = detect_launch() if scenario.mode == "execute" else None
     distributed = launch is not None
     if distributed:
         device = join_launch(launch, device, scenario.run["timeout_s"])
