@@ -105,15 +105,60 @@ def print_summary(outcomes) -> None:
         params = ""
         if "total_params" in m:
             params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"
+        # A proxy measured one rank; its cluster figures are projections, marked as such.
+        prefix, mark = ("projected_", " (proj.)") if o.scenario.mode == "proxy" else ("", "")
         table.add_row(
             o.scenario.name, o.scenario.mode, o.status,
-            med("tokens_per_s_per_gpu", lambda v: f"{v:,.0f}"),
-            med("tflops_per_gpu", lambda v: f"{v:.3f}"),
+            med(f"{prefix}tokens_per_s_per_gpu", lambda v: f"{v:,.0f}{mark}"),
+            med(f"{prefix}tflops_per_gpu", lambda v: f"{v:.3f}{mark}"),
             med("mfu", lambda v: f"{v:.1%}"),
             f"{m[memory]['median'] / 2**30:.2f} GiB" if memory else "",
             params,
         )
     Console(width=max(120, Console().width)).print(table)
+
+
+def cmd_proxy_check(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.proxy_check import DEFAULT_SCENARIOS, check
+    from bench.runner import Reporter, Runner, expand_paths, load_all, resolve_device
+    from bench.scenario import ScenarioError
+
+    try:
+        scenarios = load_all(expand_paths(args.files or list(DEFAULT_SCENARIOS)))
+    except ScenarioError as err:
+        return _fail(str(err))
+    bad = [s for s in scenarios if s.mode != "execute" or s.world_size < 2]
+    if bad:
+        return _fail(f"{bad[0].file}: proxy-check needs execute scenarios of 2 ranks or more")
+    problem = _unwritable(Path(args.out))
+    if problem:
+        return _fail(problem)
+    runner = Runner(resolve_device("cpu"), Path(args.out))
+    reporter = Reporter(len(scenarios))
+    try:
+        report = check(runner, scenarios, reporter.line)
+    except RuntimeError as err:
+        print(f"moe-bench: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        reporter.close()
+    for world, net in report["networks"].items():
+        print(f"gloo links, {world} ranks: latency {net['latency_us']:.1f} us, {net['gbps']:.2f} GB/s")
+    for row in report["rows"]:
+        if row["status"] != "ok":
+            print(f"{row['scenario']}: real run {row['status']}: {row['error']}")
+            continue
+        gaps = ", ".join(f"{g:+.1%}" for g in row["plan_memory_gap"])
+        print(
+            f"{row['scenario']}: measured {row['measured_step_s'] * 1e3:.1f} ms/step, projected "
+            f"{row['projected_step_s'] * 1e3:.1f} ms/step, error {row['error']:+.1%}; plan vs proxy memory {gaps}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report: {args.json}")
+    return EXIT_OK if all(r["status"] == "ok" for r in report["rows"]) else EXIT_FAILED
 
 
 def cmd_micro(args: argparse.Namespace) -> int:
@@ -317,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     version = sub.add_parser("version", help="print the engine version (the folder name under results/)")
     version.set_defaults(func=cmd_version)
+
+    check = sub.add_parser(
+        "proxy-check", help="projection vs measurement: real multi-rank runs here and proxies of each of their ranks"
+    )
+    check.add_argument("files", nargs="*", help="execute scenarios of 2+ ranks (default: the 2-rank smoke layouts)")
+    check.add_argument("--out", default="results", help="results root for the runs (default: results)")
+    check.add_argument("--json", default=None, help="also write the report here")
+    check.set_defaults(func=cmd_proxy_check)
 
     micro = sub.add_parser("micro", help="run the micro-benchmarks and fold them into a result document")
     micro.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

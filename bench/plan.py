@@ -28,7 +28,8 @@ Bytes per parameter (param / grad / optimizer)
 
 State memory per rank (P = parameter bytes, G = gradient bytes, O = optimizer bytes)
     ddp:           P_dense + P_exp,  G_dense + G_exp,  O_dense + O_exp
-    ddp + zero1:   optimizer becomes ceil(O_dense / dp) + ceil(O_exp / edp)
+    ddp + zero1:   optimizer becomes ceil(O_dense / dp) + ceil(O_exp / edp); gradients gain the
+                   reduce-scatter outputs, ceil(G_dense / dp) (when dp > 1) + ceil(G_exp / edp) (when edp > 1)
     fsdp:          every tensor sharded: P_dense / dp + P_exp / edp (= the stage's experts / dp), same for
                    G and O, plus one transient gathered unit: the largest FSDP unit of the rank (a block
                    with its E/ep local experts, the embedding, or final norm + LM head) counted once in
@@ -39,16 +40,22 @@ State memory per rank (P = parameter bytes, G = gradient bytes, O = optimizer by
 Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * in-flight / v
     T = tokens_per_step / dp / m tokens per microbatch per rank; a = activation bytes (4 fp32, 2 otherwise);
     e = bytes of a saved expert-GEMM input element (a; mxfp8: 1 + 1/32, an fp8 value plus one shared
-    8-bit scale per 32 elements). Saved tensors for backward, no recomputation, flash attention:
-    attention part of a block:  a * T * (2D + 2q + 2kv [+ q + kv with qk_norm]) + 4 * T * H
-        (residual input and normed input, q k v after RoPE, attention output = o input,
-         [q/k-norm inputs], fp32 log-sum-exp)
-    dense FFN:                  a * T * (2D + 3 F_d)   (residual, normed input, gate, up, product)
-    MoE FFN:                    a * T * 2D + 4 * T * E                    (residual, router input, fp32 logits)
-                              + T * k * (e * D + a * 2F + e * F + a * D)  (gathered expert inputs, gate/up
-                                 pre-activations, SwiGLU product = down input, expert outputs for combine)
-                              + a * T * 3 F_s                             (shared expert, if any)
-    last stage:                 a * T * 2D + 4 * T * V   (final-norm and LM-head inputs, fp32 logits)
+    8-bit scale per 32 elements). The tensors the engine saves for backward (no recomputation but the
+    experts' SwiGLU product, flash attention); checked against the saved tensors of a real block:
+    RMSNorm over width w:       T * w * (4 + 2a)   (fp32 input, normalised values, output)
+    attention part of a block:  norm(D) [+ norm(q + kv) with qk_norm] + a * T * (3q + 2kv) + 4 * T * H
+        (q k v after RoPE and the attention output, kept by the kernel; the output's contiguous copy
+         that o_proj saves; fp32 log-sum-exp)
+    SwiGLU of hidden F:         4 * a * T * F      (gate, up, silu(gate), product)
+    dense FFN:                  norm(D) + SwiGLU(F_d)
+    MoE FFN:                    norm(D) + [4 * T * D when a < 4: the router's fp32 copy of its input]
+                              + 8 * T * E                                 (fp32 logits and scores)
+                              + R * e * (D + 2F)                          (expert-GEMM input, gate/up
+                                 pre-activations; the SwiGLU product is recomputed in backward)
+                              + a * T * k * D                             (expert outputs for combine)
+                              + SwiGLU(F_s)                               (shared expert, if any)
+        R = T * k rows, or cf * T * k under no-sync dispatch with ep > 1 (the capacity buffers)
+    last stage:                 norm(D) + 4 * T * V   (fp32 log-probabilities of the cross-entropy)
     in flight (in chunk-microbatches, divided by v to count whole-rank microbatches), rank r:
         pp = 1:          1 (gradient accumulation frees a microbatch's activations after its backward)
         gpipe:           m * v (every microbatch's forward runs before any backward)
@@ -72,8 +79,19 @@ Communication: bytes one rank sends per optimizer step; c = 4 bytes for fp32, el
 Comm buffers memory: one MoE block's all-to-all send + receive buffers, 2 * T * k * D * c * pad (when
 ep > 1), plus one pipeline send and one receive buffer 2 * T * D * a (when pp > 1).
 
-memory_total = params + grads + optimizer + activations + comm buffers; fits when it is at most the
-GPU's memory (no allowance for the CUDA context, allocator fragmentation or transient workspaces).
+Backward workspace (ranks with MoE blocks): one MoE block's expert backward temporaries,
+R * a * 4F (gradient of the SwiGLU product, the recomputed product, gradient of the pre-activations)
++ a * (E / ep) * 3 * D * F (the local experts' weight gradients before they reach the buffers).
+
+Optimizer step (ddp): the engine updates one gradient bucket at a time. A bucket holds whole
+parameters of one family until it reaches bucket_elements (default 2^22), so the largest bucket
+share is S = min(family elements, max(bucket_elements, largest tensor)) / (n with zero1, else 1),
+n = dp for dense parameters and edp for experts; the step holds (t + 8) * S bytes: the fp32 copy of
+low-precision gradients (t = 4; 0 for fp32) and two fp32 temporaries of AdamW's per-tensor update.
+
+memory_total = params + grads + optimizer + max(activations + comm buffers + backward workspace,
+optimizer step); activations are freed before the optimizer step runs. It fits when it is at most the
+GPU's memory (no allowance for the CUDA context or allocator fragmentation).
 """
 
 from __future__ import annotations
@@ -106,14 +124,18 @@ class PrecisionBytes:
     """A saved input of an expert GEMM (gathered tokens, SwiGLU product)."""
     comm: int
     """An all-to-all element."""
+    optimizer_step_temp: int
+    """fp32 copy of a gradient made for the optimizer step (0 when the gradient is already fp32)."""
 
 
 BYTES = {
-    "fp32": PrecisionBytes(param=4, grad=4, optimizer=8, activation=4, expert_input=4, comm=4),
-    "bf16": PrecisionBytes(param=2, grad=2, optimizer=12, activation=2, expert_input=2, comm=2),
-    "mxfp8": PrecisionBytes(param=2, grad=2, optimizer=12, activation=2, expert_input=1 + 1 / 32, comm=2),
+    "fp32": PrecisionBytes(param=4, grad=4, optimizer=8, activation=4, expert_input=4, comm=4, optimizer_step_temp=0),
+    "bf16": PrecisionBytes(param=2, grad=2, optimizer=12, activation=2, expert_input=2, comm=2, optimizer_step_temp=4),
+    "mxfp8": PrecisionBytes(
+        param=2, grad=2, optimizer=12, activation=2, expert_input=1 + 1 / 32, comm=2, optimizer_step_temp=4
+    ),
 }
-ROUTER_BYTES = PrecisionBytes(param=4, grad=4, optimizer=8, activation=4, expert_input=4, comm=4)
+ROUTER_BYTES = PrecisionBytes(param=4, grad=4, optimizer=8, activation=4, expert_input=4, comm=4, optimizer_step_temp=0)
 """The router is fp32 whatever the precision, and is its own optimizer master."""
 
 
@@ -196,27 +218,59 @@ def _ceil_div(a: int, n: int) -> int:
 # ---- activations ------------------------------------------------------------------------------
 
 
+def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes) -> float:
+    """An RMSNorm saves its input in fp32, the normalised values and its output (model dtype)."""
+    return tokens * width * (4 + 2 * b.activation)
+
+
 def _attention_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
     q = model.n_heads * model.head_dim
     kv = model.n_kv_heads * model.head_dim
-    elements = 2 * model.d_model + 2 * q + 2 * kv + ((q + kv) if model.qk_norm else 0)
-    return b.activation * tokens * elements + 4 * tokens * model.n_heads
+    qk_norm = _norm_activation_bytes(q + kv, tokens, b) if model.qk_norm else 0
+    # q, k, v after RoPE and the attention output (saved by the attention kernel), the output's
+    # contiguous copy (o_proj's input), the fp32 log-sum-exp.
+    saved = b.activation * tokens * (2 * q + 2 * kv + q) + 4 * tokens * model.n_heads
+    return _norm_activation_bytes(model.d_model, tokens, b) + qk_norm + saved
+
+
+def _swiglu_activation_bytes(hidden: int, tokens: int, b: PrecisionBytes) -> float:
+    """gate, up, silu(gate) and the product (the down projection's input)."""
+    return b.activation * tokens * 4 * hidden
 
 
 def _dense_ffn_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
-    return b.activation * tokens * (2 * model.d_model + 3 * model.dense_hidden)
+    return _norm_activation_bytes(model.d_model, tokens, b) + _swiglu_activation_bytes(model.dense_hidden, tokens, b)
 
 
-def _moe_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
+def _expert_rows(tokens: int, model: ModelConfig, par: dict[str, Any]) -> float:
+    """Rows the local experts process per microbatch: the capacity buffers under no-sync dispatch."""
+    assignments = tokens * model.moe.top_k
+    return assignments * (_dispatch_pad(par) if par["ep"] > 1 else 1.0)
+
+
+def _moe_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
     d, moe = model.d_model, model.moe
-    routed = tokens * moe.top_k * (b.expert_input * d + b.activation * 2 * moe.expert_hidden
-                                   + b.expert_input * moe.expert_hidden + b.activation * d)
-    shared = b.activation * tokens * 3 * moe.shared_expert_hidden
-    return b.activation * tokens * 2 * d + 4 * tokens * moe.num_experts + routed + shared
+    # The router computes in fp32: a low-precision input is saved as an fp32 copy; logits and scores.
+    router = (4 * tokens * d if b.activation < 4 else 0) + 2 * 4 * tokens * moe.num_experts
+    experts = _expert_rows(tokens, model, par) * b.expert_input * (d + 2 * moe.expert_hidden)
+    combine = b.activation * tokens * moe.top_k * d
+    shared = _swiglu_activation_bytes(moe.shared_expert_hidden, tokens, b)
+    return _norm_activation_bytes(d, tokens, b) + router + experts + combine + shared
+
+
+def _backward_workspace_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
+    """Temporaries of one MoE block's expert backward: per row the gradient of the SwiGLU product,
+    the recomputed product and the gradient of the pre-activations (4F), and the local experts'
+    weight gradients before they are added into the gradient buffers."""
+    moe = model.moe
+    rows = _expert_rows(tokens, model, par) * b.activation * 4 * moe.expert_hidden
+    weights = b.activation * (moe.num_experts // par["ep"]) * 3 * model.d_model * moe.expert_hidden
+    return rows + weights
 
 
 def _head_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
-    return b.activation * tokens * 2 * model.d_model + 4 * tokens * model.vocab_size
+    """The final norm, and the fp32 log-probabilities the cross-entropy saves."""
+    return _norm_activation_bytes(model.d_model, tokens, b) + 4 * tokens * model.vocab_size
 
 
 # ---- one pipeline rank ------------------------------------------------------------------------
@@ -275,7 +329,31 @@ def _state_memory(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> dict[str,
             out[key] = _ceil_div(dense, dp) + _ceil_div(experts, edp) + gathered
         else:
             out[key] = dense + experts
+    if par["dp_mode"] == "ddp" and par["optimizer_sharding"] == "zero1":
+        # The reduce-scatter writes this rank's share of each bucket into a buffer of its own.
+        shards = sum(_ceil_div(p.nbytes(b, "grad"), n) for p, n in ((h.dense, dp), (h.experts, edp)) if n > 1)
+        out["grad_shards"] = shards
+        out["grads"] += shards
     return out
+
+
+def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> int:
+    """Transient bytes of the DDP optimizer step, which updates one gradient bucket at a time."""
+    if par["dp_mode"] == "fsdp":
+        return 0
+    dp, edp = par["dp"], par["dp"] // par["ep"]
+    sharded = par["optimizer_sharding"] == "zero1"
+    d, cap = model.d_model, par.get("bucket_elements", 2**22)
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
+    dense_tensors = [d * q, d * kv, d * model.moe.shared_expert_hidden, d * model.dense_hidden]
+    if h.embedding or h.head:
+        dense_tensors.append(model.vocab_size * d)
+    expert_tensor = (model.moe.num_experts // par["ep"]) * 2 * model.moe.expert_hidden * d
+    share = 0.0
+    for total, largest, n in ((h.dense.count, max(dense_tensors), dp), (h.experts.count, expert_tensor, edp)):
+        if total:
+            share = max(share, min(total, max(cap, largest)) / (n if sharded else 1))
+    return int((b.optimizer_step_temp + 8) * share)
 
 
 def _dispatch_pad(par: dict[str, Any]) -> float:
@@ -312,14 +390,23 @@ def _plan_rank(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, A
     pp, v, m, ep = par["pp"], par["virtual_stages"], par["microbatches"], par["ep"]
     per_mb = (len(h.layers) * _attention_activation_bytes(model, tokens, b)
               + h.n_dense * _dense_ffn_activation_bytes(model, tokens, b)
-              + h.n_moe * _moe_activation_bytes(model, tokens, b)
+              + h.n_moe * _moe_activation_bytes(model, tokens, b, par)
               + (_head_activation_bytes(model, tokens, b) if h.head else 0))
     in_flight = in_flight_microbatches(par["schedule"], pp, v, m, h.rank)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * _dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
     memory = _state_memory(h, b, par)
-    memory.update(activations=per_mb * in_flight, comm_buffers=a2a_buffer + pipe_buffer)
-    memory["total"] = sum(memory[k] for k in ("params", "grads", "optimizer", "activations", "comm_buffers"))
+    memory.update(
+        activations=per_mb * in_flight,
+        comm_buffers=a2a_buffer + pipe_buffer,
+        backward_workspace=_backward_workspace_bytes(model, tokens, b, par) if h.n_moe else 0,
+        optimizer_step=_optimizer_step_bytes(model, h, b, par),
+    )
+    # Activations and communication buffers are freed before the optimizer step runs.
+    transient = max(
+        memory["activations"] + memory["comm_buffers"] + memory["backward_workspace"], memory["optimizer_step"]
+    )
+    memory["total"] = sum(memory[k] for k in ("params", "grads", "optimizer")) + transient
     comm = {
         "all_to_all": h.n_moe * m * _all_to_all_bytes(model, tokens, b, par),
         "grad_reduce": _grad_reduce_bytes(h, b, par),
@@ -416,7 +503,7 @@ def _assumptions(scenario) -> list[str]:
     return out
 
 
-_MEMORY = ("params", "grads", "optimizer", "activations", "comm_buffers", "total")
+_MEMORY = ("params", "grads", "optimizer", "activations", "comm_buffers", "backward_workspace", "optimizer_step", "total")
 _COMM = ("all_to_all", "grad_reduce", "pipeline", "total")
 
 

@@ -96,7 +96,7 @@ class _FamilyComm:
     """How one family's gradients are reduced on this rank."""
 
     group: dist.ProcessGroup | None
-    """Group the gradients are reduced over (None: single process, no collectives)."""
+    """Group the gradients are reduced over (None: a group of one, no collectives)."""
     divisor: int
     """Gradients are scaled by 1/divisor before the sum (dp size for both families)."""
 
@@ -113,7 +113,12 @@ def _family_comms(groups: ProcessGroups | None) -> dict[ParamFamily, _FamilyComm
     if groups is None:
         return {family: _FamilyComm(None, 1) for family in ParamFamily}
     dp = dist.get_world_size(groups.dp)
-    return {ParamFamily.DENSE: _FamilyComm(groups.dp, dp), ParamFamily.EXPERT: _FamilyComm(groups.edp, dp)}
+
+    def alone(group):
+        # A group of one has nothing to reduce: no collective, and no separate ZeRO-1 output buffer.
+        return None if dist.get_world_size(group) == 1 else group
+
+    return {ParamFamily.DENSE: _FamilyComm(alone(groups.dp), dp), ParamFamily.EXPERT: _FamilyComm(alone(groups.edp), dp)}
 
 
 @dataclass(eq=False)
@@ -309,7 +314,8 @@ class DataParallelOptimizer:
         self.buckets = _build_buckets(plan, comms, shard)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._grad_views = {id(p): p.grad for b in self.buckets for p in b.params}
-        self.segments = [seg for b in self.buckets for seg in _segments(b)]
+        self._segments_by_bucket = [_segments(b) for b in self.buckets]
+        self.segments = [seg for segments in self._segments_by_bucket for seg in segments]
         self.inner = torch.optim.AdamW(
             [
                 {"params": [s.master_N for s in self.segments if s.decay], "weight_decay": config.weight_decay},
@@ -376,13 +382,17 @@ class DataParallelOptimizer:
     def step(self) -> None:
         """Reduce gradients (if not done), update this rank's share, all-gather it (ZeRO-1)."""
         self.finish_grad_sync()
-        for seg in self.segments:
-            seg.master_N.grad = seg.grad_N if seg.master_N.dtype == seg.grad_N.dtype else seg.grad_N.float()
-        self.inner.step()
-        for seg in self.segments:
-            seg.master_N.grad = None
-            if seg.master_N is not seg.param_N:
-                seg.param_N.copy_(seg.master_N)
+        # One bucket at a time (AdamW skips parameters without a gradient, and its update is per
+        # parameter): the fp32 copies of low-precision gradients and AdamW's temporaries then
+        # never exceed one bucket's share, instead of the whole model's.
+        for segments in self._segments_by_bucket:
+            for seg in segments:
+                seg.master_N.grad = seg.grad_N if seg.master_N.dtype == seg.grad_N.dtype else seg.grad_N.float()
+            self.inner.step()
+            for seg in segments:
+                seg.master_N.grad = None
+                if seg.master_N is not seg.param_N:
+                    seg.param_N.copy_(seg.master_N)
         for bucket in self.buckets:
             bucket.launch_gather()
         for bucket in self.buckets:

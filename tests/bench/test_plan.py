@@ -32,6 +32,7 @@ PUBLISHED = {
 METRICS = {
     "total_params", "active_params", "flops_per_token", "memory_params_bytes", "memory_grads_bytes",
     "memory_optimizer_bytes", "memory_activations_bytes", "memory_comm_buffers_bytes", "memory_total_bytes",
+    "memory_backward_workspace_bytes", "memory_optimizer_step_bytes",
     "comm_all_to_all_bytes", "comm_grad_reduce_bytes", "comm_pipeline_bytes", "comm_total_bytes",
     "memory_fraction_of_gpu",
 }
@@ -60,8 +61,25 @@ VARIANTS = {
 }
 
 
+# Proxy variants: one rank of the layout run for real (``bench.proxy_run``), same model and cluster.
+PROXIES = {
+    "moe-128e-47b-proxy": "moe-128e-47b-zero1",
+    "moe-1.2t-512gpu-proxy": "moe-1.2t-512gpu",
+    "moe-2.38t-proxy": "moe-2.38t",
+}
+
+
 def test_every_published_configuration_has_a_scenario():
-    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == set(PUBLISHED) | set(VARIANTS)
+    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == set(PUBLISHED) | set(VARIANTS) | set(PROXIES)
+
+
+@pytest.mark.parametrize("proxy,base", sorted(PROXIES.items()))
+def test_proxy_variants_replay_their_plan_scenario(proxy, base):
+    a, b = olmo_dict(proxy), olmo_dict(base)
+    assert a["mode"] == "proxy" and b["mode"] == "plan"
+    assert a["model"] == b["model"] and a["cluster"] == b["cluster"] and a["parallel"] == b["parallel"]
+    assert a["run"]["tokens_per_step"] == b["run"]["tokens_per_step"]
+    assert olmo(proxy).proxy["rank"] == 0
 
 
 @pytest.mark.parametrize("variant,base", sorted(VARIANTS.items()))
@@ -124,9 +142,10 @@ def test_plan_metrics_are_well_formed(name):
     assert metrics["memory_fraction_of_gpu"]["unit"] == "ratio"
     assert set(details) >= {"layout", "per_rank", "assumptions", "fits", "cluster"}
     assert details["assumptions"] and all(isinstance(a, str) for a in details["assumptions"])
-    parts = ("params", "grads", "optimizer", "activations", "comm_buffers")
+    state = sum(median(metrics, f"memory_{p}_bytes") for p in ("params", "grads", "optimizer"))
+    backward = sum(median(metrics, f"memory_{p}_bytes") for p in ("activations", "comm_buffers", "backward_workspace"))
     assert median(metrics, "memory_total_bytes") == pytest.approx(
-        sum(median(metrics, f"memory_{p}_bytes") for p in parts)
+        state + max(backward, median(metrics, "memory_optimizer_step_bytes"))
     )
     assert median(metrics, "memory_fraction_of_gpu") == pytest.approx(
         median(metrics, "memory_total_bytes") / (288 * 2**30)
@@ -217,14 +236,36 @@ def test_small_fsdp_state_bytes():
 
 
 def test_small_activation_bytes():
-    # attention per block: 2*16*(2*64 + 2*64 + 2*64) + 4*16*4 = 12544
-    # MoE per block: 2*16*2*64 + 4*16*8 + 16*2*(2*64 + 2*2*32 + 2*32 + 2*64) = 4096 + 512 + 14336 = 18944
-    # head: 2*16*2*64 + 4*16*1000 = 68096; pp 1 -> one microbatch in flight
+    # No-sync dispatch at cf 1.25 (the defaults): R = 1.25 * T 16 * k 2 = 40 expert rows; a = 2.
+    # RMSNorm over D: T * D * (4 + 2a) = 16*64*8 = 8192 (fp32 input, normalised values, output)
+    # attention per block: 8192 + 2*16*(3*64 + 2*64) + 4*16*4 = 8192 + 10240 + 256 = 18688
+    # MoE per block: 8192 + router (4*16*64 + 8*16*8 = 5120) + experts 40*2*(64 + 2*32) = 10240
+    #                + combine 2*16*2*64 = 4096  -> 27648
+    # head: 8192 + 4*16*1000 = 72192; pp 1 -> one microbatch in flight
     metrics, _ = small_plan("bf16")
-    assert median(metrics, "memory_activations_bytes") == 2 * (12544 + 18944) + 68096  # 131072
-    # mxfp8: gathered inputs and SwiGLU product at 1 + 1/32 bytes: 16*2*(66 + 128 + 33 + 128) = 11360
+    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 27648) + 72192  # 164864
+    # mxfp8: the expert-GEMM inputs at 1 + 1/32 bytes: 40 * 33/32 * 128 = 5280
     metrics, _ = small_plan("mxfp8")
-    assert median(metrics, "memory_activations_bytes") == 2 * (12544 + 4096 + 512 + 11360) + 68096  # 125120
+    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 8192 + 5120 + 5280 + 4096) + 72192  # 154944
+    # sync dispatch sends exact counts: R = 32 rows, experts 32*2*128 = 8192
+    metrics, _ = small_plan("bf16", dispatch="sync")
+    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 27648 - 10240 + 8192) + 72192
+
+
+def test_small_backward_workspace_and_optimizer_step():
+    # workspace: R 40 * 2 * 4F (128) + 2 * 4 local experts * 3 * 64 * 32 = 10240 + 49152
+    metrics, details = small_plan(dp_mode="ddp", optimizer_sharding="none")
+    assert median(metrics, "memory_backward_workspace_bytes") == 59392
+    # optimizer step: every family fits in one bucket (2^22 elements): dense 161088 + 1024 router elements,
+    # experts 49152; (4 fp32 gradient copy + 8 AdamW temporaries) bytes per element of the larger
+    assert median(metrics, "memory_optimizer_step_bytes") == 12 * 162112  # 1945344
+    state = 424576 + 424576 + 2531072
+    assert median(metrics, "memory_total_bytes") == state + 1945344  # the step outweighs the backward
+    # zero1: a quarter of the dense family, half of the experts (edp 2); gradients gain the
+    # reduce-scatter outputs (dense grads / 4 + expert grads / 2)
+    metrics, details = small_plan(dp_mode="ddp", optimizer_sharding="zero1")
+    assert median(metrics, "memory_optimizer_step_bytes") == 12 * 162112 / 4
+    assert median(metrics, "memory_grads_bytes") == 424576 + 326272 / 4 + 98304 / 2  # 555296
 
 
 def test_small_all_to_all_and_buffers():
