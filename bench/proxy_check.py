@@ -5,8 +5,8 @@ For each execute scenario given (default: the 2-rank smoke layouts), on this mac
 1. measure the gloo links between ranks (``bench.netcal``: alpha and bandwidth);
 2. run the scenario for real (``moe-bench run``: torchrun, gloo, one thread per rank);
 3. run a proxy of every rank of it (mode proxy, one thread, the scenario's own sizes) with the
-   measured links as the cluster, and take the slowest rank's projected step, as a real step waits
-   for its slowest rank;
+   measured links as the cluster, all at once so that they share the machine as the real ranks do,
+   and take the slowest rank's projected step, as a real step waits for its slowest rank;
 4. report projected / measured - 1, and each proxy's plan-vs-measured memory gap.
 """
 
@@ -16,6 +16,7 @@ import copy
 import json
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -71,13 +72,15 @@ def check(runner: Runner, scenarios: list[Scenario], progress: Callable[[str], N
         if real.status != "ok":
             rows.append({"scenario": scenario.name, "status": real.status, "error": real.error})
             continue
-        proxies = []
-        for rank in range(scenario.world_size):
-            progress(f"{scenario.name}: proxy of rank {rank}")
-            proxy = runner.run_one(scenario_from_dict(proxy_spec(scenario, rank, networks[scenario.world_size])), progress)
+        progress(f"{scenario.name}: proxies of its {scenario.world_size} ranks, side by side")
+        specs = [scenario_from_dict(proxy_spec(scenario, r, networks[scenario.world_size])) for r in range(scenario.world_size)]
+        # The real ranks share this machine's cores and memory bandwidth; so do the proxies, run at
+        # the same time with one thread each, so that each measures its compute under the same load.
+        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+            proxies = list(pool.map(lambda spec: runner.run_one(spec, lambda line: None), specs))
+        for rank, proxy in enumerate(proxies):
             if proxy.status != "ok":
                 raise RuntimeError(f"the proxy of {scenario.name} rank {rank} ended {proxy.status}: {proxy.error}")
-            proxies.append(proxy)
         measured = real.metrics["step_time_s"]["median"]
         projected = max(p.metrics["projected_step_time_s"]["median"] for p in proxies)
         rows.append({

@@ -85,11 +85,16 @@ class SimulatedPeers(PeerTraffic):
 
 
 class _PeerExchange(torch.autograd.Function):
-    """The all-to-all as issued on the fake world, with received rows (and gradients) fabricated."""
+    """The all-to-all as issued on the fake world, with received rows (and gradients) fabricated.
+
+    ``real_R`` marks the received rows that hold tokens (the rest is capacity padding, whose
+    gradients the experts leave undefined); only real rows' gradients are reused as the gradients
+    peers send back, as a real peer's padding gradients land in empty slots and are ignored.
+    """
 
     @staticmethod
-    def forward(ctx, send_RD, dispatcher, recv_splits, send_splits, combine):
-        ctx.dispatcher, ctx.splits = dispatcher, (recv_splits, send_splits)
+    def forward(ctx, send_RD, dispatcher, recv_splits, send_splits, combine, real_R):
+        ctx.dispatcher, ctx.splits, ctx.real_R = dispatcher, (recv_splits, send_splits), real_R
         recv_RD = _all_to_all(send_RD, recv_splits, send_splits, dispatcher.group)
         with dispatcher.fabrication():
             recv_RD.copy_(dispatcher.peers.rows(send_RD, recv_RD.shape[0], combine))
@@ -101,8 +106,10 @@ class _PeerExchange(torch.autograd.Function):
         dispatcher = ctx.dispatcher
         grad_send_RD = _all_to_all(grad_recv_RD, send_splits, recv_splits, dispatcher.group)
         with dispatcher.fabrication():
+            if ctx.real_R is not None:
+                grad_recv_RD = torch.where(ctx.real_R.unsqueeze(1), grad_recv_RD, 0)
             grad_send_RD.copy_(repeat_rows(grad_recv_RD, grad_send_RD.shape[0]))
-        return grad_send_RD, None, None, None, None
+        return grad_send_RD, None, None, None, None, None
 
 
 class ProxyDispatcher(AllToAllDispatcher):
@@ -124,7 +131,14 @@ class ProxyDispatcher(AllToAllDispatcher):
         recv_counts_SL = super().exchange_counts(send_counts_SL, expert_TK)
         with self.fabrication():
             recv_counts_SL.copy_(self.peers.counts(self, send_counts_SL, expert_TK))
+        self._recv_counts_SL = recv_counts_SL
         return recv_counts_SL
 
     def exchange_rows(self, send_RD, recv_splits, send_splits, combine):
-        return _PeerExchange.apply(send_RD, self, recv_splits, send_splits, combine)
+        real_R = None
+        if not combine and recv_splits is None:
+            # No-sync: source s fills the first (its count) of its C slots; the rest is padding.
+            slot_capacity = send_RD.shape[0] // self.ep
+            received_S = self._recv_counts_SL.sum(dim=1, keepdim=True)
+            real_R = (torch.arange(slot_capacity, device=send_RD.device) < received_S).flatten()
+        return _PeerExchange.apply(send_RD, self, recv_splits, send_splits, combine, real_R)

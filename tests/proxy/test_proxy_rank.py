@@ -261,3 +261,34 @@ def test_proxy_issues_the_real_collectives(real_runs, name, rank):
     assert real, "the real step issued no collectives"
     # Same collectives with the same groups and byte sizes; pipelining orders its messages its own way.
     assert Counter(proxy) == Counter(real)
+
+
+class _FewerFromPeerZero(PeerTraffic):
+    """Source 0 sends nothing: its whole capacity block arrives as padding."""
+
+    def counts(self, dispatcher, send_counts_SL, expert_TK):
+        counts = dispatcher.send_counts(expert_TK, send_counts_SL.shape[1]).clone()
+        counts[0] = 0
+        return counts
+
+
+def test_padding_gradients_never_reach_the_sent_rows():
+    # The experts leave padding rows' gradients undefined (NaN here); a real peer's padding gradient
+    # lands in an empty slot, so the proxy's fabricated gradient must not carry it to a real row.
+    parallel = ParallelConfig.from_dict(dict(dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0))
+    with fake_rank(parallel, 1) as groups:
+        from moe_engine.proxy.peers import ProxyDispatcher
+
+        dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, 1.0, _FewerFromPeerZero())
+        expert_TK = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]])
+        send_counts_SL = dispatcher.send_counts(expert_TK, 2)
+        recv_counts_SL = dispatcher.exchange_counts(send_counts_SL, expert_TK)
+        assert recv_counts_SL[0].sum() == 0 and torch.equal(recv_counts_SL[1], send_counts_SL[1])
+        send_RD = torch.randn(8, 3, requires_grad=True)
+        recv_RD = dispatcher.exchange_rows(send_RD, None, None, combine=False)
+        grad_RD = torch.randn(8, 3)
+        grad_RD[:4] = float("nan")  # source 0's block: all padding
+        recv_RD.backward(grad_RD)
+    expected = grad_RD.clone()
+    expected[:4] = 0
+    assert torch.equal(send_RD.grad, expected)
