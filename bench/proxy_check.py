@@ -18,7 +18,8 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from bench.runner import Runner, run_with_timeout
 from bench.scenario import Scenario, scenario_from_dict
@@ -92,7 +93,5 @@ def check(runner: Runner, scenarios: list[Scenario], progress: Callable[[str], N
             "error": projected / measured - 1,
             "proxy_compute_s": [p.metrics["step_time_s"]["median"] for p in proxies],
             "plan_memory_gap": [p.metrics["plan_memory_gap"]["median"] for p in proxies],
-            "real_result": str(real.path) if real.path else None,
-            "proxy_results": [str(p.path) if p.path else None for p in proxies],
         })
     return {"networks": {str(k): v for k, v in networks.items()}, "rows": rows}

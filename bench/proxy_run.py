@@ -37,7 +37,8 @@ import functools
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -147,43 +148,53 @@ def _group_phases(groups: ProcessGroups) -> dict[str, str]:
     }
 
 
-def _classify(calls: list[CollectiveCall], phases: dict[str, str], microbatches: int):
+@dataclass(frozen=True)
+class CallScaling:
+    """How one recorded call grows from the run's scale to the scenario's."""
+
+    token_ratio: float
+    """Bytes of all-to-alls and stage messages (rows per microbatch)."""
+    block_ratio: float
+    """Number of all-to-alls (one set per MoE block)."""
+    param_ratio: dict[str, float]
+    """Bytes of gradient collectives, per group name (the dense dp group, the expert edp group)."""
+
+    def apply(self, call: CollectiveCall, phase: str) -> tuple[int, float]:
+        """(bytes, calls) that one recorded call stands for at the scenario's scale."""
+        if phase == "expert":
+            return round(call.nbytes * self.token_ratio), self.block_ratio
+        if phase == "pipeline":
+            return round(call.nbytes * self.token_ratio), 1.0
+        if phase == "grad":
+            return round(call.nbytes * self.param_ratio.get(call.group_name, 1.0)), 1.0
+        return call.nbytes, 1.0
+
+
+def _classify(
+    calls: list[CollectiveCall], phases: dict[str, str], microbatches: int, scaling: CallScaling | None = None
+) -> tuple[list[Collective], list[Collective]]:
     """Per-microbatch (expert, pipeline) and per-step (grad, other) entries for the projection.
 
     Calls of one kind (op, group, phase) are merged: per microbatch, their count divided by the
     microbatches and their mean size (sync dispatch sends a different size every call).
     """
-    merged: dict[tuple, list[int]] = {}
+    merged: dict[tuple, list[tuple[int, float]]] = {}
     for call in calls:
         phase = phases.get(call.group_name, "other")
-        merged.setdefault((call.op, call.ranks, phase), []).append(call.nbytes)
+        scaled = scaling.apply(call, phase) if scaling else (call.nbytes, 1.0)
+        merged.setdefault((call.op, call.ranks, phase), []).append(scaled)
     per_microbatch, per_step = [], []
-    for (op, ranks, phase), sizes in merged.items():
-        nbytes = round(sum(sizes) / len(sizes))
+    for (op, ranks, phase), entries in merged.items():
+        nbytes = round(sum(b for b, _ in entries) / len(entries))
+        multiplier = entries[0][1]
         if phase in ("expert", "pipeline"):
-            count = len(sizes) / microbatches
+            count = len(entries) / microbatches
             if count != int(count):
-                raise RuntimeError(f"{len(sizes)} {op} calls do not split over {microbatches} microbatches")
-            per_microbatch.append(Collective(op, ranks, nbytes, phase, int(count)))
+                raise RuntimeError(f"{len(entries)} {op} calls do not split over {microbatches} microbatches")
+            per_microbatch.append(Collective(op, ranks, nbytes, phase, max(1, round(count * multiplier))))
         else:
-            per_step.append(Collective(op, ranks, nbytes, phase, len(sizes)))
+            per_step.append(Collective(op, ranks, nbytes, phase, len(entries)))
     return per_microbatch, per_step
-
-
-def _scale_collectives(items: list[Collective], scale: ProxyScale, param_ratio: dict[str, float], expert_groups) -> list[Collective]:
-    out = []
-    for c in items:
-        if c.phase == "expert":
-            count = max(1, round(c.count * scale.block_ratio))
-            out.append(Collective(c.op, c.ranks, round(c.nbytes * scale.token_ratio), c.phase, count))
-        elif c.phase == "pipeline":
-            out.append(Collective(c.op, c.ranks, round(c.nbytes * scale.token_ratio), c.phase, c.count))
-        elif c.phase == "grad":
-            ratio = param_ratio["expert" if c.ranks in expert_groups else "dense"]
-            out.append(Collective(c.op, c.ranks, round(c.nbytes * ratio), c.phase, c.count))
-        else:
-            out.append(c)
-    return out
 
 
 def _stage_params(plan_details: dict[str, Any], pp_rank: int) -> dict[str, int]:
@@ -217,7 +228,7 @@ class _Measured:
     losses: list[float]
 
 
-def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progress) -> tuple[_Measured, ProcessGroups, Any]:
+def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progress) -> tuple[_Measured, ProcessGroups]:
     parallel, config, run = scenario.parallel_config, scenario.model, scenario.run
     groups = build_process_groups(Layout(parallel))
     seed = scenario.spec["routing"]["seed"]
@@ -277,14 +288,26 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
     else:
         progress("memory step (tracked tensors)")
         tokens, labels = next(batches)
+        optimizer_step, peaks = trainer.optimizer.step, {}
         with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
+
+            def split_peaks():
+                # The forward/backward peak and the optimizer step's, each against its plan term.
+                peaks["forward_backward"] = tracker.peak
+                tracker.peak = tracker.current
+                optimizer_step()
+
+            trainer.optimizer.step = split_peaks
             trainer.step(tokens, labels)
+        trainer.optimizer.step = optimizer_step
         measured.memory = {
-            "peak_tensor_bytes": tracker.peak,
+            "peak_tensor_bytes": max(peaks["forward_backward"], tracker.peak),
+            "peak_forward_backward_bytes": peaks["forward_backward"],
+            "peak_optimizer_step_bytes": tracker.peak,
             "resident_tensor_bytes": tracker.baseline,
             "rss_peak_bytes": rss_peak_bytes(),
         }
-    return measured, groups, rank_model
+    return measured, groups
 
 
 def _median(values: list[float]) -> float:
@@ -313,17 +336,21 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
         torch.set_num_threads(scenario.proxy["threads"])
     join_fake_world(scale.rank, scenario.world_size)
     try:
-        measured, groups, _ = _measure(run_scenario, scale, device, progress)
+        measured, groups = _measure(run_scenario, scale, device, progress)
         phases = _group_phases(groups)
-        expert_groups = {tuple(r) for r in (groups.layout.groups("edp"))}
+        family_groups = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
     finally:
         leave_fake_world()
 
     net = Network.from_cluster(scenario.cluster)
-    plan_run_metrics, plan_run = plan_scenario(_as_plan(spec))
+    _, plan_run = plan_scenario(_as_plan(spec))
     _, plan_full = plan_scenario(_as_plan(scenario.spec))
     params_run, params_full = _stage_params(plan_run, scale.pp_rank), _stage_params(plan_full, scale.pp_rank)
-    param_ratio = {k: params_full[k] / params_run[k] if params_run[k] else 1.0 for k in params_run}
+    scaling = CallScaling(
+        scale.token_ratio,
+        scale.block_ratio,
+        {name: params_full[k] / params_run[k] if params_run[k] else 1.0 for k, name in family_groups.items()},
+    )
     all_params_ratio = sum(params_full.values()) / sum(params_run.values())
 
     table = _phase_table(measured)
@@ -333,6 +360,7 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
     rest = max(0.0, compute - optimizer - blocks)
     m_run = scale.microbatches_run
     per_microbatch, per_step = _classify(measured.calls, phases, m_run)
+    full_microbatch, full_step = _classify(measured.calls, phases, m_run, scaling)
     parallel = run_scenario.parallel_config
 
     def schedule(m: int) -> Schedule:
@@ -349,8 +377,7 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
     full_projection = project_step(
         scale.rank,
         RankTiming(microbatch_s=full_microbatch_s, optimizer_s=optimizer * all_params_ratio),
-        _scale_collectives(per_microbatch, scale, param_ratio, expert_groups),
-        _scale_collectives(per_step, scale, param_ratio, expert_groups), schedule(scale.microbatches_full), net,
+        full_microbatch, full_step, schedule(scale.microbatches_full), net,
         scenario.run["tokens_per_step"], scenario.world_size, training_flops_per_token(scenario.model),
     )
 
@@ -431,5 +458,15 @@ def _plan_vs_proxy(plan_stage, plan_run, memory, peak_key, device) -> dict[str, 
     if "resident_tensor_bytes" in memory:
         out["measured_state_bytes"] = memory["resident_tensor_bytes"]
         out["measured_transient_bytes"] = memory[peak_key] - memory["resident_tensor_bytes"]
+        backward = state + sum(planned.get(k, 0) for k in ("activations", "comm_buffers", "backward_workspace"))
+        step = state + planned.get("optimizer_step", 0)
+        out["forward_backward"] = {
+            "measured_peak_bytes": memory["peak_forward_backward_bytes"], "plan_bytes": backward,
+            "gap": memory["peak_forward_backward_bytes"] / backward - 1,
+        }
+        out["optimizer_step"] = {
+            "measured_peak_bytes": memory["peak_optimizer_step_bytes"], "plan_bytes": step,
+            "gap": memory["peak_optimizer_step_bytes"] / step - 1,
+        }
     out["measured_on"] = "CUDA allocator peak" if device.type == "cuda" else "tracked tensor bytes (CPU)"
     return out

@@ -37,9 +37,10 @@ def suite_files(name: str, device: torch.device) -> list[Path]:
         raise ScenarioError(SUITES_PATH, name, f"no such suite (known: {', '.join(sorted(suites))})")
     entry = suites[name]
     patterns = entry.get("any") or entry.get("cuda" if device.type == "cuda" else "cpu") or []
+    excluded = {f for pattern in entry.get("exclude", []) for f in SCENARIOS_DIR.glob(pattern)}
     files: list[Path] = []
     for pattern in patterns:
-        files.extend(sorted(SCENARIOS_DIR.glob(pattern)))
+        files.extend(f for f in sorted(SCENARIOS_DIR.glob(pattern)) if f not in excluded)
     return files
 
 

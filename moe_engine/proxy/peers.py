@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -121,7 +121,7 @@ class ProxyDispatcher(AllToAllDispatcher):
         kind,
         capacity_factor: float,
         peers: PeerTraffic,
-        fabrication: Callable[[], ContextManager] = contextlib.nullcontext,
+        fabrication: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ):
         super().__init__(group, kind, capacity_factor)
         self.peers = peers

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.projection import Collective
-from bench.proxy_run import _classify, run_spec
+from bench.proxy_run import CallScaling, _classify, run_spec
 from bench.runner import Runner, SilentReporter
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
 from moe_engine.parallel.collective_log import CollectiveCall
@@ -100,6 +100,20 @@ def test_collectives_split_into_microbatch_and_step_entries():
     ]
     with pytest.raises(RuntimeError, match="do not split"):
         _classify(calls[:3], {"ep": "expert"}, microbatches=2)
+
+    # At the scenario's scale: 32x the tokens per microbatch, 7x the blocks, 3x the dense parameters.
+    scaling = CallScaling(token_ratio=32, block_ratio=7, param_ratio={"dp": 3.0})
+    per_microbatch, per_step = _classify(
+        calls, {"ep": "expert", "pp": "pipeline", "dp": "grad"}, microbatches=4, scaling=scaling
+    )
+    assert sorted(per_microbatch, key=lambda c: c.op) == [
+        Collective("all_to_all", ep, round(sum(32 * (100 + i) for i in range(8)) / 8), "expert", 14),
+        Collective("send", (0, 4), 32 * 64, "pipeline", 1),
+    ]
+    assert sorted(per_step, key=lambda c: c.op) == [
+        Collective("all_reduce", dp, 8, "other", 1),
+        Collective("reduce_scatter", dp, 3 * 4096, "grad", 1),
+    ]
 
 
 @pytest.mark.slow

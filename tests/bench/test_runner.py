@@ -60,6 +60,10 @@ def test_suites_resolve_to_existing_scenarios():
 
     default = suite_files("default", torch.device("cpu"))
     assert any("smoke" in str(p) for p in default) and any("olmo-core3" in str(p) for p in default)
+    # The proxies take minutes each on a CPU: they have a suite of their own.
+    proxies = suite_files("proxy", torch.device("cpu"))
+    assert [p.name for p in proxies] == ["moe-1.2t-512gpu-proxy.yaml", "moe-128e-47b-proxy.yaml", "moe-2.38t-proxy.yaml"]
+    assert not set(proxies) & set(default)
     assert set(suite_files("ci", torch.device("cpu"))) <= set(ALL_SCENARIOS)
 
 
