@@ -79,9 +79,11 @@ Communication: bytes one rank sends per optimizer step; c = 4 bytes for fp32, el
 Comm buffers memory: one MoE block's all-to-all send + receive buffers, 2 * T * k * D * c * pad (when
 ep > 1), plus one pipeline send and one receive buffer 2 * T * D * a (when pp > 1).
 
-Backward workspace (ranks with MoE blocks): one MoE block's expert backward temporaries,
+Backward workspace: the largest temporary of the rank's backward, as weight gradients are made
+whole before they are added into their buffers: one MoE block's expert backward,
 R * a * 4F (gradient of the SwiGLU product, the recomputed product, gradient of the pre-activations)
-+ a * (E / ep) * 3 * D * F (the local experts' weight gradients before they reach the buffers).
++ a * (E / ep) * 3 * D * F (the local experts' weight gradients), or the embedding's or LM head's
+gradient, a * V * D, on the ranks holding them.
 
 Optimizer step (ddp): the engine updates one gradient bucket at a time. A bucket holds whole
 parameters of one family until it reaches bucket_elements (default 2^22), so the largest bucket
@@ -258,14 +260,19 @@ def _moe_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, pa
     return _norm_activation_bytes(d, tokens, b) + router + experts + combine + shared
 
 
-def _backward_workspace_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
-    """Temporaries of one MoE block's expert backward: per row the gradient of the SwiGLU product,
-    the recomputed product and the gradient of the pre-activations (4F), and the local experts'
-    weight gradients before they are added into the gradient buffers."""
+def _backward_workspace_bytes(model: ModelConfig, h: _Rank, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
+    """The largest temporary of the rank's backward: a weight gradient is made whole before it is
+    added into its buffer. One MoE block's expert backward holds per row the gradient of the SwiGLU
+    product, the recomputed product and the gradient of the pre-activations (4F) next to the local
+    experts' weight gradients; the embedding's and LM head's gradients are V x D each."""
     moe = model.moe
-    rows = _expert_rows(tokens, model, par) * b.activation * 4 * moe.expert_hidden
-    weights = b.activation * (moe.num_experts // par["ep"]) * 3 * model.d_model * moe.expert_hidden
-    return rows + weights
+    candidates = [0.0]
+    if h.n_moe:
+        rows = _expert_rows(tokens, model, par) * b.activation * 4 * moe.expert_hidden
+        candidates.append(rows + b.activation * (moe.num_experts // par["ep"]) * 3 * model.d_model * moe.expert_hidden)
+    if h.embedding or h.head:
+        candidates.append(b.activation * model.vocab_size * model.d_model)
+    return max(candidates)
 
 
 def _head_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
@@ -399,7 +406,7 @@ def _plan_rank(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, A
     memory.update(
         activations=per_mb * in_flight,
         comm_buffers=a2a_buffer + pipe_buffer,
-        backward_workspace=_backward_workspace_bytes(model, tokens, b, par) if h.n_moe else 0,
+        backward_workspace=_backward_workspace_bytes(model, h, tokens, b, par),
         optimizer_step=_optimizer_step_bytes(model, h, b, par),
     )
     # Activations and communication buffers are freed before the optimizer step runs.
