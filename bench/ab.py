@@ -20,6 +20,7 @@ the baseline (e.g. a scenario newer than the baseline's code) is reported and no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import math
 import shutil
@@ -59,6 +60,8 @@ class SideRun:
     error: str | None
     metrics: dict[str, dict[str, Any]]
     version: str | None = None
+    mode: str = "execute"
+    """The scenario's mode: a plan's figures are arithmetic, so they are compared but never gated."""
 
 
 @dataclass(frozen=True)
@@ -157,11 +160,21 @@ def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float
             report.notes.append(f"NOTE {scenario}: baseline {bad_base.status} ({bad_base.error}); not compared")
             continue
         shared = set.intersection(*(set(b.metrics) & set(c.metrics) for b, c in pairs))
+        estimate = pairs[-1][1].mode == "plan"
         for name in sorted(shared):
             entries = [(b.metrics[name], c.metrics[name]) for b, c in pairs]
             if entries[-1][1]["better"] is None:
                 continue  # reported by moe-bench run, never gated
-            report.metrics.append(paired_metric(scenario, name, entries, tolerance))
+            paired = paired_metric(scenario, name, entries, tolerance)
+            if estimate:
+                # A plan measures nothing: a changed figure is a changed estimate (see the plan's
+                # docstring), reported for review, not a regression of the engine.
+                if paired.ratio != 1:
+                    report.notes.append(
+                        f"NOTE {scenario} {name}: plan estimate changed x{format_ratio(paired.ratio)} (not gated)"
+                    )
+                paired = dataclasses.replace(paired, verdict="info")
+            report.metrics.append(paired)
         only = set().union(*(set(b.metrics) ^ set(c.metrics) for b, c in pairs))
         for name in sorted(only):
             report.notes.append(f"NOTE {scenario} {name}: metric on one side only")
@@ -249,7 +262,7 @@ def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
     docs = load_results(out) if out.is_dir() else []
     if len(docs) == 1:
         doc = docs[0]
-        return SideRun(doc.status, doc.data.get("error"), doc.metrics, doc.version)
+        return SideRun(doc.status, doc.data.get("error"), doc.metrics, doc.version, doc.data.get("mode", "execute"))
     last = output.strip().splitlines()[-1:] or ["no output"]
     reason = "timed out" if returncode is None else f"moe-bench exited with code {returncode}: {last[0]}"
     return SideRun("failed", reason, {})

@@ -132,6 +132,13 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
     bad = [s for s in scenarios if s.mode != "execute" or s.world_size < 2]
     if bad:
         return _fail(f"{bad[0].file}: proxy-check needs execute scenarios of 2 ranks or more")
+    from moe_engine.proxy.build import check_proxy_layout
+
+    for scenario in scenarios:
+        try:
+            check_proxy_layout(scenario.parallel_config)
+        except ValueError as err:
+            return _fail(f"{scenario.file}: {err}")
     problem = _unwritable(Path(args.out))
     if problem:
         return _fail(problem)

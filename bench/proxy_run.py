@@ -14,16 +14,20 @@ What runs
 What is measured (at the run's scale)
     Step time without the proxy's own work of fabricating peers' data, split into phases by
     ``moe_engine.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
-    norms and residuals, optimizer, other = embedding, LM head, loss, gradient buffers); the peak
-    memory (CUDA allocator, or tracked tensor bytes on CPU); every collective's bytes per step.
+    norms and residuals, embedding, optimizer, gradient buffers, other = final norm, LM head, loss);
+    the peak memory (CUDA allocator, or tracked tensor bytes on CPU), overall and for forward/backward
+    and the optimizer step apart; every collective's bytes per step.
 
 Projection (``bench.projection``)
     At the run's scale, and scaled to the scenario's: per-microbatch compute of the stage's blocks
-    times full_blocks / run_blocks, all per-microbatch compute times full tokens / run tokens per
-    microbatch (linear in tokens: attention's quadratic term is not rescaled), the optimizer and the
-    gradient collectives times the rank's full / run parameter count (dense and expert separately),
-    all-to-all bytes times the token ratio and their count times the block ratio, stage messages
-    times the token ratio, over the scenario's microbatches.
+    times full_blocks / run_blocks; the blocks and the rest of a microbatch (final norm, LM head,
+    loss) times full / run tokens per microbatch (linear in tokens: attention's quadratic term is not
+    rescaled); the embedding once per microbatch, unscaled (its backward makes a whole V x D
+    gradient); the optimizer times the rank's full / run optimizer-state bytes and the gradient
+    buffers' zeroing and scaling times its gradient bytes, once per step; gradient collectives'
+    bytes times their family's parameter ratio; all-to-all bytes times the token ratio and their
+    count times the block ratio; stage messages times the token ratio; over the scenario's
+    microbatches.
 
 Plan vs proxy
     ``bench.plan`` evaluated on exactly what the proxy ran (same blocks, tokens, microbatches), for the
@@ -42,7 +46,7 @@ from typing import Any
 
 import torch
 
-from bench.execute import ExecuteResult, synchronize
+from bench.execute import ExecuteResult, NonFiniteLoss, synchronize
 from bench.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.plan import plan_scenario
 from bench.projection import Collective, Network, RankTiming, Schedule, project_step, summarize_collectives
@@ -60,6 +64,8 @@ from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 BLOCK_PHASES = ("attention", "router", "dispatch", "experts", "shared_expert", "dense_ffn", "block")
 FABRICATION = "fabrication"
+EMBEDDING = "embedding"
+GRAD_BUFFERS = "grad_buffers"
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,6 @@ def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], 
 
     blocks = min(scale.get("blocks") or blocks_full, blocks_full)
     if blocks < blocks_full:
-        if model.get("n_dense_layers", 0):
-            raise ValueError("proxy.cpu_scale.blocks: scaling the blocks needs a model without dense layers")
         model["n_layers"] = pp * blocks
     seq_len_run = scale.get("seq_len") or seq_len
     model["seq_len"] = seq_len_run
@@ -209,14 +213,30 @@ def _batches(sequences: int, seq_len: int, vocab: int, device: torch.device, see
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def _timed_optimizer(trainer: ParallelTrainer, timer: PhaseTimer) -> None:
-    step = trainer.optimizer.step
+def _timed(owner, method: str, timer: PhaseTimer, phase: str) -> None:
+    """Time every call of ``owner.method`` as ``phase``."""
+    inner = getattr(owner, method)
 
-    def timed_step():
-        with timer.region("optimizer"):
-            step()
+    def timed(*args, **kwargs):
+        with timer.region(phase):
+            return inner(*args, **kwargs)
 
-    trainer.optimizer.step = timed_step
+    setattr(owner, method, timed)
+
+
+def _instrument(trainer: ParallelTrainer, rank_model, timer: PhaseTimer) -> None:
+    """Phases of the blocks, plus the work whose size follows the parameters rather than the tokens:
+    the optimizer, zeroing and scaling the gradient buffers, and the embedding (its backward makes a
+    whole vocabulary x d_model gradient per microbatch)."""
+    instrument_model(timer, rank_model.module)
+    embed = getattr(rank_model.module, "embed", None)
+    if embed is not None:
+        # Its input (token ids) takes no gradient: its backward phase runs until the pass ends,
+        # and the embedding's backward is the last work of the pass.
+        timer.instrument(embed, EMBEDDING, open_ended=True)
+    _timed(trainer.optimizer, "step", timer, "optimizer")
+    _timed(trainer.optimizer, "zero_grad", timer, GRAD_BUFFERS)
+    _timed(trainer, "scale_gradients", timer, GRAD_BUFFERS)
 
 
 @dataclass
@@ -237,14 +257,13 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
     trainer = ParallelTrainer(rank_model, parallel, groups)
     sync = functools.partial(synchronize, device)
     timer = PhaseTimer(synchronize=sync)
-    instrument_model(timer, rank_model.module)
+    _instrument(trainer, rank_model, timer)
     fabrication = functools.partial(timer.region, FABRICATION)
     for layer in rank_model.moe_layers():
         if isinstance(layer.dispatcher, ProxyDispatcher):
             layer.dispatcher.fabrication = fabrication
     if rank_model.pipeline is not None:
         rank_model.pipeline.fabrication = fabrication
-    _timed_optimizer(trainer, timer)
 
     sequences = scale.microbatches_run * scale.tokens_per_microbatch_run // scale.seq_len_run
     batches = _batches(sequences, scale.seq_len_run, config.vocab_size, device, seed)
@@ -270,7 +289,7 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
         totals = timer.totals
         fabricated = sum(totals.get(FABRICATION, {}).values())
         if loss is not None and not math.isfinite(float(loss)):
-            raise RuntimeError(f"the proxy's loss is {float(loss)} at step {step}")
+            raise NonFiniteLoss(f"the proxy's loss is {float(loss)} at step {step}")
         if is_measured:
             measured.compute_s.append(wall - fabricated)
             measured.phases.append(totals)
@@ -351,13 +370,20 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
         scale.block_ratio,
         {name: params_full[k] / params_run[k] if params_run[k] else 1.0 for k, name in family_groups.items()},
     )
-    all_params_ratio = sum(params_full.values()) / sum(params_run.values())
+    state_run, state_full = (plan["stages"][scale.pp_rank]["memory_bytes"] for plan in (plan_run, plan_full))
+    # The optimizer works on the rank's optimizer shard; zeroing and scaling on its gradient buffers.
+    optimizer_ratio = state_full["optimizer"] / state_run["optimizer"]
+    grad_ratio = state_full["grads"] / state_run["grads"]
 
     table = _phase_table(measured)
     compute = _median(measured.compute_s)
-    optimizer = sum(table.get("optimizer", {}).values())
-    blocks = sum(sum(table.get(name, {}).values()) for name in BLOCK_PHASES)
-    rest = max(0.0, compute - optimizer - blocks)
+    def seconds(*names: str) -> float:
+        return sum(sum(table.get(name, {}).values()) for name in names)
+
+    optimizer, grad_buffers, embedding = seconds("optimizer"), seconds(GRAD_BUFFERS), seconds(EMBEDDING)
+    blocks = seconds(*BLOCK_PHASES)
+    # The rest follows the tokens: final norm, LM head, loss.
+    rest = max(0.0, compute - optimizer - grad_buffers - embedding - blocks)
     m_run = scale.microbatches_run
     per_microbatch, per_step = _classify(measured.calls, phases, m_run)
     full_microbatch, full_step = _classify(measured.calls, phases, m_run, scaling)
@@ -368,15 +394,16 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
 
     run_projection = project_step(
         scale.rank,
-        RankTiming(microbatch_s=(compute - optimizer) / m_run, optimizer_s=optimizer),
+        RankTiming(microbatch_s=(compute - optimizer - grad_buffers) / m_run, optimizer_s=optimizer + grad_buffers),
         per_microbatch, per_step, schedule(m_run), net,
         run_scenario.run["tokens_per_step"], scenario.world_size,
         training_flops_per_token(run_scenario.model, scale.seq_len_run),
     )
-    full_microbatch_s = (blocks * scale.block_ratio + rest) / m_run * scale.token_ratio
+    full_microbatch_s = ((blocks * scale.block_ratio + rest) * scale.token_ratio + embedding) / m_run
+    full_step_s = optimizer * optimizer_ratio + grad_buffers * grad_ratio
     full_projection = project_step(
         scale.rank,
-        RankTiming(microbatch_s=full_microbatch_s, optimizer_s=optimizer * all_params_ratio),
+        RankTiming(microbatch_s=full_microbatch_s, optimizer_s=full_step_s),
         full_microbatch, full_step, schedule(scale.microbatches_full), net,
         scenario.run["tokens_per_step"], scenario.world_size, training_flops_per_token(scenario.model),
     )
@@ -411,11 +438,15 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
         projection_run_scale=run_projection.to_dict(),
         projection=full_projection.to_dict(),
         projection_scaling=[
-            "per-microbatch compute of the stage's blocks x blocks_full / blocks_run; all per-microbatch compute "
-            "x tokens_full / tokens_run per microbatch (linear in tokens; attention's quadratic term not rescaled)",
-            "optimizer time x the rank's full / run parameter count; gradient collectives' bytes x the dense or "
-            "expert parameter ratio; all-to-all bytes x the token ratio and their count x the block ratio; stage "
-            "messages' bytes x the token ratio",
+            "per-microbatch compute of the stage's blocks x blocks_full / blocks_run; the blocks and the rest "
+            "of the microbatch (final norm, LM head, loss) x tokens_full / tokens_run per microbatch (linear in "
+            "tokens; attention's quadratic term not rescaled); the embedding once per microbatch, unscaled (its "
+            "backward makes a whole vocabulary x d_model gradient whatever the tokens)",
+            "the optimizer step x the rank's full / run optimizer-state bytes, zeroing and scaling the gradient "
+            "buffers x its full / run gradient bytes (both once per step, in the projection's optimizer time); "
+            "gradient collectives' bytes x the dense or expert parameter ratio (their count, hence their "
+            "latency terms, unscaled); all-to-all bytes x the token ratio and their count x the block ratio; "
+            "stage messages' bytes x the token ratio",
             "the compute is this machine's: on a CPU the projection prices a cluster of these CPUs on the "
             "scenario's network, not the scenario's GPUs",
         ],

@@ -184,6 +184,9 @@ def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
     except ValueError as err:
         field, _, reason = str(err).partition(": ")
         raise ScenarioError(file, field, reason) from None
+    if spec["proxy"]["cpu_scale"].get("blocks") and spec["model"].get("n_dense_layers", 0):
+        # Fewer blocks would move the boundary between the dense and the MoE blocks.
+        raise ScenarioError(file, "proxy.cpu_scale.blocks", "scaling the blocks needs a model without dense layers")
 
 
 def _check_layout(spec: dict[str, Any], model: ModelConfig, file) -> None:

@@ -220,8 +220,13 @@ class PhaseTimer:
         finally:
             self._exit(phase, direction)
 
-    def instrument(self, module: nn.Module, phase: str) -> None:
-        """Time ``module``'s forward and backward as ``phase`` (see the module docstring)."""
+    def instrument(self, module: nn.Module, phase: str, open_ended: bool = False) -> None:
+        """Time ``module``'s forward and backward as ``phase`` (see the module docstring).
+
+        ``open_ended``: mark the output even when no input takes a gradient; the backward phase then
+        runs until the backward pass ends. For a module whose backward is the last work of the pass,
+        such as the token embedding.
+        """
         self._declare(phase)
         # Per call in flight (a module may be re-entered): the direction entered and whether the
         # input got a marker, so that the forward hook marks the output only when it did.
@@ -247,7 +252,7 @@ class PhaseTimer:
         def post_hook(mod, args, output):
             direction, input_marked = calls.pop() if calls else (self._direction_now()[0], False)
             self._exit(phase, direction)
-            if not input_marked:
+            if not (input_marked or open_ended):
                 return None
             new_output, marked = _mark_first(output, mark_enter)
             return new_output if marked else None

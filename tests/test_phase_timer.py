@@ -375,3 +375,29 @@ def test_engine_model_phases_and_unchanged_numerics(dtype):
     logits = timed(tokens)
     assert timer.totals == {phase: {"forward": 0.0, "backward": 0.0} for phase in expected}
     assert "Marker" not in type(logits.grad_fn).__name__
+
+
+def test_an_open_ended_phase_times_backward_until_the_pass_ends():
+    # Like a token embedding: the input takes no gradient, so only an open-ended phase has a backward
+    # bracket, from its output's marker to the end of the pass (closing work after it included).
+    clock = FakeClock()
+
+    class Source(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+
+        def forward(self, ids):
+            return _Work.apply(ids.float() * self.scale, clock, 1.0, 10.0)
+
+    for open_ended, expected in ((True, 10.0), (False, 0.0)):
+        clock.now = 0.0
+        timer = PhaseTimer(clock=clock)
+        source, leaf = Source(), Leaf(clock, 2.0, 20.0)
+        timer.instrument(source, "source", open_ended=open_ended)
+        timer.instrument(leaf, "leaf")
+        leaf(source(torch.arange(3))).sum().backward()
+        totals_close(timer.totals, {
+            "source": {"forward": 1.0, "backward": expected},
+            "leaf": {"forward": 2.0, "backward": 20.0},
+        })

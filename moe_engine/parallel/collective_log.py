@@ -12,7 +12,6 @@ Byte conventions (what the projection prices; see ``bench.projection``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,20 +65,15 @@ def _nbytes(value) -> int:
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """Appends a ``CollectiveCall`` to ``calls`` for every collective issued while active.
+    """Appends a ``CollectiveCall`` to ``calls`` for every collective issued while active."""
 
-    ``when`` (optional) is asked before each record; calls it rejects are not recorded, e.g. the
-    metadata messages of a pipeline's shape inference.
-    """
-
-    def __init__(self, when: Callable[[], bool] | None = None):
+    def __init__(self):
         super().__init__()
         self.calls: list[CollectiveCall] = []
-        self._when = when
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "c10d" and (self._when is None or self._when()):
+        if func.namespace == "c10d":
             self._record(func, args, kwargs)
         return func(*args, **kwargs)
 

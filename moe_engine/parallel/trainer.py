@@ -142,10 +142,15 @@ class ParallelTrainer:
             loss.backward()
             losses.append(loss.detach())
         if m > 1:
-            for param in self.rank_model.module.parameters():
-                if param.grad is not None:
-                    param.grad.div_(m)
+            self.scale_gradients(1 / m)
         return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient the rank holds by ``factor`` (the mean over microbatches)."""
+        for param in self.rank_model.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(factor)
 
     def _update_expert_bias(self) -> None:
         layers = self.rank_model.moe_layers()

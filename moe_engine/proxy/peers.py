@@ -43,8 +43,8 @@ class PeerTraffic:
     """What the ep group sends this rank; the default reuses this rank's own traffic."""
 
     def counts(self, dispatcher: AllToAllDispatcher, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
-        """(ep, L): rows each source rank sends this rank's local experts."""
-        return dispatcher.send_counts(expert_TK, send_counts_SL.shape[1])
+        """(ep, L): rows each source rank sends this rank's local experts (here: what this rank sends)."""
+        return send_counts_SL.clone()
 
     def rows(self, send_RD: torch.Tensor, num_rows: int, combine: bool) -> torch.Tensor:
         """The ``num_rows`` received rows, given the rows this rank sent in the same exchange."""
@@ -69,18 +69,17 @@ class SimulatedPeers(PeerTraffic):
 
     def counts(self, dispatcher, send_counts_SL, expert_TK):
         me = self.routers.index(None)
+        if self.learned:
+            # Every peer routes like this rank: what it sends itself, from each source.
+            return send_counts_SL[me].expand_as(send_counts_SL).clone()
         num_tokens, num_local = expert_TK.shape[0], send_counts_SL.shape[1]
         rows = []
         for router in self.routers:
             if router is None:
                 rows.append(send_counts_SL[me])
                 continue
-            if self.learned:
-                peer_TK = expert_TK
-            else:
-                scores_TE = torch.empty(num_tokens, router.config.num_experts, device=expert_TK.device)
-                peer_TK = router.select_experts(scores_TE)
-            rows.append(dispatcher.send_counts(peer_TK, num_local)[me])
+            scores_TE = torch.empty(num_tokens, router.config.num_experts, device=expert_TK.device)
+            rows.append(dispatcher.send_counts(router.select_experts(scores_TE), num_local)[me])
         return torch.stack(rows)
 
 

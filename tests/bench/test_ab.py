@@ -119,6 +119,18 @@ def test_gate_report_and_exit_codes():
     assert skipped.exit_code == 0 and "skipped on both sides" in skipped.render()
 
 
+def test_a_changed_plan_estimate_is_reported_not_gated():
+    def plan(total: float) -> SideRun:
+        metrics = {"memory_total_bytes": {"median": total, "unit": "bytes", "better": "lower"}}
+        return SideRun("ok", None, metrics, "0.1.0", mode="plan")
+
+    grown = paired_gate({"p": [(plan(100.0), plan(150.0)) for _ in range(3)]}, 0.3)
+    assert grown.exit_code == 0 and [m.verdict for m in grown.metrics] == ["info"]
+    assert "NOTE p memory_total_bytes: plan estimate changed x1.500 (not gated)" in grown.render()
+    same = paired_gate({"p": [(plan(100.0), plan(100.0)) for _ in range(3)]}, 0.3)
+    assert same.exit_code == 0 and "plan estimate changed" not in same.render()
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: one line, exit 2, nothing written, no worktree left
 # --------------------------------------------------------------------------------------------
