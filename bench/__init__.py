@@ -1,1 +1,1 @@
-"""moe-engine's benchmark suite (micro-benchmarks now; the scenario runner builds on it)."""
+"""moe-engine's benchmark suite: scenario -> run -> result -> gate / report -> release (see the README's tour)."""

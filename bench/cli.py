@@ -20,8 +20,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
-    from bench.launch import detect_launch, join_launch
-    from bench.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
+    from bench.run.launch import detect_launch, join_launch
+    from bench.run.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
     try:
@@ -79,7 +79,7 @@ def _unwritable(out_root: Path) -> str | None:
 
 def _plot_after_run(out_root: Path) -> None:
     """Redraw the plots of everything under the results root; a plotting problem never hides results."""
-    from bench.plot import plot_results
+    from bench.report.plot import plot_results
 
     try:
         plot_results(out_root, out_root / "plots")
@@ -121,9 +121,9 @@ def print_summary(outcomes) -> None:
 def cmd_proxy_check(args: argparse.Namespace) -> int:
     import json
 
-    from bench.proxy_check import DEFAULT_SCENARIOS, check
-    from bench.runner import Reporter, Runner, expand_paths, load_all, resolve_device
+    from bench.run.runner import Reporter, Runner, expand_paths, load_all, resolve_device
     from bench.scenario import ScenarioError
+    from bench.validate.proxy_check import DEFAULT_SCENARIOS, check
 
     try:
         scenarios = load_all(expand_paths(args.files or list(DEFAULT_SCENARIOS)))
@@ -132,7 +132,7 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
     bad = [s for s in scenarios if s.mode != "execute" or s.world_size < 2]
     if bad:
         return _fail(f"{bad[0].file}: proxy-check needs execute scenarios of 2 ranks or more")
-    from moe_engine.proxy.build import check_proxy_layout
+    from moe_engine.parallel.layout import check_proxy_layout
 
     for scenario in scenarios:
         try:
@@ -169,7 +169,7 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
 
 
 def cmd_micro(args: argparse.Namespace) -> int:
-    from bench.micro_runner import run_micro
+    from bench.run.micro import run_micro
 
     return run_micro(args.device, Path(args.out))
 
@@ -181,7 +181,7 @@ def _load_side(path: str):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from bench.compare import compare, render_rich_table
+    from bench.gate.compare import compare, render_rich_table
 
     try:
         comparison = compare(_load_side(args.base), _load_side(args.cand))
@@ -196,7 +196,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from bench.compare import compare, gate, parse_tolerance
+    from bench.gate.compare import compare, gate, parse_tolerance
 
     try:
         tolerance = parse_tolerance(args.tolerance)
@@ -208,7 +208,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from bench.export import export_files
+    from bench.report.export import export_files
 
     try:
         files = export_files(_load_side(args.results), args.format, include_machine=args.include_machine)
@@ -224,7 +224,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from bench.plot import plot_results
+    from bench.report.plot import plot_results
     from bench.results import ResultValidationError
 
     results_dir = Path(args.results_dir)
@@ -239,14 +239,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    from bench.machine import engine_info
+    from bench.release.version import engine_version
 
-    print(engine_info()["version"])
+    version = engine_version()
+    print(version.version)
+    print(f"({version.source})", file=sys.stderr)
     return EXIT_OK
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from bench.releases import ReleaseError, cut_release, latest_release, load_releases
+    from bench.release.record import ReleaseError, cut_release, latest_release, load_releases
 
     try:
         if args.version is None:
@@ -263,9 +265,9 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from bench.ab import ABError, plan_ab, run_ab
-    from bench.compare import parse_tolerance
-    from bench.runner import expand_paths, load_all, resolve_device, suite_files
+    from bench.gate.ab import ABError, plan_ab, run_ab
+    from bench.gate.compare import parse_tolerance
+    from bench.run.runner import expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
     try:
@@ -292,7 +294,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from bench.versions import VersionsError, run_versions
+    from bench.release.images import VersionsError, run_versions
 
     try:
         code, table = run_versions(args.images, args.suite, Path(args.out), args.gpus,

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from bench.results import REPO_ROOT
 
 # Dense BF16 peak TFLOP/s per device (vendor datasheets, without sparsity). A GPU not listed here
 # gets no MFU rather than a guessed one.
@@ -85,91 +81,3 @@ def peak_tflops(device: torch.device) -> float | None:
         if key in name:
             return value
     return None
-
-
-# Data, not code: recording a release or writing results never makes a checkout "dirty".
-DATA_PATHS = ("results", "releases.json")
-RELEASE_TAGS = "v[0-9]*"
-"""``git describe`` considers tags of this form (``v0.1.0``) as releases."""
-BAKED_ENGINE_FILE = Path("bench") / "engine.json"
-"""Written by the image build from the checkout it was built from (images carry no ``.git``)."""
-
-
-def engine_info(root: Path = REPO_ROOT) -> dict[str, Any]:
-    """Engine version, commit and dirtiness; the version names the folder under ``results/``.
-
-    In a git checkout (see ``format_version``): ``0.1.0`` at a clean release commit,
-    ``0.1.0+3.gabc1234`` three commits after release 0.1.0, ``...dirty`` with uncommitted changes
-    to tracked code, ``0.1.0+gabc1234`` before any release (the package version). Outside a
-    checkout: what the image build recorded in ``bench/engine.json``, else the package metadata.
-    """
-    from moe_engine import __version__
-
-    with contextlib.suppress(OSError, subprocess.SubprocessError):  # not a checkout, or no git
-        return checkout_info(root, __version__)
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        baked = json.loads((root / BAKED_ENGINE_FILE).read_text())
-        return {key: baked[key] for key in ("version", "git_commit", "git_dirty")}
-    return {"version": __version__, "git_commit": None, "git_dirty": None}
-
-
-def checkout_info(root: Path, package_version: str) -> dict[str, Any]:
-    """``engine_info`` of the git checkout at ``root``; raises SubprocessError outside one."""
-    if Path(_git(root, "rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
-        raise subprocess.SubprocessError(f"{root} is inside another repository, not a checkout of its own")
-    commit = _git(root, "rev-parse", "HEAD")
-    excluded = [f":(exclude){path}" for path in DATA_PATHS]
-    dirty = bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", *excluded))
-    release = nearest_release(root, commit)
-    version = format_version(package_version, release, commit, dirty)
-    return {"version": version, "git_commit": commit, "git_dirty": dirty}
-
-
-def format_version(package_version: str, release: tuple[str, int] | None, commit: str, dirty: bool) -> str:
-    """A PEP 440 version that sorts between releases and is safe as a folder name.
-
-    ``release`` is (version, commits since it) of the nearest release at or before ``commit``.
-    """
-    if release is None:
-        return f"{package_version}+g{commit[:7]}" + (".dirty" if dirty else "")
-    version, distance = release
-    if distance == 0 and not dirty:
-        return version
-    return f"{version}+{distance}.g{commit[:7]}" + (".dirty" if dirty else "")
-
-
-def nearest_release(root: Path, commit: str) -> tuple[str, int] | None:
-    """(version, distance) of the closest release that ``commit`` descends from.
-
-    ``git describe`` over the release tags when they were fetched, else the release record
-    (``releases.json``), which does not depend on tags.
-    """
-    with contextlib.suppress(subprocess.CalledProcessError):
-        described = _git(root, "describe", "--tags", "--long", "--match", RELEASE_TAGS, commit)
-        match = re.fullmatch(r"v(.+)-(\d+)-g[0-9a-f]+", described)
-        if match:
-            return match[1], int(match[2])
-    from bench.releases import ReleaseError, load_releases
-
-    try:
-        releases = load_releases(root / "releases.json")
-    except ReleaseError:
-        return None
-    best = None
-    for release in releases:
-        with contextlib.suppress(subprocess.CalledProcessError):  # not an ancestor, or not in this clone
-            _git(root, "merge-base", "--is-ancestor", release.commit, commit)
-            distance = int(_git(root, "rev-list", "--count", f"{release.commit}..{commit}"))
-            if best is None or distance < best[1]:
-                best = (release.version, distance)
-    return best
-
-
-def _git(root: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=10
-    ).stdout.strip()
-
-
-if __name__ == "__main__":  # the image build bakes the version of the checkout it was built from
-    print(json.dumps(engine_info()))

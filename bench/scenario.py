@@ -174,7 +174,7 @@ def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> Parallel
 
 
 def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
-    from moe_engine.proxy.build import check_proxy_layout
+    from moe_engine.parallel.layout import check_proxy_layout
 
     rank = spec["proxy"]["rank"]
     if rank >= parallel.world_size:

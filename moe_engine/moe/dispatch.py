@@ -63,7 +63,7 @@ class LocalDispatcher(Dispatcher):
         return combine(y_ND, route.weight_TK, plan.rows), _no_drops(x_TD.device)
 
 
-def _all_to_all(x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group) -> torch.Tensor:
     rows = x.shape[0] if recv_splits is None else sum(recv_splits)
     out = x.new_empty(rows, *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
@@ -77,12 +77,12 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, send_RD, recv_splits, send_splits, group):
         ctx.splits = (recv_splits, send_splits)
         ctx.group = group
-        return _all_to_all(send_RD, recv_splits, send_splits, group)
+        return all_to_all_rows(send_RD, recv_splits, send_splits, group)
 
     @staticmethod
     def backward(ctx, grad_recv_RD):
         recv_splits, send_splits = ctx.splits
-        return _all_to_all(grad_recv_RD, send_splits, recv_splits, ctx.group), None, None, None
+        return all_to_all_rows(grad_recv_RD, send_splits, recv_splits, ctx.group), None, None, None
 
 
 def all_to_all(
@@ -154,7 +154,7 @@ class AllToAllDispatcher(Dispatcher):
     # The two exchanges are methods so that a proxy rank (``moe_engine.proxy``) can stand in for its peers.
     def exchange_counts(self, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
         """(ep, L) rows each source sends this rank's local experts."""
-        return _all_to_all(send_counts_SL, None, None, self.group)
+        return all_to_all_rows(send_counts_SL, None, None, self.group)
 
     def exchange_rows(
         self, send_RD: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, combine: bool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe_engine.config import ParallelConfig
+from moe_engine.config import DataParallelMode, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,13 @@ def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[list[i
     """Block indices held by each pipeline rank (all of its stages, in order)."""
     chunks = stage_blocks(n_layers, pp * virtual_stages)
     return [[i for c in range(r, pp * virtual_stages, pp) for i in chunks[c]] for r in range(pp)]
+
+
+def check_proxy_layout(parallel: ParallelConfig) -> None:
+    """What a proxy rank can replay; raises ``ValueError`` naming the field otherwise."""
+    if parallel.dp_mode is not DataParallelMode.DDP:
+        raise ValueError("parallel.dp_mode: a proxy rank replays ddp layouts (with or without zero1), not fsdp")
+    if parallel.pp > 1 and parallel.virtual_stages != 1:
+        raise ValueError("parallel.virtual_stages: a proxy rank runs one pipeline stage per rank")
+    if parallel.pp > 1 and parallel.schedule.value not in ("gpipe", "1f1b"):
+        raise ValueError(f"parallel.schedule: a proxy rank runs gpipe or 1f1b, not {parallel.schedule.value}")

@@ -15,25 +15,15 @@ import zlib
 import torch
 from torch import nn
 
-from moe_engine.config import DataParallelMode, ModelConfig, ParallelConfig
+from moe_engine.config import ModelConfig, ParallelConfig
 from moe_engine.model import build_model
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
 from moe_engine.parallel.groups import ProcessGroups
-from moe_engine.parallel.layout import stage_blocks
+from moe_engine.parallel.layout import check_proxy_layout, stage_blocks
 from moe_engine.parallel.pipeline import StageModule
 from moe_engine.parallel.trainer import RankModel, rank_config, routing_seed
 from moe_engine.proxy.peers import ProxyDispatcher, SimulatedPeers
-
-
-def check_proxy_layout(parallel: ParallelConfig) -> None:
-    """What a proxy rank can replay; raises ``ValueError`` naming the field otherwise."""
-    if parallel.dp_mode is not DataParallelMode.DDP:
-        raise ValueError("parallel.dp_mode: a proxy rank replays ddp layouts (with or without zero1), not fsdp")
-    if parallel.pp > 1 and parallel.virtual_stages != 1:
-        raise ValueError("parallel.virtual_stages: a proxy rank runs one pipeline stage per rank")
-    if parallel.pp > 1 and parallel.schedule.value not in ("gpipe", "1f1b"):
-        raise ValueError(f"parallel.schedule: a proxy rank runs gpipe or 1f1b, not {parallel.schedule.value}")
 
 
 def peer_routing_seeds(config: ModelConfig, groups: ProcessGroups) -> list[int | None]:

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from moe_engine.config import MoEConfig, RoutingMode
-from moe_engine.moe.dispatch import AllToAllDispatcher, _all_to_all
+from moe_engine.moe.dispatch import AllToAllDispatcher, all_to_all_rows
 from moe_engine.moe.router import Router
 
 
@@ -94,7 +94,7 @@ class _PeerExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, send_RD, dispatcher, recv_splits, send_splits, combine, real_R):
         ctx.dispatcher, ctx.splits, ctx.real_R = dispatcher, (recv_splits, send_splits), real_R
-        recv_RD = _all_to_all(send_RD, recv_splits, send_splits, dispatcher.group)
+        recv_RD = all_to_all_rows(send_RD, recv_splits, send_splits, dispatcher.group)
         with dispatcher.fabrication():
             recv_RD.copy_(dispatcher.peers.rows(send_RD, recv_RD.shape[0], combine))
         return recv_RD
@@ -103,7 +103,7 @@ class _PeerExchange(torch.autograd.Function):
     def backward(ctx, grad_recv_RD):
         recv_splits, send_splits = ctx.splits
         dispatcher = ctx.dispatcher
-        grad_send_RD = _all_to_all(grad_recv_RD, send_splits, recv_splits, dispatcher.group)
+        grad_send_RD = all_to_all_rows(grad_recv_RD, send_splits, recv_splits, dispatcher.group)
         with dispatcher.fabrication():
             if ctx.real_R is not None:
                 grad_recv_RD = torch.where(ctx.real_R.unsqueeze(1), grad_recv_RD, 0)

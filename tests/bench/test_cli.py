@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from result_docs import make_doc
 
 from bench.cli import main
-from bench.micro_runner import fold_benchmarks
 from bench.results import metric, write_result
-from result_docs import make_doc
+from bench.run.micro import fold_benchmarks
 
 
 @pytest.fixture

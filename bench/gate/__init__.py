@@ -1,0 +1,1 @@
+"""Comparing result sets: verdicts, gates, and the A/B gate between two checkouts."""

@@ -1,0 +1,1 @@
+"""Arithmetic that predicts a run without running it: the plan and the cluster projection."""

@@ -1,0 +1,1 @@
+"""Releases: the record, the version label of results, and comparison through container images."""

@@ -1,0 +1,1 @@
+"""What people read: plots across versions and dashboard export."""

@@ -1,0 +1,1 @@
+"""Executing scenarios: the run loop, worker processes, the measured steps, proxy ranks."""

@@ -1,0 +1,254 @@
+"""Execute a scenario for real in this process: build, warm up, measure, report.
+
+This is what the worker process runs; ``bench.run.runner`` launches it with a timeout, so a hang or a
+crash costs one scenario, not the suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from bench.results import metric
+from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.scenario import Scenario
+from moe_engine.flops import training_flops_per_token
+from moe_engine.moe.layer import MoELayer
+from moe_engine.parallel.groups import ProcessGroups
+from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or Inf: the run is marked failed."""
+
+
+@dataclass
+class ExecuteResult:
+    metrics: dict[str, dict] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
+    """Achieved TFLOP/s of a large square matmul: the CPU's practical peak for MFU."""
+    n = 4096
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    synchronize(device)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        runs += 1
+    synchronize(device)
+    return 2 * n**3 * runs / (time.perf_counter() - start) / 1e12
+
+
+def _batches(scenario: Scenario, device: torch.device, dp_rank: int = 0):
+    """Seeded random token batches, a fresh global batch every step; this rank's data-parallel share.
+
+    Every rank draws the same global batch, so every layout trains on the same data.
+    """
+    model, dp = scenario.model, scenario.parallel_config.dp
+    sequences = scenario.run["tokens_per_step"] // model.seq_len
+    per_rank = sequences // dp
+    generator = torch.Generator().manual_seed(scenario.spec["routing"]["seed"] + 12345)
+    while True:
+        tokens = torch.randint(0, model.vocab_size, (sequences, model.seq_len + 1), generator=generator)
+        tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+@dataclass
+class _RankRecord:
+    """What one rank measured; rank 0 gathers every rank's record."""
+
+    rank: int
+    step_times: list[float] = field(default_factory=list)
+    counts: dict[int, list[list[int]]] = field(default_factory=dict)
+    dropped: list[int] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
+    optimizer_state_bytes: int = 0
+
+
+def _block_index(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[parts.index("blocks") + 1])
+
+
+def execute(
+    scenario: Scenario,
+    device: torch.device,
+    peak_tflops: float | None,
+    progress: Callable[[str], None] = lambda line: None,
+    groups: ProcessGroups | None = None,
+) -> ExecuteResult | None:
+    """Run the scenario on this rank; every rank of a layout calls it. Rank 0 returns the result."""
+    run, config, parallel = scenario.run, scenario.model, scenario.parallel_config
+    rank = groups.coords.rank if groups else 0
+    rank_model = build_rank_model(config, parallel, groups, device, seed=scenario.spec["routing"]["seed"])
+    trainer = ParallelTrainer(rank_model, parallel, groups)
+    moe_layers = {_block_index(name): m for name, m in rank_model.module.named_modules() if isinstance(m, MoELayer)}
+    batches = _batches(scenario, device, groups.coords.dp_rank if groups else 0)
+    tokens_per_step = run["tokens_per_step"]
+    world = scenario.world_size
+    flops_per_token = training_flops_per_token(config, config.seq_len)
+
+    record = _RankRecord(rank, counts={i: [] for i in moe_layers})
+    total_steps = run["warmup_steps"] + run["steps"] * run["repeats"]
+    losses = []
+    for step in range(total_steps):
+        tokens, labels = next(batches)
+        measured = step >= run["warmup_steps"]
+        synchronize(device)
+        if groups:
+            dist.barrier()
+        if measured and device.type == "cuda" and step == run["warmup_steps"]:
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        loss = trainer.step(tokens, labels)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        loss_value = _global_loss(loss, groups, parallel.dp)
+        if not math.isfinite(loss_value):
+            raise NonFiniteLoss(f"loss is {loss_value} at step {step}")
+        if measured:
+            record.step_times.append(elapsed)
+            losses.append(loss_value)
+            for index, layer in moe_layers.items():
+                record.counts[index].append(layer.last_counts_E.tolist())
+            record.dropped.append(sum(int(layer.last_dropped) for layer in moe_layers.values()))
+        if rank == 0:
+            progress(
+                f"step {step + 1}/{total_steps} {'measured' if measured else 'warm-up'} "
+                f"loss {loss_value:.4f} time {elapsed:.3f}s"
+            )
+
+    record.memory = _measure_memory(trainer, batches, device)
+    record.optimizer_state_bytes = trainer.state_bytes()
+    records = _gather(record, groups)
+    if rank != 0:
+        return None
+
+    # A step takes as long as its slowest rank.
+    step_times = [max(r.step_times[i] for r in records) for i in range(len(record.step_times))]
+    result = ExecuteResult()
+    m = result.metrics
+    m["step_time_s"] = metric(step_times, "s", "lower")
+    m["tokens_per_s_per_gpu"] = metric([tokens_per_step / t / world for t in step_times], "tokens/s", "higher")
+    tflops = [flops_per_token * tokens_per_step / t / world / 1e12 for t in step_times]
+    m["tflops_per_gpu"] = metric(tflops, "TFLOP/s", "higher")
+    if peak_tflops:
+        # Reported, not gated: it is tflops_per_gpu (gated) over a peak that is itself measured on CPUs.
+        m["mfu"] = metric([t / peak_tflops for t in tflops], "ratio", None)
+    m["loss"] = metric(losses, "nats", None)
+    m.update(_routing_metrics(records))
+    for key, unit in (("peak_tensor_bytes", "bytes"), ("rss_peak_bytes", "bytes"),
+                      ("cuda_peak_active_bytes", "bytes"), ("cuda_peak_reserved_bytes", "bytes")):
+        if key in record.memory:
+            # Per rank, the most loaded rank's figure: what has to fit on one device.
+            m[key] = metric([max(r.memory[key] for r in records)], unit, "lower")
+    m["optimizer_state_bytes"] = metric([max(r.optimizer_state_bytes for r in records)], "bytes", "lower")
+    result.details.update(
+        flops_per_token=flops_per_token,
+        tokens_per_step=tokens_per_step,
+        world_size=world,
+        layout=parallel.to_dict(),
+        peak_tflops=peak_tflops,
+        peak_tflops_source=(
+            "dense matmul measured on all cores, divided by the ranks sharing them"
+            if device.type == "cpu" else "datasheet table"
+        ),
+        expert_backend=config.moe.backend.value,
+        expert_backend_path=_backend_path(rank_model),
+        losses=losses,
+        per_rank=[_rank_details(r, groups) for r in records],
+    )
+    return result
+
+
+def _backend_path(rank_model) -> str:
+    """Which implementation the experts ran (the MXFP8 backend picks one by hardware)."""
+    layers = rank_model.moe_layers()
+    if not layers:
+        return "none"
+    backend = layers[0].experts.backend
+    return getattr(backend, "path", type(backend).__name__)
+
+
+def _global_loss(loss: torch.Tensor | None, groups: ProcessGroups | None, dp: int) -> float:
+    """The step's loss over the global batch: the mean of the last pipeline stages' local losses."""
+    if groups is None:
+        return loss.item()
+    total = torch.zeros((), dtype=torch.float64) if loss is None else loss.detach().double().cpu()
+    dist.all_reduce(total)
+    return total.item() / dp
+
+
+def _gather(record: _RankRecord, groups: ProcessGroups | None) -> list[_RankRecord]:
+    if groups is None:
+        return [record]
+    records: list[_RankRecord | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    return records
+
+
+def _rank_details(record: _RankRecord, groups: ProcessGroups | None) -> dict[str, Any]:
+    coords = dataclasses.asdict(groups.layout.coords(record.rank)) if groups else {"rank": 0}
+    times = sorted(record.step_times)
+    return {
+        **coords,
+        "step_time_s_median": times[len(times) // 2],
+        "optimizer_state_bytes": record.optimizer_state_bytes,
+        **record.memory,
+        "dropped_assignments": sum(record.dropped),
+    }
+
+
+def _routing_metrics(records: list[_RankRecord]) -> dict[str, dict]:
+    """Tokens per expert of every MoE layer and measured step over the global batch, and drops."""
+    per_layer_step: dict[tuple[int, int], torch.Tensor] = {}
+    for record in records:
+        for index, steps in record.counts.items():
+            for step, counts in enumerate(steps):
+                key = (index, step)
+                per_layer_step[key] = per_layer_step.get(key, 0) + torch.tensor(counts, dtype=torch.float64)
+    if not per_layer_step:
+        return {}
+    stacked = torch.stack(list(per_layer_step.values()))
+    mins = stacked.min(dim=1).values.tolist()
+    maxs = stacked.max(dim=1).values.tolist()
+    cvs = (stacked.std(dim=1, unbiased=False) / stacked.mean(dim=1)).tolist()
+    steps = len(records[0].step_times)
+    dropped = [float(sum(r.dropped[i] for r in records)) for i in range(steps)]
+    return {
+        "tokens_per_expert_min": metric(mins, "tokens", None),
+        "tokens_per_expert_max": metric(maxs, "tokens", None),
+        "tokens_per_expert_cv": metric(cvs, "ratio", None),
+        # Assignments over a no-sync dispatch's capacity, over all layers and ranks per step.
+        "dropped_tokens": metric(dropped, "tokens", "lower"),
+    }
+
+
+def _measure_memory(trainer: ParallelTrainer, batches, device) -> dict[str, int]:
+    if device.type == "cuda":
+        return {
+            "cuda_peak_active_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    # One extra step under the tracker (it slows ops, so it is not one of the timed steps).
+    tokens, labels = next(batches)
+    with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
+        trainer.step(tokens, labels)
+    return {"peak_tensor_bytes": tracker.peak, "rss_peak_bytes": rss_peak_bytes()}

@@ -1,0 +1,503 @@
+"""Proxy mode: run one rank of a scenario's layout for real in a fake world, then project the cluster.
+
+What runs
+    The process joins a fake world as ``proxy.rank`` of the layout's dp * pp ranks and builds only
+    that rank's share (``moe_engine.proxy``): its pipeline stage, its local experts, its optimizer
+    shard. Collectives are issued but move nothing; the recorder logs their sizes. Peers' traffic is
+    simulated from the routing mode (``moe_engine.proxy.peers``). On a CPU host ``proxy.cpu_scale``
+    shrinks the run: fewer blocks of the stage (every block of a stage has the same shapes), shorter
+    sequences and fewer sequences per microbatch; the experts keep their shapes. A GPU host runs the
+    scenario's own sizes. The proxy runs as many microbatches as the schedule keeps in flight on the
+    rank (so the activation peak is the real one), at least 2 (the accumulation path) and at most the
+    scenario's.
+
+What is measured (at the run's scale)
+    Step time without the proxy's own work of fabricating peers' data, split into phases by
+    ``moe_engine.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
+    norms and residuals, embedding, optimizer, gradient buffers, other = final norm, LM head, loss);
+    the peak memory (CUDA allocator, or tracked tensor bytes on CPU), overall and for forward/backward
+    and the optimizer step apart; every collective's bytes per step.
+
+Projection (``bench.predict.projection``)
+    At the run's scale, and scaled to the scenario's: per-microbatch compute of the stage's blocks
+    times full_blocks / run_blocks; the blocks and the rest of a microbatch (final norm, LM head,
+    loss) times full / run tokens per microbatch (linear in tokens: attention's quadratic term is not
+    rescaled); the embedding once per microbatch, unscaled (its backward makes a whole V x D
+    gradient); the optimizer times the rank's full / run optimizer-state bytes and the gradient
+    buffers' zeroing and scaling times its gradient bytes, once per step; gradient collectives'
+    bytes times their family's parameter ratio; all-to-all bytes times the token ratio and their
+    count times the block ratio; stage messages times the token ratio; over the scenario's
+    microbatches.
+
+Plan vs proxy
+    ``bench.predict.plan`` evaluated on exactly what the proxy ran (same blocks, tokens, microbatches), for the
+    rank's pipeline stage, next to the measured peak.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from bench.predict.plan import plan_scenario
+from bench.predict.projection import Collective, Network, RankTiming, Schedule, project_step, summarize_collectives
+from bench.results import metric
+from bench.run.execute import ExecuteResult, NonFiniteLoss, synchronize
+from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.scenario import Scenario, scenario_from_dict
+from moe_engine.flops import training_flops_per_token
+from moe_engine.parallel.collective_log import CollectiveCall, CollectiveRecorder
+from moe_engine.parallel.groups import ProcessGroups, build_process_groups
+from moe_engine.parallel.layout import Layout, stage_layers
+from moe_engine.parallel.trainer import ParallelTrainer
+from moe_engine.phase_timer import PhaseTimer, instrument_model
+from moe_engine.proxy.build import build_proxy_rank
+from moe_engine.proxy.peers import ProxyDispatcher
+from moe_engine.proxy.world import join_fake_world, leave_fake_world
+
+BLOCK_PHASES = ("attention", "router", "dispatch", "experts", "shared_expert", "dense_ffn", "block")
+FABRICATION = "fabrication"
+EMBEDDING = "embedding"
+GRAD_BUFFERS = "grad_buffers"
+
+
+@dataclass(frozen=True)
+class ProxyScale:
+    """What the proxy runs against what the scenario describes, for the replayed rank."""
+
+    rank: int
+    """Global rank replayed."""
+    pp_rank: int
+    """Its pipeline rank."""
+    blocks_run: int
+    """Transformer blocks of its stage that the proxy builds."""
+    blocks_full: int
+    """Blocks of its stage in the scenario."""
+    seq_len_run: int
+    """Tokens per sequence in the run."""
+    tokens_per_microbatch_run: int
+    """Tokens per microbatch on the rank, in the run."""
+    tokens_per_microbatch_full: int
+    """Tokens per microbatch on the rank, in the scenario."""
+    microbatches_run: int
+    """Microbatches per step in the run."""
+    microbatches_full: int
+    """Microbatches per step in the scenario."""
+
+    @property
+    def block_ratio(self) -> float:
+        return self.blocks_full / self.blocks_run
+
+    @property
+    def token_ratio(self) -> float:
+        return self.tokens_per_microbatch_full / self.tokens_per_microbatch_run
+
+
+def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], ProxyScale]:
+    """The scenario as the proxy runs it (scaled on CPU), and the scale against the original."""
+    spec = copy.deepcopy(scenario.spec)
+    model, par, proxy = spec["model"], spec["parallel"], spec["proxy"]
+    layout = Layout(scenario.parallel_config)
+    pp_rank = layout.coords(proxy["rank"]).pp_rank
+    n_layers, seq_len, pp, dp = model["n_layers"], model["seq_len"], par["pp"], par["dp"]
+    blocks_full = len(stage_layers(n_layers, pp)[pp_rank])
+    m_full = par["microbatches"]
+    sequences_full = scenario.run["tokens_per_step"] // seq_len // dp // m_full
+    scale = proxy["cpu_scale"] if device.type == "cpu" else {}
+
+    blocks = min(scale.get("blocks") or blocks_full, blocks_full)
+    if blocks < blocks_full:
+        model["n_layers"] = pp * blocks
+    seq_len_run = scale.get("seq_len") or seq_len
+    model["seq_len"] = seq_len_run
+    sequences = scale.get("sequences_per_microbatch") or sequences_full
+    if proxy["microbatches"]:
+        m_run = min(proxy["microbatches"], m_full)
+    elif pp > 1:
+        in_flight = m_full if par["schedule"] == "gpipe" else min(m_full, pp - pp_rank)
+        m_run = max(min(2, m_full), in_flight)
+    else:
+        m_run = min(2, m_full)
+    par["microbatches"] = m_run
+    spec["run"]["tokens_per_step"] = dp * m_run * sequences * seq_len_run
+    scale_record = ProxyScale(
+        rank=proxy["rank"], pp_rank=pp_rank, blocks_run=blocks, blocks_full=blocks_full,
+        seq_len_run=seq_len_run, tokens_per_microbatch_run=sequences * seq_len_run,
+        tokens_per_microbatch_full=sequences_full * seq_len, microbatches_run=m_run, microbatches_full=m_full,
+    )
+    return spec, scale_record
+
+
+def _as_plan(spec: dict[str, Any]) -> Scenario:
+    plan = copy.deepcopy(spec)
+    plan["mode"] = "plan"
+    plan.pop("proxy", None)
+    return scenario_from_dict(plan)
+
+
+def _group_phases(groups: ProcessGroups) -> dict[str, str]:
+    """Process group name -> projection phase of its collectives."""
+    return {
+        groups.dp.group_name: "grad",
+        groups.edp.group_name: "grad",
+        groups.ep.group_name: "expert",
+        groups.pp.group_name: "pipeline",
+    }
+
+
+@dataclass(frozen=True)
+class CallScaling:
+    """How one recorded call grows from the run's scale to the scenario's."""
+
+    token_ratio: float
+    """Bytes of all-to-alls and stage messages (rows per microbatch)."""
+    block_ratio: float
+    """Number of all-to-alls (one set per MoE block)."""
+    param_ratio: dict[str, float]
+    """Bytes of gradient collectives, per group name (the dense dp group, the expert edp group)."""
+
+    def apply(self, call: CollectiveCall, phase: str) -> tuple[int, float]:
+        """(bytes, calls) that one recorded call stands for at the scenario's scale."""
+        if phase == "expert":
+            return round(call.nbytes * self.token_ratio), self.block_ratio
+        if phase == "pipeline":
+            return round(call.nbytes * self.token_ratio), 1.0
+        if phase == "grad":
+            return round(call.nbytes * self.param_ratio.get(call.group_name, 1.0)), 1.0
+        return call.nbytes, 1.0
+
+
+def classify_calls(
+    calls: list[CollectiveCall], phases: dict[str, str], microbatches: int, scaling: CallScaling | None = None
+) -> tuple[list[Collective], list[Collective]]:
+    """Per-microbatch (expert, pipeline) and per-step (grad, other) entries for the projection.
+
+    Calls of one kind (op, group, phase) are merged: per microbatch, their count divided by the
+    microbatches and their mean size (sync dispatch sends a different size every call).
+    """
+    merged: dict[tuple, list[tuple[int, float]]] = {}
+    for call in calls:
+        phase = phases.get(call.group_name, "other")
+        scaled = scaling.apply(call, phase) if scaling else (call.nbytes, 1.0)
+        merged.setdefault((call.op, call.ranks, phase), []).append(scaled)
+    per_microbatch, per_step = [], []
+    for (op, ranks, phase), entries in merged.items():
+        nbytes = round(sum(b for b, _ in entries) / len(entries))
+        multiplier = entries[0][1]
+        if phase in ("expert", "pipeline"):
+            count = len(entries) / microbatches
+            if count != int(count):
+                raise RuntimeError(f"{len(entries)} {op} calls do not split over {microbatches} microbatches")
+            per_microbatch.append(Collective(op, ranks, nbytes, phase, max(1, round(count * multiplier))))
+        else:
+            per_step.append(Collective(op, ranks, nbytes, phase, len(entries)))
+    return per_microbatch, per_step
+
+
+def _stage_params(plan_details: dict[str, Any], pp_rank: int) -> dict[str, int]:
+    stage = plan_details["stages"][pp_rank]
+    return {"dense": stage["dense_params"], "expert": stage["local_expert_params"]}
+
+
+def _batches(sequences: int, seq_len: int, vocab: int, device: torch.device, seed: int):
+    generator = torch.Generator().manual_seed(seed + 12345)
+    while True:
+        tokens = torch.randint(0, vocab, (sequences, seq_len + 1), generator=generator).to(device)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _timed(owner, method: str, timer: PhaseTimer, phase: str) -> None:
+    """Time every call of ``owner.method`` as ``phase``."""
+    inner = getattr(owner, method)
+
+    def timed(*args, **kwargs):
+        with timer.region(phase):
+            return inner(*args, **kwargs)
+
+    setattr(owner, method, timed)
+
+
+def _instrument(trainer: ParallelTrainer, rank_model, timer: PhaseTimer) -> None:
+    """Phases of the blocks, plus the work whose size follows the parameters rather than the tokens:
+    the optimizer, zeroing and scaling the gradient buffers, and the embedding (its backward makes a
+    whole vocabulary x d_model gradient per microbatch)."""
+    instrument_model(timer, rank_model.module)
+    embed = getattr(rank_model.module, "embed", None)
+    if embed is not None:
+        # Its input (token ids) takes no gradient: its backward phase runs until the pass ends,
+        # and the embedding's backward is the last work of the pass.
+        timer.instrument(embed, EMBEDDING, open_ended=True)
+    _timed(trainer.optimizer, "step", timer, "optimizer")
+    _timed(trainer.optimizer, "zero_grad", timer, GRAD_BUFFERS)
+    _timed(trainer, "scale_gradients", timer, GRAD_BUFFERS)
+
+
+@dataclass
+class _Measured:
+    compute_s: list[float]
+    phases: list[dict[str, dict[str, float]]]
+    calls: list[CollectiveCall]
+    memory: dict[str, int]
+    losses: list[float]
+
+
+def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progress) -> tuple[_Measured, ProcessGroups]:
+    parallel, config, run = scenario.parallel_config, scenario.model, scenario.run
+    groups = build_process_groups(Layout(parallel))
+    seed = scenario.spec["routing"]["seed"]
+    progress(f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})")
+    rank_model = build_proxy_rank(config, parallel, groups, device, seed)
+    trainer = ParallelTrainer(rank_model, parallel, groups)
+    sync = functools.partial(synchronize, device)
+    timer = PhaseTimer(synchronize=sync)
+    _instrument(trainer, rank_model, timer)
+    fabrication = functools.partial(timer.region, FABRICATION)
+    for layer in rank_model.moe_layers():
+        if isinstance(layer.dispatcher, ProxyDispatcher):
+            layer.dispatcher.fabrication = fabrication
+    if rank_model.pipeline is not None:
+        rank_model.pipeline.fabrication = fabrication
+
+    sequences = scale.microbatches_run * scale.tokens_per_microbatch_run // scale.seq_len_run
+    batches = _batches(sequences, scale.seq_len_run, config.vocab_size, device, seed)
+    measured = _Measured([], [], [], {}, [])
+    total = run["warmup_steps"] + run["steps"]
+    for step in range(max(total, 1 + run["steps"])):
+        tokens, labels = next(batches)
+        census = step == 0
+        is_measured = step >= max(run["warmup_steps"], 1)
+        if is_measured and device.type == "cuda" and not measured.compute_s:
+            torch.cuda.reset_peak_memory_stats(device)
+        timer.reset()
+        sync()
+        start = time.perf_counter()
+        if census:
+            with CollectiveRecorder() as recorder:
+                loss = trainer.step(tokens, labels)
+            measured.calls = recorder.calls
+        else:
+            loss = trainer.step(tokens, labels)
+        sync()
+        wall = time.perf_counter() - start
+        totals = timer.totals
+        fabricated = sum(totals.get(FABRICATION, {}).values())
+        if loss is not None and not math.isfinite(float(loss)):
+            raise NonFiniteLoss(f"the proxy's loss is {float(loss)} at step {step}")
+        if is_measured:
+            measured.compute_s.append(wall - fabricated)
+            measured.phases.append(totals)
+            if loss is not None:
+                measured.losses.append(float(loss))
+        progress(
+            f"step {step + 1}: {'measured' if is_measured else 'warm-up'} {wall - fabricated:.3f}s compute"
+            f" (+{fabricated:.3f}s fabricating peers)"
+        )
+    if device.type == "cuda":
+        measured.memory = {
+            "cuda_peak_active_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    else:
+        progress("memory step (tracked tensors)")
+        tokens, labels = next(batches)
+        optimizer_step, peaks = trainer.optimizer.step, {}
+        with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
+
+            def split_peaks():
+                # The forward/backward peak and the optimizer step's, each against its plan term.
+                peaks["forward_backward"] = tracker.peak
+                tracker.peak = tracker.current
+                optimizer_step()
+
+            trainer.optimizer.step = split_peaks
+            trainer.step(tokens, labels)
+        trainer.optimizer.step = optimizer_step
+        measured.memory = {
+            "peak_tensor_bytes": max(peaks["forward_backward"], tracker.peak),
+            "peak_forward_backward_bytes": peaks["forward_backward"],
+            "peak_optimizer_step_bytes": tracker.peak,
+            "resident_tensor_bytes": tracker.baseline,
+            "rss_peak_bytes": rss_peak_bytes(),
+        }
+    return measured, groups
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _phase_table(measured: _Measured) -> dict[str, dict[str, float]]:
+    """Median seconds per phase and direction over the measured steps, plus other and optimizer."""
+    names = sorted({name for totals in measured.phases for name in totals})
+    table = {
+        name: {d: _median([t.get(name, {}).get(d, 0.0) for t in measured.phases]) for d in ("forward", "backward")}
+        for name in names
+    }
+    compute = _median(measured.compute_s)
+    accounted = sum(sum(v.values()) for k, v in table.items() if k != FABRICATION)
+    table["other"] = {"forward": max(0.0, compute - accounted), "backward": 0.0}
+    return table
+
+
+def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str], None] = lambda line: None) -> ExecuteResult:
+    """Run the proxy of ``scenario`` in this process (which must not be in a process group)."""
+    spec, scale = run_spec(scenario, device)
+    run_scenario = scenario_from_dict(spec, file=scenario.file)
+    if scenario.proxy["threads"]:
+        torch.set_num_threads(scenario.proxy["threads"])
+    join_fake_world(scale.rank, scenario.world_size)
+    try:
+        measured, groups = _measure(run_scenario, scale, device, progress)
+        phases = _group_phases(groups)
+        family_groups = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
+    finally:
+        leave_fake_world()
+
+    net = Network.from_cluster(scenario.cluster)
+    _, plan_run = plan_scenario(_as_plan(spec))
+    _, plan_full = plan_scenario(_as_plan(scenario.spec))
+    params_run, params_full = _stage_params(plan_run, scale.pp_rank), _stage_params(plan_full, scale.pp_rank)
+    scaling = CallScaling(
+        scale.token_ratio,
+        scale.block_ratio,
+        {name: params_full[k] / params_run[k] if params_run[k] else 1.0 for k, name in family_groups.items()},
+    )
+    state_run, state_full = (plan["stages"][scale.pp_rank]["memory_bytes"] for plan in (plan_run, plan_full))
+    # The optimizer works on the rank's optimizer shard; zeroing and scaling on its gradient buffers.
+    optimizer_ratio = state_full["optimizer"] / state_run["optimizer"]
+    grad_ratio = state_full["grads"] / state_run["grads"]
+
+    table = _phase_table(measured)
+    compute = _median(measured.compute_s)
+    def seconds(*names: str) -> float:
+        return sum(sum(table.get(name, {}).values()) for name in names)
+
+    optimizer, grad_buffers, embedding = seconds("optimizer"), seconds(GRAD_BUFFERS), seconds(EMBEDDING)
+    blocks = seconds(*BLOCK_PHASES)
+    # The rest follows the tokens: final norm, LM head, loss.
+    rest = max(0.0, compute - optimizer - grad_buffers - embedding - blocks)
+    m_run = scale.microbatches_run
+    per_microbatch, per_step = classify_calls(measured.calls, phases, m_run)
+    full_microbatch, full_step = classify_calls(measured.calls, phases, m_run, scaling)
+    parallel = run_scenario.parallel_config
+
+    def schedule(m: int) -> Schedule:
+        return Schedule(parallel.pp, 1, m, parallel.schedule.value, grad_overlap=parallel.pp == 1 and m == 1)
+
+    run_projection = project_step(
+        scale.rank,
+        RankTiming(microbatch_s=(compute - optimizer - grad_buffers) / m_run, optimizer_s=optimizer + grad_buffers),
+        per_microbatch, per_step, schedule(m_run), net,
+        run_scenario.run["tokens_per_step"], scenario.world_size,
+        training_flops_per_token(run_scenario.model, scale.seq_len_run),
+    )
+    full_microbatch_s = ((blocks * scale.block_ratio + rest) * scale.token_ratio + embedding) / m_run
+    full_step_s = optimizer * optimizer_ratio + grad_buffers * grad_ratio
+    full_projection = project_step(
+        scale.rank,
+        RankTiming(microbatch_s=full_microbatch_s, optimizer_s=full_step_s),
+        full_microbatch, full_step, schedule(scale.microbatches_full), net,
+        scenario.run["tokens_per_step"], scenario.world_size, training_flops_per_token(scenario.model),
+    )
+
+    peak_key = "cuda_peak_active_bytes" if device.type == "cuda" else "peak_tensor_bytes"
+    measured_peak = measured.memory[peak_key]
+    plan_stage = plan_run["stages"][scale.pp_rank]
+    plan_total = plan_stage["memory_total_bytes"]
+    rank_tokens = m_run * scale.tokens_per_microbatch_run
+
+    result = ExecuteResult()
+    m = result.metrics
+    m["step_time_s"] = metric(measured.compute_s, "s", "lower")
+    m["rank_tokens_per_s"] = metric([rank_tokens / t for t in measured.compute_s], "tokens/s", "higher")
+    m[peak_key] = metric([measured_peak], "bytes", "lower")
+    m["plan_memory_total_bytes"] = metric([plan_total], "bytes", None)
+    m["plan_memory_gap"] = metric([measured_peak / plan_total - 1], "ratio", None)
+    for prefix, projection in (("projected_run", run_projection), ("projected", full_projection)):
+        m[f"{prefix}_step_time_s"] = metric([projection.step_s], "s", None)
+        m[f"{prefix}_tokens_per_s_per_gpu"] = metric([projection.tokens_per_s_per_gpu], "tokens/s", None)
+        m[f"{prefix}_tflops_per_gpu"] = metric([projection.tflops_per_gpu], "TFLOP/s", None)
+    m["projected_memory_total_bytes"] = metric([plan_full["stages"][scale.pp_rank]["memory_total_bytes"]], "bytes", None)
+
+    calls_per_step = [Collective(c.op, c.ranks, c.nbytes, phases.get(c.group_name, "other")) for c in measured.calls]
+    result.details.update(
+        rank=asdict(groups.layout.coords(scale.rank)),
+        scale=asdict(scale) | {"block_ratio": scale.block_ratio, "token_ratio": scale.token_ratio},
+        run_scale_note=_scale_note(scale, device),
+        phases_s=table,
+        memory=measured.memory,
+        collectives_per_step=summarize_collectives(calls_per_step),
+        projection_run_scale=run_projection.to_dict(),
+        projection=full_projection.to_dict(),
+        projection_scaling=[
+            "per-microbatch compute of the stage's blocks x blocks_full / blocks_run; the blocks and the rest "
+            "of the microbatch (final norm, LM head, loss) x tokens_full / tokens_run per microbatch (linear in "
+            "tokens; attention's quadratic term not rescaled); the embedding once per microbatch, unscaled (its "
+            "backward makes a whole vocabulary x d_model gradient whatever the tokens)",
+            "the optimizer step x the rank's full / run optimizer-state bytes, zeroing and scaling the gradient "
+            "buffers x its full / run gradient bytes (both once per step, in the projection's optimizer time); "
+            "gradient collectives' bytes x the dense or expert parameter ratio (their count, hence their "
+            "latency terms, unscaled); all-to-all bytes x the token ratio and their count x the block ratio; "
+            "stage messages' bytes x the token ratio",
+            "the compute is this machine's: on a CPU the projection prices a cluster of these CPUs on the "
+            "scenario's network, not the scenario's GPUs",
+        ],
+        plan_vs_proxy=_plan_vs_proxy(plan_stage, plan_run, measured.memory, peak_key, device),
+        plan_full_scale={"memory_total_bytes": plan_full["stages"][scale.pp_rank]["memory_total_bytes"],
+                         "memory_bytes": plan_full["stages"][scale.pp_rank].get("memory_bytes")},
+        network=asdict(net),
+        flops_per_token=training_flops_per_token(scenario.model),
+        tokens_per_step=scenario.run["tokens_per_step"],
+        world_size=scenario.world_size,
+        layout=scenario.parallel_config.to_dict(),
+        losses=measured.losses,
+    )
+    return result
+
+
+def _scale_note(scale: ProxyScale, device: torch.device) -> str:
+    if scale.block_ratio == 1 and scale.token_ratio == 1 and scale.microbatches_run == scale.microbatches_full:
+        return f"ran at the scenario's own sizes on {device.type}"
+    return (
+        f"scaled down on {device.type}: {scale.blocks_run} of the stage's {scale.blocks_full} blocks, "
+        f"{scale.tokens_per_microbatch_run} instead of {scale.tokens_per_microbatch_full} tokens per microbatch "
+        f"(sequences of {scale.seq_len_run}), {scale.microbatches_run} of {scale.microbatches_full} microbatches; "
+        "same code path and the same shapes per expert, fewer tokens"
+    )
+
+
+def _plan_vs_proxy(plan_stage, plan_run, memory, peak_key, device) -> dict[str, Any]:
+    planned = plan_stage.get("memory_bytes", {})
+    state = sum(planned.get(k, 0) for k in ("params", "grads", "optimizer"))
+    transient = sum(planned.get(k, 0) for k in ("activations", "comm_buffers"))
+    out = {
+        "measured_peak_bytes": memory[peak_key],
+        "plan_total_bytes": plan_stage["memory_total_bytes"],
+        "gap": memory[peak_key] / plan_stage["memory_total_bytes"] - 1,
+        "plan_bytes": planned,
+        "plan_state_bytes": state,
+        "plan_transient_bytes": transient,
+    }
+    if "resident_tensor_bytes" in memory:
+        out["measured_state_bytes"] = memory["resident_tensor_bytes"]
+        out["measured_transient_bytes"] = memory[peak_key] - memory["resident_tensor_bytes"]
+        backward = state + sum(planned.get(k, 0) for k in ("activations", "comm_buffers", "backward_workspace"))
+        step = state + planned.get("optimizer_step", 0)
+        out["forward_backward"] = {
+            "measured_peak_bytes": memory["peak_forward_backward_bytes"], "plan_bytes": backward,
+            "gap": memory["peak_forward_backward_bytes"] / backward - 1,
+        }
+        out["optimizer_step"] = {
+            "measured_peak_bytes": memory["peak_optimizer_step_bytes"], "plan_bytes": step,
+            "gap": memory["peak_optimizer_step_bytes"] / step - 1,
+        }
+    out["measured_on"] = "CUDA allocator peak" if device.type == "cuda" else "tracked tensor bytes (CPU)"
+    return out

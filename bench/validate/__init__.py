@@ -1,0 +1,1 @@
+"""Checking the predictions against real runs on this machine (proxy-check, link calibration)."""

@@ -1,0 +1,387 @@
+"""bench.gate.compare: matching, pooling, the noise model, the gate and its report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from result_docs import make_doc
+from rich.table import Table
+
+from bench.gate.compare import (
+    classify,
+    compare,
+    compare_paths,
+    gate,
+    group_documents,
+    parse_tolerance,
+    render_rich_table,
+    render_table,
+    to_json,
+)
+from bench.results import load_results, metric, write_result
+
+
+def spread(median: float, rel_iqr: float, n: int = 5) -> list[float]:
+    """n samples around ``median`` whose relative IQR is exactly ``rel_iqr`` (n = 5, inclusive quartiles)."""
+    assert n == 5
+    half = rel_iqr * median / 2
+    return [median - 2 * half, median - half, median, median + half, median + 2 * half]
+
+
+def tput(median: float, rel_iqr: float = 0.01) -> dict:
+    return metric(spread(median, rel_iqr), "tokens/s", "higher")
+
+
+def side(tmp_path, label: str, *docs: dict):
+    """Write docs under ``tmp_path/label/<version>/<machine>/`` (the results layout) and load them back."""
+    folder = tmp_path / label
+    folder.mkdir(parents=True, exist_ok=True)
+    for doc in docs:
+        write_result(doc, folder / doc["engine"]["version"] / doc["machine"]["name"])
+    return load_results(folder)
+
+
+def run_gate(tmp_path, base_docs, cand_docs, tolerance=0.05):
+    base = side(tmp_path, "base", *base_docs)
+    cand = side(tmp_path, "cand", *cand_docs)
+    return gate(compare(base, cand), tolerance)
+
+
+def row_of(result, metric_name, scenario="smoke-e8"):
+    (row,) = [r for r in result.comparison.rows if r.metric == metric_name and r.scenario == scenario]
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_spread_helper_gives_requested_rel_iqr():
+    m = tput(1000, 0.3)
+    assert m["median"] == 1000
+    assert m["spread"]["rel_iqr"] == pytest.approx(0.3)
+
+
+def test_regression_caught(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.01)})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(800, 0.01)})],
+    )
+    assert result.exit_code == 1
+    assert not result.passed
+    row = row_of(result, "tokens_per_s_per_gpu")
+    assert row.verdict == "regressed"
+    assert row.ratio == pytest.approx(0.8)
+    assert row.noise == pytest.approx(0.02)
+    assert row.outside_noise
+    assert "REGRESSION smoke-e8 tokens_per_s_per_gpu: 1000 -> 800 (x0.800, tolerance 5%, noise 2.0%)" in result.report
+    assert result.report.splitlines()[0].startswith("FAIL")
+    assert "1 regressed" in result.report.splitlines()[0]
+    assert len(result.failures) == 1
+
+
+def test_noise_tolerated(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.3)})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(800, 0.3)})],
+    )
+    assert result.exit_code == 0
+    row = row_of(result, "tokens_per_s_per_gpu")
+    assert row.noise == pytest.approx(0.6)
+    assert row.threshold == pytest.approx(0.6)
+    assert not row.outside_noise
+    assert row.verdict == "unchanged"
+    assert "REGRESSION" not in result.report
+    assert result.report.startswith("PASS")
+
+
+def test_within_tolerance_tolerated(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.0)})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(970, 0.0)})],
+        tolerance=0.05,
+    )
+    assert result.exit_code == 0
+    assert row_of(result, "tokens_per_s_per_gpu").verdict == "unchanged"
+    # Exactly at the tolerance is not beyond it.
+    assert classify(0.95, 0.0, "higher", 0.05) == (False, "unchanged")
+    assert classify(1.05, 0.0, "lower", 0.05) == (False, "unchanged")
+
+
+def test_gate_tolerance_overrides_compare_tolerance(tmp_path):
+    base = side(tmp_path, "base", make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.0)}))
+    cand = side(tmp_path, "cand", make_doc(metrics={"tokens_per_s_per_gpu": tput(900, 0.0)}))
+    comparison = compare(base, cand, tolerance=0.05)
+    assert comparison.rows[0].verdict == "regressed"
+    assert gate(comparison, 0.05).exit_code == 1
+    loose = gate(comparison, 0.15)
+    assert loose.exit_code == 0
+    assert loose.comparison.tolerance == 0.15
+    assert loose.comparison.rows[0].verdict == "unchanged"
+    assert gate(comparison).exit_code == 1  # None keeps the comparison's tolerance
+
+
+@pytest.mark.parametrize(
+    "metric_name, unit",
+    [("peak_memory_gib", "GiB"), ("step_time_ms", "ms")],
+)
+def test_lower_is_better_direction(tmp_path, metric_name, unit):
+    def doc(value):
+        return make_doc(metrics={metric_name: metric(spread(value, 0.01), unit, "lower")})
+
+    rising = run_gate(tmp_path / "up", [doc(10.0)], [doc(12.0)])
+    assert rising.exit_code == 1
+    assert row_of(rising, metric_name).verdict == "regressed"
+    assert f"REGRESSION smoke-e8 {metric_name}: 10 -> 12 (x1.200" in rising.report
+
+    falling = run_gate(tmp_path / "down", [doc(10.0)], [doc(8.0)])
+    assert falling.exit_code == 0
+    assert row_of(falling, metric_name).verdict == "improved"
+    assert f"IMPROVED smoke-e8 {metric_name}: 10 -> 8 (x0.800" in falling.report
+
+
+def test_higher_is_better_improvement(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1200)})],
+    )
+    assert result.exit_code == 0
+    assert row_of(result, "tokens_per_s_per_gpu").verdict == "improved"
+
+
+def test_missing_scenario_in_candidate_fails(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+         make_doc("smoke-e128", metrics={"tokens_per_s_per_gpu": tput(500)})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+    )
+    assert result.exit_code == 1
+    (issue,) = result.comparison.missing_in_candidate
+    assert (issue.scenario, issue.machine) == ("smoke-e128", "1xnvidia-h200")
+    assert "MISSING smoke-e128" in result.report
+    assert "1 missing in candidate" in result.report.splitlines()[0]
+
+
+def test_scenario_only_in_candidate_reported_not_failed(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+         make_doc("smoke-new", metrics={"tokens_per_s_per_gpu": tput(1)})],
+    )
+    assert result.exit_code == 0
+    (issue,) = result.comparison.missing_in_baseline
+    assert issue.scenario == "smoke-new"
+    assert "NEW smoke-new" in result.report
+    assert "1 only in candidate" in result.report.splitlines()[0]
+
+
+def test_different_machine_is_not_a_match(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, machine="1xnvidia-h100")],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, machine="1xnvidia-h200")],
+    )
+    assert result.exit_code == 1
+    assert [i.machine for i in result.comparison.missing_in_candidate] == ["1xnvidia-h100"]
+    assert [i.machine for i in result.comparison.missing_in_baseline] == ["1xnvidia-h200"]
+
+
+def test_failed_in_candidate_fails(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [make_doc(status="oom", error="CUDA out of memory (tried to allocate 2 GiB)")],
+    )
+    assert result.exit_code == 1
+    (issue,) = result.comparison.not_ok
+    assert issue.side == "candidate" and issue.cand_status == "oom"
+    assert "NOT-OK smoke-e8" in result.report
+    assert "candidate oom (CUDA out of memory" in result.report
+    assert result.comparison.rows == ()
+
+
+def test_failed_in_baseline_only_is_reported_not_failed(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(status="failed", error="boom")],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+    )
+    assert result.exit_code == 0
+    (issue,) = result.comparison.not_ok
+    assert issue.side == "baseline"
+    assert "NOTE NOT-OK smoke-e8: baseline failed (boom) [1xnvidia-h200]" in result.report
+
+
+def test_mismatched_hash_reported(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, spec={"mode": "execute", "experts": 8})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, spec={"mode": "execute", "experts": 16})],
+    )
+    assert result.exit_code == 1
+    (issue,) = result.comparison.mismatched
+    assert issue.base_hash != issue.cand_hash
+    assert "MISMATCHED smoke-e8" in result.report
+    assert result.comparison.rows == ()
+
+
+def test_info_metrics_never_gate(tmp_path):
+    def doc(v):
+        return make_doc(metrics={"loss": metric(spread(v, 0.0), "nats", None), "tokens_per_s_per_gpu": tput(1000)})
+
+    result = run_gate(tmp_path, [doc(2.0)], [doc(20.0)])
+    assert result.exit_code == 0
+    row = row_of(result, "loss")
+    assert row.verdict == "info"
+    assert row.outside_noise  # it did change, it just does not gate
+    assert row.ratio == pytest.approx(10.0)
+
+
+def test_metric_on_one_side_is_missing_not_failure(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000), "mfu": metric([0.4], "fraction", "higher")})],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000), "peak_memory_gib": metric([3.0], "GiB", "lower")})],
+    )
+    assert result.exit_code == 0
+    assert row_of(result, "mfu").verdict == "missing"
+    assert row_of(result, "mfu").cand is None
+    assert row_of(result, "peak_memory_gib").verdict == "missing"
+    assert row_of(result, "peak_memory_gib").base is None
+    assert "mfu: metric missing in the candidate" in result.report
+
+
+def test_repeated_runs_pooled_newest_decides(tmp_path):
+    base = side(
+        tmp_path,
+        "base",
+        make_doc(metrics={"tokens_per_s_per_gpu": metric([1000, 1010], "tokens/s", "higher")}),
+        make_doc(metrics={"tokens_per_s_per_gpu": metric([990, 1000], "tokens/s", "higher")},
+                 timestamp="2025-01-02T00:00:00Z"),
+    )
+    assert sorted(p.path.name for p in base) == ["smoke-e8.2.json", "smoke-e8.json"]
+    (group,) = group_documents(base).values()
+    assert len(group.pooled) == 2
+    assert group.metrics["tokens_per_s_per_gpu"]["samples"] == [1000, 1010, 990, 1000]
+    assert group.metrics["tokens_per_s_per_gpu"]["median"] == 1000
+
+    # A newer failed run makes the scenario not ok, even though an older run succeeded.
+    cand = side(
+        tmp_path,
+        "cand",
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+        make_doc(status="failed", error="late failure", timestamp="2025-01-03T00:00:00Z"),
+    )
+    result = gate(compare(base, cand), 0.05)
+    assert result.exit_code == 1
+    assert result.comparison.not_ok[0].cand_error == "late failure"
+
+
+def test_same_timestamp_breaks_tie_by_run_suffix(tmp_path):
+    docs = side(
+        tmp_path,
+        "s",
+        make_doc(status="failed", error="first"),
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+    )
+    (group,) = group_documents(docs).values()
+    assert group.status == "ok"
+    assert group.newest.path.name == "smoke-e8.2.json"
+    assert len(group.ignored) == 1
+
+
+def test_pool_excludes_other_hash_and_version(tmp_path):
+    docs = side(
+        tmp_path,
+        "s",
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(1)}, spec={"mode": "execute", "experts": 4}),
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(2)}, version="0.0.9", timestamp="2025-01-01T00:00:01Z"),
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, timestamp="2025-01-02T00:00:00Z"),
+    )
+    (group,) = group_documents(docs).values()
+    assert len(group.pooled) == 1 and len(group.ignored) == 2
+    assert group.metrics["tokens_per_s_per_gpu"]["median"] == 1000
+
+
+def test_compare_paths_accepts_file_and_folder(tmp_path):
+    b = write_result(make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}), tmp_path / "b")
+    write_result(make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}), tmp_path / "c")
+    comparison = compare_paths(b, tmp_path / "c")
+    assert comparison.compared == (("smoke-e8", "1xnvidia-h200"),)
+    assert gate(comparison, 0.05).exit_code == 0
+
+
+def test_empty_sides(tmp_path):
+    result = gate(compare([], []), 0.05)
+    assert result.exit_code == 0
+    assert render_table(result.comparison) == "(no metrics compared)\n"
+
+
+def test_zero_baseline():
+    assert classify(1.0, 0.0, "lower", 0.05) == (False, "unchanged")
+    assert classify(float("inf"), 0.0, "lower", 0.05) == (True, "regressed")
+
+
+def test_render_table_and_json(tmp_path):
+    base = side(tmp_path, "base", make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.02),
+                                                    "peak_memory_gib": metric([10.0], "GiB", "lower")}))
+    cand = side(tmp_path, "cand", make_doc(metrics={"tokens_per_s_per_gpu": tput(800, 0.011),
+                                                    "peak_memory_gib": metric([10.1], "GiB", "lower")}))
+    comparison = compare(base, cand)
+    text = render_table(comparison)
+    lines = text.splitlines()
+    assert lines[0].split() == ["scenario", "metric", "unit", "base", "cand", "ratio", "noise", "verdict"]
+    assert len(lines) == 4
+    assert any(line.split() == ["smoke-e8", "tokens_per_s_per_gpu", "tokens/s", "1000", "800", "0.800", "3.1%",
+                                "regressed"] for line in lines)
+    assert any(line.split()[-1] == "unchanged" and "peak_memory_gib" in line for line in lines)
+    assert "noise 3.1%" in gate(comparison).report
+
+    table = render_rich_table(comparison)
+    assert isinstance(table, Table)
+    assert table.row_count == 2
+
+    data = json.loads(to_json(comparison))
+    assert data["counts"]["regressed"] == 1
+    assert {r["metric"] for r in data["rows"]} == {"tokens_per_s_per_gpu", "peak_memory_gib"}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("5%", 0.05), ("0.05", 0.05), (" 2.5 % ", 0.025), ("0", 0.0), ("0%", 0.0), ("10%", 0.1), (0.05, 0.05)],
+)
+def test_parse_tolerance(text, expected):
+    assert parse_tolerance(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["", "%", "abc", "5", "1", "-5%", "-0.1", "100%", "nan", "inf%", "5%%", None])
+def test_parse_tolerance_rejects(text):
+    with pytest.raises(ValueError, match="tolerance"):
+        parse_tolerance(text)
+
+
+def test_skipped_on_both_sides_does_not_fail(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(status="skipped", error="needs CUDA")],
+        [make_doc(status="skipped", error="needs CUDA")],
+    )
+    assert result.exit_code == 0
+    assert result.comparison.not_ok[0].side == "both"
+    assert "NOTE NOT-OK smoke-e8" in result.report
+
+
+def test_skipped_in_candidate_only_fails(tmp_path):
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [make_doc(status="skipped", error="needs CUDA")],
+    )
+    assert result.exit_code == 1
+    assert "NOT-OK smoke-e8: candidate skipped (needs CUDA)" in result.report

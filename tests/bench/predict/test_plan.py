@@ -1,0 +1,380 @@
+"""``bench.predict.plan``: the olmo-core3 reference scenarios and the plan arithmetic against hand-computed numbers.
+
+Expected values are written as literal arithmetic on purpose: reusing the module's helpers here would
+only check that the module agrees with itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.predict.plan import in_flight_microbatches, plan_scenario, stage_layers
+from bench.results import REPO_ROOT
+from bench.scenario import load_scenario, scenario_from_dict
+from moe_engine.flops import parameter_counts
+
+OLMO_DIR = REPO_ROOT / "scenarios" / "olmo-core3"
+
+# Published OLMo-core 3 MoE figures: (total, active) parameters; None where no active figure is given.
+PUBLISHED = {
+    "moe-8e-4.6b": (4.6e9, 3.2e9),
+    "moe-128e-47b": (47e9, 3.2e9),
+    "moe-1.2t-512gpu": (1.2e12, 58.36e9),
+    "moe-2.38t": (2.38e12, None),
+    "moe-bf16-4gpu": (4.6e9, 3.2e9),
+    "moe-mxfp8-4gpu": (4.6e9, 3.2e9),
+}
+
+METRICS = {
+    "total_params", "active_params", "flops_per_token", "memory_params_bytes", "memory_grads_bytes",
+    "memory_optimizer_bytes", "memory_activations_bytes", "memory_comm_buffers_bytes", "memory_total_bytes",
+    "memory_backward_workspace_bytes", "memory_optimizer_step_bytes",
+    "comm_all_to_all_bytes", "comm_grad_reduce_bytes", "comm_pipeline_bytes", "comm_total_bytes",
+    "memory_fraction_of_gpu",
+}
+
+
+def olmo(name: str):
+    return load_scenario(OLMO_DIR / f"{name}.yaml")
+
+
+def olmo_dict(name: str) -> dict:
+    return yaml.safe_load((OLMO_DIR / f"{name}.yaml").read_text())
+
+
+def median(metrics, name):
+    return metrics[name]["median"]
+
+
+# ---- the reference scenarios ------------------------------------------------------------------
+
+
+# Layout variants of a published configuration: same model and cluster, another parallel design.
+VARIANTS = {
+    "moe-128e-47b-zero1": "moe-128e-47b",
+    "moe-128e-47b-fsdp": "moe-128e-47b",
+    "moe-1.2t-512gpu-fsdp": "moe-1.2t-512gpu",
+}
+
+
+# Proxy variants: one rank of the layout run for real (``bench.run.proxy``), same model and cluster.
+PROXIES = {
+    "moe-128e-47b-proxy": "moe-128e-47b-zero1",
+    "moe-1.2t-512gpu-proxy": "moe-1.2t-512gpu",
+    "moe-2.38t-proxy": "moe-2.38t",
+}
+
+
+def test_every_published_configuration_has_a_scenario():
+    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == set(PUBLISHED) | set(VARIANTS) | set(PROXIES)
+
+
+@pytest.mark.parametrize("proxy,base", sorted(PROXIES.items()))
+def test_proxy_variants_replay_their_plan_scenario(proxy, base):
+    a, b = olmo_dict(proxy), olmo_dict(base)
+    assert a["mode"] == "proxy" and b["mode"] == "plan"
+    assert a["model"] == b["model"] and a["cluster"] == b["cluster"] and a["parallel"] == b["parallel"]
+    assert a["run"]["tokens_per_step"] == b["run"]["tokens_per_step"]
+    assert olmo(proxy).proxy["rank"] == 0
+
+
+@pytest.mark.parametrize("variant,base", sorted(VARIANTS.items()))
+def test_layout_variants_change_only_the_layout(variant, base):
+    a, b = olmo_dict(variant), olmo_dict(base)
+    assert a["model"] == b["model"] and a["cluster"] == b["cluster"] and a["run"] == b["run"]
+    assert a["parallel"] != b["parallel"]
+
+
+def test_zero1_and_fsdp_plans_of_the_47b_model():
+    ddp, _ = plan_scenario(olmo("moe-128e-47b"))
+    zero1, _ = plan_scenario(olmo("moe-128e-47b-zero1"))
+    fsdp, _ = plan_scenario(olmo("moe-128e-47b-fsdp"))
+    # ZeRO-1 shards the optimizer over dp = 8 (the experts over edp = 1: they are already sharded by ep).
+    assert median(zero1, "memory_params_bytes") == median(ddp, "memory_params_bytes")
+    assert median(zero1, "memory_optimizer_bytes") < median(ddp, "memory_optimizer_bytes")
+    # FSDP holds 1/8 of every parameter plus one gathered block, and gathers parameters every microbatch.
+    assert median(fsdp, "comm_grad_reduce_bytes") > median(ddp, "comm_grad_reduce_bytes")
+    assert median(fsdp, "comm_all_to_all_bytes") == 0
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_olmo_scenario_loads_and_matches_published_counts(name):
+    scenario = olmo(name)
+    assert scenario.mode == "plan"
+    assert scenario.cluster is not None and scenario.cluster["gpus"] == scenario.world_size
+    assert scenario.spec["routing"] == {"mode": "random", "seed": 0, "zipf_exponent": 1.0}
+    assert "tokens_per_step" in olmo_dict(name)["run"]
+    counts = parameter_counts(scenario.model)
+    total, active = PUBLISHED[name]
+    assert abs(counts.total / total - 1) < 0.03, counts.total
+    if active is not None:
+        assert abs(counts.active / active - 1) < 0.03, counts.active
+
+
+def test_expert_pool_pair_shares_everything_but_the_pool():
+    small, large = olmo("moe-8e-4.6b").model, olmo("moe-128e-47b").model
+    assert (small.moe.num_experts, large.moe.num_experts) == (8, 128)
+    assert small.moe.top_k == large.moe.top_k == 4
+    assert small.to_dict() | {"moe": None} == large.to_dict() | {"moe": None}
+
+
+def test_4gpu_pair_differs_only_in_precision():
+    bf16, mxfp8 = olmo_dict("moe-bf16-4gpu"), olmo_dict("moe-mxfp8-4gpu")
+    assert (bf16.pop("precision"), mxfp8.pop("precision")) == ("bf16", "mxfp8")
+    bf16.pop("description"), mxfp8.pop("description")
+    assert bf16 == mxfp8
+    assert olmo("moe-bf16-4gpu").world_size == 4
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_plan_metrics_are_well_formed(name):
+    metrics, details = plan_scenario(olmo(name))
+    assert set(metrics) == METRICS
+    for key, entry in metrics.items():
+        assert set(entry) >= {"unit", "better", "samples", "median", "spread"}, key
+        assert len(entry["samples"]) == 1 and math.isfinite(entry["median"]), key
+        assert all(math.isfinite(v) for v in entry["spread"].values()), key
+    assert metrics["total_params"]["better"] is None and metrics["memory_total_bytes"]["better"] == "lower"
+    assert metrics["memory_fraction_of_gpu"]["unit"] == "ratio"
+    assert set(details) >= {"layout", "per_rank", "assumptions", "fits", "cluster"}
+    assert details["assumptions"] and all(isinstance(a, str) for a in details["assumptions"])
+    state = sum(median(metrics, f"memory_{p}_bytes") for p in ("params", "grads", "optimizer"))
+    backward = sum(median(metrics, f"memory_{p}_bytes") for p in ("activations", "comm_buffers", "backward_workspace"))
+    assert median(metrics, "memory_total_bytes") == pytest.approx(
+        state + max(backward, median(metrics, "memory_optimizer_step_bytes"))
+    )
+    assert median(metrics, "memory_fraction_of_gpu") == pytest.approx(
+        median(metrics, "memory_total_bytes") / (288 * 2**30)
+    )
+    assert details["fits"] is True
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_stages_partition_the_model(name):
+    scenario = olmo(name)
+    _, details = plan_scenario(scenario)
+    ep = scenario.parallel["ep"]
+    held = sum(s["dense_params"] + ep * s["local_expert_params"] for s in details["stages"])
+    assert held == parameter_counts(scenario.model).total
+    assert sum(s["layers"] for s in details["stages"]) == scenario.model.n_layers
+
+
+# ---- hand-computed small scenario ---------------------------------------------------------------
+#
+# vocab 1000, D 64, 2 MoE layers, 4 heads = 4 kv heads (q = kv = 64), no qk-norm, E 8, k 2, F 32.
+#   embedding 1000*64 = 64000; head = lm_head 64000 + final norm 64 = 64064
+#   block: attention 4*64*64 = 16384 + norms 2*64 = 128 -> 16512; router 8*64 = 512 (fp32)
+#   one expert 3*64*32 = 6144
+# dp 4, ep 2 (edp 2, 4 local experts), pp 1; 8 sequences of 16 tokens, 2 microbatches -> T = 16.
+#   dense bf16 params = 64000 + 64064 + 2*16512 = 161088, router 2*512 = 1024
+#   local experts = 2 layers * 4 * 6144 = 49152
+
+
+def small_spec(**parallel) -> dict:
+    return {
+        "schema_version": 1,
+        "name": "small",
+        "mode": "plan",
+        "model": {
+            "vocab_size": 1000, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "seq_len": 16,
+            "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
+        },
+        "routing": {"mode": "random", "seed": 0},
+        "precision": "bf16",
+        "parallel": {"dp": 4, "ep": 2, "pp": 1, "microbatches": 2, **parallel},
+        "run": {"tokens_per_step": 128},
+        "cluster": {"gpus": parallel.get("dp", 4) * parallel.get("pp", 1), "gpu_memory_gib": 1, "peak_tflops": 1},
+    }
+
+
+def small_plan(precision: str = "bf16", **parallel):
+    spec = small_spec(**parallel)
+    spec["precision"] = precision
+    return plan_scenario(scenario_from_dict(spec))
+
+
+def test_small_counts():
+    metrics, details = small_plan()
+    assert median(metrics, "total_params") == 64000 + 64064 + 2 * 16512 + 2 * 512 + 2 * 8 * 6144
+    assert median(metrics, "active_params") == 64000 + 64064 + 2 * 16512 + 2 * 512 + 2 * 2 * 6144
+    layout = details["layout"]
+    assert (layout["dp"], layout["ep"], layout["pp"], layout["edp"]) == (4, 2, 1, 2)
+    assert (layout["layers_per_rank"], layout["local_experts"], layout["tokens_per_microbatch_per_rank"]) == (2, 4, 16)
+    assert details["per_rank"]["dense_params"] == 161088 + 1024
+    assert details["per_rank"]["local_expert_params"] == 49152
+
+
+def test_small_ddp_state_bytes():
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
+    assert median(metrics, "memory_params_bytes") == 2 * 161088 + 4 * 1024 + 2 * 49152  # 424576
+    assert median(metrics, "memory_grads_bytes") == 2 * 161088 + 4 * 1024 + 2 * 49152
+    assert median(metrics, "memory_optimizer_bytes") == 12 * 161088 + 8 * 1024 + 12 * 49152  # 2531072
+
+
+def test_small_zero1_state_bytes():
+    metrics, details = small_plan(dp_mode="ddp", optimizer_sharding="zero1")
+    assert median(metrics, "memory_params_bytes") == 424576
+    memory = details["per_rank"]["memory_bytes"]
+    assert memory["optimizer_dense"] == (12 * 161088 + 8 * 1024) / 4  # 485312
+    assert memory["optimizer_experts"] == 12 * 49152 / 2  # 294912
+    assert median(metrics, "memory_optimizer_bytes") == 485312 + 294912
+
+
+def test_small_fsdp_state_bytes():
+    metrics, details = small_plan(dp_mode="fsdp")
+    # Largest unit: the head 64064 * 2 = 128128 bytes (embedding 128000; a block with its 4 local experts
+    # 16512*2 + 512*4 + 4*6144*2 = 84224).
+    sharded = (2 * 161088 + 4 * 1024) / 4 + 2 * 49152 / 2  # 81568 + 49152
+    assert details["per_rank"]["memory_bytes"]["gathered_unit_params"] == 128128
+    assert median(metrics, "memory_params_bytes") == sharded + 128128  # 258848
+    assert median(metrics, "memory_grads_bytes") == sharded + 128128
+    assert median(metrics, "memory_optimizer_bytes") == 485312 + 294912
+
+
+def test_small_activation_bytes():
+    # No-sync dispatch at cf 1.25 (the defaults): R = 1.25 * T 16 * k 2 = 40 expert rows; a = 2.
+    # RMSNorm over D: T * D * (4 + 2a) = 16*64*8 = 8192 (fp32 input, normalised values, output)
+    # attention per block: 8192 + 2*16*(3*64 + 2*64) + 4*16*4 = 8192 + 10240 + 256 = 18688
+    # MoE per block: 8192 + router (4*16*64 + 8*16*8 = 5120) + experts 40*2*(64 + 2*32) = 10240
+    #                + combine 2*16*2*64 = 4096  -> 27648
+    # head: 8192 + 4*16*1000 = 72192; pp 1 -> one microbatch in flight
+    metrics, _ = small_plan("bf16")
+    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 27648) + 72192  # 164864
+    # mxfp8: the expert-GEMM inputs at 1 + 1/32 bytes: 40 * 33/32 * 128 = 5280
+    metrics, _ = small_plan("mxfp8")
+    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 8192 + 5120 + 5280 + 4096) + 72192  # 154944
+    # sync dispatch sends exact counts: R = 32 rows, experts 32*2*128 = 8192
+    metrics, _ = small_plan("bf16", dispatch="sync")
+    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 27648 - 10240 + 8192) + 72192
+
+
+def test_small_backward_workspace_and_optimizer_step():
+    # workspace: the larger of one MoE block's expert backward, R 40 * 2 * 4F (128) + 2 * 4 local experts
+    # * 3 * 64 * 32 = 10240 + 49152 = 59392, and the embedding's (or head's) gradient 2 * 1000 * 64
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
+    assert median(metrics, "memory_backward_workspace_bytes") == 128000
+    # With F = 512 the experts' workspace is the larger: R 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512
+    spec = small_spec()
+    spec["model"]["moe"]["expert_hidden"] = 512
+    _, details = plan_scenario(scenario_from_dict(spec))
+    assert details["per_rank"]["memory_bytes"]["backward_workspace"] == 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512
+    # optimizer step: every family fits in one bucket (2^22 elements): dense 161088 + 1024 router elements,
+    # experts 49152; (4 fp32 gradient copy + 8 AdamW temporaries) bytes per element of the larger
+    assert median(metrics, "memory_optimizer_step_bytes") == 12 * 162112  # 1945344
+    state = 424576 + 424576 + 2531072
+    assert median(metrics, "memory_total_bytes") == state + 1945344  # the step outweighs the backward
+    # zero1: a quarter of the dense family, half of the experts (edp 2); gradients gain the
+    # reduce-scatter outputs (dense grads / 4 + expert grads / 2)
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="zero1")
+    assert median(metrics, "memory_optimizer_step_bytes") == 12 * 162112 / 4
+    assert median(metrics, "memory_grads_bytes") == 424576 + 326272 / 4 + 98304 / 2  # 555296
+
+
+def test_small_all_to_all_and_buffers():
+    # per MoE block and microbatch: 4 * T 16 * k 2 * D 64 * 2 bytes * (ep-1)/ep 1/2 = 8192; x2 blocks x2 microbatches
+    metrics, _ = small_plan(dispatch="sync")
+    assert median(metrics, "comm_all_to_all_bytes") == 8192 * 2 * 2
+    assert median(metrics, "memory_comm_buffers_bytes") == 2 * 16 * 2 * 64 * 2  # send + receive, 8192
+    metrics, _ = small_plan(dispatch="no-sync", capacity_factor=1.25)
+    assert median(metrics, "comm_all_to_all_bytes") == 8192 * 1.25 * 2 * 2  # 40960
+    assert median(metrics, "memory_comm_buffers_bytes") == 8192 * 1.25
+    assert median(metrics, "comm_pipeline_bytes") == 0
+
+
+def test_small_grad_reduce_bytes():
+    dense_grads = 2 * 161088 + 4 * 1024  # 326272, also the dense param bytes
+    expert_grads = 2 * 49152  # 98304
+    ddp = 2 * 3 / 4 * dense_grads + 2 * 1 / 2 * expert_grads  # ring all-reduce over dp 4 and edp 2: 587712
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
+    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(587712) == ddp
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="zero1")  # reduce-scatter + all-gather
+    zero1 = 3 / 4 * (326272 + 326272) + 1 / 2 * (98304 + 98304)
+    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(zero1)
+    metrics, _ = small_plan(dp_mode="fsdp")  # reduce-scatter once, all-gather fwd + bwd of 2 microbatches
+    fsdp = 3 / 4 * (326272 + 2 * 2 * 326272) + 1 / 2 * (98304 + 2 * 2 * 98304)  # 1469280
+    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(1469280) == pytest.approx(fsdp)
+
+
+def test_small_pipeline():
+    # dp 2, ep 2, pp 2: 4 sequences per rank, 2 microbatches -> T = 32; stage 0 = embedding + block 0,
+    # stage 1 = block 1 + head. Each stage sends 2 microbatches x 32 x 64 x 2 bytes in one direction.
+    metrics, details = small_plan(dp=2, ep=2, pp=2, schedule="1f1b")
+    assert [s["layers"] for s in details["stages"]] == [1, 1]
+    assert details["stages"][0]["dense_params"] == 64000 + 16512 + 512
+    assert details["stages"][1]["dense_params"] == 16512 + 512 + 64064
+    assert median(metrics, "comm_pipeline_bytes") == 2 * 32 * 64 * 2  # 8192
+    assert details["most_loaded"]["memory"] == 1  # the head's fp32 logits outweigh stage 0's second microbatch
+    assert details["per_rank"]["in_flight_microbatches"] == 1
+
+
+def test_stage_split_and_schedules():
+    assert stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
+    assert stage_layers(8, 2, 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert stage_layers(56, 8) == [list(range(7 * r, 7 * r + 7)) for r in range(8)]
+    assert in_flight_microbatches("1f1b", 1, 1, 32, 0) == 1
+    assert in_flight_microbatches("gpipe", 4, 1, 8, 3) == 8
+    assert in_flight_microbatches("1f1b", 4, 1, 8, 0) == 4
+    assert in_flight_microbatches("1f1b", 4, 1, 8, 3) == 1
+    assert in_flight_microbatches("1f1b", 4, 1, 2, 0) == 2
+    # interleaved, pp 4, v 2, rank 0: 2*3 + 1*4 + 1 = 11 chunk-microbatches = 5.5 whole-rank microbatches
+    assert in_flight_microbatches("interleaved1f1b", 4, 2, 8, 0) == 11 / 2
+    assert in_flight_microbatches("interleaved1f1b", 4, 2, 8, 3) == 5 / 2
+
+
+# ---- scaling and comparisons on the reference scenarios ---------------------------------------
+
+
+def with_layout(name: str, **parallel):
+    spec = olmo_dict(name)
+    spec = copy.deepcopy(spec)
+    spec["parallel"].update(parallel)
+    spec["cluster"]["gpus"] = spec["parallel"]["dp"] * spec["parallel"].get("pp", 1)
+    return plan_scenario(scenario_from_dict(spec, file=f"{name}.yaml"))
+
+
+def test_zero1_optimizer_shards_dense_over_dp_and_experts_over_edp():
+    rows = {}
+    for dp in (8, 16, 32):
+        _, details = with_layout("moe-128e-47b", dp=dp, ep=8, optimizer_sharding="zero1", microbatches=1)
+        memory = details["per_rank"]["memory_bytes"]
+        rows[dp] = (memory["optimizer_dense"], memory["optimizer_experts"], details["layout"]["edp"])
+    for dp, (dense, experts, edp) in rows.items():
+        assert edp == dp // 8
+        assert dense == pytest.approx(rows[8][0] * 8 / dp, rel=1e-9)
+        assert experts == pytest.approx(rows[8][1] / edp, rel=1e-9)
+    # Without sharding neither part moves with dp.
+    _, d8 = with_layout("moe-128e-47b", dp=8, ep=8, optimizer_sharding="none", microbatches=1)
+    _, d32 = with_layout("moe-128e-47b", dp=32, ep=8, optimizer_sharding="none", microbatches=1)
+    assert d8["per_rank"]["memory_bytes"]["optimizer"] == d32["per_rank"]["memory_bytes"]["optimizer"]
+    assert d8["per_rank"]["memory_bytes"]["optimizer_dense"] == 8 * rows[8][0]
+
+
+def test_mxfp8_saves_activation_memory_only():
+    bf16, _ = plan_scenario(olmo("moe-bf16-4gpu"))
+    mxfp8, _ = plan_scenario(olmo("moe-mxfp8-4gpu"))
+    assert median(mxfp8, "memory_activations_bytes") < median(bf16, "memory_activations_bytes")
+    for name in ("memory_params_bytes", "memory_grads_bytes", "memory_optimizer_bytes", "comm_total_bytes"):
+        assert median(mxfp8, name) == median(bf16, name)
+
+
+def test_fsdp_holds_fewer_params_per_rank_than_ddp_for_47b():
+    ddp, _ = plan_scenario(olmo("moe-128e-47b"))
+    fsdp, details = with_layout("moe-128e-47b", dp_mode="fsdp")
+    assert median(fsdp, "memory_params_bytes") < median(ddp, "memory_params_bytes")
+    assert median(fsdp, "memory_grads_bytes") < median(ddp, "memory_grads_bytes")
+    assert details["per_rank"]["memory_bytes"]["gathered_unit_params"] > 0
+    # ...and pays for it in traffic: params are gathered in every microbatch.
+    assert median(fsdp, "comm_grad_reduce_bytes") > median(ddp, "comm_grad_reduce_bytes")
+
+
+def test_fp32_state_costs_4_4_8_bytes():
+    metrics, _ = small_plan("fp32")
+    params = 161088 + 1024 + 49152
+    assert median(metrics, "memory_params_bytes") == 4 * params
+    assert median(metrics, "memory_grads_bytes") == 4 * params
+    assert median(metrics, "memory_optimizer_bytes") == 8 * params

@@ -1,0 +1,370 @@
+"""``bench.predict.projection``: the alpha-beta prices of each collective and the projected step, against hand arithmetic.
+
+Expected values are written out as literal arithmetic (latency 10 us = 10e-6 s, 900 GB/s = 900e9 bytes/s,
+50 GB/s = 50e9 bytes/s unless a test says otherwise); reusing the module's helpers here would only check
+that the module agrees with itself.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.predict.projection import (
+    Collective,
+    Network,
+    Projection,
+    RankTiming,
+    Schedule,
+    collective_seconds,
+    project_step,
+    summarize_collectives,
+)
+
+NET = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_us=10.0)
+NODE0 = tuple(range(8))
+TWO_NODES = tuple(range(16))
+SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer", "other_comm")
+
+
+def approx(x: float):
+    return pytest.approx(x, rel=1e-12)
+
+
+def seconds(op: str, ranks, nbytes: int, rank: int = 0, net: Network = NET, count: int = 1) -> float:
+    return collective_seconds(Collective(op, tuple(ranks), nbytes, "other", count), rank, net)
+
+
+# ---- Network ----------------------------------------------------------------------------------
+
+
+def test_from_cluster_defaults():
+    assert Network.from_cluster({}) == Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50,
+                                               latency_us=10.0)
+
+
+def test_from_cluster_takes_given_keys_and_ignores_the_rest():
+    cluster = {"name": "x", "gpus": 64, "gpu_memory_gib": 80, "peak_tflops": 989, "gpus_per_node": 4,
+               "inter_node_gbps": 400}
+    assert Network.from_cluster(cluster) == Network(gpus_per_node=4, intra_node_gbps=900, inter_node_gbps=400,
+                                                    latency_us=10.0)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"gpus_per_node": 0}, "gpus_per_node"),
+    ({"gpus_per_node": 8.0}, "gpus_per_node"),
+    ({"intra_node_gbps": 0}, "intra_node_gbps"),
+    ({"inter_node_gbps": -1}, "inter_node_gbps"),
+    ({"latency_us": -0.5}, "latency_us"),
+])
+def test_network_rejects_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=f"network.{field}"):
+        Network.from_cluster(kwargs)
+
+
+# ---- collectives ------------------------------------------------------------------------------
+
+
+def test_all_to_all_inside_a_node():
+    # l = 8: 7/8 of the buffer stays on the node, nothing leaves it.
+    assert seconds("all_to_all", NODE0, 8_000_000, rank=3) == approx(7 * 10e-6 + 8_000_000 * 7 / 8 / 900e9)
+
+
+def test_all_to_all_over_two_full_nodes_uses_eight_local_ranks():
+    # n = 16, l = 8: on node 16e6 * 7/16 / 900e9 = 7.8e-6 s; off node 16e6 * 8/16 / 50e9 = 1.6e-4 s.
+    expected = 15 * 10e-6 + 16_000_000 * 8 / 16 / 50e9
+    assert seconds("all_to_all", TWO_NODES, 16_000_000, rank=3) == approx(expected)
+    assert seconds("all_to_all", TWO_NODES, 16_000_000, rank=12) == approx(expected)
+
+
+def test_all_to_all_takes_the_slower_of_the_two_link_kinds():
+    slow_nvlink = Network(gpus_per_node=8, intra_node_gbps=10, inter_node_gbps=1000, latency_us=0.0)
+    # on node 16e6 * 7/16 / 10e9 = 7e-4 s beats off node 16e6 * 8/16 / 1000e9 = 8e-6 s.
+    assert seconds("all_to_all", TWO_NODES, 16_000_000, net=slow_nvlink) == approx(16_000_000 * 7 / 16 / 10e9)
+
+
+def test_all_to_all_uneven_group_counts_ranks_on_this_rank_node():
+    group = (0, 1, 8, 9, 10, 11, 16, 17)  # 2 + 4 + 2 ranks on nodes 0, 1, 2
+    b = 8_000_000
+    assert seconds("all_to_all", group, b, rank=9) == approx(7 * 10e-6 + max(b * 3 / 8 / 900e9, b * 4 / 8 / 50e9))
+    assert seconds("all_to_all", group, b, rank=0) == approx(7 * 10e-6 + max(b * 1 / 8 / 900e9, b * 6 / 8 / 50e9))
+
+
+def test_all_reduce_inside_and_across_nodes():
+    assert seconds("all_reduce", (0, 1, 2, 3), 1_000_000_000) == approx(2 * 3 * 10e-6 + 2 * 3 / 4 * 1e9 / 900e9)
+    assert seconds("all_reduce", (0, 8), 1_000_000_000) == approx(2 * 1 * 10e-6 + 2 * 1 / 2 * 1e9 / 50e9)
+    # One rank across the node boundary prices the whole ring at the inter-node bandwidth.
+    assert seconds("all_reduce", tuple(range(9)), 9_000_000) == approx(2 * 8 * 10e-6 + 2 * 8 / 9 * 9e6 / 50e9)
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_reduce_scatter_and_all_gather(op):
+    assert seconds(op, NODE0, 64_000_000) == approx(7 * 10e-6 + 7 / 8 * 64e6 / 900e9)
+    assert seconds(op, (0, 8, 16, 24), 64_000_000) == approx(3 * 10e-6 + 3 / 4 * 64e6 / 50e9)
+
+
+def test_broadcast():
+    assert seconds("broadcast", NODE0, 90_000_000) == approx(7 * 10e-6 + 90e6 / 900e9)
+    assert seconds("broadcast", TWO_NODES, 90_000_000) == approx(15 * 10e-6 + 90e6 / 50e9)
+
+
+@pytest.mark.parametrize("n, steps", [(2, 1), (5, 3), (8, 3), (16, 4)])
+def test_barrier(n, steps):
+    assert seconds("barrier", range(n), 0) == approx(2 * steps * 10e-6)
+
+
+def test_send_and_recv():
+    assert seconds("send", (0, 1), 4_000_000) == approx(10e-6 + 4e6 / 900e9)
+    assert seconds("recv", (7, 8), 4_000_000, rank=7) == approx(10e-6 + 4e6 / 50e9)
+    assert seconds("send", (8, 7), 4_000_000, rank=8) == approx(10e-6 + 4e6 / 50e9)
+
+
+@pytest.mark.parametrize("op, nbytes", [
+    ("all_to_all", 1000), ("all_reduce", 1000), ("reduce_scatter", 1000), ("all_gather", 1000),
+    ("broadcast", 1000), ("barrier", 0),
+])
+def test_single_rank_group_is_free(op, nbytes):
+    assert seconds(op, (5,), nbytes, rank=5) == 0.0
+
+
+def test_count_multiplies():
+    assert seconds("all_reduce", (0, 8), 1_000_000_000, count=3) == approx(3 * (2 * 10e-6 + 1e9 / 50e9))
+    assert seconds("send", (0, 1), 900, count=4) == approx(4 * (10e-6 + 900 / 900e9))
+
+
+def test_ranks_given_as_a_list_become_a_tuple():
+    assert Collective("all_reduce", [0, 1], 8, "grad").ranks == (0, 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"op": "allreduce"}, "unknown op 'allreduce'"),
+    ({"phase": "backward"}, "unknown phase 'backward'"),
+    ({"ranks": ()}, "at least one rank"),
+    ({"ranks": (0, 0)}, "twice"),
+    ({"ranks": (0, -1)}, "integers >= 0"),
+    ({"op": "send", "ranks": (0, 1, 2)}, "this rank, peer"),
+    ({"op": "recv", "ranks": (0,)}, "this rank, peer"),
+    ({"nbytes": -1}, "collective.nbytes"),
+    ({"op": "barrier", "nbytes": 4}, "no payload"),
+    ({"count": 0}, "collective.count"),
+])
+def test_collective_rejects_bad_fields(kwargs, match):
+    fields = {"op": "all_reduce", "ranks": (0, 1), "nbytes": 8, "phase": "grad"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        Collective(**fields)
+
+
+def test_rank_must_be_in_the_group():
+    with pytest.raises(ValueError, match="rank 2 is not in the all_reduce group"):
+        collective_seconds(Collective("all_reduce", (0, 1), 8, "grad"), 2, NET)
+
+
+def test_summarize_collectives():
+    items = [
+        Collective("all_to_all", NODE0, 1000, "expert", count=4),
+        Collective("all_reduce", (0, 8), 3000, "grad"),
+        Collective("all_to_all", tuple(range(8, 16)), 1000, "expert", count=2),  # same size, other group: merged
+        Collective("all_to_all", NODE0, 1000, "other"),
+        Collective("barrier", NODE0, 0, "other"),
+    ]
+    assert summarize_collectives(items) == [
+        {"op": "all_to_all", "group_size": 8, "nbytes": 1000, "phase": "expert", "count": 6, "total_bytes": 6000},
+        {"op": "all_reduce", "group_size": 2, "nbytes": 3000, "phase": "grad", "count": 1, "total_bytes": 3000},
+        {"op": "all_to_all", "group_size": 8, "nbytes": 1000, "phase": "other", "count": 1, "total_bytes": 1000},
+        {"op": "barrier", "group_size": 8, "nbytes": 0, "phase": "other", "count": 1, "total_bytes": 0},
+    ]
+    json.dumps(summarize_collectives(items))
+    assert summarize_collectives([]) == []
+
+
+# ---- schedule and timing ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"kind": "zigzag"}, "unknown schedule 'zigzag'"),
+    ({"microbatches": 0}, "schedule.microbatches"),
+    ({"pp": 0}, "schedule.pp"),
+    ({"virtual_stages": 0}, "schedule.virtual_stages"),
+    ({"virtual_stages": 2, "kind": "1f1b"}, "needs kind interleaved1f1b"),
+])
+def test_schedule_rejects_bad_fields(kwargs, match):
+    fields = {"pp": 2, "virtual_stages": 1, "microbatches": 4, "kind": "1f1b", "grad_overlap": False} | kwargs
+    with pytest.raises(ValueError, match=match):
+        Schedule(**fields)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"microbatch_s": -1.0}, "timing.microbatch_s"),
+    ({"optimizer_s": -1.0}, "timing.optimizer_s"),
+    ({"backward_fraction": 1.5}, "timing.backward_fraction"),
+])
+def test_timing_rejects_bad_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RankTiming(**({"microbatch_s": 0.1, "optimizer_s": 0.01} | kwargs))
+
+
+# ---- the projected step -----------------------------------------------------------------------
+
+
+def check_breakdown(p: Projection) -> None:
+    assert set(p.breakdown_s) == {*SUM_KEYS, "grad_sync_total"}
+    assert sum(p.breakdown_s[k] for k in SUM_KEYS) == approx(p.step_s)
+
+
+def pp1(grad_overlap: bool) -> Schedule:
+    return Schedule(pp=1, virtual_stages=1, microbatches=1, kind="1f1b", grad_overlap=grad_overlap)
+
+
+TIMING = RankTiming(microbatch_s=0.3, optimizer_s=0.01)  # backward 2/3 * 0.3 = 0.2 s can hide the sync
+EXPERT_A2A = Collective("all_to_all", NODE0, 9_000_000, "expert", count=2)
+EXPERT_S = 2 * (7 * 10e-6 + 9e6 * 7 / 8 / 900e9)  # 2 * (7e-5 + 7e-6)
+BARRIER = Collective("barrier", NODE0, 0, "other")
+
+
+def test_pp1_gradient_sync_hidden_under_backward():
+    grad = Collective("all_reduce", NODE0, 9_000_000_000, "grad")
+    p = project_step(0, TIMING, [EXPERT_A2A], [grad, BARRIER], pp1(True), NET, tokens_per_step=8192,
+                     world_size=8, flops_per_token=6e9)
+    g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9  # 0.01764 s < 0.2 s of backward
+    step = 0.3 + EXPERT_S + 0.01 + 6 * 10e-6
+    assert p.step_s == approx(step)
+    assert p.breakdown_s == {
+        "compute": approx(0.3), "expert_comm": approx(EXPERT_S), "pipeline_comm": 0.0, "bubble": 0.0,
+        "grad_sync_exposed": 0.0, "grad_sync_total": approx(g), "optimizer": approx(0.01),
+        "other_comm": approx(6 * 10e-6),
+    }
+    assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
+    assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)
+    check_breakdown(p)
+
+
+def test_pp1_gradient_sync_partly_exposed():
+    grad = Collective("all_reduce", TWO_NODES, 20_000_000_000, "grad")
+    g = 2 * 15 * 10e-6 + 2 * 15 / 16 * 20e9 / 50e9  # 0.7503 s
+    exposed = g - 2 / 3 * 0.3
+    p = project_step(0, TIMING, [EXPERT_A2A], [grad], pp1(True), NET, tokens_per_step=4096,
+                     world_size=16, flops_per_token=1e9)
+    assert p.breakdown_s["grad_sync_total"] == approx(g)
+    assert p.breakdown_s["grad_sync_exposed"] == approx(exposed)
+    step = 0.3 + EXPERT_S + exposed + 0.01
+    assert p.step_s == approx(step)
+    assert p.tokens_per_s_per_gpu == approx(4096 / step / 16)
+    assert p.tflops_per_gpu == approx(1e9 * 4096 / step / 16 / 1e12)
+    check_breakdown(p)
+
+
+def test_pp1_without_overlap_exposes_the_whole_sync():
+    grad = Collective("all_reduce", NODE0, 9_000_000_000, "grad")
+    p = project_step(0, TIMING, [], [grad], pp1(False), NET, tokens_per_step=8192, world_size=8,
+                     flops_per_token=6e9)
+    g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9
+    assert p.breakdown_s["grad_sync_exposed"] == approx(g)
+    assert p.step_s == approx(0.3 + g + 0.01)
+    check_breakdown(p)
+
+
+def test_pp1_runs_microbatches_back_to_back_whatever_the_kind():
+    schedule = Schedule(pp=1, virtual_stages=1, microbatches=4, kind="gpipe", grad_overlap=False)
+    p = project_step(0, TIMING, [EXPERT_A2A], [], schedule, NET, tokens_per_step=8192, world_size=8,
+                     flops_per_token=6e9)
+    assert p.breakdown_s["bubble"] == 0.0
+    assert p.breakdown_s["compute"] == approx(4 * 0.3)
+    assert p.breakdown_s["expert_comm"] == approx(4 * EXPERT_S)
+    assert p.step_s == approx(4 * (0.3 + EXPERT_S) + 0.01)
+    check_breakdown(p)
+
+
+# A pipeline of pp = 4 stages over dp = 8 (world 32, 8 GPUs per node): stage s is ranks 8s..8s+7, so rank 8
+# (stage 1) trades activations and gradients with ranks 0 and 16 on other nodes.
+STAGE_MESSAGES = [
+    Collective("recv", (8, 0), 4_000_000, "pipeline"),
+    Collective("send", (8, 16), 4_000_000, "pipeline"),
+    Collective("recv", (8, 16), 4_000_000, "pipeline"),
+    Collective("send", (8, 0), 4_000_000, "pipeline"),
+]
+PIPE_S = 4 * (10e-6 + 4e6 / 50e9)  # 4 * 9e-5
+STAGE_A2A = Collective("all_to_all", tuple(range(8, 16)), 18_000_000, "expert", count=4)
+STAGE_EXPERT_S = 4 * (7 * 10e-6 + 18e6 * 7 / 8 / 900e9)  # 4 * 8.75e-5
+DP_GRAD = Collective("all_reduce", tuple(range(8, 16)), 1_800_000_000, "grad")
+DP_GRAD_S = 2 * 7 * 10e-6 + 2 * 7 / 8 * 1.8e9 / 900e9
+PIPE_TIMING = RankTiming(microbatch_s=0.1, optimizer_s=0.02)
+BARRIER_STAGE = Collective("barrier", tuple(range(32)), 0, "other")  # 2 * 5 * alpha
+
+
+def pipelined(kind: str, v: int) -> Projection:
+    schedule = Schedule(pp=4, virtual_stages=v, microbatches=8, kind=kind, grad_overlap=False)
+    return project_step(8, PIPE_TIMING, [STAGE_A2A, *STAGE_MESSAGES], [DP_GRAD, BARRIER_STAGE], schedule, NET,
+                        tokens_per_step=65536, world_size=32, flops_per_token=2e10)
+
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_1f1b_and_gpipe_bubble(kind):
+    p = pipelined(kind, 1)
+    t_mb = 0.1 + STAGE_EXPERT_S + PIPE_S  # 0.10071 s
+    step = (8 + 4 - 1) * t_mb + DP_GRAD_S + 0.02 + 2 * 5 * 10e-6
+    assert p.breakdown_s["bubble"] == approx(3 * t_mb)
+    assert p.breakdown_s["compute"] == approx(8 * 0.1)
+    assert p.breakdown_s["expert_comm"] == approx(8 * STAGE_EXPERT_S)
+    assert p.breakdown_s["pipeline_comm"] == approx(8 * PIPE_S)
+    assert p.breakdown_s["grad_sync_exposed"] == approx(DP_GRAD_S)
+    assert p.breakdown_s["other_comm"] == approx(2 * 5 * 10e-6)
+    assert p.step_s == approx(step)
+    assert p.tokens_per_s_per_gpu == approx(65536 / step / 32)
+    assert p.tflops_per_gpu == approx(2e10 * 65536 / step / 32 / 1e12)
+    check_breakdown(p)
+
+
+def test_interleaved_bubble_shrinks_with_virtual_stages():
+    p = pipelined("interleaved1f1b", 2)
+    t_mb = 0.1 + STAGE_EXPERT_S + PIPE_S
+    assert p.breakdown_s["bubble"] == approx(3 * t_mb / 2)
+    assert p.step_s == approx(8 * t_mb + 3 * t_mb / 2 + DP_GRAD_S + 0.02 + 2 * 5 * 10e-6)
+    check_breakdown(p)
+
+
+def test_projection_to_dict_is_json_ready_and_states_its_assumptions():
+    p = pipelined("interleaved1f1b", 2)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert set(d) == {"step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "breakdown_s", "assumptions"}
+    assert d["step_s"] == p.step_s
+    assert d["breakdown_s"] == p.breakdown_s
+    text = "\n".join(p.assumptions)
+    for formula in ("2 * (n-1) * alpha", "2 * ceil(log2 n) * alpha", "m * t_mb + (pp - 1) * t_mb / v",
+                    "alpha + B / beta", "no contention"):
+        assert formula in text
+    assert "max(0, G - backward_fraction" in "\n".join(project_step(
+        0, TIMING, [], [], pp1(True), NET, tokens_per_step=1, world_size=1, flops_per_token=0).assumptions)
+
+
+# ---- input errors -----------------------------------------------------------------------------
+
+
+def call(**overrides):
+    args = {
+        "rank": 0, "timing": TIMING, "per_microbatch": [EXPERT_A2A], "per_step": [BARRIER], "schedule": pp1(True),
+        "net": NET, "tokens_per_step": 8192, "world_size": 8, "flops_per_token": 6e9,
+    } | overrides
+    return project_step(**args)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"per_microbatch": [Collective("all_reduce", NODE0, 8, "grad")]}, r"per_microbatch\[0\]: phase 'grad'"),
+    ({"per_step": [BARRIER, Collective("all_to_all", NODE0, 8, "expert")]}, r"per_step\[1\]: phase 'expert'"),
+    ({"per_step": [Collective("send", (0, 1), 8, "pipeline")]}, r"per_step\[0\]: phase 'pipeline'"),
+    ({"per_step": [Collective("all_reduce", (0, 8), 8, "grad")]}, "rank >= world_size=8"),
+    ({"rank": 1, "per_step": [Collective("send", (0, 2), 8, "other")], "per_microbatch": []},
+     "rank 1 is not in the send group"),
+    ({"rank": 8}, r"rank: must be an integer in \[0, 8\)"),
+    ({"world_size": 0}, "world_size"),
+    ({"tokens_per_step": 0}, "tokens_per_step"),
+    ({"flops_per_token": -1.0}, "flops_per_token"),
+    ({"per_microbatch": ["all_to_all"]}, "expected a Collective"),
+    ({"schedule": Schedule(pp=16, virtual_stages=1, microbatches=4, kind="1f1b", grad_overlap=False)},
+     "exceed world_size=8"),
+    ({"timing": RankTiming(0.0, 0.0), "per_microbatch": [], "per_step": []}, "projected step time is 0"),
+])
+def test_project_step_rejects_bad_inputs(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        call(**overrides)

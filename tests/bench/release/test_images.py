@@ -1,0 +1,87 @@
+"""`moe-bench versions`: release comparison through container images, and its bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cli import main
+
+
+def test_versions_unreachable_engine(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:9")  # nothing listens on the discard port
+    out = tmp_path / "results"
+    assert main(["versions", "moe-engine:0.1.0", "moe-engine:0.2.0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == "moe-bench: error: Docker engine unreachable at tcp://127.0.0.1:9: Connection refused\n"
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+class _FakeImages:
+    def __init__(self, present):
+        self.present = present
+
+    def get(self, name):
+        from docker.errors import ImageNotFound
+
+        if name not in self.present:
+            raise ImageNotFound(f"No such image: {name}")
+
+
+class _FakeClient:
+    def __init__(self, present):
+        self.images = _FakeImages(present)
+
+    def ping(self):
+        return True
+
+
+def test_versions_missing_image_runs_nothing(tmp_path, monkeypatch, capsys):
+    """One image of two is missing: exit 2 before the first container starts, nothing written."""
+    import docker
+
+    monkeypatch.setattr(docker, "from_env", lambda **kw: _FakeClient({"moe-engine:0.1.0"}))
+    started = []
+    monkeypatch.setattr("bench.release.images.run_image", lambda *a, **kw: started.append(a) or 0)
+    out = tmp_path / "results"
+    assert main(["versions", "moe-engine:0.1.0", "moe-engine:nope", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "moe-engine:nope: no such image on this Docker engine" in err
+    assert started == [] and not out.exists()
+
+
+def test_versions_missing_image_on_a_real_engine(tmp_path, capsys):
+    from bench.release.images import VersionsError, connect
+
+    try:
+        connect()
+    except VersionsError as err:
+        pytest.skip(f"no Docker engine reachable: {err}")
+    out = tmp_path / "results"
+    assert main(["versions", "moe-engine:does-not-exist-1", "moe-engine:does-not-exist-2", "--out", str(out)]) == 2
+    assert "moe-engine:does-not-exist-1: no such image" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_versions_needs_two_images(capsys):
+    assert main(["versions", "moe-engine:0.1.0"]) == 2
+    assert "at least two images" in capsys.readouterr().err
+
+
+def test_compare_versions_table():
+    from result_docs import make_doc
+
+    from bench.release.images import compare_versions
+    from bench.results import ResultDocument, metric
+
+    def docs(version, tput):
+        m = {"tokens_per_s_per_gpu": metric([tput, tput + 1, tput - 1], "tokens/s", "higher"),
+             "loss": metric([1.0], "nats", None)}
+        return [ResultDocument(make_doc("s", m, version=version))]
+
+    table = compare_versions({"img:a": docs("0.1.0", 1000), "img:b": docs("0.2.0", 500), "img:c": docs("0.3.0", 1000)})
+    lines = table.splitlines()
+    assert lines[0] == "| scenario | metric | unit | img:a (0.1.0) | img:b (0.2.0) | img:c (0.3.0) |"
+    row = "| s | tokens_per_s_per_gpu | tokens/s | 1000 | 500 (x0.500, regressed) | 1000 (x1.000, unchanged) |"
+    assert row in lines
+    assert not any("loss" in line for line in lines)  # not gated: left out of the table

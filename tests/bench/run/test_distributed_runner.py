@@ -1,0 +1,144 @@
+"""moe-bench run with multi-rank layouts: torchrun launch, gathered metrics, dead and hung ranks."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_runner import variant, write_scenario
+
+from bench.cli import main
+from bench.results import REPO_ROOT, load_results
+from bench.run.launch import detect_launch
+
+pytestmark = pytest.mark.slow
+
+# fp32, learned routing, no balance loss: every layout computes the same function (see
+# tests/parallel/test_trainer.py), so the losses a run records must not depend on the layout.
+EXACT = dict(precision="fp32", routing={"mode": "learned", "seed": 3}, model__moe__aux_loss_weight=0.0,
+             run__steps=3, run__tokens_per_step=256)
+LAYOUTS = {
+    "single": {},
+    "dp2-ep2-no-sync": {"dp": 2, "ep": 2, "dispatch": "no-sync", "capacity_factor": 2.0},
+    "pp2-1f1b": {"pp": 2, "schedule": "1f1b", "microbatches": 2},
+    "dp2-zero1": {"dp": 2, "optimizer_sharding": "zero1"},
+}
+
+
+def run(tmp_path: Path, scenarios: dict[str, dict], env: dict[str, str] | None = None):
+    files = [str(write_scenario(tmp_path, name, data)) for name, data in scenarios.items()]
+    out = tmp_path / "results"
+    old = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        code = main(["run", *files, "--out", str(out), "--device", "cpu"])
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+    return code, {d.name: d for d in load_results(out)} if out.exists() else {}
+
+
+def test_recorded_losses_agree_across_layouts(tmp_path):
+    code, docs = run(tmp_path, {name: variant(**EXACT, parallel=layout) for name, layout in LAYOUTS.items()})
+    assert code == 0, {n: d.data["error"] for n, d in docs.items()}
+    reference = docs["single"].data["details"]["losses"]
+    assert len(reference) == 3
+    for name in LAYOUTS:
+        losses = docs[name].data["details"]["losses"]
+        assert losses == pytest.approx(reference, rel=1e-5), name
+
+    doc = docs["dp2-ep2-no-sync"]
+    per_rank = doc.data["details"]["per_rank"]
+    assert [r["rank"] for r in per_rank] == [0, 1] and [r["ep_rank"] for r in per_rank] == [0, 1]
+    assert all(r["peak_tensor_bytes"] > 0 and r["optimizer_state_bytes"] > 0 for r in per_rank)
+    assert doc.metrics["peak_tensor_bytes"]["median"] == max(r["peak_tensor_bytes"] for r in per_rank)
+    assert doc.metrics["dropped_tokens"]["median"] == 0  # capacity factor 2 = ep: nothing can drop
+    # ZeRO-1 holds half of the optimizer state of plain data parallelism... of the same model.
+    zero1 = docs["dp2-zero1"].metrics["optimizer_state_bytes"]["median"]
+    single = docs["single"].metrics["optimizer_state_bytes"]["median"]
+    assert zero1 == pytest.approx(single / 2, rel=0.01)
+
+
+FAULT = """
+import os, signal, threading, time
+
+def _fault():
+    time.sleep(float(os.environ["MOE_TEST_FAULT_AFTER"]))
+    if os.environ["MOE_TEST_FAULT"] == "die":
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+if os.environ.get("RANK") == "1" and os.environ.get("MOE_TEST_FAULT"):
+    threading.Thread(target=_fault, daemon=True).start()
+"""
+
+
+def _worker_processes() -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "bench.run.worker" in cmdline and "moe-bench-" in cmdline:
+                found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.parametrize("fault,status", [("die", "failed"), ("hang", "timeout")])
+def test_dead_or_hung_rank_ends_the_scenario_and_the_suite_goes_on(tmp_path, fault, status):
+    # Rank 1 of the torchrun launch exits, or stops forever, a few seconds into the run.
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(textwrap.dedent(FAULT))
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(inject), os.environ.get("PYTHONPATH", "")]),
+        "MOE_TEST_FAULT": fault,
+        "MOE_TEST_FAULT_AFTER": "6",
+    }
+    long_run = variant(parallel={"dp": 2}, run__steps=100000, run__timeout_s=25)
+    single = variant()
+    started = time.monotonic()
+    code, docs = run(tmp_path, {"victim": long_run, "after": single}, env)
+    elapsed = time.monotonic() - started
+    assert code == 1
+    assert docs["victim"].status == status, docs["victim"].data["error"]
+    assert docs["victim"].data["metrics"] == {}
+    assert docs["after"].status == "ok"
+    assert elapsed < 25 + 40, "the scenario must end within its timeout (plus the next scenario)"
+    assert _worker_processes() == [], "every rank process is gone"
+
+
+def test_launch_detection():
+    assert detect_launch({}) is None
+    assert detect_launch({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    torchrun = detect_launch({"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "0"})
+    assert (torchrun.rank, torchrun.world_size, torchrun.source) == (2, 4, "torchrun")
+    slurm = detect_launch({"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"})
+    assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.source) == (5, 8, 1, "slurm")
+
+
+def test_run_inside_an_existing_torchrun_launch(tmp_path):
+    import subprocess
+    import sys
+
+    two = write_scenario(tmp_path, "two-ranks", variant(**EXACT, parallel={"dp": 2}))
+    one = write_scenario(tmp_path, "one-rank", variant(**EXACT))
+    out = tmp_path / "results"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "bench.cli", "run", str(two), str(one), "--out", str(out), "--device", "cpu",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    docs = {d.name: d for d in load_results(out)}
+    assert set(docs) == {"two-ranks", "one-rank"}, "rank 0 writes each result once"
+    assert len(list(out.rglob("*.json"))) == 2
+    assert docs["two-ranks"].status == "ok"
+    assert [r["rank"] for r in docs["two-ranks"].data["details"]["per_rank"]] == [0, 1]
+    assert docs["one-rank"].status == "skipped"
+    assert "needs 1 ranks (dp * pp) but this torchrun launch has 2" in docs["one-rank"].data["error"]

@@ -1,0 +1,209 @@
+"""moe-bench run: scenario validation, bad input, end-to-end execute, statuses, result files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from result_docs import make_doc
+
+from bench import results
+from bench.cli import main
+from bench.results import load_results, write_result
+from bench.run.runner import suite_files
+from bench.scenario import SCENARIOS_DIR, load_scenario
+from moe_engine.flops import training_flops_per_token
+
+TINY = {
+    "schema_version": 1,
+    "mode": "execute",
+    "model": {
+        "vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
+    },
+    "routing": {"mode": "random", "seed": 0},
+    "precision": "fp32",
+    "run": {"warmup_steps": 1, "steps": 3, "tokens_per_step": 128, "timeout_s": 120},
+}
+
+
+def write_scenario(tmp_path: Path, name: str, data) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def variant(**changes):
+    data = json.loads(json.dumps(TINY))
+    for dotted, value in changes.items():
+        node = data
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return data
+
+
+ALL_SCENARIOS = sorted(p for p in SCENARIOS_DIR.rglob("*.yaml") if p.name != "suites.yaml")
+
+
+@pytest.mark.parametrize("path", ALL_SCENARIOS, ids=lambda p: str(p.relative_to(SCENARIOS_DIR)))
+def test_every_shipped_scenario_validates(path):
+    scenario = load_scenario(path)
+    assert scenario.name == path.stem
+
+
+def test_suites_resolve_to_existing_scenarios():
+    import torch
+
+    default = suite_files("default", torch.device("cpu"))
+    assert any("smoke" in str(p) for p in default) and any("olmo-core3" in str(p) for p in default)
+    # The proxies take minutes each on a CPU: they have a suite of their own.
+    proxies = suite_files("proxy", torch.device("cpu"))
+    assert [p.name for p in proxies] == ["moe-1.2t-512gpu-proxy.yaml", "moe-128e-47b-proxy.yaml", "moe-2.38t-proxy.yaml"]
+    assert not set(proxies) & set(default)
+    assert set(suite_files("ci", torch.device("cpu"))) <= set(ALL_SCENARIOS)
+
+
+BAD_INPUTS = [
+    ("not-yaml", "model: [unclosed\n  d_model: 3", "(top level): not valid YAML"),
+    ("schema", variant(model__moe__top_k="two"), "model.moe.top_k: 'two' is not of type 'integer'"),
+    ("unknown-field", variant(model__moe__experts=8), "model.moe: Additional properties"),
+    ("top-k", variant(model__moe__top_k=9), "model.moe.top_k: 9 exceeds moe.num_experts=8"),
+    ("ep-experts", variant(parallel={"dp": 3, "ep": 3}), "parallel.ep: ep=3 does not divide model.moe.num_experts=8"),
+    ("ep-dp", variant(parallel={"dp": 2, "ep": 4}), "parallel.ep: ep=4 does not divide dp=2"),
+    ("pp-layers", variant(parallel={"pp": 4}), "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2"),
+    ("fsdp-ep", variant(parallel={"dp": 2, "ep": 2, "dp_mode": "fsdp"}), "parallel.dp_mode: the engine's fsdp mode"),
+    ("mxfp8-backend", variant(precision="mxfp8", model__moe__backend="loop"), "model.moe.backend: precision mxfp8 runs the mxfp8 expert backend"),
+    ("world-size", variant(parallel={"dp": 2, "world_size": 4}), "parallel.world_size: 4 != dp * pp = 2"),
+    ("plan-without-cluster", variant(mode="plan"), "(top level): 'cluster' is a required property"),
+    ("tokens", variant(run__tokens_per_step=100), "run.tokens_per_step: 100 is not a multiple of model.seq_len=32"),
+]
+
+
+@pytest.mark.parametrize("name, data, message", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_stops_before_any_work(tmp_path, capsys, name, data, message):
+    good = write_scenario(tmp_path, "good", TINY)
+    bad = write_scenario(tmp_path, name, data)
+    out = tmp_path / "results"
+    code = main(["run", str(good), str(bad), "--out", str(out), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == f"moe-bench: error: {bad}: {message}" or (
+        err.startswith(f"moe-bench: error: {bad}: ") and message in err
+    ), err
+    assert "Traceback" not in err
+    assert err.count("\n") == 1, "one message, one line"
+    assert not out.exists(), "nothing may be written on bad input"
+
+
+def test_missing_file_and_plan_of_execute_scenario(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "r")]) == 2
+    assert "no such scenario file" in capsys.readouterr().err
+    execute = write_scenario(tmp_path, "exec", TINY)
+    assert main(["plan", str(execute), "--out", str(tmp_path / "r")]) == 2
+    assert "is not a plan scenario" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def run_cli(tmp_path, *scenarios) -> tuple[int, list]:
+    files = [str(write_scenario(tmp_path, name, data)) for name, data in scenarios]
+    out = tmp_path / "results"
+    code = main(["run", *files, "--out", str(out), "--device", "cpu"])
+    return code, load_results(out) if out.exists() else []
+
+
+@pytest.mark.slow
+def test_smoke_run_end_to_end_is_consistent(tmp_path):
+    code, docs = run_cli(tmp_path, ("tiny", TINY))
+    assert code == 0
+    (doc,) = docs
+    assert doc.status == "ok" and doc.data["mode"] == "execute"
+    assert doc.path.parent.parent.name == doc.version
+    assert doc.path.parent.name == doc.machine
+    m = doc.metrics
+    assert len(m["step_time_s"]["samples"]) == 3
+    tokens_per_step = TINY["run"]["tokens_per_step"]
+    flops_per_token = training_flops_per_token(load_scenario(doc.path.parent.parent.parent.parent / "tiny.yaml").model)
+    for step_time, tokens_per_s, tflops in zip(
+        m["step_time_s"]["samples"], m["tokens_per_s_per_gpu"]["samples"], m["tflops_per_gpu"]["samples"]
+    ):
+        assert tokens_per_s * step_time == pytest.approx(tokens_per_step, rel=1e-9)
+        assert tflops == pytest.approx(flops_per_token * tokens_per_s / 1e12, rel=1e-9)
+    assert m["peak_tensor_bytes"]["median"] > 0 and m["rss_peak_bytes"]["median"] > m["peak_tensor_bytes"]["median"]
+    assert 0 < m["mfu"]["median"] < 1
+    # Random routing over 8 experts of 2 x 128 assignments: around 32 each, never all on one expert.
+    assert m["tokens_per_expert_max"]["median"] < 128
+    assert doc.data["scenario"]["hash"] == results.scenario_hash(doc.data["scenario"]["spec"])
+    assert doc.data["engine"]["git_commit"] is None or len(doc.data["engine"]["git_commit"]) == 40
+
+
+@pytest.mark.slow
+def test_failures_are_recorded_and_the_suite_goes_on(tmp_path):
+    nan = variant(model__init_std=1e30)
+    slow = variant(run__timeout_s=0.5)
+    code, docs = run_cli(tmp_path, ("nan", nan), ("slow", slow), ("tiny", TINY))
+    assert code == 1
+    by_name = {d.name: d for d in docs}
+    assert by_name["nan"].status == "failed" and "loss is nan" in by_name["nan"].data["error"]
+    assert by_name["slow"].status == "timeout" and "timeout of 0.5 s" in by_name["slow"].data["error"]
+    assert by_name["tiny"].status == "ok"
+
+
+def _document():
+    return make_doc("x", {"step_time_s": results.metric([1.0, 2.0, 3.0, 4.0], "s", "lower")})
+
+
+def test_existing_results_are_never_overwritten(tmp_path):
+    first = write_result(_document(), tmp_path)
+    second = write_result(_document(), tmp_path)
+    assert first.name == "x.json" and second.name == "x.2.json"
+    assert json.loads(first.read_text())["scenario"]["name"] == "x"
+
+
+def test_crash_mid_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    def crash(fd):
+        raise OSError("disk vanished")
+
+    monkeypatch.setattr(results.os, "fsync", crash)
+    with pytest.raises(OSError, match="disk vanished"):
+        write_result(_document(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_invalid_document_is_not_written(tmp_path):
+    doc = _document()
+    doc["status"] = "exploded"
+    with pytest.raises(results.ResultValidationError, match="status"):
+        write_result(doc, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_metric_statistics():
+    m = results.metric([4.0, 1.0, 3.0, 2.0, 100.0], "s", "lower")
+    assert m["median"] == 3.0
+    assert m["spread"]["min"] == 1.0 and m["spread"]["max"] == 100.0
+    assert m["spread"]["iqr"] == 2.0  # quartiles 2 and 4 (inclusive method)
+    assert m["spread"]["rel_iqr"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.slow
+def test_mxfp8_scenario_records_the_path_that_ran(tmp_path):
+    code, docs = run_cli(tmp_path, ("mx", variant(precision="mxfp8")), ("bf", variant(precision="bf16")))
+    assert code == 0
+    by_name = {d.name: d for d in docs}
+    mx, bf = by_name["mx"].data, by_name["bf"].data
+    assert mx["details"]["expert_backend"] == "mxfp8"
+    assert mx["details"]["expert_backend_path"] == "torch-emulation"  # no GPU: the emulation, and it says so
+    assert bf["details"]["expert_backend"] == "torch"
+    # Same seed, same data: the first measured losses agree to MXFP8 accuracy.
+    assert mx["details"]["losses"][0] == pytest.approx(bf["details"]["losses"][0], rel=0.02)
+def test_run_stops_when_the_results_folder_is_not_writable(tmp_path, capsys):
+    """In a container running as the wrong uid, the run stops before any work with one line."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["run", "scenarios/smoke/e8-random-bf16.yaml", "--out", str(blocker / "results")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-bench: error:") and "results folder not writable" in err and "HOST_UID" in err

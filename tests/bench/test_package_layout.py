@@ -1,0 +1,111 @@
+"""The shape of ``bench/``: the data's way, read from the import statements of every module.
+
+- the engine never imports ``bench``;
+- no import circle between modules (imports inside functions count too);
+- no module imports another module's private name;
+- pure arithmetic (``bench.predict``, ``bench.gate.compare``) imports nothing that runs a model.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from bench.results import REPO_ROOT
+
+PACKAGES = ("bench", "moe_engine")
+ARITHMETIC = ("bench.predict.plan", "bench.predict.projection", "bench.gate.compare")
+# What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
+# and the result/scenario documents. Everything else in the engine builds or runs a model.
+ARITHMETIC_MAY_IMPORT = ("bench.results", "bench.scenario", "moe_engine", "moe_engine.config", "moe_engine.flops",
+                         "moe_engine.parallel.layout", "moe_engine.parallel")
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if "micro" in parts and parts[:2] == ("bench", "micro"):
+                continue  # the pytest-benchmark files are tests, not modules
+            files[".".join(parts)] = path
+    return files
+
+
+MODULES = module_files()
+
+
+def imports_of(name: str) -> list[tuple[str, list[str]]]:
+    """(imported module, imported names) for every import statement of the module, resolved to modules."""
+    tree = ast.parse(MODULES[name].read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "moe_engine" and name != "moe_engine":
+                # the package's own names (its lazy __getattr__ included) are found in its submodules
+                found += [(_lazy_home(alias.name), []) for alias in node.names]
+                continue
+            names = [alias.name for alias in node.names]
+            submodules = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in MODULES]
+            found.append((node.module, [n for n in names if f"{node.module}.{n}" not in MODULES]))
+            found += [(sub, []) for sub in submodules]
+    return [(module, names) for module, names in found if module.split(".")[0] in PACKAGES]
+
+
+def _lazy_home(attribute: str) -> str:
+    return {"Transformer": "moe_engine.model", "build_model": "moe_engine.model",
+            "__version__": "moe_engine"}.get(attribute, "moe_engine.config")
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: {m for m, _ in imports_of(name) if m in MODULES and m != name} for name in MODULES}
+
+
+def test_the_engine_never_imports_bench():
+    offenders = [(name, m) for name in MODULES if name.startswith("moe_engine")
+                 for m, _ in imports_of(name) if m.split(".")[0] == "bench"]
+    assert offenders == []
+
+
+def test_no_import_circle():
+    edges = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == [], " ; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_imports_a_private_name():
+    offenders = [f"{name}: from {m} import {n}" for name in MODULES for m, names in imports_of(name)
+                 for n in names if n.startswith("_") and not n.startswith("__")]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("name", ARITHMETIC)
+def test_arithmetic_imports_nothing_that_runs_a_model(name):
+    edges = graph()
+    reached, todo = set(), [name]
+    while todo:
+        for nxt in edges[todo.pop()]:
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    assert sorted(reached - {name} - set(ARITHMETIC) - set(ARITHMETIC_MAY_IMPORT)) == []
