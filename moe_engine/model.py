@@ -75,7 +75,11 @@ class Transformer(nn.Module):
 
 
 def cast_parameters(model: nn.Module, precision: Precision) -> nn.Module:
-    """Cast parameters to the precision's dtype, except in modules marked ``keep_fp32``."""
+    """Cast parameters to the precision's dtype, except in modules marked ``keep_fp32``.
+
+    Buffers keep their dtype. A plain ``model.to(dtype)`` also gives a working model: it rounds
+    the router's weight as well, and the router still computes its scores in fp32 from it.
+    """
     dtype = precision.torch_dtype
     keep = {id(p) for m in model.modules() if getattr(m, "keep_fp32", False) for p in m.parameters()}
     for param in model.parameters():

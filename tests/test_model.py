@@ -76,6 +76,32 @@ def test_bf16_model_keeps_router_in_fp32():
     assert model(torch.randint(0, 96, (1, 8))).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("backend", ["torch", "mxfp8"])
+def test_model_cast_with_module_to_bf16(backend):
+    """A whole model cast with ``nn.Module.to(bf16)`` trains: every router scores in fp32 from its
+    bf16 weight (checked against the softmax written out in fp32 on the router's actual input), and
+    every parameter gets a bf16 gradient."""
+    moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, shared_expert_hidden=32, backend=backend)
+    model = build_model(tiny_config(moe=moe)).to(torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    routed = []
+    for layer in model.moe_layers():
+        layer.router.register_forward_hook(lambda router, args, out: routed.append((router, args[0].detach(), out)))
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    loss = model.loss(tokens, tokens.roll(-1, dims=1))
+    loss.backward()
+
+    assert math.isfinite(loss.item()) and len(routed) == len(model.moe_layers()) == 2
+    for router, x_TD, out in routed:
+        scores_TE = torch.softmax(x_TD.float() @ router.weight.detach().float().T, dim=-1)
+        top = scores_TE.topk(2, dim=-1)
+        assert torch.equal(out.expert_TK, top.indices)
+        torch.testing.assert_close(out.weight_TK, top.values, rtol=1e-6, atol=0)
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.dtype == torch.bfloat16, name
+        assert torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0, name
+
+
 def test_causality():
     model = build_model(tiny_config(moe=MoEConfig(num_experts=4, top_k=1, expert_hidden=16, routing="balanced")))
     tokens = torch.randint(0, 96, (1, 16))

@@ -67,9 +67,14 @@ def zipf_log_probs(num_experts: int, exponent: float, device=None) -> torch.Tens
 
 
 class Router(nn.Module):
-    """Linear scores D -> E in fp32, expert selection, combine weights and auxiliary losses."""
+    """Linear scores D -> E in fp32, expert selection, combine weights and auxiliary losses.
 
-    # The router keeps fp32 parameters whatever the model's precision.
+    The scores are computed in fp32 whatever the dtype of the input and of the parameter: the
+    weight is upcast in forward, so a router cast with ``nn.Module.to(dtype)`` still computes in
+    fp32 (from the rounded weight) and its gradient flows back to the parameter in its own dtype.
+    """
+
+    # ``cast_parameters`` leaves the router's parameters in fp32 whatever the model's precision.
     keep_fp32 = True
 
     def __init__(self, d_model: int, config: MoEConfig, layer_idx: int = 0):
@@ -94,7 +99,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.config
-        logits_TE = F.linear(x_TD.float(), self.weight)
+        logits_TE = F.linear(x_TD.float(), self.weight.float())
         if cfg.score_func is ScoreFunc.SOFTMAX:
             scores_TE = torch.softmax(logits_TE, dim=-1)
             probs_TE = scores_TE

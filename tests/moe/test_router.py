@@ -1,4 +1,6 @@
+import itertools
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -77,6 +79,51 @@ def test_skewed_routing_follows_zipf(exponent):
     # Popularity is monotone in the overall counts too.
     overall = expert_counts(expert_TK, experts)
     assert overall[0] > overall[experts // 2] > overall[-1]
+
+
+def sampling_without_replacement_law(p: list[float], k: int) -> dict[tuple[int, ...], float]:
+    """Exact probability of each ordered k-tuple of distinct experts when they are drawn one at a
+    time, each draw with probability proportional to p among the experts not drawn yet."""
+    law = {}
+    for picks in itertools.permutations(range(len(p)), k):
+        prob, left = 1.0, 1.0
+        for e in picks:
+            prob *= p[e] / left
+            left -= p[e]
+        law[picks] = prob
+    return law
+
+
+def assert_binomial_counts(counts_E: torch.Tensor, p_E: list[float], trials: int, what: str) -> None:
+    """Each count within 5 standard deviations of its binomial expectation."""
+    for e, (count, p) in enumerate(zip(counts_E.tolist(), p_E)):
+        mean, std = trials * p, math.sqrt(trials * p * (1 - p))
+        assert abs(count - mean) < 5 * std, f"{what}: expert {e} got {count}, expected {mean:.0f} +- {std:.0f}"
+
+
+@pytest.mark.parametrize("experts, k, exponent", [(4, 2, 1.0), (5, 3, 1.5)])
+def test_skewed_routing_draws_all_picks_without_replacement(experts, k, exponent):
+    """The joint law of a token's k picks, not only the first: sampling without replacement with the
+    Zipf weights, checked on each expert's inclusion, on the second pick and on the ordered k-tuples."""
+    tokens = 40000
+    router = make_router(num_experts=experts, top_k=k, routing="skewed", zipf_exponent=exponent, routing_seed=5)
+    expert_TK = router(torch.randn(tokens, 16, generator=torch.Generator().manual_seed(0))).expert_TK
+    zipf = [1 / (e + 1) ** exponent for e in range(experts)]
+    p = [z / sum(zipf) for z in zipf]
+    law = sampling_without_replacement_law(p, k)
+    assert sum(law.values()) == pytest.approx(1.0)
+
+    inclusion = [sum(q for picks, q in law.items() if e in picks) for e in range(experts)]
+    second = [sum(q for picks, q in law.items() if picks[1] == e) for e in range(experts)]
+    assert_binomial_counts(expert_counts(expert_TK, experts), inclusion, tokens, "inclusion")
+    assert_binomial_counts(expert_counts(expert_TK[:, 1], experts), second, tokens, "second pick")
+
+    # Pearson's statistic over the ordered tuples has mean df and standard deviation sqrt(2 df).
+    observed = Counter(map(tuple, expert_TK.tolist()))
+    assert set(observed) <= set(law)
+    chi2 = sum((observed[picks] - tokens * q) ** 2 / (tokens * q) for picks, q in law.items())
+    df = len(law) - 1
+    assert chi2 < df + 5 * math.sqrt(2 * df), (chi2, df)
 
 
 @pytest.mark.parametrize("mode", list(RoutingMode))
