@@ -1,17 +1,34 @@
-"""Detect host synchronisation: a context manager that turns every host sync into an error.
+"""Detect host synchronisation, with two checks that see different things.
 
-On every device it intercepts, at the Python level, ``Tensor.item/tolist/cpu/numpy``, truth tests
-of tensors, ``nonzero``, one-argument ``where`` and boolean-mask indexing, and at the dispatcher
-level (which also sees C++ autograd backward) the ops that read device data on the host
-(``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``) and the ops whose output
-shape depends on device data (``unique``, ``bincount``, ``repeat_interleave`` without
-``output_size``, indexing with a boolean mask). On CUDA it also sets
-``torch.cuda.set_sync_debug_mode("error")``.
+``forbid_host_sync()`` turns a host sync into an error where it is *issued*:
+
+- at the Python level: ``Tensor.item/tolist/cpu/numpy``, truth tests of tensors, ``nonzero``,
+  one-argument ``where`` and boolean-mask indexing;
+- at the dispatcher level (which also sees the C++ autograd engine's backward calls): every op
+  dispatched from Python or from autograd that reads device data on the host
+  (``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``) or whose output shape
+  depends on device data (``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``,
+  indexing with a boolean mask);
+- on CUDA, ``torch.cuda.set_sync_debug_mode("error")``, which sees the synchronising CUDA calls of
+  any kernel, but only for code running on a CUDA device.
+
+It cannot see a sync *inside* an ATen kernel: a dispatch mode sees the op it is handed
+(``aten._grouped_mm``), not the ops that op's kernel calls below the dispatcher. On CPU (and on
+CUDA for every grouped-GEMM input but bf16 on sm90/sm100) ``torch._grouped_mm`` reads its offsets
+on the host, one ``item()`` per group, and the guard lets it pass.
+
+``profile_host_syncs(fn)`` is the second line of defence: it runs ``fn`` under the profiler, which
+records every op at every depth, and returns each host-synchronising event with the ops it ran
+inside. It works on CPU and CUDA (where it adds the CUDA runtime's synchronising calls), so a test
+can require "no sync at all" or "syncs only inside ``aten::_grouped_mm``" and see what the guard
+cannot.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -103,3 +120,41 @@ def forbid_host_sync():
     finally:
         if cuda:
             torch.cuda.set_sync_debug_mode(previous)
+
+
+# The CUDA runtime calls that block the host until the device is done (seen with CUDA activity).
+_SYNCING_CUDA_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"}
+
+
+@dataclass(frozen=True)
+class ProfiledSync:
+    """One host-synchronising event of a profiled run."""
+
+    name: str
+    """The op or CUDA runtime call, e.g. ``aten::_local_scalar_dense``."""
+    stack: tuple[str, ...]
+    """The ops it ran inside, innermost first (e.g. ``("aten::item", "aten::_grouped_mm", ...)``)."""
+
+    def inside(self, op: str) -> bool:
+        return op in self.stack
+
+
+def profile_host_syncs(fn: Callable[[], object]) -> list[ProfiledSync]:
+    """Run ``fn`` under the profiler; every host sync it issued, at any depth, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        fn()
+    found = []
+    for event in prof.events():
+        if event.name in _SYNCING_OPS or event.name in _SYNCING_CUDA_CALLS:
+            stack, parent = [], event.cpu_parent
+            while parent is not None:
+                stack.append(parent.name)
+                parent = parent.cpu_parent
+            found.append(ProfiledSync(event.name, tuple(stack)))
+    return found
+

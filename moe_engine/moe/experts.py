@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_engine.config import ExpertBackendKind
+from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.precision import mxfp8_gemm as mx
 from moe_engine.precision.mxfp8 import MXTensor
@@ -71,13 +72,23 @@ def swiglu_backward(h_NH: torch.Tensor, grad_a_NF: torch.Tensor) -> tuple[torch.
     return silu_NF.mul_(up_NF), grad_h_NH
 
 
+def zero_empty_experts_(grad_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Zero the weight gradient of every expert that received no rows, in place, on the device.
+
+    An empty group's weight gradient is an empty sum, but not every grouped GEMM kernel writes it
+    (``torch._grouped_mm`` on B200 is reported to leave it unwritten), so the engine does.
+    """
+    counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    return grad_EXY.masked_fill_((counts_E == 0).view(-1, 1, 1), 0)
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """Both GEMMs of the experts on ``torch._grouped_mm``; saves x and h, recomputes the activation."""
 
     @staticmethod
     def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF):
-        h_NH = torch._grouped_mm(x_ND, gate_up_EHD.transpose(1, 2), offs=offsets_E)
-        y_ND = torch._grouped_mm(swiglu(h_NH), down_EDF.transpose(1, 2), offs=offsets_E)
+        h_NH = grouped_mm(x_ND, gate_up_EHD.transpose(1, 2), offsets_E)
+        y_ND = grouped_mm(swiglu(h_NH), down_EDF.transpose(1, 2), offsets_E)
         ctx.save_for_backward(x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF)
         return y_ND
 
@@ -86,18 +97,27 @@ class _GroupedSwiGLU(torch.autograd.Function):
         x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         # A zero-stride gradient (from y.sum()) breaks the grouped GEMM's backward kernels.
         grad_y_ND = grad_y_ND.contiguous()
-        grad_a_NF = torch._grouped_mm(grad_y_ND, down_EDF, offs=offsets_E)
+        grad_a_NF = grouped_mm(grad_y_ND, down_EDF, offsets_E)
         a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
-        grad_down_EDF = torch._grouped_mm(grad_y_ND.t(), a_NF, offs=offsets_E)
-        grad_gate_up_EHD = torch._grouped_mm(grad_h_NH.t(), x_ND, offs=offsets_E)
-        grad_x_ND = torch._grouped_mm(grad_h_NH, gate_up_EHD, offs=offsets_E)
+        grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
+        grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
+        grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E)
         return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF
 
 
 class TorchGroupedBackend(ExpertBackend):
-    """``torch._grouped_mm`` with device-side offsets; no host sync."""
+    """``torch._grouped_mm`` with device-side offsets.
+
+    No host sync on the CUTLASS path (bf16 on sm90/sm100); elsewhere torch's kernel loops over the
+    groups on the host (see ``moe_engine.moe.grouped_gemm``). ``path`` names the kernel the last
+    forward ran; before any forward, the one bf16 would get on the first visible device.
+    """
+
+    def __init__(self):
+        self.path: str = grouped_mm_path("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16).value
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
+        self.path = grouped_mm_path(x_ND.device, x_ND.dtype).value
         return _GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF)
 
 
@@ -160,10 +180,10 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
         grad_x_ND = grad_gate_up_EHD = grad_down_EDF = None
         if ctx.needs_input_grad[3]:
-            grad_down_EDF = torch._grouped_mm(grad_y_ND.t(), a_NF, offs=offsets_E)
+            grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
         if ctx.needs_input_grad[2]:
             x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
-            grad_gate_up_EHD = torch._grouped_mm(grad_h_NH.t(), x_ND, offs=offsets_E)
+            grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
         if ctx.needs_input_grad[0]:
             gate_up_dgrad = mx.quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = mx.grouped_mm(mx.quantize_rows(grad_h_NH), gate_up_dgrad, offsets_E, dtype, path)
@@ -171,18 +191,21 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
 
 class MXFP8Backend(ExpertBackend):
-    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8_gemm``) with device-side offsets; no host sync.
+    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8_gemm``) with device-side offsets; no host sync
+    where the bf16 weight-gradient GEMMs take the CUTLASS path (``moe_engine.moe.grouped_gemm``).
 
-    ``path`` names the implementation the last forward ran ("triton-dot-scaled" on CUDA,
-    "torch-emulation" elsewhere); before any forward, the one a CUDA device would get if present.
+    ``path`` names the implementation the last forward ran (``mx.path_label``: Triton's
+    ``dot_scaled`` on CUDA, native on sm100+ and emulated on sm90; "torch-emulation" elsewhere);
+    before any forward, the one the first CUDA device would get if present.
     """
 
     def __init__(self):
-        self.path: str = mx.available_path("cuda" if torch.cuda.is_available() else "cpu").value
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.path: str = mx.path_label(mx.available_path(device), device)
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         path = mx.available_path(x_ND.device)
-        self.path = path.value
+        self.path = mx.path_label(path, x_ND.device)
         return _MXFP8GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, path)
 
 

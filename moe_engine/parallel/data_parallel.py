@@ -228,12 +228,29 @@ def _padded(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
 
+def _alignment(dtype: torch.dtype) -> int:
+    """Elements per 16 bytes: every parameter view starts on a 16-byte boundary, as CUDA's grouped
+    GEMM (and vectorised kernels generally) need of their operands' data pointers."""
+    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
+
+
+def _aligned_offsets(params: list[nn.Parameter], dtype: torch.dtype) -> list[int]:
+    """Start of each parameter in a bucket, then the end of the last one."""
+    offsets, offset = [], 0
+    for param in params:
+        offsets.append(offset)
+        offset = _padded(offset + param.numel(), _alignment(dtype))
+    return [*offsets, offsets[-1] + params[-1].numel() if params else 0]
+
+
 @torch.no_grad()
 def _build_buckets(
     plan: list[tuple[tuple, list[nn.Parameter]]], comms: dict[ParamFamily, _FamilyComm], shard: bool
 ) -> list[_Bucket]:
     """Allocate one flat parameter and gradient buffer per (family, dtype, device) and re-point params."""
-    sizes = [_padded(sum(p.numel() for p in params), comms[key[0]].size) for key, params in plan]
+    sizes = [
+        _padded(_aligned_offsets(params, key[1])[-1], comms[key[0]].size * _alignment(key[1])) for key, params in plan
+    ]
     totals: dict[tuple, int] = {}
     for (key, _), size in zip(plan, sizes):
         totals[key] = totals.get(key, 0) + size
@@ -249,11 +266,9 @@ def _build_buckets(
         start = cursor[key]
         cursor[key] += size
         param_N, grad_N = param_flat[start : start + size], grad_flat[start : start + size]
-        offsets, offset = [], 0
-        for param in params:
-            offsets.append(offset)
+        *offsets, _ = _aligned_offsets(params, key[1])
+        for param, offset in zip(params, offsets):
             _rehome(param, param_N[offset : offset + param.numel()], grad_N[offset : offset + param.numel()])
-            offset += param.numel()
         separate_output = shard and comm.group is not None
         grad_shard_M = grad_N.new_zeros(size // comm.size) if separate_output else grad_N
         buckets.append(_Bucket(key[0], params, offsets, comm, shard, param_N, grad_N, grad_shard_M))

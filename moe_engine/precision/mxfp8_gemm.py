@@ -57,6 +57,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from moe_engine.moe.grouped_gemm import grouped_mm as grouped_mm_checked
 from moe_engine.precision.mxfp8 import BLOCK, MXTensor
 from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
 
@@ -81,6 +82,20 @@ def available_path(device: torch.device | str) -> GemmPath:
     if triton is not None and torch.device(device).type == "cuda":
         return GemmPath.TRITON
     return GemmPath.EMULATION
+
+
+def path_label(path: GemmPath | str, device: torch.device | str) -> str:
+    """``path`` and how the hardware runs it, as results record it (``details.expert_backend_path``).
+
+    ``tl.dot_scaled`` uses MX tensor cores on sm100 and newer (``triton-dot-scaled-native-sm100``);
+    Hopper (sm90) has none, and Triton emulates the scaled dot there (``...-emulated-sm90``): such a
+    run measures the emulation, not MXFP8 hardware, and is no comparison for a B200/B300 figure.
+    """
+    path, device = GemmPath(path), torch.device(device)
+    if path is not GemmPath.TRITON or device.type != "cuda":
+        return path.value
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{path.value}-{'native' if major >= 10 else 'emulated'}-sm{major}{minor}"
 
 
 # --- operands -----------------------------------------------------------------------------------
@@ -147,7 +162,7 @@ def _emulated_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype):
     compute = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     a_MK_c = a_MK.dequantize(compute)
     b_ENK_c = b_ENK.dequantize(compute)
-    out_MN = torch._grouped_mm(a_MK_c, b_ENK_c.transpose(1, 2), offs=offsets_E)
+    out_MN = grouped_mm_checked(a_MK_c, b_ENK_c.transpose(1, 2), offsets_E)
     # The grouped GEMM leaves rows after the last offset uninitialised.
     real_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offsets_E[-1]).unsqueeze(1)
     return torch.where(real_M1, out_MN, 0).to(out_dtype)

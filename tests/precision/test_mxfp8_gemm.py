@@ -169,3 +169,16 @@ def test_compiled_triton_kernel_matches_emulation(transposed):
     assert torch.equal(kernel[m:], torch.zeros_like(kernel[m:]))
     # Hopper runs dot_scaled by upcasting to bf16 (exact for E4M3 x 2^k) with fp32 accumulation.
     assert max_relative(kernel[:m], emulated[:m]) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "capability, expected",
+    [((9, 0), "triton-dot-scaled-emulated-sm90"), ((10, 0), "triton-dot-scaled-native-sm100"),
+     ((10, 3), "triton-dot-scaled-native-sm103"), ((8, 0), "triton-dot-scaled-emulated-sm80")],
+)
+def test_path_label_says_native_or_emulated(capability, expected, monkeypatch):
+    """Hopper has no MX tensor cores: its MXFP8 results are labelled as Triton's emulation."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert mx.path_label(mx.GemmPath.TRITON, "cuda") == expected
+    assert mx.path_label(mx.GemmPath.EMULATION, "cuda") == "torch-emulation"
+    assert mx.path_label(mx.GemmPath.TRITON, "cpu") == "triton-dot-scaled"  # the Triton interpreter
