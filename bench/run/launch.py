@@ -54,6 +54,15 @@ def join_launch(launch: Launch, device: torch.device, timeout_s: float) -> torch
         device = torch.device("cuda", launch.local_rank)
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(process_group_backend(device), timeout=timedelta(seconds=timeout_s))
     return device
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backends: gloo for CPU tensors always, NCCL for CUDA tensors on GPUs.
+
+    The runner's own collectives move CPU data on every device (the step loss, the gathered rank
+    records, barriers), and NCCL has no CPU backend: an NCCL-only group fails them with "No backend
+    type associated with device type cpu". Subgroups made with ``dist.new_group`` inherit the pair.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"
