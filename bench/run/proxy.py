@@ -27,7 +27,8 @@ Projection (``bench.predict.projection``)
     buffers' zeroing and scaling times its gradient bytes, once per step; gradient collectives'
     bytes times their family's parameter ratio; all-to-all bytes times the token ratio and their
     count times the block ratio; stage messages times the token ratio; over the scenario's
-    microbatches.
+    microbatches. ``project_run_scale`` and ``project_full_scale`` compute both from a
+    ``StepMeasurement`` and the stage's ``StageSize`` at either scale: arithmetic, no model runs.
 
 Plan vs proxy
     ``bench.predict.plan`` evaluated on exactly what the proxy ran (same blocks, tokens, microbatches), for the
@@ -47,7 +48,15 @@ from typing import Any
 import torch
 
 from bench.predict.plan import plan_scenario
-from bench.predict.projection import Collective, Network, RankTiming, Schedule, project_step, summarize_collectives
+from bench.predict.projection import (
+    Collective,
+    Network,
+    Projection,
+    RankTiming,
+    Schedule,
+    project_step,
+    summarize_collectives,
+)
 from bench.results import metric
 from bench.run.execute import ExecuteResult, NonFiniteLoss, synchronize
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
@@ -201,9 +210,162 @@ def classify_calls(
     return per_microbatch, per_step
 
 
-def _stage_params(plan_details: dict[str, Any], pp_rank: int) -> dict[str, int]:
-    stage = plan_details["stages"][pp_rank]
-    return {"dense": stage["dense_params"], "expert": stage["local_expert_params"]}
+@dataclass(frozen=True)
+class StageSize:
+    """What the rank's once-per-step work and gradient collectives grow with, at one scale (from the plan)."""
+
+    dense_params: int
+    """Dense parameters of the rank's stage (their gradients sync over the dp group)."""
+    expert_params: int
+    """Local expert parameters of the stage (their gradients sync over the edp group)."""
+    optimizer_bytes: int
+    """The rank's optimizer state (its shard of masters and moments): what the optimizer step works on."""
+    grad_bytes: int
+    """The rank's gradient buffers: what zeroing and scaling them works on."""
+
+    @classmethod
+    def from_plan(cls, plan_details: dict[str, Any], pp_rank: int) -> StageSize:
+        """The sizes of stage ``pp_rank`` in a plan's details."""
+        stage = plan_details["stages"][pp_rank]
+        memory = stage["memory_bytes"]
+        return cls(stage["dense_params"], stage["local_expert_params"], memory["optimizer"], memory["grads"])
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """One measured step of the rank, at the run's scale: what both projections start from."""
+
+    compute_s: float
+    """Median compute of a step (its wall time without fabricating peers' data), seconds."""
+    phases_s: dict[str, dict[str, float]]
+    """Median seconds per phase and direction (forward, backward), as in ``details.phases_s``."""
+    calls: list[CollectiveCall]
+    """Every collective of one step, as recorded."""
+    group_phases: dict[str, str]
+    """Process group name -> projection phase of its collectives (expert, pipeline, grad)."""
+    family_groups: dict[str, str]
+    """Parameter family (dense, expert) -> the group its gradient collectives run on."""
+
+    def seconds(self, *names: str) -> float:
+        """Seconds of the named phases, forward and backward together."""
+        return sum(sum(self.phases_s.get(name, {}).values()) for name in names)
+
+    def split(self) -> dict[str, float]:
+        """The step's compute by how it scales: blocks, rest (final norm, LM head, loss: what the phases
+        leave of the compute), embedding, optimizer and grad_buffers; seconds per step."""
+        parts = {
+            "blocks": self.seconds(*BLOCK_PHASES),
+            "embedding": self.seconds(EMBEDDING),
+            "optimizer": self.seconds("optimizer"),
+            "grad_buffers": self.seconds(GRAD_BUFFERS),
+        }
+        parts["rest"] = max(
+            0.0, self.compute_s - parts["optimizer"] - parts["grad_buffers"] - parts["embedding"] - parts["blocks"]
+        )
+        return parts
+
+
+@dataclass(frozen=True)
+class ProjectionTarget:
+    """The cluster a projection prices the rank's step on."""
+
+    rank: int
+    """The replayed global rank."""
+    world_size: int
+    pp: int
+    """Pipeline stages."""
+    schedule: str
+    """Pipeline schedule (gpipe, 1f1b)."""
+    net: Network
+
+    def schedule_of(self, microbatches: int) -> Schedule:
+        return Schedule(self.pp, 1, microbatches, self.schedule, grad_overlap=self.pp == 1 and microbatches == 1)
+
+
+@dataclass(frozen=True)
+class ScaledStep:
+    """A projection's inputs at one scale and the step it projects."""
+
+    microbatch_phases_s: dict[str, float]
+    """blocks, rest and embedding: seconds of one microbatch at this scale."""
+    step_phases_s: dict[str, float]
+    """optimizer and grad_buffers: seconds of the once-per-step work at this scale."""
+    timing: RankTiming
+    per_microbatch: list[Collective]
+    """One microbatch's expert and pipeline collectives at this scale."""
+    per_step: list[Collective]
+    """The once-per-step grad and other collectives at this scale."""
+    projection: Projection
+
+
+def project_run_scale(
+    measured: StepMeasurement, scale: ProxyScale, target: ProjectionTarget, tokens_per_step: int, flops_per_token: float
+) -> ScaledStep:
+    """The projection of the step as it ran: the measured compute and collectives over the run's microbatches."""
+    parts, m = measured.split(), scale.microbatches_run
+    per_microbatch, per_step = classify_calls(measured.calls, measured.group_phases, m)
+    optimizer, grad_buffers = parts["optimizer"], parts["grad_buffers"]
+    timing = RankTiming(
+        microbatch_s=(measured.compute_s - optimizer - grad_buffers) / m, optimizer_s=optimizer + grad_buffers
+    )
+    projection = project_step(
+        target.rank, timing, per_microbatch, per_step, target.schedule_of(m), target.net,
+        tokens_per_step, target.world_size, flops_per_token,
+    )
+    return ScaledStep(
+        {k: parts[k] / m for k in ("blocks", "rest", "embedding")},
+        {"optimizer": optimizer, "grad_buffers": grad_buffers},
+        timing, per_microbatch, per_step, projection,
+    )
+
+
+def project_full_scale(
+    measured: StepMeasurement,
+    scale: ProxyScale,
+    run: StageSize,
+    full: StageSize,
+    target: ProjectionTarget,
+    tokens_per_step: int,
+    flops_per_token: float,
+) -> ScaledStep:
+    """The projection of the scenario's step from the run's measurement (rules in the module docstring).
+
+    Per microbatch (the measured step's over its ``scale.microbatches_run``): the blocks x block ratio x
+    token ratio, the rest x token ratio, the embedding as measured. Once per step: the optimizer x
+    full / run optimizer bytes, the gradient buffers x full / run gradient bytes. Collectives by
+    ``CallScaling`` (dense and expert parameter ratios from ``run`` and ``full``). Over the scenario's
+    ``scale.microbatches_full``; ``tokens_per_step`` and ``flops_per_token`` are the scenario's.
+    """
+    parts, m = measured.split(), scale.microbatches_run
+    params = {"dense": (run.dense_params, full.dense_params), "expert": (run.expert_params, full.expert_params)}
+    scaling = CallScaling(
+        scale.token_ratio,
+        scale.block_ratio,
+        {name: params[family][1] / params[family][0] if params[family][0] else 1.0
+         for family, name in measured.family_groups.items()},
+    )
+    per_microbatch, per_step = classify_calls(measured.calls, measured.group_phases, m, scaling)
+    # The optimizer works on the rank's optimizer shard; zeroing and scaling on its gradient buffers.
+    optimizer_ratio = full.optimizer_bytes / run.optimizer_bytes
+    grad_ratio = full.grad_bytes / run.grad_bytes
+    blocks, rest, embedding = parts["blocks"], parts["rest"], parts["embedding"]
+    step_phases = {
+        "optimizer": parts["optimizer"] * optimizer_ratio, "grad_buffers": parts["grad_buffers"] * grad_ratio,
+    }
+    timing = RankTiming(
+        microbatch_s=((blocks * scale.block_ratio + rest) * scale.token_ratio + embedding) / m,
+        optimizer_s=step_phases["optimizer"] + step_phases["grad_buffers"],
+    )
+    projection = project_step(
+        target.rank, timing, per_microbatch, per_step, target.schedule_of(scale.microbatches_full), target.net,
+        tokens_per_step, target.world_size, flops_per_token,
+    )
+    microbatch_phases = {
+        "blocks": blocks * scale.block_ratio * scale.token_ratio / m,
+        "rest": rest * scale.token_ratio / m,
+        "embedding": embedding / m,
+    }
+    return ScaledStep(microbatch_phases, step_phases, timing, per_microbatch, per_step, projection)
 
 
 def _batches(sequences: int, seq_len: int, vocab: int, device: torch.device, seed: int):
@@ -364,55 +526,24 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
     net = Network.from_cluster(scenario.cluster)
     _, plan_run = plan_scenario(_as_plan(spec))
     _, plan_full = plan_scenario(_as_plan(scenario.spec))
-    params_run, params_full = _stage_params(plan_run, scale.pp_rank), _stage_params(plan_full, scale.pp_rank)
-    scaling = CallScaling(
-        scale.token_ratio,
-        scale.block_ratio,
-        {name: params_full[k] / params_run[k] if params_run[k] else 1.0 for k, name in family_groups.items()},
-    )
-    state_run, state_full = (plan["stages"][scale.pp_rank]["memory_bytes"] for plan in (plan_run, plan_full))
-    # The optimizer works on the rank's optimizer shard; zeroing and scaling on its gradient buffers.
-    optimizer_ratio = state_full["optimizer"] / state_run["optimizer"]
-    grad_ratio = state_full["grads"] / state_run["grads"]
-
     table = _phase_table(measured)
-    compute = _median(measured.compute_s)
-    def seconds(*names: str) -> float:
-        return sum(sum(table.get(name, {}).values()) for name in names)
-
-    optimizer, grad_buffers, embedding = seconds("optimizer"), seconds(GRAD_BUFFERS), seconds(EMBEDDING)
-    blocks = seconds(*BLOCK_PHASES)
-    # The rest follows the tokens: final norm, LM head, loss.
-    rest = max(0.0, compute - optimizer - grad_buffers - embedding - blocks)
-    m_run = scale.microbatches_run
-    per_microbatch, per_step = classify_calls(measured.calls, phases, m_run)
-    full_microbatch, full_step = classify_calls(measured.calls, phases, m_run, scaling)
+    measurement = StepMeasurement(_median(measured.compute_s), table, measured.calls, phases, family_groups)
     parallel = run_scenario.parallel_config
-
-    def schedule(m: int) -> Schedule:
-        return Schedule(parallel.pp, 1, m, parallel.schedule.value, grad_overlap=parallel.pp == 1 and m == 1)
-
-    run_projection = project_step(
-        scale.rank,
-        RankTiming(microbatch_s=(compute - optimizer - grad_buffers) / m_run, optimizer_s=optimizer + grad_buffers),
-        per_microbatch, per_step, schedule(m_run), net,
-        run_scenario.run["tokens_per_step"], scenario.world_size,
-        training_flops_per_token(run_scenario.model, scale.seq_len_run),
-    )
-    full_microbatch_s = ((blocks * scale.block_ratio + rest) * scale.token_ratio + embedding) / m_run
-    full_step_s = optimizer * optimizer_ratio + grad_buffers * grad_ratio
-    full_projection = project_step(
-        scale.rank,
-        RankTiming(microbatch_s=full_microbatch_s, optimizer_s=full_step_s),
-        full_microbatch, full_step, schedule(scale.microbatches_full), net,
-        scenario.run["tokens_per_step"], scenario.world_size, training_flops_per_token(scenario.model),
-    )
+    target = ProjectionTarget(scale.rank, scenario.world_size, parallel.pp, parallel.schedule.value, net)
+    run_projection = project_run_scale(
+        measurement, scale, target,
+        run_scenario.run["tokens_per_step"], training_flops_per_token(run_scenario.model, scale.seq_len_run),
+    ).projection
+    full_projection = project_full_scale(
+        measurement, scale, StageSize.from_plan(plan_run, scale.pp_rank), StageSize.from_plan(plan_full, scale.pp_rank),
+        target, scenario.run["tokens_per_step"], training_flops_per_token(scenario.model),
+    ).projection
 
     peak_key = "cuda_peak_active_bytes" if device.type == "cuda" else "peak_tensor_bytes"
     measured_peak = measured.memory[peak_key]
     plan_stage = plan_run["stages"][scale.pp_rank]
     plan_total = plan_stage["memory_total_bytes"]
-    rank_tokens = m_run * scale.tokens_per_microbatch_run
+    rank_tokens = scale.microbatches_run * scale.tokens_per_microbatch_run
 
     result = ExecuteResult()
     m = result.metrics

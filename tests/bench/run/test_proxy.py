@@ -1,17 +1,26 @@
-"""Proxy scenarios: validation, the scaled run, the collective census and a whole proxy run."""
+"""Proxy scenarios: validation, the scaled run, the collective census, the projections and a whole proxy run."""
 
 from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-from bench.predict.projection import Collective
+from bench.predict.projection import Collective, Network
 from bench.results import REPO_ROOT
-from bench.run.proxy import CallScaling, classify_calls, run_spec
+from bench.run.proxy import (
+    CallScaling,
+    ProjectionTarget,
+    ProxyScale,
+    StageSize,
+    StepMeasurement,
+    classify_calls,
+    project_full_scale,
+    project_run_scale,
+    run_spec,
+)
 from bench.run.runner import Runner, SilentReporter
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
 from moe_engine.parallel.collective_log import CollectiveCall
@@ -115,6 +124,116 @@ def test_collectives_split_into_microbatch_and_step_entries():
         Collective("all_reduce", dp, 8, "other", 1),
         Collective("reduce_scatter", dp, 3 * 4096, "grad", 1),
     ]
+
+
+# A measured step at the run's scale, made up: 1 of the stage's 8 blocks, 128 of 4096 tokens per microbatch,
+# 2 of 16 microbatches, on rank 0 of 16 (4 GPUs per node, pp 2: dp 8).
+SCALE = ProxyScale(rank=0, pp_rank=0, blocks_run=1, blocks_full=8, seq_len_run=128, tokens_per_microbatch_run=128,
+                   tokens_per_microbatch_full=4096, microbatches_run=2, microbatches_full=16)
+PHASES_S = {
+    "attention": {"forward": 0.010, "backward": 0.020},
+    "router": {"forward": 0.001, "backward": 0.002},
+    "dispatch": {"forward": 0.002, "backward": 0.003},
+    "experts": {"forward": 0.030, "backward": 0.060},
+    "shared_expert": {"forward": 0.004, "backward": 0.008},
+    "block": {"forward": 0.001, "backward": 0.001},
+    "embedding": {"forward": 0.003, "backward": 0.005},
+    "optimizer": {"forward": 0.040, "backward": 0.0},
+    "grad_buffers": {"forward": 0.006, "backward": 0.0},
+    "fabrication": {"forward": 0.5, "backward": 0.5},  # the proxy's own work: scaled with nothing
+    "other": {"forward": 0.004, "backward": 0.0},
+}
+COMPUTE_S = 0.200
+EP, PP, DP, EDP, WORLD = (0, 1, 2, 3), (0, 8), (0, 4), (0, 8), tuple(range(16))
+CALLS = (
+    # 2 dispatch/combine all-to-alls per microbatch, 2 microbatches; sync dispatch sends different sizes
+    [CollectiveCall("all_to_all", EP, nbytes, "ep") for nbytes in (1000, 1400, 1000, 1400)]
+    + [CollectiveCall("send", PP, 512, "pp")] * 2
+    + [CollectiveCall("reduce_scatter", DP, 4000, "dp"), CollectiveCall("all_reduce", EDP, 6000, "edp"),
+       CollectiveCall("all_reduce", WORLD, 8, "world")]
+)
+MEASURED = StepMeasurement(
+    COMPUTE_S, PHASES_S, CALLS,
+    group_phases={"ep": "expert", "pp": "pipeline", "dp": "grad", "edp": "grad"},
+    family_groups={"dense": "dp", "expert": "edp"},
+)
+# Dense parameters x3, local expert parameters x6, optimizer state x7, gradient buffers x5.
+RUN = StageSize(dense_params=1000, expert_params=2000, optimizer_bytes=12_000, grad_bytes=6_000)
+FULL = StageSize(dense_params=3000, expert_params=12_000, optimizer_bytes=84_000, grad_bytes=30_000)
+NET = Network(gpus_per_node=4, intra_node_gbps=100, inter_node_gbps=10, latency_us=10)
+TARGET = ProjectionTarget(rank=0, world_size=16, pp=2, schedule="1f1b", net=NET)
+ALPHA, INTRA, INTER = 10e-6, 100e9, 10e9
+
+
+def test_the_full_scale_projection_scales_each_part_by_its_own_rule():
+    step = project_full_scale(MEASURED, SCALE, RUN, FULL, TARGET, tokens_per_step=8 * 16 * 4096, flops_per_token=6e9)
+
+    # The blocks: attention .030 + router .003 + dispatch .005 + experts .090 + shared expert .012 + block .002
+    # = .142 s per step of 2 microbatches, x 8 blocks x 32 tokens. The embedding .008 unscaled. The rest:
+    # compute .200 - optimizer .040 - grad buffers .006 - embedding .008 - blocks .142 = .004, x 32 tokens.
+    assert step.microbatch_phases_s == pytest.approx({
+        "blocks": 0.142 * 8 * 32 / 2, "rest": 0.004 * 32 / 2, "embedding": 0.008 / 2,
+    })
+    microbatch_s = (0.142 * 8 * 32 + 0.004 * 32 + 0.008) / 2  # 18.244
+    assert step.timing.microbatch_s == pytest.approx(microbatch_s)
+    # Once per step: the optimizer x 84000 / 12000 optimizer bytes, the gradient buffers x 30000 / 6000.
+    assert step.step_phases_s == pytest.approx({"optimizer": 0.040 * 7, "grad_buffers": 0.006 * 5})
+    assert step.timing.optimizer_s == pytest.approx(0.28 + 0.03)
+
+    # All-to-all bytes x 32 tokens, their count (4 over 2 microbatches) x 8 blocks; stage messages x 32 tokens;
+    # dense gradients x 3, expert gradients x 6; the world all-reduce as recorded.
+    assert sorted(step.per_microbatch, key=lambda c: c.op) == [
+        Collective("all_to_all", EP, (32 * 1000 + 32 * 1400) // 2, "expert", 2 * 8),
+        Collective("send", PP, 32 * 512, "pipeline", 1),
+    ]
+    assert sorted(step.per_step, key=lambda c: (c.op, c.phase)) == [
+        Collective("all_reduce", EDP, 6 * 6000, "grad", 1),
+        Collective("all_reduce", WORLD, 8, "other", 1),
+        Collective("reduce_scatter", DP, 3 * 4000, "grad", 1),
+    ]
+
+    # The step, priced by hand: the all-to-all stays on node 0 (4 of 4 ranks there), the others cross nodes.
+    a2a = 16 * (3 * ALPHA + 38_400 * 3 / 4 / INTRA)
+    send = ALPHA + 16_384 / INTER
+    t_mb = microbatch_s + a2a + send
+    grad = (ALPHA + 12_000 / 2 / INTER) + (2 * ALPHA + 2 * 36_000 / 2 / INTER)
+    other = 2 * 15 * ALPHA + 2 * 15 / 16 * 8 / INTER
+    # 1F1B over 2 stages: (16 microbatches + 1) t_mb; the gradient sync is exposed (pp > 1).
+    step_s = 17 * t_mb + grad + 0.31 + other
+    projection = step.projection
+    assert projection.step_s == pytest.approx(step_s)
+    assert projection.breakdown_s == pytest.approx({
+        "compute": 16 * microbatch_s, "expert_comm": 16 * a2a, "pipeline_comm": 16 * send, "bubble": t_mb,
+        "grad_sync_exposed": grad, "grad_sync_total": grad, "optimizer": 0.31, "other_comm": other,
+    })
+    assert projection.tokens_per_s_per_gpu == pytest.approx(8 * 16 * 4096 / step_s / 16)
+    assert projection.tflops_per_gpu == pytest.approx(6e9 * 8 * 16 * 4096 / step_s / 16 / 1e12)
+
+
+def test_the_run_scale_projection_prices_the_step_as_measured():
+    step = project_run_scale(MEASURED, SCALE, TARGET, tokens_per_step=8 * 2 * 128, flops_per_token=1e9)
+    # Everything but the optimizer and the gradient buffers, over the 2 microbatches that ran.
+    microbatch_s = (0.200 - 0.040 - 0.006) / 2
+    assert step.timing.microbatch_s == pytest.approx(microbatch_s)
+    assert step.timing.optimizer_s == pytest.approx(0.046)
+    assert sorted(step.per_microbatch, key=lambda c: c.op) == [
+        Collective("all_to_all", EP, 1200, "expert", 2),
+        Collective("send", PP, 512, "pipeline", 1),
+    ]
+    a2a = 2 * (3 * ALPHA + 1200 * 3 / 4 / INTRA)
+    t_mb = microbatch_s + a2a + ALPHA + 512 / INTER
+    grad = (ALPHA + 4000 / 2 / INTER) + (2 * ALPHA + 2 * 6000 / 2 / INTER)
+    other = 2 * 15 * ALPHA + 2 * 15 / 16 * 8 / INTER
+    assert step.projection.step_s == pytest.approx((2 + 1) * t_mb + grad + 0.046 + other)
+
+
+def test_stage_sizes_come_from_the_plan_of_the_replayed_stage():
+    plan = {"stages": [
+        {"dense_params": 1, "local_expert_params": 2, "memory_bytes": {"optimizer": 3, "grads": 4, "params": 9}},
+        {"dense_params": 10, "local_expert_params": 20, "memory_bytes": {"optimizer": 30, "grads": 40, "params": 90}},
+    ]}
+    assert StageSize.from_plan(plan, 1) == StageSize(dense_params=10, expert_params=20, optimizer_bytes=30,
+                                                     grad_bytes=40)
 
 
 @pytest.mark.slow
