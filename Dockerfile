@@ -11,8 +11,10 @@
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
-# The non-root user the benchmarks run as. docker-compose.yml passes HOST_UID/HOST_GID (default
-# 1000:1000) so that result files written into the mounted ./results belong to the host user.
+# The image's own user: it owns the source tree and builds the version record. The containers
+# start as root and docker/entrypoint.py runs the command as the owner of the mounted results
+# folder (/opt/moe-engine/results, ./results in docker-compose.yml), so that results belong to
+# whoever owns that folder on the host; this user only where no results folder says otherwise.
 ARG UID=1000
 ARG GID=1000
 
@@ -38,17 +40,32 @@ RUN (python3 -m pip list --format=freeze | grep -iE '^(torch|triton)==' > /opt/b
  && cat /opt/base-torch.txt \
  && python3 -m pip install -c /opt/base-torch.txt -r docker/constraints.txt
 
+# The entrypoint (runs as root: root's file, outside the tree).
+COPY docker/entrypoint.py /usr/local/bin/moe-entrypoint
+RUN chmod 0755 /usr/local/bin/moe-entrypoint
+
 # The project, editable: the suites, scenarios and result schema are read from this tree. Its
 # dependencies are all satisfied by now, except triton on a base image without it.
 COPY --chown=${UID}:${GID} . .
 RUN python3 -m pip install -c /opt/base-torch.txt -c docker/constraints.txt -e ".[dev]" \
  && python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+# Result documents are validated against results/schema.json, which a results folder mounted over
+# results/ hides: the entrypoint gives this copy to a mounted folder that lacks one (a new one). A
+# checkout without the file (./results deleted) gives the committed one where the base has git.
+RUN f=/usr/local/share/moe-engine/results-schema.json && mkdir -p "${f%/*}" \
+ && if [ -f results/schema.json ]; then cp results/schema.json "$f"; \
+    elif command -v git >/dev/null && [ -e .git ]; then \
+      git -c safe.directory="$PWD" show HEAD:results/schema.json > "$f" || rm -f "$f"; fi
 
 USER ${UID}:${GID}
-# The image has no .git: record the version of the checkout it was built from (when the base has
-# git; otherwise the version is the package metadata's), then drop the history.
-RUN if command -v git >/dev/null && [ -e .git ]; then python3 -m bench.machine > bench/engine.json \
-      && cat bench/engine.json; fi; rm -rf .git
+# The image has no .git: record the version of the checkout it was built from, then drop the
+# history. Without git in the base, or built from a git worktree (whose .git points outside the
+# build context) or a source tree, nothing is recorded and results say <version>+unknown.
+RUN if command -v git >/dev/null && [ -e .git ] && python3 -m bench.release.version > /tmp/engine.json; then \
+      mv /tmp/engine.json bench/engine.json && cat bench/engine.json; \
+    else echo "no version recorded: results of this image are labelled <version>+unknown"; fi; rm -rf .git
 
-ENTRYPOINT ["moe-bench"]
+# Root, for the entrypoint to pick the user (see above); `docker run --user` still overrides it.
+USER root
+ENTRYPOINT ["moe-entrypoint", "moe-bench"]
 CMD ["run"]
