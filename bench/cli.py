@@ -35,14 +35,12 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         if not files:
             return _fail("no scenarios to run")
         scenarios = load_all(files)
-        if plan_only:
-            not_plans = [s for s in scenarios if s.mode != "plan"]
-            if not_plans:
-                return _fail(f"{not_plans[0].file}: mode: '{not_plans[0].mode}' is not a plan scenario")
     except ScenarioError as err:
         return _fail(str(err))
 
-    launch = detect_launch()
+    # A plan is arithmetic in this process: any scenario, whatever its mode, and never a launch's rank.
+    launch = None if plan_only else detect_launch()
+    force = getattr(args, "force", False)
     if launch is None or launch.rank == 0:
         problem = _unwritable(Path(args.out))
         if problem:
@@ -51,11 +49,17 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
         device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
         if launch.rank != 0:
-            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch).run(scenarios)
+            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force).run(scenarios)
             return EXIT_OK
-    runner = Runner(device, Path(args.out), launch=launch)
+    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force)
     outcomes = runner.run(scenarios)
-    print_summary(outcomes)
+    if plan_only:
+        from bench.predict.plan import summary_line
+
+        for o in outcomes:
+            print(summary_line(o.name, o.metrics, o.details))
+    else:
+        print_summary(outcomes)
     failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
     print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
     if getattr(args, "plots", False):
@@ -73,16 +77,20 @@ def _unwritable(out_root: Path) -> str | None:
     owner = f"owned by uid {folder.stat().st_uid}" if folder.exists() else "missing"
     return (
         f"{out_root}: results folder not writable by uid {os.getuid()} ({folder} is {owner}); in a container, "
-        "set HOST_UID/HOST_GID to the folder's owner (see README)"
+        "leave HOST_UID/HOST_GID unset (the run takes the folder's owner) or make the folder writable (see README)"
     )
 
 
 def _plot_after_run(out_root: Path) -> None:
-    """Redraw the plots of everything under the results root; a plotting problem never hides results."""
+    """Redraw the plots of everything under the results root; a plotting problem never hides results.
+
+    A result file there that cannot be read (an old, truncated one) is skipped with a warning.
+    """
     from bench.report.plot import plot_results
 
     try:
-        plot_results(out_root, out_root / "plots")
+        plot_results(out_root, out_root / "plots",
+                     on_bad_file=lambda err: print(f"moe-bench: warning: {err}; skipped", file=sys.stderr))
         print(f"plots: {out_root / 'plots' / 'index.html'}")
     except Exception as err:  # the results are written; report and go on
         print(f"moe-bench: warning: plotting failed: {err}", file=sys.stderr)
@@ -174,10 +182,23 @@ def cmd_micro(args: argparse.Namespace) -> int:
     return run_micro(args.device, Path(args.out))
 
 
-def _load_side(path: str):
+def _load_side(path: str, skip_bad: bool = False):
+    """The result documents of a file or folder. A file that cannot be read as a result document
+    raises ResultFileError (a ValueError: one line naming the file and the reason); with
+    ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input."""
     from bench.results import load_results
 
-    return load_results(Path(path))
+    skipped = []
+
+    def warn(err) -> None:
+        skipped.append(err)
+        print(f"moe-bench: warning: {err}; skipped", file=sys.stderr)
+
+    docs = load_results(Path(path), on_bad_file=warn if skip_bad else None)
+    if not docs:
+        unread = f" ({len(skipped)} unreadable file{'s' if len(skipped) != 1 else ''} skipped)" if skipped else ""
+        raise ValueError(f"{path}: no result documents{unread}")
+    return docs
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -211,7 +232,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bench.report.export import export_files
 
     try:
-        files = export_files(_load_side(args.results), args.format, include_machine=args.include_machine)
+        files = export_files(_load_side(args.results, skip_bad=True), args.format,
+                             include_machine=args.include_machine)
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
     out = Path(args.out)
@@ -231,7 +253,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not results_dir.is_dir():
         return _fail(f"{results_dir}: no such results folder")
     try:
-        written = plot_results(results_dir, Path(args.out))
+        written = plot_results(results_dir, Path(args.out),
+                               on_bad_file=lambda err: print(f"moe-bench: warning: {err}; skipped", file=sys.stderr))
     except (ResultValidationError, ValueError) as err:
         return _fail(str(err))
     print(f"wrote {len(written)} files; open {Path(args.out) / 'index.html'}")
@@ -315,11 +338,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument("--out", default="results", help="results root (default: results)")
     run.add_argument("--no-plots", dest="plots", action="store_false", help="skip redrawing <out>/plots")
+    run.add_argument("--force", action="store_true",
+                     help="start execute scenarios whose plan needs more memory than the device has (default: "
+                          "recorded oom without starting)")
     run.set_defaults(func=cmd_run)
 
-    plan = sub.add_parser("plan", help="plan scenarios: parameters, FLOPs, per-rank memory and traffic")
-    plan.add_argument("files", nargs="+")
-    plan.add_argument("--out", default="results")
+    plan = sub.add_parser(
+        "plan", help="plan any scenario's whole layout: parameters, FLOPs, per-rank memory and traffic, and "
+                     "whether it fits the cluster's GPUs")
+    plan.add_argument("files", nargs="+", help="scenario files or folders (plan, proxy or execute)")
+    plan.add_argument("--out", default="results", help="results root (default: results)")
     plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", plots=False), plan_only=True))
 
     compare = sub.add_parser("compare", help="compare two result sets metric by metric")

@@ -2,10 +2,29 @@
 
 A document records one scenario run. Files live at ``results/<version>/<machine>/<scenario>.json``
 and are never overwritten: a second run of the same scenario gets ``<scenario>.2.json`` and so on.
+
+Schema versions
+---------------
+Version 2 (written now): a metric with one sample (a peak, a byte count, a plan's estimate) has
+``"spread": null``: one value has no measured spread, and the gates compare it as an exact value.
+A metric with two or more samples has ``spread`` {min, max, iqr, rel_iqr}.
+
+Version 1 (read, never written): every metric had a ``spread`` object, one with iqr 0 for a single
+sample. ``load_result`` validates such a document as it is stored (``results/schema.json`` describes
+both versions) and migrates it in memory: one-sample metrics get ``spread: null`` and the document
+reads as version 2. The file itself is left as it is.
+
+Bad files
+---------
+``load_result`` raises ``ResultFileError`` (a ``ValueError``) whose text is one line, the file and
+the reason: unreadable, not valid JSON (truncated), not a JSON object, an unknown schema version or
+invalid against the schema. ``load_results`` raises it for the first bad file, or, given
+``on_bad_file``, hands each bad file to it and goes on with the rest.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -15,11 +34,13 @@ import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jsonschema
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
+"""Versions ``load_result`` reads; older ones are migrated to SCHEMA_VERSION in memory."""
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "results" / "schema.json"
 
@@ -28,29 +49,36 @@ class ResultValidationError(ValueError):
     """A result document does not match results/schema.json."""
 
 
+class ResultFileError(ValueError):
+    """A file that cannot be read as a result document; ``str()`` is one line: the file and the reason."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path = Path(path)
+        self.reason = " ".join(str(reason).split())  # one line, whatever the underlying message
+        super().__init__(f"{self.path}: {self.reason}")
+
+
 def metric(samples: Iterable[float], unit: str, better: str | None) -> dict[str, Any]:
-    """A metric entry: samples, median and spread (min, max, interquartile range, relative IQR)."""
+    """A metric entry: samples, median and spread (min, max, interquartile range, relative IQR).
+
+    One sample has no spread (``"spread": None``): a single value (a peak, a count, an estimate) is
+    not a measurement of its own noise, and the gates compare it as an exact value.
+    """
     values = [float(v) for v in samples]
     if not values:
         raise ValueError("a metric needs at least one sample")
     median = statistics.median(values)
+    spread = None
     if len(values) >= 2:
         q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
         iqr = q3 - q1
-    else:
-        iqr = 0.0
-    return {
-        "unit": unit,
-        "better": better,
-        "samples": values,
-        "median": median,
-        "spread": {
+        spread = {
             "min": min(values),
             "max": max(values),
             "iqr": iqr,
             "rel_iqr": abs(iqr / median) if median else 0.0,
-        },
-    }
+        }
+    return {"unit": unit, "better": better, "samples": values, "median": median, "spread": spread}
 
 
 def scenario_hash(spec: dict[str, Any]) -> str:
@@ -95,7 +123,9 @@ def _schema() -> dict[str, Any]:
 
 
 def validate(data: dict[str, Any]) -> None:
-    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(data), key=lambda e: list(e.path))
+    """Check ``data`` against results/schema.json (either readable version); ResultValidationError if not."""
+    validator = jsonschema.Draft202012Validator(_schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: [str(p) for p in e.path])
     if errors:
         first = errors[0]
         where = "/".join(str(p) for p in first.path) or "(document)"
@@ -105,12 +135,28 @@ def validate(data: dict[str, Any]) -> None:
             raise ResultValidationError(f"metric {name}: non-finite sample")
 
 
+def migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """A valid document in the shape of SCHEMA_VERSION (a copy when it had to change; see the module doc)."""
+    if data["schema_version"] == SCHEMA_VERSION:
+        return data
+    data = copy.deepcopy(data)
+    if data["schema_version"] == 1:
+        for entry in data["metrics"].values():
+            if len(entry["samples"]) == 1:
+                entry["spread"] = None  # version 1 wrote iqr 0 for one sample: no spread was measured
+        data["schema_version"] = 2
+    return data
+
+
 def result_dir(out_root: Path, version: str, machine: str) -> Path:
     return Path(out_root) / version / machine
 
 
 def write_result(data: dict[str, Any], directory: Path) -> Path:
     """Validate, then write atomically (temp file in the same folder + rename) to a fresh file name."""
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ResultValidationError(f"result document invalid at schema_version: writes use version "
+                                    f"{SCHEMA_VERSION}, got {data.get('schema_version')!r}")
     validate(data)
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2, sort_keys=False) + "\n"
@@ -136,17 +182,62 @@ def write_result(data: dict[str, Any], directory: Path) -> Path:
         os.unlink(tmp)
 
 
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
 def load_result(path: Path) -> ResultDocument:
-    data = json.loads(Path(path).read_text())
-    validate(data)
-    return ResultDocument(data, Path(path))
+    """Read, validate and migrate one document; ResultFileError (file and reason, one line) if it cannot."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ResultFileError(path, f"cannot read: {err.strerror or err}") from None
+    try:
+        data = json.loads(raw)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ResultFileError(path, f"not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ResultFileError(path, f"not a result document: the JSON is {_JSON_TYPES.get(type(data), 'a value')}, "
+                                    "not an object")
+    version = data.get("schema_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > max(READABLE_SCHEMA_VERSIONS):
+        raise ResultFileError(path, f"schema_version {version} is newer than this moe-bench reads "
+                                    f"({', '.join(map(str, READABLE_SCHEMA_VERSIONS))}): update moe-bench")
+    try:
+        validate(data)
+    except ResultValidationError as err:
+        raise ResultFileError(path, str(err)) from None
+    return ResultDocument(migrate(data), path)
 
 
-def load_results(root: Path) -> list[ResultDocument]:
-    """Every result document under ``root`` (a file or a folder, searched recursively)."""
+def result_files(root: Path) -> list[Path]:
+    """The candidate result files under a folder: ``*.json`` but schema.json and hidden (temporary) files."""
+    return [
+        p for p in sorted(Path(root).rglob("*.json"))
+        if p.name != "schema.json" and not p.name.startswith(".") and not p.is_dir()
+    ]
+
+
+def load_results(root: Path, on_bad_file: Callable[[ResultFileError], None] | None = None) -> list[ResultDocument]:
+    """Every result document under ``root`` (a file or a folder, searched recursively).
+
+    A file that cannot be loaded raises ``ResultFileError``; with ``on_bad_file`` it is passed there
+    instead and left out. A missing ``root`` raises FileNotFoundError; an empty folder gives [].
+    """
     root = Path(root)
     if root.is_file():
-        return [load_result(root)]
-    if not root.is_dir():
+        paths = [root]
+    elif root.is_dir():
+        paths = result_files(root)
+    else:
         raise FileNotFoundError(f"{root}: no such file or folder")
-    return [load_result(p) for p in sorted(root.rglob("*.json")) if p.name != "schema.json" and not p.name.startswith(".")]
+    docs = []
+    for path in paths:
+        try:
+            docs.append(load_result(path))
+        except ResultFileError as err:
+            if on_bad_file is None:
+                raise
+            on_bad_file(err)
+    return docs

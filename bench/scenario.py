@@ -128,7 +128,7 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
     model = _model_config(spec, file)
     spec["run"].setdefault("tokens_per_step", 4 * model.seq_len)
     parallel = _parallel_config(spec, model, file)
-    _check_layout(spec, model, file)
+    _check_cluster(spec, file)
     if spec["mode"] == "proxy":
         _check_proxy(spec, parallel, file)
     return Scenario(
@@ -162,13 +162,26 @@ def _model_config(spec: dict[str, Any], file) -> ModelConfig:
 
 
 def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> ParallelConfig:
+    """The layout, checked against the model and (execute) against what the engine runs; its batch split.
+
+    A microbatch count left at null becomes the config's default (pp) in ``spec``, so the scenario as
+    run, and its hash, name the count that ran.
+    """
+    defaulted = spec["parallel"].get("microbatches") is None
     try:
         parallel = ParallelConfig.from_dict(spec["parallel"])
         parallel.validate(model)
         if spec["mode"] == "execute":
             parallel.validate_executable()
+        spec["parallel"]["microbatches"] = parallel.microbatches
+        tokens = spec["run"]["tokens_per_step"]
+        if tokens % model.seq_len:
+            raise ValueError(f"run.tokens_per_step: {tokens} is not a multiple of model.seq_len={model.seq_len}")
+        parallel.validate_batch(tokens // model.seq_len, field="run.tokens_per_step")
     except ValueError as err:
         field, _, reason = str(err).partition(": ")
+        if defaulted and field == "parallel.microbatches":
+            reason += f" (parallel.microbatches is not set: it defaults to pp={spec['parallel'].get('pp', 1)})"
         raise ScenarioError(file, field, reason) from None
     return parallel
 
@@ -189,20 +202,8 @@ def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
         raise ScenarioError(file, "proxy.cpu_scale.blocks", "scaling the blocks needs a model without dense layers")
 
 
-def _check_layout(spec: dict[str, Any], model: ModelConfig, file) -> None:
-    par, run = spec["parallel"], spec["run"]
-    dp, pp = par["dp"], par["pp"]
+def _check_cluster(spec: dict[str, Any], file) -> None:
+    dp, pp = spec["parallel"]["dp"], spec["parallel"]["pp"]
     cluster = spec.get("cluster")
     if cluster and cluster["gpus"] != dp * pp:
         raise ScenarioError(file, "cluster.gpus", f"{cluster['gpus']} GPUs but the layout uses dp * pp = {dp * pp}")
-    tokens = run["tokens_per_step"]
-    if tokens % model.seq_len:
-        raise ScenarioError(file, "run.tokens_per_step", f"{tokens} is not a multiple of model.seq_len={model.seq_len}")
-    sequences = tokens // model.seq_len
-    if sequences % dp:
-        raise ScenarioError(file, "run.tokens_per_step", f"{sequences} sequences do not split over dp={dp}")
-    if (sequences // dp) % par["microbatches"]:
-        raise ScenarioError(
-            file, "parallel.microbatches",
-            f"{sequences // dp} sequences per rank do not split into {par['microbatches']} microbatches",
-        )

@@ -257,8 +257,10 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     """Pipeline schedule (used when pp > 1)."""
-    microbatches: int = 1
-    """Microbatches per optimizer step on each data-parallel rank."""
+    microbatches: int | None = None
+    """Microbatches per optimizer step on each data-parallel rank. None (the default) means pp, one per
+    pipeline stage (1 without pipelining): the fewest 1f1b runs, and a count every schedule runs
+    (``validate_executable`` lists what each schedule needs)."""
     virtual_stages: int = 1
     """Pipeline stages per rank (more than one needs the interleaved schedule)."""
     dp_mode: DataParallelMode = DataParallelMode.DDP
@@ -274,6 +276,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "parallel.")
+        if self.microbatches is None:
+            self.microbatches = self.pp
         self.validate()
 
     @property
@@ -316,13 +320,51 @@ class ParallelConfig:
             f"pp * virtual_stages = {self.num_stages} exceeds model.n_layers={model.n_layers}",
         )
 
+    def validate_batch(self, sequences: int, field: str = "sequences") -> None:
+        """A step of ``sequences`` sequences splits over dp, and each rank's share into equal microbatches
+        (the mean of the microbatch losses is the batch mean only when they are equal). ``field`` names
+        the batch size in the message."""
+        _require(sequences % self.dp == 0, field, f"{sequences} sequences do not split over dp={self.dp}")
+        per_rank = sequences // self.dp
+        _require(
+            per_rank % self.microbatches == 0,
+            "parallel.microbatches",
+            f"{per_rank} sequences per rank do not split into {self.microbatches} microbatches",
+        )
+
     def validate_executable(self) -> None:
-        """Layouts the plan can price but the engine does not run."""
+        """Layouts the plan can price but the engine does not run.
+
+        With pp > 1 the engine runs torch.distributed.pipelining's schedules, whose constructors
+        (torch 2.13) refuse: for 1f1b, fewer microbatches m than stages (``Schedule1F1B``: m >= pp);
+        for interleaved1f1b, a count that does not split into its rounds of pp microbatches
+        (``ScheduleInterleaved1F1B``: m % max(1, m // pp) == 0, so any m <= pp and e.g. 2pp, 3pp).
+        gpipe takes any m. A proxy rank replays its stage without these schedules, and the plan's
+        arithmetic covers any m, so ``validate`` does not refuse them.
+        """
         _require(
             self.dp_mode is not DataParallelMode.FSDP or self.ep == 1,
             "parallel.dp_mode",
             f"the engine's fsdp mode shards experts over dp (no expert parallelism); needs ep=1, got {self.ep}",
         )
+        if self.pp == 1:
+            return
+        m, pp = self.microbatches, self.pp
+        if self.schedule is PipelineSchedule.ONE_F_ONE_B:
+            _require(
+                m >= pp,
+                "parallel.microbatches",
+                f"schedule 1f1b needs at least one microbatch per stage, pp={pp}; got {m}",
+            )
+        elif self.schedule is PipelineSchedule.INTERLEAVED_1F1B and m % _interleaved_rounds(m, pp):
+            # m > pp here (up to pp microbatches make one round); every multiple of pp splits evenly.
+            lower = next(n for n in range(m - 1, 0, -1) if n % _interleaved_rounds(n, pp) == 0)
+            upper = next(n for n in range(m + 1, m + pp + 1) if n % _interleaved_rounds(n, pp) == 0)
+            raise ValueError(
+                f"parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp={pp}: "
+                f"{m} microbatches make {_interleaved_rounds(m, pp)} rounds and do not split into them "
+                f"(the nearest counts that do: {lower}, {upper})"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
@@ -340,6 +382,11 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
+
+
+def _interleaved_rounds(microbatches: int, pp: int) -> int:
+    """Rounds ``ScheduleInterleaved1F1B`` splits the microbatches into (torch 2.13)."""
+    return max(1, microbatches // pp)
 
 
 def _reject_unknown(cls, data: Mapping[str, Any], prefix: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.results import scenario_hash
+from bench.results import SCHEMA_VERSION, scenario_hash
 
 MACHINE = {
     "name": "1xnvidia-h200",
@@ -32,7 +32,7 @@ def make_doc(
     if error is None and status != "ok":
         error = "boom"
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "engine": {"version": version, "git_commit": "0123456789abcdef0123", "git_dirty": False},
         "timestamp": timestamp,
         "machine": {**MACHINE, "name": machine},

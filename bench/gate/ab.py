@@ -13,8 +13,12 @@ Per pair i and metric: ``r_i = cand_median_i / base_median_i`` (``bench.gate.com
 zero and negative baselines). The gate reads ``ratio = median_i r_i`` and the noise
 ``= IQR of the r_i`` (inclusive quartiles), and classifies like ``bench.gate.compare``: a metric with a
 direction regressed when ``|ratio - 1|`` exceeds both the tolerance and the noise in the worse
-direction. A scenario that is not ok in any candidate run fails the gate; one that fails only in
-the baseline (e.g. a scenario newer than the baseline's code) is reported and not compared.
+direction. A metric with no spread in any run (one sample per run: peak memory, optimizer state
+bytes; ``"spread": null``) is an exact value, as in ``bench.gate.compare``: its noise is 0, not the
+IQR of its pair ratios, so a median ratio beyond the tolerance in the worse direction regresses and
+equal values are unchanged. A scenario that is not ok in any candidate run fails the gate; one that
+fails only in the baseline (e.g. a scenario newer than the baseline's code) is reported and not
+compared. A side whose result file cannot be read back counts as a failed run, naming the file.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.gate.compare import classify, format_number, format_percent, format_ratio, paired_ratio
+from bench.gate.compare import classify, format_noise, format_number, format_percent, format_ratio, paired_ratio
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, latest_release
-from bench.results import REPO_ROOT, load_results
+from bench.results import REPO_ROOT, ResultFileError, load_results
 from bench.scenario import Scenario
 
 SIDES = ("baseline", "candidate")
@@ -79,9 +83,11 @@ class PairedMetric:
     ratio: float
     """Median of ``ratios``."""
     noise: float
-    """Interquartile range of ``ratios``."""
+    """Interquartile range of ``ratios``; 0 when ``exact``."""
     verdict: str
     """regressed, improved, unchanged or info (``bench.gate.compare.classify``)."""
+    exact: bool = False
+    """No run has a spread for this metric (one sample each): compared as an exact value."""
 
 
 @dataclass
@@ -109,7 +115,8 @@ class ABReport:
         columns = ("scenario", "metric", "unit", "base", "cand", "ratio", "pair ratios", "noise", "verdict")
         rows = [
             (m.scenario, m.metric, m.unit, format_number(m.base), format_number(m.cand), format_ratio(m.ratio),
-             " ".join(format_ratio(r) for r in m.ratios), format_percent(m.noise, 1), m.verdict)
+             " ".join(format_ratio(r) for r in m.ratios), "exact" if m.exact else format_percent(m.noise, 1),
+             m.verdict)
             for m in self.metrics
         ]
         widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
@@ -117,7 +124,7 @@ class ABReport:
         findings = [
             f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
             f"(pairs {', '.join(format_ratio(r) for r in m.ratios)}; "
-            f"tolerance {format_percent(self.tolerance)}, noise {format_percent(m.noise, 1)})"
+            f"tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
             for m in self.metrics if m.verdict == "regressed"
         ]
         table = lines if rows else ["(no metrics compared)"]
@@ -128,8 +135,9 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
     """Gate one metric over its (baseline entry, candidate entry) pairs (``bench.results.metric`` entries)."""
     ratios = tuple(paired_ratio(b["median"], c["median"]) for b, c in pairs)
     ratio = statistics.median(ratios)
+    exact = all(b["spread"] is None and c["spread"] is None for b, c in pairs)
     noise = 0.0
-    if len(set(ratios)) > 1:
+    if not exact and len(set(ratios)) > 1:
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
         noise = q3 - q1
         if math.isnan(noise):  # inf - inf: unbounded
@@ -139,7 +147,7 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
     return PairedMetric(
         scenario=scenario, metric=name, unit=pairs[-1][1]["unit"], better=better,
         base=statistics.median(b["median"] for b, _ in pairs), cand=statistics.median(c["median"] for _, c in pairs),
-        ratios=ratios, ratio=ratio, noise=noise, verdict=verdict,
+        ratios=ratios, ratio=ratio, noise=noise, verdict=verdict, exact=exact,
     )
 
 
@@ -260,7 +268,10 @@ def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
                "--no-plots", "--device", device]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     returncode, output = _run(command, root, env, scenario.run["timeout_s"] + _MARGIN_S)
-    docs = load_results(out) if out.is_dir() else []
+    try:
+        docs = load_results(out) if out.is_dir() else []
+    except ResultFileError as err:  # the side wrote a file that cannot be read back
+        return SideRun("failed", str(err), {})
     if len(docs) == 1:
         doc = docs[0]
         return SideRun(doc.status, doc.data.get("error"), doc.metrics, doc.version, doc.data.get("mode", "execute"))

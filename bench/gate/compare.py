@@ -10,7 +10,9 @@ are **pooled**: the newest document (by ``timestamp``, ties broken by the ``.N``
 that ``write_result`` gives later runs) decides the status, scenario hash and engine version of
 the group; the samples of every ``ok`` document with that same scenario hash and engine version
 are concatenated per metric and the median and spread are recomputed over the pooled samples.
-Pooling gives the noise estimate more samples and includes run-to-run variation in it. Documents
+Pooling gives the noise estimate more samples and includes run-to-run variation in it. A metric
+with no spread in every pooled document (one sample per run: see *Exact values* below) stays
+without one: its pooled value is the median of the runs' values. Documents
 with another hash or version (an older, different run kept in the same folder) are left out of
 the pool and listed in ``Group.ignored``. When the newest document is not ``ok`` the scenario is
 ``not ok`` on that side, even if an older run succeeded: a fresh failure is never hidden by an
@@ -26,7 +28,20 @@ the measured spread of the two runs::
     noise = rel_iqr(base) + rel_iqr(cand)          # each metric's spread.rel_iqr
 
 and the threshold is ``max(tolerance, noise)``: a change counts only when ``|ratio - 1|`` exceeds
-BOTH the tolerance AND the noise. Direction comes from the metric's ``better`` field:
+BOTH the tolerance AND the noise.
+
+Exact values: a metric recorded with one sample (peak memory, optimizer state bytes, a plan's
+estimate, a derived ratio) has ``"spread": null`` in its document: one value measures nothing
+about its own noise. When neither side has a spread the row is ``exact``: ``noise = 0`` and the
+threshold is the tolerance alone, so any change beyond the tolerance in the worse direction is a
+regression and equal values are unchanged. Several runs of such a metric in one side are pooled to
+the median of their values, still exact: the difference between the runs is not taken as noise.
+(Were only one side without a spread, that side would add 0 to the noise.) For example, at
+tolerance 5%, peak memory 96 and 104 bytes in two baseline runs against 100 and 112 in two
+candidate runs gives ratio 106/100 = 1.06 and regresses; taken as timings, the same values would
+have had noise 4/100 + 6/106 = 9.7% and been unchanged.
+
+Direction comes from the metric's ``better`` field:
 
 * ``better == "higher"`` (throughput, MFU): regressed when ``ratio < 1 - threshold``, improved
   when ``ratio > 1 + threshold``;
@@ -149,16 +164,23 @@ def _age_key(doc: ResultDocument) -> tuple:
 
 
 def _pool_metrics(docs: Sequence[ResultDocument]) -> dict[str, dict[str, Any]]:
-    """Concatenate samples per metric (newest document's unit and direction win)."""
+    """Concatenate samples per metric (newest document's unit and direction win); a metric without
+    a spread in every document stays without one (exact: see the module doc)."""
     samples: dict[str, list[float]] = {}
     meta: dict[str, tuple[str, str | None]] = {}
+    exact: dict[str, bool] = {}
     for doc in docs:  # oldest first, so the newest document's unit/better is kept last
         for name, entry in doc.metrics.items():
             samples.setdefault(name, []).extend(float(v) for v in entry["samples"])
             meta[name] = (entry["unit"], entry["better"])
+            exact[name] = exact.get(name, True) and entry["spread"] is None
     if len(docs) == 1:
         return {name: dict(entry) for name, entry in docs[0].metrics.items()}
-    return {name: metric(values, *meta[name]) for name, values in samples.items()}
+    pooled = {name: metric(values, *meta[name]) for name, values in samples.items()}
+    for name, entry in pooled.items():
+        if exact[name]:
+            entry["spread"] = None
+    return pooled
 
 
 def group_documents(docs: Iterable[ResultDocument]) -> dict[Key, Group]:
@@ -212,6 +234,7 @@ class MetricRow:
     cand: float | None
     """Candidate median (None when the metric is only in the baseline)."""
     base_rel_iqr: float | None
+    """Baseline spread.rel_iqr; None when the metric is missing or has no spread (one sample)."""
     cand_rel_iqr: float | None
     base_n: int
     """Number of (pooled) baseline samples; 0 when missing."""
@@ -219,13 +242,15 @@ class MetricRow:
     ratio: float | None
     """cand / base (see module doc for zero/negative baselines); None when missing."""
     noise: float | None
-    """rel_iqr(base) + rel_iqr(cand); None when missing."""
+    """rel_iqr(base) + rel_iqr(cand) (a side without a spread adds 0; 0 when exact); None when missing."""
     threshold: float | None
     """max(tolerance, noise); None when missing."""
     outside_noise: bool
     """|ratio - 1| exceeds the threshold (tolerance and noise)."""
     verdict: str
     """One of VERDICTS: regressed, improved, unchanged, info, missing."""
+    exact: bool = False
+    """No side has a spread (one sample per run): compared as an exact value, no noise allowance."""
 
     @property
     def change(self) -> float | None:
@@ -380,7 +405,7 @@ def _evaluate(row: MetricRow, tolerance: float) -> MetricRow:
     if row.base is None or row.cand is None:
         return replace(row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing")
     ratio = paired_ratio(row.base, row.cand)
-    noise = (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
+    noise = 0.0 if row.exact else (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
     outside, verdict = classify(ratio, noise, row.better, tolerance)
     return replace(
         row, ratio=ratio, noise=noise, threshold=max(tolerance, noise), outside_noise=outside, verdict=verdict
@@ -391,17 +416,25 @@ def _row(
     scenario: str, machine: str, name: str, base: dict[str, Any] | None, cand: dict[str, Any] | None, tolerance: float
 ) -> MetricRow:
     ref = cand if cand is not None else base
+    present = [entry for entry in (base, cand) if entry is not None]
     row = MetricRow(
         scenario, machine, name, unit=ref["unit"], better=ref["better"],
         base=None if base is None else float(base["median"]),
         cand=None if cand is None else float(cand["median"]),
-        base_rel_iqr=None if base is None else float(base["spread"]["rel_iqr"]),
-        cand_rel_iqr=None if cand is None else float(cand["spread"]["rel_iqr"]),
+        base_rel_iqr=_rel_iqr(base),
+        cand_rel_iqr=_rel_iqr(cand),
         base_n=0 if base is None else len(base["samples"]),
         cand_n=0 if cand is None else len(cand["samples"]),
         ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing",
+        exact=all(entry["spread"] is None for entry in present),
     )
     return _evaluate(row, tolerance)
+
+
+def _rel_iqr(entry: dict[str, Any] | None) -> float | None:
+    if entry is None or entry["spread"] is None:
+        return None
+    return float(entry["spread"]["rel_iqr"])
 
 
 def compare(
@@ -536,7 +569,7 @@ def gate(comparison: Comparison, tolerance: float | None = None) -> GateResult:
 def _finding(label: str, row: MetricRow, tolerance: float) -> str:
     return (
         f"{label} {row.scenario} {row.metric}: {format_number(row.base)} -> {format_number(row.cand)} "
-        f"(x{format_ratio(row.ratio)}, tolerance {format_percent(tolerance)}, noise {format_percent(row.noise, 1)}) "
+        f"(x{format_ratio(row.ratio)}, tolerance {format_percent(tolerance)}, {format_noise(row.noise, row.exact)}) "
         f"{row.unit} [{row.machine}]"
     )
 
@@ -615,6 +648,11 @@ def format_percent(fraction: float | None, decimals: int | None = None) -> str:
     return f"{fraction * 100:.{decimals}f}%"
 
 
+def format_noise(noise: float | None, exact: bool) -> str:
+    """``noise 3.1%``, or ``exact value`` for a metric without a spread (no noise allowance)."""
+    return "exact value" if exact else f"noise {format_percent(noise, 1)}"
+
+
 def _short(digest: str | None) -> str:
     return digest[:12] if digest else "-"
 
@@ -641,7 +679,8 @@ def _table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     for r in comparison.rows:
         cells = [
             r.scenario, r.metric, r.unit, format_number(r.base), format_number(r.cand),
-            format_ratio(r.ratio), format_percent(r.noise, 1), r.verdict,
+            format_ratio(r.ratio), "exact" if r.exact and r.noise is not None else format_percent(r.noise, 1),
+            r.verdict,
         ]
         if multi_machine:
             cells.insert(1, r.machine)

@@ -94,6 +94,11 @@ low-precision gradients (t = 4; 0 for fp32) and two fp32 temporaries of AdamW's 
 memory_total = params + grads + optimizer + max(activations + comm buffers + backward workspace,
 optimizer step); activations are freed before the optimizer step runs. It fits when it is at most the
 GPU's memory (no allowance for the CUDA context or allocator fragmentation).
+
+Any scenario has a plan: a plan scenario's, a proxy scenario's (the whole layout at the scenario's own
+sizes, not the proxy's CPU scale-down) and an execute scenario's. The GPU memory is the ``cluster``
+section's; a scenario without one (an execute scenario may leave it out) gets its per-rank memory
+without a fraction and ``fits`` None: ``moe-bench run`` compares it with the device it runs on.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ from moe_engine.config import ModelConfig
 from moe_engine.flops import parameter_counts, training_flops_per_token
 from moe_engine.parallel.layout import stage_layers
 
-__all__ = ["BYTES", "PrecisionBytes", "in_flight_microbatches", "plan_scenario", "stage_layers"]
+__all__ = ["BYTES", "PrecisionBytes", "in_flight_microbatches", "plan_scenario", "stage_layers", "summary_line"]
 
 
 @dataclass(frozen=True)
@@ -476,8 +481,8 @@ def _assumptions(scenario) -> list[str]:
         "the first stage, the final norm and LM head on the last; the most loaded stage is reported",
         "routing is balanced: every rank receives tokens * top_k expert assignments per microbatch",
         "dense parameters are replicated over dp, expert parameters sharded over ep and replicated over edp = dp/ep",
-        "activations: tensors saved for backward with flash attention and no recomputation (see bench/plan.py); "
-        "routing indices, norms' statistics and other small tensors are ignored",
+        "activations: tensors saved for backward with flash attention and no recomputation "
+        "(see bench/predict/plan.py); routing indices, norms' statistics and other small tensors are ignored",
         "the LM head keeps fp32 logits (4 bytes x tokens x vocab) for the cross-entropy backward",
         "in-flight microbatches: 1 without pipelining, all of them for GPipe, pp - rank for 1F1B, Megatron's "
         "warm-up count + 1 for interleaved 1F1B",
@@ -486,7 +491,10 @@ def _assumptions(scenario) -> list[str]:
         "ring collectives: each rank sends (n-1)/n of the buffer per reduce-scatter or all-gather, twice that per "
         "all-reduce; gradients are reduced once per step (no overlap, no compression)",
         "pipeline: one activation tensor forward and one gradient backward of tokens x d_model per chunk boundary",
-        "fits compares the total with the GPU's memory, leaving nothing for the CUDA context or fragmentation",
+        "fits compares the total with the GPU's memory, leaving nothing for the CUDA context or fragmentation"
+        if scenario.cluster else
+        "no cluster section: the per-rank memory is not compared with a GPU's (moe-bench run compares it with "
+        "the device it runs on before starting)",
     ]
     if precision == "mxfp8":
         out.append("mxfp8: saved expert-GEMM inputs (gathered tokens, SwiGLU product) take 1 byte + 1/32 scale "
@@ -515,10 +523,12 @@ _COMM = ("all_to_all", "grad_reduce", "pipeline", "total")
 
 
 def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
-    """Metrics (single-sample ``bench.results.metric`` entries) and details of a plan scenario."""
+    """Metrics (single-sample ``bench.results.metric`` entries) and details of any scenario's layout.
+
+    ``memory_fraction_of_gpu`` and a boolean ``fits`` need the scenario's ``cluster`` section; without
+    one the plan has neither (``details["fits"]`` is None).
+    """
     model, par, cluster = scenario.model, scenario.parallel, scenario.cluster
-    if not cluster:
-        raise ValueError(f"{scenario.name}: a plan needs a cluster section")
     b = BYTES[scenario.precision]
     tokens = scenario.run["tokens_per_step"] // par["dp"] // par["microbatches"]
     pieces = _pieces(model)
@@ -530,7 +540,7 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     by_memory = max(ranks, key=lambda r: r["memory_bytes"]["total"])
     by_comm = max(ranks, key=lambda r: r["comm_bytes"]["total"])
     counts = parameter_counts(model)
-    gpu_bytes = cluster["gpu_memory_gib"] * 2**30
+    gpu_bytes = cluster["gpu_memory_gib"] * 2**30 if cluster else None
     total = by_memory["memory_bytes"]["total"]
 
     metrics = {
@@ -542,7 +552,8 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         metrics[f"memory_{key}_bytes"] = metric([by_memory["memory_bytes"][key]], "bytes", "lower")
     for key in _COMM:
         metrics[f"comm_{key}_bytes"] = metric([by_comm["comm_bytes"][key]], "bytes", "lower")
-    metrics["memory_fraction_of_gpu"] = metric([total / gpu_bytes], "ratio", "lower")
+    if gpu_bytes:
+        metrics["memory_fraction_of_gpu"] = metric([total / gpu_bytes], "ratio", "lower")
 
     details = {
         "layout": _layout(scenario, len(by_memory["layers"]), tokens),
@@ -556,11 +567,52 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
             for r in ranks
         ],
         "assumptions": _assumptions(scenario),
-        "fits": total <= gpu_bytes,
+        "fits": total <= gpu_bytes if gpu_bytes else None,
         "memory_total_gib": total / 2**30,
-        "cluster": dict(cluster),
+        "cluster": dict(cluster) if cluster else None,
+        "scenario_mode": scenario.mode,
+        "engine_runs_layout": _engine_runs(scenario),
     }
     return metrics, details
+
+
+def _engine_runs(scenario) -> dict[str, Any]:
+    """Whether the engine can execute this layout for real (a plan prices layouts it does not run)."""
+    try:
+        scenario.parallel_config.validate_executable()
+    except ValueError as err:
+        return {"ok": False, "reason": str(err)}
+    return {"ok": True, "reason": None}
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -> str:
+    """One line per plan: the counts, the most loaded rank's memory against the GPU's, the traffic."""
+    med = {k: v["median"] for k, v in metrics.items()}
+    what = {"plan": name, "execute": f"{name} (of an execute scenario)",
+            "proxy": f"{name} (of a proxy scenario: the whole layout at its own sizes)"}[details["scenario_mode"]]
+    memory = f"{_bytes(med['memory_total_bytes'])} per rank"
+    if details["layout"]["pp"] > 1:
+        memory += f" (pipeline rank {details['most_loaded']['memory']})"
+    if details["fits"] is None:
+        against = "no cluster section: not compared with a GPU's memory (moe-bench run checks the device it runs on)"
+    else:
+        cluster = details["cluster"]
+        against = (f"{med['memory_fraction_of_gpu']:.0%} of {cluster['gpu_memory_gib']:g} GiB per GPU: "
+                   + ("fits" if details["fits"] else "DOES NOT FIT"))
+    line = (f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
+            f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step")
+    runs = details["engine_runs_layout"]
+    if not runs["ok"]:
+        line += f"; the engine does not execute this layout ({runs['reason']})"
+    return line
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -571,11 +623,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     for path in (sys.argv[1:] if argv is None else argv):
         s = load_scenario(path)
-        metrics, details = plan_scenario(s)
-        med = {k: v["median"] for k, v in metrics.items()}
-        print(f"{s.name}: {med['total_params'] / 1e9:.2f}B total, {med['active_params'] / 1e9:.2f}B active, "
-              f"{med['memory_total_bytes'] / 2**30:.1f} GiB/rank ({med['memory_fraction_of_gpu']:.0%}), "
-              f"fits={details['fits']}, sends {med['comm_total_bytes'] / 2**30:.1f} GiB/step")
+        print(summary_line(s.name, *plan_scenario(s)))
     return 0
 
 

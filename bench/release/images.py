@@ -4,8 +4,10 @@
 unreachable engine or a missing image is bad input: nothing runs, nothing is written), then runs
 ``moe-bench run --suite NAME`` in each image in turn with the results folder mounted, GPUs
 requested when the host has them. Each image writes under ``<out>/<its version>/<machine>/`` as a
-local run would; the table compares every later image with the first (``bench.gate.compare`` verdicts)
-and is written to ``<out>/plots/versions.md``, next to the plots of every version under ``<out>``.
+local run would; the table compares every later image with the first (``bench.gate.compare`` verdicts,
+so a single-sample metric such as peak memory is compared as an exact value) and is written to
+``<out>/plots/versions.md``, next to the plots of every version under ``<out>``. A result file that
+cannot be read back is reported (one line naming it) and left out: its scenario shows as missing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from bench.gate.compare import DEFAULT_TOLERANCE, compare, format_number, format_ratio
-from bench.results import ResultDocument, load_results
+from bench.results import ResultDocument, ResultFileError, load_results
 
 CONTAINER_RESULTS = "/moe-results"
 """Where the results folder is mounted in each container (``moe-bench run --out`` points there)."""
@@ -154,6 +156,14 @@ def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
     out.mkdir(parents=True, exist_ok=True)
     docs_by_image: dict[str, list[ResultDocument]] = {}
     failed = []
+
+    reported: set[Path] = set()
+
+    def skip(err: ResultFileError) -> None:  # once per file: the plots read the same files again
+        if err.path not in reported:
+            reported.add(err.path)
+            log(f"versions: warning: {err}; skipped")
+
     for image in images:
         before = set(out.rglob("*.json"))
         log(f"versions: running suite {suite!r} in {image}{' with all GPUs' if use_gpus else ''}")
@@ -164,13 +174,13 @@ def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
             log(f"versions: {image}: {_first_line(err)}")
             code = -1
         new = sorted(set(out.rglob("*.json")) - before)
-        docs_by_image[image] = [d for path in new for d in load_results(path)]
+        docs_by_image[image] = [d for path in new for d in load_results(path, on_bad_file=skip)]
         if code != 0:
             failed.append(image)
             log(f"versions: {image} exited with code {code}")
     table = compare_versions(docs_by_image)
     plots = out / "plots"
-    plot_results(out, plots)
+    plot_results(out, plots, on_bad_file=skip)
     (plots / "versions.md").write_text(table)
     log(f"versions: table {plots / 'versions.md'}, plots {plots / 'index.html'}")
     return (1 if failed else 0), table

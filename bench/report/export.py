@@ -8,12 +8,14 @@ Formats (``FORMATS``):
     strings shown in the chart tooltip). One file feeds one tool, so the metrics are split by
     direction: ``better == "higher"`` goes to ``customBiggerIsBetter`` and ``better == "lower"`` to
     ``customSmallerIsBetter``; metrics with ``better`` null are not exported (nothing to alert
-    on). ``name`` is ``"<scenario>/<metric>"``, ``value`` the median, ``range`` ``"± <iqr/2>"``,
-    ``extra`` the machine, engine version/commit and sample count.
+    on). ``name`` is ``"<scenario>/<metric>"``, ``value`` the median, ``range`` ``"± <iqr/2>"``
+    (left out for a metric without a spread: one sample, an exact value), ``extra`` the machine,
+    engine version/commit and sample count.
 
 ``bencher``
     Bencher Metric Format (BMF): ``{benchmark: {measure_slug: {"value", "lower_value",
-    "upper_value"}}}`` with ``value`` the median and lower/upper the sample min/max. The benchmark
+    "upper_value"}}}`` with ``value`` the median and lower/upper the sample min/max (both left out,
+    as BMF allows, for a metric without a spread: one sample, an exact value). The benchmark
     name is the scenario; the measure slug is the metric name in kebab case
     (``tokens_per_s_per_gpu`` -> ``tokens-per-s-per-gpu``; Bencher creates a Measure that does not
     exist yet). The machine belongs in Bencher's ``--testbed``, not in the benchmark name. All
@@ -81,15 +83,11 @@ def export_github_action_benchmark(
                 raise ValueError(f"duplicate benchmark name {full!r}: the documents span several machines; "
                                  "use include_machine=True or export one machine at a time")
             seen.add(full)
-            out[tool].append(
-                {
-                    "name": full,
-                    "unit": entry["unit"],
-                    "value": entry["median"],
-                    "range": f"± {format_number(entry['spread']['iqr'] / 2)}",
-                    "extra": _extra(group, len(entry["samples"])),
-                }
-            )
+            item = {"name": full, "unit": entry["unit"], "value": entry["median"]}
+            if entry["spread"] is not None:
+                item["range"] = f"± {format_number(entry['spread']['iqr'] / 2)}"
+            item["extra"] = _extra(group, len(entry["samples"]))
+            out[tool].append(item)
     return out
 
 
@@ -116,11 +114,9 @@ def export_bencher(docs: Iterable[ResultDocument], include_machine: bool = False
             slug = measure_slug(name)
             if slug in measures:
                 raise ValueError(f"{bench_name}: metrics collide on Bencher measure slug {slug!r}")
-            measures[slug] = {
-                "value": entry["median"],
-                "lower_value": entry["spread"]["min"],
-                "upper_value": entry["spread"]["max"],
-            }
+            measures[slug] = {"value": entry["median"]}
+            if entry["spread"] is not None:
+                measures[slug].update(lower_value=entry["spread"]["min"], upper_value=entry["spread"]["max"])
         if measures:
             out[bench_name] = measures
     return out

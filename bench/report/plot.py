@@ -4,7 +4,9 @@
 ``results/<version>/<machine>/<scenario>[.N].json``) and writes into ``out_dir``:
 
 * one PNG per (machine, scenario): a subplot per metric, x = engine version (semantic order),
-  y = median with min..max error bars, the IQR as a band and each sample as a faint dot;
+  y = median with min..max error bars, the IQR as a band and each sample as a faint dot; a metric
+  without a spread (one sample: a peak, a count, an estimate) is drawn as plain points, no bars
+  and no band;
 * ``summary.png``: each (machine, scenario)'s headline metric as a ratio to its first version;
 * ``expert_sweep.png``: throughput against the number of experts for scenarios of the newest
   version that differ only in ``model.moe.num_experts`` (written only when such a group exists);
@@ -12,7 +14,9 @@
 
 Documents whose status is not ``ok`` are left out of the figures and listed in the index. When a
 (version, machine, scenario) was run more than once, the figures use the latest ``ok`` run (by
-timestamp, then file name).
+timestamp, then file name). A file that cannot be read as a result document (truncated, invalid,
+unreadable) does not stop the plots: it is skipped, handed to ``on_bad_file`` and listed in the
+index, and everything else is drawn.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import matplotlib
 
@@ -33,7 +37,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
-from bench.results import ResultDocument, load_results  # noqa: E402
+from bench.results import ResultDocument, ResultFileError, load_results  # noqa: E402
 
 __all__ = [
     "HEADLINE_METRICS",
@@ -208,7 +212,8 @@ def _plot_scenario(
     positions = {v: i for i, v in enumerate(versions)}
     for idx, name in enumerate(metric_names):
         ax = axes[idx // ncols][idx % ncols]
-        xs, medians, lows, highs, q1s, q3s = [], [], [], [], [], []
+        xs, medians, q1s, q3s = [], [], [], []
+        bar_xs, bar_medians, lows, highs = [], [], [], []
         unit, better = "", None
         for v in versions:
             doc = by_version.get(v)
@@ -220,19 +225,27 @@ def _plot_scenario(
             unit, better = entry.get("unit", unit), entry.get("better", better)
             xs.append(x)
             medians.append(float(entry["median"]))
-            lows.append(float(entry["spread"]["min"]))
-            highs.append(float(entry["spread"]["max"]))
-            q1, q3 = _quartiles(samples)
+            if entry.get("spread") is not None:
+                bar_xs.append(x)
+                bar_medians.append(medians[-1])
+                lows.append(float(entry["spread"]["min"]))
+                highs.append(float(entry["spread"]["max"]))
+                q1, q3 = _quartiles(samples)
+            else:  # one sample: a value without a spread, nothing to draw around it
+                q1 = q3 = math.nan
             q1s.append(q1)
             q3s.append(q3)
             # Samples as faint dots just right of the bar, so the error bar does not hide them.
             ax.scatter([x + 0.07] * len(samples), samples, s=12, alpha=0.45, color="tab:gray", linewidths=0,
                        zorder=4)
-        if len(xs) >= 2:
+        if len(bar_xs) >= 2:  # NaN quartiles (points without a spread) leave gaps in the band
             ax.fill_between(xs, q1s, q3s, color="tab:blue", alpha=0.15, linewidth=0, label="IQR")
-        yerr = [[max(0.0, m - lo) for m, lo in zip(medians, lows)], [max(0.0, hi - m) for m, hi in zip(medians, highs)]]
-        ax.errorbar(xs, medians, yerr=yerr, fmt="o-", color="tab:blue", capsize=3, markersize=4, zorder=3,
-                    label="median (min..max)")
+        ax.plot(xs, medians, "o-", color="tab:blue", markersize=4, zorder=3, label="median")
+        if bar_xs:
+            yerr = [[max(0.0, m - lo) for m, lo in zip(bar_medians, lows)],
+                    [max(0.0, hi - m) for m, hi in zip(bar_medians, highs)]]
+            ax.errorbar(bar_xs, bar_medians, yerr=yerr, fmt="none", ecolor="tab:blue", capsize=3, zorder=3,
+                        label="min..max")
         arrow = {"higher": " ↑ better", "lower": " ↓ better"}.get(better or "", "")
         ax.set_title(f"{name}{arrow}", fontsize=10)
         ax.set_ylabel(unit or name, fontsize=9)
@@ -426,9 +439,11 @@ td.status-bad { color: #b42318; font-weight: 600; }
 
 
 def _write_index(
-    out_dir: Path, figures: list[tuple[Path, str]], docs: list[ResultDocument], results_dir: Path
+    out_dir: Path, figures: list[tuple[Path, str]], docs: list[ResultDocument], results_dir: Path,
+    skipped: Iterable[ResultFileError] = (),
 ) -> Path:
     e = html.escape
+    skipped = list(skipped)
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -454,6 +469,11 @@ def _write_index(
         for d in sorted(bad, key=lambda d: (version_sort_key(d.version), d.machine, d.name)):
             parts.append(f"<li>{e(d.name)} — {e(d.machine)}, {e(d.version)}: <b>{e(d.status)}</b>"
                          + (f" — {e(str(d.data.get('error')))}" if d.data.get("error") else "") + "</li>")
+        parts.append("</ul>")
+    if skipped:
+        parts.append(f"<h2>Skipped files ({len(skipped)})</h2><ul>")
+        for err in skipped:
+            parts.append(f"<li><code>{e(str(err.path))}</code>: {e(err.reason)}</li>")
         parts.append("</ul>")
     parts.append("<h2>Documents</h2>")
     parts.append("<table><thead><tr><th>version</th><th>machine</th><th>scenario</th><th>mode</th>"
@@ -481,14 +501,24 @@ def _write_index(
 # --------------------------------------------------------------------------------------------
 
 
-def plot_results(results_dir: Path, out_dir: Path) -> list[Path]:
+def plot_results(
+    results_dir: Path, out_dir: Path, on_bad_file: Callable[[ResultFileError], None] | None = None
+) -> list[Path]:
     """Write the figures and ``index.html`` for every result under ``results_dir`` into ``out_dir``.
 
     Returns the files written: per-(machine, scenario) PNGs, ``summary.png``, ``expert_sweep.png``
-    (only when an expert-count sweep exists) and ``index.html`` (last).
+    (only when an expert-count sweep exists) and ``index.html`` (last). A file that cannot be read
+    as a result document is skipped, passed to ``on_bad_file`` (to warn) and listed in the index.
     """
     results_dir, out_dir = Path(results_dir), Path(out_dir)
-    docs = load_results(results_dir)
+    skipped: list[ResultFileError] = []
+
+    def skip(err: ResultFileError) -> None:
+        skipped.append(err)
+        if on_bad_file is not None:
+            on_bad_file(err)
+
+    docs = load_results(results_dir, on_bad_file=skip)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     latest = _latest_ok(docs)
@@ -516,7 +546,8 @@ def plot_results(results_dir: Path, out_dir: Path) -> list[Path]:
                 used_names.add(name)
                 written.append(path)
                 figures.append((path, f"{scenario} on {machine}: metrics across engine versions "
-                                      "(median, min..max bars, IQR band, samples as dots)"))
+                                      "(median, min..max bars, IQR band, samples as dots; "
+                                      "single-sample metrics as plain points)"))
 
         ok_versions = sort_versions(v for v, _, _ in latest)
         summary = _plot_summary(ok_versions or all_versions, groups, out_dir / SUMMARY_NAME)
@@ -530,5 +561,5 @@ def plot_results(results_dir: Path, out_dir: Path) -> list[Path]:
             figures.insert(1, (sweep, "Throughput (tokens/s per GPU, median) vs number of experts, newest version "
                                       "per machine; scenarios identical except model.moe.num_experts"))
 
-    written.append(_write_index(out_dir, figures, docs, results_dir))
+    written.append(_write_index(out_dir, figures, docs, results_dir, skipped))
     return written

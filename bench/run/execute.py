@@ -93,8 +93,13 @@ def execute(
     peak_tflops: float | None,
     progress: Callable[[str], None] = lambda line: None,
     groups: ProcessGroups | None = None,
+    peak_tflops_fp8: float | None = None,
 ) -> ExecuteResult | None:
-    """Run the scenario on this rank; every rank of a layout calls it. Rank 0 returns the result."""
+    """Run the scenario on this rank; every rank of a layout calls it. Rank 0 returns the result.
+
+    ``peak_tflops`` is the device's dense BF16 peak (``mfu``), ``peak_tflops_fp8`` its FP8 peak
+    (``mfu_fp8``, reported for MXFP8 runs); either may be None, and its MFU is then left out.
+    """
     run, config, parallel = scenario.run, scenario.model, scenario.parallel_config
     rank = groups.coords.rank if groups else 0
     rank_model = build_rank_model(config, parallel, groups, device, seed=scenario.spec["routing"]["seed"])
@@ -149,9 +154,12 @@ def execute(
     m["tokens_per_s_per_gpu"] = metric([tokens_per_step / t / world for t in step_times], "tokens/s", "higher")
     tflops = [flops_per_token * tokens_per_step / t / world / 1e12 for t in step_times]
     m["tflops_per_gpu"] = metric(tflops, "TFLOP/s", "higher")
+    # Reported, not gated: each is tflops_per_gpu (gated) over a constant peak (measured on CPUs).
     if peak_tflops:
-        # Reported, not gated: it is tflops_per_gpu (gated) over a peak that is itself measured on CPUs.
         m["mfu"] = metric([t / peak_tflops for t in tflops], "ratio", None)
+    if peak_tflops_fp8 and scenario.precision == "mxfp8":
+        # The expert GEMMs run MXFP8, the rest bf16: the true bound lies between the two peaks.
+        m["mfu_fp8"] = metric([t / peak_tflops_fp8 for t in tflops], "ratio", None)
     m["loss"] = metric(losses, "nats", None)
     m.update(_routing_metrics(records))
     for key, unit in (("peak_tensor_bytes", "bytes"), ("rss_peak_bytes", "bytes"),
@@ -166,6 +174,7 @@ def execute(
         world_size=world,
         layout=parallel.to_dict(),
         peak_tflops=peak_tflops,
+        peak_tflops_fp8=peak_tflops_fp8,
         peak_tflops_source=(
             "dense matmul measured on all cores, divided by the ranks sharing them"
             if device.type == "cpu" else "datasheet table"

@@ -1,7 +1,9 @@
 """Run scenarios: plans in process, executes in a worker process with a timeout; write results.
 
 Every scenario is loaded and validated before any work starts. A scenario that fails, runs out of
-memory or times out is recorded with that status and the suite goes on.
+memory or times out is recorded with that status and the suite goes on. An execute scenario whose
+plan (``bench.predict.plan``) needs more memory than its device has is recorded ``oom`` without
+starting (unless forced).
 """
 
 from __future__ import annotations
@@ -11,19 +13,20 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import yaml
 
-from bench.machine import machine_info, peak_tflops
+from bench.machine import available_memory_bytes, device_peak, machine_info
 from bench.release.version import engine_info
 from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
 from bench.run.launch import Launch
@@ -80,6 +83,70 @@ class Outcome:
     path: Path
     metrics: dict[str, Any]
     seconds: float
+    details: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    """The result document's scenario name (``<name>.plan`` for the plan of a non-plan scenario)."""
+
+
+# Memory check before an execute scenario starts. It is refused (recorded oom, nothing started) when
+# its planned memory is more than (1 + MEMORY_MARGIN) times what the device has free. The plan's
+# tensor total has come out 0.3-4.3% below the measured peak on every layout proxy-check ran
+# (docs/measurements/proxy-check-2core-cpu.json), and a process needs its RSS on top of its tensors
+# (libraries, allocator caches, a CUDA context), so a plan over the available memory does not fit.
+# The 10% allowance is for layouts the plan was not checked against, where it may overcount: such a
+# scenario runs and its own run decides. ``moe-bench run --force`` skips the refusal.
+MEMORY_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's planned memory and the memory it draws on."""
+
+    rank: int
+    host: str
+    """The host the rank runs on (only compared, never recorded)."""
+    device: str
+    """``cpu`` (the ranks of a host share its RAM) or ``cuda:<i>`` (one GPU's memory)."""
+    planned: int
+    """The plan's memory_total of the rank's pipeline stage, bytes."""
+    available: int
+    """What the device had free when asked, bytes."""
+    source: str
+    """Where ``available`` comes from."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> tuple[str | None, list[dict]]:
+    """Why the ranks cannot fit (the memory pool furthest over), or None; and every pool's figures.
+
+    A pool is a GPU, or the RAM of a host, which the CPU ranks on that host share: its ranks' plans
+    add up against what it has free.
+    """
+    hosts = list(dict.fromkeys(r.host for r in ranks))
+    pools: dict[str, list[RankMemory]] = {}
+    for r in ranks:
+        where = "this host" if len(hosts) == 1 else f"node {hosts.index(r.host)}"
+        label = f"{where}'s memory" if r.device == "cpu" else (r.device if len(hosts) == 1 else f"{where} {r.device}")
+        pools.setdefault(label, []).append(r)
+    rows, worst = [], None
+    for label, members in pools.items():
+        planned, available = sum(m.planned for m in members), min(m.available for m in members)
+        rows.append({"pool": label, "ranks": len(members), "planned_bytes": planned, "available_bytes": available,
+                     "source": members[0].source})
+        if planned > available * (1 + margin) and (worst is None or planned / available > worst[0]):
+            worst = (planned / max(available, 1), label, members, planned, available)
+    if worst is None:
+        return None, rows
+    _, label, members, planned, available = worst
+    if len(members) == 1:
+        reason = f"planned {_gib(planned)} per rank, {_gib(available)} available"
+    else:
+        reason = (f"planned {_gib(planned)} for the {len(members)} ranks sharing {label} "
+                  f"({_gib(max(m.planned for m in members))} on the most loaded), {_gib(available)} available")
+    return f"{reason} ({members[0].source}); not started", rows
 
 
 class Reporter:
@@ -101,9 +168,11 @@ class Reporter:
             self._suite = self._progress.add_task("suite", total=total)
             self._step = None
 
-    def start(self, scenario: Scenario) -> None:
+    def start(self, scenario: Scenario, mode: str | None = None) -> None:
         self.index += 1
-        label = f"[{self.index}/{self.total}] {scenario.name} ({scenario.mode})"
+        mode = mode or scenario.mode
+        what = mode if mode == scenario.mode else f"{mode} of {scenario.mode}"
+        label = f"[{self.index}/{self.total}] {scenario.name} ({what})"
         if self._progress:
             self._progress.update(self._suite, description=label)
             if self._step is not None:
@@ -149,6 +218,8 @@ class Runner:
         out_root: Path,
         reporter_factory: Callable[[int], Reporter] = Reporter,
         launch: Launch | None = None,
+        plan_only: bool = False,
+        force: bool = False,
     ):
         self.device = device
         self.launch = launch
@@ -156,6 +227,10 @@ class Runner:
         self.machine = machine_info()
         self.engine = engine_info()
         self.reporter_factory = reporter_factory
+        self.plan_only = plan_only
+        """Plan every scenario (``moe-bench plan``) instead of running it."""
+        self.force = force
+        """Start execute scenarios whose plan does not fit the device (``moe-bench run --force``)."""
         self._peaks: dict[str, float | None] = {}
 
     @property
@@ -167,7 +242,7 @@ class Runner:
         outcomes = []
         try:
             for scenario in scenarios:
-                reporter.start(scenario)
+                reporter.start(scenario, mode="plan" if self.plan_only else scenario.mode)
                 outcome = self.run_one(scenario, reporter.line)
                 reporter.finish(outcome)
                 outcomes.append(outcome)
@@ -177,7 +252,8 @@ class Runner:
 
     def run_one(self, scenario: Scenario, progress: Callable[[str], None]) -> Outcome:
         started = time.perf_counter()
-        if scenario.mode == "plan":
+        planned = self.plan_only or scenario.mode == "plan"
+        if planned:
             from bench.predict.plan import plan_scenario
 
             metrics, details = plan_scenario(scenario)
@@ -185,16 +261,21 @@ class Runner:
         else:
             status, error, metrics, details = self._execute(scenario, progress)
         seconds = time.perf_counter() - started
-        document = self.document(scenario, status, error, metrics, details, seconds)
+        # The plan of an execute or proxy scenario is a result of its own: named apart, so that
+        # comparisons never pool it with the scenario's runs (same spec, same hash).
+        name = scenario.name if scenario.mode == "plan" or not planned else f"{scenario.name}.plan"
+        mode = "plan" if planned else scenario.mode
+        document = self.document(scenario, status, error, metrics, details, seconds, name=name, mode=mode)
         path = write_result(document, self.out_dir) if self.writes_results else None
-        return Outcome(scenario, status, error, path, metrics, seconds)
+        return Outcome(scenario, status, error, path, metrics, seconds, details=details, name=name)
 
     @property
     def writes_results(self) -> bool:
         """Inside a launch only rank 0 writes; the other ranks compute the same outcomes."""
         return self.launch is None or self.launch.rank == 0
 
-    def document(self, scenario, status, error, metrics, details, seconds) -> dict[str, Any]:
+    def document(self, scenario, status, error, metrics, details, seconds, name=None, mode=None) -> dict[str, Any]:
+        mode = mode or scenario.mode
         return {
             "schema_version": SCHEMA_VERSION,
             "engine": self.engine,
@@ -202,13 +283,13 @@ class Runner:
             "duration_s": seconds,
             "machine": self.machine,
             "scenario": {
-                "name": scenario.name,
+                "name": name or scenario.name,
                 "file": str(scenario.file) if scenario.file else None,
                 "hash": scenario_hash(scenario.spec),
                 "spec": scenario.spec,
             },
-            "mode": scenario.mode,
-            "device": "none" if scenario.mode == "plan" else str(self.device),
+            "mode": mode,
+            "device": "none" if mode == "plan" else str(self.device),
             "status": status,
             "error": error,
             "metrics": metrics if status == "ok" else {},
@@ -230,27 +311,97 @@ class Runner:
             return f"needs {scenario.world_size} GPUs (dp * pp); this host has {torch.cuda.device_count()}"
         return None
 
-    def _peak(self, scenario: Scenario) -> float | None:
-        if scenario.mode == "proxy":
-            return None
+    def _peak(self, scenario: Scenario) -> dict[str, Any]:
+        """The peaks MFU is measured against, their source, and why an MFU is left out (result details)."""
+        mxfp8 = scenario.precision == "mxfp8"
+        missing: dict[str, str] = {}
         if self.device.type == "cuda":
-            return peak_tflops(self.device)
-        key = scenario.model.dtype.value
-        if key not in self._peaks:
-            from bench.run.execute import measure_peak_tflops
+            peak, note = device_peak(self.device)
+            if peak is None:
+                missing["mfu"] = note
+                if mxfp8:
+                    missing["mfu_fp8"] = note
+                out = {"peak_tflops": None, "peak_tflops_fp8": None, "peak_tflops_source": None}
+            else:
+                if mxfp8 and peak.fp8 is None:
+                    missing["mfu_fp8"] = f"{peak.source} gives no FP8 peak: the GPU has no FP8 tensor cores"
+                out = {"peak_tflops": peak.bf16, "peak_tflops_fp8": peak.fp8 if mxfp8 else None,
+                       "peak_tflops_source": note}
+        else:
+            key = scenario.model.dtype.value
+            if key not in self._peaks:
+                from bench.run.execute import measure_peak_tflops
 
-            self._peaks[key] = measure_peak_tflops(self.device, scenario.model.dtype.torch_dtype)
-        # The ranks of a CPU layout share the cores the peak was measured on.
-        ranks_here = 1 if self.launch is not None else scenario.world_size
-        return self._peaks[key] / ranks_here
+                self._peaks[key] = measure_peak_tflops(self.device, scenario.model.dtype.torch_dtype)
+            # The ranks of a CPU layout share the cores the peak was measured on.
+            ranks_here = 1 if self.launch is not None else scenario.world_size
+            out = {"peak_tflops": self._peaks[key] / ranks_here, "peak_tflops_fp8": None,
+                   "peak_tflops_source": f"{key} dense matmul measured on all cores, divided by the ranks sharing them"}
+            if mxfp8:
+                missing["mfu_fp8"] = "no FP8 peak on a CPU (the MXFP8 GEMMs are emulated)"
+        if missing:
+            out["mfu_unavailable"] = missing
+        return out
+
+    def _rank_memory(self, scenario: Scenario) -> list[RankMemory]:
+        """Every rank's planned memory and its pool's free memory (inside a launch: gathered from the ranks)."""
+        from bench.predict.plan import plan_scenario
+        from moe_engine.parallel.layout import Layout
+
+        _, plan = plan_scenario(scenario)
+        stage_bytes = [int(s["memory_total_bytes"]) for s in plan["stages"]]
+        layout, host = Layout(scenario.parallel_config), socket.gethostname()
+
+        def entry(rank: int, device: torch.device) -> RankMemory:
+            available, source = available_memory_bytes(device)
+            name = str(device) if device.type == "cuda" else "cpu"
+            return RankMemory(rank, host, name, stage_bytes[layout.coords(rank).pp_rank], available, source)
+
+        if self.launch is not None:
+            import torch.distributed as dist
+
+            # Every rank must reach the same verdict: each reports its own figures to all.
+            gathered: list[RankMemory | None] = [None] * self.launch.world_size
+            dist.all_gather_object(gathered, entry(self.launch.rank, self.device))
+            return gathered
+        if self.device.type == "cuda":
+            # The runner starts one rank per GPU, rank r on GPU r.
+            return [entry(r, torch.device("cuda", r)) for r in range(scenario.world_size)]
+        available, source = available_memory_bytes(self.device)
+        return [RankMemory(r, host, "cpu", stage_bytes[layout.coords(r).pp_rank], available, source)
+                for r in range(scenario.world_size)]
+
+    def _memory_check(self, scenario: Scenario) -> tuple[str | None, dict[str, Any]]:
+        """Why the scenario cannot fit the memory here (None when it can, or when forced) and the figures."""
+        try:
+            ranks = self._rank_memory(scenario)
+        except OSError as err:  # no /proc/meminfo on this platform: nothing to compare with
+            return None, {"skipped": f"available memory unknown: {err}"}
+        reason, pools = memory_shortfall(ranks)
+        details = {"pools": pools, "margin": MEMORY_MARGIN, "shortfall": reason, "forced": self.force}
+        return (None if self.force else reason), details
 
     def _execute(self, scenario: Scenario, progress) -> tuple[str, str | None, dict, dict]:
         reason = self._skip_reason(scenario)
         if reason:
             return "skipped", reason, {}, {}
-        peak = self._peak(scenario)
+        memory_check = None
+        if scenario.mode == "execute":
+            refusal, memory_check = self._memory_check(scenario)
+            if refusal:
+                return "oom", f"{refusal} (moe-bench run --force starts it anyway)", {}, {"memory_check": memory_check}
+        peaks = self._peak(scenario) if scenario.mode == "execute" else {}
+        status, error, metrics, details = self._run_worker(scenario, peaks, progress)
+        if scenario.mode == "execute":
+            details.update(peaks, memory_check=memory_check)  # the runner knows where its peaks come from
+        else:
+            details.setdefault("peak_tflops", None)
+        return status, error, metrics, details
+
+    def _run_worker(self, scenario: Scenario, peaks: dict[str, Any], progress) -> tuple[str, str | None, dict, dict]:
+        peak, peak_fp8 = peaks.get("peak_tflops"), peaks.get("peak_tflops_fp8")
         if self.launch is not None:
-            return self._execute_in_launch(scenario, peak)
+            return self._execute_in_launch(scenario, peak, peak_fp8)
         timeout = scenario.run["timeout_s"]
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
@@ -259,6 +410,8 @@ class Runner:
             command = worker_command(processes) + [str(spec_path), str(out_path), "--device", str(self.device)]
             if peak:
                 command += ["--peak-tflops", str(peak)]
+            if peak_fp8:
+                command += ["--peak-tflops-fp8", str(peak_fp8)]
             returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(processes))
             if returncode is None:
                 return "timeout", f"stopped after exceeding its timeout of {timeout:g} s", {}, {}
@@ -268,22 +421,19 @@ class Runner:
                 status = "oom" if returncode in (-signal.SIGKILL, 137) else "failed"
                 return status, f"worker exited with code {returncode}: {detail}", {}, {}
             outcome = json.loads(out_path.read_text())
-        details = outcome["details"]
-        details.setdefault("peak_tflops", peak)
-        return outcome["status"], outcome["error"], outcome["metrics"], details
+        return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]
 
-
-    def _execute_in_launch(self, scenario: Scenario, peak: float | None) -> tuple[str, str | None, dict, dict]:
+    def _execute_in_launch(
+        self, scenario: Scenario, peak: float | None, peak_fp8: float | None
+    ) -> tuple[str, str | None, dict, dict]:
         """Every rank of the launch executes its share here; the process group's timeout bounds hangs."""
         from bench.run.worker import execute_outcome
         from moe_engine.parallel.groups import build_process_groups
         from moe_engine.parallel.layout import Layout
 
         groups = build_process_groups(Layout(scenario.parallel_config))
-        outcome = execute_outcome(scenario, self.device, peak, groups)
-        details = outcome["details"]
-        details.setdefault("peak_tflops", peak)
-        return outcome["status"], outcome["error"], outcome["metrics"], details
+        outcome = execute_outcome(scenario, self.device, peak, groups, peak_fp8)
+        return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]
 
 
 def worker_command(world_size: int) -> list[str]:

@@ -1,6 +1,6 @@
 """Worker process: execute one scenario and write its metrics as JSON.
 
-    python -m bench.run.worker SCENARIO_JSON OUT_JSON --device cpu [--peak-tflops X]
+    python -m bench.run.worker SCENARIO_JSON OUT_JSON --device cpu [--peak-tflops X] [--peak-tflops-fp8 Y]
 
 Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: the ranks join one process group
 (gloo on CPU, NCCL on CUDA), execute their share of the layout, and rank 0 writes the outcome.
@@ -29,7 +29,9 @@ from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 
 
-def execute_outcome(scenario: Scenario, device: torch.device, peak: float | None, groups) -> dict:
+def execute_outcome(
+    scenario: Scenario, device: torch.device, peak: float | None, groups, peak_fp8: float | None = None
+) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
     progress = lambda line: print(line, flush=True)  # noqa: E731
     try:
@@ -38,7 +40,7 @@ def execute_outcome(scenario: Scenario, device: torch.device, peak: float | None
 
             result = run_proxy(scenario, device, progress)
         else:
-            result = execute(scenario, device, peak, progress=progress, groups=groups)
+            result = execute(scenario, device, peak, progress=progress, groups=groups, peak_tflops_fp8=peak_fp8)
         if result is not None:
             outcome["metrics"], outcome["details"] = result.metrics, result.details
     except NonFiniteLoss as err:
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenario_json")
     parser.add_argument("out_json")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense BF16 peak (mfu)")
+    parser.add_argument("--peak-tflops-fp8", type=float, default=None, help="dense FP8 peak (mfu_fp8 of MXFP8 runs)")
     args = parser.parse_args(argv)
 
     with open(args.scenario_json) as handle:
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         device = join_launch(launch, device, scenario.run["timeout_s"])
         groups = build_process_groups(Layout(scenario.parallel_config))
     rank = groups.coords.rank if groups else 0
-    outcome = execute_outcome(scenario, device, args.peak_tflops, groups)
+    outcome = execute_outcome(scenario, device, args.peak_tflops, groups, args.peak_tflops_fp8)
     if rank == 0:
         with open(args.out_json, "w") as handle:
             json.dump(outcome, handle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from result_docs import make_doc
@@ -59,6 +60,137 @@ def test_invalid_result_file_is_bad_input(sides, capsys):
     (cand / "broken.json").write_text(json.dumps({"schema_version": 1}))
     assert main(["gate", "--baseline", str(base), "--candidate", str(cand)]) == 2
     assert "result document invalid" in capsys.readouterr().err
+
+
+# A result file cut off mid-write, one that is valid JSON but not a result document, and one that
+# cannot be read: gate and compare stop on it (exit 2), export and plot skip it with a warning.
+TRUNCATED = '{"timestamp": '
+INVALID = json.dumps(make_doc("t", status="exploded"))
+BAD_FILES = {
+    "truncated": "not valid JSON: Expecting value: line 1 column 15 (char 14)",
+    "schema": "result document invalid at status: 'exploded' is not one of "
+              "['ok', 'failed', 'oom', 'timeout', 'skipped']",
+    "unreadable": "cannot read: Permission denied",
+}
+
+
+@pytest.fixture(params=sorted(BAD_FILES))
+def bad_file(request, sides, monkeypatch):
+    """(path, reason) of a bad file planted in the candidate side."""
+    _, cand = sides
+    path = cand / "old.json"
+    path.write_text(INVALID if request.param == "schema" else TRUNCATED)
+    if request.param == "unreadable":  # chmod is no obstacle to root: refuse the read itself
+        real = Path.open
+
+        def refuse(self, *args, **kwargs):
+            if self == path:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "open", refuse)
+    return path, BAD_FILES[request.param]
+
+
+@pytest.mark.parametrize("command", ["gate", "compare"])
+def test_gate_and_compare_stop_on_a_bad_result_file(sides, bad_file, command, capsys):
+    base, cand = sides
+    path, reason = bad_file
+    argv = ["gate", "--baseline", str(base), "--candidate", str(cand)] if command == "gate" else \
+        ["compare", str(base), str(cand)]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"moe-bench: error: {path}: {reason}\n"
+    assert captured.out == ""
+
+
+def test_export_skips_a_bad_result_file(sides, bad_file, tmp_path, capsys):
+    _, cand = sides
+    path, reason = bad_file
+    out = tmp_path / "e" / "bmf"
+    assert main(["export", str(cand), "--format", "bencher", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == f"moe-bench: warning: {path}: {reason}; skipped\n"
+    exported = json.loads((tmp_path / "e" / "bmf.json").read_text())
+    assert exported["s"]["tokens-per-s-per-gpu"]["value"] == 700  # the good document, still exported
+
+
+def test_plot_skips_a_bad_result_file(sides, bad_file, tmp_path, capsys):
+    _, cand = sides
+    path, reason = bad_file
+    assert main(["plot", str(cand), "--out", str(tmp_path / "plots")]) == 0
+    assert capsys.readouterr().err == f"moe-bench: warning: {path}: {reason}; skipped\n"
+    assert (tmp_path / "plots" / "1xnvidia-h200--s.png").is_file()  # the good document, still drawn
+    assert str(path) in (tmp_path / "plots" / "index.html").read_text()
+
+
+def test_run_redraws_the_plots_past_a_bad_old_result_file(tmp_path, capsys):
+    from bench.scenario import SCENARIOS_DIR
+
+    out = tmp_path / "results"
+    old = out / "0.0.1" / "cpu-box" / "old.json"
+    old.parent.mkdir(parents=True)
+    old.write_text(TRUNCATED)
+    assert main(["run", str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"), "--device", "cpu",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"moe-bench: warning: {old}: {BAD_FILES['truncated']}; skipped" in err.splitlines()
+    assert "Traceback" not in err and "plotting failed" not in err
+    index = (out / "plots" / "index.html").read_text()
+    assert "moe-8e-4.6b" in index and str(old) in index
+
+
+@pytest.mark.parametrize("command", ["gate", "compare", "export"])
+def test_a_folder_without_result_documents_is_bad_input(sides, tmp_path, command, capsys):
+    base, _ = sides
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = {
+        "gate": ["gate", "--baseline", str(base), "--candidate", str(empty)],
+        "compare": ["compare", str(base), str(empty)],
+        "export": ["export", str(empty), "--format", "bencher", "--out", str(tmp_path / "e")],
+    }[command]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"moe-bench: error: {empty}: no result documents\n"
+    (empty / "old.json").write_text(TRUNCATED)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    if command == "export":  # skipped with a warning, then nothing is left
+        assert err == [f"moe-bench: warning: {empty / 'old.json'}: {BAD_FILES['truncated']}; skipped",
+                       f"moe-bench: error: {empty}: no result documents (1 unreadable file skipped)"]
+    else:
+        assert err == [f"moe-bench: error: {empty / 'old.json'}: {BAD_FILES['truncated']}"]
+
+
+def test_plot_of_a_folder_without_result_documents_writes_an_empty_page(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["plot", str(empty), "--out", str(tmp_path / "plots")]) == 0
+    assert capsys.readouterr().err == ""
+    assert "0 document(s)" in (tmp_path / "plots" / "index.html").read_text()
+
+
+def test_gate_on_the_committed_release_baseline(tmp_path, capsys):
+    """The committed (version 1) documents still gate: against themselves, and with peak memory +6%."""
+    import shutil
+
+    from bench.results import REPO_ROOT
+
+    baseline = REPO_ROOT / "results" / "0.1.0" / "cpu-2c-amd-epyc"
+    assert main(["gate", "--baseline", str(baseline), "--candidate", str(baseline)]) == 0
+    assert capsys.readouterr().out.startswith("PASS: 5 scenario(s) compared")
+    cand = tmp_path / "cand"
+    shutil.copytree(baseline, cand)
+    path = cand / "e8-skewed-fp32.json"
+    doc = json.loads(path.read_text())
+    entry = doc["metrics"]["optimizer_state_bytes"]
+    entry["samples"] = [entry["median"] * 1.06]
+    entry["median"] = entry["spread"]["min"] = entry["spread"]["max"] = entry["samples"][0]
+    path.write_text(json.dumps(doc))
+    assert main(["gate", "--baseline", str(baseline), "--candidate", str(cand)]) == 1
+    regressions = [line for line in capsys.readouterr().out.splitlines() if line.startswith("REGRESSION")]
+    assert len(regressions) == 1
+    assert regressions[0].startswith("REGRESSION e8-skewed-fp32 optimizer_state_bytes: ")
+    assert "(x1.060, tolerance 5%, exact value) bytes [cpu-2c-amd-epyc]" in regressions[0]
 
 
 def test_export_and_plot_write_files(sides, tmp_path):

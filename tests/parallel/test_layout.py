@@ -102,3 +102,141 @@ def _wrong_world():
 def test_world_size_mismatch_is_a_clear_error():
     with pytest.raises(RankFailure, match=r"the layout needs 4 ranks \(dp \* pp\) but the process group has 2"):
         run_ranks(_wrong_world, 2, timeout=60)
+
+
+# ---- pipeline layouts: what torch.distributed.pipelining's schedules accept ------------------
+
+
+def test_microbatches_default_to_one_per_stage():
+    assert ParallelConfig().microbatches == 1
+    assert ParallelConfig(pp=4).microbatches == 4
+    assert ParallelConfig(pp=2, schedule="interleaved1f1b", virtual_stages=2).microbatches == 2
+    assert ParallelConfig(pp=3, microbatches=6).microbatches == 6
+    for schedule in ("gpipe", "1f1b", "interleaved1f1b"):
+        ParallelConfig(pp=4, schedule=schedule).validate_executable()  # the default always runs
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(pp=2, schedule="1f1b", microbatches=1),
+         "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=2; got 1"),
+        (dict(pp=4, schedule="1f1b", microbatches=3),
+         "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=4; got 3"),
+        (dict(pp=4, schedule="interleaved1f1b", virtual_stages=2, microbatches=9),
+         "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=4: 9 microbatches "
+         "make 2 rounds and do not split into them (the nearest counts that do: 8, 10)"),
+        (dict(pp=2, schedule="interleaved1f1b", microbatches=5),
+         "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=2: 5 microbatches "
+         "make 2 rounds"),
+    ],
+)
+def test_schedules_refuse_what_torch_refuses_before_any_rank_starts(kwargs, message):
+    config = ParallelConfig(**kwargs)  # the plan prices it; the engine does not run it
+    with pytest.raises(ValueError) as err:
+        config.validate_executable()
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_batch_must_split_over_dp_and_microbatches():
+    ParallelConfig(dp=2, pp=2, microbatches=3).validate_batch(12)
+    with pytest.raises(ValueError, match=r"^run.tokens_per_step: 9 sequences do not split over dp=2$"):
+        ParallelConfig(dp=2).validate_batch(9, field="run.tokens_per_step")
+    with pytest.raises(ValueError, match=r"^parallel.microbatches: 3 sequences per rank do not split into 2 "):
+        ParallelConfig(dp=2, pp=2).validate_batch(6)
+
+
+def _torch_schedule_accepts(schedule: str, pp: int, virtual_stages: int, microbatches: int) -> bool:
+    """Build the engine's torch schedule for rank 0 of the layout in a fake world (nothing runs)."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    from moe_engine.config import PipelineSchedule
+    from moe_engine.parallel.pipeline import _SCHEDULES
+    from moe_engine.proxy.world import join_fake_world, leave_fake_world
+
+    schedule_class = _SCHEDULES[PipelineSchedule(schedule)]
+    stages_total = pp * virtual_stages
+    join_fake_world(0, pp)
+    try:
+        stages = [PipelineStage(nn.Linear(2, 2), s, stages_total, torch.device("cpu"), group=dist.group.WORLD)
+                  for s in range(0, stages_total, pp)]
+        schedule_class(stages if len(stages) > 1 or schedule == "interleaved1f1b" else stages[0], microbatches,
+                       loss_fn=lambda out, target: out.sum())
+        return True
+    except ValueError:
+        return False
+    finally:
+        leave_fake_world()
+
+
+@pytest.mark.parametrize(
+    "schedule,pp,virtual_stages",
+    [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
+     ("interleaved1f1b", 2, 1), ("interleaved1f1b", 2, 2), ("interleaved1f1b", 3, 2), ("interleaved1f1b", 4, 2),
+     ("interleaved1f1b", 4, 3)],
+)
+def test_validation_matches_the_torch_schedules(schedule, pp, virtual_stages):
+    """For every microbatch count up to 4 * pp + 1, the config accepts exactly what torch's schedule
+    constructor accepts: the smallest accepted count is the boundary, and every refusal is torch's too."""
+    from moe_engine.config import PipelineSchedule
+    from moe_engine.parallel.pipeline import _SCHEDULES
+
+    assert set(_SCHEDULES) == set(PipelineSchedule), "every schedule the engine offers is checked"
+    for m in range(1, 4 * pp + 2):
+        config = ParallelConfig(pp=pp, schedule=schedule, virtual_stages=virtual_stages, microbatches=m)
+        try:
+            config.validate_executable()
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert accepted == _torch_schedule_accepts(schedule, pp, virtual_stages, m), (schedule, pp, virtual_stages, m)
+
+
+_BOUNDARY_MODEL = dict(
+    vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=4, dtype="fp32",
+    moe=dict(num_experts=2, top_k=1, expert_hidden=8),
+)
+
+
+def _step_smallest_layouts(layouts):
+    """On each pipeline rank: one step of every layout, each with the fewest microbatches validation accepts."""
+    import torch
+
+    from moe_engine import build_model
+    from moe_engine.parallel.pipeline import Pipeline
+
+    model = {k: v for k, v in _BOUNDARY_MODEL.items() if k != "moe"}
+    config = ModelConfig(**model, moe=MoEConfig(**_BOUNDARY_MODEL["moe"]))
+    losses = []
+    for kwargs in layouts:
+        parallel = ParallelConfig(**kwargs)
+        parallel.validate(config)
+        parallel.validate_executable()
+        pipeline = Pipeline(build_model(config, seed=0), parallel, Layout(parallel).stage_indices(dist.get_rank()),
+                            dist.group.WORLD, torch.device("cpu"))
+        tokens = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(0))
+        loss = pipeline.step(tokens[:, :-1], tokens[:, 1:])
+        losses.append(None if loss is None else float(loss))
+    return losses
+
+
+def test_the_smallest_accepted_microbatch_counts_run_on_two_ranks():
+    """The boundary on real ranks: gpipe and interleaved 1F1B with one microbatch, 1F1B with pp of them."""
+    smallest = []
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved1f1b", 2)):
+        layouts = (dict(pp=2, schedule=schedule, virtual_stages=v, microbatches=m) for m in range(1, 8))
+        smallest.append(next(layout for layout in layouts if _accepts(ParallelConfig(**layout))))
+    assert [layout["microbatches"] for layout in smallest] == [1, 2, 1]
+    ranks = run_ranks(_step_smallest_layouts, 2, smallest, timeout=120)
+    assert ranks[0] == [None, None, None]
+    assert all(loss is not None and loss > 0 for loss in ranks[1])
+
+
+def _accepts(config: ParallelConfig) -> bool:
+    try:
+        config.validate_executable()
+    except ValueError:
+        return False
+    return True

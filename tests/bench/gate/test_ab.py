@@ -121,7 +121,7 @@ def test_gate_report_and_exit_codes():
 
 def test_a_changed_plan_estimate_is_reported_not_gated():
     def plan(total: float) -> SideRun:
-        metrics = {"memory_total_bytes": {"median": total, "unit": "bytes", "better": "lower"}}
+        metrics = {"memory_total_bytes": metric([total], "bytes", "lower")}
         return SideRun("ok", None, metrics, "0.1.0", mode="plan")
 
     grown = paired_gate({"p": [(plan(100.0), plan(150.0)) for _ in range(3)]}, 0.3)
@@ -129,6 +129,53 @@ def test_a_changed_plan_estimate_is_reported_not_gated():
     assert "NOTE p memory_total_bytes: plan estimate changed x1.500 (not gated)" in grown.render()
     same = paired_gate({"p": [(plan(100.0), plan(100.0)) for _ in range(3)]}, 0.3)
     assert same.exit_code == 0 and "plan estimate changed" not in same.render()
+
+
+def test_single_sample_metric_is_gated_as_an_exact_value():
+    """Peak memory, one sample per run; pair ratios 1.06, 1.00, 1.15 (median 1.06) at tolerance 5%.
+
+    Exact value: noise 0, 1.06 > 1.05 -> regressed. The same medians as timings (three samples each)
+    have the IQR of the ratios as noise, inclusive quartiles 1.03 and 1.105: 7.5% > 6% -> unchanged.
+    """
+    def single(value: float) -> dict:
+        return metric([value], "bytes", "lower")
+
+    cands = (106.0, 100.0, 115.0)
+    exact = paired_metric("s", "peak_tensor_bytes", [(single(100.0), single(c)) for c in cands], tolerance=0.05)
+    assert exact.ratio == pytest.approx(1.06) and exact.verdict == "regressed"
+    assert exact.exact and exact.noise == 0.0
+    timing = paired_metric("s", "step_time_s", pairs_of([100.0] * 3, list(cands)), tolerance=0.05)
+    assert not timing.exact and timing.noise == pytest.approx(0.075) and timing.verdict == "unchanged"
+    equal = paired_metric("s", "peak_tensor_bytes", [(single(100.0), single(100.0))] * 3, tolerance=0.0)
+    assert equal.exact and equal.verdict == "unchanged"
+
+    def side(value: float) -> SideRun:
+        return SideRun("ok", None, {"peak_tensor_bytes": single(value)}, "0.1.0")
+
+    report = paired_gate({"s": [(side(100.0), side(c)) for c in cands]}, 0.05)
+    assert report.exit_code == 1
+    text = report.render()
+    assert "REGRESSION s peak_tensor_bytes: x1.060 (pairs 1.060, 1.000, 1.150; tolerance 5%, exact value)" in text
+    assert any(line.split()[-2:] == ["exact", "regressed"] for line in text.splitlines())
+
+
+def test_an_unreadable_side_result_is_a_failed_run(tmp_path, tiny, monkeypatch):
+    """A side that leaves a truncated result file fails that run, naming the file; nothing raises."""
+    from bench.gate import ab
+    from bench.scenario import load_scenario
+
+    def fake_run(command, cwd, env, timeout):
+        folder = Path(command[command.index("--out") + 1]) / "0.1.0" / "cpu-box"
+        folder.mkdir(parents=True)
+        (folder / "tiny-ab.json").write_text('{"timestamp": ')
+        return 0, ""
+
+    monkeypatch.setattr(ab, "_run", fake_run)
+    out = tmp_path / "side"
+    result = ab.run_side(REPO_ROOT, load_scenario(tiny), out, "cpu")
+    bad = out / "0.1.0" / "cpu-box" / "tiny-ab.json"
+    reason = "not valid JSON: Expecting value: line 1 column 15 (char 14)"
+    assert (result.status, result.error) == ("failed", f"{bad}: {reason}")
 
 
 # --------------------------------------------------------------------------------------------

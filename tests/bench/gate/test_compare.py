@@ -385,3 +385,77 @@ def test_skipped_in_candidate_only_fails(tmp_path):
     )
     assert result.exit_code == 1
     assert "NOT-OK smoke-e8: candidate skipped (needs CUDA)" in result.report
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-sample metrics: exact values, no noise allowance (module docstring, "Exact values")
+# ---------------------------------------------------------------------------------------------
+
+# metric, better, baseline value, candidate value, ratio, verdict at tolerance 5% (noise 0: exact)
+EXACT_CASES = [
+    ("up_6_percent", "lower", 100.0, 106.0, 1.06, "regressed"),
+    ("up_5_percent", "lower", 100.0, 105.0, 1.05, "unchanged"),  # not beyond the tolerance
+    ("equal", "lower", 100.0, 100.0, 1.0, "unchanged"),
+    ("down_6_percent", "lower", 100.0, 94.0, 0.94, "improved"),
+    ("ratio_down_6_percent", "higher", 0.5, 0.47, 0.94, "regressed"),
+]
+
+
+def test_single_sample_metrics_are_compared_as_exact_values(tmp_path):
+    base = make_doc(metrics={name: metric([b], "bytes", better) for name, better, b, _, _, _ in EXACT_CASES})
+    cand = make_doc(metrics={name: metric([c], "bytes", better) for name, better, _, c, _, _ in EXACT_CASES})
+    result = run_gate(tmp_path, [base], [cand], tolerance=0.05)
+    for name, _, _, _, ratio, verdict in EXACT_CASES:
+        row = row_of(result, name)
+        assert row.ratio == pytest.approx(ratio) and row.verdict == verdict, name
+        assert (row.exact, row.noise, row.threshold) == (True, 0.0, 0.05)
+        assert (row.base_rel_iqr, row.cand_rel_iqr) == (None, None)
+    assert result.exit_code == 1
+    assert ("REGRESSION smoke-e8 up_6_percent: 100 -> 106 (x1.060, tolerance 5%, exact value) bytes [1xnvidia-h200]"
+            in result.report)
+    exact_zero = gate(result.comparison, 0.0)
+    assert row_of(exact_zero, "equal").verdict == "unchanged"  # equal is unchanged even at tolerance 0
+    assert row_of(exact_zero, "up_5_percent").verdict == "regressed"
+    table = render_table(result.comparison)
+    assert any(line.split() == ["smoke-e8", "up_6_percent", "bytes", "100", "106", "1.060", "exact", "regressed"]
+               for line in table.splitlines())
+
+
+def test_pooled_single_sample_runs_stay_exact(tmp_path):
+    """Peak memory +6% at tolerance 5% regresses, though the noise of a timing would have hidden it.
+
+    Baseline runs 96 and 104, candidate runs 100 and 112 (one sample each): pooled to medians 100 and
+    106, ratio 1.06, noise 0 -> regressed. The same values as the samples of a timing: rel_iqr
+    4/100 (quartiles 98, 102) + 6/106 (quartiles 103, 109) = 9.7% noise > 6% -> unchanged.
+    """
+    def runs(*values):
+        return [make_doc(metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")},
+                         timestamp=f"2025-01-0{i + 1}T00:00:00Z") for i, v in enumerate(values)]
+
+    result = run_gate(tmp_path / "exact", runs(96.0, 104.0), runs(100.0, 112.0), tolerance=0.05)
+    row = row_of(result, "peak_tensor_bytes")
+    assert (row.base, row.cand, row.base_n, row.cand_n) == (100.0, 106.0, 2, 2)
+    assert row.ratio == pytest.approx(1.06) and row.verdict == "regressed" and result.exit_code == 1
+    assert row.exact and row.noise == 0.0
+    pooled = result.comparison.base_groups[("smoke-e8", "1xnvidia-h200")].metrics["peak_tensor_bytes"]
+    assert pooled["samples"] == [96.0, 104.0] and pooled["spread"] is None
+
+    timing = run_gate(tmp_path / "timing", [make_doc(metrics={"step_time_s": metric([96.0, 104.0], "s", "lower")})],
+                      [make_doc(metrics={"step_time_s": metric([100.0, 112.0], "s", "lower")})], tolerance=0.05)
+    row = row_of(timing, "step_time_s")
+    assert not row.exact and row.noise == pytest.approx(0.04 + 6 / 106) and row.ratio == pytest.approx(1.06)
+    assert row.verdict == "unchanged" and timing.exit_code == 0
+
+
+def test_versions_table_compares_single_sample_metrics_exactly(tmp_path):
+    """bench.release.images' table takes compare's verdicts: the pooled case above, image against image."""
+    from bench.release.images import compare_versions
+
+    def runs(label, version, *values):
+        return side(tmp_path, label, *(
+            make_doc(metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")}, version=version,
+                     timestamp=f"2025-01-0{i + 1}T00:00:00Z") for i, v in enumerate(values)))
+
+    table = compare_versions({"moe-engine:0.1.0": runs("a", "0.1.0", 96.0, 104.0),
+                              "moe-engine:0.2.0": runs("b", "0.2.0", 100.0, 112.0)})
+    assert "| smoke-e8 | peak_tensor_bytes | bytes | 100 | 106 (x1.060, regressed) |" in table.splitlines()

@@ -75,11 +75,12 @@ def test_bencher_bmf(docs):
     measures = data["smoke-e8"]
     assert set(measures) == {"tokens-per-s-per-gpu", "step-time-s", "peak-tensor-bytes", "loss"}
     assert measures["tokens-per-s-per-gpu"] == {"value": 1000, "lower_value": 900, "upper_value": 1100}
-    assert measures["peak-tensor-bytes"] == {"value": 2048, "lower_value": 2048, "upper_value": 2048}
+    assert measures["peak-tensor-bytes"] == {"value": 2048}  # one sample: no bounds
     assert measures["loss"] == {"value": 2.25, "lower_value": 2.0, "upper_value": 2.5}
     for metric_obj in measures.values():
         assert all(isinstance(v, (int, float)) for v in metric_obj.values())
-        assert metric_obj["lower_value"] <= metric_obj["value"] <= metric_obj["upper_value"]
+        assert metric_obj.get("lower_value", metric_obj["value"]) <= metric_obj["value"]
+        assert metric_obj["value"] <= metric_obj.get("upper_value", metric_obj["value"])
     files = export_files(docs, "bencher")
     assert list(files) == [".json"] and json.loads(files[".json"]) == data
 
@@ -91,6 +92,21 @@ def test_repeated_runs_are_pooled(tmp_path):
                           timestamp="2025-01-02T00:00:00Z"), folder)
     bmf = export_bencher(load_results(folder))
     assert bmf == {"smoke-e8": {"tokens-per-s-per-gpu": {"value": 200, "lower_value": 100, "upper_value": 300}}}
+
+
+def test_single_sample_metrics_are_exported_without_a_spread(tmp_path):
+    """One sample per run (a peak, a count) has no spread: no range, no bounds, even pooled over runs."""
+    folder = tmp_path / "r"
+    write_result(make_doc(metrics={"peak_tensor_bytes": metric([2048], "bytes", "lower")}), folder)
+    gab = export_github_action_benchmark(load_results(folder))
+    assert gab[SMALLER_TOOL] == [{"name": "smoke-e8/peak_tensor_bytes", "unit": "bytes", "value": 2048,
+                                  "extra": "machine: 1xnvidia-h200\nengine: 0.1.0 (0123456789ab)\nsamples: 1"}]
+    write_result(make_doc(metrics={"peak_tensor_bytes": metric([4096], "bytes", "lower")},
+                          timestamp="2025-01-02T00:00:00Z"), folder)
+    docs = load_results(folder)
+    assert export_bencher(docs) == {"smoke-e8": {"peak-tensor-bytes": {"value": 3072}}}
+    (entry,) = export_github_action_benchmark(docs)[SMALLER_TOOL]
+    assert "range" not in entry and entry["value"] == 3072 and "samples: 2 (2 runs)" in entry["extra"]
 
 
 def test_several_machines_need_machine_in_name(tmp_path):

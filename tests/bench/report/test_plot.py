@@ -10,7 +10,7 @@ import pytest
 
 from bench.report import plot
 from bench.report.plot import plot_results, sort_versions, sweep_groups, version_sort_key
-from bench.results import load_results, metric, result_dir, scenario_hash, write_result
+from bench.results import SCHEMA_VERSION, load_results, metric, result_dir, scenario_hash, write_result
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -52,7 +52,7 @@ def spec_for(name: str, num_experts: int = 8, top_k: int = 2, d_model: int = 256
 def make_doc(version: str, machine: str, spec: dict, *, status: str = "ok", error: str | None = None,
              metrics: dict | None = None, mode: str = "execute") -> dict:
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "engine": {"version": version, "git_commit": None, "git_dirty": None},
         "timestamp": "2025-01-01T00:00:00Z",
         "machine": MACHINES[machine],
@@ -233,3 +233,45 @@ def test_headline_metric_preference():
     assert plot.headline_metric([{"mem": info, "step_time_s": lat}]) == "step_time_s"
     assert plot.headline_metric([{"mem": info}]) is None
     assert plot.headline_metric([]) is None
+
+
+def test_single_sample_metrics_are_drawn_without_a_spread(tmp_path: Path, monkeypatch):
+    """A one-sample metric (spread null) gets plain points: no min..max bars and no IQR band."""
+    from matplotlib.collections import PolyCollection
+    from matplotlib.container import ErrorbarContainer
+
+    root = tmp_path / "results"
+    for i, version in enumerate(["0.1.0", "0.2.0"]):
+        write(root, make_doc(version, "cpu-box", spec_for("smoke"), metrics={
+            "step_time_s": metric([0.5, 0.52, 0.49], "s", "lower"),
+            "peak_memory_gib": metric([3.2 + i], "GiB", "lower"),
+        }))
+    drawn = {}
+    save = plot._save
+
+    def capture(fig, path):
+        drawn[path.name] = {
+            ax.get_title(): (any(isinstance(c, ErrorbarContainer) for c in ax.containers),
+                             any(isinstance(c, PolyCollection) for c in ax.collections))
+            for ax in fig.axes if ax.get_visible()
+        }
+        return save(fig, path)
+
+    monkeypatch.setattr(plot, "_save", capture)
+    plot_results(root, tmp_path / "plots")
+    axes = drawn["cpu-box--smoke.png"]
+    assert axes["step_time_s ↓ better"] == (True, True)  # bars, band
+    assert axes["peak_memory_gib ↓ better"] == (False, False)
+
+
+def test_unreadable_result_files_are_skipped_and_listed(tmp_path: Path):
+    root = tmp_path / "results"
+    write(root, make_doc("0.1.0", "cpu-box", spec_for("smoke"), metrics=execute_metrics(1.0)))
+    bad = root / "0.1.0" / "cpu-box" / "old.json"
+    bad.write_text('{"timestamp": ')
+    skipped = []
+    written = plot_results(root, tmp_path / "plots", on_bad_file=skipped.append)
+    assert [str(e) for e in skipped] == [f"{bad}: not valid JSON: Expecting value: line 1 column 15 (char 14)"]
+    assert {p.name for p in written} == {"summary.png", "cpu-box--smoke.png", "index.html"}
+    index = (tmp_path / "plots" / "index.html").read_text()
+    assert "Skipped files (1)" in index and str(bad) in index and "Expecting value" in index

@@ -80,6 +80,23 @@ BAD_INPUTS = [
     ("world-size", variant(parallel={"dp": 2, "world_size": 4}), "parallel.world_size: 4 != dp * pp = 2"),
     ("plan-without-cluster", variant(mode="plan"), "(top level): 'cluster' is a required property"),
     ("tokens", variant(run__tokens_per_step=100), "run.tokens_per_step: 100 is not a multiple of model.seq_len=32"),
+    # Pipeline layouts torch.distributed.pipelining refuses: caught here, not 10 s later inside the ranks.
+    ("pp2-1f1b-one-microbatch", variant(parallel={"pp": 2, "microbatches": 1}),
+     "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=2; got 1"),
+    ("pp2-interleaved-rounds",
+     variant(model__n_layers=4, run__tokens_per_step=320,
+             parallel={"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2, "microbatches": 5}),
+     "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=2: 5 microbatches "
+     "make 2 rounds and do not split into them (the nearest counts that do: 4, 6)"),
+    ("virtual-stages-schedule", variant(model__n_layers=4, parallel={"pp": 2, "virtual_stages": 2}),
+     "parallel.virtual_stages: more than one stage per rank needs schedule interleaved1f1b"),
+    ("stages-blocks", variant(parallel={"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2}),
+     "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2"),
+    ("batch-microbatches", variant(parallel={"dp": 2, "microbatches": 3}),
+     "parallel.microbatches: 2 sequences per rank do not split into 3 microbatches"),
+    ("batch-default-microbatches", variant(parallel={"pp": 2}, run__tokens_per_step=96),
+     "parallel.microbatches: 3 sequences per rank do not split into 2 microbatches (parallel.microbatches is not "
+     "set: it defaults to pp=2)"),
 ]
 
 
@@ -99,13 +116,21 @@ def test_bad_input_stops_before_any_work(tmp_path, capsys, name, data, message):
     assert not out.exists(), "nothing may be written on bad input"
 
 
-def test_missing_file_and_plan_of_execute_scenario(tmp_path, capsys):
+def test_missing_file(tmp_path, capsys):
     assert main(["run", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "r")]) == 2
     assert "no such scenario file" in capsys.readouterr().err
-    execute = write_scenario(tmp_path, "exec", TINY)
-    assert main(["plan", str(execute), "--out", str(tmp_path / "r")]) == 2
-    assert "is not a plan scenario" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "r")]) == 2
+    assert "no such scenario file" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_pipeline_without_microbatches_gets_one_per_stage(tmp_path):
+    path = write_scenario(tmp_path, "pp2", variant(parallel={"pp": 2}))
+    scenario = load_scenario(path)
+    # The scenario as run names the count that runs (1F1B needs at least pp).
+    assert scenario.parallel["microbatches"] == scenario.parallel_config.microbatches == 2
+    scenario.parallel_config.validate_executable()
+    assert load_scenario(write_scenario(tmp_path, "pp1", TINY)).parallel["microbatches"] == 1
 
 
 def run_cli(tmp_path, *scenarios) -> tuple[int, list]:
@@ -207,3 +232,117 @@ def test_run_stops_when_the_results_folder_is_not_writable(tmp_path, capsys):
     assert main(["run", "scenarios/smoke/e8-random-bf16.yaml", "--out", str(blocker / "results")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("moe-bench: error:") and "results folder not writable" in err and "HOST_UID" in err
+
+
+# ---- memory check before starting ----------------------------------------------------------------
+
+GPU_SCENARIO = SCENARIOS_DIR / "gpu" / "e8-top4-random-bf16.yaml"  # 0.7B parameters, 16 x 4096 tokens a step
+
+
+class WorkerStarted(AssertionError):
+    pass
+
+
+def no_worker(*args, **kwargs):
+    raise WorkerStarted("a worker process was started")
+
+
+def fake_host(monkeypatch, available_gib: float):
+    """This host has ``available_gib`` free; the CPU peak measurement is skipped."""
+    from bench.run import execute, runner
+
+    source = "MemAvailable in /proc/meminfo"
+    monkeypatch.setattr(runner, "available_memory_bytes", lambda device: (int(available_gib * 2**30), source),
+                        raising=False)
+    monkeypatch.setattr(execute, "measure_peak_tflops", lambda device, dtype, seconds=1.0: 1.0)
+
+
+def test_a_scenario_that_cannot_fit_is_recorded_oom_without_starting(tmp_path, monkeypatch, capsys):
+    from bench.predict.plan import plan_scenario
+    from bench.run import execute, runner
+
+    fake_host(monkeypatch, 22.8)
+    monkeypatch.setattr(runner, "run_with_timeout", no_worker)
+    popen = runner.subprocess.Popen
+
+    def no_worker_process(command, *args, **kwargs):  # git and platform queries may still run
+        if any("bench.run.worker" in str(part) for part in command):
+            no_worker()
+        return popen(command, *args, **kwargs)
+
+    monkeypatch.setattr(runner.subprocess, "Popen", no_worker_process)
+    monkeypatch.setattr(execute, "measure_peak_tflops", no_worker)  # refused before any measurement too
+    out = tmp_path / "results"
+    assert main(["run", str(GPU_SCENARIO), "--out", str(out), "--device", "cpu", "--no-plots"]) == 1
+    (doc,) = load_results(out)
+    planned = plan_scenario(load_scenario(GPU_SCENARIO))[0]["memory_total_bytes"]["median"]
+    assert planned > 40 * 2**30
+    assert doc.status == "oom" and doc.metrics == {}
+    assert doc.data["error"] == (
+        f"planned {planned / 2**30:.1f} GiB per rank, 22.8 GiB available (MemAvailable in /proc/meminfo); "
+        "not started (moe-bench run --force starts it anyway)"
+    )
+    assert doc.data["duration_s"] < 0.5
+    check = doc.data["details"]["memory_check"]
+    assert check["pools"][0]["planned_bytes"] == planned and check["forced"] is False
+    assert "planned" in capsys.readouterr().out
+
+
+def test_force_starts_it_anyway(tmp_path, monkeypatch):
+    from bench.run import runner
+
+    fake_host(monkeypatch, 22.8)
+    started = []
+
+    def fake_worker(command, timeout, on_line, env=None):
+        started.append(command)
+        Path(command[command.index("--device") - 1]).write_text(
+            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
+        return 0, []
+
+    monkeypatch.setattr(runner, "run_with_timeout", fake_worker)
+    out = tmp_path / "results"
+    assert main(["run", str(GPU_SCENARIO), "--out", str(out), "--device", "cpu", "--no-plots", "--force"]) == 0
+    assert len(started) == 1
+    (doc,) = load_results(out)
+    check = doc.data["details"]["memory_check"]
+    assert doc.status == "ok" and check["forced"] is True and check["shortfall"].startswith("planned ")
+
+
+def test_a_scenario_that_fits_is_started(tmp_path, monkeypatch):
+    from bench.run import runner
+
+    fake_host(monkeypatch, 22.8)
+    monkeypatch.setattr(runner, "run_with_timeout", no_worker)
+    with pytest.raises(WorkerStarted):
+        main(["run", str(write_scenario(tmp_path, "tiny", TINY)), "--out", str(tmp_path / "r"), "--device", "cpu"])
+
+
+def test_ranks_sharing_a_host_are_summed_and_the_margin_is_kept():
+    from bench.run.runner import MEMORY_MARGIN, RankMemory, memory_shortfall
+
+    gib = 2**30
+    assert MEMORY_MARGIN == 0.10
+
+    def host(*planned, available, name="h"):
+        return [RankMemory(r, name, "cpu", int(p * gib), int(available * gib), "MemAvailable")
+                for r, p in enumerate(planned)]
+
+    # Two pipeline stages of 10 and 2 GiB on a 13 GiB host fit, though 10 > 13 / 2.
+    assert memory_shortfall(host(10, 2, available=13))[0] is None
+    reason, pools = memory_shortfall(host(10, 2, available=10))
+    assert reason == ("planned 12.0 GiB for the 2 ranks sharing this host's memory (10.0 GiB on the most loaded), "
+                      "10.0 GiB available (MemAvailable); not started")
+    assert pools == [{"pool": "this host's memory", "ranks": 2, "planned_bytes": 12 * gib, "available_bytes": 10 * gib,
+                      "source": "MemAvailable"}]
+    # Within the margin the run decides; past it, it is refused.
+    assert memory_shortfall(host(10.9, available=10))[0] is None
+    assert memory_shortfall(host(11.1, available=10))[0].startswith("planned 11.1 GiB per rank, 10.0 GiB available")
+    # Hosts of a launch are pools of their own (named by index, not by host name) ...
+    two_nodes = host(10, available=10.5, name="a") + host(10, available=10.5, name="b")
+    assert memory_shortfall(two_nodes)[0] is None
+    assert [p["pool"] for p in memory_shortfall(two_nodes)[1]] == ["node 0's memory", "node 1's memory"]
+    # ... and so are GPUs: one full GPU is enough to refuse.
+    gpus = [RankMemory(0, "h", "cuda:0", 5 * gib, 80 * gib, "free"),
+            RankMemory(1, "h", "cuda:1", 90 * gib, 80 * gib, "free")]
+    assert memory_shortfall(gpus)[0] == "planned 90.0 GiB per rank, 80.0 GiB available (free); not started"

@@ -1,0 +1,157 @@
+"""``bench.machine``: datasheet peaks by exact device name, MFU against them (BF16, and FP8 for MXFP8 runs),
+and the memory a host or GPU has free. Device names are faked: no GPU is needed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import machine
+
+CUDA = torch.device("cuda")
+
+
+def fake_gpu(monkeypatch, name: str) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+
+
+@pytest.mark.parametrize(
+    "name,bf16,fp8",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.5, 1979.0),  # SXM5
+        ("NVIDIA H100 PCIe", 756.5, 1513.0),
+        ("NVIDIA H100 NVL", 835.5, 1670.5),
+        ("NVIDIA H200", 989.5, 1979.0),  # SXM
+        ("NVIDIA H200 NVL", 835.5, 1670.5),
+        ("NVIDIA B200", 2250.0, 4500.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0, None),
+        ("NVIDIA A100 80GB PCIe", 312.0, None),
+    ],
+)
+def test_each_part_gets_its_own_datasheet_peak(monkeypatch, name, bf16, fp8):
+    fake_gpu(monkeypatch, name)
+    peak, source = machine.device_peak(CUDA)
+    assert (peak.bf16, peak.fp8) == (bf16, fp8)
+    assert name in source and "datasheet" in source
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 SXM5 94GB", "NVIDIA H800", "NVIDIA GeForce RTX 4090", "H200"])
+def test_an_unknown_part_gets_no_peak_and_a_reason(monkeypatch, name):
+    # A name that merely contains a listed one is not that part: PCIe, NVL and SXM parts differ by 20-25%.
+    fake_gpu(monkeypatch, name)
+    peak, reason = machine.device_peak(CUDA)
+    assert peak is None and repr(name) in reason and "left out rather than guessed" in reason
+
+
+def test_the_table_holds_dense_figures():
+    for name, peak in machine.GPU_PEAKS.items():
+        # FP8 doubles BF16 on every listed part (the datasheets round each figure on its own).
+        assert peak.fp8 is None or peak.fp8 == pytest.approx(2 * peak.bf16, rel=1e-3), name
+        assert peak.bf16 < 2500, name  # a with-sparsity figure would be twice the dense one
+
+
+def test_available_memory_of_this_host():
+    free, source = machine.available_memory_bytes(torch.device("cpu"))
+    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                 if line.startswith("MemTotal:"))
+    assert 0 < free <= total and "MemAvailable" in source
+
+
+# ---- MFU through the runner and the worker ------------------------------------------------------
+
+TINY = {
+    "schema_version": 1,
+    "mode": "execute",
+    "model": {
+        "vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
+    },
+    "routing": {"mode": "random", "seed": 0},
+    "precision": "mxfp8",
+    "run": {"warmup_steps": 0, "steps": 2, "tokens_per_step": 64, "timeout_s": 120},
+}
+
+
+def _fake_cuda_runner(monkeypatch, tmp_path, name: str):
+    """A runner on a faked one-GPU host; the worker is replaced by one that records its command."""
+    from bench.run import runner as runner_module
+
+    fake_gpu(monkeypatch, name)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runner_module, "available_memory_bytes", lambda device: (80 * 2**30, "faked"), raising=False)
+    commands = []
+
+    def fake_worker(command, timeout, on_line, env=None):
+        commands.append(command)
+        out = Path(command[command.index("--device") - 1])
+        out.write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
+        return 0, []
+
+    monkeypatch.setattr(runner_module, "run_with_timeout", fake_worker)
+    return runner_module.Runner(CUDA, tmp_path), commands
+
+
+def _flag(command: list[str], name: str) -> float | None:
+    return float(command[command.index(name) + 1]) if name in command else None
+
+
+def test_an_mxfp8_run_gets_the_fp8_peak_too(monkeypatch, tmp_path):
+    from bench.scenario import scenario_from_dict
+
+    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H200")
+    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    (command,) = commands
+    assert _flag(command, "--peak-tflops") == 989.5 and _flag(command, "--peak-tflops-fp8") == 1979.0
+    assert outcome.details["peak_tflops_fp8"] == 1979.0 and "H200 SXM" in outcome.details["peak_tflops_source"]
+    # A bf16 run is measured against the BF16 peak alone.
+    bf16 = scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16", "name": "bf"})
+    runner.run_one(bf16, lambda line: None)
+    assert _flag(commands[1], "--peak-tflops") == 989.5 and _flag(commands[1], "--peak-tflops-fp8") is None
+
+
+def test_a_pcie_part_is_not_measured_against_the_sxm_peak(monkeypatch, tmp_path):
+    from bench.scenario import scenario_from_dict
+
+    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H100 PCIe")
+    runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    assert _flag(commands[0], "--peak-tflops") == 756.5 and _flag(commands[0], "--peak-tflops-fp8") == 1513.0
+
+
+def test_an_unknown_gpu_records_why_it_has_no_mfu(monkeypatch, tmp_path):
+    from bench.scenario import scenario_from_dict
+
+    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA Hypothetical X1")
+    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    assert "--peak-tflops" not in commands[0] and "--peak-tflops-fp8" not in commands[0]
+    missing = outcome.details["mfu_unavailable"]
+    assert set(missing) == {"mfu", "mfu_fp8"} and "'NVIDIA Hypothetical X1'" in missing["mfu"]
+    doc = json.loads(outcome.path.read_text())
+    assert doc["details"]["mfu_unavailable"] == missing and doc["details"]["peak_tflops"] is None
+
+
+def test_a_gpu_without_fp8_says_so_for_an_mxfp8_run(monkeypatch, tmp_path):
+    from bench.scenario import scenario_from_dict
+
+    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA A100-SXM4-80GB")
+    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    assert _flag(commands[0], "--peak-tflops") == 312.0 and "--peak-tflops-fp8" not in commands[0]
+    assert "no FP8" in outcome.details["mfu_unavailable"]["mfu_fp8"] and "mfu" not in outcome.details["mfu_unavailable"]
+
+
+@pytest.mark.slow
+def test_execute_reports_mfu_against_both_peaks():
+    from bench.run.execute import execute
+    from bench.scenario import scenario_from_dict
+
+    result = execute(scenario_from_dict(copy.deepcopy(TINY)), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0)
+    m = result.metrics
+    for mfu, mfu_fp8, tflops in zip(m["mfu"]["samples"], m["mfu_fp8"]["samples"], m["tflops_per_gpu"]["samples"]):
+        assert mfu == pytest.approx(tflops / 2.0) and mfu_fp8 == pytest.approx(tflops / 4.0)
+    assert result.details["peak_tflops_fp8"] == 4.0
+    bf16 = execute(scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), 2.0,
+                   peak_tflops_fp8=4.0)
+    assert "mfu" in bf16.metrics and "mfu_fp8" not in bf16.metrics  # the FP8 peak bounds MXFP8 runs only
