@@ -69,21 +69,23 @@ def test_plan_of_an_execute_scenario_by_hand(planned):
     """scenarios/gpu/e8-top4-random-bf16.yaml: one rank holds the whole model (dp = ep = pp = 1)."""
     _, _, docs = planned
     doc = docs["e8-top4-random-bf16.plan"].data
-    # V 50304, D 2048, L 8, 16 heads of 128 (q 2048), 4 kv heads (kv 512), E 8 experts of F 1024.
+    # V 50304, D 2048, L 4, 16 heads of 128 (q 2048), 4 kv heads (kv 512), E 8 experts of F 1024.
     attention = 2 * 2048 * 2048 + 2 * 2048 * 512  # q, o + k, v = 10485760 per block
     norms = 2 * 2048  # two RMSNorms per block
     router = 8 * 2048  # fp32
-    experts = 8 * 8 * 3 * 2048 * 1024  # 8 blocks x 8 experts x (gate, up, down)
-    dense_lowp = 2 * 50304 * 2048 + 2048 + 8 * (attention + norms)  # embedding, LM head, final norm, blocks
+    experts = 4 * 8 * 3 * 2048 * 1024  # 4 blocks x 8 experts x (gate, up, down)
+    dense_lowp = 2 * 50304 * 2048 + 2048 + 4 * (attention + norms)  # embedding, LM head, final norm, blocks
     per_rank = doc["details"]["per_rank"]
-    assert per_rank["dense_params"] == dense_lowp + 8 * router
+    assert per_rank["dense_params"] == dense_lowp + 4 * router
     assert per_rank["local_expert_params"] == experts
     m = {k: v["median"] for k, v in doc["metrics"].items()}
-    assert m["total_params"] == dense_lowp + 8 * router + experts
+    assert m["total_params"] == dense_lowp + 4 * router + experts
     # bf16: 2 bytes per parameter and gradient, 12 of optimizer state; the router 4 / 4 / 8.
-    assert m["memory_params_bytes"] == 2 * (dense_lowp + experts) + 4 * 8 * router
-    assert m["memory_grads_bytes"] == 2 * (dense_lowp + experts) + 4 * 8 * router
-    assert m["memory_optimizer_bytes"] == 12 * (dense_lowp + experts) + 8 * 8 * router
+    assert m["memory_params_bytes"] == 2 * (dense_lowp + experts) + 4 * 4 * router
+    assert m["memory_grads_bytes"] == 2 * (dense_lowp + experts) + 4 * 4 * router
+    assert m["memory_optimizer_bytes"] == 12 * (dense_lowp + experts) + 8 * 4 * router
+    # One H200 (the scenario's cluster section): the fraction of its 139 GiB.
+    assert m["memory_fraction_of_gpu"] == pytest.approx(m["memory_total_bytes"] / (139 * 2**30))
     # 65536 tokens per step, dp 1, microbatches defaulted to pp = 1: one microbatch of 16 sequences.
     assert doc["details"]["layout"]["tokens_per_microbatch_per_rank"] == 65536
     assert doc["details"]["layout"]["microbatches"] == 1
