@@ -239,10 +239,12 @@ def test_other_bad_input(tmp_path, argv, message, capsys):
 @needs_checkout
 @pytest.mark.slow
 def test_ab_against_head(tmp_path, tiny, capsys):
-    """Same engine on both sides (HEAD's code in a worktree vs this checkout): ratios near 1, the gate passes."""
+    """Same engine on both sides (HEAD's code in a worktree vs this checkout): both sides run, pair up
+    and the gate passes. The tolerance is wide on purpose: this tests the mechanism, and a timing
+    verdict on a shared machine would test the machine's load (the gate's power is a benchmark)."""
     before = worktrees()
     keep = tmp_path / "kept"
-    code = main(["ab", str(tiny), "--baseline-ref", "HEAD", "--pairs", "3", "--tolerance", "30%", "--device", "cpu",
+    code = main(["ab", str(tiny), "--baseline-ref", "HEAD", "--pairs", "3", "--tolerance", "95%", "--device", "cpu",
                  "--out", str(keep)])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -255,9 +257,7 @@ def test_ab_against_head(tmp_path, tiny, capsys):
 
     base, cand = docs("baseline"), docs("candidate")
     assert len(base) == len(cand) == 3 and all(d["status"] == "ok" for d in base + cand)
-    # A deterministic metric agrees exactly; timings agree within what a shared machine allows.
+    # Deterministic metrics agree exactly: same seed, same code, same numbers.
     for b, c in zip(base, cand):
         assert b["metrics"]["optimizer_state_bytes"]["median"] == c["metrics"]["optimizer_state_bytes"]["median"]
-    ratios = sorted(c["metrics"]["tokens_per_s_per_gpu"]["median"] / b["metrics"]["tokens_per_s_per_gpu"]["median"]
-                    for b, c in zip(base, cand))
-    assert 0.5 < ratios[1] < 2.0, ratios
+        assert b["metrics"]["loss"]["samples"] == c["metrics"]["loss"]["samples"]
