@@ -202,9 +202,10 @@ def _load_side(path: str, skip_bad: bool = False):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from bench.gate.compare import compare, render_rich_table
+    from bench.gate.compare import compare, render_rich_table, work_findings
 
     try:
+        accept = _accepted_work(args.accept_work)
         comparison = compare(_load_side(args.base), _load_side(args.cand))
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
@@ -213,6 +214,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     Console(width=160).print(render_rich_table(comparison, title=f"{args.base} -> {args.cand}"))
     for issue in comparison.issues:
         print(issue.describe())
+    for line in work_findings(comparison, accept):
+        print(line)
     return EXIT_OK
 
 
@@ -221,7 +224,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     try:
         tolerance = parse_tolerance(args.tolerance)
-        result = gate(compare(_load_side(args.baseline), _load_side(args.candidate), tolerance), tolerance)
+        accept = _accepted_work(args.accept_work)
+        result = gate(compare(_load_side(args.baseline), _load_side(args.candidate), tolerance), tolerance, accept)
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
     print(result.report, end="")
@@ -288,8 +292,9 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from bench.gate.ab import ABError, plan_ab, run_ab
+    from bench.gate.ab import ABError, plan_ab, render_calibration, run_ab, run_calibration
     from bench.gate.compare import parse_tolerance
+    from bench.gate.resident import WorkerDied
     from bench.run.runner import expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
@@ -300,20 +305,41 @@ def cmd_ab(args: argparse.Namespace) -> int:
         missing = [f for f in files if not Path(f).exists()]
         if missing:
             return _fail(f"{missing[0]}: no such scenario file")
+        accept = _accepted_work(args.accept_work)
+        scenarios = load_all(files)
+        if args.calibrate:
+            found = run_calibration(scenarios, args.budget, device=args.device, log=lambda line: print(line, flush=True))
+            print(render_calibration(found, args.budget), end="")
+            return EXIT_OK
         keep = Path(args.out) if args.out else None
         if keep is not None and keep.exists() and any(keep.iterdir()):
             return _fail(f"{keep}: --out must be a new or empty folder")
-        plan = plan_ab(args.baseline_ref, load_all(files), args.pairs, tolerance)
-    except (ABError, ScenarioError, ValueError) as err:
+        plan = plan_ab(args.baseline_ref, scenarios, tolerance, args.budget, accept_work=accept)
+    except (ABError, ScenarioError, ValueError, WorkerDied) as err:
         return _fail(str(err))
-    print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s) "
-          f"x {plan.pairs} pairs, alternating", flush=True)
+    print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
+          f"resident blocks for up to {plan.budget_s:g} s each", flush=True)
     try:
         report = run_ab(plan, device=args.device, keep=keep, log=lambda line: print(line, flush=True))
     except ABError as err:  # the baseline worktree could not be made
         return _fail(str(err))
     print(report.render(), end="")
     return report.exit_code
+
+
+def _accepted_work(value: str | None) -> frozenset[str] | None:
+    """``--accept-work`` (every work metric) or ``--accept-work a,b``; unknown names are bad input."""
+    from bench.gate.compare import WORK_METRICS
+
+    if value is None:
+        return None
+    if value == "all":
+        return frozenset(WORK_METRICS)
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    unknown = sorted(names - set(WORK_METRICS))
+    if unknown:
+        raise ValueError(f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRICS))})")
+    return names
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
@@ -350,15 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", default="results", help="results root (default: results)")
     plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", plots=False), plan_only=True))
 
+    accept_work_help = ("accept an increase of these work counters (comma-separated work_* names; none given: "
+                        "every one): reported as accepted, not failed")
     compare = sub.add_parser("compare", help="compare two result sets metric by metric")
     compare.add_argument("base")
     compare.add_argument("cand")
+    compare.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS", help=accept_work_help)
     compare.set_defaults(func=cmd_compare)
 
-    gate = sub.add_parser("gate", help="exit 1 on a regression outside tolerance and noise")
+    gate = sub.add_parser("gate", help="exit 1 on a regression outside tolerance and noise, or on more work")
     gate.add_argument("--baseline", required=True)
     gate.add_argument("--candidate", required=True)
     gate.add_argument("--tolerance", default="5%")
+    gate.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS", help=accept_work_help)
     gate.set_defaults(func=cmd_gate)
 
     export = sub.add_parser("export", help="export metrics for CI dashboards")
@@ -377,7 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("files", nargs="*", help="scenario files or folders (default: the --suite)")
     ab.add_argument("--baseline-ref", help="git ref of the baseline (default: the latest release in releases.json)")
     ab.add_argument("--suite", help="suite from scenarios/suites.yaml (default: ci)")
-    ab.add_argument("--pairs", type=int, default=3, help="baseline/candidate pairs per scenario (at least 3)")
+    ab.add_argument("--budget", type=float, default=60.0,
+                    help="seconds of alternating resident blocks per scenario, at most (default 60)")
+    ab.add_argument("--calibrate", action="store_true",
+                    help="A/A on this machine: the noise floor and the smallest tolerance for --budget")
+    ab.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS",
+                    help="accept an increase of these work metrics (comma-separated; none given: all)")
     ab.add_argument("--tolerance", default="5%")
     ab.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ab.add_argument("--out", help="keep every run's result document here (default: discarded)")

@@ -1,24 +1,31 @@
-"""A/B gate: a baseline git ref against this checkout, run alternately in one job, gated on paired ratios.
+"""A/B gate: a baseline git ref against this checkout in one job, timed by resident workers.
 
 The baseline is checked out into a temporary ``git worktree`` and runs with ``PYTHONPATH`` pointing
 at it (same virtual environment, no reinstall); the candidate is this checkout, uncommitted changes
 included. Both sides run the candidate's scenario files, so the workload is the same and only the
-engine (and the runner) differ. For each scenario the sides take turns, A B A B ..., one
-``moe-bench run`` each, so that drift of a shared machine (other jobs, clocks, thermals) hits both
-sides of a pair alike.
+engine (and the runner) differ.
 
-Paired gate
------------
-Per pair i and metric: ``r_i = cand_median_i / base_median_i`` (``bench.gate.compare`` conventions for
-zero and negative baselines). The gate reads ``ratio = median_i r_i`` and the noise
-``= IQR of the r_i`` (inclusive quartiles), and classifies like ``bench.gate.compare``: a metric with a
-direction regressed when ``|ratio - 1|`` exceeds both the tolerance and the noise in the worse
-direction. A metric with no spread in any run (one sample per run: peak memory, optimizer state
-bytes; ``"spread": null``) is an exact value, as in ``bench.gate.compare``: its noise is 0, not the
-IQR of its pair ratios, so a median ratio beyond the tolerance in the worse direction regresses and
-equal values are unchanged. A scenario that is not ok in any candidate run fails the gate; one that
-fails only in the baseline (e.g. a scenario newer than the baseline's code) is reported and not
-compared. A side whose result file cannot be read back counts as a failed run, naming the file.
+Per execute scenario:
+
+1. one ``moe-bench run`` per side gives each side's result document: status, the exact metrics (one
+   sample per run: peak memory, optimizer state bytes, the work counters) and, for a plan scenario,
+   its estimates;
+2. two resident workers (``bench.gate.resident``), one per side, built and warmed once, run short
+   blocks of steps in alternation until the paired test on the block times
+   (``bench.gate.paired``: Hodges-Lehmann estimate, Wilcoxon signed-rank interval) decides or the
+   scenario's time budget is spent. That verdict is the gate's verdict on speed: regressed,
+   improved, unchanged or inconclusive.
+
+Exact metrics of the two documents are gated as exact values (``bench.gate.compare``: beyond the
+tolerance in the worse direction regresses). A plan scenario's figures are arithmetic, not
+measurements: a changed figure is noted ("plan estimate changed x1.48 (not gated)"). A scenario that
+is not ok in the candidate fails the gate; one that fails only in the baseline (e.g. a scenario
+newer than the baseline's code) is reported and not compared. A side whose result file cannot be
+read back counts as a failed run, naming the file.
+
+``moe-bench ab --calibrate`` runs the same resident comparison with this checkout on both sides
+(A/A) for the whole budget: its spread is the noise floor of the machine, and it gives the smallest
+tolerance that keeps false alarms at or below 5% within that budget.
 """
 
 from __future__ import annotations
@@ -37,14 +44,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from bench.gate.compare import classify, format_noise, format_number, format_percent, format_ratio, paired_ratio
+from bench.gate import paired
+from bench.gate.compare import (
+    classify,
+    format_noise,
+    format_number,
+    format_percent,
+    format_ratio,
+    is_work_metric,
+    paired_ratio,
+    work_verdicts,
+)
+from bench.gate.resident import TARGET_BLOCK_S, ResidentComparison, ResidentSide, WorkerDied, compare_resident
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, latest_release
 from bench.results import REPO_ROOT, ResultFileError, load_results
 from bench.scenario import Scenario
 
 SIDES = ("baseline", "candidate")
-MIN_PAIRS = 3
+MIN_BUDGET_S = paired.MIN_PAIRS * 2 * TARGET_BLOCK_S
+"""The least time budget per scenario that can hold the minimum of block pairs."""
+DEFAULT_BUDGET_S = 60.0
 _MARGIN_S = 120.0  # start-up of a side (imports, CPU peak measurement) on top of the scenario's timeout
 
 
@@ -67,6 +87,8 @@ class SideRun:
     version: str | None = None
     mode: str = "execute"
     """The scenario's mode: a plan's figures are arithmetic, so they are compared but never gated."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """The result document's details (the work census among them)."""
 
 
 @dataclass(frozen=True)
@@ -96,39 +118,66 @@ class ABReport:
     candidate: str
     tolerance: float
     pairs: int
+    """Full runs per side (one, plus the resident blocks)."""
     metrics: list[PairedMetric] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    resident: list[ResidentComparison] = field(default_factory=list)
+    """The paired block timings, one per execute scenario compared."""
+    work: list[str] = field(default_factory=list)
+    """Work-counter findings; those starting with REGRESSION fail the gate."""
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.failures or any(m.verdict == "regressed" for m in self.metrics) else 0
+        return 1 if (
+            self.failures
+            or any(m.verdict == "regressed" for m in self.metrics)
+            or any(r.verdict == "regressed" for r in self.resident)
+            or any(w.startswith("REGRESSION") for w in self.work)
+        ) else 0
 
     def render(self) -> str:
-        counts = {v: sum(m.verdict == v for m in self.metrics) for v in ("regressed", "improved", "unchanged")}
-        scenarios = len({m.scenario for m in self.metrics})
+        counts = {v: sum(m.verdict == v for m in self.metrics) + sum(r.verdict == v for r in self.resident)
+                  for v in ("regressed", "improved", "unchanged", "inconclusive")}
+        scenarios = len({m.scenario for m in self.metrics} | {r.scenario for r in self.resident})
         header = (
-            f"{'FAIL' if self.exit_code else 'PASS'}: A/B {self.baseline} -> {self.candidate}, {self.pairs} pairs, "
+            f"{'FAIL' if self.exit_code else 'PASS'}: A/B {self.baseline} -> {self.candidate}, "
             f"{scenarios} scenario(s) compared: {counts['regressed']} regressed, {counts['improved']} improved, "
-            f"{counts['unchanged']} unchanged; {len(self.failures)} not ok (tolerance {format_percent(self.tolerance)})"
+            f"{counts['unchanged']} unchanged, {counts['inconclusive']} inconclusive; {len(self.failures)} not ok "
+            f"(tolerance {format_percent(self.tolerance)})"
         )
-        columns = ("scenario", "metric", "unit", "base", "cand", "ratio", "pair ratios", "noise", "verdict")
+        columns = ("scenario", "metric", "unit", "base", "cand", "ratio", "interval / noise", "blocks", "verdict")
         rows = [
+            (r.scenario, "step_time_s", "s", format_number(statistics.median(r.baseline_s) / r.steps_per_block),
+             format_number(statistics.median(r.candidate_s) / r.steps_per_block),
+             format_ratio(1 + r.estimate.slowdown),
+             f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}]",
+             f"{len(r.baseline_s)} x {r.steps_per_block} steps, {r.seconds:.0f} s, {r.stopped_by}", r.verdict)
+            for r in self.resident if r.estimate is not None
+        ] + [
             (m.scenario, m.metric, m.unit, format_number(m.base), format_number(m.cand), format_ratio(m.ratio),
-             " ".join(format_ratio(r) for r in m.ratios), "exact" if m.exact else format_percent(m.noise, 1),
-             m.verdict)
+             "exact" if m.exact else format_percent(m.noise, 1), f"{len(m.ratios)} run(s)", m.verdict)
             for m in self.metrics
         ]
         widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
         findings = [
+            f"REGRESSION {r.scenario} step time: x{format_ratio(1 + r.estimate.slowdown)}, 95% interval "
+            f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] over "
+            f"{len(r.baseline_s)} block pairs (tolerance {format_percent(self.tolerance)})"
+            for r in self.resident if r.verdict == "regressed"
+        ] + [
+            f"INCONCLUSIVE {r.scenario} step time: interval "
+            f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still wider than "
+            f"the tolerance after {len(r.baseline_s)} block pairs ({r.seconds:.0f} s budget): raise the budget"
+            for r in self.resident if r.verdict == "inconclusive" and r.estimate is not None
+        ] + [
             f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
-            f"(pairs {', '.join(format_ratio(r) for r in m.ratios)}; "
-            f"tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
+            f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
             for m in self.metrics if m.verdict == "regressed"
         ]
         table = lines if rows else ["(no metrics compared)"]
-        return "\n".join([header, *table, *findings, *self.failures, *self.notes]) + "\n"
+        return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
 
 
 def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tolerance: float) -> PairedMetric:
@@ -152,8 +201,12 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
 
 
 def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float, baseline: str = "baseline",
-                candidate: str = "candidate") -> ABReport:
-    """The report over every scenario's (baseline, candidate) runs, pair by pair."""
+                candidate: str = "candidate", exact_only: bool = False) -> ABReport:
+    """The report over every scenario's (baseline, candidate) runs, pair by pair.
+
+    ``exact_only``: gate only the metrics without a spread; the timed ones are left to the resident
+    blocks (one full run per side says nothing about their noise).
+    """
     pairs_count = max((len(p) for p in runs.values()), default=0)
     report = ABReport(baseline, candidate, tolerance, pairs_count)
     for scenario, pairs in runs.items():
@@ -172,9 +225,11 @@ def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float
         estimate = pairs[-1][1].mode == "plan"
         for name in sorted(shared):
             entries = [(b.metrics[name], c.metrics[name]) for b, c in pairs]
-            if entries[-1][1]["better"] is None:
-                continue  # reported by moe-bench run, never gated
+            if entries[-1][1]["better"] is None or is_work_metric(name):
+                continue  # reported by moe-bench run, never gated; work counters: see _work_findings
             paired = paired_metric(scenario, name, entries, tolerance)
+            if exact_only and not paired.exact and not estimate:
+                continue
             if estimate:
                 # A plan measures nothing: a changed figure is a changed estimate (see the plan's
                 # docstring), reported for review, not a regression of the engine.
@@ -203,15 +258,26 @@ class ABPlan:
     """How the baseline is named in the report (``release 0.1.0``, or the ref as given)."""
     commit: str
     scenarios: list[Scenario]
-    pairs: int
     tolerance: float
+    budget_s: float
+    """Seconds of resident blocks per execute scenario, at most."""
+    accept_work: frozenset[str] | None = None
+    """Work metrics whose increase is accepted (every one: the set of all); None accepts none."""
 
 
-def plan_ab(ref: str | None, scenarios: list[Scenario], pairs: int, tolerance: float, root: Path = REPO_ROOT,
-            releases_path: Path = RELEASES_PATH) -> ABPlan:
+def check_budget(budget_s: float) -> None:
+    if budget_s < MIN_BUDGET_S:
+        raise ABError(
+            f"--budget {budget_s:g} s is too small: it must hold {paired.MIN_PAIRS} block pairs of "
+            f"{TARGET_BLOCK_S:g} s per side ({MIN_BUDGET_S:g} s)"
+        )
+
+
+def plan_ab(ref: str | None, scenarios: list[Scenario], tolerance: float, budget_s: float = DEFAULT_BUDGET_S,
+            root: Path = REPO_ROOT, releases_path: Path = RELEASES_PATH,
+            accept_work: frozenset[str] | None = None) -> ABPlan:
     """Check everything before any work; raises ABError with a one-line reason."""
-    if pairs < MIN_PAIRS:
-        raise ABError(f"--pairs {pairs}: at least {MIN_PAIRS} pairs are needed to measure the noise")
+    check_budget(budget_s)
     if not scenarios:
         raise ABError("no scenarios to run")
     if try_git(root, "rev-parse", "--is-inside-work-tree") is None:
@@ -227,39 +293,127 @@ def plan_ab(ref: str | None, scenarios: list[Scenario], pairs: int, tolerance: f
         if commit is None:
             raise ABError(f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
                           "(git fetch --unshallow)")
-        return ABPlan(f"release {release.version}", commit, scenarios, pairs, tolerance)
+        return ABPlan(f"release {release.version}", commit, scenarios, tolerance, budget_s, accept_work)
     commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
     if commit is None:
         raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
-    return ABPlan(ref, commit, scenarios, pairs, tolerance)
+    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work)
 
 
 def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: Path = REPO_ROOT,
            log: Callable[[str], None] = print) -> ABReport:
-    """Run the plan: per scenario, ``plan.pairs`` times baseline then candidate; return the gate's report."""
+    """Run the plan: per scenario one full run per side, then the resident blocks; the gate's report."""
     runs: dict[str, list[tuple[SideRun, SideRun]]] = {}
     versions: dict[str, str] = {}
+    comparisons: list[ResidentComparison] = []
+    resident_failures: list[str] = []
     with contextlib.ExitStack() as stack:
         work = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-ab-")))
         base_root = stack.enter_context(worktree(root, plan.commit))
         sides = {"baseline": base_root, "candidate": Path(root)}
-        total, done = len(plan.scenarios) * plan.pairs * 2, 0
-        for scenario in plan.scenarios:
-            runs[scenario.name] = []
-            for pair in range(plan.pairs):
-                results = {}
-                for side in SIDES:
-                    out = Path(work) / side / scenario.name / f"pair-{pair + 1}"
-                    started = time.perf_counter()
-                    results[side] = run_side(sides[side], scenario, out, device)
-                    done += 1
-                    if results[side].version:
-                        versions[side] = results[side].version
-                    log(f"ab [{done}/{total}] {scenario.name} pair {pair + 1}/{plan.pairs} {side}: "
-                        f"{_summary(results[side])} ({time.perf_counter() - started:.1f} s)")
-                runs[scenario.name].append((results["baseline"], results["candidate"]))
+        for index, scenario in enumerate(plan.scenarios, 1):
+            results = {}
+            for side in SIDES:
+                started = time.perf_counter()
+                results[side] = run_side(sides[side], scenario, Path(work) / side / scenario.name, device)
+                if results[side].version:
+                    versions[side] = results[side].version
+                log(f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {_summary(results[side])} "
+                    f"({time.perf_counter() - started:.1f} s)")
+            runs[scenario.name] = [(results["baseline"], results["candidate"])]
+            if scenario.mode != "execute" or any(results[s].status != "ok" for s in SIDES):
+                continue
+            try:
+                comparison = _resident(sides, scenario, plan, device, log)
+            except WorkerDied as err:
+                resident_failures.append(f"NOT-OK {scenario.name}: {err}")
+                continue
+            comparisons.append(comparison)
+            lo, hi = comparison.estimate.interval
+            log(f"ab [{index}/{len(plan.scenarios)}] {scenario.name} blocks: step time "
+                f"x{1 + comparison.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
+                f"{len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps in "
+                f"{comparison.seconds:.0f} s: {comparison.verdict}")
     baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
-    return paired_gate(runs, plan.tolerance, baseline, versions.get("candidate", "this checkout"))
+    report = paired_gate(runs, plan.tolerance, baseline, versions.get("candidate", "this checkout"), exact_only=True)
+    report.resident = comparisons
+    report.failures += resident_failures
+    report.work = _work_findings(runs, plan.accept_work)
+    return report
+
+
+def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str,
+              log: Callable[[str], None]) -> ResidentComparison:
+    timeout = scenario.run["timeout_s"] + _MARGIN_S
+    with ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base, \
+            ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand:
+        return compare_resident(base, cand, plan.tolerance, plan.budget_s, log=log)
+
+
+def _work_findings(runs: dict[str, list[tuple[SideRun, SideRun]]], accept: frozenset[str] | None) -> list[str]:
+    """Work-counter verdicts of each scenario's two full runs (``bench.gate.compare.work_verdicts``)."""
+    findings = []
+    for scenario, pairs in runs.items():
+        base, cand = pairs[-1]
+        if base.status == cand.status == "ok":
+            findings += work_verdicts(scenario, (base.metrics, base.details), (cand.metrics, cand.details), accept)
+    return findings
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What an A/A run of one scenario says about this machine."""
+
+    scenario: str
+    comparison: ResidentComparison
+
+    @property
+    def noise(self) -> float:
+        """Median absolute deviation of the block log-ratios, scaled to a standard deviation."""
+        ratios = paired.log_ratios(self.comparison.baseline_s, self.comparison.candidate_s)
+        centre = statistics.median(ratios)
+        return 1.4826 * statistics.median(abs(r - centre) for r in ratios)
+
+    @property
+    def tolerance(self) -> float:
+        """The smallest tolerance at which, within this budget, the gate both decides and raises a
+        false alarm at most 5% of the time: the interval must be narrower than it, and the estimate
+        of identical code (its bias plus 1.645 standard errors) must stay below it."""
+        est = self.comparison.estimate
+        standard_error = est.width / (2 * paired.Z_95)
+        return math.expm1(max(est.width, abs(est.estimate) + 1.645 * standard_error))
+
+
+def run_calibration(scenarios: list[Scenario], budget_s: float, device: str = "auto", root: Path = REPO_ROOT,
+                    log: Callable[[str], None] = print) -> list[Calibration]:
+    """A/A: this checkout against itself, resident, for the whole budget of each execute scenario."""
+    check_budget(budget_s)
+    found = []
+    for scenario in (s for s in scenarios if s.mode == "execute"):
+        timeout = scenario.run["timeout_s"] + _MARGIN_S
+        with ResidentSide("baseline", root, scenario, device, timeout) as a, \
+                ResidentSide("candidate", root, scenario, device, timeout) as b:
+            comparison = compare_resident(a, b, 0.0, budget_s, log=log, stop_early=False)
+        found.append(Calibration(scenario.name, comparison))
+        log(f"calibrate {scenario.name}: {len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps, "
+            f"noise {found[-1].noise:.2%} per block pair, smallest tolerance {found[-1].tolerance:.2%}")
+    return found
+
+
+def render_calibration(found: list[Calibration], budget_s: float) -> str:
+    columns = ("scenario", "pairs", "steps/block", "noise per pair", "A/A estimate", "95% interval", "smallest tolerance")
+    rows = [
+        (c.scenario, str(len(c.comparison.baseline_s)), str(c.comparison.steps_per_block), f"{c.noise:.2%}",
+         f"x{1 + c.comparison.estimate.slowdown:.4f}",
+         f"[{1 + c.comparison.estimate.interval[0]:.4f}, {1 + c.comparison.estimate.interval[1]:.4f}]",
+         f"{c.tolerance:.2%}")
+        for c in found
+    ]
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
+    worst = max((c.tolerance for c in found), default=0.0)
+    return "\n".join([f"A/A calibration, budget {budget_s:g} s per scenario:", *lines,
+                      f"smallest tolerance for every scenario at this budget: {worst:.2%}"]) + "\n"
 
 
 def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
@@ -274,7 +428,8 @@ def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
         return SideRun("failed", str(err), {})
     if len(docs) == 1:
         doc = docs[0]
-        return SideRun(doc.status, doc.data.get("error"), doc.metrics, doc.version, doc.data.get("mode", "execute"))
+        return SideRun(doc.status, doc.data.get("error"), doc.metrics, doc.version, doc.data.get("mode", "execute"),
+                       doc.data.get("details", {}))
     last = output.strip().splitlines()[-1:] or ["no output"]
     reason = "timed out" if returncode is None else f"moe-bench exited with code {returncode}: {last[0]}"
     return SideRun("failed", reason, {})

@@ -58,11 +58,26 @@ Scenario-level outcomes are listed explicitly, never silently passed: ``missing_
 either side, with status and error) and ``mismatched`` (scenario hash differs between the sides: a
 changed scenario is not a like-for-like comparison, so no metric rows are produced for it).
 
-``gate`` fails (exit code 1) on any regressed metric, any scenario missing in the candidate, any
-scenario not ``ok`` in the candidate and any mismatched scenario; otherwise it passes (0). The one
-exception: a scenario ``skipped`` on both sides (e.g. a CUDA-only scenario in two CPU runs) is
-listed in ``not_ok`` but does not fail. Scenarios only in the candidate, not ok only in the
-baseline, metrics on one side only, improvements and ``info`` metrics are reported, not failed.
+Work counters
+-------------
+The ``work_*`` metrics of an execute run (``bench.run.work``: matmul FLOPs, allocated bytes, ops,
+host syncs, collective calls and bytes of one step) are exact counts, the same on every run of the
+same code. They are gated exactly, whatever the tolerance and the noise: any increase is a
+regression, any decrease an improvement. Each increase is reported with its own verdict, drawn
+from the two sides' censuses (``details.work``): ``work increased: +1 all_reduce of 4 MiB per step
+(dp)``, ``work increased: +3.1% matmul FLOPs per step (...): aten.mm +1.6e+06``; a decrease is
+``work decreased: ...`` and does not fail. A change meant to do more work passes when its metrics
+are accepted (``accept_work``: the CLI's ``--accept-work``), and the report says so: ``work
+increased (accepted): ...``. ``work_verdicts`` gives these lines for any two documents (the A/B
+gate calls it for its two sides). Where one side has no work counters (a document from before
+them) there is no work verdict, only the note ``no work counters on one side``.
+
+``gate`` fails (exit code 1) on any regressed metric, any work increase not accepted, any scenario
+missing in the candidate, any scenario not ``ok`` in the candidate and any mismatched scenario;
+otherwise it passes (0). The one exception: a scenario ``skipped`` on both sides (e.g. a CUDA-only
+scenario in two CPU runs) is listed in ``not_ok`` but does not fail. Scenarios only in the
+candidate, not ok only in the baseline, metrics on one side only, improvements, accepted work
+increases and ``info`` metrics are reported, not failed.
 
 Everything here is a pure function over loaded documents; the ``moe-bench`` CLI does the I/O.
 """
@@ -72,6 +87,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -85,6 +101,18 @@ DEFAULT_TOLERANCE = 0.05
 VERDICTS = ("regressed", "improved", "unchanged", "info", "missing")
 
 _EPS = 1e-12  # |ratio - 1| must exceed the threshold by more than rounding error.
+
+WORK_PREFIX = "work_"
+WORK_METRICS = (
+    "work_matmul_flops",
+    "work_allocated_bytes",
+    "work_aten_ops",
+    "work_host_syncs",
+    "work_collective_calls",
+    "work_collective_bytes",
+)
+"""The gated work counters (``bench.run.work``), in report order; ``work_flops_ratio`` is reported,
+never gated (the FLOPs are)."""
 
 Key = tuple[str, str]  # (scenario name, machine name)
 
@@ -372,6 +400,7 @@ class Comparison:
             "missing_in_baseline": [i.to_dict() for i in self.missing_in_baseline],
             "not_ok": [i.to_dict() for i in self.not_ok],
             "mismatched": [i.to_dict() for i in self.mismatched],
+            "work": work_findings(self),
         }
 
 
@@ -400,11 +429,22 @@ def classify(ratio: float, noise: float, better: str | None, tolerance: float) -
     raise ValueError(f"metric direction must be 'higher', 'lower' or null, got {better!r}")
 
 
+def is_work_metric(name: str) -> bool:
+    """A work counter (``work_*``): compared exactly, see the module doc."""
+    return name.startswith(WORK_PREFIX)
+
+
 def _evaluate(row: MetricRow, tolerance: float) -> MetricRow:
     """Fill in ratio, noise, threshold and verdict from the row's medians and spreads."""
     if row.base is None or row.cand is None:
         return replace(row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing")
     ratio = paired_ratio(row.base, row.cand)
+    if is_work_metric(row.metric) and row.better is not None:
+        # Exact counts: any change counts, whatever the tolerance.
+        changed = row.cand != row.base
+        worse = row.cand > row.base if row.better == "lower" else row.cand < row.base
+        verdict = "unchanged" if not changed else ("regressed" if worse else "improved")
+        return replace(row, ratio=ratio, noise=0.0, threshold=0.0, outside_noise=changed, verdict=verdict, exact=True)
     noise = 0.0 if row.exact else (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
     outside, verdict = classify(ratio, noise, row.better, tolerance)
     return replace(
@@ -504,6 +544,211 @@ def compare_paths(base: str | Path, cand: str | Path, tolerance: float = DEFAULT
 
 
 # --------------------------------------------------------------------------------------------
+# Work counters
+# --------------------------------------------------------------------------------------------
+
+WorkSide = ResultDocument | Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any] | None]
+"""One side of a work comparison: a result document, its JSON dict, or its (metrics, details)."""
+
+_WORK_CENSUS = {
+    # metric -> (the per-rank census field that explains it, how its values read)
+    "work_matmul_flops": ("flops_by_op", "flops"),
+    "work_allocated_bytes": ("allocated_by_op", "bytes"),
+    "work_aten_ops": ("ops_by_name", "count"),
+    "work_host_syncs": ("syncs_by_site", "count"),
+}
+_MAX_CHANGES = 4  # census entries named per verdict; the rest are counted
+
+
+def _metrics_and_details(side) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
+    """(metrics, details) of a result document, its JSON dict, or a (metrics, details) pair."""
+    if isinstance(side, ResultDocument):
+        return side.metrics, side.data.get("details") or {}
+    if isinstance(side, Mapping):
+        return side.get("metrics") or {}, side.get("details") or {}
+    metrics, details = side
+    return metrics or {}, details or {}
+
+
+def _accepted(accept: Collection[str] | bool | None) -> frozenset[str]:
+    if accept is True:
+        return frozenset(WORK_METRICS)
+    return frozenset(accept or ())
+
+
+def work_verdicts(
+    scenario: str,
+    base: WorkSide,
+    cand: WorkSide,
+    accept: Collection[str] | bool | None = None,
+    machine: str | None = None,
+) -> list[str]:
+    """The work verdict lines of one scenario's two sides (see the module doc), in metric order.
+
+    ``base`` and ``cand``: each a result document (``ResultDocument`` or its JSON dict) or a
+    ``(metrics, details)`` pair. ``accept``: the work metrics whose increase is accepted (True: all;
+    None: none). A line starts with ``REGRESSION`` (an increase not accepted: fails a gate) or
+    ``NOTE`` (an accepted increase, a decrease, or no work counters on one side). No line when
+    nothing changed, or when neither side has work counters (a plan, a proxy, a micro run).
+    """
+    base_metrics, base_details = _metrics_and_details(base)
+    cand_metrics, cand_details = _metrics_and_details(cand)
+    where = f" [{machine}]" if machine else ""
+    has = [_has_work_counters(base_metrics), _has_work_counters(cand_metrics)]
+    if not any(has):
+        return []
+    if not all(has):
+        side = "baseline" if not has[0] else "candidate"
+        return [f"NOTE {scenario}: no work counters on one side (the {side}); work not compared{where}"]
+    accepted = _accepted(accept)
+    base_ranks, cand_ranks = _work_ranks(base_details), _work_ranks(cand_details)
+    lines = []
+    for name in WORK_METRICS:
+        if name not in base_metrics or name not in cand_metrics:
+            continue
+        b, c = float(base_metrics[name]["median"]), float(cand_metrics[name]["median"])
+        if b == c or cand_metrics[name]["better"] is None:
+            continue
+        text = describe_work_change(name, b, c, base_ranks, cand_ranks)
+        if c < b:
+            lines.append(f"NOTE {scenario} {name}: work decreased: {text}{where}")
+        elif name in accepted:
+            lines.append(f"NOTE {scenario} {name}: work increased (accepted): {text}{where}")
+        else:
+            lines.append(f"REGRESSION {scenario} {name}: work increased: {text}{where}")
+    return lines
+
+
+def _has_work_counters(metrics: Mapping[str, Any]) -> bool:
+    return any(is_work_metric(name) for name in metrics)
+
+
+def work_findings(comparison: Comparison, accept: Collection[str] | bool | None = None) -> list[str]:
+    """``work_verdicts`` of every compared scenario (pooled metrics, the newest pooled run's census)."""
+    lines = []
+    for key in comparison.compared:
+        base, cand = comparison.base_groups.get(key), comparison.cand_groups.get(key)
+        if base is None or cand is None:
+            continue
+        lines += work_verdicts(key[0], _group_side(base), _group_side(cand), accept, machine=key[1])
+    return lines
+
+
+def _group_side(group: Group) -> tuple[dict[str, Any], dict[str, Any]]:
+    newest = group.pooled[-1] if group.pooled else group.newest
+    return group.metrics, newest.data.get("details") or {}
+
+
+def _work_ranks(details: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
+    """rank -> that rank's work census (``details.work.ranks``); {} when the document has none."""
+    work = details.get("work") or {}
+    return {int(r.get("rank", i)): r for i, r in enumerate(work.get("ranks") or [])}
+
+
+def describe_work_change(
+    name: str, base: float, cand: float,
+    base_ranks: Mapping[int, Mapping[str, Any]], cand_ranks: Mapping[int, Mapping[str, Any]],
+) -> str:
+    """What changed in one work metric, per step: the total, then the census entries that moved
+    (``base_ranks``, ``cand_ranks``: rank -> census, as in ``details.work.ranks``; may be empty)."""
+    delta = cand - base
+    ranks = sorted(set(base_ranks) | set(cand_ranks))
+    if name in ("work_collective_calls", "work_collective_bytes"):
+        changes = _collective_changes(base_ranks, cand_ranks, ranks)
+        if name == "work_collective_calls":
+            # The census says it all: "+1 all_reduce of 4 MiB per step (dp)".
+            head = f"{_signed_count(delta)} collective calls per step ({format_number(base)} -> {format_number(cand)})"
+            return "; ".join(changes) if changes else head
+        head = f"{_signed_bytes(delta)} of collectives per step ({format_bytes(base)} -> {format_bytes(cand)})"
+        return head + (": " + "; ".join(changes) if changes else "")
+    relative = format_signed_percent(delta / base) if base else None
+    totals = f"{format_number(base)} -> {format_number(cand)}"
+    if name == "work_matmul_flops":
+        head = f"{relative or _signed_number(delta)} matmul FLOPs per step ({totals})"
+    elif name == "work_allocated_bytes":
+        head = (f"{_signed_bytes(delta)} allocated per step "
+                f"({relative + ', ' if relative else ''}{format_bytes(base)} -> {format_bytes(cand)})")
+    elif name == "work_host_syncs":
+        head = f"{_signed_count(delta)} host sync{'s' * (abs(delta) != 1)} per step ({totals})"
+    else:
+        plural = "s" * (abs(delta) != 1)
+        head = f"{_signed_count(delta)} op{plural} per step ({relative + ', ' if relative else ''}{totals})"
+    census_field, kind = _WORK_CENSUS.get(name, (None, "count"))
+    changes = _census_changes(census_field, kind, base_ranks, cand_ranks, ranks) if census_field else []
+    return head + (": " + ", ".join(changes) if changes else "")
+
+
+def _census_changes(census_field: str, kind: str, base_ranks, cand_ranks, ranks: list[int]) -> list[str]:
+    """``aten.clone.default +2`` per changed census entry, the largest changes first."""
+    fmt = {"bytes": _signed_bytes, "flops": _signed_number, "count": _signed_count}[kind]
+    keys = set()
+    for side in (base_ranks, cand_ranks):
+        for census in side.values():
+            keys |= set(census.get(census_field) or {})
+    moved = []
+    for key in keys:
+        per_rank = {r: float((cand_ranks.get(r, {}).get(census_field) or {}).get(key, 0))
+                    - float((base_ranks.get(r, {}).get(census_field) or {}).get(key, 0)) for r in ranks}
+        total = sum(per_rank.values())
+        if any(per_rank.values()):
+            moved.append((-abs(total), key, per_rank))
+    moved.sort(key=lambda item: (item[0], item[1]))
+    texts = [f"{key} {_per_rank_text(per_rank, fmt)}" for _, key, per_rank in moved[:_MAX_CHANGES]]
+    if len(moved) > _MAX_CHANGES:
+        texts.append(f"{len(moved) - _MAX_CHANGES} more")
+    return texts
+
+
+def _collective_changes(base_ranks, cand_ranks, ranks: list[int]) -> list[str]:
+    """``+1 all_reduce of 4 MiB per step (dp)`` per changed (op, group), every rank's alike or each named."""
+
+    def census(side, rank) -> dict[tuple[str, str], tuple[int, int]]:
+        entries = (side.get(rank) or {}).get("collectives") or []
+        return {(e["op"], e["group"]): (int(e["calls"]), int(e["bytes"])) for e in entries}
+
+    base = {r: census(base_ranks, r) for r in ranks}
+    cand = {r: census(cand_ranks, r) for r in ranks}
+    keys = sorted(set().union(*(set(c) for c in [*base.values(), *cand.values()])))
+    texts = []
+    for op, group in keys:
+        per_rank = {}
+        for r in ranks:
+            (bc, bb), (cc, cb) = base[r].get((op, group), (0, 0)), cand[r].get((op, group), (0, 0))
+            if (cc - bc, cb - bb) != (0, 0):
+                per_rank[r] = _collective_text(op, group, cc - bc, cb - bb, cc)
+        if not per_rank:
+            continue
+        if len(ranks) > 1 and len(per_rank) == len(ranks) and len(set(per_rank.values())) == 1:
+            texts.append(f"{next(iter(per_rank.values()))} on each of {len(ranks)} ranks")
+        elif len(ranks) > 1:
+            texts += [f"{text} on rank {r}" for r, text in per_rank.items()]
+        else:
+            texts += list(per_rank.values())
+    return texts
+
+
+def _collective_text(op: str, group: str, calls: int, nbytes: int, cand_calls: int) -> str:
+    if calls and nbytes and (calls > 0) == (nbytes > 0):
+        return f"{calls:+d} {op} of {format_bytes(abs(nbytes) / abs(calls))} per step ({group})"
+    if calls and not nbytes:
+        return f"{calls:+d} {op} per step ({group})"
+    if not calls:
+        plural = "s" * (cand_calls != 1)
+        return f"{op} ({group}) {_signed_bytes(nbytes)} per step over the same {cand_calls} call{plural}"
+    return f"{calls:+d} {op} per step ({group}), {_signed_bytes(nbytes)} in all"
+
+
+def _per_rank_text(per_rank: dict[int, float], fmt) -> str:
+    """``+2``, ``+2 on each of 2 ranks``, or ``+2 on rank 0, +1 on rank 1``."""
+    if len(per_rank) == 1:
+        return fmt(next(iter(per_rank.values())))
+    values = set(per_rank.values())
+    if len(values) == 1:
+        return f"{fmt(values.pop())} on each of {len(per_rank)} ranks"
+    return ", ".join(f"{fmt(d)} on rank {r}" for r, d in per_rank.items() if d)
+
+
+# --------------------------------------------------------------------------------------------
 # Gate
 # --------------------------------------------------------------------------------------------
 
@@ -519,23 +764,37 @@ class GateResult:
     """The comparison with verdicts at the gate's tolerance."""
     failures: tuple[str, ...]
     """The report lines that made the gate fail."""
+    work: tuple[str, ...] = ()
+    """The work verdicts (``work_verdicts`` of every compared scenario), failing or not."""
 
     @property
     def passed(self) -> bool:
         return self.exit_code == 0
 
 
-def gate(comparison: Comparison, tolerance: float | None = None) -> GateResult:
+def gate(
+    comparison: Comparison, tolerance: float | None = None, accept_work: Collection[str] | bool | None = None
+) -> GateResult:
     """Decide pass/fail. ``tolerance`` (a fraction) recomputes the verdicts; None keeps the
-    comparison's own."""
+    comparison's own. ``accept_work``: the work metrics whose increase passes (True: every one)."""
     if tolerance is not None:
         _check_tolerance(tolerance)
         comparison = comparison.with_tolerance(tolerance)
     tol = comparison.tolerance
+    work = work_findings(comparison, accept_work)
+    # Where one side has no work counters that is said once ("no work counters on one side"), not
+    # once per work metric missing.
+    uncounted = {
+        key for key in comparison.compared if key in comparison.base_groups and key in comparison.cand_groups
+        and _has_work_counters(comparison.base_groups[key].metrics)
+        != _has_work_counters(comparison.cand_groups[key].metrics)
+    }
 
     failures: list[str] = []
     for row in comparison.regressions:
-        failures.append(_finding("REGRESSION", row, tol))
+        if not is_work_metric(row.metric):
+            failures.append(_finding("REGRESSION", row, tol))
+    failures += [line for line in work if line.startswith("REGRESSION")]
     for issue in comparison.missing_in_candidate + comparison.not_ok + comparison.mismatched:
         if issue.fails_gate:
             failures.append(issue.describe())
@@ -547,23 +806,31 @@ def gate(comparison: Comparison, tolerance: float | None = None) -> GateResult:
     for issue in comparison.missing_in_baseline:
         notes.append(issue.describe())
     for row in comparison.rows_with("missing"):
+        if is_work_metric(row.metric) and (row.scenario, row.machine) in uncounted:
+            continue
         side = "candidate" if row.cand is None else "baseline"
         notes.append(f"NOTE {row.scenario} {row.metric}: metric missing in the {side} [{row.machine}]")
     for row in comparison.improvements:
-        notes.append(_finding("IMPROVED", row, tol))
+        if not is_work_metric(row.metric):
+            notes.append(_finding("IMPROVED", row, tol))
+    notes += [line for line in work if not line.startswith("REGRESSION")]
 
     counts = comparison.counts()
+    accepted = sum("work increased (accepted)" in line for line in work)
     exit_code = 1 if failures else 0
     header = (
         f"{'FAIL' if exit_code else 'PASS'}: {len(comparison.compared)} scenario(s) compared, "
-        f"{len(comparison.rows)} metric(s): {counts['regressed']} regressed, {counts['improved']} improved, "
+        f"{len(comparison.rows)} metric(s): {counts['regressed']} regressed"
+        f"{f' ({accepted} accepted work increase' + 's' * (accepted != 1) + ')' if accepted else ''}, "
+        f"{counts['improved']} improved, "
         f"{counts['unchanged']} unchanged, {counts['info']} info, {counts['missing']} missing; "
         f"scenarios: {len(comparison.missing_in_candidate)} missing in candidate, "
         f"{len(comparison.missing_in_baseline)} only in candidate, {len(comparison.not_ok)} not ok, "
         f"{len(comparison.mismatched)} mismatched (tolerance {format_percent(tol)})"
     )
     report = "\n".join([header, *failures, *notes]) + "\n"
-    return GateResult(exit_code=exit_code, report=report, comparison=comparison, failures=tuple(failures))
+    return GateResult(exit_code=exit_code, report=report, comparison=comparison, failures=tuple(failures),
+                      work=tuple(work))
 
 
 def _finding(label: str, row: MetricRow, tolerance: float) -> str:
@@ -646,6 +913,35 @@ def format_percent(fraction: float | None, decimals: int | None = None) -> str:
     if decimals is None:
         return f"{fraction * 100:.4g}%"
     return f"{fraction * 100:.{decimals}f}%"
+
+
+def format_signed_percent(fraction: float) -> str:
+    """0.0312 -> "+3.1%", -0.5 -> "-50.0%"; changes below 0.05% keep two significant digits (+0.0012%)."""
+    percent = fraction * 100
+    return f"{percent:+.1f}%" if abs(percent) >= 0.05 or percent == 0 else f"{percent:+.2g}%"
+
+
+def format_bytes(value: float) -> str:
+    """Binary units: 512 -> "512 B", 4194304 -> "4 MiB", 1536 -> "1.5 KiB"."""
+    magnitude, unit = abs(value), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if magnitude < 1024 or unit == "TiB":
+            break
+        magnitude /= 1024
+    sign = "-" if value < 0 else ""
+    return f"{sign}{magnitude:.4g} {unit}"
+
+
+def _signed_bytes(value: float) -> str:
+    return ("+" if value >= 0 else "") + format_bytes(value)
+
+
+def _signed_count(value: float) -> str:
+    return f"{int(value):+d}" if value == int(value) else f"{value:+g}"
+
+
+def _signed_number(value: float) -> str:
+    return ("+" if value >= 0 else "") + format_number(value)
 
 
 def format_noise(noise: float | None, exact: bool) -> str:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from bench.results import metric
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.run.work import count_step_work, work_metrics
 from bench.scenario import Scenario
 from moe_engine.flops import training_flops_per_token
 from moe_engine.moe.layer import MoELayer
@@ -80,6 +81,8 @@ class _RankRecord:
     dropped: list[int] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     optimizer_state_bytes: int = 0
+    work: dict[str, Any] = field(default_factory=dict)
+    """What the work step did on this rank (``bench.run.work.StepWork.to_dict`` and the formula's FLOPs)."""
 
 
 def _block_index(name: str) -> int:
@@ -141,6 +144,10 @@ def execute(
             )
 
     record.memory = _measure_memory(trainer, batches, device)
+    rank_tokens = tokens_per_step // parallel.dp
+    record.work = _measure_work(scenario, trainer, rank_model, device, groups, flops_per_token * rank_tokens)
+    if rank == 0:
+        progress(f"work step (counted, untimed) {record.work['seconds']:.3f}s")
     record.optimizer_state_bytes = trainer.state_bytes()
     records = _gather(record, groups)
     if rank != 0:
@@ -168,6 +175,8 @@ def execute(
             # Per rank, the most loaded rank's figure: what has to fit on one device.
             m[key] = metric([max(r.memory[key] for r in records)], unit, "lower")
     m["optimizer_state_bytes"] = metric([max(r.optimizer_state_bytes for r in records)], "bytes", "lower")
+    # The work of the whole step: every rank's counts summed (per rank in details.work).
+    m.update(work_metrics([r.work for r in records], flops_per_token * tokens_per_step))
     result.details.update(
         flops_per_token=flops_per_token,
         tokens_per_step=tokens_per_step,
@@ -183,6 +192,7 @@ def execute(
         expert_backend_path=_backend_path(rank_model),
         losses=losses,
         per_rank=[_rank_details(r, groups) for r in records],
+        work={"step": WORK_STEP, "ranks": [{"rank": r.rank, **r.work} for r in records]},
     )
     return result
 
@@ -248,6 +258,36 @@ def _routing_metrics(records: list[_RankRecord]) -> dict[str, dict]:
         # Assignments over a no-sync dispatch's capacity, over all layers and ranks per step.
         "dropped_tokens": metric(dropped, "tokens", "lower"),
     }
+
+
+WORK_STEP = (
+    "one untimed training step after the measured ones and the memory step, on the first batch of the "
+    "seeded stream with the routing generators restarted; per rank"
+)
+
+
+def _measure_work(
+    scenario: Scenario, trainer: ParallelTrainer, rank_model, device, groups, formula_flops: int
+) -> dict[str, Any]:
+    """The exact work of one more step (``bench.run.work``), every rank together, next to the FLOPs
+    formula's for the rank's tokens (``formula_flops``; a pipeline stage runs a share of the model).
+
+    The same inputs every run: the first batch of the seeded stream, and random or skewed routing
+    restarted from its seed, so the counts depend on the code alone (learned routing depends on
+    the weights as well: the same after the same steps).
+    """
+    tokens, labels = next(_batches(scenario, device, groups.coords.dp_rank if groups else 0))
+    for layer in rank_model.moe_layers():
+        layer.router.reset_routing_generator()
+    group_labels = {}
+    if groups is not None:
+        group_labels[dist.group.WORLD.group_name] = "world"
+        group_labels.update({getattr(groups, kind).group_name: kind for kind in ("dp", "ep", "edp", "pp")})
+        dist.barrier()
+    synchronize(device)
+    work = count_step_work(lambda: trainer.step(tokens, labels), device, trainer.resident_tensors(), group_labels)
+    ratio = work.matmul_flops / formula_flops if formula_flops else 0.0
+    return {**work.to_dict(), "formula_flops": formula_flops, "flops_ratio": ratio}
 
 
 def _measure_memory(trainer: ParallelTrainer, batches, device) -> dict[str, int]:

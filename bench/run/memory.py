@@ -36,12 +36,17 @@ class TensorMemoryTracker(TorchDispatchMode):
     ``baseline``: the resident bytes. ``current``: the live bytes now (storages freed since the last
     op already subtracted). ``peak``: the most live bytes at the end of any op (the outputs of an op
     and every storage still alive then); it may be lowered by hand, to start measuring a new part.
+    ``allocated``: every byte allocated inside the block, freed or not (each new storage's bytes and
+    the growth of tracked ones, never lowered by a free); ``allocated_by_op`` splits it by the op that
+    allocated (``"aten.clone.default"``).
     """
 
     def __init__(self, resident: Iterable[torch.Tensor] = ()):
         super().__init__()
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._bytes = 0
+        self.allocated = 0
+        self.allocated_by_op: dict[str, int] = {}
         for tensor in resident:
             if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
                 self._track(tensor.untyped_storage())
@@ -54,14 +59,15 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._sweep()
         return self._bytes
 
-    def _track(self, storage: torch.UntypedStorage) -> None:
-        """Count ``storage``, or what it grew by since it was last seen."""
+    def _track(self, storage: torch.UntypedStorage) -> int:
+        """Count ``storage``, or what it grew by since it was last seen; returns the change in bytes."""
         # The weak reference keeps a dead storage's address from being reused until it is swept, so a
         # key still in the table is this very storage.
         key, nbytes = storage._cdata, storage.nbytes()
         ref, counted = self._live.get(key, (None, 0))
         self._live[key] = (StorageWeakRef(storage) if ref is None else ref, nbytes)
         self._bytes += nbytes - counted
+        return nbytes - counted
 
     def _sweep(self) -> None:
         dead = [key for key, (ref, _) in self._live.items() if ref.expired()]
@@ -86,6 +92,10 @@ class TensorMemoryTracker(TorchDispatchMode):
                     }
                 if storage._cdata in inputs and func is not _LIFT_FRESH:
                     continue  # a view of, or an update to, a storage from before the block
-            self._track(storage)
+            grown = self._track(storage)
+            if grown > 0:
+                self.allocated += grown
+                name = str(func)
+                self.allocated_by_op[name] = self.allocated_by_op.get(name, 0) + grown
         self.peak = max(self.peak, self._bytes)
         return out

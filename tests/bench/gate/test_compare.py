@@ -18,6 +18,7 @@ from bench.gate.compare import (
     render_rich_table,
     render_table,
     to_json,
+    work_verdicts,
 )
 from bench.results import load_results, metric, write_result
 
@@ -459,3 +460,122 @@ def test_versions_table_compares_single_sample_metrics_exactly(tmp_path):
     table = compare_versions({"moe-engine:0.1.0": runs("a", "0.1.0", 96.0, 104.0),
                               "moe-engine:0.2.0": runs("b", "0.2.0", 100.0, 112.0)})
     assert "| smoke-e8 | peak_tensor_bytes | bytes | 100 | 106 (x1.060, regressed) |" in table.splitlines()
+
+
+# ---- work counters ---------------------------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+def work_doc(flops=1_000_000_000, ops=800, collectives=None, ranks=1, timestamp="2025-01-01T00:00:00Z", **extra):
+    """A document with work counters and their census: ``ranks`` ranks alike, ``collectives`` per rank."""
+    collectives = collectives if collectives is not None else {("all_reduce", "dp"): (2, 4 * MiB)}
+    census = [{
+        "rank": r, "matmul_flops": flops, "flops_by_op": {"aten.mm": flops}, "aten_ops": ops,
+        "ops_by_name": {"aten.mm.default": ops}, "allocated_bytes": 0, "allocated_by_op": {}, "host_syncs": 0,
+        "syncs_by_site": {},
+        "collectives": [{"op": op, "group": group, "calls": calls, "bytes": nbytes}
+                        for (op, group), (calls, nbytes) in sorted(collectives.items())],
+    } for r in range(ranks)]
+    totals = {
+        "work_matmul_flops": flops * ranks, "work_aten_ops": ops * ranks,
+        "work_collective_calls": ranks * sum(c for c, _ in collectives.values()),
+        "work_collective_bytes": ranks * sum(b for _, b in collectives.values()),
+        **extra,
+    }
+    metrics = {name: metric([value], "count", "lower") for name, value in totals.items()}
+    metrics["work_flops_ratio"] = metric([flops / 1e9], "ratio", None)
+    doc = make_doc(metrics=metrics, timestamp=timestamp)
+    doc["details"] = {"work": {"ranks": census}}
+    return doc
+
+
+def test_any_work_increase_regresses_whatever_the_tolerance(tmp_path):
+    result = run_gate(tmp_path, [work_doc(ops=800)], [work_doc(ops=801)], tolerance=0.5)
+    row = row_of(result, "work_aten_ops")
+    assert (row.verdict, row.exact, row.threshold, row.outside_noise) == ("regressed", True, 0.0, True)
+    assert result.exit_code == 1
+    assert ("REGRESSION smoke-e8 work_aten_ops: work increased: +1 op per step (+0.1%, 800 -> 801): "
+            "aten.mm.default +1 [1xnvidia-h200]") in result.failures
+    # Not also as the generic exact-value regression line.
+    assert not any(line.startswith("REGRESSION smoke-e8 work_aten_ops: 800") for line in result.report.splitlines())
+    assert row_of(run_gate(tmp_path / "same", [work_doc()], [work_doc()]), "work_aten_ops").verdict == "unchanged"
+
+
+def test_work_decrease_is_reported_not_failed(tmp_path):
+    result = run_gate(tmp_path, [work_doc(flops=1_000_000_000)], [work_doc(flops=969_000_000)])
+    assert result.exit_code == 0 and row_of(result, "work_matmul_flops").verdict == "improved"
+    assert ("NOTE smoke-e8 work_matmul_flops: work decreased: -3.1% matmul FLOPs per step (1e+09 -> 9.69e+08): "
+            "aten.mm -3.1e+07 [1xnvidia-h200]") in result.report
+    assert row_of(result, "work_flops_ratio").verdict == "info"  # reported, never gated
+
+
+def test_work_increase_passes_when_accepted_and_says_so(tmp_path):
+    base = side(tmp_path, "base", work_doc(flops=1_000_000_000, ops=800))
+    cand = side(tmp_path, "cand", work_doc(flops=1_031_000_000, ops=801))
+    accepted = gate(compare(base, cand), accept_work=True)
+    assert accepted.exit_code == 0
+    assert "NOTE smoke-e8 work_matmul_flops: work increased (accepted): +3.1% matmul FLOPs per step" in accepted.report
+    assert "2 regressed (2 accepted work increases)" in accepted.report.splitlines()[0]
+    partly = gate(compare(base, cand), accept_work={"work_aten_ops"})
+    assert partly.exit_code == 1
+    assert [f.split(":")[0] for f in partly.failures] == ["REGRESSION smoke-e8 work_matmul_flops"]
+
+
+def test_collective_verdicts_name_the_op_group_and_ranks():
+    base = work_doc(ranks=2)
+    extra = work_doc(ranks=2, collectives={("all_reduce", "dp"): (3, 8 * MiB)})
+    lines = work_verdicts("s", base, extra)
+    assert lines == [
+        "REGRESSION s work_collective_calls: work increased: +1 all_reduce of 4 MiB per step (dp) on each of 2 ranks",
+        ("REGRESSION s work_collective_bytes: work increased: +8 MiB of collectives per step (8 MiB -> 16 MiB): "
+         "+1 all_reduce of 4 MiB per step (dp) on each of 2 ranks"),
+    ]
+    single = work_verdicts("s", work_doc(), work_doc(collectives={("all_reduce", "dp"): (3, 8 * MiB)}), machine="m")
+    assert single[0] == "REGRESSION s work_collective_calls: work increased: +1 all_reduce of 4 MiB per step (dp) [m]"
+    # Bigger messages in the same calls; a new kind on one rank only.
+    bigger = work_doc(collectives={("all_reduce", "dp"): (2, 6 * MiB)})
+    assert work_verdicts("s", work_doc(), bigger) == [
+        ("REGRESSION s work_collective_bytes: work increased: +2 MiB of collectives per step (4 MiB -> 6 MiB): "
+         "all_reduce (dp) +2 MiB per step over the same 2 calls"),
+    ]
+    one_rank = work_doc(ranks=2)
+    one_rank["details"]["work"]["ranks"][1]["collectives"].append({"op": "broadcast", "group": "ep", "calls": 1,
+                                                                    "bytes": MiB})
+    one_rank["metrics"]["work_collective_calls"] = metric([5], "count", "lower")
+    (calls,) = [line for line in work_verdicts("s", base, one_rank) if "work_collective_calls" in line]
+    assert calls.endswith(": +1 broadcast of 1 MiB per step (ep) on rank 1")
+
+
+def test_work_verdicts_take_documents_or_metrics_and_details(tmp_path):
+    base, cand = work_doc(ops=800), work_doc(ops=802)
+    as_pairs = work_verdicts("s", (base["metrics"], base["details"]), (cand["metrics"], cand["details"]))
+    (loaded_base,), (loaded_cand,) = side(tmp_path, "b", base), side(tmp_path, "c", cand)
+    assert as_pairs == work_verdicts("s", base, cand) == work_verdicts("s", loaded_base, loaded_cand)
+    assert as_pairs == [("REGRESSION s work_aten_ops: work increased: +2 ops per step (+0.2%, 800 -> 802): "
+                         "aten.mm.default +2")]
+    # Without a census the totals still say what changed.
+    assert work_verdicts("s", (base["metrics"], None), (cand["metrics"], {})) == [
+        "REGRESSION s work_aten_ops: work increased: +2 ops per step (+0.2%, 800 -> 802)"
+    ]
+
+
+def test_no_work_counters_on_one_side_gives_no_work_verdict(tmp_path):
+    old = make_doc(metrics={"peak_tensor_bytes": metric([100.0], "bytes", "lower")})
+    new = work_doc()
+    new["metrics"]["peak_tensor_bytes"] = metric([100.0], "bytes", "lower")
+    result = run_gate(tmp_path, [old], [new])
+    assert result.exit_code == 0
+    assert result.work == (
+        "NOTE smoke-e8: no work counters on one side (the baseline); work not compared [1xnvidia-h200]",
+    )
+    assert "work_aten_ops: metric missing" not in result.report  # said once for the scenario
+    assert work_verdicts("s", old, old) == []
+
+
+def test_pooled_runs_take_the_newest_census(tmp_path):
+    base = [work_doc(ops=800)]
+    cand = [work_doc(ops=801, timestamp="2025-01-01T00:00:00Z"), work_doc(ops=801, timestamp="2025-01-02T00:00:00Z")]
+    cand[1]["details"]["work"]["ranks"][0]["ops_by_name"] = {"aten.mm.default": 800, "aten.clone.default": 1}
+    result = run_gate(tmp_path, base, cand)
+    assert result.failures[0].endswith("(+0.1%, 800 -> 801): aten.clone.default +1 [1xnvidia-h200]")

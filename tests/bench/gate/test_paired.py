@@ -1,0 +1,99 @@
+"""The A/B gate's paired statistics against published tables and hand-computed values."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bench.gate import paired
+
+# Two-sided 5% critical values of the Wilcoxon signed-rank statistic (the largest T rejected), as
+# printed in the standard tables (e.g. Wilcoxon, Katti & Wilcox 1970).
+PUBLISHED_CRITICAL = {6: 0, 7: 2, 8: 3, 9: 5, 10: 8, 12: 13, 15: 25, 20: 52, 25: 89, 30: 137}
+
+
+@pytest.mark.parametrize("n, critical", sorted(PUBLISHED_CRITICAL.items()))
+def test_signed_rank_critical_values_match_the_tables(n, critical):
+    assert paired.signed_rank_k(n) - 1 == critical
+
+
+def test_the_normal_approximation_continues_the_exact_values():
+    exact = paired.signed_rank_k(paired.EXACT_UP_TO)
+    approx = max(1, math.floor(paired.EXACT_UP_TO * (paired.EXACT_UP_TO + 1) / 4 - paired.Z_95 * math.sqrt(
+        paired.EXACT_UP_TO * (paired.EXACT_UP_TO + 1) * (2 * paired.EXACT_UP_TO + 1) / 24)))
+    assert abs(exact - approx) <= 2
+
+
+def test_hodges_lehmann_by_hand():
+    values = [0.0, 0.1, 0.3]
+    # Walsh averages: 0, .05, .15, .1, .2, .3 -> sorted 0, .05, .1, .15, .2, .3; median (.1 + .15) / 2.
+    est = paired.hodges_lehmann(values)
+    assert est.estimate == pytest.approx(0.125)
+    assert paired.walsh_averages(values) == pytest.approx([0.0, 0.05, 0.1, 0.15, 0.2, 0.3])
+
+
+def test_interval_ends_are_the_walsh_averages_at_rank_k():
+    rng = random.Random(11)
+    values = [rng.gauss(0.02, 0.05) for _ in range(10)]
+    walsh = sorted((values[i] + values[j]) / 2 for i in range(10) for j in range(i, 10))
+    est = paired.hodges_lehmann(values)
+    # n = 10: T <= 8 is rejected, so the interval runs from the 9th to the 47th of the 55 averages.
+    assert (est.low, est.high) == (walsh[8], walsh[46])
+
+
+def test_an_outlier_moves_the_estimate_little():
+    values = [0.01, 0.02, 0.0, 0.015, 0.01, 0.02, 0.005, 0.012]
+    spiked = values[:-1] + [0.9]  # one block run while another job held a core
+    assert abs(paired.hodges_lehmann(spiked).estimate - paired.hodges_lehmann(values).estimate) < 0.01
+    assert abs(sum(spiked) / 8 - sum(values) / 8) > 0.1  # the mean would have moved ten times as much
+
+
+@pytest.mark.parametrize(
+    "estimate, low, high, expected",
+    [
+        (0.08, 0.06, 0.10, "regressed"),       # interval excludes 0, estimate beyond log(1.05)
+        (0.03, 0.01, 0.045, "unchanged"),      # excludes 0 but within tolerance, interval narrow
+        (0.06, -0.01, 0.13, "inconclusive"),   # wide: a 5% change could hide in it
+        (-0.08, -0.10, -0.06, "improved"),
+        (0.0, -0.02, 0.02, "unchanged"),
+        (0.047, 0.03, 0.06, "unchanged"),      # log(1.05) = 0.0488: the estimate is just inside
+        (0.050, 0.03, 0.06, "regressed"),      # and just beyond
+    ],
+)
+def test_verdicts(estimate, low, high, expected):
+    assert paired.verdict(paired.PairedEstimate(20, estimate, low, high), 0.05) == expected
+
+
+def test_stopping_rule_waits_for_the_minimum_of_pairs():
+    narrow = paired.PairedEstimate(paired.MIN_PAIRS - 1, 0.0, -0.001, 0.001)
+    assert not paired.decided(narrow, 0.05)
+    assert paired.decided(paired.PairedEstimate(paired.MIN_PAIRS, 0.0, -0.001, 0.001), 0.05)
+    assert not paired.decided(paired.PairedEstimate(40, 0.0, -0.05, 0.05), 0.05)
+
+
+def test_false_alarm_rate_of_identical_sides_is_at_most_5_percent():
+    """Simulated A/A: heavy-tailed block noise, no true change; the rule regresses rarely."""
+    rng = random.Random(20261201)
+    alarms = 0
+    for _ in range(400):
+        values = []
+        while True:
+            noise = rng.gauss(0, 0.04) + (rng.random() < 0.05) * rng.choice([-1, 1]) * rng.uniform(0.2, 0.8)
+            values.append(noise)
+            if len(values) >= 2:
+                est = paired.hodges_lehmann(values)
+                if paired.decided(est, 0.05) or len(values) >= 60:
+                    break
+        alarms += paired.verdict(est, 0.05) == "regressed"
+    assert alarms / 400 <= 0.05
+
+
+def test_a_planted_slowdown_is_found():
+    rng = random.Random(7)
+    found = 0
+    for _ in range(100):
+        values = [math.log(1.10) + rng.gauss(0, 0.04) for _ in range(30)]
+        found += paired.verdict(paired.hodges_lehmann(values), 0.05) == "regressed"
+    assert found >= 95

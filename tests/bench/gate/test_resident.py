@@ -1,0 +1,131 @@
+"""Resident A/B sides: same data and routing on both sides, alternation, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.gate.resident import ResidentSide, WorkerDied, compare_resident
+from bench.results import REPO_ROOT
+from bench.scenario import scenario_from_dict
+
+TINY = {
+    "schema_version": 1, "description": "A tiny MoE for the resident-worker tests.", "mode": "execute",
+    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+              "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}},
+    "routing": {"mode": "random", "seed": 3}, "precision": "fp32",
+    "run": {"warmup_steps": 1, "steps": 2, "tokens_per_step": 128, "timeout_s": 120},
+}
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live processes of a session (the worker and its ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def scenario(**parallel):
+    spec = {**TINY, "parallel": parallel} if parallel else dict(TINY)
+    return scenario_from_dict(spec, "tiny-resident.yaml")
+
+
+def test_both_sides_replay_the_same_steps_block_after_block():
+    tiny = scenario()
+    with ResidentSide("a", REPO_ROOT, tiny, "cpu", 120) as a, ResidentSide("b", REPO_ROOT, tiny, "cpu", 120) as b:
+        for _ in range(3):
+            a.block(2), b.block(2)
+            assert a.last_losses == b.last_losses and len(a.last_losses) == 2
+        first = a.last_losses
+        a.block(2)
+        assert a.last_losses != first  # the model trains on: same data, new parameters
+
+
+class FakeSide:
+    """A side with known block times: the controller's logic without processes or timing noise."""
+
+    def __init__(self, label: str, per_step_s: float, order: list[str], clock: list[float]):
+        self.label, self.per_step_s, self.order, self.clock = label, per_step_s, order, clock
+        self.scenario = scenario()
+
+    def block(self, steps: int) -> float:
+        self.order.append(self.label)
+        seconds = steps * self.per_step_s * (1.0 + 0.01 * (len(self.order) % 3))  # a little deterministic jitter
+        self.clock[0] += seconds
+        return seconds
+
+
+def run_fake(base_step: float, cand_step: float, tolerance: float, budget_s: float, stop_early: bool = True):
+    order, clock = [], [0.0]
+    base, cand = FakeSide("baseline", base_step, order, clock), FakeSide("candidate", cand_step, order, clock)
+    result = compare_resident(base, cand, tolerance, budget_s, log=lambda line: None, clock=lambda: clock[0],
+                              stop_early=stop_early)
+    return result, order
+
+
+def test_blocks_alternate_in_flipped_pairs_after_one_probe_each():
+    result, order = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
+    assert order[:2] == ["baseline", "candidate"]  # the probes size the blocks
+    assert result.steps_per_block == round(0.6 / 0.0101)  # 0.6 s blocks from the faster probe (1% jitter)
+    assert order[2:10] == ["baseline", "candidate", "candidate", "baseline"] * 2
+
+
+def test_identical_sides_stop_at_the_minimum_unchanged():
+    result, _ = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
+    assert (result.verdict, result.stopped_by, len(result.baseline_s)) == ("unchanged", "decided", 8)
+
+
+def test_a_slower_candidate_regresses():
+    result, _ = run_fake(0.01, 0.0112, tolerance=0.05, budget_s=600)
+    assert result.verdict == "regressed" and result.estimate.slowdown == pytest.approx(0.12, abs=0.01)
+
+
+def test_the_budget_ends_an_undecided_comparison():
+    """Without the stopping rule (calibration), blocks run until the budget is spent."""
+    result, _ = run_fake(0.01, 0.01, tolerance=0.0, budget_s=30, stop_early=False)
+    assert result.stopped_by == "budget" and result.seconds >= 30
+
+
+def test_a_worker_that_dies_fails_with_its_error_and_leaves_nothing():
+    tiny = scenario()
+    with ResidentSide("candidate", REPO_ROOT, tiny, "cpu", 60) as side:
+        sid = os.getsid(side.process.pid)
+        side.block(1)
+        os.kill(side.process.pid, signal.SIGKILL)
+        with pytest.raises(WorkerDied, match="candidate worker exited with code -9"):
+            side.block(1)
+    assert session_processes(sid) == []
+
+
+def test_a_worker_that_cannot_start_says_why(tmp_path):
+    broken = tmp_path / "tree"
+    (broken / "bench").mkdir(parents=True)
+    (broken / "bench" / "__init__.py").write_text("")
+    (broken / "bench" / "scenario.py").write_text("raise ImportError('this tree has no scenario loader')\n")
+    with pytest.raises(WorkerDied, match="this tree has no scenario loader"):
+        with ResidentSide("baseline", broken, scenario(), "cpu", 60):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_rank_side_runs_blocks_and_closes_all_its_ranks():
+    ep2 = scenario(dp=2, ep=2, dispatch="no-sync")
+    with ResidentSide("a", REPO_ROOT, ep2, "cpu", 180) as a:
+        sid = os.getsid(a.process.pid)
+        seconds = a.block(2)
+        assert seconds > 0 and len(a.last_losses) == 2
+        assert len(session_processes(sid)) >= 2  # rank 0 and rank 1
+    time.sleep(0.5)
+    assert session_processes(sid) == []
