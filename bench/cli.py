@@ -308,7 +308,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         accept = _accepted_work(args.accept_work)
         scenarios = load_all(files)
         if args.calibrate:
-            found = run_calibration(scenarios, args.budget, device=args.device, log=lambda line: print(line, flush=True))
+            found = run_calibration(scenarios, args.budget, device=device.type, log=lambda line: print(line, flush=True))
             print(render_calibration(found, args.budget), end="")
             return EXIT_OK
         keep = Path(args.out) if args.out else None
@@ -320,7 +320,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
           f"resident blocks for up to {plan.budget_s:g} s each", flush=True)
     try:
-        report = run_ab(plan, device=args.device, keep=keep, log=lambda line: print(line, flush=True))
+        report = run_ab(plan, device=device.type, keep=keep, log=lambda line: print(line, flush=True))
     except ABError as err:  # the baseline worktree could not be made
         return _fail(str(err))
     print(report.render(), end="")

@@ -53,6 +53,8 @@ class ResidentSide:
         spec_file.write_text(json.dumps({"spec": self.scenario.spec, "file": str(self.scenario.file),
                                          "timeout_s": self.timeout_s}))
         env = {**os.environ, "PYTHONPATH": str(self.root)}
+        # One side runs at a time, its ranks sharing every core, as the runner gives a launch's ranks.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.scenario.world_size)))
         self._stderr = self.stderr_path.open("w")
         self.process = subprocess.Popen(
             [sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device], cwd=self.root, env=env,
