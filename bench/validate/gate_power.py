@@ -67,6 +67,9 @@ WORK_PLANTS = {
     "extra copy": "        x_TD = x_TD.clone()  # planted\n",
     "extra host sync": "        route.counts_E.sum().item()  # planted\n",
 }
+EXPECTED_COUNTER = {"extra all_reduce": "work_collective_calls", "extra copy": "work_allocated_bytes",
+                    "extra host sync": "work_host_syncs"}
+"""The counter each planted change must move (others may move too: a copy is also an op)."""
 
 
 @contextlib.contextmanager
@@ -120,8 +123,10 @@ def work_run(scenario_file: Path, plant: str, tolerance: str, budget_s: float, d
             cwd=clone, env={**_env(), "PYTHONPATH": str(clone)}, capture_output=True, text=True, timeout=1800,
         )
     work = [line for line in done.stdout.splitlines() if "work increased" in line or "work decreased" in line]
-    return {"plant": plant, "exit_code": done.returncode, "detected": done.returncode == 1 and bool(work),
-            "findings": work, "seconds": time.monotonic() - started}
+    expected = [line for line in work if line.startswith("REGRESSION") and f" {EXPECTED_COUNTER[plant]}:" in line]
+    return {"plant": plant, "exit_code": done.returncode, "detected": done.returncode == 1 and bool(expected),
+            "findings": expected + [line for line in work if line not in expected],
+            "seconds": time.monotonic() - started}
 
 
 def _env() -> dict[str, str]:
