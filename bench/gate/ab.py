@@ -55,7 +55,9 @@ from bench.gate.compare import (
     paired_ratio,
     work_verdicts,
 )
-from bench.gate.resident import TARGET_BLOCK_S, ResidentComparison, ResidentSide, WorkerDied, compare_resident
+from bench.gate.resident import (
+    TARGET_BLOCK_S, ResidentComparison, ResidentSide, WorkerDied, WorkerFailedToStart, compare_resident,
+)
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, latest_release
 from bench.results import REPO_ROOT, ResultFileError, load_results
@@ -325,6 +327,8 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
                 continue
             try:
                 comparison = _resident(sides, scenario, plan, device, log)
+            except WorkerFailedToStart as err:  # e.g. a baseline too old to build this scenario
+                raise ABError(str(err)) from None
             except WorkerDied as err:
                 resident_failures.append(f"NOT-OK {scenario.name}: {err}")
                 continue

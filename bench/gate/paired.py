@@ -24,9 +24,11 @@ Verdict, for a tolerance ``tol`` (a slowdown of ``tol`` is ``log(1 + tol)`` in l
 - ``inconclusive``: neither, and the interval is still wider than the tolerance when the time
   budget runs out: the gate says so rather than guessing.
 
-Stopping rule: after at least ``MIN_PAIRS`` pairs, stop as soon as the verdict is decided (the
-interval's width is below the tolerance, or it already shows a regression or improvement beyond
-it), or when the budget is spent.
+Stopping rule: after at least ``MIN_PAIRS`` pairs, stop as soon as the interval is narrower than
+the tolerance, or when the budget is spent; the verdict is read once, at the stop. The rule looks
+only at the interval's width, never at where it lies, so stopping early does not pick the moment
+the interval happens to exclude no change (which repeated looks at the location would, raising the
+false-alarm rate above the nominal 2.5% per side).
 """
 
 from __future__ import annotations
@@ -128,5 +130,5 @@ def verdict(est: PairedEstimate, tolerance: float) -> str:
 
 
 def decided(est: PairedEstimate, tolerance: float) -> bool:
-    """Whether more pairs could still change the verdict: the stopping rule."""
-    return est.pairs >= MIN_PAIRS and verdict(est, tolerance) != "inconclusive"
+    """The stopping rule: enough pairs, and an interval narrower than the tolerance."""
+    return est.pairs >= MIN_PAIRS and est.width < math.log1p(tolerance)

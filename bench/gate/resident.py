@@ -36,6 +36,10 @@ class WorkerDied(RuntimeError):
     """A side's worker exited or stopped answering: the scenario fails with its error."""
 
 
+class WorkerFailedToStart(WorkerDied):
+    """A side's worker died before it was ready: nothing can be measured (bad input for the gate)."""
+
+
 class ResidentSide:
     """One side's worker; a context manager that never leaves a process behind."""
 
@@ -63,6 +67,9 @@ class ResidentSide:
         threading.Thread(target=self._read, daemon=True).start()
         try:
             self._receive("ready")
+        except WorkerDied as err:
+            self.close()
+            raise WorkerFailedToStart(f"{self.scenario.name}: {err}") from None
         except BaseException:
             self.close()
             raise
@@ -137,7 +144,7 @@ class ResidentComparison:
     estimate: paired.PairedEstimate | None = None
     verdict: str = "inconclusive"
     stopped_by: str = ""
-    """"decided" (the interval settled the verdict) or "budget" (time ran out)."""
+    """"decided" (the interval got narrower than the tolerance) or "budget" (time ran out)."""
 
 
 def compare_resident(
@@ -153,6 +160,9 @@ def compare_resident(
     start = clock()
     probe = [baseline.block(1), candidate.block(1)]
     steps = max(1, round(TARGET_BLOCK_S / max(min(probe), 1e-6)))
+    # One unrecorded block of the final size per side: the first blocks of a process still grow its
+    # allocator pools and caches, which would bias the first pairs toward whichever side ran first.
+    baseline.block(steps), candidate.block(steps)
     result = ResidentComparison(baseline.scenario.name, steps)
     while True:
         first, second = (baseline, candidate) if len(result.baseline_s) % 2 == 0 else (candidate, baseline)

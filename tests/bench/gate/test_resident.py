@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gate.resident import ResidentSide, WorkerDied, compare_resident
+from bench.gate.resident import ResidentSide, WorkerDied, WorkerFailedToStart, compare_resident
 from bench.results import REPO_ROOT
 from bench.scenario import scenario_from_dict
 
@@ -78,7 +78,8 @@ def test_blocks_alternate_in_flipped_pairs_after_one_probe_each():
     result, order = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
     assert order[:2] == ["baseline", "candidate"]  # the probes size the blocks
     assert result.steps_per_block == round(0.6 / 0.0101)  # 0.6 s blocks from the faster probe (1% jitter)
-    assert order[2:10] == ["baseline", "candidate", "candidate", "baseline"] * 2
+    assert order[2:4] == ["baseline", "candidate"]  # one unrecorded block of that size each
+    assert order[4:12] == ["baseline", "candidate", "candidate", "baseline"] * 2
 
 
 def test_identical_sides_stop_at_the_minimum_unchanged():
@@ -113,7 +114,7 @@ def test_a_worker_that_cannot_start_says_why(tmp_path):
     (broken / "bench").mkdir(parents=True)
     (broken / "bench" / "__init__.py").write_text("")
     (broken / "bench" / "scenario.py").write_text("raise ImportError('this tree has no scenario loader')\n")
-    with pytest.raises(WorkerDied, match="this tree has no scenario loader"):
+    with pytest.raises(WorkerFailedToStart, match="tiny-resident: baseline worker exited .*this tree has no scenario loader"):
         with ResidentSide("baseline", broken, scenario(), "cpu", 60):
             pass
 
