@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from bench.gate import paired
 from bench.scenario import Scenario
 
@@ -54,7 +56,7 @@ class ResidentSide:
 
     def __enter__(self) -> ResidentSide:
         spec_file = Path(self._tmp.name) / "scenario.json"
-        spec_file.write_text(json.dumps({"spec": self.scenario.spec, "file": str(self.scenario.file),
+        spec_file.write_text(json.dumps({"spec": self._spec_as_written(), "file": str(self.scenario.file),
                                          "timeout_s": self.timeout_s}))
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         # One side runs at a time, its ranks sharing every core, as the runner gives a launch's ranks.
@@ -74,6 +76,14 @@ class ResidentSide:
             self.close()
             raise
         return self
+
+    def _spec_as_written(self) -> dict:
+        """The scenario as its file says it: each side's loader fills in its own defaults (an older
+        baseline's schema does not know the fields a newer loader adds)."""
+        path = Path(self.scenario.file) if self.scenario.file else None
+        if path is not None and path.is_file():
+            return yaml.safe_load(path.read_text())
+        return self.scenario.spec
 
     def __exit__(self, *exc) -> None:
         self.close()

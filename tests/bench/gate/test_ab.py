@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -264,3 +266,30 @@ def test_ab_against_head(tmp_path, tiny, capsys):
     for b, c in zip(base, cand):
         assert b["metrics"]["optimizer_state_bytes"]["median"] == c["metrics"]["optimizer_state_bytes"]["median"]
         assert b["metrics"]["loss"]["samples"] == c["metrics"]["loss"]["samples"]
+
+
+def test_a_regression_stands_only_if_fresh_workers_confirm_it(tmp_path, tiny, monkeypatch):
+    """First comparison regressed, the fresh one did not: unchanged, with a note; both regressed: fails."""
+    from bench.gate import ab, paired
+    from bench.gate.resident import ResidentComparison
+    from bench.run.runner import load_all
+
+    def comparison(slowdown: float) -> ResidentComparison:
+        est = paired.PairedEstimate(10, math.log1p(slowdown), math.log1p(slowdown) - 0.01, math.log1p(slowdown) + 0.01)
+        return ResidentComparison("tiny-ab", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est,
+                                  paired.verdict(est, 0.03), "decided")
+
+    ok_doc = SideRun("ok", None, {}, "0.1.0")
+    monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
+    monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
+    plan = ab.ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0)
+
+    seen = iter([comparison(0.08), comparison(0.0)])
+    monkeypatch.setattr(ab, "_resident", lambda *a, **k: next(seen))
+    report = ab.run_ab(plan, device="cpu", log=lambda line: None)
+    assert report.exit_code == 0 and [r.verdict for r in report.resident] == ["unchanged"]
+    assert "NOTE tiny-ab: a first comparison regressed x1.080, fresh workers did not (x1.000, unchanged)" in report.notes
+
+    seen = iter([comparison(0.08), comparison(0.07)])
+    report = ab.run_ab(plan, device="cpu", log=lambda line: None)
+    assert report.exit_code == 1 and "REGRESSION tiny-ab step time: x1.070" in report.render()
