@@ -262,10 +262,11 @@ def test_ab_against_head(tmp_path, tiny, capsys):
     assert len(base) == len(cand) == 1 and all(d["status"] == "ok" for d in base + cand)
     blocks = next(line for line in out.splitlines() if line.startswith("tiny-ab ") and " step_time_s " in line)
     assert " x " in blocks and " steps, " in blocks  # the resident blocks ran and were counted
-    # Deterministic metrics agree exactly: same seed, same code, same numbers.
+    # Same seed, same code: the state bytes agree exactly, the losses to fp32 rounding (the CPU's
+    # threaded reductions are not bit-reproducible from process to process).
     for b, c in zip(base, cand):
         assert b["metrics"]["optimizer_state_bytes"]["median"] == c["metrics"]["optimizer_state_bytes"]["median"]
-        assert b["metrics"]["loss"]["samples"] == c["metrics"]["loss"]["samples"]
+        assert b["metrics"]["loss"]["samples"] == pytest.approx(c["metrics"]["loss"]["samples"], rel=1e-5)
 
 
 def test_a_regression_stands_only_if_fresh_workers_confirm_it(tmp_path, tiny, monkeypatch):
