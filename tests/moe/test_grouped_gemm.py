@@ -125,7 +125,9 @@ def test_experts_without_tokens_get_exactly_zero_weight_gradients(backend, devic
         q.data.copy_(p.data)
     counts = torch.tensor([6, 0, 10, 0], device=device)
     x = torch.randn(16, 32, device=device, dtype=dtype)
+    # A kernel that leaves empty groups unwritten, on a device where the engine is told so.
     monkeypatch.setattr(torch, "_grouped_mm", _garbage_for_empty_groups(torch._grouped_mm))
+    monkeypatch.setattr("moe_engine.moe.experts.kernel_zeroes_empty_groups", lambda device: False)
     experts(x, ExpertGroups.from_counts(counts)).float().square().sum().backward()
     reference(x, ExpertGroups.from_counts(counts)).float().square().sum().backward()
     for name in ("gate_up", "down"):
@@ -160,3 +162,18 @@ def test_path_by_architecture_and_dtype(capability, dtype, expected, monkeypatch
     """torch runs its CUTLASS grouped GEMM for bf16 on sm90/sm100 only (faked device, no GPU needed)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert grouped_mm_path("cuda", dtype) is expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_kernel_writes_zero_weight_gradients_for_empty_groups(dtype):
+    """Why the engine skips its own zeroing on CPU: the kernel's empty groups are exact zeros."""
+    from moe_engine.moe.experts import kernel_zeroes_empty_groups
+
+    assert kernel_zeroes_empty_groups(torch.device("cpu"))
+    torch.manual_seed(SEED)
+    counts = [4, 0, 6, 0]
+    grad_MN, x_MK = torch.randn(10, 8).to(dtype), torch.randn(10, 16).to(dtype)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    for _ in range(3):  # fresh outputs each time: not zeros by luck of a reused buffer
+        wgrad = grouped_mm(grad_MN.t(), x_MK, offsets)
+        assert torch.equal(wgrad[1], torch.zeros_like(wgrad[1])) and torch.equal(wgrad[3], torch.zeros_like(wgrad[3]))
