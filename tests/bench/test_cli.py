@@ -176,6 +176,8 @@ def test_gate_on_the_committed_release_baseline(tmp_path, capsys):
     from bench.results import REPO_ROOT
 
     baseline = REPO_ROOT / "results" / "0.1.0" / "cpu-2c-amd-epyc"
+    if not baseline.is_dir():
+        pytest.skip("no committed results here (the image leaves results/ out: .dockerignore)")
     assert main(["gate", "--baseline", str(baseline), "--candidate", str(baseline)]) == 0
     assert capsys.readouterr().out.startswith("PASS: 5 scenario(s) compared")
     cand = tmp_path / "cand"

@@ -99,6 +99,12 @@ def test_version_1_documents_are_migrated_on_load(tmp_path):
         validate(broken)  # version 1 always had a spread object
 
 
+needs_committed_results = pytest.mark.skipif(
+    not RELEASE_BASELINE.is_dir(), reason="no committed results here (the image leaves results/ out: .dockerignore)"
+)
+
+
+@needs_committed_results
 def test_committed_result_documents_still_load():
     committed = sorted(p for p in COMMITTED.rglob("*.json") if p.name != "schema.json")
     assert {p.parent.parent.name for p in committed} >= {"0.1.0", "0.1.0+13.g11819d8"}  # execute, plan, proxy
@@ -114,6 +120,7 @@ def test_committed_result_documents_still_load():
     assert singles > 0  # peak memory, optimizer bytes, plan estimates
 
 
+@needs_committed_results
 def test_committed_result_documents_still_compare(tmp_path):
     docs = load_results(RELEASE_BASELINE)
     same = gate(compare(docs, docs, 0.05))
