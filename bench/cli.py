@@ -20,7 +20,7 @@ def _fail(message: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
-    from bench.run.launch import detect_launch, join_launch
+    from bench.run.launch import detect_launch, join_launch, leave_launch
     from bench.run.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
@@ -50,9 +50,12 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
         if launch.rank != 0:
             Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force).run(scenarios)
+            leave_launch()
             return EXIT_OK
     runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force)
     outcomes = runner.run(scenarios)
+    if launch is not None:
+        leave_launch()
     if plan_only:
         from bench.predict.plan import summary_line
 

@@ -66,3 +66,11 @@ def process_group_backend(device: torch.device) -> str:
     type associated with device type cpu". Subgroups made with ``dist.new_group`` inherit the pair.
     """
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"
+
+
+def leave_launch() -> None:
+    """Tear the default group down while every rank is still alive: a gloo group left to the
+    interpreter's exit can abort the process ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
