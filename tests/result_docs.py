@@ -42,3 +42,17 @@ def make_doc(
         "error": error,
         "metrics": metrics if metrics is not None else {},
     }
+
+
+def refuse_reads(monkeypatch, path) -> None:
+    """Make opening ``path`` fail with EACCES: chmod is no obstacle to root, so refuse the read itself."""
+    from pathlib import Path
+
+    real = Path.open
+
+    def refuse(self, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)

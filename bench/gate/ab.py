@@ -59,7 +59,12 @@ from bench.gate.compare import (
     work_verdicts,
 )
 from bench.gate.resident import (
-    TARGET_BLOCK_S, ResidentComparison, ResidentSide, WorkerDied, WorkerFailedToStart, compare_resident,
+    TARGET_BLOCK_S,
+    ResidentComparison,
+    ResidentSide,
+    WorkerDied,
+    WorkerFailedToStart,
+    compare_resident,
 )
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, latest_release

@@ -128,10 +128,8 @@ class ResidentSide:
             with contextlib.suppress(BrokenPipeError, OSError):
                 self.process.stdin.write(json.dumps({"stop": True}) + "\n")
                 self.process.stdin.flush()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # then killed below
                 self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
         if self.process is not None:
             # The worker's ranks share its session: nothing of either side outlives the scenario.
             with contextlib.suppress(ProcessLookupError, PermissionError):

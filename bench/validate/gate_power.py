@@ -49,8 +49,8 @@ def _planted_slow_step(self, *args, **kwargs):
     start = _planted_time.perf_counter()
     out = _planted_step(self, *args, **kwargs)
     end = _planted_time.perf_counter() + {fraction} * (_planted_time.perf_counter() - start)
-    while _planted_time.perf_counter() < end:
-        pass
+    while _planted_time.perf_counter() < end:  # spin: compute time, not a sleep
+        continue
     return out
 
 

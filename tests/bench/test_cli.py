@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from result_docs import make_doc
+from result_docs import make_doc, refuse_reads
 
 from bench.cli import main
 from bench.results import metric, write_result
@@ -80,15 +79,8 @@ def bad_file(request, sides, monkeypatch):
     _, cand = sides
     path = cand / "old.json"
     path.write_text(INVALID if request.param == "schema" else TRUNCATED)
-    if request.param == "unreadable":  # chmod is no obstacle to root: refuse the read itself
-        real = Path.open
-
-        def refuse(self, *args, **kwargs):
-            if self == path:
-                raise PermissionError(13, "Permission denied", str(self))
-            return real(self, *args, **kwargs)
-
-        monkeypatch.setattr(Path, "open", refuse)
+    if request.param == "unreadable":
+        refuse_reads(monkeypatch, path)
     return path, BAD_FILES[request.param]
 
 

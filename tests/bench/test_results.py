@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
-from result_docs import make_doc
+from result_docs import make_doc, refuse_reads
 
 from bench import results
 from bench.gate.compare import compare, gate
@@ -181,14 +180,7 @@ def test_a_bad_file_is_named_with_its_reason(tmp_path, text, reason):
 def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
     path = tmp_path / "locked.json"
     path.write_text(VALID)
-    real = Path.open
-
-    def refuse(self, *args, **kwargs):
-        if self == path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "open", refuse)
+    refuse_reads(monkeypatch, path)
     with pytest.raises(results.ResultFileError, match="^" + re.escape(f"{path}: cannot read: Permission denied") + "$"):
         load_result(path)
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import pytest
+from image_build import build_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +27,6 @@ RESULTS = "/opt/moe-engine/results"  # where docker-compose.yml mounts ./results
 CHECKOUT = "/run/moe-checkout"  # where docker-compose.yml mounts the checkout, read-only
 PLAN = "scenarios/olmo-core3/moe-8e-4.6b.yaml"  # a plan scenario: a result file in about a second
 SMOKE = "scenarios/smoke/e8-random-bf16.yaml"
-
-
-def base_image() -> str:
-    default = re.search(r"^ARG BASE_IMAGE=(\S+)", (REPO_ROOT / "Dockerfile").read_text(), re.MULTILINE)[1]
-    return os.environ.get("MOE_BASE_IMAGE") or default
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +45,7 @@ def client():
 
 @pytest.fixture(scope="module")
 def image(client):
-    from docker.errors import BuildError, ImageNotFound
-
-    base = base_image()
-    try:
-        client.images.get(base)
-    except ImageNotFound:
-        pytest.skip(f"base image {base} is not on this Docker engine: pull it, or set MOE_BASE_IMAGE to a local one")
-    try:
-        client.images.build(path=str(REPO_ROOT), tag=TAG, buildargs={"BASE_IMAGE": base}, rm=True)
-    except BuildError as err:
-        tail = "".join(chunk.get("stream", "") for chunk in err.build_log)[-3000:]
-        pytest.fail(f"image build failed: {err.msg}\n{tail}")
+    build_or_skip(client, TAG)
     yield TAG
     client.images.remove(TAG, noprune=True)
 

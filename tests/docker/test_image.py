@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 import pytest
-
-from bench.results import REPO_ROOT
+from image_build import build_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -20,31 +18,14 @@ TAG = "moe-engine:pytest"
 SCENARIO = "scenarios/smoke/e8-random-bf16.yaml"
 
 
-def base_image() -> str:
-    default = re.search(r"^ARG BASE_IMAGE=(\S+)", (REPO_ROOT / "Dockerfile").read_text(), re.M)[1]
-    return os.environ.get("MOE_BASE_IMAGE") or default
-
-
 def test_image_runs_a_smoke_scenario(tmp_path):
-    from docker.errors import BuildError, ImageNotFound
-
     from bench.release.images import CONTAINER_RESULTS, VersionsError, connect, run_image
 
     try:
         client = connect()
     except VersionsError as err:
         pytest.skip(f"no Docker engine reachable ({err}): the image build and run is not tested here")
-    base = base_image()
-    try:
-        client.images.get(base)
-    except ImageNotFound:
-        pytest.skip(f"base image {base} is not on this Docker engine: pull it, or set MOE_BASE_IMAGE to a local one")
-
-    try:
-        image, _ = client.images.build(path=str(REPO_ROOT), tag=TAG, buildargs={"BASE_IMAGE": base}, rm=True)
-    except BuildError as err:
-        tail = "".join(chunk.get("stream", "") for chunk in err.build_log)[-3000:]
-        pytest.fail(f"image build failed: {err.msg}\n{tail}")
+    image = build_or_skip(client, TAG)
     # The image starts as root and its entrypoint runs moe-bench as the owner of the results folder
     # (tests/docker/test_entrypoint.py); started as a given user, as run_image does, it stays that user.
     assert image.attrs["Config"]["Entrypoint"] == ["moe-entrypoint", "moe-bench"]

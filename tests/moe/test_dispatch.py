@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from distributed_harness import run_ranks
+
 from moe_engine.config import DispatchKind, ExpertBackendKind, MoEConfig
 from moe_engine.host_sync import HostSyncError, forbid_host_sync
 from moe_engine.moe.dispatch import AllToAllDispatcher, LocalDispatcher, capacity

@@ -8,8 +8,8 @@ References are computed here, in the test process.
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed_harness import run_ranks
+
 from moe_engine import ModelConfig, MoEConfig, build_model
 from moe_engine.config import ParallelConfig
 from moe_engine.parallel.data_parallel import DataParallelOptimizer, ParamFamily, param_families

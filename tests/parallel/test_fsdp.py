@@ -2,8 +2,8 @@
 
 import torch
 import torch.distributed as dist
-
 from distributed_harness import run_ranks
+
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig
 from moe_engine.parallel.fsdp import apply_fsdp

@@ -2,8 +2,8 @@ import itertools
 
 import pytest
 import torch.distributed as dist
-
 from distributed_harness import RankFailure, run_ranks
+
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout, stage_layers

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed_harness import run_ranks
+
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.parallel.layout import Layout

@@ -8,8 +8,8 @@ updates as well as the gradients.
 
 import pytest
 import torch
-
 from distributed_harness import run_ranks
+
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.parallel.groups import build_process_groups

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 import torch
-
 from distributed_harness import run_ranks
+
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.moe.dispatch import AllToAllDispatcher
