@@ -96,6 +96,39 @@ class DispatchKind(str, Enum):
     """Fixed-capacity buffers per destination rank, no host synchronisation, tail drop over capacity."""
 
 
+class GradDtype(str, Enum):
+    """Precision gradients are accumulated over microbatches and reduced over data-parallel ranks in."""
+
+    FP32 = "fp32"
+    """fp32 gradient buffers whatever the parameters' dtype (each microbatch's gradient is added in)."""
+    PARAM = "param"
+    """The parameters' dtype: bf16 runs accumulate and reduce bf16 gradients (half the bytes)."""
+
+
+class RecomputeMode(str, Enum):
+    """Which activations backward recomputes instead of keeping them from forward."""
+
+    NONE = "none"
+    """Keep every activation."""
+    FULL = "full"
+    """Keep only each chosen block's input; its whole forward (expert-parallel all-to-alls included)
+    runs again in backward."""
+    SELECTIVE = "selective"
+    """Recompute only the named parts of each chosen block (``RecomputeConfig.parts``)."""
+
+
+class RecomputePart(str, Enum):
+    """A part of a block that selective recompute can recompute. None of them contains a collective, so
+    no selective mode runs an expert-parallel all-to-all again."""
+
+    ATTENTION = "attention"
+    """Q/K/V projections, RoPE, SDPA and the output projection (keeps the attention's input only)."""
+    EXPERTS = "experts"
+    """The routed experts' SwiGLU on the tokens already dispatched to them (keeps their input rows)."""
+    NORMS = "norms"
+    """The block's two RMSNorms (keeps their inputs)."""
+
+
 def _require(ok: bool, path: str, reason: str) -> None:
     if not ok:
         raise ValueError(f"{path}: {reason}")
@@ -246,6 +279,71 @@ class ModelConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recompute: which blocks, and what of them, backward recomputes."""
+
+    mode: RecomputeMode = RecomputeMode.NONE
+    """none, full (whole blocks) or selective (the named parts)."""
+    parts: list[RecomputePart] = field(default_factory=list)
+    """Parts a selective mode recomputes (at least one); must be empty for the other modes."""
+    every: int = 1
+    """Recompute blocks whose index is a multiple of this (1: every block)."""
+    first_per_stage: int = 0
+    """If > 0: recompute only the first n blocks of each pipeline stage (``every`` must then be 1)."""
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self, "recompute.")
+        choices = ", ".join(e.value for e in RecomputePart)
+        for part in self.parts:
+            _require(part in {e.value for e in RecomputePart}, "recompute.parts", f"{part!r} is not one of {choices}")
+        self.parts = [RecomputePart(p) for p in self.parts]
+        self.validate()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode is not RecomputeMode.NONE
+
+    def validate(self, n_layers: int | None = None, smallest_stage: int | None = None) -> None:
+        """Checks of the config alone, and (given the model's and the layout's sizes) of the block subset."""
+        if self.mode is RecomputeMode.SELECTIVE:
+            _require(bool(self.parts), "recompute.parts", "selective recompute needs at least one part")
+            _require(len(set(self.parts)) == len(self.parts), "recompute.parts", "a part is named twice")
+        else:
+            _require(not self.parts, "recompute.parts", f"only selective recompute takes parts, not mode {self.mode.value}")
+        _require(self.every >= 1, "recompute.every", f"must be >= 1, got {self.every}")
+        _require(self.first_per_stage >= 0, "recompute.first_per_stage", f"must be >= 0, got {self.first_per_stage}")
+        _require(
+            self.first_per_stage == 0 or self.every == 1,
+            "recompute.first_per_stage",
+            f"choose one block subset: every={self.every} or first_per_stage={self.first_per_stage}",
+        )
+        if n_layers is not None:
+            _require(self.every <= n_layers, "recompute.every", f"{self.every} exceeds model.n_layers={n_layers}")
+        if smallest_stage is not None:
+            _require(
+                self.first_per_stage <= smallest_stage,
+                "recompute.first_per_stage",
+                f"{self.first_per_stage} exceeds the {smallest_stage} blocks of the smallest pipeline stage",
+            )
+
+    def blocks(self, stages: list[range]) -> list[int]:
+        """The recomputed block indices, given every pipeline stage's blocks."""
+        if not self.enabled:
+            return []
+        if self.first_per_stage:
+            return [i for stage in stages for i in list(stage)[: self.first_per_stage]]
+        return [i for stage in stages for i in stage if i % self.every == 0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RecomputeConfig":
+        _reject_unknown(cls, data, "recompute.")
+        return cls(**data)
+
+
+@dataclass
 class ParallelConfig:
     """The parallel layout: world = dp * pp, expert parallelism of degree ep inside dp."""
 
@@ -273,6 +371,8 @@ class ParallelConfig:
     """No-sync buffer size per destination rank, as a multiple of the balanced load."""
     bucket_elements: int = 2**22
     """Gradient elements per all-reduce bucket (buckets launch as soon as they fill in backward)."""
+    grad_dtype: GradDtype = GradDtype.FP32
+    """Precision of gradient accumulation and reduction (fp32 by default, also for bf16 parameters)."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "parallel.")
@@ -418,6 +518,8 @@ _ENUM_FIELDS = {
     "dp_mode": DataParallelMode,
     "optimizer_sharding": OptimizerSharding,
     "dispatch": DispatchKind,
+    "grad_dtype": GradDtype,
+    "mode": RecomputeMode,
 }
 
 
@@ -426,4 +528,6 @@ def _plain(value):
         return value.value
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return value

@@ -21,6 +21,12 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not norms or vectors)."""
+    max_grad_norm: float = 1.0
+    """Clip gradients to this global 2-norm before the update (the reference release's 1.0); 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if self.max_grad_norm < 0:
+            raise ValueError(f"run.max_grad_norm: must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
 def adamw_param_groups(params: list[torch.Tensor], config: OptimizerConfig) -> list[dict]:
@@ -77,13 +83,17 @@ class Trainer:
 
     def __init__(self, model: Transformer, config: OptimizerConfig | None = None):
         self.model = model
-        self.optimizer = MasterWeightAdamW(model.parameters(), config or OptimizerConfig())
+        self.config = config or OptimizerConfig()
+        self.optimizer = MasterWeightAdamW(model.parameters(), self.config)
+        self.last_grad_norm: torch.Tensor | None = None
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """One training step; returns the (detached, on-device) cross-entropy loss."""
         self.optimizer.zero_grad()
         loss = self.model.loss(tokens_BS, labels_BS)
         loss.backward()
+        if self.config.max_grad_norm > 0:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         for layer in self.model.moe_layers():
             layer.update_expert_bias()

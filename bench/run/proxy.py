@@ -388,7 +388,7 @@ def _timed(owner, method: str, timer: PhaseTimer, phase: str) -> None:
 
 def _instrument(trainer: ParallelTrainer, rank_model, timer: PhaseTimer) -> None:
     """Phases of the blocks, plus the work whose size follows the parameters rather than the tokens:
-    the optimizer, zeroing and scaling the gradient buffers, and the embedding (its backward makes a
+    the optimizer, zeroing the gradient buffers, and the embedding (its backward makes a
     whole vocabulary x d_model gradient per microbatch)."""
     instrument_model(timer, rank_model.module)
     embed = getattr(rank_model.module, "embed", None)
@@ -398,7 +398,6 @@ def _instrument(trainer: ParallelTrainer, rank_model, timer: PhaseTimer) -> None
         timer.instrument(embed, EMBEDDING, open_ended=True)
     _timed(trainer.optimizer, "step", timer, "optimizer")
     _timed(trainer.optimizer, "zero_grad", timer, GRAD_BUFFERS)
-    _timed(trainer, "scale_gradients", timer, GRAD_BUFFERS)
 
 
 @dataclass

@@ -49,6 +49,11 @@ class Dispatcher(ABC):
         """(T, D) weighted sum of each token's expert outputs, and the int64 scalar count of
         assignments dropped for lack of capacity (a device tensor)."""
 
+    def routing_streams(self) -> list:
+        """Routers besides the layer's own whose random streams a forward draws from (a recompute
+        replays them too)."""
+        return []
+
 
 def _no_drops(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)

@@ -18,7 +18,8 @@ from moe_engine.moe.router import Router
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Returns x unchanged; in backward, feeds a gradient of 1 into ``loss``.
+    """Returns x unchanged; in backward, feeds a gradient of 1 into ``loss`` (already scaled by the layer's
+    ``loss_scale``).
 
     This adds the router's weighted loss to the training objective without threading it through
     every return value (pipeline stages pass only activations).
@@ -54,6 +55,9 @@ class MoELayer(nn.Module):
         self.last_counts_E: torch.Tensor | None = None
         # int64 scalar: assignments dropped for lack of capacity (always 0 on dropless paths).
         self.last_dropped: torch.Tensor | None = None
+        # Weight of this forward's router loss in the objective: 1/m when the trainer averages m
+        # microbatches by scaling each loss in backward (so gradients are final when a bucket fills).
+        self.loss_scale = 1.0
 
     def enable_expert_parallel(
         self,
@@ -91,7 +95,8 @@ class MoELayer(nn.Module):
         self.last_counts_E = route.counts_E
         self.last_dropped = dropped
         if torch.is_grad_enabled() and route.loss.requires_grad:
-            y_TD = _AttachLoss.apply(y_TD, route.loss)
+            loss = route.loss if self.loss_scale == 1.0 else route.loss * self.loss_scale
+            y_TD = _AttachLoss.apply(y_TD, loss)
         return y_TD.view_as(x_BSD)
 
     def update_expert_bias(self) -> None:

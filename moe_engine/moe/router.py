@@ -91,6 +91,22 @@ class Router(nn.Module):
         """Restart the random/skewed routing stream from its seed."""
         self._generator = None
 
+    def routing_state(self) -> tuple[torch.device, torch.Tensor] | None:
+        """Where the random/skewed routing stream stands (None: not started, it starts from the seed)."""
+        if self._generator is None:
+            return None
+        return self._generator.device, self._generator.get_state()
+
+    def set_routing_state(self, state: tuple[torch.device, torch.Tensor] | None) -> None:
+        """Put the routing stream back where ``routing_state`` saw it."""
+        if state is None:
+            self._generator = None
+            return
+        device, generator_state = state
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+        self._generator.set_state(generator_state)
+
     def _routing_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device)

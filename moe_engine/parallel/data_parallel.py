@@ -20,22 +20,42 @@ collective keeps the division off the critical path after the last bucket arrive
 
 Buffers and buckets
 -------------------
-Parameters of one family and dtype live in one flat parameter buffer and one flat gradient buffer
-(the model's dtype), laid out in reverse registration order (roughly the order backward produces
-gradients) and cut into buckets of about ``bucket_elements``. A bucket holds whole parameters and is
-padded to a multiple of its group's size so a reduce-scatter splits it evenly. ``param.data`` and
-``param.grad`` are views into the buffers, so autograd accumulates in place (gradient accumulation
-over microbatches needs nothing else) and the parameters keep their identity (the model holds
-references to them).
+Parameters of one family and dtype live in one flat parameter buffer and one flat gradient buffer,
+laid out in reverse registration order (roughly the order backward produces gradients) and cut
+into buckets of about ``bucket_elements``. A bucket holds whole parameters and is padded to a
+multiple of its group's size so a reduce-scatter splits it evenly. ``param.data`` is a view into
+the parameter buffer, so the parameters keep their identity (the model holds references to them).
+
+The gradient buffer is fp32 by default (``GradDtype.FP32``), whatever the parameters' dtype: bf16
+gradients summed over microbatches or over many dp ranks lose precision (OLMo-core's default is
+the same). Where the buffer's dtype is the parameter's, ``param.grad`` is a view of it and autograd
+accumulates in place; otherwise each backward's gradient is added into the fp32 view by the
+parameter's hook and ``param.grad`` is released (``grad_view(param)`` is the accumulated gradient).
 
 Overlap with backward
 ---------------------
-A post-accumulate-grad hook on every parameter marks it ready; when ``arm_overlap()`` was called
-before the last backward of a step, a complete bucket launches its async collective at once
-(all-reduce for plain DDP, reduce-scatter for ZeRO-1). Buckets launch strictly in one fixed order,
-the same on every rank, because collectives on a group are matched by issue order.
-``finish_grad_sync()`` launches whatever is left (nothing armed, or parameters that got no gradient
-this step) and waits for all of it.
+A post-accumulate-grad hook on every parameter counts its backwards; with ``arm_overlap(m)``
+called before the first backward of a step of m microbatches, a parameter is ready after its m-th
+gradient, and a bucket whose parameters are all ready launches its async collective at once
+(all-reduce for plain DDP, reduce-scatter for ZeRO-1), while the last microbatch's backward still
+runs. The gradients must then be final when they arrive: the trainer scales each microbatch's loss
+(router losses included) by 1/m in backward instead of rescaling afterwards. Buckets launch
+strictly in one fixed order, the same on every rank, because collectives on a group are matched by
+issue order. ``finish_grad_sync()`` launches whatever is left (nothing armed, or parameters that got
+no gradient this step) and waits for all of it.
+
+Each step records its ``timeline``: when each bucket's reduction and (ZeRO-1) gather launched, when
+backward ended and when the last collective was waited for, on the host clock. A proxy reads the
+overlap window from it.
+
+Clipping
+--------
+With ``max_grad_norm > 0`` the reduced gradients are scaled by min(1, max / (norm + 1e-6)) before
+the update (``torch.nn.utils.clip_grad_norm_``'s rule), where norm is the global 2-norm over every
+parameter of the model, each gradient counted once: a replicated bucket (dense over dp, experts
+over edp) only on the first rank of its group, a ZeRO-1 share on its owner; one all-reduce of the
+squared sum over the world adds up experts over ep and stages over pp. It is computed and applied
+on the device (no host sync); ``last_grad_norm`` holds it (before clipping).
 
 Optimizer
 ---------
@@ -45,7 +65,8 @@ Each rank's part of a bucket is cut into per-parameter segments (1-D views), whi
 inner AdamW sees. In plain mode a rank's part is the whole bucket; with ZeRO-1 (``shard=True``) it
 is the rank's 1/n slice (n = dp for dense, edp for experts): masters and moments exist only for
 it, it is updated from the reduce-scattered gradient slice, written into the rank's slice of the
-flat parameter buffer and all-gathered. fp32 parameters are their own masters (the segment is a
+flat parameter buffer and all-gathered: each bucket's gather launches as soon as its update is
+written, so it overlaps the next buckets' updates. fp32 parameters are their own masters (the segment is a
 view of the parameter buffer itself).
 
 Shape suffixes: ``_N`` a flat run of elements (a bucket, or a parameter's segment), ``_M`` this
@@ -54,6 +75,7 @@ rank's share of a bucket (N/n elements with ZeRO-1).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -61,7 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_engine.config import OptimizerSharding, ParallelConfig
+from moe_engine.config import GradDtype, OptimizerSharding, ParallelConfig
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.train import OptimizerConfig
@@ -132,7 +154,7 @@ class _Segment:
     param_N: torch.Tensor
     """View of the flat parameter buffer (model dtype)."""
     grad_N: torch.Tensor
-    """View of the reduced gradient (model dtype)."""
+    """View of the reduced gradient (the gradient buffer's dtype)."""
     master_N: torch.Tensor
     """fp32 master: ``param_N`` itself for fp32 parameters, else an fp32 copy."""
 
@@ -158,7 +180,7 @@ class _Bucket:
     grad_shard_M: torch.Tensor
     """Reduced gradient of this rank's share: the reduce-scatter output, or ``grad_N`` itself."""
     ready: set = field(default_factory=set)
-    """Parameters whose gradient is complete in the armed backward."""
+    """Parameters whose gradient is complete this step (armed steps only)."""
     work: dist.Work | None = None
     """In-flight collective."""
     launched: bool = False
@@ -175,6 +197,12 @@ class _Bucket:
     @property
     def complete(self) -> bool:
         return len(self.ready) == len(self.params)
+
+    @property
+    def counts_toward_norm(self) -> bool:
+        """Whether this rank's ``grad_shard_M`` enters the global norm: a share is its owner's alone; a
+        replicated bucket is counted on the first rank of its group only."""
+        return self.shard or self.comm.rank == 0
 
     def launch_reduce(self) -> None:
         if self.comm.divisor != 1:
@@ -245,7 +273,10 @@ def _aligned_offsets(params: list[nn.Parameter], dtype: torch.dtype) -> list[int
 
 @torch.no_grad()
 def _build_buckets(
-    plan: list[tuple[tuple, list[nn.Parameter]]], comms: dict[ParamFamily, _FamilyComm], shard: bool
+    plan: list[tuple[tuple, list[nn.Parameter]]],
+    comms: dict[ParamFamily, _FamilyComm],
+    shard: bool,
+    grad_dtype: GradDtype,
 ) -> list[_Bucket]:
     """Allocate one flat parameter and gradient buffer per (family, dtype, device) and re-point params."""
     sizes = [
@@ -254,8 +285,13 @@ def _build_buckets(
     totals: dict[tuple, int] = {}
     for (key, _), size in zip(plan, sizes):
         totals[key] = totals.get(key, 0) + size
+    def grad_buffer_dtype(param_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if grad_dtype is GradDtype.FP32 else param_dtype
+
+    # Offsets are aligned for the parameter's dtype, whose alignment (in elements) is a multiple of
+    # fp32's, so the fp32 gradient views are aligned too.
     flat = {
-        key: (torch.zeros(n, dtype=key[1], device=key[2]), torch.zeros(n, dtype=key[1], device=key[2]))
+        key: (torch.zeros(n, dtype=key[1], device=key[2]), torch.zeros(n, dtype=grad_buffer_dtype(key[1]), device=key[2]))
         for key, n in totals.items()
     }
     cursor = dict.fromkeys(totals, 0)
@@ -281,7 +317,6 @@ def _rehome(param: nn.Parameter, param_view: torch.Tensor, grad_view: torch.Tens
     if param.grad is not None:
         grad_view.copy_(param.grad.reshape(-1))
     param.data = param_view.view_as(param)
-    param.grad = grad_view.view_as(param)
 
 
 def _segments(bucket: _Bucket) -> list[_Segment]:
@@ -300,14 +335,15 @@ def _segments(bucket: _Bucket) -> list[_Segment]:
 
 
 class DataParallelOptimizer:
-    """DDP gradient buffers with backward overlap, plus AdamW over fp32 masters (optionally ZeRO-1).
+    """DDP gradient buffers with backward overlap, clipping, and AdamW over fp32 masters (optionally ZeRO-1).
 
-    Per step: ``zero_grad()``; forward/backward each microbatch, calling ``arm_overlap()`` before
-    the last backward; ``step()`` (which calls ``finish_grad_sync()`` if it was not called).
-    ``param.grad`` must stay the buffer view: use ``zero_grad()`` of this class, not the model's
-    ``zero_grad(set_to_none=True)`` (a replaced gradient is copied back into its view, but only
-    when its hook runs). With ZeRO-1 only this rank's share of the reduced gradient is kept (in the
-    bucket's reduce-scatter output); ``param.grad`` then holds this rank's local, scaled gradient.
+    Per step: ``zero_grad()``; ``arm_overlap(m)`` for a step of m backwards; forward/backward each
+    microbatch; ``step()`` (which calls ``finish_grad_sync()`` if it was not called). The gradient a
+    parameter has accumulated is ``grad_view(param)``; ``param.grad`` is that view when the buffer
+    has the parameter's dtype, and None between backwards otherwise. Use ``zero_grad()`` of this
+    class, not the model's (a replaced gradient is copied back into its view, but only when its hook
+    runs). With ZeRO-1 only this rank's share of the reduced gradient is kept (in the bucket's
+    reduce-scatter output); the view then holds this rank's local, scaled gradient.
     """
 
     def __init__(
@@ -317,18 +353,29 @@ class DataParallelOptimizer:
         config: OptimizerConfig,
         shard: bool = False,
         bucket_elements: int = 2**22,
+        grad_dtype: GradDtype = GradDtype.FP32,
     ):
         if bucket_elements < 1:
             raise ValueError(f"bucket_elements: must be >= 1, got {bucket_elements}")
         self.shard = shard
+        self.max_grad_norm = config.max_grad_norm
+        # The norm's squared sum adds up over every rank: experts over ep, stages over pp.
+        self._norm_group = None if groups is None or dist.get_world_size() == 1 else dist.group.WORLD
         comms = _family_comms(groups)
         by_family = param_families(model)
         family_of = {id(p): family for family, params in by_family.items() for p in params}
         in_backward_order = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         plan = _plan_buckets(in_backward_order, family_of, bucket_elements)
-        self.buckets = _build_buckets(plan, comms, shard)
+        self.buckets = _build_buckets(plan, comms, shard, GradDtype(grad_dtype))
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._grad_views = {id(p): p.grad for b in self.buckets for p in b.params}
+        self._grad_views = {
+            id(p): b.grad_N[offset : offset + p.numel()].view_as(p)
+            for b in self.buckets
+            for p, offset in zip(b.params, b.offsets)
+        }
+        for param in in_backward_order:
+            view = self._grad_views[id(param)]
+            param.grad = view if view.dtype == param.dtype else None
         self._segments_by_bucket = [_segments(b) for b in self.buckets]
         self.segments = [seg for segments in self._segments_by_bucket for seg in segments]
         self.inner = torch.optim.AdamW(
@@ -341,66 +388,113 @@ class DataParallelOptimizer:
             eps=config.eps,
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in in_backward_order]
+        self._backwards: dict[int, int] = {}
+        self._expected_backwards = 0
         self._next_launch = 0
-        self._armed = False
         self._synced = False
+        self.last_grad_norm: torch.Tensor | None = None
+        """The global gradient norm of the last step, before clipping (fp32 scalar on the device)."""
+        self.timeline = SyncTimeline()
+        """Host times of the last step's collectives (see ``SyncTimeline``)."""
 
     @property
     def launched_buckets(self) -> int:
         """Buckets whose reduction was issued this step (for tests and overlap statistics)."""
         return sum(b.launched for b in self.buckets)
 
-    def arm_overlap(self) -> None:
-        """Launch each bucket's reduction as soon as it completes in the next backward."""
-        self._armed = True
+    def grad_view(self, param: nn.Parameter) -> torch.Tensor:
+        """The gradient ``param`` has accumulated this step, in the gradient buffer's dtype."""
+        return self._grad_views[id(param)]
+
+    def arm_overlap(self, backwards: int = 1) -> None:
+        """Launch each bucket's reduction once all its parameters have had ``backwards`` gradients this step
+        (call after ``zero_grad`` and before the first backward; the gradients must then be final)."""
+        if backwards < 1:
+            raise ValueError(f"backwards: must be >= 1, got {backwards}")
+        self._expected_backwards = backwards
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
         if bucket.launched:
             # The gradient would land in a buffer that is being (or was) reduced, and be lost.
             raise RuntimeError(
-                "a gradient arrived after its bucket was reduced: call arm_overlap() only before the last "
-                "backward of a step, and zero_grad() or step() before the next one"
+                "a gradient arrived after its bucket was reduced: arm_overlap(m) needs exactly m backwards "
+                "per step, and zero_grad() or step() before the next one"
             )
-        self._restore_grad_view(param)
-        if not self._armed:
+        self._accumulate(param)
+        if not self._expected_backwards:
             return
-        bucket.ready.add(param)
-        self._launch_complete_buckets()
+        seen = self._backwards[id(param)] = self._backwards.get(id(param), 0) + 1
+        if seen == self._expected_backwards:
+            bucket.ready.add(param)
+            self._launch_complete_buckets()
 
     @torch.no_grad()
-    def _restore_grad_view(self, param: nn.Parameter) -> None:
+    def _accumulate(self, param: nn.Parameter) -> None:
         view = self._grad_views[id(param)]
-        if param.grad is not view:
+        if param.grad is view:
+            return
+        if view.dtype == param.dtype:
+            # Someone replaced the gradient (set_to_none, or an assignment): put it back in the buffer.
             view.copy_(param.grad)
             param.grad = view
+        else:
+            view.add_(param.grad)
+            param.grad = None
 
     def _launch_complete_buckets(self) -> None:
         # In the fixed order only: a complete bucket waits for earlier incomplete ones.
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
-            self.buckets[self._next_launch].launch_reduce()
+            self._launch(self._next_launch)
             self._next_launch += 1
+
+    def _launch(self, index: int) -> None:
+        self.timeline.reduce_launch_s[index] = time.perf_counter()
+        self.buckets[index].launch_reduce()
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         """Launch every reduction not launched yet (in order) and wait for all of them."""
         if self._synced:
             return
-        for bucket in self.buckets[self._next_launch :]:
-            bucket.launch_reduce()
+        self.timeline.backward_end_s = time.perf_counter()
+        for index in range(self._next_launch, len(self.buckets)):
+            self._launch(index)
         self._next_launch = len(self.buckets)
         for bucket in self.buckets:
             bucket.wait()
+        self.timeline.reduce_waited_s = time.perf_counter()
         self._synced = True
 
     @torch.no_grad()
+    def clip_grad_norm(self) -> torch.Tensor:
+        """Scale the reduced gradients so their global norm is at most ``max_grad_norm``; returns the norm
+        before clipping. Call after ``finish_grad_sync``."""
+        shares = [b.grad_shard_M for b in self.buckets if b.grad_shard_M.numel()]
+        counted = [g for b in self.buckets if b.counts_toward_norm and (g := b.grad_shard_M).numel()]
+        device = shares[0].device if shares else torch.device("cpu")
+        square = torch.zeros((), dtype=torch.float32, device=device)
+        if counted:
+            square = torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).square().sum()
+        if self._norm_group is not None:
+            dist.all_reduce(square, group=self._norm_group)
+        norm = square.sqrt()
+        coefficient = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        for dtype in {g.dtype for g in shares}:
+            torch._foreach_mul_([g for g in shares if g.dtype == dtype], coefficient.to(dtype))
+        return norm
+
+    @torch.no_grad()
     def step(self) -> None:
-        """Reduce gradients (if not done), update this rank's share, all-gather it (ZeRO-1)."""
+        """Reduce gradients (if not done), clip, update this rank's share, all-gather it (ZeRO-1)."""
         self.finish_grad_sync()
+        if self.max_grad_norm > 0:
+            self.last_grad_norm = self.clip_grad_norm()
         # One bucket at a time (AdamW skips parameters without a gradient, and its update is per
         # parameter): the fp32 copies of low-precision gradients and AdamW's temporaries then
-        # never exceed one bucket's share, instead of the whole model's.
-        for segments in self._segments_by_bucket:
+        # never exceed one bucket's share, instead of the whole model's. A bucket's gather launches
+        # as soon as its share is written, under the next buckets' updates.
+        for index, (bucket, segments) in enumerate(zip(self.buckets, self._segments_by_bucket)):
             for seg in segments:
                 seg.master_N.grad = seg.grad_N if seg.master_N.dtype == seg.grad_N.dtype else seg.grad_N.float()
             self.inner.step()
@@ -408,10 +502,12 @@ class DataParallelOptimizer:
                 seg.master_N.grad = None
                 if seg.master_N is not seg.param_N:
                     seg.param_N.copy_(seg.master_N)
-        for bucket in self.buckets:
+            self.timeline.gather_launch_s[index] = time.perf_counter()
             bucket.launch_gather()
+        self.timeline.updates_end_s = time.perf_counter()
         for bucket in self.buckets:
             bucket.wait()
+        self.timeline.gather_waited_s = time.perf_counter()
         self._reset_sync()
 
     @torch.no_grad()
@@ -420,15 +516,22 @@ class DataParallelOptimizer:
         for bucket in self.buckets:
             bucket.grad_N.zero_()
             for param in bucket.params:
-                param.grad = self._grad_views[id(param)]
+                view = self._grad_views[id(param)]
+                param.grad = view if view.dtype == param.dtype else None
         self._reset_sync()
+        self.timeline = SyncTimeline()
 
     def _reset_sync(self) -> None:
         for bucket in self.buckets:
             bucket.reset()
+        self._backwards.clear()
         self._next_launch = 0
-        self._armed = False
+        self._expected_backwards = 0
         self._synced = False
+
+    def bucket_bytes(self) -> list[int]:
+        """Bytes each bucket's reduction sends in (the whole gradient bucket, padding included)."""
+        return [b.grad_N.numel() * b.grad_N.element_size() for b in self.buckets]
 
     def state_bytes(self, family: ParamFamily | None = None) -> int:
         """Bytes this rank holds: fp32 masters that are not the parameter itself, plus Adam moments."""
@@ -441,6 +544,12 @@ class DataParallelOptimizer:
             state = self.inner.state.get(seg.master_N, {})
             total += sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.ndim > 0)
         return total
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """The gradient buffers (one view per bucket) and the ZeRO-1 reduce-scatter outputs."""
+        tensors = [b.grad_N for b in self.buckets]
+        tensors += [b.grad_shard_M for b in self.buckets if b.grad_shard_M is not b.grad_N]
+        return tensors
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors the optimizer keeps across steps beyond the parameter and gradient buffers.
@@ -460,14 +569,50 @@ class DataParallelOptimizer:
         self._hooks = []
 
 
+@dataclass
+class SyncTimeline:
+    """Host clock readings (``time.perf_counter``) of one step's collectives, for overlap statistics.
+
+    On a fake process group (a proxy) the collectives take no time, so the readings show the
+    windows they could hide under: a bucket's reduction launched at t runs under the backward still
+    left (``backward_end_s - t``), a gather under the updates still left (``updates_end_s - t``).
+    """
+
+    reduce_launch_s: dict[int, float] = field(default_factory=dict)
+    """Launch time of each bucket's reduction, by bucket index (launch order = index order)."""
+    backward_end_s: float | None = None
+    """When the last backward had finished (``finish_grad_sync`` was entered)."""
+    reduce_waited_s: float | None = None
+    """When every reduction had been waited for."""
+    gather_launch_s: dict[int, float] = field(default_factory=dict)
+    """Launch time of each bucket's ZeRO-1 gather (its update written), by bucket index."""
+    updates_end_s: float | None = None
+    """When the last bucket's update had been written."""
+    gather_waited_s: float | None = None
+    """When every gather had been waited for."""
+
+    def reduce_windows_s(self) -> list[float]:
+        """Per bucket (index order): the backward time left after its reduction launched (0 if after)."""
+        if self.backward_end_s is None:
+            return []
+        return [max(0.0, self.backward_end_s - self.reduce_launch_s[i]) for i in sorted(self.reduce_launch_s)]
+
+    def gather_windows_s(self) -> list[float]:
+        """Per bucket: the update time left after its gather launched."""
+        if self.updates_end_s is None:
+            return []
+        return [max(0.0, self.updates_end_s - self.gather_launch_s[i]) for i in sorted(self.gather_launch_s)]
+
+
 def build_data_parallel_optimizer(
     model: nn.Module, groups: ProcessGroups | None, config: OptimizerConfig, parallel: ParallelConfig
 ) -> DataParallelOptimizer:
-    """The optimizer a ``ParallelConfig`` asks for (ZeRO-1 or not, its bucket size)."""
+    """The optimizer a ``ParallelConfig`` asks for (ZeRO-1 or not, its bucket size, its gradient dtype)."""
     return DataParallelOptimizer(
         model,
         groups,
         config,
         shard=parallel.optimizer_sharding is OptimizerSharding.ZERO1,
         bucket_elements=parallel.bucket_elements,
+        grad_dtype=parallel.grad_dtype,
     )

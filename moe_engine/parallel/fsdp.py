@@ -30,3 +30,24 @@ def apply_fsdp(model: Transformer, group: torch.distributed.ProcessGroup, comput
         fully_shard(block, mesh=mesh, mp_policy=compute)
     fully_shard(model, mesh=mesh, mp_policy=compute)
     return model
+
+
+@torch.no_grad()
+def clip_fsdp_grad_norm_(
+    module: torch.nn.Module, max_norm: float, pp_group: torch.distributed.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Clip the sharded gradients of ``module`` to the global norm ``max_norm``; returns the norm before.
+
+    ``get_total_norm`` of DTensor shards is a partial norm that ``full_tensor`` completes over dp;
+    pipeline stages hold disjoint parameters, so their squared norms add up over ``pp_group``.
+    """
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if pp_group is not None:
+        square = norm.square()
+        torch.distributed.all_reduce(square, group=pp_group)
+        norm = square.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -3,11 +3,15 @@
 A stage is a contiguous run of blocks (``layout.stage_blocks``); the first stage also embeds the
 tokens, the last also applies the final norm and the LM head. Stage modules keep the full model's
 parameter names (``blocks.3.attn.wq.weight``), so a stage's state compares directly with the
-single-process model. The loss of a step is the mean of the microbatch losses (the schedule scales
-gradients by 1/microbatches), which equals the full-batch mean because microbatches are equal.
+single-process model. The loss of a step is the mean of the microbatch losses, which equals the
+full-batch mean because microbatches are equal. Each microbatch's loss is scaled by 1/m before its
+backward (the schedule's own rescaling after the last backward is off), so gradients are final as
+they arrive and a data-parallel bucket can reduce during the last microbatch's backward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +25,7 @@ from torch.distributed.pipelining import (
 
 from moe_engine.config import ParallelConfig, PipelineSchedule
 from moe_engine.model import Transformer
+from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.layout import stage_blocks
 
 
@@ -47,6 +52,10 @@ class StageModule(nn.Module):
 def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
     """The training loss, as ``Transformer.loss`` computes it: fp32 mean token cross-entropy."""
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+
+
+def _scaled_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, scale: float) -> torch.Tensor:
+    return cross_entropy(logits_BSV, labels_BS) * scale
 
 
 class StageParameters(nn.Module):
@@ -89,12 +98,14 @@ class Pipeline:
         self.parameters_module = StageParameters(self.modules)
         self.is_first = any(m.is_first for m in self.modules)
         self.is_last = any(m.is_last for m in self.modules)
+        for module in self.modules:
+            for layer in module.modules():
+                if isinstance(layer, MoELayer):
+                    layer.loss_scale = 1 / config.microbatches
         schedule = _SCHEDULES[config.schedule]
-        if schedule is ScheduleInterleaved1F1B:
-            self.schedule = schedule(self.stages, config.microbatches, loss_fn=cross_entropy)
-        else:
-            (stage,) = self.stages
-            self.schedule = schedule(stage, config.microbatches, loss_fn=cross_entropy)
+        loss_fn = functools.partial(_scaled_cross_entropy, scale=1 / config.microbatches)
+        stages = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
+        self.schedule = schedule(stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every microbatch; the mean loss on the last stage, else None."""
@@ -104,4 +115,5 @@ class Pipeline:
             return None
         losses: list[torch.Tensor] = []
         self.schedule.step(*inputs, target=labels_BS, losses=losses, return_outputs=False)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        # The schedule's losses are the scaled ones: their sum is the mean of the microbatch losses.
+        return torch.stack([loss.detach() for loss in losses]).sum()

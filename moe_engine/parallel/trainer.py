@@ -16,13 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_engine.config import DataParallelMode, ModelConfig, OptimizerSharding, ParallelConfig, Precision
+from moe_engine.config import DataParallelMode, ModelConfig, ParallelConfig, Precision, RecomputeConfig
 from moe_engine.model import Transformer, build_model
 from moe_engine.moe.layer import MoELayer
-from moe_engine.parallel.data_parallel import DataParallelOptimizer
-from moe_engine.parallel.fsdp import apply_fsdp
+from moe_engine.parallel.data_parallel import build_data_parallel_optimizer
+from moe_engine.parallel.fsdp import apply_fsdp, clip_fsdp_grad_norm_
 from moe_engine.parallel.groups import ProcessGroups
+from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.pipeline import Pipeline, cross_entropy
+from moe_engine.recompute import apply_recompute
 from moe_engine.train import OptimizerConfig, adamw_param_groups
 
 # Offsets the random-routing seed per data-parallel rank, so that ranks draw independent routes.
@@ -63,16 +65,28 @@ def build_rank_model(
     groups: ProcessGroups | None,
     device: torch.device,
     seed: int,
+    recompute: RecomputeConfig | None = None,
+    compile: bool = False,
 ) -> RankModel:
-    """Build the model from ``seed`` and keep this rank's share of it."""
+    """Build the model from ``seed`` and keep this rank's share of it; ``recompute`` and ``compile`` set
+    how its blocks run (activation recompute, regional ``torch.compile``)."""
     parallel.validate(config)
     parallel.validate_executable()
+    recompute = recompute or RecomputeConfig()
+    stages = stage_blocks(config.n_layers, parallel.num_stages)
+    recompute.validate(config.n_layers, min(len(stage) for stage in stages))
     if groups is None and parallel.world_size > 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs process groups")
     fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
     config = rank_config(config, groups)
     # FSDP keeps fp32 shards as the master weights and casts the gathered copies itself.
     model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed)
+    apply_recompute(model.blocks, recompute, stages)
+    if compile:
+        # Imported here: torch.compile's machinery loads only for runs that ask for it.
+        from moe_engine.compile import compile_blocks
+
+        compile_blocks(model.blocks)
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
@@ -88,7 +102,12 @@ def build_rank_model(
 
 
 class ParallelTrainer:
-    """Forward, backward, gradient synchronisation and optimizer step of one rank."""
+    """Forward, backward, gradient synchronisation, clipping and optimizer step of one rank.
+
+    A step of m microbatches scales each microbatch's loss by 1/m in backward (the router losses
+    too, through ``MoELayer.loss_scale``), so gradients are final as they arrive and each bucket's
+    reduction can launch during the last microbatch's backward.
+    """
 
     def __init__(
         self,
@@ -100,7 +119,7 @@ class ParallelTrainer:
         self.rank_model = rank_model
         self.parallel = parallel
         self.groups = groups
-        config = config or OptimizerConfig()
+        self.config = config = config or OptimizerConfig()
         self.fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
         if self.fsdp:
             self.optimizer = torch.optim.AdamW(
@@ -108,21 +127,29 @@ class ParallelTrainer:
                 lr=config.lr, betas=config.betas, eps=config.eps,
             )
         else:
-            self.optimizer = DataParallelOptimizer(
-                rank_model.module,
-                groups,
-                config,
-                shard=parallel.optimizer_sharding is OptimizerSharding.ZERO1,
-                bucket_elements=parallel.bucket_elements,
-            )
+            self.optimizer = build_data_parallel_optimizer(rank_model.module, groups, config, parallel)
+        # A pipeline scales its stages' router losses itself.
+        for layer in rank_model.moe_layers():
+            layer.loss_scale = 1 / parallel.microbatches
+        self._fsdp_grad_norm: torch.Tensor | None = None
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """Global gradient norm of the last step before clipping (device scalar); None without clipping."""
+        return self._fsdp_grad_norm if self.fsdp else self.optimizer.last_grad_norm
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step on this rank's batch; its mean loss (detached) where the rank has one."""
         self.optimizer.zero_grad()
+        if not self.fsdp:
+            self.optimizer.arm_overlap(self.parallel.microbatches)
         if self.rank_model.pipeline is not None:
             loss = self.rank_model.pipeline.step(tokens_BS, labels_BS)
         else:
             loss = self._accumulate(tokens_BS, labels_BS)
+        if self.fsdp and self.config.max_grad_norm > 0:
+            pp_group = self.groups.pp if self.parallel.pp > 1 else None
+            self._fsdp_grad_norm = clip_fsdp_grad_norm_(self.rank_model.module, self.config.max_grad_norm, pp_group)
         self.optimizer.step()
         self._update_expert_bias()
         return loss
@@ -131,26 +158,12 @@ class ParallelTrainer:
         model, m = self.rank_model.model, self.parallel.microbatches
         losses = []
         for i, (tokens, labels) in enumerate(zip(tokens_BS.chunk(m), labels_BS.chunk(m))):
-            last = i == m - 1
             if self.fsdp:
-                model.set_requires_gradient_sync(last)
-            elif last and m == 1:
-                # Buckets reduce while backward still runs; with microbatches the gradients are
-                # rescaled first (the router losses add unscaled gradients), so they reduce after.
-                self.optimizer.arm_overlap()
+                model.set_requires_gradient_sync(i == m - 1)
             loss = cross_entropy(model(tokens), labels)
-            loss.backward()
+            (loss if m == 1 else loss / m).backward()
             losses.append(loss.detach())
-        if m > 1:
-            self.scale_gradients(1 / m)
-        return torch.stack(losses).mean()
-
-    @torch.no_grad()
-    def scale_gradients(self, factor: float) -> None:
-        """Multiply every gradient the rank holds by ``factor`` (the mean over microbatches)."""
-        for param in self.rank_model.module.parameters():
-            if param.grad is not None:
-                param.grad.mul_(factor)
+        return losses[0] if m == 1 else torch.stack(losses).mean()
 
     def _update_expert_bias(self) -> None:
         layers = self.rank_model.moe_layers()
@@ -182,5 +195,5 @@ class ParallelTrainer:
         if self.fsdp:
             tensors += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         else:
-            tensors += self.optimizer.state_tensors()
+            tensors += self.optimizer.gradient_tensors() + self.optimizer.state_tensors()
         return tensors

@@ -126,6 +126,9 @@ class ProxyDispatcher(AllToAllDispatcher):
         self.peers = peers
         self.fabrication = fabrication
 
+    def routing_streams(self):
+        return [router for router in getattr(self.peers, "routers", []) if router is not None]
+
     def exchange_counts(self, send_counts_SL, expert_TK):
         recv_counts_SL = super().exchange_counts(send_counts_SL, expert_TK)
         with self.fabrication():

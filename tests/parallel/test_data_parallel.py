@@ -23,6 +23,8 @@ STEPS = 3
 # Smaller than most parameters: every matrix gets its own bucket, so many buckets launch in backward.
 SMALL_BUCKET = 1000
 TIMEOUT = 120
+# These tests check the reduction and update arithmetic; clipping has its own tests.
+OPT = OptimizerConfig(max_grad_norm=0.0)
 
 
 def _config(dtype: str, z_loss_weight: float = 0.001) -> ModelConfig:
@@ -83,7 +85,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict:
     model = build_model(_config(dtype), seed=SEED)
-    opt = DataParallelOptimizer(model, groups, OptimizerConfig(), shard=shard, bucket_elements=SMALL_BUCKET)
+    opt = DataParallelOptimizer(model, groups, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
     history = []
     for batch in batches:
         opt.zero_grad()
@@ -96,7 +98,7 @@ def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict
 
 def _plain_one_step(groups, batch, rank: int) -> dict:
     model = build_model(_config("fp32"), seed=SEED)
-    opt = DataParallelOptimizer(model, groups, OptimizerConfig(), shard=False)
+    opt = DataParallelOptimizer(model, groups, OPT, shard=False)
     model.loss(*_rank_slice(batch, rank, 2)).backward()
     launched_in_backward = opt.launched_buckets
     opt.finish_grad_sync()
@@ -115,7 +117,7 @@ def _overlapped_backward(groups, batch, rank: int) -> dict:
     # Registered before the optimizer's hooks, so it runs before the embedding's bucket can launch;
     # the embedding gets its gradient last in backward.
     model.embed.weight.register_post_accumulate_grad_hook(record_launched)
-    opt = DataParallelOptimizer(model, groups, OptimizerConfig(), shard=False, bucket_elements=SMALL_BUCKET)
+    opt = DataParallelOptimizer(model, groups, OPT, shard=False, bucket_elements=SMALL_BUCKET)
     opt.arm_overlap()
     model.loss(*_rank_slice(batch, rank, 2)).backward()
     after_backward = opt.launched_buckets
@@ -129,15 +131,16 @@ def _overlapped_backward(groups, batch, rank: int) -> dict:
 
 
 def _accumulated_backward(groups, batch, rank: int) -> dict:
-    # No z-loss: router losses enter backward with gradient 1 whatever the loss is scaled by, so
-    # scaling each microbatch loss by 1/2 would not halve them.
-    model = build_model(_config("fp32", z_loss_weight=0.0), seed=SEED)
-    opt = DataParallelOptimizer(model, groups, OptimizerConfig(), shard=False, bucket_elements=SMALL_BUCKET)
+    # With a z-loss: the router losses enter backward scaled by the layers' loss_scale, as the
+    # microbatch losses are, so the accumulated gradient is the full batch's.
+    model = build_model(_config("fp32"), seed=SEED)
+    for layer in model.moe_layers():
+        layer.loss_scale = 0.5
+    opt = DataParallelOptimizer(model, groups, OPT, shard=False, bucket_elements=SMALL_BUCKET)
     tokens, labels = _rank_slice(batch, rank, 2)
     launched = []
-    for i, (t, l) in enumerate(zip(tokens.chunk(2), labels.chunk(2))):
-        if i == 1:
-            opt.arm_overlap()
+    opt.arm_overlap(2)
+    for t, l in zip(tokens.chunk(2), labels.chunk(2)):
         (model.loss(t, l) / 2).backward()
         launched.append(opt.launched_buckets)
     opt.finish_grad_sync()
@@ -154,7 +157,7 @@ def _hidden_loss(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def _partial_backward(groups, batch, rank: int) -> dict:
     model = build_model(_config("fp32"), seed=SEED)
-    opt = DataParallelOptimizer(model, groups, OptimizerConfig(), shard=False, bucket_elements=SMALL_BUCKET)
+    opt = DataParallelOptimizer(model, groups, OPT, shard=False, bucket_elements=SMALL_BUCKET)
     opt.arm_overlap()
     _hidden_loss(model, _rank_slice(batch, rank, 2)[0]).backward()
     launched = opt.launched_buckets
@@ -168,7 +171,7 @@ def _hand_set(dp: int, ep: int) -> dict:
     out = {}
     for shard in (False, True):
         model = build_model(_config("fp32"), seed=SEED)
-        opt = DataParallelOptimizer(model, groups, OptimizerConfig(), shard=shard, bucket_elements=SMALL_BUCKET)
+        opt = DataParallelOptimizer(model, groups, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
         with torch.no_grad():
             for index, (_, param) in enumerate(model.named_parameters()):
                 param.grad.copy_(_hand_grad(index, dist.get_rank(), param.shape))
@@ -205,7 +208,7 @@ def _dp2_job() -> dict:
 
 def _reference(dtype: str, steps: int, z_loss_weight: float = 0.001) -> dict:
     model = build_model(_config(dtype, z_loss_weight), seed=SEED)
-    opt = MasterWeightAdamW(model.parameters(), OptimizerConfig())
+    opt = MasterWeightAdamW(model.parameters(), OPT)
     initial, grads, history = _params(model), [], []
     for tokens, labels in _batches(steps):
         opt.zero_grad()
@@ -265,10 +268,11 @@ def test_armed_buckets_launch_during_backward(dp2, reference_fp32):
 
 
 def test_accumulated_microbatches_equal_the_full_batch_gradient(dp2):
-    reference = _reference("fp32", 1, z_loss_weight=0.0)
+    # The z-loss is a mean over tokens, so two halves' losses average to the full batch's.
+    reference = _reference("fp32", 1)
     for rank_result in dp2:
         accumulation = rank_result["accumulation"]
-        # Nothing launches in the unarmed first backward; everything in the armed last one.
+        # Armed for two backwards: nothing launches in the first, everything during the second.
         assert accumulation["launched"] == [0, accumulation["buckets"]]
         _assert_grads_match(accumulation["grads"], reference["grads"][0])
 
@@ -338,7 +342,7 @@ def _expected_grads(layout: Layout, rank: int, expert_names: set[str], names_sha
 
 def _reference_step(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     model = build_model(_config("fp32"), seed=SEED)
-    opt = MasterWeightAdamW(model.parameters(), OptimizerConfig())
+    opt = MasterWeightAdamW(model.parameters(), OPT)
     for name, param in model.named_parameters():
         param.grad = expected[name].clone()
     opt.step()
@@ -393,7 +397,7 @@ def test_zero1_shards_each_family_over_its_own_group(hand_set_dp4_ep2):
 def test_single_process_is_exactly_master_weight_adamw(dtype, shard):
     reference = _reference(dtype, 2)
     model = build_model(_config(dtype), seed=SEED)
-    opt = DataParallelOptimizer(model, None, OptimizerConfig(), shard=shard, bucket_elements=SMALL_BUCKET)
+    opt = DataParallelOptimizer(model, None, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
     for step, (tokens, labels) in enumerate(_batches(2)):
         opt.zero_grad()
         opt.arm_overlap()
@@ -406,10 +410,11 @@ def test_single_process_is_exactly_master_weight_adamw(dtype, shard):
     assert sum(t.nbytes for t in opt.state_tensors()) == opt.state_bytes()
 
 
-def test_parameters_keep_identity_and_become_buffer_views():
+@pytest.mark.parametrize("grad_dtype", ["fp32", "param"])
+def test_parameters_keep_identity_and_become_buffer_views(grad_dtype):
     model = build_model(_config("bf16"), seed=SEED)
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
-    opt = DataParallelOptimizer(model, None, OptimizerConfig(), bucket_elements=SMALL_BUCKET)
+    opt = DataParallelOptimizer(model, None, OPT, bucket_elements=SMALL_BUCKET, grad_dtype=grad_dtype)
     for name, param in model.named_parameters():
         original, values = before[name]
         assert param is original and torch.equal(param.detach(), values), name
@@ -417,7 +422,11 @@ def test_parameters_keep_identity_and_become_buffer_views():
         assert len({p.dtype for p in bucket.params}) == 1
         for param, offset in zip(bucket.params, bucket.offsets):
             assert param.data_ptr() == bucket.param_N[offset:].data_ptr()
-            assert param.grad.data_ptr() == bucket.grad_N[offset:].data_ptr()
+            view = opt.grad_view(param)
+            assert view.data_ptr() == bucket.grad_N[offset:].data_ptr()
+            # fp32 buffers for the bf16 parameters; the router is fp32 either way.
+            assert view.dtype == (torch.float32 if grad_dtype == "fp32" else param.dtype)
+            assert (param.grad is view) == (view.dtype == param.dtype)
     expert_ids = {id(p) for p in param_families(model)[ParamFamily.EXPERT]}
     assert {id(model.blocks[1].ffn.experts.gate_up), id(model.blocks[1].ffn.experts.down)} == expert_ids
     assert id(model.blocks[1].ffn.router.weight) not in expert_ids
@@ -425,7 +434,7 @@ def test_parameters_keep_identity_and_become_buffer_views():
 
 def test_zero_grad_keeps_views_and_replaced_gradients_are_taken_back():
     model = build_model(_config("fp32"), seed=SEED)
-    opt = DataParallelOptimizer(model, None, OptimizerConfig())
+    opt = DataParallelOptimizer(model, None, OPT)
     tokens, labels = _batches(1)[0]
     model.loss(tokens, labels).backward()
     views = {name: p.grad for name, p in model.named_parameters()}
@@ -442,7 +451,7 @@ def test_zero_grad_keeps_views_and_replaced_gradients_are_taken_back():
 
 def test_backward_into_a_reduced_bucket_is_an_error():
     model = build_model(_config("fp32"), seed=SEED)
-    opt = DataParallelOptimizer(model, None, OptimizerConfig())
+    opt = DataParallelOptimizer(model, None, OPT)
     tokens, labels = _batches(1)[0]
     opt.arm_overlap()
     model.loss(tokens, labels).backward()

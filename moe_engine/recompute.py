@@ -1,0 +1,121 @@
+"""Activation recompute: chosen blocks (or parts of them) keep only their inputs and run forward again
+in backward, through ``torch.utils.checkpoint`` (non-reentrant).
+
+What runs again, by mode (``RecomputeConfig``):
+
+- ``full``: the whole block, router and dispatch included. Under expert parallelism the dispatch's
+  all-to-alls run again in backward (every rank recomputes the same blocks in the same order, so
+  the collectives still match).
+- ``selective``: only the named parts (``attention``, ``experts``, ``norms``), none of which
+  holds a collective: no all-to-all runs twice. ``experts`` recomputes the routed experts' SwiGLU
+  (both grouped GEMMs) from the rows dispatched to them.
+
+A recomputed block must route exactly as its forward did. ``torch.utils.checkpoint`` restores the
+global RNG, not the router's own generator (random and skewed routing draw from it), and other
+forwards (later blocks, later microbatches) have moved that generator on by the time backward
+recomputes. So the full mode saves every router's generator state when the block's forward runs,
+sets it back for the recompute, and afterwards restores the state the stream had reached. The MoE
+layers' statistics (load counts for the expert bias, the last forward's losses and counts) are
+put back as well, so a recompute is not counted as another forward.
+
+The modules keep their classes and parameter names: a chosen module's ``forward`` is replaced on
+the instance by a checkpointed call of the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moe_engine.config import RecomputeConfig, RecomputeMode, RecomputePart
+from moe_engine.moe.layer import MoELayer
+
+# The MoE layer's per-forward statistics that a recompute must leave as the real forward left them.
+_LAYER_STATS = ("last_router_loss", "last_counts_E", "last_dropped")
+
+
+def _checkpointed(forward, context_fn=None):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        extra = {} if context_fn is None else {"context_fn": context_fn}
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    run.recomputed = True
+    return run
+
+
+def _replay_context(block: nn.Module):
+    """``context_fn`` for a fully recomputed block: forward saves the routing streams, recompute replays them."""
+    layers = [m for m in block.modules() if isinstance(m, MoELayer)]
+
+    def routers():
+        # Looked up per step: a proxy's dispatcher (with its peers' routers) is set after the build.
+        return [r for layer in layers for r in (layer.router, *layer.dispatcher.routing_streams())]
+
+    def context_fn():
+        at_forward: list = []
+
+        @contextlib.contextmanager
+        def forward_context():
+            at_forward[:] = [router.routing_state() for router in routers()]
+            yield
+
+        @contextlib.contextmanager
+        def recompute_context():
+            streams = routers()
+            now = [router.routing_state() for router in streams]
+            stats = [(layer.tokens_per_expert.clone(), [getattr(layer, a) for a in _LAYER_STATS]) for layer in layers]
+            for router, state in zip(streams, at_forward):
+                router.set_routing_state(state)
+            try:
+                yield
+            finally:
+                for router, state in zip(streams, now):
+                    router.set_routing_state(state)
+                with torch.no_grad():
+                    for layer, (counts, values) in zip(layers, stats):
+                        layer.tokens_per_expert.copy_(counts)
+                        for name, value in zip(_LAYER_STATS, values):
+                            setattr(layer, name, value)
+
+        return forward_context(), recompute_context()
+
+    return context_fn
+
+
+def _part_modules(block: nn.Module, part: RecomputePart) -> list[nn.Module]:
+    if part is RecomputePart.ATTENTION:
+        return [block.attn]
+    if part is RecomputePart.NORMS:
+        return [block.attn_norm, block.ffn_norm]
+    # Dense blocks have no routed experts: nothing to recompute there.
+    return [block.ffn.experts] if isinstance(block.ffn, MoELayer) else []
+
+
+def apply_recompute(blocks: nn.ModuleList, config: RecomputeConfig, stages: list[range]) -> list[int]:
+    """Make the chosen blocks of ``blocks`` (the whole model's, by index) recompute in backward.
+
+    ``stages``: every pipeline stage's block indices (``[range(n_layers)]`` without pipelining), for
+    ``first_per_stage``. Returns the indices of the recomputed blocks.
+    """
+    chosen = config.blocks(stages)
+    for index in chosen:
+        block = blocks[index]
+        if config.mode is RecomputeMode.FULL:
+            block.forward = _checkpointed(block.forward, _replay_context(block))
+        else:
+            for part in config.parts:
+                for module in _part_modules(block, part):
+                    module.forward = _checkpointed(module.forward)
+    return chosen
+
+
+def is_recomputed(module: nn.Module) -> bool:
+    """Whether ``apply_recompute`` made this module's forward recompute in backward."""
+    return getattr(module.__dict__.get("forward"), "recomputed", False)
