@@ -15,7 +15,9 @@ import jsonschema
 import yaml
 
 from bench.results import REPO_ROOT
-from moe_engine.config import ModelConfig, ParallelConfig
+from moe_engine.config import ModelConfig, ParallelConfig, RecomputeConfig
+from moe_engine.parallel.layout import stage_blocks
+from moe_engine.train import OptimizerConfig
 
 SCENARIO_SCHEMA_PATH = REPO_ROOT / "scenarios" / "schema.json"
 SCENARIOS_DIR = REPO_ROOT / "scenarios"
@@ -43,6 +45,8 @@ class Scenario:
     """Engine config, with the scenario's routing and precision applied."""
     parallel_config: ParallelConfig
     """Engine layout config."""
+    recompute: RecomputeConfig
+    """Activation recompute of the blocks."""
 
     @property
     def mode(self) -> str:
@@ -71,6 +75,11 @@ class Scenario:
     @property
     def world_size(self) -> int:
         return self.parallel_config.world_size
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The engine's optimizer settings for this scenario (its clipping threshold)."""
+        return OptimizerConfig(max_grad_norm=self.run["max_grad_norm"])
 
 
 def _schema() -> dict[str, Any]:
@@ -113,7 +122,7 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
 
     spec = copy.deepcopy(data)
     spec.setdefault("name", Path(file).stem if file else "scenario")
-    for section in ("routing", "parallel", "run"):
+    for section in ("routing", "parallel", "recompute", "run"):
         spec.setdefault(section, {})
     spec.setdefault("precision", schema["properties"]["precision"]["default"])
     _fill_defaults(spec, schema)
@@ -128,11 +137,13 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
     model = _model_config(spec, file)
     spec["run"].setdefault("tokens_per_step", 4 * model.seq_len)
     parallel = _parallel_config(spec, model, file)
+    recompute = _recompute_config(spec, model, parallel, file)
     _check_cluster(spec, file)
     if spec["mode"] == "proxy":
         _check_proxy(spec, parallel, file)
     return Scenario(
-        name=spec["name"], file=Path(file) if file else None, spec=spec, model=model, parallel_config=parallel
+        name=spec["name"], file=Path(file) if file else None, spec=spec, model=model, parallel_config=parallel,
+        recompute=recompute,
     )
 
 
@@ -184,6 +195,18 @@ def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> Parallel
             reason += f" (parallel.microbatches is not set: it defaults to pp={spec['parallel'].get('pp', 1)})"
         raise ScenarioError(file, field, reason) from None
     return parallel
+
+
+def _recompute_config(spec: dict[str, Any], model: ModelConfig, parallel: ParallelConfig, file) -> RecomputeConfig:
+    """The recompute section, its block subset checked against the model and the smallest pipeline stage."""
+    try:
+        recompute = RecomputeConfig.from_dict(spec["recompute"])
+        stages = stage_blocks(model.n_layers, parallel.num_stages)
+        recompute.validate(model.n_layers, min(len(stage) for stage in stages))
+    except ValueError as err:
+        field, _, reason = str(err).partition(": ")
+        raise ScenarioError(file, field, reason) from None
+    return recompute
 
 
 def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:

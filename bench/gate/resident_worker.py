@@ -77,8 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     config, parallel = scenario.model, scenario.parallel_config
     seed = scenario.spec["routing"]["seed"]
-    rank_model = build_rank_model(config, parallel, groups, device, seed=seed)
-    trainer = ParallelTrainer(rank_model, parallel, groups)
+    try:
+        from bench.run.execute import build_trainer
+    except ImportError:  # a baseline from before recompute, compile and clipping
+        rank_model = build_rank_model(config, parallel, groups, device, seed=seed)
+        trainer = ParallelTrainer(rank_model, parallel, groups)
+    else:
+        rank_model, trainer = build_trainer(scenario, groups, device)
     dp_rank = groups.coords.dp_rank if groups else 0
     sequences = scenario.run["tokens_per_step"] // config.seq_len
     per_rank = sequences // parallel.dp

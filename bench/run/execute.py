@@ -105,8 +105,7 @@ def execute(
     """
     run, config, parallel = scenario.run, scenario.model, scenario.parallel_config
     rank = groups.coords.rank if groups else 0
-    rank_model = build_rank_model(config, parallel, groups, device, seed=scenario.spec["routing"]["seed"])
-    trainer = ParallelTrainer(rank_model, parallel, groups)
+    rank_model, trainer = build_trainer(scenario, groups, device)
     moe_layers = {_block_index(name): m for name, m in rank_model.module.named_modules() if isinstance(m, MoELayer)}
     batches = _batches(scenario, device, groups.coords.dp_rank if groups else 0)
     tokens_per_step = run["tokens_per_step"]
@@ -115,7 +114,7 @@ def execute(
 
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
     total_steps = run["warmup_steps"] + run["steps"] * run["repeats"]
-    losses = []
+    losses, grad_norms = [], []
     for step in range(total_steps):
         tokens, labels = next(batches)
         measured = step >= run["warmup_steps"]
@@ -134,6 +133,9 @@ def execute(
         if measured:
             record.step_times.append(elapsed)
             losses.append(loss_value)
+            if trainer.last_grad_norm is not None:
+                # Read after the timed region: the norm stays on the device during the step.
+                grad_norms.append(float(trainer.last_grad_norm))
             for index, layer in moe_layers.items():
                 record.counts[index].append(layer.last_counts_E.tolist())
             record.dropped.append(sum(int(layer.last_dropped) for layer in moe_layers.values()))
@@ -168,6 +170,8 @@ def execute(
         # The expert GEMMs run MXFP8, the rest bf16: the true bound lies between the two peaks.
         m["mfu_fp8"] = metric([t / peak_tflops_fp8 for t in tflops], "ratio", None)
     m["loss"] = metric(losses, "nats", None)
+    if grad_norms:
+        m["grad_norm"] = metric(grad_norms, "norm", None)
     m.update(_routing_metrics(records))
     for key, unit in (("peak_tensor_bytes", "bytes"), ("rss_peak_bytes", "bytes"),
                       ("cuda_peak_active_bytes", "bytes"), ("cuda_peak_reserved_bytes", "bytes")):
@@ -195,6 +199,15 @@ def execute(
         work={"step": WORK_STEP, "ranks": [{"rank": r.rank, **r.work} for r in records]},
     )
     return result
+
+
+def build_trainer(scenario: Scenario, groups: ProcessGroups | None, device: torch.device):
+    """This rank's model share and its trainer, as the scenario asks: layout, recompute, compile, clipping."""
+    rank_model = build_rank_model(
+        scenario.model, scenario.parallel_config, groups, device, seed=scenario.spec["routing"]["seed"],
+        recompute=scenario.recompute, compile=scenario.run["compile"],
+    )
+    return rank_model, ParallelTrainer(rank_model, scenario.parallel_config, groups, scenario.optimizer)
 
 
 def _backend_path(rank_model) -> str:

@@ -414,8 +414,10 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
     groups = build_process_groups(Layout(parallel))
     seed = scenario.spec["routing"]["seed"]
     progress(f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})")
-    rank_model = build_proxy_rank(config, parallel, groups, device, seed)
-    trainer = ParallelTrainer(rank_model, parallel, groups)
+    rank_model = build_proxy_rank(
+        config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run["compile"]
+    )
+    trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
     sync = functools.partial(synchronize, device)
     timer = PhaseTimer(synchronize=sync)
     _instrument(trainer, rank_model, timer)

@@ -59,6 +59,19 @@ def rank_config(config: ModelConfig, groups: ProcessGroups | None) -> ModelConfi
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, routing_seed=seed))
 
 
+def prepare_blocks(model: Transformer, parallel: ParallelConfig, recompute: RecomputeConfig | None, compile: bool) -> None:
+    """How the blocks run: which recompute in backward (``moe_engine.recompute``), and compiled or eager."""
+    recompute = recompute or RecomputeConfig()
+    stages = stage_blocks(len(model.blocks), parallel.num_stages)
+    recompute.validate(len(model.blocks), min(len(stage) for stage in stages))
+    apply_recompute(model.blocks, recompute, stages)
+    if compile:
+        # Imported here: torch.compile's machinery loads only for runs that ask for it.
+        from moe_engine.compile import compile_blocks
+
+        compile_blocks(model.blocks)
+
+
 def build_rank_model(
     config: ModelConfig,
     parallel: ParallelConfig,
@@ -72,21 +85,13 @@ def build_rank_model(
     how its blocks run (activation recompute, regional ``torch.compile``)."""
     parallel.validate(config)
     parallel.validate_executable()
-    recompute = recompute or RecomputeConfig()
-    stages = stage_blocks(config.n_layers, parallel.num_stages)
-    recompute.validate(config.n_layers, min(len(stage) for stage in stages))
     if groups is None and parallel.world_size > 1:
         raise ValueError(f"a layout of {parallel.world_size} ranks needs process groups")
     fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
     config = rank_config(config, groups)
     # FSDP keeps fp32 shards as the master weights and casts the gathered copies itself.
     model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed)
-    apply_recompute(model.blocks, recompute, stages)
-    if compile:
-        # Imported here: torch.compile's machinery loads only for runs that ask for it.
-        from moe_engine.compile import compile_blocks
-
-        compile_blocks(model.blocks)
+    prepare_blocks(model, parallel, recompute, compile)
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(

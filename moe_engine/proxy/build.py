@@ -15,14 +15,14 @@ import zlib
 import torch
 from torch import nn
 
-from moe_engine.config import ModelConfig, ParallelConfig
+from moe_engine.config import ModelConfig, ParallelConfig, RecomputeConfig
 from moe_engine.model import build_model
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import check_proxy_layout, stage_blocks
 from moe_engine.parallel.pipeline import StageModule
-from moe_engine.parallel.trainer import RankModel, rank_config, routing_seed
+from moe_engine.parallel.trainer import RankModel, prepare_blocks, rank_config, routing_seed
 from moe_engine.proxy.peers import ProxyDispatcher, SimulatedPeers
 
 
@@ -61,8 +61,11 @@ def build_proxy_rank(
     groups: ProcessGroups,
     device: torch.device,
     seed: int,
+    recompute: RecomputeConfig | None = None,
+    compile: bool = False,
 ) -> RankModel:
-    """This rank's share of the model on ``device``, its dispatchers and pipeline standing in for peers.
+    """This rank's share of the model on ``device``, its dispatchers and pipeline standing in for peers;
+    its blocks recompute and compile as ``build_rank_model``'s do.
 
     Each MoE layer's ``dispatcher.peers`` is a ``SimulatedPeers``; a caller may replace it.
     """
@@ -71,6 +74,7 @@ def build_proxy_rank(
     seeds = peer_routing_seeds(config, groups)
     config = rank_config(config, groups)
     model = build_model(config, "meta", seed)
+    prepare_blocks(model, parallel, recompute, compile)
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
