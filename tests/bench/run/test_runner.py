@@ -97,6 +97,22 @@ BAD_INPUTS = [
     ("batch-default-microbatches", variant(parallel={"pp": 2}, run__tokens_per_step=96),
      "parallel.microbatches: 3 sequences per rank do not split into 2 microbatches (parallel.microbatches is not "
      "set: it defaults to pp=2)"),
+    ("recompute-mode", variant(recompute={"mode": "partial"}),
+     "recompute.mode: 'partial' is not one of ['none', 'full', 'selective']"),
+    ("recompute-part", variant(recompute={"mode": "selective", "parts": ["mlp"]}),
+     "recompute.parts.0: 'mlp' is not one of ['attention', 'experts', 'norms']"),
+    ("recompute-no-parts", variant(recompute={"mode": "selective"}),
+     "recompute.parts: selective recompute needs at least one part"),
+    ("recompute-parts-full", variant(recompute={"mode": "full", "parts": ["norms"]}),
+     "recompute.parts: only selective recompute takes parts, not mode full"),
+    ("recompute-every", variant(recompute={"mode": "full", "every": 3}),
+     "recompute.every: 3 exceeds model.n_layers=2"),
+    ("recompute-first-per-stage", variant(parallel={"pp": 2, "microbatches": 2}, recompute={"mode": "full", "first_per_stage": 2}),
+     "recompute.first_per_stage: 2 exceeds the 1 blocks of the smallest pipeline stage"),
+    ("recompute-two-subsets", variant(model__n_layers=4, recompute={"mode": "full", "every": 2, "first_per_stage": 1}),
+     "recompute.first_per_stage: choose one block subset: every=2 or first_per_stage=1"),
+    ("max-grad-norm", variant(run__max_grad_norm=-1), "run.max_grad_norm: -1 is less than the minimum of 0"),
+    ("grad-dtype", variant(parallel={"grad_dtype": "bf16"}), "parallel.grad_dtype: 'bf16' is not one of ['fp32', 'param']"),
 ]
 
 
