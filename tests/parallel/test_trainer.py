@@ -4,6 +4,11 @@ Adam is invariant to the scale of the gradient, so equal parameters after a step
 a gradient summed where it should be averaged. The optimizer here uses eps = 1 and lr = 1, which
 makes the first updates nearly proportional to the gradient, and the test compares the parameter
 updates as well as the gradients.
+
+Gradients are clipped to a global norm well below the model's (the reference is
+``torch.nn.utils.clip_grad_norm_`` on the single-process model), so every step's update also checks
+that each layout counts every gradient exactly once in the norm: a dense gradient counted on every
+dp rank, or an expert's on every replica, would clip by another factor.
 """
 
 import pytest
@@ -21,7 +26,8 @@ CONFIG = ModelConfig(
     vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16),
 )
-OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0)
+# The first step's gradient norm is about 1.5 (the test checks that clipping engages).
+OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.1)
 SEQUENCES, STEPS = 8, 2
 # Fixed, so that a failure replays exactly (the model's init and the batches derive from it).
 SEED = 1234
@@ -47,27 +53,35 @@ def _layout_rank(parallel: ParallelConfig, seed: int):
     before = {n: _full(p).detach().clone() for n, p in params.items()}
     share = SEQUENCES // parallel.dp
     rows = slice(groups.coords.dp_rank * share, (groups.coords.dp_rank + 1) * share)
-    losses, grads = [], None
+    losses, grads, norms, overlapped = [], None, [], []
     for tokens, labels in _batches(seed):
         loss = trainer.step(tokens[rows], labels[rows])
         losses.append(loss)
+        norms.append(trainer.last_grad_norm.clone())
         if grads is None and parallel.optimizer_sharding.value == "none":
-            grads = {n: _full(p.grad).clone() for n, p in params.items()}
+            grad_of = getattr(trainer.optimizer, "grad_view", lambda param: param.grad)
+            # Clipped in place: the gradient the update used.
+            grads = {n: _full(grad_of(p)).clone() for n, p in params.items()}
+        if not trainer.fsdp:
+            timeline = trainer.optimizer.timeline
+            overlapped.append(all(t < timeline.backward_end_s for t in timeline.reduce_launch_s.values()))
     updates = {n: _full(p).detach() - before[n] for n, p in params.items()}
-    return {"coords": groups.coords, "losses": losses, "grads": grads, "updates": updates}
+    return {"coords": groups.coords, "losses": losses, "grads": grads, "updates": updates, "norms": norms,
+            "overlapped": overlapped}
 
 
 def _reference(seed: int):
     model = build_model(CONFIG, seed=seed)
     trainer = Trainer(model, OPTIMIZER)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses, grads = [], None
+    losses, grads, norms = [], None, []
     for tokens, labels in _batches(seed):
         losses.append(trainer.step(tokens, labels))
+        norms.append(trainer.last_grad_norm)
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     updates = {n: p.detach() - before[n] for n, p in model.named_parameters()}
-    return torch.stack(losses), grads, updates
+    return torch.stack(losses), grads, updates, torch.stack(norms)
 
 
 def _expected(reference: torch.Tensor, name: str, parallel: ParallelConfig, ep_rank: int) -> torch.Tensor:
@@ -96,7 +110,8 @@ LAYOUTS = {
 def test_layout_trains_like_the_single_process_model(name):
     parallel = LAYOUTS[name]
     ranks = run_ranks(_layout_rank, parallel.world_size, parallel, SEED, timeout=180)
-    ref_losses, ref_grads, ref_updates = _reference(SEED)
+    ref_losses, ref_grads, ref_updates, ref_norms = _reference(SEED)
+    assert (ref_norms > 2 * OPTIMIZER.max_grad_norm).all(), "clipping engages at every step"
 
     # The step's loss is the mean of the last pipeline stage's local losses over dp.
     last_stage = [r for r in ranks if r["coords"].pp_rank == parallel.pp - 1]
@@ -106,6 +121,10 @@ def test_layout_trains_like_the_single_process_model(name):
 
     seen = set()
     for rank in ranks:
+        # Every rank of the layout clips by the same, global norm.
+        torch.testing.assert_close(torch.stack(rank["norms"]), ref_norms, rtol=1e-5, atol=0)
+        # Buckets reduce while the last microbatch's backward runs, whatever the microbatch count.
+        assert all(rank["overlapped"]), "every bucket launched before backward ended"
         ep_rank = rank["coords"].ep_rank
         seen |= set(rank["updates"])
         for param_name, update in rank["updates"].items():
