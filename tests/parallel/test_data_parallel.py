@@ -93,7 +93,11 @@ def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict
         model.loss(*_rank_slice(batch, rank, dp)).backward()
         opt.step()
         history.append(_params(model))
-    return {"params": history, "state_bytes": opt.state_bytes(), "buckets": len(opt.buckets)}
+    timeline = opt.timeline
+    # How many gathers were issued while later buckets' updates were still to come.
+    early_gathers = sum(t < timeline.updates_end_s for t in timeline.gather_launch_s.values())
+    return {"params": history, "state_bytes": opt.state_bytes(), "buckets": len(opt.buckets),
+            "early_gathers": early_gathers}
 
 
 def _plain_one_step(groups, batch, rank: int) -> dict:
@@ -296,6 +300,14 @@ def test_zero1_steps_equal_single_process_adamw(dp2, reference_fp32):
             _assert_params_match(got, want)
 
 
+def test_zero1_gathers_each_bucket_as_soon_as_it_is_updated(dp2):
+    for rank_result in dp2:
+        result = rank_result["zero1_fp32"]
+        assert result["buckets"] >= 5
+        # Every gather but the last bucket's runs under the updates of the buckets after it.
+        assert result["early_gathers"] == result["buckets"]
+
+
 def test_zero1_holds_half_the_optimizer_state(dp2, reference_fp32):
     # fp32: parameters are their own masters, so the state is the two Adam moments (8 bytes each).
     _assert_half_of(dp2, "zero1_fp32", reference_fp32["state_bytes"], bytes_per_element=8)
@@ -459,3 +471,50 @@ def test_backward_into_a_reduced_bucket_is_an_error():
         model.loss(tokens, labels).backward()
     opt.zero_grad()
     model.loss(tokens, labels).backward()  # fine again after zero_grad
+
+
+# ---- gradient precision ----
+
+
+@pytest.mark.parametrize("grad_dtype", ["fp32", "param"])
+def test_microbatch_gradients_accumulate_in_the_buffer_dtype(grad_dtype):
+    # Reference: each microbatch's bf16 gradient from autograd, summed by hand in fp32 (or in bf16,
+    # in order, for grad_dtype "param"): the buffer must hold exactly that.
+    microbatches = 4
+    model = build_model(_config("bf16"), seed=SEED)
+    params = [p for p in model.parameters() if p.requires_grad]
+    tokens, labels = _batches(1)[0]
+    per_microbatch = [
+        torch.autograd.grad(model.loss(t, l), params) for t, l in zip(tokens.chunk(microbatches), labels.chunk(microbatches))
+    ]
+    opt = DataParallelOptimizer(model, None, OPT, grad_dtype=grad_dtype)
+    for t, l in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
+        model.loss(t, l).backward()
+    for index, param in enumerate(params):
+        dtype = torch.float32 if grad_dtype == "fp32" else param.dtype
+        expected = torch.zeros(param.shape, dtype=dtype)
+        for grads in per_microbatch:
+            expected += grads[index].to(dtype)
+        got = opt.grad_view(param)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if grad_dtype == "fp32":
+        # The sums differ from bf16 accumulation somewhere (else the test could not tell them apart).
+        bf16_sums = [sum(g[i] for g in per_microbatch[1:]) + per_microbatch[0][i] for i in range(len(params))]
+        assert any(not torch.equal(opt.grad_view(p), s.float()) for p, s in zip(params, bf16_sums) if s.dtype == torch.bfloat16)
+
+
+def test_clipping_equals_clip_grad_norm_in_one_process():
+    model = build_model(_config("fp32"), seed=SEED)
+    reference = build_model(_config("fp32"), seed=SEED)
+    tokens, labels = _batches(1)[0]
+    reference.loss(tokens, labels).backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+    opt = DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.05), bucket_elements=SMALL_BUCKET)
+    model.loss(tokens, labels).backward()
+    opt.finish_grad_sync()
+    norm = opt.clip_grad_norm()
+    assert want_norm > 0.1, "clipping engages"
+    torch.testing.assert_close(norm, want_norm, rtol=1e-6, atol=0)
+    for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(opt.grad_view(param), ref.grad, rtol=1e-6, atol=1e-9, msg=name)
