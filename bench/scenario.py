@@ -15,9 +15,8 @@ import jsonschema
 import yaml
 
 from bench.results import REPO_ROOT
-from moe_engine.config import ModelConfig, ParallelConfig, RecomputeConfig
+from moe_engine.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
 from moe_engine.parallel.layout import stage_blocks
-from moe_engine.train import OptimizerConfig
 
 SCENARIO_SCHEMA_PATH = REPO_ROOT / "scenarios" / "schema.json"
 SCENARIOS_DIR = REPO_ROOT / "scenarios"

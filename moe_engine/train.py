@@ -2,31 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from moe_engine.config import OptimizerConfig
 from moe_engine.model import Transformer
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW hyper-parameters."""
-
-    lr: float = 1e-3
-    """Learning rate."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """Adam moment decay rates."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    weight_decay: float = 0.1
-    """Decoupled weight decay, applied to matrices only (not norms or vectors)."""
-    max_grad_norm: float = 1.0
-    """Clip gradients to this global 2-norm before the update (the reference release's 1.0); 0 disables it."""
-
-    def __post_init__(self) -> None:
-        if self.max_grad_norm < 0:
-            raise ValueError(f"run.max_grad_norm: must be >= 0 (0 disables clipping), got {self.max_grad_norm}")
 
 
 def adamw_param_groups(params: list[torch.Tensor], config: OptimizerConfig) -> list[dict]:
