@@ -80,17 +80,19 @@ def test_the_expert_backend_checks_its_operands(device):
         experts(x, ExpertGroups.from_counts(torch.tensor([3, 5], device=device)))
 
 
-def test_gradient_buckets_keep_every_parameter_16_byte_aligned():
+@pytest.mark.parametrize("grad_dtype", ["fp32", "param"])
+def test_gradient_buckets_keep_every_parameter_16_byte_aligned(grad_dtype):
     """Re-homed parameter and gradient views start on 16-byte boundaries, whatever the sizes before
-    them (q/k norms of head_dim 6 in bf16 are 12 bytes), and a step still trains."""
+    them (q/k norms of head_dim 6 in bf16 are 12 bytes), in bf16 and in fp32 gradient buffers, and a
+    step still trains."""
     config = ModelConfig(vocab_size=64, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, qk_norm=True,
                          n_dense_layers=1, dense_hidden=40, dtype="bf16",
                          moe=MoEConfig(num_experts=3, top_k=2, expert_hidden=8, routing="random"))
     torch.manual_seed(SEED)
     model = build_model(config)
-    opt = DataParallelOptimizer(model, None, OptimizerConfig(), shard=False)
+    opt = DataParallelOptimizer(model, None, OptimizerConfig(), shard=False, grad_dtype=grad_dtype)
     misaligned = [name for name, p in model.named_parameters()
-                  if p.data_ptr() % 16 or p.grad is None or p.grad.data_ptr() % 16]
+                  if p.data_ptr() % 16 or opt.grad_view(p).data_ptr() % 16]
     assert misaligned == []
     tokens = torch.randint(0, 64, (2, 8))
     opt.zero_grad()
