@@ -32,25 +32,64 @@ causal mask halves it on average (0.5), and x3 again for forward plus backward.
 Excluded, as in Megatron-LM: the router (2 * D * E per token and MoE layer, small next to the
 experts), RMSNorm, RoPE, softmax, SwiGLU activations and other elementwise work, and the embedding
 lookup (a gather, no matmul).
+
+Recompute FLOPs per token (``recompute_flops_per_token``): what activation recompute
+(``RecomputeConfig``, ``moe_engine.recompute``) runs again in backward, by the same convention
+(router, norms and elementwise work left out). A recomputed piece runs its forward again, a third
+of its training FLOPs::
+
+    attention forward (one block)  = 2 * (2 * D * q_dim + 2 * D * kv_dim) + 2 * S * q_dim
+    routed experts forward (MoE)   = 2 * k * 3 * D * F
+    block forward, dense           = attention forward + 2 * 3 * D * F_dense
+    block forward, MoE             = attention forward + 2 * (k * 3 * D * F + 3 * D * F_shared)
+
+less the last GEMM of the piece where that GEMM is a plain projection: ``torch.utils.checkpoint``
+(non-reentrant, with torch's default early stop) ends a recompute as soon as every tensor backward
+needs is saved again, and a linear layer's input is saved before it multiplies, so the projection
+that ends a piece does not run again (tests/test_flops.py counts the ops a recompute runs). So, per
+recomputed block::
+
+    full, dense block:    block forward - 2 * D * F_dense     (the FFN's down projection)
+    full, MoE block:      block forward - 2 * D * F_shared    (the shared expert's down projection;
+                                                               without one the block ends with the
+                                                               combine, an autograd Function that
+                                                               saves after it runs: nothing is left out)
+    selective attention:  attention forward - 2 * D * q_dim   (the output projection)
+    selective experts:    routed experts forward, MoE blocks only (their autograd Function saves
+                          after both GEMMs)
+    selective norms:      0 (elementwise)
+
+The recomputed blocks are ``RecomputeConfig.blocks(stages)``. Model FLOPs (``training_flops_per_token``,
+what MFU is measured with) never include them; ``hardware_flops_per_token`` = model + recompute
+FLOPs, what the GPUs execute by this convention. Every block's forward plus the LM head's forward
+(2 * D * V) is the whole forward, a third of the training FLOPs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from moe_engine.config import ModelConfig, MoEConfig
+from moe_engine.config import ModelConfig, MoEConfig, RecomputeConfig, RecomputeMode, RecomputePart
 
 __all__ = [
     "ParameterCounts",
+    "attention_forward_flops_per_token",
+    "block_forward_flops_per_token",
     "dense_ffn_training_flops_per_token",
     "forward_flops_per_token",
+    "hardware_flops_per_token",
     "moe_ffn_training_flops_per_token",
     "parameter_counts",
+    "recompute_flops_per_token",
+    "routed_experts_forward_flops_per_token",
     "training_flops_per_token",
 ]
 
 # 2 FLOPs per multiply-add, x3 for forward plus backward.
 _TRAINING_FLOPS_PER_MATMUL_PARAM = 6
+# 2 FLOPs per multiply-add, forward only (what a recompute runs again).
+_FORWARD_FLOPS_PER_MATMUL_PARAM = 2
 
 
 @dataclass(frozen=True)
@@ -81,6 +120,13 @@ class ParameterCounts:
     """Always-on shared expert SwiGLU weights of all MoE layers (0 without one)."""
     experts: int
     """All routed expert weights (gate_up and down) of all MoE layers; most of an MoE model's size."""
+
+
+def _seq_len(config: ModelConfig, seq_len: int | None) -> int:
+    s = config.seq_len if seq_len is None else seq_len
+    if s < 1:
+        raise ValueError(f"seq_len: must be >= 1, got {s}")
+    return s
 
 
 def _swiglu_params(d_model: int, hidden: int) -> int:
@@ -162,9 +208,7 @@ def training_flops_per_token(config: ModelConfig, seq_len: int | None = None) ->
 
     The router, norms, embedding lookup and elementwise ops are left out (see the module docstring).
     """
-    s = config.seq_len if seq_len is None else seq_len
-    if s < 1:
-        raise ValueError(f"seq_len: must be >= 1, got {s}")
+    s = _seq_len(config, seq_len)
     d = config.d_model
     moe = config.moe
     q_dim = config.n_heads * config.head_dim
@@ -184,3 +228,69 @@ def training_flops_per_token(config: ModelConfig, seq_len: int | None = None) ->
 def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> float:
     """Forward-only FLOPs per token (evaluation, inference prefill): a third of the training count."""
     return training_flops_per_token(config, seq_len) / 3
+
+
+def attention_forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> int:
+    """Forward FLOPs per token of one block's attention: 2 * (2*D*q_dim + 2*D*kv_dim) + 2 * S * q_dim.
+
+    The projections, and QK^T plus AV over the causal half of the S keys (2 matmuls x 2 FLOPs x
+    S * q_dim x 0.5): a third of the attention's share of ``training_flops_per_token``.
+    """
+    s = _seq_len(config, seq_len)
+    q_dim = config.n_heads * config.head_dim
+    return _FORWARD_FLOPS_PER_MATMUL_PARAM * _attention_projection_params(config) + 2 * s * q_dim
+
+
+def routed_experts_forward_flops_per_token(config: ModelConfig) -> int:
+    """Forward FLOPs per token of one MoE block's routed experts: 2 * k * 3 * D * F (no shared expert)."""
+    moe = config.moe
+    return _FORWARD_FLOPS_PER_MATMUL_PARAM * moe.top_k * _swiglu_params(config.d_model, moe.expert_hidden)
+
+
+def block_forward_flops_per_token(config: ModelConfig, layer_idx: int, seq_len: int | None = None) -> int:
+    """Forward FLOPs per token of block ``layer_idx``: its attention plus its dense or MoE feed-forward
+    (routed experts and shared expert; the router left out, as in ``training_flops_per_token``)."""
+    if not 0 <= layer_idx < config.n_layers:
+        raise ValueError(f"layer_idx: {layer_idx} is outside the model's {config.n_layers} blocks")
+    d = config.d_model
+    if layer_idx < config.n_dense_layers:
+        ffn = _swiglu_params(d, config.dense_hidden)
+    else:
+        ffn = _moe_matmul_params_per_token(d, config.moe)
+    return attention_forward_flops_per_token(config, seq_len) + _FORWARD_FLOPS_PER_MATMUL_PARAM * ffn
+
+
+def recompute_flops_per_token(
+    config: ModelConfig, recompute: RecomputeConfig, stages: Sequence[range], seq_len: int | None = None
+) -> float:
+    """FLOPs per token that activation recompute adds in backward (see the module docstring).
+
+    ``stages``: every pipeline stage's block indices, the pp * virtual_stages chunks
+    (``moe_engine.parallel.layout.stage_blocks``; ``[range(n_layers)]`` without pipelining), which
+    ``first_per_stage`` counts in, as the engine does. Reported apart from the model FLOPs: MFU never
+    counts them.
+    """
+    d, q_dim = config.d_model, config.n_heads * config.head_dim
+    # The projection that ends a recomputed piece is not run again (checkpoint's early stop).
+    last_down = {True: 2 * d * config.dense_hidden, False: 2 * d * config.moe.shared_expert_hidden}
+    total = 0
+    for i in recompute.blocks(list(stages)):
+        dense = i < config.n_dense_layers
+        if recompute.mode is RecomputeMode.FULL:
+            total += block_forward_flops_per_token(config, i, seq_len) - last_down[dense]
+            continue
+        for part in recompute.parts:
+            if part is RecomputePart.ATTENTION:
+                total += attention_forward_flops_per_token(config, seq_len) - 2 * d * q_dim
+            elif part is RecomputePart.EXPERTS and not dense:
+                # Dense blocks have no routed experts (``moe_engine.recompute`` recomputes nothing there).
+                total += routed_experts_forward_flops_per_token(config)
+            # NORMS: elementwise work, outside the convention.
+    return float(total)
+
+
+def hardware_flops_per_token(
+    config: ModelConfig, recompute: RecomputeConfig, stages: Sequence[range], seq_len: int | None = None
+) -> float:
+    """Model FLOPs plus recompute FLOPs per token: what the GPUs execute (by the module's convention)."""
+    return training_flops_per_token(config, seq_len) + recompute_flops_per_token(config, recompute, stages, seq_len)

@@ -7,12 +7,23 @@ would only check that the module agrees with itself.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import time
 
 import pytest
 
 from moe_engine import ModelConfig, MoEConfig, build_model
-from moe_engine.flops import ParameterCounts, forward_flops_per_token, parameter_counts, training_flops_per_token
+from moe_engine.config import RecomputeConfig
+from moe_engine.flops import (
+    ParameterCounts,
+    block_forward_flops_per_token,
+    forward_flops_per_token,
+    hardware_flops_per_token,
+    parameter_counts,
+    recompute_flops_per_token,
+    training_flops_per_token,
+)
 
 
 def dense_gqa_config() -> ModelConfig:
@@ -182,3 +193,118 @@ def test_layer_flops_of_the_micro_benchmark_shape():
     # 6 x (8 experts x 3 matrices x 1024 x 512 + shared 3 x 1024 x 256)
     assert moe_ffn_training_flops_per_token(1024, moe) == 6 * (8 * 3 * 1024 * 512 + 3 * 1024 * 256)
     assert dense_ffn_training_flops_per_token(1024, 4096) == 6 * 3 * 1024 * 4096
+
+
+# ---- recompute ----------------------------------------------------------------------------------
+
+
+def recompute(mode: str = "none", parts: tuple[str, ...] = (), **subset) -> RecomputeConfig:
+    return RecomputeConfig(mode=mode, parts=list(parts), **subset)
+
+
+def test_recompute_flops_by_hand():
+    # dense_gqa: D 64, q 64, kv 32, S 32; block 0 dense (F_dense 96), blocks 1, 2 MoE (k 2, F 32, no shared).
+    # attention forward 2*(2*64*64 + 2*64*32) + 2*32*64 = 28672; the selective recompute leaves its
+    # output projection out: 28672 - 2*64*64 = 20480.
+    # full, dense block: 28672 + 2*3*64*96 - down 2*64*96 = 53248; MoE block (it ends with the
+    # combine, nothing left out): 28672 + 2*2*3*64*32 = 53248.
+    config, one_stage = dense_gqa_config(), [range(3)]
+    cases = [
+        (recompute(), 0),
+        (recompute("full"), 3 * 53248),
+        (recompute("selective", ("attention",)), 3 * 20480),
+        (recompute("selective", ("experts",)), 2 * 2 * 2 * 3 * 64 * 32),  # the dense block has no routed experts
+        (recompute("selective", ("norms",)), 0),
+        (recompute("selective", ("attention", "experts", "norms")), 3 * 20480 + 2 * 24576),
+        (recompute("full", every=2), 2 * 53248),  # blocks 0 and 2
+    ]
+    for rc, expected in cases:
+        assert recompute_flops_per_token(config, rc, one_stage) == expected, rc
+        assert hardware_flops_per_token(config, rc, one_stage) == 565248 + expected, rc
+    # first_per_stage counts in each pipeline stage: stages [0, 1] and [2] -> blocks 0 and 2.
+    assert recompute_flops_per_token(config, recompute("full", first_per_stage=1), [range(2), range(2, 3)]) == 2 * 53248
+    assert recompute_flops_per_token(config, recompute("full", first_per_stage=1), [range(1), range(1, 3)]) == 2 * 53248
+    # The attention term follows the sequence length: 2 * S * q_dim.
+    attention = recompute("selective", ("attention",))
+    assert recompute_flops_per_token(config, attention, one_stage, seq_len=64) - 61440 == 3 * 2 * 32 * 64
+
+    # shared_expert: D 32, q = kv 32, S 16, 2 MoE blocks of k 3 experts of F 16 and a shared expert of 24.
+    # Block forward 2*4*32*32 + 2*16*32 + 2*(3*3*32*16 + 3*32*24) = 23040, of which the full recompute
+    # leaves out the shared expert's down projection, 2*32*24.
+    config = shared_expert_config()
+    assert recompute_flops_per_token(config, recompute("full"), [range(2)]) == 2 * (23040 - 1536)
+
+
+def test_block_forwards_make_a_third_of_the_training_flops():
+    for make_config in (dense_gqa_config, shared_expert_config, trillion_config):
+        config = make_config()
+        blocks = sum(block_forward_flops_per_token(config, i) for i in range(config.n_layers))
+        assert 3 * (blocks + 2 * config.d_model * config.vocab_size) == training_flops_per_token(config)
+    with pytest.raises(ValueError, match="layer_idx"):
+        block_forward_flops_per_token(dense_gqa_config(), 3)
+
+
+def recompute_config() -> ModelConfig:
+    """A leading dense block, GQA, QK-norm and a shared expert: every kind of recomputed region. fp32,
+    the grouped-GEMM experts, balanced routing (the same rows whatever the weights)."""
+    return ModelConfig(
+        vocab_size=128, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, seq_len=32, n_dense_layers=1,
+        dense_hidden=96, qk_norm=True, dtype="fp32",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=48, routing="balanced"),
+    )
+
+
+def counted_step_flops(rc: RecomputeConfig) -> dict[str, int]:
+    """FLOPs of one forward and backward of ``recompute_config``'s model under ``rc``, by op (the
+    engine's work counter: torch's formulas plus the grouped GEMM and the CPU flash attention)."""
+    import torch
+
+    from bench.run.work import GroupedMMFlops, flop_counter
+    from moe_engine.recompute import apply_recompute
+
+    config = recompute_config()
+    model = build_model(config)
+    apply_recompute(model.blocks, rc, [range(config.n_layers)])
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_len), generator=torch.Generator().manual_seed(0))
+    grouped = GroupedMMFlops()
+    counter = flop_counter(grouped)
+    with counter:
+        model.loss(tokens, tokens).backward()
+    by_op = {str(op): int(n) for op, n in counter.get_flop_counts()["Global"].items()}
+    by_op["aten._grouped_mm"] = grouped.resolve()
+    return by_op
+
+
+@pytest.mark.parametrize("rc", [
+    recompute("full"), recompute("full", every=2), recompute("selective", ("attention",)),
+    recompute("selective", ("experts",)), recompute("selective", ("norms",)),
+    recompute("selective", ("attention", "experts", "norms")),
+], ids=lambda rc: f"{rc.mode.value}-{'+'.join(p.value for p in rc.parts) or 'blocks'}-every{rc.every}")
+def test_recompute_flops_are_what_the_recompute_runs(rc):
+    """The formula against the ops the engine runs again in backward (torch's checkpoint, early stop on).
+
+    What the counter adds beyond the formula is what the formula's convention leaves out: attention's
+    scores over the whole S x S matrix (torch's count, twice the causal half) and, in a fully
+    recomputed MoE block, the router's GEMM (2 * D * E) and the combine's bmm (2 * k * D).
+    """
+    config = recompute_config()
+    tokens = 2 * config.seq_len
+    extra = {op: n - counted_step_flops(recompute()).get(op, 0) for op, n in counted_step_flops(rc).items()}
+    blocks = rc.blocks([range(config.n_layers)])
+    moe_blocks = [i for i in blocks if i >= config.n_dense_layers]
+    attentions = len(blocks) if rc.mode.value == "full" or "attention" in {p.value for p in rc.parts} else 0
+    full_moe = len(moe_blocks) if rc.mode.value == "full" else 0
+    # Scores: 2 matmuls x 2 FLOPs x S x q_dim per token, the full matrix: 4 * 32 * 64.
+    assert extra.get("aten._scaled_dot_product_flash_attention_for_cpu", 0) == tokens * attentions * 4 * 32 * 64
+    experts = 2 * 2 * 3 * 64 * 32  # per token and MoE block
+    recomputes_experts = rc.mode.value == "full" or "experts" in {p.value for p in rc.parts}
+    assert extra["aten._grouped_mm"] == tokens * experts * (len(moe_blocks) if recomputes_experts else 0)
+    outside = attentions * 2 * 32 * 64 + full_moe * (2 * 64 * 4 + 2 * 2 * 64)
+    assert sum(extra.values()) == tokens * (recompute_flops_per_token(config, rc, [range(3)]) + outside)
+
+
+def test_flops_module_loads_no_model():
+    """Plans import the formulas for trillion-parameter configs: torch and the model must stay unloaded."""
+    code = ("import sys, moe_engine.flops; "
+            "assert 'torch' not in sys.modules and 'moe_engine.model' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,41 +21,57 @@ Parameters of a rank (element counts, taken from ``parameter_counts``)
     experts = (its MoE blocks) * (E / ep) * 3 * D * F
     Dense parameters are replicated over dp; expert parameters are sharded over ep, replicated over edp.
 
-Bytes per parameter (param / grad / optimizer)
-    fp32:          4 / 4 / 8  (Adam m and v)
-    bf16, mxfp8:   2 / 2 / 12 (bf16 weights and gradients; fp32 master + m + v)
-    The router is fp32 in every precision (the engine keeps it so): 4 / 4 / 8 (its own master).
+Bytes per parameter (param / grad / optimizer), by precision and ``parallel.grad_dtype``
+    fp32:                           4 / 4 / 8   (Adam m and v; either grad_dtype)
+    bf16, mxfp8, grad_dtype fp32:   2 / 4 / 12  (bf16 weights, fp32 gradient buffers: the default;
+                                                 fp32 master + m + v)
+    bf16, mxfp8, grad_dtype param:  2 / 2 / 12  (bf16 gradient buffers)
+    The router is fp32 in every precision: 4 / 4 / 8 (its own master).
+    With an fp32 buffer each backward's bf16 gradient is made by autograd and then added into the
+    buffer; with a bf16 buffer autograd adds a fresh gradient into it in place. Either way the
+    transient is a parameter's whole gradient in its own dtype: the backward workspace (below)
+    holds the largest ones.
 
 State memory per rank (P = parameter bytes, G = gradient bytes, O = optimizer bytes)
     ddp:           P_dense + P_exp,  G_dense + G_exp,  O_dense + O_exp
     ddp + zero1:   optimizer becomes ceil(O_dense / dp) + ceil(O_exp / edp); gradients gain the
-                   reduce-scatter outputs, ceil(G_dense / dp) (when dp > 1) + ceil(G_exp / edp) (when edp > 1)
+                   reduce-scatter outputs, at the buffer's dtype, ceil(G_dense / dp) (when dp > 1)
+                   + ceil(G_exp / edp) (when edp > 1)
     fsdp:          every tensor sharded: P_dense / dp + P_exp / edp (= the stage's experts / dp), same for
                    G and O, plus one transient gathered unit: the largest FSDP unit of the rank (a block
                    with its E/ep local experts, the embedding, or final norm + LM head) counted once in
                    params and once in grads (no prefetch of a second unit). The engine's FSDP mode keeps
-                   the fp32 master as the sharded parameter and reduces fp32 gradients, a 4/4/8 split of
-                   the same 16 bytes per parameter that this 2/2/12 split prices.
+                   the fp32 master as the sharded parameter and reduces fp32 gradients whatever
+                   grad_dtype says (it has no DDP buffers), a 4/4/8 split of the same 16 bytes per
+                   parameter that the grad_dtype param row's 2/2/12 split prices.
 
 Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * in-flight / v
     T = tokens_per_step / dp / m tokens per microbatch per rank; a = activation bytes (4 fp32, 2 otherwise);
     e = bytes of a saved expert-GEMM input element (a; mxfp8: 1 + 1/32, an fp8 value plus one shared
-    8-bit scale per 32 elements). The tensors the engine saves for backward (no recomputation but the
-    experts' SwiGLU product, flash attention); checked against the saved tensors of a real block:
-    RMSNorm over width w:       T * w * (4 + 2a)   (fp32 input, normalised values, output)
-    attention part of a block:  norm(D) [+ norm(q + kv) with qk_norm] + a * T * (3q + 2kv) + 4 * T * H
-        (q k v after RoPE and the attention output, kept by the kernel; the output's contiguous copy
-         that o_proj saves; fp32 log-sum-exp)
+    8-bit scale per 32 elements). The tensors the engine keeps for backward (flash attention; the
+    experts recompute their SwiGLU product), as measured on a real block in every recompute mode by
+    tests/bench/predict/test_plan_saved_tensors.py:
+    RMSNorm over width w:       norm(w) = T * w * (4 + a)   (its input in fp32: a copy, or in fp32 the
+                                input itself; the normalised values). Its output is counted where a
+                                consumer saves it.
+    attention part of a block:  norm(D) + a * T * D (the norm's output, which q, k and v save)
+                              + attn, attn = [norm(q) + norm(kv) with qk_norm] + a * T * (2q + 2kv) + 4 * T * H
+        (q and k after RoPE, v and the attention output, kept by the kernel; o_proj's input is a view
+         of that output, which the kernel lays out (B, S, H, d); fp32 log-sum-exp. RoPE keeps only
+         its cos/sin tables)
     SwiGLU of hidden F:         4 * a * T * F      (gate, up, silu(gate), product)
-    dense FFN:                  norm(D) + SwiGLU(F_d)
-    MoE FFN:                    norm(D) + [4 * T * D when a < 4: the router's fp32 copy of its input]
+    dense FFN:                  norm(D) + a * T * D (its input) + SwiGLU(F_d)
+    MoE FFN:                    norm(D) + 4 * T * D   (the router's fp32 input: a copy of the norm's
+                                                        output, or in fp32 the output itself)
                               + 8 * T * E                                 (fp32 logits and scores)
                               + R * e * (D + 2F)                          (expert-GEMM input, gate/up
                                  pre-activations; the SwiGLU product is recomputed in backward)
                               + a * T * k * D                             (expert outputs for combine)
-                              + SwiGLU(F_s)                               (shared expert, if any)
+                              + [a * T * D when a < 4] + SwiGLU(F_s)      (shared expert, if any: its
+                                 input, the norm's output, which nothing else saves in bf16)
         R = T * k rows, or cf * T * k under no-sync dispatch with ep > 1 (the capacity buffers)
-    last stage:                 norm(D) + 4 * T * V   (fp32 log-probabilities of the cross-entropy)
+    last stage:                 norm(D) + a * T * D (the LM head's input) + 4 * T * V (fp32
+                                log-probabilities of the cross-entropy)
     in flight (in chunk-microbatches, divided by v to count whole-rank microbatches), rank r:
         pp = 1:          1 (gradient accumulation frees a microbatch's activations after its backward)
         gpipe:           m * v (every microbatch's forward runs before any backward)
@@ -63,14 +79,36 @@ Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * i
         interleaved1f1b: min(m * v, 2 (pp - r - 1) + (v - 1) pp + 1) (Megatron's warm-up count + 1;
                          on rank 0 it is pp*v + pp - 1 chunks, 1F1B's memory times 1 + (pp-1)/(pp v))
 
+Activation recompute (the ``recompute`` section; ``RecomputeConfig.blocks`` over the pp * v chunks
+picks the blocks, as the engine does). A recomputed block keeps, instead of the above:
+    full:                 a * T * D (its input, which the checkpoint holds), nothing else
+    selective attention:  its attention part less attn: norm(D) + a * T * D (the norm's output is
+                          the checkpoint's input)
+    selective experts:    R * a * D in place of R * e * (D + 2F) (the dispatched rows, the
+                          checkpoint's input, in the model dtype: under mxfp8 the bf16 rows, so
+                          it saves less there)
+    selective norms:      a * T * D (the norm's input) in place of each of its two norm(D)
+    Dense blocks have no routed experts: the experts part leaves them as they are. In backward the
+    recompute brings back, one block (full) or one part (selective) at a time, what the recomputed
+    forward saves beyond the kept input: full, the block's activations above (less a * T * D in
+    fp32, where the first norm's saved input is the kept input itself); attention, attn; experts,
+    R * e * (D + 2F) (less the kept R * a * D when e = a: the rows are saved again, not copied);
+    norms, one norm(D) (less a * T * D in fp32). That transient is in the backward workspace.
+    Full recompute runs the dispatch's all-to-alls again (its forward dispatch and combine); no
+    selective part holds a collective. Recompute FLOPs per token: moe_engine.flops
+    (``recompute_flops_per_token``), reported apart from the model FLOPs, which MFU uses; their sum
+    is ``hardware_flops_per_token``.
+
 Communication: bytes one rank sends per optimizer step; c = 4 bytes for fp32, else 2 (mxfp8 dispatches bf16)
     all-to-all per MoE block and microbatch: 4 * T * k * D * c * (ep - 1) / ep * pad
         (dispatch and combine, forward and backward; pad = cf for no-sync dispatch, whose fixed-size
-         capacity buffers travel whole, 1 for sync dispatch, which sends exact balanced counts)
-    data parallel (reported as comm_grad_reduce_bytes), with ring collectives r(n) = (n - 1) / n:
+         capacity buffers travel whole, 1 for sync dispatch, which sends exact balanced counts),
+        6 * T * k * D * c * (ep - 1) / ep * pad for a fully recomputed block (the forward's again)
+    data parallel (reported as comm_grad_reduce_bytes), with ring collectives r(n) = (n - 1) / n;
+    G at the gradient buffer's dtype (fsdp: fp32, its reduce dtype), P at the parameters':
         ddp:           2 r(dp) G_dense + 2 r(edp) G_exp          (ring all-reduce once per step)
         ddp + zero1:   r(dp) (G_dense + P_dense) + r(edp) (G_exp + P_exp)
-                       (reduce-scatter of grads + all-gather of updated params: an all-reduce's bytes)
+                       (reduce-scatter of grads + all-gather of updated params)
         fsdp:          r(dp) (G_dense + 2 m P_dense) + r(edp) (G_exp + 2 m P_exp)
                        (params all-gathered in forward and backward of every microbatch, grads
                         reduce-scattered once per step)
@@ -79,17 +117,26 @@ Communication: bytes one rank sends per optimizer step; c = 4 bytes for fp32, el
 Comm buffers memory: one MoE block's all-to-all send + receive buffers, 2 * T * k * D * c * pad (when
 ep > 1), plus one pipeline send and one receive buffer 2 * T * D * a (when pp > 1).
 
-Backward workspace: the largest temporary of the rank's backward, as weight gradients are made
-whole before they are added into their buffers: one MoE block's expert backward,
-R * a * 4F (gradient of the SwiGLU product, the recomputed product, gradient of the pre-activations)
-+ a * (E / ep) * 3 * D * F (the local experts' weight gradients), or the embedding's or LM head's
-gradient, a * V * D, on the ranks holding them.
+Backward workspace: the most the rank's backward holds on top of the activations. Weight gradients
+are made whole (in the parameter's dtype) before they are added into their buffers. The largest of
+    one MoE block's expert backward: R * a * 4F (gradient of the SwiGLU product, the recomputed
+        product, gradient of the pre-activations) + a * (E / ep) * 3 * D * F (the local experts'
+        weight gradients), plus what a recompute of the block brought back when that is alive
+        during it (full recompute: the whole block; selective experts: the experts' share);
+    what a recomputed block's recompute brings back (selective attention or norms: one part);
+        on the last stage both less the LM head's activations of the microbatch (its backward ran
+        first and freed them);
+    on the last stage, the cross-entropy's backward, 8 * T * V (fp32 gradients of the
+        log-probabilities and of the logits), and the LM head's, a * T * V + a * V * D (the logits'
+        gradient and the weight gradient);
+    on the first stage, the embedding's gradient, a * V * D.
 
 Optimizer step (ddp): the engine updates one gradient bucket at a time. A bucket holds whole
 parameters of one family until it reaches bucket_elements (default 2^22), so the largest bucket
 share is S = min(family elements, max(bucket_elements, largest tensor)) / (n with zero1, else 1),
 n = dp for dense parameters and edp for experts; the step holds (t + 8) * S bytes: the fp32 copy of
-low-precision gradients (t = 4; 0 for fp32) and two fp32 temporaries of AdamW's per-tensor update.
+the gradients when the buffer is not fp32 (t = 4 for bf16 or mxfp8 with grad_dtype param; 0
+otherwise) and two fp32 temporaries of AdamW's per-tensor update.
 
 memory_total = params + grads + optimizer + max(activations + comm buffers + backward workspace,
 optimizer step); activations are freed before the optimizer step runs. It fits when it is at most the
@@ -108,11 +155,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.results import metric
-from moe_engine.config import ModelConfig
-from moe_engine.flops import parameter_counts, training_flops_per_token
-from moe_engine.parallel.layout import stage_layers
+from moe_engine.config import ModelConfig, RecomputeConfig, RecomputeMode, RecomputePart
+from moe_engine.flops import parameter_counts, recompute_flops_per_token, training_flops_per_token
+from moe_engine.parallel.layout import stage_blocks, stage_layers
 
-__all__ = ["BYTES", "PrecisionBytes", "in_flight_microbatches", "plan_scenario", "stage_layers", "summary_line"]
+__all__ = [
+    "BYTES", "PrecisionBytes", "in_flight_microbatches", "plan_scenario", "precision_bytes", "stage_layers",
+    "summary_line",
+]
 
 
 @dataclass(frozen=True)
@@ -122,7 +172,7 @@ class PrecisionBytes:
     param: int
     """A (non-router) parameter."""
     grad: int
-    """Its gradient."""
+    """Its gradient, as the gradient buffer holds it."""
     optimizer: int
     """Its optimizer state (fp32 master copy when the parameter is low precision, Adam m and v)."""
     activation: float
@@ -132,7 +182,7 @@ class PrecisionBytes:
     comm: int
     """An all-to-all element."""
     optimizer_step_temp: int
-    """fp32 copy of a gradient made for the optimizer step (0 when the gradient is already fp32)."""
+    """fp32 copy of a gradient made for the optimizer step (0 when the gradient buffer is already fp32)."""
 
 
 BYTES = {
@@ -142,8 +192,23 @@ BYTES = {
         param=2, grad=2, optimizer=12, activation=2, expert_input=1 + 1 / 32, comm=2, optimizer_step_temp=4
     ),
 }
+"""Bytes by precision with gradient buffers in the parameters' dtype (``grad_dtype: param``)."""
 ROUTER_BYTES = PrecisionBytes(param=4, grad=4, optimizer=8, activation=4, expert_input=4, comm=4, optimizer_step_temp=0)
 """The router is fp32 whatever the precision, and is its own optimizer master."""
+FP32_GRAD_BYTES = 4
+"""An element of an fp32 gradient buffer (``grad_dtype: fp32``), or of what FSDP reduces."""
+
+
+def precision_bytes(precision: str, grad_dtype: str = "fp32", dp_mode: str = "ddp") -> PrecisionBytes:
+    """``BYTES[precision]`` with the gradients in the buffers ``grad_dtype`` asks for.
+
+    fp32 buffers hold 4 bytes per gradient and need no fp32 copy for the optimizer step. FSDP has no
+    DDP buffers: it keeps the same 16 bytes per parameter whatever grad_dtype (see the module docstring).
+    """
+    b = BYTES[precision]
+    if grad_dtype == "fp32" and dp_mode != "fsdp":
+        return dataclasses.replace(b, grad=FP32_GRAD_BYTES, optimizer_step_temp=0)
+    return b
 
 
 @dataclass(frozen=True)
@@ -226,27 +291,25 @@ def _ceil_div(a: int, n: int) -> int:
 
 
 def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes) -> float:
-    """An RMSNorm saves its input in fp32, the normalised values and its output (model dtype)."""
-    return tokens * width * (4 + 2 * b.activation)
+    """An RMSNorm saves its input in fp32 (a copy; in fp32 the input itself) and the normalised values.
+    Its output is counted where a consumer saves it."""
+    return tokens * width * (4 + b.activation)
 
 
-def _attention_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
+def _attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
+    """What the attention module saves (``attn``): what selective attention recompute drops."""
     q = model.n_heads * model.head_dim
     kv = model.n_kv_heads * model.head_dim
+    # q_norm and k_norm: their outputs feed RoPE, which saves only its cos/sin tables.
     qk_norm = _norm_activation_bytes(q + kv, tokens, b) if model.qk_norm else 0
-    # q, k, v after RoPE and the attention output (saved by the attention kernel), the output's
-    # contiguous copy (o_proj's input), the fp32 log-sum-exp.
-    saved = b.activation * tokens * (2 * q + 2 * kv + q) + 4 * tokens * model.n_heads
-    return _norm_activation_bytes(model.d_model, tokens, b) + qk_norm + saved
+    # q and k after RoPE, v, and the attention output (saved by the kernel); o_proj's input is a view
+    # of the output, which the kernel lays out (B, S, H, d); the fp32 log-sum-exp.
+    return qk_norm + b.activation * tokens * (2 * q + 2 * kv) + 4 * tokens * model.n_heads
 
 
 def _swiglu_activation_bytes(hidden: int, tokens: int, b: PrecisionBytes) -> float:
     """gate, up, silu(gate) and the product (the down projection's input)."""
     return b.activation * tokens * 4 * hidden
-
-
-def _dense_ffn_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
-    return _norm_activation_bytes(model.d_model, tokens, b) + _swiglu_activation_bytes(model.dense_hidden, tokens, b)
 
 
 def _expert_rows(tokens: int, model: ModelConfig, par: dict[str, Any]) -> float:
@@ -255,34 +318,102 @@ def _expert_rows(tokens: int, model: ModelConfig, par: dict[str, Any]) -> float:
     return assignments * (_dispatch_pad(par) if par["ep"] > 1 else 1.0)
 
 
-def _moe_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
-    d, moe = model.d_model, model.moe
-    # The router computes in fp32: a low-precision input is saved as an fp32 copy; logits and scores.
-    router = (4 * tokens * d if b.activation < 4 else 0) + 2 * 4 * tokens * moe.num_experts
-    experts = _expert_rows(tokens, model, par) * b.expert_input * (d + 2 * moe.expert_hidden)
-    combine = b.activation * tokens * moe.top_k * d
-    shared = _swiglu_activation_bytes(moe.shared_expert_hidden, tokens, b)
-    return _norm_activation_bytes(d, tokens, b) + router + experts + combine + shared
+@dataclass(frozen=True)
+class _BlockActivations:
+    """What one block holds for backward per microbatch, and what its recompute brings back."""
+
+    kept: float
+    """Bytes it keeps from its forward to its backward."""
+    recompute_peak: float = 0.0
+    """The most bytes its recompute brings back at once in backward (0 when it is not recomputed)."""
+    during_expert_backward: float = 0.0
+    """Of those, the bytes alive while its experts' backward runs (full recompute, selective experts)."""
 
 
-def _backward_workspace_bytes(model: ModelConfig, h: _Rank, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
-    """The largest temporary of the rank's backward: a weight gradient is made whole before it is
-    added into its buffer. One MoE block's expert backward holds per row the gradient of the SwiGLU
-    product, the recomputed product and the gradient of the pre-activations (4F) next to the local
-    experts' weight gradients; the embedding's and LM head's gradients are V x D each."""
-    moe = model.moe
-    candidates = [0.0]
+def _block_activations(
+    model: ModelConfig, dense: bool, tokens: int, b: PrecisionBytes, par: dict[str, Any],
+    recompute: RecomputeConfig | None,
+) -> _BlockActivations:
+    """A dense or MoE block's activations (the module docstring's formulas); ``recompute`` None when
+    the block is not recomputed."""
+    a, d, moe = b.activation, model.d_model, model.moe
+    norm = _norm_activation_bytes(d, tokens, b)
+    # One (T, D) tensor in the model dtype: a norm's output, or the input a checkpoint of a block or
+    # of a norm keeps.
+    td = a * tokens * d
+    attention = _attention_bytes(model, tokens, b)
+    experts = rows = 0.0
+    if dense:
+        # The FFN's input (the norm's output, which gate and up save) and its SwiGLU.
+        ffn = td + _swiglu_activation_bytes(model.dense_hidden, tokens, b)
+    else:
+        rows = _expert_rows(tokens, model, par)
+        experts = rows * b.expert_input * (d + 2 * moe.expert_hidden)
+        # The router computes in fp32 and saves its fp32 input (a copy of the norm's output, or the
+        # output itself in fp32), its logits and scores; the combine saves the expert outputs.
+        ffn = 4 * tokens * d + 2 * 4 * tokens * moe.num_experts + a * tokens * moe.top_k * d
+        if moe.shared_expert_hidden:
+            # Its projections save the norm's output: in bf16 nothing else does (the router copies it).
+            ffn += (td if a < 4 else 0) + _swiglu_activation_bytes(moe.shared_expert_hidden, tokens, b)
+    # The attention part: its norm, the norm's output (q, k and v's input) and the attention itself.
+    whole = 2 * norm + td + attention + ffn + experts
+    if recompute is None:
+        return _BlockActivations(whole)
+    # In fp32 the first norm saves the block's input itself, the tensor a checkpoint keeps anyway.
+    input_is_saved = a == 4
+    if recompute.mode is RecomputeMode.FULL:
+        back = whole - (td if input_is_saved else 0)
+        return _BlockActivations(td, back, 0.0 if dense else back)
+    kept, peak, during_experts = whole, 0.0, 0.0
+    if RecomputePart.ATTENTION in recompute.parts:
+        kept -= attention
+        peak = max(peak, attention)
+    if RecomputePart.EXPERTS in recompute.parts and not dense:
+        # The checkpoint keeps the dispatched rows in the model dtype (bf16 under mxfp8, not fp8).
+        kept_rows = rows * a * d
+        kept += kept_rows - experts
+        # The recomputed forward saves the kept rows again when it saves its input as is (e == a).
+        during_experts = experts - (kept_rows if b.expert_input == a else 0)
+        peak = max(peak, during_experts)
+    if RecomputePart.NORMS in recompute.parts:
+        kept -= 2 * (norm - td)
+        peak = max(peak, norm - (td if input_is_saved else 0))
+    return _BlockActivations(kept, peak, during_experts)
+
+
+def _backward_workspace_bytes(
+    model: ModelConfig, h: _Rank, tokens: int, b: PrecisionBytes, par: dict[str, Any],
+    blocks: list[_BlockActivations],
+) -> float:
+    """The most the rank's backward holds on top of the activations (the module docstring's candidates).
+
+    One MoE block's expert backward holds per row the gradient of the SwiGLU product, the recomputed
+    product and the gradient of the pre-activations (4F) next to the local experts' weight gradients
+    (made whole before they are added into their buffer), plus what the block's recompute brought
+    back if that is still alive; a recomputed block's recompute on its own. A block's backward runs
+    after the LM head's, whose saved tensors of that microbatch are freed by then. The head's own
+    backward: the cross-entropy's fp32 gradients of the log-probabilities and of the logits, then the
+    logits' gradient next to the LM head's weight gradient; the embedding's gradient, V x D.
+    """
+    moe, a, v, d = model.moe, b.activation, model.vocab_size, model.d_model
+    in_blocks = [block.recompute_peak for block in blocks]
     if h.n_moe:
-        rows = _expert_rows(tokens, model, par) * b.activation * 4 * moe.expert_hidden
-        candidates.append(rows + b.activation * (moe.num_experts // par["ep"]) * 3 * model.d_model * moe.expert_hidden)
-    if h.embedding or h.head:
-        candidates.append(b.activation * model.vocab_size * model.d_model)
+        rows = _expert_rows(tokens, model, par) * a * 4 * moe.expert_hidden
+        experts = rows + a * (moe.num_experts // par["ep"]) * 3 * d * moe.expert_hidden
+        in_blocks.append(experts + max(block.during_expert_backward for block in blocks))
+    freed = _head_activation_bytes(model, tokens, b) if h.head else 0.0
+    candidates = [0.0] + [max(0.0, c - freed) for c in in_blocks]
+    if h.head:
+        candidates += [2 * 4 * tokens * v, a * tokens * v + a * v * d]
+    if h.embedding:
+        candidates.append(a * v * d)
     return max(candidates)
 
 
 def _head_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
-    """The final norm, and the fp32 log-probabilities the cross-entropy saves."""
-    return _norm_activation_bytes(model.d_model, tokens, b) + 4 * tokens * model.vocab_size
+    """The final norm, its output (the LM head's input) and the fp32 log-probabilities the cross-entropy saves."""
+    return (_norm_activation_bytes(model.d_model, tokens, b) + b.activation * tokens * model.d_model
+            + 4 * tokens * model.vocab_size)
 
 
 # ---- one pipeline rank ------------------------------------------------------------------------
@@ -372,10 +503,12 @@ def _dispatch_pad(par: dict[str, Any]) -> float:
     return par["capacity_factor"] if par["dispatch"] == "no-sync" else 1.0
 
 
-def _all_to_all_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any]) -> float:
-    """Bytes one rank sends for one MoE block and one microbatch (dispatch + combine, fwd + bwd)."""
+def _all_to_all_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any], full: bool) -> float:
+    """Bytes one rank sends for one MoE block and one microbatch (dispatch + combine, fwd + bwd; the
+    forward's pair again when the block is recomputed in ``full``)."""
     ep = par["ep"]
-    return 4 * tokens * model.moe.top_k * model.d_model * b.comm * _ring(ep) * _dispatch_pad(par)
+    messages = 6 if full else 4
+    return messages * tokens * model.moe.top_k * model.d_model * b.comm * _ring(ep) * _dispatch_pad(par)
 
 
 def _grad_reduce_bytes(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> float:
@@ -384,6 +517,8 @@ def _grad_reduce_bytes(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> floa
     for params, n in ((h.dense, dp), (h.experts, edp)):
         g, p = params.nbytes(b, "grad"), params.nbytes(b, "param")
         if par["dp_mode"] == "fsdp":
+            # FSDP reduce-scatters in fp32 (its reduce dtype), whatever grad_dtype says.
+            g = FP32_GRAD_BYTES * params.count
             total += _ring(n) * (g + 2 * m * p)
         elif par["optimizer_sharding"] == "zero1":
             total += _ring(n) * (g + p)
@@ -398,12 +533,18 @@ def _pipeline_sends(rank: int, pp: int, v: int) -> int:
     return sum(1 for c in chunks if c < pp * v - 1) + sum(1 for c in chunks if c > 0)
 
 
-def _plan_rank(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any], tokens: int) -> dict[str, Any]:
+def _plan_rank(
+    model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any], tokens: int,
+    recompute: RecomputeConfig, recomputed: set[int],
+) -> dict[str, Any]:
     pp, v, m, ep = par["pp"], par["virtual_stages"], par["microbatches"], par["ep"]
-    per_mb = (len(h.layers) * _attention_activation_bytes(model, tokens, b)
-              + h.n_dense * _dense_ffn_activation_bytes(model, tokens, b)
-              + h.n_moe * _moe_activation_bytes(model, tokens, b, par)
-              + (_head_activation_bytes(model, tokens, b) if h.head else 0))
+    blocks = [
+        _block_activations(model, i < model.n_dense_layers, tokens, b, par, recompute if i in recomputed else None)
+        for i in h.layers
+    ]
+    per_mb = sum(block.kept for block in blocks) + (_head_activation_bytes(model, tokens, b) if h.head else 0)
+    full = recompute.mode is RecomputeMode.FULL
+    n_moe_full = sum(1 for i in h.layers if i in recomputed and i >= model.n_dense_layers) if full else 0
     in_flight = in_flight_microbatches(par["schedule"], pp, v, m, h.rank)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * _dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
@@ -411,8 +552,10 @@ def _plan_rank(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, A
     memory.update(
         activations=per_mb * in_flight,
         comm_buffers=a2a_buffer + pipe_buffer,
-        backward_workspace=_backward_workspace_bytes(model, h, tokens, b, par),
+        backward_workspace=_backward_workspace_bytes(model, h, tokens, b, par, blocks),
         optimizer_step=_optimizer_step_bytes(model, h, b, par),
+        # The most one recompute brings back at once (one of the backward workspace's candidates).
+        recompute_peak=max((block.recompute_peak for block in blocks), default=0.0),
     )
     # Activations and communication buffers are freed before the optimizer step runs.
     transient = max(
@@ -420,7 +563,8 @@ def _plan_rank(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, A
     )
     memory["total"] = sum(memory[k] for k in ("params", "grads", "optimizer")) + transient
     comm = {
-        "all_to_all": h.n_moe * m * _all_to_all_bytes(model, tokens, b, par),
+        "all_to_all": m * ((h.n_moe - n_moe_full) * _all_to_all_bytes(model, tokens, b, par, full=False)
+                           + n_moe_full * _all_to_all_bytes(model, tokens, b, par, full=True)),
         "grad_reduce": _grad_reduce_bytes(h, b, par),
         "pipeline": _pipeline_sends(h.rank, pp, v) * m * tokens * model.d_model * b.activation,
     }
@@ -430,6 +574,7 @@ def _plan_rank(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, A
         "layers": h.layers,
         "n_dense_layers": h.n_dense,
         "n_moe_layers": h.n_moe,
+        "recomputed_layers": [i for i in h.layers if i in recomputed],
         "embedding": h.embedding,
         "lm_head": h.head,
         "dense_params": h.dense.count,
@@ -462,27 +607,55 @@ def _layout(scenario, layers_per_rank: int, tokens: int) -> dict[str, Any]:
         "optimizer_sharding": par["optimizer_sharding"],
         "dispatch": par["dispatch"],
         "capacity_factor": par["capacity_factor"],
+        "grad_dtype": par["grad_dtype"],
         "layers_per_rank": layers_per_rank,
         "local_experts": scenario.model.moe.num_experts // par["ep"],
         "tokens_per_microbatch_per_rank": tokens,
     }
 
 
+def _gradients(scenario) -> str:
+    par = scenario.parallel
+    if par["dp_mode"] == "fsdp":
+        return ("fsdp keeps its own gradients whatever grad_dtype (sharded, reduce-scattered in fp32), priced "
+                "with the parameters' bytes as the same 16 bytes per parameter")
+    if par["grad_dtype"] == "fp32":
+        return ("gradient buffers in fp32 (grad_dtype fp32): each backward's gradient is added into them, and the "
+                "data-parallel reduction sends fp32")
+    return "gradient buffers in the parameters' dtype (grad_dtype param), reduced in it"
+
+
+def _recompute_assumption(scenario) -> str:
+    recompute = scenario.recompute
+    if not recompute.enabled:
+        return ("activations: tensors saved for backward with flash attention and no recomputation "
+                "(see bench/predict/plan.py); routing indices, norms' statistics and other small tensors are ignored")
+    subset = (f"the first {recompute.first_per_stage} blocks of each pipeline chunk" if recompute.first_per_stage
+              else "every block" if recompute.every == 1 else f"every block whose index is a multiple of {recompute.every}")
+    what = ("each block keeps only its input; its forward (all-to-alls included) runs again in backward"
+            if recompute.mode is RecomputeMode.FULL else
+            "the named parts (" + ", ".join(p.value for p in recompute.parts) + ") keep only their inputs and run "
+            "again in backward")
+    return (f"activations: recompute {recompute.mode.value} on {subset}: {what}; one block's (or part's) "
+            "recomputed activations are counted in the backward workspace; recompute FLOPs are reported apart "
+            "(recompute_flops_per_token), model FLOPs leave them out; routing indices, norms' statistics and "
+            "other small tensors are ignored")
+
+
 def _assumptions(scenario) -> list[str]:
     precision, par = scenario.precision, scenario.parallel
-    b = BYTES[precision]
+    b = precision_bytes(precision, par["grad_dtype"], par["dp_mode"])
     out = [
         f"precision {precision}: {b.param} bytes per parameter, {b.grad} per gradient, {b.optimizer} of optimizer "
-        + ("state (Adam m, v)" if precision == "fp32" else "state (fp32 master, Adam m, v); gradients kept in bf16, "
-           "not accumulated in fp32"),
+        + ("state (Adam m, v)" if precision == "fp32" else "state (fp32 master, Adam m, v)"),
+        _gradients(scenario),
         "the router is fp32 in every precision: 4 bytes per parameter, 4 per gradient, 8 of optimizer state "
         "(it is its own master)",
         "pipeline chunks split the blocks contiguously, earlier chunks taking the remainder; the embedding sits on "
         "the first stage, the final norm and LM head on the last; the most loaded stage is reported",
         "routing is balanced: every rank receives tokens * top_k expert assignments per microbatch",
         "dense parameters are replicated over dp, expert parameters sharded over ep and replicated over edp = dp/ep",
-        "activations: tensors saved for backward with flash attention and no recomputation "
-        "(see bench/predict/plan.py); routing indices, norms' statistics and other small tensors are ignored",
+        _recompute_assumption(scenario),
         "the LM head keeps fp32 logits (4 bytes x tokens x vocab) for the cross-entropy backward",
         "in-flight microbatches: 1 without pipelining, all of them for GPipe, pp - rank for 1F1B, Megatron's "
         "warm-up count + 1 for interleaved 1F1B",
@@ -528,13 +701,17 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     ``memory_fraction_of_gpu`` and a boolean ``fits`` need the scenario's ``cluster`` section; without
     one the plan has neither (``details["fits"]`` is None).
     """
-    model, par, cluster = scenario.model, scenario.parallel, scenario.cluster
-    b = BYTES[scenario.precision]
+    model, par, cluster, recompute = scenario.model, scenario.parallel, scenario.cluster, scenario.recompute
+    b = precision_bytes(scenario.precision, par["grad_dtype"], par["dp_mode"])
     tokens = scenario.run["tokens_per_step"] // par["dp"] // par["microbatches"]
     pieces = _pieces(model)
     split = stage_layers(model.n_layers, par["pp"], par["virtual_stages"])
+    # The engine picks the recomputed blocks over the pp * v chunks (``prepare_blocks``).
+    chunks = stage_blocks(model.n_layers, par["pp"] * par["virtual_stages"])
+    recomputed = set(recompute.blocks(chunks))
     ranks = [
-        _plan_rank(model, _rank_holdings(model, pieces, layers, r, par["pp"], par["ep"]), b, par, tokens)
+        _plan_rank(model, _rank_holdings(model, pieces, layers, r, par["pp"], par["ep"]), b, par, tokens,
+                   recompute, recomputed)
         for r, layers in enumerate(split)
     ]
     by_memory = max(ranks, key=lambda r: r["memory_bytes"]["total"])
@@ -543,10 +720,15 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     gpu_bytes = cluster["gpu_memory_gib"] * 2**30 if cluster else None
     total = by_memory["memory_bytes"]["total"]
 
+    model_flops = training_flops_per_token(model)
+    recompute_flops = recompute_flops_per_token(model, recompute, chunks)
     metrics = {
         "total_params": metric([counts.total], "params", None),
         "active_params": metric([counts.active], "params", None),
-        "flops_per_token": metric([training_flops_per_token(model)], "FLOP", None),
+        # Model FLOPs (what MFU counts), the recompute's apart, and their sum (what the GPUs run).
+        "flops_per_token": metric([model_flops], "FLOP", None),
+        "recompute_flops_per_token": metric([recompute_flops], "FLOP", None),
+        "hardware_flops_per_token": metric([model_flops + recompute_flops], "FLOP", None),
     }
     for key in _MEMORY:
         metrics[f"memory_{key}_bytes"] = metric([by_memory["memory_bytes"][key]], "bytes", "lower")
@@ -557,6 +739,8 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
 
     details = {
         "layout": _layout(scenario, len(by_memory["layers"]), tokens),
+        "recompute": {**recompute.to_dict(), "blocks": len(recomputed),
+                      "flops_fraction_of_model": recompute_flops / model_flops},
         "per_rank": by_memory,
         "most_loaded": {"memory": by_memory["pipeline_rank"], "comm": by_comm["pipeline_rank"]},
         "stages": [
@@ -609,6 +793,11 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
                    + ("fits" if details["fits"] else "DOES NOT FIT"))
     line = (f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
             f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step")
+    recompute = details["recompute"]
+    if recompute["mode"] != "none":
+        mode = recompute["mode"] + (f" ({', '.join(recompute['parts'])})" if recompute["parts"] else "")
+        line += (f"; recompute {mode} of {recompute['blocks']} blocks: "
+                 f"+{recompute['flops_fraction_of_model']:.1%} FLOPs over the model's")
     runs = details["engine_runs_layout"]
     if not runs["ok"]:
         line += f"; the engine does not execute this layout ({runs['reason']})"

@@ -30,7 +30,8 @@ PUBLISHED = {
 }
 
 METRICS = {
-    "total_params", "active_params", "flops_per_token", "memory_params_bytes", "memory_grads_bytes",
+    "total_params", "active_params", "flops_per_token", "recompute_flops_per_token", "hardware_flops_per_token",
+    "memory_params_bytes", "memory_grads_bytes",
     "memory_optimizer_bytes", "memory_activations_bytes", "memory_comm_buffers_bytes", "memory_total_bytes",
     "memory_backward_workspace_bytes", "memory_optimizer_step_bytes",
     "comm_all_to_all_bytes", "comm_grad_reduce_bytes", "comm_pipeline_bytes", "comm_total_bytes",
@@ -61,16 +62,29 @@ VARIANTS = {
 }
 
 
+# Recompute variants of a layout: same model, cluster, layout and batch; activation recompute on.
+RECOMPUTE_VARIANTS = {
+    "moe-1.2t-512gpu-recompute-full": "moe-1.2t-512gpu",
+    "moe-1.2t-512gpu-recompute-selective": "moe-1.2t-512gpu",
+    "moe-128e-47b-zero1-recompute-full": "moe-128e-47b-zero1",
+    "moe-128e-47b-zero1-recompute-selective": "moe-128e-47b-zero1",
+}
+
+
 # Proxy variants: one rank of the layout run for real (``bench.run.proxy``), same model and cluster.
 PROXIES = {
     "moe-128e-47b-proxy": "moe-128e-47b-zero1",
     "moe-1.2t-512gpu-proxy": "moe-1.2t-512gpu",
     "moe-2.38t-proxy": "moe-2.38t",
+    "moe-128e-47b-recompute-full-proxy": "moe-128e-47b-zero1-recompute-full",
+    "moe-1.2t-512gpu-recompute-full-proxy": "moe-1.2t-512gpu-recompute-full",
 }
 
 
 def test_every_published_configuration_has_a_scenario():
-    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == set(PUBLISHED) | set(VARIANTS) | set(PROXIES)
+    assert {p.stem for p in OLMO_DIR.glob("*.yaml")} == (
+        set(PUBLISHED) | set(VARIANTS) | set(RECOMPUTE_VARIANTS) | set(PROXIES)
+    )
 
 
 @pytest.mark.parametrize("proxy,base", sorted(PROXIES.items()))
@@ -78,8 +92,29 @@ def test_proxy_variants_replay_their_plan_scenario(proxy, base):
     a, b = olmo_dict(proxy), olmo_dict(base)
     assert a["mode"] == "proxy" and b["mode"] == "plan"
     assert a["model"] == b["model"] and a["cluster"] == b["cluster"] and a["parallel"] == b["parallel"]
+    assert a.get("recompute") == b.get("recompute")
     assert a["run"]["tokens_per_step"] == b["run"]["tokens_per_step"]
     assert olmo(proxy).proxy["rank"] == 0
+
+
+@pytest.mark.parametrize("variant,base", sorted(RECOMPUTE_VARIANTS.items()))
+def test_recompute_variants_trade_flops_for_activations(variant, base):
+    a, b = olmo_dict(variant), olmo_dict(base)
+    assert a["mode"] == b["mode"] == "plan" and "recompute" not in b
+    for section in ("model", "cluster", "parallel", "run", "precision", "routing"):
+        assert a[section] == b[section], section
+    recomputed, details = plan_scenario(olmo(variant))
+    plain, _ = plan_scenario(olmo(base))
+    assert details["recompute"]["blocks"] == olmo(variant).model.n_layers  # every block
+    assert median(recomputed, "memory_activations_bytes") < median(plain, "memory_activations_bytes")
+    assert median(recomputed, "memory_total_bytes") < median(plain, "memory_total_bytes")
+    assert median(recomputed, "flops_per_token") == median(plain, "flops_per_token")
+    assert median(recomputed, "hardware_flops_per_token") > median(plain, "hardware_flops_per_token")
+    for key in ("params", "grads", "optimizer"):
+        assert median(recomputed, f"memory_{key}_bytes") == median(plain, f"memory_{key}_bytes")
+    # Only full recompute runs the dispatch's all-to-alls again: half as many bytes again.
+    more = median(recomputed, "comm_all_to_all_bytes") / median(plain, "comm_all_to_all_bytes")
+    assert more == pytest.approx(1.5 if a["recompute"]["mode"] == "full" else 1.0)
 
 
 @pytest.mark.parametrize("variant,base", sorted(VARIANTS.items()))
@@ -173,6 +208,7 @@ def test_stages_partition_the_model(name):
 # dp 4, ep 2 (edp 2, 4 local experts), pp 1; 8 sequences of 16 tokens, 2 microbatches -> T = 16.
 #   dense bf16 params = 64000 + 64064 + 2*16512 = 161088, router 2*512 = 1024
 #   local experts = 2 layers * 4 * 6144 = 49152
+# Gradient buffers are fp32 by default (grad_dtype fp32): 4 bytes per gradient element.
 
 
 def small_spec(**parallel) -> dict:
@@ -212,8 +248,14 @@ def test_small_counts():
 def test_small_ddp_state_bytes():
     metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
     assert median(metrics, "memory_params_bytes") == 2 * 161088 + 4 * 1024 + 2 * 49152  # 424576
-    assert median(metrics, "memory_grads_bytes") == 2 * 161088 + 4 * 1024 + 2 * 49152
+    # fp32 gradient buffers for the bf16 parameters too: 2 / 4 / 12
+    assert median(metrics, "memory_grads_bytes") == 4 * 161088 + 4 * 1024 + 4 * 49152  # 845056
     assert median(metrics, "memory_optimizer_bytes") == 12 * 161088 + 8 * 1024 + 12 * 49152  # 2531072
+    # grad_dtype param: bf16 buffers, 2 / 2 / 12 (the router stays 4 / 4 / 8)
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none", grad_dtype="param")
+    assert median(metrics, "memory_grads_bytes") == 2 * 161088 + 4 * 1024 + 2 * 49152  # 424576
+    assert median(metrics, "memory_params_bytes") == 424576
+    assert median(metrics, "memory_optimizer_bytes") == 2531072
 
 
 def test_small_zero1_state_bytes():
@@ -226,6 +268,8 @@ def test_small_zero1_state_bytes():
 
 
 def test_small_fsdp_state_bytes():
+    # FSDP keeps its own fp32 gradient shards whatever grad_dtype: the same 16 bytes per parameter,
+    # priced at 2 / 2 / 12.
     metrics, details = small_plan(dp_mode="fsdp")
     # Largest unit: the head 64064 * 2 = 128128 bytes (embedding 128000; a block with its 4 local experts
     # 16512*2 + 512*4 + 4*6144*2 = 84224).
@@ -238,39 +282,57 @@ def test_small_fsdp_state_bytes():
 
 def test_small_activation_bytes():
     # No-sync dispatch at cf 1.25 (the defaults): R = 1.25 * T 16 * k 2 = 40 expert rows; a = 2.
-    # RMSNorm over D: T * D * (4 + 2a) = 16*64*8 = 8192 (fp32 input, normalised values, output)
-    # attention per block: 8192 + 2*16*(3*64 + 2*64) + 4*16*4 = 8192 + 10240 + 256 = 18688
-    # MoE per block: 8192 + router (4*16*64 + 8*16*8 = 5120) + experts 40*2*(64 + 2*32) = 10240
-    #                + combine 2*16*2*64 = 4096  -> 27648
-    # head: 8192 + 4*16*1000 = 72192; pp 1 -> one microbatch in flight
-    metrics, _ = small_plan("bf16")
-    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 27648) + 72192  # 164864
+    # RMSNorm over D: T * D * (4 + a) = 16*64*6 = 6144 (fp32 input copy, normalised values)
+    # attention per block: 6144 + the norm's output 2*16*64 = 2048 + q, k, v, o 2*16*(2*64 + 2*64) = 8192
+    #                      + fp32 log-sum-exp 4*16*4 = 256  -> 16640
+    # MoE per block: 6144 + router (fp32 input 4*16*64 + logits, scores 8*16*8 = 5120)
+    #                + experts 40*2*(64 + 2*32) = 10240 + combine 2*16*2*64 = 4096  -> 25600
+    #                (no shared expert: the norm's bf16 output is saved by nothing)
+    # head: 6144 + its input 2048 + 4*16*1000 = 72192; pp 1 -> one microbatch in flight
+    metrics, details = small_plan("bf16")
+    assert median(metrics, "memory_activations_bytes") == 2 * (16640 + 25600) + 72192  # 156672
+    assert details["per_rank"]["memory_bytes"]["recompute_peak"] == 0
     # mxfp8: the expert-GEMM inputs at 1 + 1/32 bytes: 40 * 33/32 * 128 = 5280
     metrics, _ = small_plan("mxfp8")
-    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 8192 + 5120 + 5280 + 4096) + 72192  # 154944
+    assert median(metrics, "memory_activations_bytes") == 2 * (16640 + 6144 + 5120 + 5280 + 4096) + 72192  # 146752
     # sync dispatch sends exact counts: R = 32 rows, experts 32*2*128 = 8192
     metrics, _ = small_plan("bf16", dispatch="sync")
-    assert median(metrics, "memory_activations_bytes") == 2 * (18688 + 27648 - 10240 + 8192) + 72192
+    assert median(metrics, "memory_activations_bytes") == 2 * (16640 + 25600 - 10240 + 8192) + 72192
+    # A shared expert of hidden 16 saves the MoE norm's output (2048) and its SwiGLU 4*2*16*16 = 2048.
+    spec = small_spec()
+    spec["model"]["moe"]["shared_expert_hidden"] = 16
+    metrics, _ = plan_scenario(scenario_from_dict(spec))
+    assert median(metrics, "memory_activations_bytes") == 2 * (16640 + 25600 + 2048 + 2048) + 72192
 
 
 def test_small_backward_workspace_and_optimizer_step():
-    # workspace: the larger of one MoE block's expert backward, R 40 * 2 * 4F (128) + 2 * 4 local experts
-    # * 3 * 64 * 32 = 10240 + 49152 = 59392, and the embedding's (or head's) gradient 2 * 1000 * 64
+    # workspace: the largest of one MoE block's expert backward, R 40 * 2 * 4F (128) + 2 * 4 local experts
+    # * 3 * 64 * 32 = 10240 + 49152 = 59392, less the LM head's activations 72192 its backward freed
+    # first; the cross-entropy's backward 8 * 16 * 1000 = 128000; the LM head's, its logits' gradient
+    # 2 * 16 * 1000 and its weight gradient 2 * 1000 * 64 = 160000; the embedding's gradient 128000
     metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
-    assert median(metrics, "memory_backward_workspace_bytes") == 128000
-    # With F = 512 the experts' workspace is the larger: R 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512
+    assert median(metrics, "memory_backward_workspace_bytes") == 160000
+    # With F = 512 the experts' workspace is the larger: R 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512 - 72192
     spec = small_spec()
     spec["model"]["moe"]["expert_hidden"] = 512
     _, details = plan_scenario(scenario_from_dict(spec))
-    assert details["per_rank"]["memory_bytes"]["backward_workspace"] == 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512
+    assert details["per_rank"]["memory_bytes"]["backward_workspace"] == 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512 - 72192
     # optimizer step: every family fits in one bucket (2^22 elements): dense 161088 + 1024 router elements,
-    # experts 49152; (4 fp32 gradient copy + 8 AdamW temporaries) bytes per element of the larger
+    # experts 49152; 8 bytes of AdamW temporaries per element of the larger, and no fp32 gradient copy:
+    # the buffers are fp32 already
+    assert median(metrics, "memory_optimizer_step_bytes") == 8 * 162112  # 1296896
+    state = 424576 + 845056 + 2531072
+    assert median(metrics, "memory_total_bytes") == state + 1296896  # the step outweighs the backward
+    # grad_dtype param: bf16 buffers, so the step makes the fp32 copy: 4 + 8 bytes per element
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none", grad_dtype="param")
     assert median(metrics, "memory_optimizer_step_bytes") == 12 * 162112  # 1945344
-    state = 424576 + 424576 + 2531072
-    assert median(metrics, "memory_total_bytes") == state + 1945344  # the step outweighs the backward
+    assert median(metrics, "memory_total_bytes") == 424576 + 424576 + 2531072 + 1945344
     # zero1: a quarter of the dense family, half of the experts (edp 2); gradients gain the
-    # reduce-scatter outputs (dense grads / 4 + expert grads / 2)
+    # reduce-scatter outputs in the buffer's dtype (dense grads / 4 + expert grads / 2)
     metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="zero1")
+    assert median(metrics, "memory_optimizer_step_bytes") == 8 * 162112 / 4
+    assert median(metrics, "memory_grads_bytes") == 845056 + 648448 / 4 + 196608 / 2  # 1105472
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="zero1", grad_dtype="param")
     assert median(metrics, "memory_optimizer_step_bytes") == 12 * 162112 / 4
     assert median(metrics, "memory_grads_bytes") == 424576 + 326272 / 4 + 98304 / 2  # 555296
 
@@ -287,17 +349,24 @@ def test_small_all_to_all_and_buffers():
 
 
 def test_small_grad_reduce_bytes():
-    dense_grads = 2 * 161088 + 4 * 1024  # 326272, also the dense param bytes
-    expert_grads = 2 * 49152  # 98304
-    ddp = 2 * 3 / 4 * dense_grads + 2 * 1 / 2 * expert_grads  # ring all-reduce over dp 4 and edp 2: 587712
+    dense_params = 2 * 161088 + 4 * 1024  # 326272 bytes (the router fp32)
+    expert_params = 2 * 49152  # 98304
+    dense_grads, expert_grads = 4 * 162112, 4 * 49152  # fp32 buffers: 648448, 196608
+    ddp = 2 * 3 / 4 * dense_grads + 2 * 1 / 2 * expert_grads  # ring all-reduce over dp 4 and edp 2: 1169280
     metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
-    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(587712) == ddp
-    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="zero1")  # reduce-scatter + all-gather
-    zero1 = 3 / 4 * (326272 + 326272) + 1 / 2 * (98304 + 98304)
-    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(zero1)
-    metrics, _ = small_plan(dp_mode="fsdp")  # reduce-scatter once, all-gather fwd + bwd of 2 microbatches
-    fsdp = 3 / 4 * (326272 + 2 * 2 * 326272) + 1 / 2 * (98304 + 2 * 2 * 98304)  # 1469280
-    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(1469280) == pytest.approx(fsdp)
+    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(1169280) == ddp
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none", grad_dtype="param")  # bf16 buffers
+    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(2 * 3 / 4 * 326272 + 2 * 1 / 2 * 98304)
+    # reduce-scatter of the fp32 gradients + all-gather of the bf16 parameters
+    metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="zero1")
+    zero1 = 3 / 4 * (dense_grads + dense_params) + 1 / 2 * (expert_grads + expert_params)  # 878496
+    assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(878496) == pytest.approx(zero1)
+    # fsdp: fp32 gradients reduce-scattered once (its reduce dtype, whatever grad_dtype), bf16
+    # parameters all-gathered in forward and backward of 2 microbatches
+    fsdp = 3 / 4 * (dense_grads + 2 * 2 * dense_params) + 1 / 2 * (expert_grads + 2 * 2 * expert_params)
+    for grad_dtype in ("fp32", "param"):
+        metrics, _ = small_plan(dp_mode="fsdp", grad_dtype=grad_dtype)
+        assert median(metrics, "comm_grad_reduce_bytes") == pytest.approx(1760064) == pytest.approx(fsdp)
 
 
 def test_small_pipeline():
@@ -310,6 +379,119 @@ def test_small_pipeline():
     assert median(metrics, "comm_pipeline_bytes") == 2 * 32 * 64 * 2  # 8192
     assert details["most_loaded"]["memory"] == 1  # the head's fp32 logits outweigh stage 0's second microbatch
     assert details["per_rank"]["in_flight_microbatches"] == 1
+
+
+# ---- recompute on the small scenario, vocabulary 100 ---------------------------------------------
+#
+# With V 100 neither the LM head's backward (cross-entropy 8*16*100 = 12800; logits' and weight
+# gradients 2*16*100 + 2*100*64 = 16000) nor the embedding's gradient (12800) outweighs an MoE block's
+# expert backward, 59392 (above) less the head's activations 14592 (freed by then): 44800, so the
+# recompute shows in the backward workspace. bf16, T 16, R 40 rows:
+#   block, none: attention part 16640 (norm 6144 + its output 2048 + attention 8448)
+#                + MoE part 25600 (norm 6144 + router 5120 + experts 10240 + combine 4096) = 42240
+#   head: 6144 + 2048 + 4*16*100 = 14592
+# FLOPs per token (S 16, q 64): attention forward 2*4*64*64 + 2*16*64 = 34816 per block, of which a
+# selective recompute runs all but the output projection, 34816 - 2*64*64 = 26624; routed experts
+# forward 2*2*3*64*32 = 24576 per block (a full recompute of a block without a shared expert runs
+# its whole forward); model FLOPs 6*(2*4*64*64 + 2*2*3*64*32 + 64*100) + 2*6*16*64 = 394752.
+
+
+def recompute_plan(recompute: dict | None = None, **parallel):
+    spec = small_spec(**parallel)
+    spec["model"]["vocab_size"] = 100
+    spec["recompute"] = recompute or {}
+    return plan_scenario(scenario_from_dict(spec))
+
+
+RECOMPUTE_BY_HAND = {
+    # mode: (per-microbatch activations, the most one recompute brings back, backward workspace, FLOPs)
+    "none": ({}, 2 * 42240 + 14592, 0, 59392 - 14592, 0),
+    # Each block keeps its bf16 input 2*16*64; its recompute brings the whole block back, alive while
+    # its experts' backward runs.
+    "full": ({"mode": "full"}, 2 * 2048 + 14592, 42240, 59392 + 42240 - 14592, 2 * (34816 + 24576)),
+    # Only block 0 (index a multiple of 2).
+    "full-every-2": ({"mode": "full", "every": 2}, 2048 + 42240 + 14592, 42240, 59392 + 42240 - 14592,
+                     34816 + 24576),
+    # The attention's 8448 go; they come back on their own, after the experts' backward.
+    "attention": ({"mode": "selective", "parts": ["attention"]}, 2 * (42240 - 8448) + 14592, 8448, 59392 - 14592,
+                  2 * 26624),
+    # The experts keep their input rows 40*2*64 = 5120 instead of 10240; the pre-activations
+    # 40*2*2*32 = 5120 come back during the experts' backward.
+    "experts": ({"mode": "selective", "parts": ["experts"]}, 2 * (42240 - 5120) + 14592, 5120,
+                59392 + 5120 - 14592, 2 * 24576),
+    # Each norm keeps its bf16 input 2048 instead of 6144; one norm's 6144 comes back at a time.
+    "norms": ({"mode": "selective", "parts": ["norms"]}, 2 * (42240 - 2 * 4096) + 14592, 6144, 59392 - 14592, 0),
+    "all-parts": ({"mode": "selective", "parts": ["attention", "experts", "norms"]},
+                  2 * (42240 - 8448 - 5120 - 2 * 4096) + 14592, 8448, 59392 + 5120 - 14592, 2 * (26624 + 24576)),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(RECOMPUTE_BY_HAND))
+def test_small_recompute_by_hand(mode):
+    recompute, activations, peak, workspace, extra_flops = RECOMPUTE_BY_HAND[mode]
+    metrics, details = recompute_plan(recompute)
+    memory = details["per_rank"]["memory_bytes"]
+    assert median(metrics, "memory_activations_bytes") == activations  # pp 1: one microbatch in flight
+    assert memory["recompute_peak"] == peak
+    assert median(metrics, "memory_backward_workspace_bytes") == workspace
+    assert median(metrics, "flops_per_token") == 394752  # model FLOPs never count the recompute
+    assert median(metrics, "recompute_flops_per_token") == extra_flops
+    assert median(metrics, "hardware_flops_per_token") == 394752 + extra_flops
+    assert details["recompute"]["flops_fraction_of_model"] == pytest.approx(extra_flops / 394752)
+    # Recompute moves nothing but activations, the backward workspace and (full) the all-to-all.
+    none, _ = recompute_plan()
+    for key in ("params", "grads", "optimizer", "comm_buffers", "optimizer_step"):
+        assert median(metrics, f"memory_{key}_bytes") == median(none, f"memory_{key}_bytes"), key
+
+
+def test_full_recompute_runs_the_all_to_alls_again():
+    # Per MoE block and microbatch 4 messages of T 16 * k 2 * D 64 * 2 bytes * 1/2 (ep 2) * cf 1.25 = 10240;
+    # a fully recomputed block sends its forward dispatch and combine again: 6 messages.
+    for recompute, messages in (({}, 4), ({"mode": "selective", "parts": ["attention", "experts", "norms"]}, 4),
+                                ({"mode": "full"}, 6)):
+        metrics, _ = recompute_plan(recompute)
+        assert median(metrics, "comm_all_to_all_bytes") == messages * 2560 * 2 * 2  # 2 blocks x 2 microbatches
+    metrics, _ = recompute_plan({"mode": "full", "every": 2})  # block 0 only
+    assert median(metrics, "comm_all_to_all_bytes") == (6 + 4) * 2560 * 2
+
+
+def test_recomputed_blocks_are_chosen_over_the_chunks():
+    # 4 blocks, pp 2 x 2 virtual stages: chunks [0], [1], [2], [3]; rank 0 runs chunks 0 and 2.
+    spec = small_spec(dp=2, ep=2, pp=2, virtual_stages=2, schedule="interleaved1f1b")
+    spec["model"]["n_layers"] = 4
+    spec["recompute"] = {"mode": "full", "first_per_stage": 1}
+    _, details = plan_scenario(scenario_from_dict(spec))
+    assert details["recompute"]["blocks"] == 4  # the first block of each of the 4 chunks
+    assert [s["layers"] for s in details["stages"]] == [2, 2]
+    assert details["per_rank"]["recomputed_layers"] == details["per_rank"]["layers"]
+    spec["recompute"] = {"mode": "full", "every": 2}
+    _, details = plan_scenario(scenario_from_dict(spec))
+    assert details["recompute"]["blocks"] == 2  # blocks 0 and 2, whatever their chunk
+    assert details["per_rank"]["recomputed_layers"] == [i for i in details["per_rank"]["layers"] if i % 2 == 0]
+
+
+def test_fp32_recompute_by_hand():
+    # fp32 (a = 4), T 16, R 40: norm 16*64*8 = 8192 (its input itself, the normalised values);
+    # attention part 8192 + its output 4096 + 4*16*256 + 256 = 28928; MoE part 8192 + router (its
+    # input is the norm's output) 4096 + 1024 + experts 40*4*128 = 20480 + combine 8192 = 41984.
+    spec = small_spec()
+    spec["model"]["vocab_size"] = 100
+    spec["precision"] = "fp32"
+    none, _ = plan_scenario(scenario_from_dict(spec))
+    head = 8192 + 4096 + 4 * 16 * 100  # 18688
+    assert median(none, "memory_activations_bytes") == 2 * (28928 + 41984) + head
+    # Full: the block's input is kept (4096); in fp32 it is what the first norm saved, so the
+    # recompute brings back the rest, 70912 - 4096.
+    spec["recompute"] = {"mode": "full"}
+    metrics, details = plan_scenario(scenario_from_dict(spec))
+    assert median(metrics, "memory_activations_bytes") == 2 * 4096 + head
+    assert details["per_rank"]["memory_bytes"]["recompute_peak"] == 70912 - 4096
+    # Norms: each keeps its input 4096 (what it saved already) and drops the normalised values 4096,
+    # which come back alone.
+    spec["recompute"] = {"mode": "selective", "parts": ["norms"]}
+    metrics, details = plan_scenario(scenario_from_dict(spec))
+    assert median(metrics, "memory_activations_bytes") == 2 * (70912 - 2 * 4096) + head
+    assert details["per_rank"]["memory_bytes"]["recompute_peak"] == 4096
 
 
 def test_stage_split_and_schedules():

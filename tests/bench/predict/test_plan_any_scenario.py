@@ -20,12 +20,13 @@ from bench.scenario import SCENARIOS_DIR, load_scenario, scenario_from_dict
 ALL_SCENARIOS = sorted(p for p in SCENARIOS_DIR.rglob("*.yaml") if p.name != "suites.yaml")
 
 PLAN_METRICS = {
-    "total_params", "active_params", "flops_per_token", "memory_params_bytes", "memory_grads_bytes",
+    "total_params", "active_params", "flops_per_token", "recompute_flops_per_token", "hardware_flops_per_token",
+    "memory_params_bytes", "memory_grads_bytes",
     "memory_optimizer_bytes", "memory_activations_bytes", "memory_comm_buffers_bytes", "memory_total_bytes",
     "memory_backward_workspace_bytes", "memory_optimizer_step_bytes",
     "comm_all_to_all_bytes", "comm_grad_reduce_bytes", "comm_pipeline_bytes", "comm_total_bytes",
 }
-PLAN_DETAILS = {"layout", "per_rank", "most_loaded", "stages", "assumptions", "fits", "memory_total_gib", "cluster"}
+PLAN_DETAILS = {"layout", "recompute", "per_rank", "most_loaded", "stages", "assumptions", "fits", "memory_total_gib", "cluster"}
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +81,15 @@ def test_plan_of_an_execute_scenario_by_hand(planned):
     assert per_rank["local_expert_params"] == experts
     m = {k: v["median"] for k, v in doc["metrics"].items()}
     assert m["total_params"] == dense_lowp + 4 * router + experts
-    # bf16: 2 bytes per parameter and gradient, 12 of optimizer state; the router 4 / 4 / 8.
+    # bf16: 2 bytes per parameter, 4 per gradient (fp32 buffers, grad_dtype's default), 12 of optimizer
+    # state; the router 4 / 4 / 8.
     assert m["memory_params_bytes"] == 2 * (dense_lowp + experts) + 4 * 4 * router
-    assert m["memory_grads_bytes"] == 2 * (dense_lowp + experts) + 4 * 4 * router
+    assert m["memory_grads_bytes"] == 4 * (dense_lowp + experts) + 4 * 4 * router
     assert m["memory_optimizer_bytes"] == 12 * (dense_lowp + experts) + 8 * 4 * router
     # One H200 (the scenario's cluster section): the fraction of its 139 GiB.
     assert m["memory_fraction_of_gpu"] == pytest.approx(m["memory_total_bytes"] / (139 * 2**30))
-    # 65536 tokens per step, dp 1, microbatches defaulted to pp = 1: one microbatch of 16 sequences.
-    assert doc["details"]["layout"]["tokens_per_microbatch_per_rank"] == 65536
+    # 65536 tokens per step, dp 1, two microbatches (the scenario sets them): 8 sequences each.
+    assert doc["details"]["layout"]["tokens_per_microbatch_per_rank"] == 32768
     assert doc["details"]["layout"]["microbatches"] == 1
 
 
