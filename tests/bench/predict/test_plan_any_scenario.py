@@ -90,7 +90,7 @@ def test_plan_of_an_execute_scenario_by_hand(planned):
     assert m["memory_fraction_of_gpu"] == pytest.approx(m["memory_total_bytes"] / (139 * 2**30))
     # 65536 tokens per step, dp 1, two microbatches (the scenario sets them): 8 sequences each.
     assert doc["details"]["layout"]["tokens_per_microbatch_per_rank"] == 32768
-    assert doc["details"]["layout"]["microbatches"] == 1
+    assert doc["details"]["layout"]["microbatches"] == 2
 
 
 def test_plan_of_a_proxy_scenario_by_hand(planned):
