@@ -157,6 +157,26 @@ def run_cli(tmp_path, *scenarios) -> tuple[int, list]:
 
 
 @pytest.mark.slow
+def test_recompute_flops_are_the_extra_matmuls_the_step_runs(tmp_path):
+    """hardware_tflops_per_gpu counts the model's FLOPs plus the recompute's: the formula's recompute
+    FLOPs must be what a recomputing step's counted matmuls (work_matmul_flops) add to the same step
+    without recompute. The convention leaves out the attention scores and the router's GEMM, which
+    the counter sees; at these sizes they are a few percent of the recompute."""
+    code, docs = run_cli(tmp_path, ("none", TINY), ("full", variant(recompute={"mode": "full"})))
+    assert code == 0
+    by_name = {doc.data["scenario"]["name"]: doc for doc in docs}
+    none, full = by_name["none"], by_name["full"]
+    tokens = TINY["run"]["tokens_per_step"]
+    recompute = full.data["details"]["recompute_flops_per_token"]
+    assert none.data["details"]["recompute_flops_per_token"] == 0
+    counted = full.metrics["work_matmul_flops"]["median"] - none.metrics["work_matmul_flops"]["median"]
+    assert recompute * tokens == pytest.approx(counted, rel=0.1)
+    ratio = full.metrics["hardware_tflops_per_gpu"]["median"] / full.metrics["tflops_per_gpu"]["median"]
+    assert ratio == pytest.approx(1 + recompute / full.data["details"]["flops_per_token"], rel=1e-9)
+    assert none.metrics["hardware_tflops_per_gpu"]["median"] == none.metrics["tflops_per_gpu"]["median"]
+
+
+@pytest.mark.slow
 def test_smoke_run_end_to_end_is_consistent(tmp_path):
     code, docs = run_cli(tmp_path, ("tiny", TINY))
     assert code == 0
