@@ -309,6 +309,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if missing:
             return _fail(f"{missing[0]}: no such scenario file")
         accept = _accepted_work(args.accept_work)
+        accept_increase = _accepted_increases(args.accept_increase)
         scenarios = load_all(files)
         if args.calibrate:
             found = run_calibration(scenarios, args.budget, device=device.type, log=lambda line: print(line, flush=True))
@@ -317,7 +318,8 @@ def cmd_ab(args: argparse.Namespace) -> int:
         keep = Path(args.out) if args.out else None
         if keep is not None and keep.exists() and any(keep.iterdir()):
             return _fail(f"{keep}: --out must be a new or empty folder")
-        plan = plan_ab(args.baseline_ref, scenarios, tolerance, args.budget, accept_work=accept)
+        plan = plan_ab(args.baseline_ref, scenarios, tolerance, args.budget, accept_work=accept,
+                       accept_increase=accept_increase)
     except (ABError, ScenarioError, ValueError, WorkerDied) as err:
         return _fail(str(err))
     print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
@@ -342,6 +344,20 @@ def _accepted_work(value: str | None) -> frozenset[str] | None:
     unknown = sorted(names - set(WORK_METRICS))
     if unknown:
         raise ValueError(f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRICS))})")
+    return names
+
+
+def _accepted_increases(value: str | None) -> frozenset[str]:
+    """``--accept-increase a,b``: exact metrics (not work counters, not timings) whose regression passes."""
+    from bench.gate.ab import ACCEPTABLE_INCREASES
+
+    names = frozenset(n.strip() for n in (value or "").split(",") if n.strip())
+    unknown = sorted(names - set(ACCEPTABLE_INCREASES))
+    if unknown:
+        raise ValueError(
+            f"--accept-increase: {unknown[0]} is not an exact metric the gate can accept "
+            f"(known: {', '.join(ACCEPTABLE_INCREASES)}; work counters: --accept-work)"
+        )
     return names
 
 
@@ -416,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="A/A on this machine: the noise floor and the smallest tolerance for --budget")
     ab.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS",
                     help="accept an increase of these work metrics (comma-separated; none given: all)")
+    ab.add_argument("--accept-increase", metavar="METRICS",
+                    help="accept a regression of these exact metrics, e.g. peak_tensor_bytes (comma-separated): "
+                         "reported as accepted, not failed")
     ab.add_argument("--tolerance", default="5%")
     ab.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ab.add_argument("--out", help="keep every run's result document here (default: discarded)")

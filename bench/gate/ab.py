@@ -101,6 +101,13 @@ class SideRun:
     """The result document's details (the work census among them)."""
 
 
+ACCEPTABLE_INCREASES = (
+    "peak_tensor_bytes", "rss_peak_bytes", "cuda_peak_active_bytes", "cuda_peak_reserved_bytes", "optimizer_state_bytes",
+)
+"""Exact metrics whose regression ``--accept-increase`` may accept: memory a change costs on purpose.
+Timings never (the resident blocks gate them); work counters have ``--accept-work``."""
+
+
 @dataclass(frozen=True)
 class PairedMetric:
     scenario: str
@@ -117,7 +124,8 @@ class PairedMetric:
     noise: float
     """Interquartile range of ``ratios``; 0 when ``exact``."""
     verdict: str
-    """regressed, improved, unchanged or info (``bench.gate.compare.classify``)."""
+    """regressed, improved, unchanged or info (``bench.gate.compare.classify``), or accepted: an exact
+    metric's regression that the job accepts (``--accept-increase``)."""
     exact: bool = False
     """No run has a spread for this metric (one sample each): compared as an exact value."""
 
@@ -148,12 +156,14 @@ class ABReport:
 
     def render(self) -> str:
         counts = {v: sum(m.verdict == v for m in self.metrics) + sum(r.verdict == v for r in self.resident)
-                  for v in ("regressed", "improved", "unchanged", "inconclusive")}
+                  for v in ("regressed", "improved", "unchanged", "inconclusive", "accepted")}
         scenarios = len({m.scenario for m in self.metrics} | {r.scenario for r in self.resident})
+        accepted = f", {counts['accepted']} accepted" if counts["accepted"] else ""
         header = (
             f"{'FAIL' if self.exit_code else 'PASS'}: A/B {self.baseline} -> {self.candidate}, "
             f"{scenarios} scenario(s) compared: {counts['regressed']} regressed, {counts['improved']} improved, "
-            f"{counts['unchanged']} unchanged, {counts['inconclusive']} inconclusive; {len(self.failures)} not ok "
+            f"{counts['unchanged']} unchanged, {counts['inconclusive']} inconclusive{accepted}; "
+            f"{len(self.failures)} not ok "
             f"(tolerance {format_percent(self.tolerance)})"
         )
         columns = ("scenario", "metric", "unit", "base", "cand", "ratio", "interval / noise", "blocks", "verdict")
@@ -185,6 +195,9 @@ class ABReport:
             f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
             f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
             for m in self.metrics if m.verdict == "regressed"
+        ] + [
+            f"NOTE {m.scenario} {m.metric}: x{format_ratio(m.ratio)}, beyond the tolerance (accepted)"
+            for m in self.metrics if m.verdict == "accepted"
         ]
         table = lines if rows else ["(no metrics compared)"]
         return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
@@ -211,11 +224,13 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
 
 
 def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float, baseline: str = "baseline",
-                candidate: str = "candidate", exact_only: bool = False) -> ABReport:
+                candidate: str = "candidate", exact_only: bool = False,
+                accept_increase: frozenset[str] = frozenset()) -> ABReport:
     """The report over every scenario's (baseline, candidate) runs, pair by pair.
 
     ``exact_only``: gate only the metrics without a spread; the timed ones are left to the resident
-    blocks (one full run per side says nothing about their noise).
+    blocks (one full run per side says nothing about their noise). ``accept_increase``: exact metrics
+    whose regression is reported as accepted instead of failing (a change that costs them on purpose).
     """
     pairs_count = max((len(p) for p in runs.values()), default=0)
     report = ABReport(baseline, candidate, tolerance, pairs_count)
@@ -248,6 +263,8 @@ def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float
                         f"NOTE {scenario} {name}: plan estimate changed x{format_ratio(paired.ratio)} (not gated)"
                     )
                 paired = dataclasses.replace(paired, verdict="info")
+            elif paired.verdict == "regressed" and paired.exact and name in accept_increase:
+                paired = dataclasses.replace(paired, verdict="accepted")
             report.metrics.append(paired)
         only = set().union(*(set(b.metrics) ^ set(c.metrics) for b, c in pairs))
         for name in sorted(only):
@@ -273,6 +290,8 @@ class ABPlan:
     """Seconds of resident blocks per execute scenario, at most."""
     accept_work: frozenset[str] | None = None
     """Work metrics whose increase is accepted (every one: the set of all); None accepts none."""
+    accept_increase: frozenset[str] = frozenset()
+    """Exact metrics (peak memory, optimizer bytes) whose regression is accepted."""
 
 
 def check_budget(budget_s: float) -> None:
@@ -285,7 +304,7 @@ def check_budget(budget_s: float) -> None:
 
 def plan_ab(ref: str | None, scenarios: list[Scenario], tolerance: float, budget_s: float = DEFAULT_BUDGET_S,
             root: Path = REPO_ROOT, releases_path: Path = RELEASES_PATH,
-            accept_work: frozenset[str] | None = None) -> ABPlan:
+            accept_work: frozenset[str] | None = None, accept_increase: frozenset[str] = frozenset()) -> ABPlan:
     """Check everything before any work; raises ABError with a one-line reason."""
     check_budget(budget_s)
     if not scenarios:
@@ -303,11 +322,11 @@ def plan_ab(ref: str | None, scenarios: list[Scenario], tolerance: float, budget
         if commit is None:
             raise ABError(f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
                           "(git fetch --unshallow)")
-        return ABPlan(f"release {release.version}", commit, scenarios, tolerance, budget_s, accept_work)
+        return ABPlan(f"release {release.version}", commit, scenarios, tolerance, budget_s, accept_work, accept_increase)
     commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
     if commit is None:
         raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
-    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work)
+    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase)
 
 
 def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: Path = REPO_ROOT,
@@ -365,7 +384,8 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
                 f"{len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps in "
                 f"{comparison.seconds:.0f} s: {comparison.verdict}")
     baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
-    report = paired_gate(runs, plan.tolerance, baseline, versions.get("candidate", "this checkout"), exact_only=True)
+    report = paired_gate(runs, plan.tolerance, baseline, versions.get("candidate", "this checkout"), exact_only=True,
+                         accept_increase=plan.accept_increase)
     report.resident = comparisons
     report.failures += resident_failures
     report.notes += report_notes

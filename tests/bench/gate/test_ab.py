@@ -121,6 +121,24 @@ def test_gate_report_and_exit_codes():
     assert skipped.exit_code == 0 and "skipped on both sides" in skipped.render()
 
 
+def test_an_accepted_increase_of_an_exact_metric_passes_and_is_reported():
+    def peak(value: float, step: float = 1.0) -> SideRun:
+        metrics = {"peak_tensor_bytes": metric([value], "bytes", "lower"), "step_time_s": entry(step)}
+        return SideRun("ok", None, metrics, "0.1.0")
+
+    grown = [(peak(100.0), peak(105.0))]
+    failed = paired_gate({"a": grown}, 0.03, exact_only=True)
+    assert failed.exit_code == 1 and "REGRESSION a peak_tensor_bytes: x1.050" in failed.render()
+    accepted = paired_gate({"a": grown}, 0.03, exact_only=True, accept_increase=frozenset({"peak_tensor_bytes"}))
+    assert accepted.exit_code == 0 and [m.verdict for m in accepted.metrics] == ["accepted"]
+    assert "NOTE a peak_tensor_bytes: x1.050, beyond the tolerance (accepted)" in accepted.render()
+    assert "1 accepted" in accepted.render().splitlines()[0]
+    # Only the named metric, and never a timed one (the timed metric is left to the resident blocks).
+    slow = paired_gate({"a": [(peak(100.0, 1.0), peak(100.0, 2.0)) for _ in range(3)]}, 0.03,
+                       accept_increase=frozenset({"peak_tensor_bytes"}))
+    assert slow.exit_code == 1
+
+
 def test_a_changed_plan_estimate_is_reported_not_gated():
     def plan(total: float) -> SideRun:
         metrics = {"memory_total_bytes": metric([total], "bytes", "lower")}
@@ -225,6 +243,7 @@ def test_latest_release_is_the_default_baseline(tmp_path, tiny):
     [
         (["--budget", "5"], "--budget 5 s is too small: it must hold 8 block pairs"),
         (["--accept-work", "work_nope"], "--accept-work: unknown work metric work_nope"),
+        (["--accept-increase", "step_time_s"], "--accept-increase: step_time_s is not an exact metric the gate can accept"),
         (["--tolerance", "lots"], "tolerance"),
         (["--suite", "nope"], "no such suite"),
     ],
