@@ -26,6 +26,50 @@ Collectives (seconds of one call, times ``count``; every op but send/recv costs 
     A send and its matching recv are recorded by the two ranks for different messages, so each entry is
     priced on its own.
 
+Overlapped syncs (the gradient reductions under the last microbatch's backward, the ZeRO-1 parameter
+gathers under the optimizer's updates)
+    The engine launches one collective per bucket as soon as the bucket is ready, in a fixed order,
+    while the rank still computes: a reduction once its parameters have their last gradient (during
+    the last microbatch's backward, whatever m and pp), a gather once its update is written (during
+    the next buckets' updates). Buckets i = 1..N in launch order; c_i = the price of bucket i's
+    collective (formulas above); w_i = its window, the rank's compute still to run when it launches,
+    the compute ending at time 0, so it launches at -w_i. The collectives queue on one link, in launch
+    order (dense and expert groups share the GPU's NIC):
+        s_i = max(-w_i, e_(i-1))   (e_0 = -inf)       start of bucket i's collective
+        e_i = s_i + c_i                               its end
+        exposed = max(0, e_N)                         what the step waits for after the compute
+        hidden  = sum_i c_i - exposed
+    Windows hold compute only: the expert all-to-alls and stage messages of the backward still to run
+    use the same link, so their time hides nothing. Per-step "grad" entries not given as buckets
+    (collectives with no known launch time) launch when the backward ends (w = 0), after the buckets.
+
+Overlap windows of a scaled-down run (``bench.run.proxy.scaled_sync_buckets``)
+    A proxy measures each bucket on a run of fewer blocks and tokens than the scenario's: R =
+    block_ratio, s = token_ratio (``bench.run.proxy.ProxyScale``), C = ceil(R) copies of the run's
+    blocks. The compute a window holds is split as measured into a (block phases), r (rest: what no
+    phase times), e (embedding) and g (later buckets' launches, scaling each by 1/dp), with the
+    proxy's fabrication of peers' data left out. a scales as the blocks' compute does, by s R; e
+    and g do not grow with the tokens (the embedding's backward makes a whole V x D gradient, a
+    launch scales a bucket); nor does r, which after the first launch is the trainer's own code
+    around the end of the backward (the final norm's backward on the last stage is the only token
+    work in it, and it is small). A = the blocks' backward of one microbatch in the run. A bucket of block parameters only that filled up (reached ``bucket_elements``)
+    stands for C buckets at full scale, one per copy of the blocks (copy k = 0 .. C-1 in backward
+    order), each with R / C of its bytes; any other bucket (embedding, LM head, final norm, one that
+    mixes them with block parameters, or one left open to the end of the walk, which at full scale
+    would collect the later copies' parameters as well and launch as late) stays one bucket, its
+    bytes (1 - f + f R) times the run's, f = the block share of its parameters.
+        reduction, block bucket, copy k:  w = (a + (C - 1 - k) A) s R / C + r + e + g
+        reduction, other bucket:          w = a s R + r + e + g
+    that is, after copy k the later copies' blocks still run; their launches and rest are not
+    counted (slightly pessimistic). A gather hides under the updates still to run after its own;
+    u_l = bucket l's measured update, which follows its share's bytes:
+        gather, block bucket j, copy k:   w = (U_j + (C - 1 - k) U_b) R / C + V_j
+        gather, other bucket j:           w = U_j R + V_j
+        U_j = sum of u_l over the block buckets after j, U_b = over all block buckets,
+        V_j = sum of u_l (1 - f_l + f_l R) over the other buckets after j
+    The buckets queue in the order of their windows, the longest first: the engine's fixed launch
+    order. At the run's own scale (R = s = C = 1) the windows are the measured ones.
+
 Step (times in seconds; c_exp, c_pipe = summed seconds of one microbatch's "expert" and "pipeline" entries)
     t_mb      = microbatch_s + c_exp + c_pipe   (dispatch all-to-alls and stage messages sit on the
                                                  critical path: no overlap with compute is assumed)
@@ -33,15 +77,17 @@ Step (times in seconds; c_exp, c_pipe = summed seconds of one microbatch's "expe
                 (pp - 1) t_mb              gpipe, 1f1b   (pipeline time (m + pp - 1) t_mb)
                 (pp - 1) t_mb / v          interleaved1f1b
     pipeline  = m t_mb + bubble            (every stage is assumed as slow as the measured rank)
-    G         = summed seconds of the per-step "grad" entries
-    exposed   = max(0, G - backward_fraction * microbatch_s) with grad_overlap (the sync hides under the
-                last microbatch's backward), else G
+    grad      = the overlapped-sync simulation of the reduction buckets, then the unbucketed per-step
+                "grad" entries at w = 0: grad_sync_exposed, grad_sync_hidden
+    gather    = the overlapped-sync simulation of the gather buckets: param_gather_exposed,
+                param_gather_hidden
     other     = summed seconds of the per-step "other" entries (never hidden)
-    step      = pipeline + exposed + optimizer_s + other
+    step      = pipeline + grad_sync_exposed + optimizer_s + param_gather_exposed + other
 
 Breakdown (sums to the step)
     compute = m microbatch_s, expert_comm = m c_exp, pipeline_comm = m c_pipe, bubble, grad_sync_exposed,
-    optimizer, other_comm; grad_sync_total = G is reported beside them and is not part of the sum.
+    optimizer, param_gather_exposed, other_comm; beside them, not part of the sum: grad_sync_hidden,
+    grad_sync_total (= hidden + exposed), param_gather_hidden, param_gather_total.
 
 Throughput
     tokens_per_s_per_gpu = tokens_per_step / step / world_size
@@ -61,8 +107,11 @@ __all__ = [
     "Projection",
     "RankTiming",
     "Schedule",
+    "SyncBucket",
+    "SyncTimes",
     "collective_seconds",
     "project_step",
+    "simulate_sync",
     "summarize_collectives",
 ]
 
@@ -71,11 +120,15 @@ PHASES = ("expert", "pipeline", "grad", "other")
 PER_MICROBATCH_PHASES = ("expert", "pipeline")
 PER_STEP_PHASES = ("grad", "other")
 KINDS = ("gpipe", "1f1b", "interleaved1f1b")
-BREAKDOWN_KEYS = (
-    "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "grad_sync_total", "optimizer",
+STEP_KEYS = (
+    "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer", "param_gather_exposed",
     "other_comm",
 )
-"""Keys of ``Projection.breakdown_s``; all but grad_sync_total add up to the step."""
+"""Keys of ``Projection.breakdown_s`` that add up to the step."""
+BESIDE_KEYS = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total")
+"""Keys of ``Projection.breakdown_s`` reported beside the sum (hidden time overlaps the compute)."""
+BREAKDOWN_KEYS = STEP_KEYS + BESIDE_KEYS
+"""Keys of ``Projection.breakdown_s``."""
 
 _CLUSTER_DEFAULTS: dict[str, Any] = {
     "gpus_per_node": 8,
@@ -257,9 +310,6 @@ class Schedule:
     """Microbatches per optimizer step on each data-parallel rank."""
     kind: str
     """gpipe, 1f1b or interleaved1f1b; ignored when pp == 1."""
-    grad_overlap: bool
-    """Gradient sync overlaps the last microbatch's backward (the engine does this when pp == 1 and
-    microbatches == 1)."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "virtual_stages", "microbatches"):
@@ -283,17 +333,55 @@ class RankTiming:
     microbatch_s: float
     """Forward + backward compute of one microbatch on this rank (all its stages), seconds."""
     optimizer_s: float
-    """Optimizer step, once per step, seconds."""
-    backward_fraction: float = 2 / 3
-    """Share of microbatch_s that is backward: what an overlapped gradient sync can hide under."""
+    """Optimizer step, once per step, seconds (its updates are what ZeRO-1 gathers hide under)."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_s", "optimizer_s"):
             value = getattr(self, name)
             if not _is_number(value) or not value >= 0:
                 raise ValueError(f"timing.{name}: must be a number >= 0, got {value!r}")
-        if not _is_number(self.backward_fraction) or not 0 <= self.backward_fraction <= 1:
-            raise ValueError(f"timing.backward_fraction: must be in [0, 1], got {self.backward_fraction!r}")
+
+
+@dataclass(frozen=True)
+class SyncBucket:
+    """One bucket's collective of an overlapped sync, and the compute it can hide under."""
+
+    collective: Collective
+    """Its reduction (all_reduce, or reduce_scatter under ZeRO-1) or its ZeRO-1 all_gather; phase grad."""
+    window_s: float
+    """The rank's compute still to run when it launches, seconds: the last backward's rest for a
+    reduction, the optimizer updates' rest for a gather."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.collective, Collective):
+            raise ValueError(f"sync_bucket.collective: expected a Collective, got {type(self.collective).__name__}")
+        if not _is_number(self.window_s) or not self.window_s >= 0:
+            raise ValueError(f"sync_bucket.window_s: must be a number >= 0, got {self.window_s!r}")
+
+
+@dataclass(frozen=True)
+class SyncTimes:
+    """What an overlapped sync costs the step."""
+
+    total_s: float
+    """Every bucket's collective priced on its own, summed."""
+    exposed_s: float
+    """How long the link stays busy after the compute ends: the step waits for it."""
+
+    @property
+    def hidden_s(self) -> float:
+        return self.total_s - self.exposed_s
+
+
+def simulate_sync(buckets: Iterable[SyncBucket], rank: int, net: Network) -> SyncTimes:
+    """Buckets in launch order queued on one link, each starting at its launch (-window) or when the
+    one before it ends (formulas in the module docstring)."""
+    end, total = -math.inf, 0.0
+    for bucket in buckets:
+        cost = collective_seconds(bucket.collective, rank, net)
+        end = max(-bucket.window_s, end) + cost
+        total += cost
+    return SyncTimes(total_s=total, exposed_s=max(0.0, end))
 
 
 @dataclass(frozen=True)
@@ -307,7 +395,7 @@ class Projection:
     tflops_per_gpu: float
     """flops_per_token * tokens_per_step / step_s / world_size / 1e12."""
     breakdown_s: dict[str, float]
-    """Seconds by cause (``BREAKDOWN_KEYS``); all but grad_sync_total add up to step_s."""
+    """Seconds by cause (``BREAKDOWN_KEYS``); those of ``STEP_KEYS`` add up to step_s."""
     assumptions: list[str]
     """Every modelling assumption behind the numbers, in plain sentences with the formulas used."""
 
@@ -350,7 +438,7 @@ def _bubble(schedule: Schedule, t_mb: float) -> float:
     return (pp - 1) * t_mb
 
 
-def _assumptions(schedule: Schedule, net: Network) -> list[str]:
+def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buckets: int) -> list[str]:
     pp, v = schedule.pp, schedule.virtual_stages
     if pp == 1:
         pipeline = "no pipeline (pp = 1): the step runs m microbatches back to back, m * t_mb, no bubble"
@@ -360,9 +448,18 @@ def _assumptions(schedule: Schedule, net: Network) -> list[str]:
     else:
         pipeline = (f"{schedule.kind} over pp = {pp} stages: pipeline time (m + pp - 1) * t_mb; every stage is "
                     "as slow as the measured rank")
-    grad = ("gradient sync G overlaps the last microbatch's backward: exposed = max(0, G - backward_fraction * "
-            "microbatch_s)" if schedule.grad_overlap else "gradient sync G runs after the last backward, fully "
-            "exposed")
+    if grad_buckets:
+        grad = (f"gradient sync: {grad_buckets} bucket reductions launch during the last microbatch's backward, "
+                "each w_i seconds of compute before it ends; they queue on one link in launch order, "
+                "s_i = max(-w_i, e_(i-1)), e_i = s_i + c_i, exposed = max(0, e_N), hidden = sum c_i - exposed; "
+                "gradient collectives without a launch time start when the backward ends")
+    else:
+        grad = "gradient sync: no bucket launch times given, every gradient collective starts when the backward ends"
+    if gather_buckets:
+        gather = (f"ZeRO-1 parameter gathers: {gather_buckets} buckets launch as their update is written, w_i "
+                  "seconds of updates before the optimizer ends; same queue on one link")
+    else:
+        gather = "no overlapped parameter gathers"
     return [
         f"network: {net.gpus_per_node} GPUs per node (rank r on node r // {net.gpus_per_node}), "
         f"{net.intra_node_gbps:g} GB/s per GPU inside a node, {net.inter_node_gbps:g} GB/s per GPU between "
@@ -381,8 +478,11 @@ def _assumptions(schedule: Schedule, net: Network) -> list[str]:
         "microbatch is on the critical path, not overlapped with compute",
         pipeline,
         grad,
+        gather,
+        "overlap windows hold compute only (the all-to-alls and stage messages still to run use the link "
+        "themselves); a later pipeline stage's sync could also hide under the drain it idles through: not counted",
         "other once-per-step collectives are fully exposed; the optimizer step runs once, after the gradient sync",
-        "step = pipeline time + exposed gradient sync + optimizer + other collectives",
+        "step = pipeline time + exposed gradient sync + optimizer + exposed parameter gather + other collectives",
     ]
 
 
@@ -396,12 +496,17 @@ def project_step(
     tokens_per_step: int,
     world_size: int,
     flops_per_token: float,
+    grad_buckets: Iterable[SyncBucket] = (),
+    gather_buckets: Iterable[SyncBucket] = (),
 ) -> Projection:
     """The projected step of ``rank`` (formulas in the module docstring).
 
     ``per_microbatch`` holds the collectives of one microbatch (phases expert and pipeline), ``per_step``
-    those issued once per step (phases grad and other); ``tokens_per_step`` is global.
+    those issued once per step (phases grad and other) that no bucket stands for; ``tokens_per_step``
+    is global. ``grad_buckets`` (the gradient reductions) and ``gather_buckets`` (the ZeRO-1 gathers),
+    in launch order, are the overlapped syncs.
     """
+    grad_buckets, gather_buckets = list(grad_buckets), list(gather_buckets)
     if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
     if not _is_int(rank) or not 0 <= rank < world_size:
@@ -414,25 +519,36 @@ def project_step(
         raise ValueError(f"schedule.pp: {schedule.pp} stages exceed world_size={world_size}")
     _check_entries("per_microbatch", per_microbatch, PER_MICROBATCH_PHASES, world_size, rank)
     _check_entries("per_step", per_step, PER_STEP_PHASES, world_size, rank)
+    for name, buckets in (("grad_buckets", grad_buckets), ("gather_buckets", gather_buckets)):
+        for i, bucket in enumerate(buckets):
+            if not isinstance(bucket, SyncBucket):
+                raise ValueError(f"{name}[{i}]: expected a SyncBucket, got {type(bucket).__name__}")
+        _check_entries(name, [b.collective for b in buckets], ("grad",), world_size, rank)
 
     m = schedule.microbatches
     expert = _seconds(per_microbatch, "expert", rank, net)
     pipe = _seconds(per_microbatch, "pipeline", rank, net)
     t_mb = timing.microbatch_s + expert + pipe
-    grad = _seconds(per_step, "grad", rank, net)
-    hidden = timing.backward_fraction * timing.microbatch_s if schedule.grad_overlap else 0.0
+    # Gradient collectives with no launch time start as the backward ends, behind the buckets.
+    unbucketed = [SyncBucket(c, 0.0) for c in per_step if c.phase == "grad"]
+    grad = simulate_sync([*grad_buckets, *unbucketed], rank, net)
+    gather = simulate_sync(gather_buckets, rank, net)
     breakdown = {
         "compute": m * timing.microbatch_s,
         "expert_comm": m * expert,
         "pipeline_comm": m * pipe,
         "bubble": _bubble(schedule, t_mb),
-        "grad_sync_exposed": max(0.0, grad - hidden),
-        "grad_sync_total": grad,
+        "grad_sync_exposed": grad.exposed_s,
         "optimizer": timing.optimizer_s,
+        "param_gather_exposed": gather.exposed_s,
         "other_comm": _seconds(per_step, "other", rank, net),
+        "grad_sync_hidden": grad.hidden_s,
+        "grad_sync_total": grad.total_s,
+        "param_gather_hidden": gather.hidden_s,
+        "param_gather_total": gather.total_s,
     }
     # Summing the parts (rather than pipeline time + ...) keeps the breakdown adding up to the step exactly.
-    step = sum(v for k, v in breakdown.items() if k != "grad_sync_total")
+    step = sum(breakdown[k] for k in STEP_KEYS)
     if not step > 0:
         raise ValueError("projected step time is 0: give the rank some compute, optimizer or communication time")
     return Projection(
@@ -440,5 +556,5 @@ def project_step(
         tokens_per_s_per_gpu=tokens_per_step / step / world_size,
         tflops_per_gpu=flops_per_token * tokens_per_step / step / world_size / 1e12,
         breakdown_s=breakdown,
-        assumptions=_assumptions(schedule, net),
+        assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets)),
     )

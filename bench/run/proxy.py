@@ -14,9 +14,14 @@ What runs
 What is measured (at the run's scale)
     Step time without the proxy's own work of fabricating peers' data, split into phases by
     ``moe_engine.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
-    norms and residuals, embedding, optimizer, gradient buffers, other = final norm, LM head, loss);
-    the peak memory (CUDA allocator, or tracked tensor bytes on CPU), overall and for forward/backward
-    and the optimizer step apart; every collective's bytes per step.
+    norms and residuals, embedding, optimizer, gradient buffers = zeroing them and scaling each bucket
+    as its reduction launches, other = final norm, LM head, loss), the peak memory (CUDA allocator, or
+    tracked tensor bytes on CPU), overall and for forward/backward and the optimizer step apart; every
+    collective's bytes per step. Per gradient bucket (the optimizer's ``SyncTimeline`` and the phase
+    timer read as it launches): the compute of the last backward left after its reduction launched,
+    split by how it scales (blocks, rest, embedding, later buckets' launches; fabrication left out),
+    its share's optimizer update, and its bytes (``details.sync_windows``). The collectives take no
+    time on the fake world, so these are the windows a real rank's collectives could hide under.
 
 Projection (``bench.predict.projection``)
     At the run's scale, and scaled to the scenario's: per-microbatch compute of the stage's blocks
@@ -30,6 +35,13 @@ Projection (``bench.predict.projection``)
     microbatches. ``project_run_scale`` and ``project_full_scale`` compute both from a
     ``StepMeasurement`` and the stage's ``StageSize`` at either scale: arithmetic, no model runs.
 
+Overlap windows at the scenario's scale
+    ``scaled_sync_buckets``: each gradient bucket's reduction and ZeRO-1 gather, with the compute it
+    can hide under, grown from the run's blocks and tokens to the scenario's; the rules are with the
+    queue they feed, in ``bench.predict.projection``'s docstring ("Overlap windows of a scaled-down
+    run"). Collectives of the gradient groups that no bucket stands for (e.g. the expert-bias counts)
+    launch when the backward ends.
+
 Plan vs proxy
     ``bench.predict.plan`` evaluated on exactly what the proxy ran (same blocks, tokens, microbatches), for the
     rank's pipeline stage, next to the measured peak.
@@ -41,11 +53,13 @@ import copy
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bench.predict.plan import plan_scenario
 from bench.predict.projection import (
@@ -54,6 +68,7 @@ from bench.predict.projection import (
     Projection,
     RankTiming,
     Schedule,
+    SyncBucket,
     project_step,
     summarize_collectives,
 )
@@ -62,7 +77,9 @@ from bench.run.execute import ExecuteResult, NonFiniteLoss, synchronize
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
+from moe_engine.model import Block
 from moe_engine.parallel.collective_log import CollectiveCall, CollectiveRecorder
+from moe_engine.parallel.data_parallel import DataParallelOptimizer, SyncTimeline
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout, stage_layers
 from moe_engine.parallel.trainer import ParallelTrainer
@@ -75,6 +92,9 @@ BLOCK_PHASES = ("attention", "router", "dispatch", "experts", "shared_expert", "
 FABRICATION = "fabrication"
 EMBEDDING = "embedding"
 GRAD_BUFFERS = "grad_buffers"
+WINDOW_CLASSES = ("blocks", "rest", "embedding", "grad_buffers")
+"""How a stretch of the last backward scales: the block phases, the rest (what no phase times), the
+embedding, and gradient buckets' launches (scaling the bucket by 1/dp)."""
 
 
 @dataclass(frozen=True)
@@ -232,6 +252,96 @@ class StageSize:
 
 
 @dataclass(frozen=True)
+class BucketMeasurement:
+    """One gradient bucket of the rank's optimizer and the compute its collectives can hide under, at the
+    run's scale (medians over the measured steps), in the optimizer's bucket order (its launch order)."""
+
+    reduce: CollectiveCall | None
+    """Its reduction as issued (all_reduce, or reduce_scatter under ZeRO-1); None in a group of one."""
+    gather: CollectiveCall | None
+    """Its ZeRO-1 parameter all_gather as issued; None without ZeRO-1 or in a group of one."""
+    block_share: float
+    """Share of its parameters' elements that are the stage's transformer blocks'."""
+    filled: bool
+    """It closed by reaching ``bucket_elements``; a bucket left open to the end of the walk (the last of
+    its family and dtype) would also take later blocks' parameters at the scenario's scale."""
+    reduce_window_s: dict[str, float]
+    """The last backward's compute left after its reduction was issued, by ``WINDOW_CLASSES`` (proxy
+    fabrication left out; all 0 when it was issued after the backward ended), seconds."""
+    update_s: float
+    """Its share's optimizer update: from the previous bucket's gather launch (the first bucket's: from
+    the end of clipping) to its own, seconds."""
+
+
+def scaled_sync_buckets(
+    buckets: list[BucketMeasurement], blocks_backward_s: float, block_ratio: float = 1.0, token_ratio: float = 1.0
+) -> tuple[list[SyncBucket], list[SyncBucket]]:
+    """The reductions and the gathers of ``buckets`` at a scale, each list in launch order (rules in
+    ``bench.predict.projection``'s docstring); ``blocks_backward_s`` is the run's blocks' backward of
+    one microbatch (A)."""
+    r_blocks, s_tokens = block_ratio, token_ratio
+    copies = max(1, math.ceil(r_blocks - 1e-9))
+    a_full = blocks_backward_s
+    # Only a filled bucket of block parameters closes once per copy of the blocks at the scenario's scale.
+    is_block = [b.block_share >= 1.0 and b.filled for b in buckets]
+
+    def grown(b: BucketMeasurement) -> float:
+        # Bytes (and update time) of a bucket kept whole: its block parameters grow with the blocks.
+        return 1.0 - b.block_share + b.block_share * r_blocks
+
+    def collective(call: CollectiveCall, factor: float) -> Collective:
+        return Collective(call.op, call.ranks, round(call.nbytes * factor), "grad")
+
+    reduces: list[tuple[float, int, int, SyncBucket]] = []
+    gathers: list[tuple[float, int, int, SyncBucket]] = []
+    block_updates = sum(b.update_s for b, block in zip(buckets, is_block) if block)
+    for i, b in enumerate(buckets):
+        w = b.reduce_window_s
+        after = buckets[i + 1 :]
+        after_block = sum(x.update_s for x, block in zip(after, is_block[i + 1 :]) if block)
+        after_other = sum(x.update_s * grown(x) for x, block in zip(after, is_block[i + 1 :]) if not block)
+        # What no phase times is, this late in the backward, the trainer's own code: it does not grow.
+        outside_blocks = w["rest"] + w["embedding"] + w["grad_buffers"]
+        if is_block[i]:
+            for k in range(copies):
+                later = copies - 1 - k
+                window = (w["blocks"] + later * a_full) * s_tokens * r_blocks / copies + outside_blocks
+                update_window = (after_block + later * block_updates) * r_blocks / copies + after_other
+                if b.reduce is not None:
+                    reduces.append((window, k, i, SyncBucket(collective(b.reduce, r_blocks / copies), window)))
+                if b.gather is not None:
+                    gathers.append(
+                        (update_window, k, i, SyncBucket(collective(b.gather, r_blocks / copies), update_window))
+                    )
+        else:
+            window = w["blocks"] * s_tokens * r_blocks + outside_blocks
+            update_window = after_block * r_blocks + after_other
+            if b.reduce is not None:
+                reduces.append((window, 0, i, SyncBucket(collective(b.reduce, grown(b)), window)))
+            if b.gather is not None:
+                gathers.append((update_window, 0, i, SyncBucket(collective(b.gather, grown(b)), update_window)))
+    # The engine launches in its fixed bucket order, which is the order of the windows (the longest first).
+    reduces.sort(key=lambda entry: (-entry[0], entry[1], entry[2]))
+    gathers.sort(key=lambda entry: (-entry[0], entry[1], entry[2]))
+    return [entry[3] for entry in reduces], [entry[3] for entry in gathers]
+
+
+def unbucketed_calls(calls: list[CollectiveCall], buckets: list[BucketMeasurement]) -> list[CollectiveCall]:
+    """``calls`` less one call per bucket reduction and gather (the buckets price those themselves)."""
+    left = Counter(call for b in buckets for call in (b.reduce, b.gather) if call is not None)
+    out = []
+    for call in calls:
+        if left[call] > 0:
+            left[call] -= 1
+        else:
+            out.append(call)
+    missing = [call for call, n in left.items() for _ in range(n)]
+    if missing:
+        raise RuntimeError(f"bucket collectives missing from the recorded step: {missing[:3]}")
+    return out
+
+
+@dataclass(frozen=True)
 class StepMeasurement:
     """One measured step of the rank, at the run's scale: what both projections start from."""
 
@@ -245,6 +355,9 @@ class StepMeasurement:
     """Process group name -> projection phase of its collectives (expert, pipeline, grad)."""
     family_groups: dict[str, str]
     """Parameter family (dense, expert) -> the group its gradient collectives run on."""
+    buckets: list[BucketMeasurement] = field(default_factory=list)
+    """The optimizer's gradient buckets and their overlap windows (none: every gradient collective is
+    priced as launched when the backward ends)."""
 
     def seconds(self, *names: str) -> float:
         """Seconds of the named phases, forward and backward together."""
@@ -264,6 +377,10 @@ class StepMeasurement:
         )
         return parts
 
+    def blocks_backward_s(self, microbatches: int) -> float:
+        """The blocks' backward of one microbatch (every microbatch has the same shapes)."""
+        return sum(self.phases_s.get(name, {}).get("backward", 0.0) for name in BLOCK_PHASES) / microbatches
+
 
 @dataclass(frozen=True)
 class ProjectionTarget:
@@ -279,7 +396,7 @@ class ProjectionTarget:
     net: Network
 
     def schedule_of(self, microbatches: int) -> Schedule:
-        return Schedule(self.pp, 1, microbatches, self.schedule, grad_overlap=self.pp == 1 and microbatches == 1)
+        return Schedule(self.pp, 1, microbatches, self.schedule)
 
 
 @dataclass(frozen=True)
@@ -294,7 +411,11 @@ class ScaledStep:
     per_microbatch: list[Collective]
     """One microbatch's expert and pipeline collectives at this scale."""
     per_step: list[Collective]
-    """The once-per-step grad and other collectives at this scale."""
+    """The once-per-step grad and other collectives at this scale that no bucket stands for."""
+    grad_buckets: list[SyncBucket]
+    """The gradient buckets' reductions at this scale, in launch order, with their windows."""
+    gather_buckets: list[SyncBucket]
+    """The ZeRO-1 gathers at this scale, in launch order, with their windows."""
     projection: Projection
 
 
@@ -303,19 +424,21 @@ def project_run_scale(
 ) -> ScaledStep:
     """The projection of the step as it ran: the measured compute and collectives over the run's microbatches."""
     parts, m = measured.split(), scale.microbatches_run
-    per_microbatch, per_step = classify_calls(measured.calls, measured.group_phases, m)
+    calls = unbucketed_calls(measured.calls, measured.buckets)
+    per_microbatch, per_step = classify_calls(calls, measured.group_phases, m)
+    grad_buckets, gather_buckets = scaled_sync_buckets(measured.buckets, measured.blocks_backward_s(m))
     optimizer, grad_buffers = parts["optimizer"], parts["grad_buffers"]
     timing = RankTiming(
         microbatch_s=(measured.compute_s - optimizer - grad_buffers) / m, optimizer_s=optimizer + grad_buffers
     )
     projection = project_step(
         target.rank, timing, per_microbatch, per_step, target.schedule_of(m), target.net,
-        tokens_per_step, target.world_size, flops_per_token,
+        tokens_per_step, target.world_size, flops_per_token, grad_buckets, gather_buckets,
     )
     return ScaledStep(
         {k: parts[k] / m for k in ("blocks", "rest", "embedding")},
         {"optimizer": optimizer, "grad_buffers": grad_buffers},
-        timing, per_microbatch, per_step, projection,
+        timing, per_microbatch, per_step, grad_buckets, gather_buckets, projection,
     )
 
 
@@ -333,8 +456,9 @@ def project_full_scale(
     Per microbatch (the measured step's over its ``scale.microbatches_run``): the blocks x block ratio x
     token ratio, the rest x token ratio, the embedding as measured. Once per step: the optimizer x
     full / run optimizer bytes, the gradient buffers x full / run gradient bytes. Collectives by
-    ``CallScaling`` (dense and expert parameter ratios from ``run`` and ``full``). Over the scenario's
-    ``scale.microbatches_full``; ``tokens_per_step`` and ``flops_per_token`` are the scenario's.
+    ``CallScaling`` (dense and expert parameter ratios from ``run`` and ``full``), the buckets' by
+    ``scaled_sync_buckets``. Over the scenario's ``scale.microbatches_full``; ``tokens_per_step`` and
+    ``flops_per_token`` are the scenario's.
     """
     parts, m = measured.split(), scale.microbatches_run
     params = {"dense": (run.dense_params, full.dense_params), "expert": (run.expert_params, full.expert_params)}
@@ -344,7 +468,11 @@ def project_full_scale(
         {name: params[family][1] / params[family][0] if params[family][0] else 1.0
          for family, name in measured.family_groups.items()},
     )
-    per_microbatch, per_step = classify_calls(measured.calls, measured.group_phases, m, scaling)
+    calls = unbucketed_calls(measured.calls, measured.buckets)
+    per_microbatch, per_step = classify_calls(calls, measured.group_phases, m, scaling)
+    grad_buckets, gather_buckets = scaled_sync_buckets(
+        measured.buckets, measured.blocks_backward_s(m), scale.block_ratio, scale.token_ratio
+    )
     # The optimizer works on the rank's optimizer shard; zeroing and scaling on its gradient buffers.
     optimizer_ratio = full.optimizer_bytes / run.optimizer_bytes
     grad_ratio = full.grad_bytes / run.grad_bytes
@@ -358,14 +486,16 @@ def project_full_scale(
     )
     projection = project_step(
         target.rank, timing, per_microbatch, per_step, target.schedule_of(scale.microbatches_full), target.net,
-        tokens_per_step, target.world_size, flops_per_token,
+        tokens_per_step, target.world_size, flops_per_token, grad_buckets, gather_buckets,
     )
     microbatch_phases = {
         "blocks": blocks * scale.block_ratio * scale.token_ratio / m,
         "rest": rest * scale.token_ratio / m,
         "embedding": embedding / m,
     }
-    return ScaledStep(microbatch_phases, step_phases, timing, per_microbatch, per_step, projection)
+    return ScaledStep(
+        microbatch_phases, step_phases, timing, per_microbatch, per_step, grad_buckets, gather_buckets, projection
+    )
 
 
 def _batches(sequences: int, seq_len: int, vocab: int, device: torch.device, seed: int):
@@ -400,6 +530,111 @@ def _instrument(trainer: ParallelTrainer, rank_model, timer: PhaseTimer) -> None
     _timed(trainer.optimizer, "zero_grad", timer, GRAD_BUFFERS)
 
 
+def _window_classes(
+    clock_s: float, start: dict[str, dict[str, float]], end: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """A stretch of ``clock_s`` seconds between two phase-timer readings, by ``WINDOW_CLASSES``, without
+    fabrication."""
+
+    def spent(*names: str) -> float:
+        return sum(sum(end.get(n, {}).values()) - sum(start.get(n, {}).values()) for n in names)
+
+    classes = {"blocks": spent(*BLOCK_PHASES), "embedding": spent(EMBEDDING), "grad_buffers": spent(GRAD_BUFFERS)}
+    classes["rest"] = max(0.0, clock_s - sum(classes.values()) - spent(FABRICATION))
+    return classes
+
+
+class _SyncProbe:
+    """Reads the clock and the phase timer as each bucket's reduction is issued and as the backward ends,
+    so that each window of the optimizer's ``SyncTimeline`` splits by how it scales, without the proxy's
+    fabrication. Each launch (scaling the bucket by 1/dp, then the collective) is timed as grad_buffers:
+    its cost follows the bucket's bytes, not the tokens of the phase it happens to run in."""
+
+    def __init__(self, optimizer: DataParallelOptimizer, timer: PhaseTimer):
+        self.optimizer, self.timer = optimizer, timer
+        self.reset()
+        for index, bucket in enumerate(optimizer.buckets):
+            self._wrap_launch(bucket, index)
+        finish, clip = optimizer.finish_grad_sync, optimizer.clip_grad_norm
+
+        def finish_grad_sync():
+            if self.backward_end is None:
+                self.backward_end = self._reading()
+            finish()
+
+        def clip_grad_norm():
+            norm = clip()
+            self.updates_start = time.perf_counter()
+            return norm
+
+        optimizer.finish_grad_sync, optimizer.clip_grad_norm = finish_grad_sync, clip_grad_norm
+
+    def _reading(self) -> tuple[float, dict[str, dict[str, float]]]:
+        return time.perf_counter(), self.timer.totals
+
+    def _wrap_launch(self, bucket, index: int) -> None:
+        launch = bucket.launch_reduce
+
+        def launch_reduce():
+            with self.timer.region(GRAD_BUFFERS):
+                launch()
+            self.issued[index] = self._reading()
+
+        bucket.launch_reduce = launch_reduce
+
+    def reset(self) -> None:
+        """Forget the last step's readings (call before each step)."""
+        self.issued: dict[int, tuple[float, dict[str, dict[str, float]]]] = {}
+        self.backward_end: tuple[float, dict[str, dict[str, float]]] | None = None
+        self.updates_start: float | None = None
+
+    def record(self, timeline: SyncTimeline) -> list[dict[str, Any]]:
+        """Per bucket, of the step just run: its windows (``SyncTimeline``'s and split by class) and its update."""
+        end_s, end_totals = self.backward_end
+        # Without clipping the updates start as soon as the reductions have been waited for.
+        previous = self.updates_start if self.updates_start is not None else timeline.reduce_waited_s
+        reduce_windows, gather_windows = timeline.reduce_windows_s(), timeline.gather_windows_s()
+        rows = []
+        for index in range(len(self.optimizer.buckets)):
+            issued_s, totals = self.issued[index]
+            classes = _window_classes(end_s - issued_s, totals, end_totals) if issued_s < end_s else {}
+            launch = timeline.gather_launch_s[index]
+            rows.append({
+                "reduce_window_s": reduce_windows[index],
+                "reduce_window_compute_s": {name: classes.get(name, 0.0) for name in WINDOW_CLASSES},
+                "update_s": launch - previous,
+                "gather_window_s": gather_windows[index],
+            })
+            previous = launch
+        return rows
+
+
+def _bucket_layout(
+    optimizer: DataParallelOptimizer, module: torch.nn.Module, bucket_elements: int
+) -> list[dict[str, Any]]:
+    """Per bucket: its family, the collectives it issues (as the recorder logs them), its block share and
+    whether it filled up (``BucketMeasurement``)."""
+    in_blocks = {id(p) for m in module.modules() if isinstance(m, Block) for p in m.parameters()}
+    layout = []
+    for bucket, grad_bytes in zip(optimizer.buckets, optimizer.bucket_bytes()):
+        group = bucket.comm.group
+        reduce = gather = None
+        if group is not None:
+            ranks, name = tuple(dist.get_process_group_ranks(group)), group.group_name
+            reduce = CollectiveCall("reduce_scatter" if bucket.shard else "all_reduce", ranks, grad_bytes, name)
+            if bucket.shard:
+                param_bytes = bucket.param_N.numel() * bucket.param_N.element_size()
+                gather = CollectiveCall("all_gather", ranks, param_bytes, name)
+        elements = sum(p.numel() for p in bucket.params)
+        block_elements = sum(p.numel() for p in bucket.params if id(p) in in_blocks)
+        layout.append({
+            "family": bucket.family.value, "reduce": reduce, "gather": gather,
+            "block_share": block_elements / elements if elements else 0.0,
+            "filled": elements >= bucket_elements,
+        })
+    return layout
+
+
 @dataclass
 class _Measured:
     compute_s: list[float]
@@ -407,6 +642,10 @@ class _Measured:
     calls: list[CollectiveCall]
     memory: dict[str, int]
     losses: list[float]
+    buckets: list[dict[str, Any]] = field(default_factory=list)
+    """Per bucket (``_bucket_layout``): family, collectives, block share, filled."""
+    syncs: list[list[dict[str, Any]]] = field(default_factory=list)
+    """Per measured step, per bucket: ``_SyncProbe.record``."""
 
 
 def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progress) -> tuple[_Measured, ProcessGroups]:
@@ -421,6 +660,7 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
     sync = functools.partial(synchronize, device)
     timer = PhaseTimer(synchronize=sync)
     _instrument(trainer, rank_model, timer)
+    probe = _SyncProbe(trainer.optimizer, timer)
     fabrication = functools.partial(timer.region, FABRICATION)
     for layer in rank_model.moe_layers():
         if isinstance(layer.dispatcher, ProxyDispatcher):
@@ -430,7 +670,8 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
 
     sequences = scale.microbatches_run * scale.tokens_per_microbatch_run // scale.seq_len_run
     batches = _batches(sequences, scale.seq_len_run, config.vocab_size, device, seed)
-    measured = _Measured([], [], [], {}, [])
+    layout = _bucket_layout(trainer.optimizer, rank_model.module, parallel.bucket_elements)
+    measured = _Measured([], [], [], {}, [], layout)
     total = run["warmup_steps"] + run["steps"]
     for step in range(max(total, 1 + run["steps"])):
         tokens, labels = next(batches)
@@ -439,6 +680,7 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
         if is_measured and device.type == "cuda" and not measured.compute_s:
             torch.cuda.reset_peak_memory_stats(device)
         timer.reset()
+        probe.reset()
         sync()
         start = time.perf_counter()
         if census:
@@ -456,6 +698,7 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
         if is_measured:
             measured.compute_s.append(wall - fabricated)
             measured.phases.append(totals)
+            measured.syncs.append(probe.record(trainer.optimizer.timeline))
             if loss is not None:
                 measured.losses.append(float(loss))
         progress(
@@ -510,6 +753,38 @@ def _phase_table(measured: _Measured) -> dict[str, dict[str, float]]:
     return table
 
 
+def _sync_table(measured: _Measured) -> list[dict[str, Any]]:
+    """Per bucket, in launch order: its bytes and the medians of its windows over the measured steps."""
+    rows = []
+    for index, layout in enumerate(measured.buckets):
+        steps = [step[index] for step in measured.syncs]
+        reduce, gather = layout["reduce"], layout["gather"]
+        rows.append({
+            "family": layout["family"],
+            "reduce_op": reduce.op if reduce else None,
+            "group_size": len(reduce.ranks) if reduce else 1,
+            "grad_bytes": reduce.nbytes if reduce else 0,
+            "param_gather_bytes": gather.nbytes if gather else 0,
+            "block_share": layout["block_share"],
+            "filled": layout["filled"],
+            "reduce_window_s": _median([s["reduce_window_s"] for s in steps]),
+            "reduce_window_compute_s": {
+                name: _median([s["reduce_window_compute_s"][name] for s in steps]) for name in WINDOW_CLASSES
+            },
+            "update_s": _median([s["update_s"] for s in steps]),
+            "gather_window_s": _median([s["gather_window_s"] for s in steps]),
+        })
+    return rows
+
+
+def _bucket_measurements(measured: _Measured, table: list[dict[str, Any]]) -> list[BucketMeasurement]:
+    return [
+        BucketMeasurement(layout["reduce"], layout["gather"], layout["block_share"], layout["filled"],
+                          row["reduce_window_compute_s"], row["update_s"])
+        for layout, row in zip(measured.buckets, table)
+    ]
+
+
 def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str], None] = lambda line: None) -> ExecuteResult:
     """Run the proxy of ``scenario`` in this process (which must not be in a process group)."""
     spec, scale = run_spec(scenario, device)
@@ -528,7 +803,11 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
     _, plan_run = plan_scenario(_as_plan(spec))
     _, plan_full = plan_scenario(_as_plan(scenario.spec))
     table = _phase_table(measured)
-    measurement = StepMeasurement(_median(measured.compute_s), table, measured.calls, phases, family_groups)
+    sync_table = _sync_table(measured)
+    measurement = StepMeasurement(
+        _median(measured.compute_s), table, measured.calls, phases, family_groups,
+        _bucket_measurements(measured, sync_table),
+    )
     parallel = run_scenario.parallel_config
     target = ProjectionTarget(scale.rank, scenario.world_size, parallel.pp, parallel.schedule.value, net)
     run_projection = project_run_scale(
@@ -565,6 +844,15 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
         scale=asdict(scale) | {"block_ratio": scale.block_ratio, "token_ratio": scale.token_ratio},
         run_scale_note=_scale_note(scale, device),
         phases_s=table,
+        sync_windows={
+            "buckets": sync_table,
+            "blocks_backward_per_microbatch_s": measurement.blocks_backward_s(scale.microbatches_run),
+            "note": "per gradient bucket in launch order, medians over the measured steps: reduce_window_s = the "
+                    "backward time left after its reduction launched (SyncTimeline), reduce_window_compute_s = "
+                    "the compute of it left after the collective was issued, by how it scales (fabrication left "
+                    "out), update_s = its share's optimizer update, gather_window_s = the updates left after its "
+                    "ZeRO-1 gather launched; collectives take no time on the fake world",
+        },
         memory=measured.memory,
         collectives_per_step=summarize_collectives(calls_per_step),
         projection_run_scale=run_projection.to_dict(),
@@ -576,8 +864,11 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
             "backward makes a whole vocabulary x d_model gradient whatever the tokens)",
             "the optimizer step x the rank's full / run optimizer-state bytes, zeroing and scaling the gradient "
             "buffers x its full / run gradient bytes (both once per step, in the projection's optimizer time); "
-            "gradient collectives' bytes x the dense or expert parameter ratio (their count, hence their "
-            "latency terms, unscaled); all-to-all bytes x the token ratio and their count x the block ratio; "
+            "each gradient bucket of block parameters repeats once per copy of the run's blocks (ceil of the "
+            "block ratio copies, block_ratio / copies of its bytes each), other buckets keep their count with "
+            "their block parameters' bytes x the block ratio; their overlap windows scale as the compute they "
+            "hold (rules in bench/predict/projection.py); other gradient-group collectives' bytes x the dense "
+            "or expert parameter ratio; all-to-all bytes x the token ratio and their count x the block ratio; "
             "stage messages' bytes x the token ratio",
             "the compute is this machine's: on a CPU the projection prices a cluster of these CPUs on the "
             "scenario's network, not the scenario's GPUs",

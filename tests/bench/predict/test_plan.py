@@ -78,6 +78,8 @@ PROXIES = {
     "moe-2.38t-proxy": "moe-2.38t",
     "moe-128e-47b-recompute-full-proxy": "moe-128e-47b-zero1-recompute-full",
     "moe-1.2t-512gpu-recompute-full-proxy": "moe-1.2t-512gpu-recompute-full",
+    "moe-128e-47b-recompute-selective-proxy": "moe-128e-47b-zero1-recompute-selective",
+    "moe-1.2t-512gpu-recompute-selective-proxy": "moe-1.2t-512gpu-recompute-selective",
 }
 
 

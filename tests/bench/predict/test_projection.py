@@ -17,15 +17,19 @@ from bench.predict.projection import (
     Projection,
     RankTiming,
     Schedule,
+    SyncBucket,
     collective_seconds,
     project_step,
+    simulate_sync,
     summarize_collectives,
 )
 
 NET = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_us=10.0)
 NODE0 = tuple(range(8))
 TWO_NODES = tuple(range(16))
-SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer", "other_comm")
+SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
+            "param_gather_exposed", "other_comm")
+BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total")
 
 
 def approx(x: float):
@@ -189,7 +193,7 @@ def test_summarize_collectives():
     ({"virtual_stages": 2, "kind": "1f1b"}, "needs kind interleaved1f1b"),
 ])
 def test_schedule_rejects_bad_fields(kwargs, match):
-    fields = {"pp": 2, "virtual_stages": 1, "microbatches": 4, "kind": "1f1b", "grad_overlap": False} | kwargs
+    fields = {"pp": 2, "virtual_stages": 1, "microbatches": 4, "kind": "1f1b"} | kwargs
     with pytest.raises(ValueError, match=match):
         Schedule(**fields)
 
@@ -197,7 +201,6 @@ def test_schedule_rejects_bad_fields(kwargs, match):
 @pytest.mark.parametrize("kwargs, match", [
     ({"microbatch_s": -1.0}, "timing.microbatch_s"),
     ({"optimizer_s": -1.0}, "timing.optimizer_s"),
-    ({"backward_fraction": 1.5}, "timing.backward_fraction"),
 ])
 def test_timing_rejects_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -208,31 +211,84 @@ def test_timing_rejects_bad_fields(kwargs, match):
 
 
 def check_breakdown(p: Projection) -> None:
-    assert set(p.breakdown_s) == {*SUM_KEYS, "grad_sync_total"}
+    assert set(p.breakdown_s) == {*SUM_KEYS, *BESIDE}
     assert sum(p.breakdown_s[k] for k in SUM_KEYS) == approx(p.step_s)
+    for sync in ("grad_sync", "param_gather"):
+        assert p.breakdown_s[f"{sync}_hidden"] + p.breakdown_s[f"{sync}_exposed"] == approx(
+            p.breakdown_s[f"{sync}_total"])
 
 
-def pp1(grad_overlap: bool) -> Schedule:
-    return Schedule(pp=1, virtual_stages=1, microbatches=1, kind="1f1b", grad_overlap=grad_overlap)
+def pp1() -> Schedule:
+    return Schedule(pp=1, virtual_stages=1, microbatches=1, kind="1f1b")
 
 
-TIMING = RankTiming(microbatch_s=0.3, optimizer_s=0.01)  # backward 2/3 * 0.3 = 0.2 s can hide the sync
+TIMING = RankTiming(microbatch_s=0.3, optimizer_s=0.01)
 EXPERT_A2A = Collective("all_to_all", NODE0, 9_000_000, "expert", count=2)
 EXPERT_S = 2 * (7 * 10e-6 + 9e6 * 7 / 8 / 900e9)  # 2 * (7e-5 + 7e-6)
 BARRIER = Collective("barrier", NODE0, 0, "other")
 
 
+# ---- overlapped syncs: buckets queued on one link -------------------------------------------------
+
+# No latency, 1 GB/s between nodes: an all-reduce of B bytes over ranks (0, 8) costs 2 * 1/2 * B / 1e9 = B / 1e9 s.
+SLOW = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=1, latency_us=0.0)
+PAIR = (0, 8)
+
+
+def pair_bucket(seconds: float, window_s: float) -> SyncBucket:
+    return SyncBucket(Collective("all_reduce", PAIR, round(seconds * 1e9), "grad"), window_s)
+
+
+def test_buckets_queue_on_the_link_in_launch_order():
+    # By hand, the compute ending at 0:
+    #   bucket 1: launches at -10, costs 2: runs [-10, -8]
+    #   bucket 2: launches at  -9, costs 3: waits for bucket 1, runs [-8, -5]
+    #   bucket 3: launches at  -3, costs 1: the link idles from -5, runs [-3, -2]
+    #   bucket 4: launches at -2.5, costs 4: waits for bucket 3, runs [-2, 2]
+    # exposed 2 of the 10 s; without the queue bucket 4 would end at 1.5, launched all at -10 they would end at 0.
+    buckets = [pair_bucket(2, 10), pair_bucket(3, 9), pair_bucket(1, 3), pair_bucket(4, 2.5)]
+    sync = simulate_sync(buckets, 0, SLOW)
+    assert sync.total_s == approx(10)
+    assert sync.exposed_s == approx(2)
+    assert sync.hidden_s == approx(8)
+
+
+def test_a_sync_launched_early_enough_hides_entirely_and_one_launched_at_the_end_not_at_all():
+    assert simulate_sync([pair_bucket(2, 5), pair_bucket(1, 2)], 0, SLOW).exposed_s == 0.0
+    late = simulate_sync([pair_bucket(2, 0), pair_bucket(1, 0)], 0, SLOW)
+    assert (late.total_s, late.exposed_s, late.hidden_s) == (approx(3), approx(3), approx(0))
+    assert simulate_sync([], 0, SLOW) == simulate_sync([], 0, NET)
+    assert simulate_sync([], 0, SLOW).exposed_s == 0.0
+
+
+def test_each_bucket_is_priced_by_its_own_ring():
+    # A reduce-scatter over 4 nodes: (n-1)/n * B / beta = 3/4 * 4e9 / 1e9 = 3 s; it waits for the
+    # all-reduce before it (-4 .. -2), then runs [-2, 1].
+    scatter = SyncBucket(Collective("reduce_scatter", (0, 8, 16, 24), 4_000_000_000, "grad"), 3)
+    sync = simulate_sync([pair_bucket(2, 4), scatter], 0, SLOW)
+    assert sync.total_s == approx(5)
+    assert sync.exposed_s == approx(1)
+
+
+def test_sync_bucket_rejects_bad_fields():
+    with pytest.raises(ValueError, match="sync_bucket.window_s"):
+        SyncBucket(Collective("all_reduce", PAIR, 8, "grad"), -1.0)
+    with pytest.raises(ValueError, match="sync_bucket.collective"):
+        SyncBucket("all_reduce", 1.0)
+
+
 def test_pp1_gradient_sync_hidden_under_backward():
     grad = Collective("all_reduce", NODE0, 9_000_000_000, "grad")
-    p = project_step(0, TIMING, [EXPERT_A2A], [grad, BARRIER], pp1(True), NET, tokens_per_step=8192,
-                     world_size=8, flops_per_token=6e9)
-    g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9  # 0.01764 s < 0.2 s of backward
+    p = project_step(0, TIMING, [EXPERT_A2A], [BARRIER], pp1(), NET, tokens_per_step=8192,
+                     world_size=8, flops_per_token=6e9, grad_buckets=[SyncBucket(grad, 0.2)])
+    g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9  # 0.01764 s < 0.2 s of backward left
     step = 0.3 + EXPERT_S + 0.01 + 6 * 10e-6
     assert p.step_s == approx(step)
     assert p.breakdown_s == {
         "compute": approx(0.3), "expert_comm": approx(EXPERT_S), "pipeline_comm": 0.0, "bubble": 0.0,
-        "grad_sync_exposed": 0.0, "grad_sync_total": approx(g), "optimizer": approx(0.01),
-        "other_comm": approx(6 * 10e-6),
+        "grad_sync_exposed": 0.0, "grad_sync_hidden": approx(g), "grad_sync_total": approx(g),
+        "optimizer": approx(0.01), "param_gather_exposed": 0.0, "param_gather_hidden": 0.0,
+        "param_gather_total": 0.0, "other_comm": approx(6 * 10e-6),
     }
     assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
     assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)
@@ -242,9 +298,9 @@ def test_pp1_gradient_sync_hidden_under_backward():
 def test_pp1_gradient_sync_partly_exposed():
     grad = Collective("all_reduce", TWO_NODES, 20_000_000_000, "grad")
     g = 2 * 15 * 10e-6 + 2 * 15 / 16 * 20e9 / 50e9  # 0.7503 s
-    exposed = g - 2 / 3 * 0.3
-    p = project_step(0, TIMING, [EXPERT_A2A], [grad], pp1(True), NET, tokens_per_step=4096,
-                     world_size=16, flops_per_token=1e9)
+    exposed = g - 0.2
+    p = project_step(0, TIMING, [EXPERT_A2A], [], pp1(), NET, tokens_per_step=4096,
+                     world_size=16, flops_per_token=1e9, grad_buckets=[SyncBucket(grad, 0.2)])
     assert p.breakdown_s["grad_sync_total"] == approx(g)
     assert p.breakdown_s["grad_sync_exposed"] == approx(exposed)
     step = 0.3 + EXPERT_S + exposed + 0.01
@@ -254,18 +310,42 @@ def test_pp1_gradient_sync_partly_exposed():
     check_breakdown(p)
 
 
-def test_pp1_without_overlap_exposes_the_whole_sync():
+def test_gradient_collectives_without_a_launch_time_are_exposed():
     grad = Collective("all_reduce", NODE0, 9_000_000_000, "grad")
-    p = project_step(0, TIMING, [], [grad], pp1(False), NET, tokens_per_step=8192, world_size=8,
+    p = project_step(0, TIMING, [], [grad], pp1(), NET, tokens_per_step=8192, world_size=8,
                      flops_per_token=6e9)
     g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9
     assert p.breakdown_s["grad_sync_exposed"] == approx(g)
+    assert p.breakdown_s["grad_sync_hidden"] == 0.0
     assert p.step_s == approx(0.3 + g + 0.01)
     check_breakdown(p)
 
 
+def test_buckets_and_unbucketed_entries_and_gathers_by_hand():
+    # Reductions: 2 s launched 3 s before the backward ends, 2 s launched 1 s before: [-3, -1], [-1, 1];
+    # then an unbucketed 0.5 s all-reduce queues behind them at the end: [1, 1.5]. Exposed 1.5 of 4.5.
+    # Gathers under the optimizer's updates: 1 s launched 4 s before they end, 3 s launched 2 s before:
+    # [-4, -3], [-2, 1]: exposed 1 of 4. Pipeline of pp = 2 stages (the overlap holds whatever pp and m).
+    timing = RankTiming(microbatch_s=5.0, optimizer_s=4.5)
+    extra = Collective("all_reduce", PAIR, 500_000_000, "grad")
+    gathers = [SyncBucket(Collective("all_gather", PAIR, 2_000_000_000, "grad"), 4),
+               SyncBucket(Collective("all_gather", PAIR, 6_000_000_000, "grad"), 2)]
+    schedule = Schedule(pp=2, virtual_stages=1, microbatches=4, kind="1f1b")
+    p = project_step(0, timing, [], [extra], schedule, SLOW, tokens_per_step=1000, world_size=16,
+                     flops_per_token=1.0, grad_buckets=[pair_bucket(2, 3), pair_bucket(2, 1)],
+                     gather_buckets=gathers)
+    b = p.breakdown_s
+    assert (b["grad_sync_total"], b["grad_sync_exposed"], b["grad_sync_hidden"]) == (approx(4.5), approx(1.5),
+                                                                                      approx(3))
+    assert (b["param_gather_total"], b["param_gather_exposed"], b["param_gather_hidden"]) == (approx(4), approx(1),
+                                                                                              approx(3))
+    # (4 + 1) * 5 s of pipeline, the exposed syncs, the optimizer.
+    assert p.step_s == approx(25 + 1.5 + 4.5 + 1)
+    check_breakdown(p)
+
+
 def test_pp1_runs_microbatches_back_to_back_whatever_the_kind():
-    schedule = Schedule(pp=1, virtual_stages=1, microbatches=4, kind="gpipe", grad_overlap=False)
+    schedule = Schedule(pp=1, virtual_stages=1, microbatches=4, kind="gpipe")
     p = project_step(0, TIMING, [EXPERT_A2A], [], schedule, NET, tokens_per_step=8192, world_size=8,
                      flops_per_token=6e9)
     assert p.breakdown_s["bubble"] == 0.0
@@ -293,7 +373,7 @@ BARRIER_STAGE = Collective("barrier", tuple(range(32)), 0, "other")  # 2 * 5 * a
 
 
 def pipelined(kind: str, v: int) -> Projection:
-    schedule = Schedule(pp=4, virtual_stages=v, microbatches=8, kind=kind, grad_overlap=False)
+    schedule = Schedule(pp=4, virtual_stages=v, microbatches=8, kind=kind)
     return project_step(8, PIPE_TIMING, [STAGE_A2A, *STAGE_MESSAGES], [DP_GRAD, BARRIER_STAGE], schedule, NET,
                         tokens_per_step=65536, world_size=32, flops_per_token=2e10)
 
@@ -334,8 +414,10 @@ def test_projection_to_dict_is_json_ready_and_states_its_assumptions():
     for formula in ("2 * (n-1) * alpha", "2 * ceil(log2 n) * alpha", "m * t_mb + (pp - 1) * t_mb / v",
                     "alpha + B / beta", "no contention"):
         assert formula in text
-    assert "max(0, G - backward_fraction" in "\n".join(project_step(
-        0, TIMING, [], [], pp1(True), NET, tokens_per_step=1, world_size=1, flops_per_token=0).assumptions)
+    bucketed = "\n".join(project_step(
+        0, TIMING, [], [], pp1(), NET, tokens_per_step=1, world_size=1, flops_per_token=0,
+        grad_buckets=[SyncBucket(Collective("all_reduce", (0,), 8, "grad"), 0.1)]).assumptions)
+    assert "s_i = max(-w_i, e_(i-1)), e_i = s_i + c_i, exposed = max(0, e_N)" in bucketed
 
 
 # ---- input errors -----------------------------------------------------------------------------
@@ -343,7 +425,7 @@ def test_projection_to_dict_is_json_ready_and_states_its_assumptions():
 
 def call(**overrides):
     args = {
-        "rank": 0, "timing": TIMING, "per_microbatch": [EXPERT_A2A], "per_step": [BARRIER], "schedule": pp1(True),
+        "rank": 0, "timing": TIMING, "per_microbatch": [EXPERT_A2A], "per_step": [BARRIER], "schedule": pp1(),
         "net": NET, "tokens_per_step": 8192, "world_size": 8, "flops_per_token": 6e9,
     } | overrides
     return project_step(**args)
@@ -361,9 +443,14 @@ def call(**overrides):
     ({"tokens_per_step": 0}, "tokens_per_step"),
     ({"flops_per_token": -1.0}, "flops_per_token"),
     ({"per_microbatch": ["all_to_all"]}, "expected a Collective"),
-    ({"schedule": Schedule(pp=16, virtual_stages=1, microbatches=4, kind="1f1b", grad_overlap=False)},
+    ({"schedule": Schedule(pp=16, virtual_stages=1, microbatches=4, kind="1f1b")},
      "exceed world_size=8"),
     ({"timing": RankTiming(0.0, 0.0), "per_microbatch": [], "per_step": []}, "projected step time is 0"),
+    ({"grad_buckets": [SyncBucket(Collective("all_to_all", NODE0, 8, "expert"), 0.1)]},
+     r"grad_buckets\[0\]: phase 'expert'"),
+    ({"gather_buckets": [SyncBucket(Collective("all_gather", (1, 2), 8, "grad"), 0.1)]},
+     "rank 0 is not in the all_gather group"),
+    ({"grad_buckets": [Collective("all_reduce", NODE0, 8, "grad")]}, r"grad_buckets\[0\]: expected a SyncBucket"),
 ])
 def test_project_step_rejects_bad_inputs(overrides, match):
     with pytest.raises(ValueError, match=match):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from bench.predict.projection import Collective, Network
+from bench.predict.projection import STEP_KEYS, Collective, Network
 from bench.results import REPO_ROOT
 from bench.run.proxy import (
+    BucketMeasurement,
     CallScaling,
     ProjectionTarget,
     ProxyScale,
@@ -20,6 +22,7 @@ from bench.run.proxy import (
     project_full_scale,
     project_run_scale,
     run_spec,
+    scaled_sync_buckets,
 )
 from bench.run.runner import Runner, SilentReporter
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
@@ -198,13 +201,15 @@ def test_the_full_scale_projection_scales_each_part_by_its_own_rule():
     t_mb = microbatch_s + a2a + send
     grad = (ALPHA + 12_000 / 2 / INTER) + (2 * ALPHA + 2 * 36_000 / 2 / INTER)
     other = 2 * 15 * ALPHA + 2 * 15 / 16 * 8 / INTER
-    # 1F1B over 2 stages: (16 microbatches + 1) t_mb; the gradient sync is exposed (pp > 1).
+    # 1F1B over 2 stages: (16 microbatches + 1) t_mb; no buckets were measured, so the gradient collectives
+    # launch when the backward ends: all exposed.
     step_s = 17 * t_mb + grad + 0.31 + other
     projection = step.projection
     assert projection.step_s == pytest.approx(step_s)
     assert projection.breakdown_s == pytest.approx({
         "compute": 16 * microbatch_s, "expert_comm": 16 * a2a, "pipeline_comm": 16 * send, "bubble": t_mb,
-        "grad_sync_exposed": grad, "grad_sync_total": grad, "optimizer": 0.31, "other_comm": other,
+        "grad_sync_exposed": grad, "grad_sync_hidden": 0.0, "grad_sync_total": grad, "optimizer": 0.31,
+        "param_gather_exposed": 0.0, "param_gather_hidden": 0.0, "param_gather_total": 0.0, "other_comm": other,
     })
     assert projection.tokens_per_s_per_gpu == pytest.approx(8 * 16 * 4096 / step_s / 16)
     assert projection.tflops_per_gpu == pytest.approx(6e9 * 8 * 16 * 4096 / step_s / 16 / 1e12)
@@ -265,8 +270,104 @@ def test_a_proxy_run_measures_its_rank(tmp_path):
     # The plan of what ran is within 15% of the measured peak.
     assert abs(metrics["plan_memory_gap"]["median"]) < 0.15
     projection = details["projection_run_scale"]
-    assert projection["step_s"] == pytest.approx(sum(
-        projection["breakdown_s"][k] for k in
-        ("compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer", "other_comm")
-    ))
+    assert projection["step_s"] == pytest.approx(sum(projection["breakdown_s"][k] for k in STEP_KEYS))
+    # Every gradient bucket's windows and bytes: the dense buckets reduce-scatter over dp 4 and gather their
+    # parameters back (ZeRO-1); the experts' sync over edp 1, a group of one, with no collective.
+    sync = details["sync_windows"]["buckets"]
+    dense = [row for row in sync if row["family"] == "dense"]
+    assert dense and all(row["reduce_op"] == "reduce_scatter" and row["group_size"] == 4 for row in dense)
+    assert all(row["grad_bytes"] > 0 and row["param_gather_bytes"] > 0 for row in dense)
+    assert all(row["reduce_op"] is None for row in sync if row["family"] == "expert")
+    assert all(row["update_s"] > 0 and row["reduce_window_s"] >= 0 for row in sync)
+    breakdown = projection["breakdown_s"]
+    for name in ("grad_sync", "param_gather"):
+        assert breakdown[f"{name}_total"] > 0
+        assert breakdown[f"{name}_hidden"] + breakdown[f"{name}_exposed"] == pytest.approx(breakdown[f"{name}_total"])
     assert math.isclose(metrics["projected_run_step_time_s"]["median"], projection["step_s"])
+
+
+# ---- overlap windows: the run's buckets at the scenario's scale ------------------------------------
+
+RUN_DP = CollectiveCall("all_reduce", DP, 1000, "dp")
+
+
+def bucket(blocks: float, rest: float, embedding: float, launches: float, update_s: float, share: float = 1.0,
+           filled: bool = True, gather: bool = True) -> BucketMeasurement:
+    return BucketMeasurement(
+        RUN_DP, CollectiveCall("all_gather", DP, 500, "dp") if gather else None, share, filled,
+        {"blocks": blocks, "rest": rest, "embedding": embedding, "grad_buffers": launches}, update_s,
+    )
+
+
+# Two filled buckets of block parameters, launched with 0.6 and 0.2 s of the 1.0 s of the blocks' backward
+# left, then the embedding bucket, launched as the backward ends.
+BUCKETS = [bucket(0.6, 0.01, 0.3, 0.02, 0.1), bucket(0.2, 0.01, 0.3, 0.01, 0.2), bucket(0, 0, 0, 0, 0.5, share=0.0)]
+
+
+def test_overlap_windows_at_the_run_scale_are_the_measured_ones():
+    reduces, gathers = scaled_sync_buckets(BUCKETS, blocks_backward_s=1.0)
+    assert [b.window_s for b in reduces] == pytest.approx([0.6 + 0.01 + 0.3 + 0.02, 0.2 + 0.01 + 0.3 + 0.01, 0.0])
+    assert [b.collective for b in reduces] == [Collective("all_reduce", DP, 1000, "grad")] * 3
+    # A gather's window: the updates of the buckets after it.
+    assert [b.window_s for b in gathers] == pytest.approx([0.2 + 0.5, 0.5, 0.0])
+    assert [b.collective.nbytes for b in gathers] == [500] * 3
+
+
+def test_overlap_windows_at_the_scenario_scale_repeat_the_block_buckets():
+    # 3 copies of the run's blocks, 4x the tokens: a block bucket's copy k still has its own blocks' rest
+    # plus 2 - k whole copies of the blocks' backward ahead, each x 4 tokens; the rest, the embedding and
+    # the launches as measured.
+    reduces, gathers = scaled_sync_buckets(BUCKETS, blocks_backward_s=1.0, block_ratio=3, token_ratio=4)
+    first = [(0.6 + 2 - k) * 4 + 0.01 + 0.3 + 0.02 for k in range(3)]  # 10.73, 6.73, 2.73
+    second = [(0.2 + 2 - k) * 4 + 0.01 + 0.3 + 0.01 for k in range(3)]  # 9.12, 5.12, 1.12
+    assert [b.window_s for b in reduces] == pytest.approx(
+        [first[0], second[0], first[1], second[1], first[2], second[2], 0.0]
+    )
+    # Each copy carries one copy's bytes; the embedding bucket keeps its own.
+    assert [b.collective.nbytes for b in reduces] == [1000] * 7
+    # Updates: copy k of the first bucket has the second bucket's (0.2) and 2 - k more copies of both
+    # (0.3 each) ahead, then the embedding's 0.5; copy k of the second: 2 - k copies and the embedding.
+    assert [b.window_s for b in gathers] == pytest.approx([1.3, 1.1, 1.0, 0.8, 0.7, 0.5, 0.0])
+
+
+def test_a_fractional_block_ratio_splits_copies_and_a_mixed_or_open_bucket_stays_whole():
+    # 3.5 copies of the blocks: 4 copies of 3.5 / 4 of the bytes, each copy's blocks x 3.5 / 4.
+    reduces, _ = scaled_sync_buckets([bucket(0.5, 0, 0, 0, 0.1)], blocks_backward_s=1.0, block_ratio=3.5)
+    assert [b.window_s for b in reduces] == pytest.approx([(0.5 + 3 - k) * 3.5 / 4 for k in range(4)])
+    assert [b.collective.nbytes for b in reduces] == [875] * 4
+    # Half block parameters (the embedding with a block's norm): one bucket, its block half x 3;
+    # an unfilled block bucket (open to the end of the walk) also stays one, with all its bytes x 3.
+    mixed = bucket(0.5, 0.1, 0, 0, 0.1, share=0.5)
+    open_bucket = bucket(0.0, 0.1, 0.2, 0, 0.1, filled=False)
+    reduces, gathers = scaled_sync_buckets([mixed, open_bucket], blocks_backward_s=1.0, block_ratio=3, token_ratio=2)
+    assert [(b.window_s, b.collective.nbytes) for b in reduces] == [
+        (pytest.approx(0.5 * 2 * 3 + 0.1), 2000), (pytest.approx(0.1 + 0.2), 3000),
+    ]
+    # The mixed bucket's gather hides under the open bucket's update, which grows x 3 with its bytes.
+    assert [(b.window_s, b.collective.nbytes) for b in gathers] == [(pytest.approx(0.3), 1000), (0.0, 1500)]
+
+
+def test_the_projections_price_the_buckets_instead_of_their_recorded_calls():
+    dense = BucketMeasurement(CollectiveCall("reduce_scatter", DP, 4000, "dp"), None, 1.0, True,
+                              {"blocks": 0.01, "rest": 0.0, "embedding": 0.004, "grad_buffers": 0.0}, 0.01)
+    expert = BucketMeasurement(CollectiveCall("all_reduce", EDP, 6000, "edp"), None, 1.0, True,
+                               {"blocks": 0.0, "rest": 0.0, "embedding": 0.004, "grad_buffers": 0.0}, 0.01)
+    measured = dataclasses.replace(MEASURED, buckets=[dense, expert])
+    step = project_full_scale(measured, SCALE, RUN, FULL, TARGET, tokens_per_step=8 * 16 * 4096, flops_per_token=6e9)
+    # The recorded reductions are the buckets': no "grad" entry is left for the step to price again.
+    assert [c.phase for c in step.per_step] == ["other"]
+    # 8 copies of each bucket (8 blocks of the stage, 1 ran), each with the run's bytes.
+    assert len(step.grad_buckets) == 16 and {b.collective.nbytes for b in step.grad_buckets} == {4000, 6000}
+    rs = ALPHA + 4000 / 2 / INTER
+    ar = 2 * ALPHA + 2 * 6000 / 2 / INTER
+    breakdown = step.projection.breakdown_s
+    assert breakdown["grad_sync_total"] == pytest.approx(8 * (rs + ar))
+    # The blocks' backward of one microbatch: .094 s of the table's block phases over 2 microbatches; x 32
+    # tokens, every copy but the last launches with over a second of backward ahead, far more than the
+    # 10-21 us each collective needs; the last copy of the expert bucket launches with only the embedding's
+    # 4 ms ahead, which still hides it.
+    assert breakdown["grad_sync_exposed"] == 0.0
+    assert breakdown["grad_sync_hidden"] == pytest.approx(8 * (rs + ar))
+    with pytest.raises(RuntimeError, match="missing from the recorded step"):
+        missing = dataclasses.replace(dense, reduce=CollectiveCall("reduce_scatter", DP, 4001, "dp"))
+        project_run_scale(dataclasses.replace(MEASURED, buckets=[missing]), SCALE, TARGET, 1, 1.0)

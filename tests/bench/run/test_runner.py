@@ -64,6 +64,12 @@ def test_suites_resolve_to_existing_scenarios():
     proxies = suite_files("proxy", torch.device("cpu"))
     assert [p.name for p in proxies] == ["moe-1.2t-512gpu-proxy.yaml", "moe-128e-47b-proxy.yaml", "moe-2.38t-proxy.yaml"]
     assert not set(proxies) & set(default)
+    recompute = suite_files("proxy-recompute", torch.device("cpu"))
+    assert sorted(p.name for p in recompute) == [
+        "moe-1.2t-512gpu-recompute-full-proxy.yaml", "moe-1.2t-512gpu-recompute-selective-proxy.yaml",
+        "moe-128e-47b-recompute-full-proxy.yaml", "moe-128e-47b-recompute-selective-proxy.yaml",
+    ]
+    assert not set(recompute) & (set(default) | set(proxies))
     assert set(suite_files("ci", torch.device("cpu"))) <= set(ALL_SCENARIOS)
 
 
