@@ -3,9 +3,10 @@
     python -m bench.validate.compile_speedup [--suite ci | SCENARIO ...] [--pairs 10] [--block-s 1.0]
         [--timeout-s 900] [--device cpu] [--out docs/measurements/compile-speedup-2core-cpu.json]
 
-For each execute scenario, two resident workers (``bench.gate.resident``: one process, or one per
-rank on gloo, each built by ``bench.run.execute.build_trainer``): the scenario with ``run.compile``
-false and true, started one after the other. A worker is ready after its warm-up steps, which on the
+For each execute scenario, two resident workers (``bench.validate.variants`` over
+``bench.gate.resident``: one process, or one per rank on gloo, each built by
+``bench.run.execute.build_trainer``): the scenario with ``run.compile`` false (the base) and true,
+started one after the other. A worker is ready after its warm-up steps, which on the
 compiled side include the compilation; then one step per side sizes the blocks (``--block-s``), one
 unrecorded block per side settles the allocators, and ``--pairs`` pairs of blocks alternate between
 the sides (eager first, then compiled first, and so on), every block replaying the same batches and
@@ -18,7 +19,8 @@ their losses on the probe step (the first after the warm-up) and on the last blo
 a check. They drift apart, fp32 included: the first step's losses agree, but Adam (eps 1e-8) turns
 the rounding differences of near-zero gradients into full-size updates (measured on e8-skewed-fp32:
 0, then 1.7e-5 after one update, 2e-4 on the probe step); ``tests/test_compile.py`` is the
-correctness check.
+correctness check. Each side's peak resident memory over the measured blocks is kept too
+(``peak_rss_mib``, host memory of the whole process, see ``bench.validate.variants``).
 
 Plan scenarios have no execution: they are listed as skipped. Every worker answers within
 ``--timeout-s`` or is killed with its ranks, and the scenario is recorded as failed.
@@ -27,111 +29,66 @@ Plan scenarios have no execution: they are listed as skipped. Every worker answe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
-import os
-import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-import yaml
 
-from bench.gate import paired
-from bench.gate.resident import ResidentSide, WorkerDied
+from bench.gate.resident import ResidentSide
 from bench.machine import machine_info
 from bench.release.version import engine_info
-from bench.results import REPO_ROOT, utc_now
+from bench.results import utc_now
 from bench.run.runner import load_all, suite_files
-from bench.scenario import Scenario, scenario_from_dict
+from bench.scenario import Scenario
+from bench.validate import variants
+from bench.validate.variants import Variant
 
-VARIANTS = (("eager", False), ("compiled", True))
+EAGER = Variant("eager", {"run": {"compile": False}})
+COMPILED = Variant("compiled", {"run": {"compile": True}})
 
 
 def variant(scenario: Scenario, compiled: bool) -> Scenario:
     """The scenario as its file says it, with ``run.compile`` set; no file, so the workers take this spec."""
-    spec = yaml.safe_load(Path(scenario.file).read_text()) if scenario.file else dict(scenario.spec)
-    spec["name"] = scenario.name
-    spec["run"] = {**spec.get("run", {}), "compile": compiled}
-    return scenario_from_dict(spec)
+    return variants.patched(scenario, (COMPILED if compiled else EAGER).patch)
 
 
 def speedup_summary(eager_s: list[float], compiled_s: list[float]) -> dict[str, Any]:
     """Per-pair speed-ups (eager / compiled seconds), their median, range and quartiles, and the
     Hodges-Lehmann estimate of the speed-up with its 95% interval."""
-    ratios = [e / c for e, c in zip(eager_s, compiled_s)]
-    summary: dict[str, Any] = {"per_pair": ratios, "median": statistics.median(ratios), "min": min(ratios),
-                               "max": max(ratios)}
-    if len(ratios) >= 2:
-        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-        estimate = paired.hodges_lehmann(paired.log_ratios(compiled_s, eager_s))
-        summary.update(quartiles=[q1, q3], hodges_lehmann=math.exp(estimate.estimate),
-                       interval_95=[math.exp(estimate.low), math.exp(estimate.high)])
-    return summary
+    return variants.ratio_summary(eager_s, compiled_s)
 
 
 def measure(scenario: Scenario, device: str, pairs: int, block_s: float, timeout_s: float,
-            log: Callable[[str], None]) -> dict[str, Any]:
+            log: Callable[[str], None], side_factory: Callable[..., Any] = ResidentSide) -> dict[str, Any]:
     """One scenario's paired blocks, compiled against eager (see the module docstring)."""
-    row: dict[str, Any] = {"scenario": scenario.name, "file": str(scenario.file), "mode": scenario.mode}
-    if scenario.mode != "execute":
-        log(f"{scenario.name}: skipped, a {scenario.mode} scenario has no execution")
-        return {**row, "status": "skipped", "reason": f"a {scenario.mode} scenario has no execution"}
-    row["world_size"] = scenario.world_size
-    with contextlib.ExitStack() as stack:
-        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-inductor-cache-"))
-        # The workers inherit it: every scenario compiles from an empty cache.
-        stack.enter_context(mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": cache}))
-        sides, ready_s = {}, {}
-        try:
-            for label, compiled in VARIANTS:
-                log(f"{scenario.name}: starting the {label} worker ({scenario.world_size} rank(s))")
-                started = time.monotonic()
-                sides[label] = stack.enter_context(
-                    ResidentSide(label, REPO_ROOT, variant(scenario, compiled), device, timeout_s))
-                ready_s[label] = time.monotonic() - started
-                log(f"{scenario.name}: {label} worker ready in {ready_s[label]:.1f} s")
-            probe = {label: side.block(1) for label, side in sides.items()}
-            probe_losses = {label: side.last_losses for label, side in sides.items()}
-            steps = max(1, round(block_s / min(probe.values())))
-            for side in sides.values():
-                side.block(steps)
-            times: dict[str, list[float]] = {label: [] for label in sides}
-            for index in range(pairs):
-                order = list(sides) if index % 2 == 0 else list(reversed(sides))
-                for label in order:
-                    times[label].append(sides[label].block(steps))
-                log(f"{scenario.name}: pair {index + 1}/{pairs}: eager {times['eager'][-1]:.3f} s, "
-                    f"compiled {times['compiled'][-1]:.3f} s ({steps} steps each)")
-        except WorkerDied as err:
-            log(f"{scenario.name}: failed: {err}")
-            return {**row, "status": "failed", "error": str(err), "ready_s": ready_s}
-        last_losses = {label: side.last_losses for label, side in sides.items()}
-    tokens = steps * scenario.run["tokens_per_step"]
-    speedup = speedup_summary(times["eager"], times["compiled"])
-    probe_gap = loss_gap(probe_losses)
-    log(f"{scenario.name}: speed-up x{speedup['median']:.3f} (median of {pairs} pairs, "
-        f"{speedup['min']:.3f} to {speedup['max']:.3f}); compile {ready_s['compiled'] - ready_s['eager']:.1f} s; "
-        f"probe step losses {probe_gap:.1e} apart")
+    row = variants.measure(scenario, EAGER, [COMPILED], device, pairs, block_s, timeout_s, log, side_factory)
+    common = {key: row[key] for key in ("scenario", "file", "mode", "world_size", "status") if key in row}
+    if row["status"] == "skipped":
+        return {**common, "reason": row["reason"]}
+    if row["status"] == "failed":
+        return {**common, "error": row["error"], "ready_s": row["ready_s"]}
+    ready_s = row["ready_s"]
+    compile_s = ready_s["compiled"] - ready_s["eager"]
+    log(f"{scenario.name}: compile {compile_s:.1f} s; probe step losses "
+        f"{row['probe_loss_rel_diff']['compiled']:.1e} apart")
     return {
-        **row, "status": "ok", "steps_per_block": steps, "tokens_per_step": scenario.run["tokens_per_step"],
-        "eager_block_s": times["eager"], "compiled_block_s": times["compiled"], "speedup": speedup,
-        "tokens_per_s_median": {label: tokens / statistics.median(t) for label, t in times.items()},
-        "ready_s": ready_s, "compile_s": ready_s["compiled"] - ready_s["eager"],
-        "probe_losses": probe_losses, "probe_loss_rel_diff": probe_gap,
-        "last_block_losses": last_losses, "last_block_loss_max_rel_diff": loss_gap(last_losses),
+        **common, "steps_per_block": row["steps_per_block"], "tokens_per_step": row["tokens_per_step"],
+        "eager_block_s": row["base_block_s"]["compiled"], "compiled_block_s": row["block_s"]["compiled"],
+        "speedup": row["ratios"]["compiled"], "tokens_per_s_median": row["tokens_per_s_median"],
+        "ready_s": ready_s, "compile_s": compile_s,
+        "probe_losses": row["probe_losses"], "probe_loss_rel_diff": row["probe_loss_rel_diff"]["compiled"],
+        "last_block_losses": row["last_block_losses"],
+        "last_block_loss_max_rel_diff": row["last_block_loss_max_rel_diff"]["compiled"],
+        "peak_rss_mib": row["peak_rss_mib"], "peak_rss_since": row["peak_rss_since"], "order": row["order"],
     }
 
 
 def loss_gap(losses: dict[str, list[float]]) -> float:
     """The largest relative difference between the compiled and the eager side's losses of a block."""
-    return max(abs(c - e) / abs(e) for e, c in zip(losses["eager"], losses["compiled"]))
+    return variants.loss_gap(losses["eager"], losses["compiled"])
 
 
 def render(rows: list[dict[str, Any]]) -> str:
