@@ -29,19 +29,12 @@ Plan scenarios have no execution: they are listed as skipped. Every worker answe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import torch
 
 from bench.gate.resident import ResidentSide
-from bench.machine import machine_info
-from bench.release.version import engine_info
-from bench.results import utc_now
-from bench.run.runner import load_all, suite_files
 from bench.scenario import Scenario
 from bench.validate import variants
 from bench.validate.variants import Variant
@@ -110,38 +103,19 @@ def render(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.validate.compile_speedup", description=__doc__.split("\n")[0])
-    parser.add_argument("scenarios", nargs="*", help="scenario files (default: the --suite)")
-    parser.add_argument("--suite", default="ci")
-    parser.add_argument("--pairs", type=int, default=10, help="timed block pairs per scenario")
-    parser.add_argument("--block-s", type=float, default=1.0, help="seconds a block aims at")
-    parser.add_argument("--timeout-s", type=float, default=900.0,
-                        help="seconds a worker may take to answer (its start, with the compilation, included)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", help="write the measurement here (JSON)")
+    variants.add_run_arguments(
+        parser, "seconds a worker may take to answer (its start, with the compilation, included)"
+    )
     args = parser.parse_args(argv)
-    if args.pairs < 1 or args.block_s <= 0:
-        parser.error("--pairs must be >= 1 and --block-s > 0")
-    files = [Path(f) for f in args.scenarios] or suite_files(args.suite, torch.device(args.device))
-    scenarios = load_all(files)
-    log = lambda line: print(line, flush=True)
-    rows = []
-    for index, scenario in enumerate(scenarios, 1):
-        log(f"[{index}/{len(scenarios)}] {scenario.name}")
-        rows.append(measure(scenario, args.device, args.pairs, args.block_s, args.timeout_s, log))
+    rows = variants.run_suite(
+        parser, args,
+        lambda scenario, log: measure(scenario, args.device, args.pairs, args.block_s, args.timeout_s, log),
+    )
     table = render(rows)
     print(table)
-    if args.out:
-        document = {
-            "command": " ".join(["python -m bench.validate.compile_speedup", *argv]),
-            "measured_at": utc_now(), "machine": machine_info(), "engine": engine_info(),
-            "settings": {"suite": None if args.scenarios else args.suite, "pairs": args.pairs,
-                         "block_s": args.block_s, "timeout_s": args.timeout_s, "device": args.device},
-            "scenarios": rows, "table": table,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
-        log(f"wrote {args.out}")
-    return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1
+    return variants.write_measurement(
+        args, " ".join(["python -m bench.validate.compile_speedup", *argv]), rows, {}, table=table
+    )
 
 
 if __name__ == "__main__":

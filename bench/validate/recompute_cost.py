@@ -35,17 +35,10 @@ for a one-rank scenario, 8 GiB for the 2-rank one); ``--variants`` measures fewe
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.machine import machine_info
-from bench.release.version import engine_info
-from bench.results import utc_now
-from bench.run.runner import load_all, suite_files
 from bench.validate import variants
 from bench.validate.variants import Variant
 
@@ -82,52 +75,36 @@ def control_note(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench.validate.recompute_cost", description=__doc__.split("\n")[0])
-    parser.add_argument("scenarios", nargs="*", help="scenario files (default: the --suite)")
-    parser.add_argument("--suite", default="ci")
-    parser.add_argument("--pairs", type=int, default=10, help="rounds: timed block pairs per variant and scenario")
-    parser.add_argument("--block-s", type=float, default=1.0, help="seconds a block aims at")
+    variants.add_run_arguments(
+        parser, "seconds a worker may take to answer (its start, and its wait while the others run)"
+    )
     parser.add_argument("--variants", nargs="+", choices=[v.name for v in MODES], metavar="NAME",
                         help=f"recompute variants to measure (default: all of {', '.join(v.name for v in MODES)})")
     parser.add_argument("--no-control", action="store_true", help=f"leave out the A/A control ({CONTROL.name})")
-    parser.add_argument("--timeout-s", type=float, default=900.0,
-                        help="seconds a worker may take to answer (its start, and its wait while the others run)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", help="write the measurement here (JSON)")
     args = parser.parse_args(argv)
-    if args.pairs < 1 or args.block_s <= 0:
-        parser.error("--pairs must be >= 1 and --block-s > 0")
     chosen = [v for v in MODES if args.variants is None or v.name in args.variants]
     if not args.no_control:
         chosen.append(CONTROL)
-    files = [Path(f) for f in args.scenarios] or suite_files(args.suite, torch.device(args.device))
-    scenarios = load_all(files)
-    log = lambda line: print(line, flush=True)
-    rows = []
-    for index, scenario in enumerate(scenarios, 1):
-        log(f"[{index}/{len(scenarios)}] {scenario.name}")
-        rows.append(variants.measure(scenario, BASE, chosen, args.device, args.pairs, args.block_s,
-                                     args.timeout_s, log))
+    rows = variants.run_suite(
+        parser, args,
+        lambda scenario, log: variants.measure(
+            scenario, BASE, chosen, args.device, args.pairs, args.block_s, args.timeout_s, log
+        ),
+    )
     table = variants.render(rows, control=CONTROL.name)
     note = control_note(rows)
     print(table)
     print(note)
-    if args.out:
-        document = {
-            "command": " ".join(["python -m bench.validate.recompute_cost", *argv]),
-            "measured_at": utc_now(), "machine": machine_info(), "engine": engine_info(),
-            "settings": {"suite": None if args.scenarios else args.suite, "pairs": args.pairs,
-                         "block_s": args.block_s, "timeout_s": args.timeout_s, "device": args.device,
-                         "base": {"name": BASE.name, "patch": BASE.patch},
-                         "variants": [{"name": v.name, "patch": v.patch} for v in chosen],
-                         "control": None if args.no_control else CONTROL.name},
-            "ratio": "base seconds / variant seconds per block pair: the variant's throughput over none's "
-                     "(below 1: slower)",
-            "control_note": note, "scenarios": rows, "table": table,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
-        log(f"wrote {args.out}")
-    return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1
+    settings = {
+        "base": {"name": BASE.name, "patch": BASE.patch},
+        "variants": [{"name": v.name, "patch": v.patch} for v in chosen],
+        "control": None if args.no_control else CONTROL.name,
+    }
+    ratio = "base seconds / variant seconds per block pair: the variant's throughput over none's (below 1: slower)"
+    return variants.write_measurement(
+        args, " ".join(["python -m bench.validate.recompute_cost", *argv]), rows, settings,
+        ratio=ratio, control_note=note, table=table,
+    )
 
 
 if __name__ == "__main__":

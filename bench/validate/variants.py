@@ -274,3 +274,61 @@ def render(rows: list[dict[str, Any]], control: str | None = None) -> str:
                          f"| {s['min']:.3f} to {s['max']:.3f} | {_interval(s, 'quartiles')} "
                          f"| {_interval(s, 'interval_95')} | {memory} |")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The command line both entry points share
+# --------------------------------------------------------------------------------------------
+
+
+def add_run_arguments(parser, timeout_help: str) -> None:
+    """Scenarios or a suite, pairs, block length, timeout, device and output file."""
+    parser.add_argument("scenarios", nargs="*", help="scenario files (default: the --suite)")
+    parser.add_argument("--suite", default="ci")
+    parser.add_argument("--pairs", type=int, default=10, help="rounds: timed block pairs per variant and scenario")
+    parser.add_argument("--block-s", type=float, default=1.0, help="seconds a block aims at")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help=timeout_help)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", help="write the measurement here (JSON)")
+
+
+def run_suite(parser, args, measure_one: Callable[[Scenario, Callable[[str], None]], dict[str, Any]]) -> list[dict]:
+    """Check the shared arguments, then measure every scenario in order; one row each."""
+    import torch
+
+    from bench.run.runner import load_all, suite_files
+
+    if args.pairs < 1 or args.block_s <= 0:
+        parser.error("--pairs must be >= 1 and --block-s > 0")
+    files = [Path(f) for f in args.scenarios] or suite_files(args.suite, torch.device(args.device))
+    scenarios = load_all(files)
+    rows = []
+    for index, scenario in enumerate(scenarios, 1):
+        log(f"[{index}/{len(scenarios)}] {scenario.name}")
+        rows.append(measure_one(scenario, log))
+    return rows
+
+
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
+def write_measurement(args, command: str, rows: list[dict], settings: Mapping[str, Any], **extra: Any) -> int:
+    """Write the measurement document (when ``--out`` was given); the exit code of the rows."""
+    import json
+
+    from bench.machine import machine_info
+    from bench.release.version import engine_info
+    from bench.results import utc_now
+
+    if args.out:
+        document = {
+            "command": command, "measured_at": utc_now(), "machine": machine_info(), "engine": engine_info(),
+            "settings": {"suite": None if args.scenarios else args.suite, "pairs": args.pairs,
+                         "block_s": args.block_s, "timeout_s": args.timeout_s, "device": args.device, **settings},
+            **extra, "scenarios": rows,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
+        log(f"wrote {args.out}")
+    return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1
