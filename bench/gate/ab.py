@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator
 
 from bench.gate import paired
 from bench.gate.compare import (
+    NOISE_FLOORS,
     classify,
     format_noise,
     format_number,
@@ -122,7 +123,7 @@ class PairedMetric:
     ratio: float
     """Median of ``ratios``."""
     noise: float
-    """Interquartile range of ``ratios``; 0 when ``exact``."""
+    """Interquartile range of ``ratios`` (0 when ``exact``), at least the metric's ``NOISE_FLOORS`` entry."""
     verdict: str
     """regressed, improved, unchanged or info (``bench.gate.compare.classify``), or accepted: an exact
     metric's regression that the job accepts (``--accept-increase``)."""
@@ -176,7 +177,7 @@ class ABReport:
             for r in self.resident if r.estimate is not None
         ] + [
             (m.scenario, m.metric, m.unit, format_number(m.base), format_number(m.cand), format_ratio(m.ratio),
-             "exact" if m.exact else format_percent(m.noise, 1), f"{len(m.ratios)} run(s)", m.verdict)
+             "exact" if m.exact and not m.noise else format_percent(m.noise, 1), f"{len(m.ratios)} run(s)", m.verdict)
             for m in self.metrics
         ]
         widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
@@ -214,6 +215,7 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
         noise = q3 - q1
         if math.isnan(noise):  # inf - inf: unbounded
             noise = math.inf
+    noise = max(noise, NOISE_FLOORS.get(name, 0.0))
     better = pairs[-1][1]["better"]
     _, verdict = classify(ratio, noise, better, tolerance)
     return PairedMetric(

@@ -179,6 +179,24 @@ def test_single_sample_metric_is_gated_as_an_exact_value():
     assert any(line.split()[-4:] == ["exact", "3", "run(s)", "regressed"] for line in text.splitlines())
 
 
+def test_rss_is_gated_above_its_measured_noise_floor():
+    """One RSS sample per run, at tolerance 3%: +5.4% (an A/A spread seen on a 2-core CPU machine) is
+    unchanged under the 10% floor, +15% regresses; peak_tensor_bytes at +5.4% still regresses."""
+    def side(name: str, value: float) -> SideRun:
+        return SideRun("ok", None, {name: metric([value], "bytes", "lower")}, "0.1.0")
+
+    def gate(name: str, cand: float):
+        return paired_gate({"s": [(side(name, 100.0), side(name, cand))]}, 0.03, exact_only=True)
+
+    within = gate("rss_peak_bytes", 105.4)
+    assert within.exit_code == 0 and within.metrics[0].verdict == "unchanged"
+    assert within.metrics[0].exact and within.metrics[0].noise == pytest.approx(0.10)
+    leak = gate("rss_peak_bytes", 115.0)
+    assert leak.exit_code == 1
+    assert "REGRESSION s rss_peak_bytes: x1.150 (tolerance 3%, noise 10.0%)" in leak.render()
+    assert gate("peak_tensor_bytes", 105.4).exit_code == 1
+
+
 def test_an_unreadable_side_result_is_a_failed_run(tmp_path, tiny, monkeypatch):
     """A side that leaves a truncated result file fails that run, naming the file; nothing raises."""
     from bench.gate import ab

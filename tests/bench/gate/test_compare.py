@@ -422,6 +422,17 @@ def test_single_sample_metrics_are_compared_as_exact_values(tmp_path):
                for line in table.splitlines())
 
 
+def test_rss_has_a_noise_floor_in_the_result_gate(tmp_path):
+    """``moe-bench gate`` on one-sample RSS: +6% at tolerance 5% is inside the 10% floor, +12% is not."""
+    def runs(value):
+        return [make_doc(metrics={"rss_peak_bytes": metric([value], "bytes", "lower")})]
+
+    within = row_of(run_gate(tmp_path / "a", runs(100.0), runs(106.0), tolerance=0.05), "rss_peak_bytes")
+    assert within.verdict == "unchanged" and within.noise == pytest.approx(0.10)
+    leak = run_gate(tmp_path / "b", runs(100.0), runs(112.0), tolerance=0.05)
+    assert row_of(leak, "rss_peak_bytes").verdict == "regressed" and leak.exit_code == 1
+
+
 def test_pooled_single_sample_runs_stay_exact(tmp_path):
     """Peak memory +6% at tolerance 5% regresses, though the noise of a timing would have hidden it.
 
