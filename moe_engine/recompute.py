@@ -32,10 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moe_engine.config import RecomputeConfig, RecomputeMode, RecomputePart
-from moe_engine.moe.layer import MoELayer
-
-# The MoE layer's per-forward statistics that a recompute must leave as the real forward left them.
-_LAYER_STATS = ("last_router_loss", "last_counts_E", "last_dropped")
+from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace, routing_streams
 
 
 def _checkpointed(forward, context_fn=None):
@@ -54,35 +51,20 @@ def _replay_context(block: nn.Module):
     """``context_fn`` for a fully recomputed block: forward saves the routing streams, recompute replays them."""
     layers = [m for m in block.modules() if isinstance(m, MoELayer)]
 
-    def routers():
-        # Looked up per step: a proxy's dispatcher (with its peers' routers) is set after the build.
-        return [r for layer in layers for r in (layer.router, *layer.dispatcher.routing_streams())]
-
     def context_fn():
         at_forward: list = []
 
         @contextlib.contextmanager
         def forward_context():
-            at_forward[:] = [router.routing_state() for router in routers()]
+            at_forward[:] = [router.routing_state() for router in routing_streams(layers)]
             yield
 
         @contextlib.contextmanager
         def recompute_context():
-            streams = routers()
-            now = [router.routing_state() for router in streams]
-            stats = [(layer.tokens_per_expert.clone(), [getattr(layer, a) for a in _LAYER_STATS]) for layer in layers]
-            for router, state in zip(streams, at_forward):
-                router.set_routing_state(state)
-            try:
-                yield
-            finally:
-                for router, state in zip(streams, now):
+            with forward_leaves_no_trace(layers):
+                for router, state in zip(routing_streams(layers), at_forward):
                     router.set_routing_state(state)
-                with torch.no_grad():
-                    for layer, (counts, values) in zip(layers, stats):
-                        layer.tokens_per_expert.copy_(counts)
-                        for name, value in zip(_LAYER_STATS, values):
-                            setattr(layer, name, value)
+                yield
 
         return forward_context(), recompute_context()
 

@@ -237,6 +237,7 @@ class GroupedExperts(nn.Module):
         self.backend = BACKENDS[ExpertBackendKind(backend)]()
         # Global indices of the experts held here (all of them until sharded for expert parallelism).
         self.global_experts = range(num_experts)
+        self.total_experts = num_experts
 
     @property
     def num_experts(self) -> int:

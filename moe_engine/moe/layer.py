@@ -6,6 +6,9 @@ default, or a block of them per rank under expert parallelism (``enable_expert_p
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,3 +106,33 @@ class MoELayer(nn.Module):
         """Apply the aux-loss-free bias rule to the loads seen since the last call, then reset them."""
         self.router.update_expert_bias(self.tokens_per_expert)
         self.tokens_per_expert.zero_()
+
+
+# What a forward of an MoE layer advances beyond its outputs, besides the routing streams.
+_LAYER_STATS = ("last_router_loss", "last_counts_E", "last_dropped")
+
+
+def routing_streams(layers: Sequence[MoELayer]) -> list[Router]:
+    """Every router whose random stream a forward of ``layers`` draws from: their own, and a proxy's
+    simulated peers' (looked up now: a proxy's dispatcher is set after the build)."""
+    return [r for layer in layers for r in (layer.router, *layer.dispatcher.routing_streams())]
+
+
+@contextlib.contextmanager
+def forward_leaves_no_trace(layers: Sequence[MoELayer]) -> Iterator[None]:
+    """Forwards of ``layers`` inside the block draw no routes and count no load, as far as anything
+    after it can tell: the routing streams, the load counts (for the expert bias) and the last
+    forward's statistics are put back on exit."""
+    streams = routing_streams(layers)
+    states = [router.routing_state() for router in streams]
+    stats = [(layer.tokens_per_expert.clone(), [getattr(layer, a) for a in _LAYER_STATS]) for layer in layers]
+    try:
+        yield
+    finally:
+        for router, state in zip(streams, states):
+            router.set_routing_state(state)
+        with torch.no_grad():
+            for layer, (counts, values) in zip(layers, stats):
+                layer.tokens_per_expert.copy_(counts)
+                for name, value in zip(_LAYER_STATS, values):
+                    setattr(layer, name, value)

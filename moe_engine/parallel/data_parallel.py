@@ -157,6 +157,10 @@ class _Segment:
     """View of the reduced gradient (the gradient buffer's dtype)."""
     master_N: torch.Tensor
     """fp32 master: ``param_N`` itself for fp32 parameters, else an fp32 copy."""
+    param: nn.Parameter
+    """The parameter the segment is part of."""
+    start: int
+    """Where the segment starts among the parameter's elements (flattened)."""
 
 
 @dataclass(eq=False)
@@ -330,7 +334,7 @@ def _segments(bucket: _Bucket) -> list[_Segment]:
         param_N = bucket.param_N[lo:hi]
         grad_N = bucket.grad_shard_M[lo - share.start : hi - share.start]
         master_N = param_N if param_N.dtype == torch.float32 else param_N.float()
-        segments.append(_Segment(bucket.family, param.ndim >= 2, param_N, grad_N, master_N))
+        segments.append(_Segment(bucket.family, param.ndim >= 2, param_N, grad_N, master_N, param, lo - start))
     return segments
 
 

@@ -25,8 +25,21 @@ from torch.distributed.pipelining import (
 
 from moe_engine.config import ParallelConfig, PipelineSchedule
 from moe_engine.model import Transformer
-from moe_engine.moe.layer import MoELayer
+from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
 from moe_engine.parallel.layout import stage_blocks
+
+
+class _Stage(PipelineStage):
+    """A ``PipelineStage`` whose shape inference leaves no trace on the MoE layers.
+
+    On its first step a stage runs its module once more, on the first microbatch, to learn what it
+    sends. That forward would draw routes from the random and skewed streams (and count load): a
+    run resumed from a checkpoint, whose first step infers again, would then route otherwise than
+    the run it continues."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with forward_leaves_no_trace([m for m in self.submod.modules() if isinstance(m, MoELayer)]):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
 
 class StageModule(nn.Module):
@@ -92,7 +105,7 @@ class Pipeline:
         bounds = stage_blocks(len(model.blocks), config.num_stages)
         self.modules = [StageModule(model, bounds[s]) for s in stage_indices]
         self.stages = [
-            PipelineStage(module, s, config.num_stages, device, group=group)
+            _Stage(module, s, config.num_stages, device, group=group)
             for module, s in zip(self.modules, stage_indices)
         ]
         self.parameters_module = StageParameters(self.modules)
