@@ -45,14 +45,21 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         problem = _unwritable(Path(args.out))
         if problem:
             return _fail(problem)
+    resume: dict[str, Path] = {}
+    if not plan_only:
+        try:
+            resume = _checkpoint_checks(scenarios, getattr(args, "resume", None), Path(args.out))
+        except ValueError as err:
+            return _fail(str(err))
     if launch is not None:
         # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
         device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
         if launch.rank != 0:
-            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force).run(scenarios)
+            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force,
+                   resume=resume).run(scenarios)
             leave_launch()
             return EXIT_OK
-    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force)
+    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force, resume=resume)
     outcomes = runner.run(scenarios)
     if launch is not None:
         leave_launch()
@@ -68,6 +75,26 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     if getattr(args, "plots", False):
         _plot_after_run(Path(args.out))
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _checkpoint_checks(scenarios, resume: str | bool | None, out_root: Path) -> dict[str, Path]:
+    """Before any step: the checkpoint each scenario resumes from (complete, of its model), and folders
+    that can take checkpoints without writing over an earlier run's. Raises ValueError (one line)."""
+    from bench.run.checkpointing import check_writable, model_dict, policy_for, resolve_resume
+
+    executes = [s for s in scenarios if s.mode == "execute"]
+    given = resume if isinstance(resume, str) else None
+    if given is not None and len(executes) != 1:
+        raise ValueError(f"--resume {given}: names one checkpoint, for exactly one execute scenario "
+                         f"({len(executes)} given)")
+    targets: dict[str, Path] = {}
+    for scenario in executes:
+        policy = policy_for(scenario.spec, out_root)
+        if resume is not None:
+            targets[scenario.name] = resolve_resume(scenario.spec, model_dict(scenario.model), policy, given)
+        if policy is not None:
+            check_writable(policy, resuming=resume is not None)
+    return targets
 
 
 def _unwritable(out_root: Path) -> str | None:
@@ -386,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true",
                      help="start execute scenarios whose plan needs more memory than the device has (default: "
                           "recorded oom without starting)")
+    run.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                     help="continue each execute scenario from the latest complete checkpoint in its checkpoint "
+                          "folder, or (one scenario) from PATH: a checkpoint, or a folder of them")
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser(

@@ -127,6 +127,10 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
     _fill_defaults(spec, schema)
     if spec.get("cluster"):
         _fill_defaults(spec["cluster"], schema["properties"]["cluster"])
+    if spec.get("checkpoint"):
+        if spec["mode"] != "execute":
+            raise ScenarioError(file, "checkpoint", f"only an execute scenario saves checkpoints (mode is {spec['mode']})")
+        _fill_defaults(spec["checkpoint"], schema["properties"]["checkpoint"])
     if spec["mode"] == "proxy":
         spec.setdefault("proxy", {})
         _fill_defaults(spec["proxy"], schema["properties"]["proxy"])

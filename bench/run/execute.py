@@ -10,6 +10,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -18,7 +19,16 @@ import torch.distributed as dist
 from bench.results import metric
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.run.work import count_step_work, work_metrics
+from bench.run.checkpointing import (
+    Checkpointer,
+    CheckpointPolicy,
+    append_journal,
+    checkpoint_metrics,
+    history,
+    model_dict,
+)
 from bench.scenario import Scenario
+from moe_engine import checkpoint
 from moe_engine.flops import recompute_flops_per_token, training_flops_per_token
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.groups import ProcessGroups
@@ -57,19 +67,45 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float
     return 2 * n**3 * runs / (time.perf_counter() - start) / 1e12
 
 
-def _batches(scenario: Scenario, device: torch.device, dp_rank: int = 0):
+class TokenBatches:
     """Seeded random token batches, a fresh global batch every step; this rank's data-parallel share.
 
-    Every rank draws the same global batch, so every layout trains on the same data.
+    Every rank draws the same global batch, so every layout trains on the same data. ``state`` is the
+    stream's position (a checkpoint keeps it), ``restore`` goes back to one.
     """
-    model, dp = scenario.model, scenario.parallel_config.dp
-    sequences = scenario.run["tokens_per_step"] // model.seq_len
-    per_rank = sequences // dp
-    generator = torch.Generator().manual_seed(scenario.spec["routing"]["seed"] + 12345)
-    while True:
-        tokens = torch.randint(0, model.vocab_size, (sequences, model.seq_len + 1), generator=generator)
-        tokens = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank].to(device)
-        yield tokens[:, :-1], tokens[:, 1:]
+
+    def __init__(self, scenario: Scenario, device: torch.device, dp_rank: int = 0):
+        model, dp = scenario.model, scenario.parallel_config.dp
+        self.sequences, self.seq_len, self.vocab = scenario.run["tokens_per_step"] // model.seq_len, model.seq_len, model.vocab_size
+        self.rows = slice(dp_rank * (self.sequences // dp), (dp_rank + 1) * (self.sequences // dp))
+        self.device = device
+        self.generator = torch.Generator().manual_seed(scenario.spec["routing"]["seed"] + 12345)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, self.vocab, (self.sequences, self.seq_len + 1), generator=self.generator)
+        tokens = tokens[self.rows].to(self.device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def restore(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+@dataclass(frozen=True)
+class CheckpointRun:
+    """What the runner asks of this run's checkpoints."""
+
+    policy: CheckpointPolicy | None
+    """When and where to save (the scenario's checkpoint section); None: no saves."""
+    resume: Path | None
+    """The checkpoint to start from; None: from the first step."""
+    attempt: int = 1
+    """This attempt's number in the scenario's journal."""
 
 
 @dataclass
@@ -98,17 +134,19 @@ def execute(
     progress: Callable[[str], None] = lambda line: None,
     groups: ProcessGroups | None = None,
     peak_tflops_fp8: float | None = None,
+    checkpointing: CheckpointRun | None = None,
 ) -> ExecuteResult | None:
     """Run the scenario on this rank; every rank of a layout calls it. Rank 0 returns the result.
 
     ``peak_tflops`` is the device's dense BF16 peak (``mfu``), ``peak_tflops_fp8`` its FP8 peak
     (``mfu_fp8``, reported for MXFP8 runs); either may be None, and its MFU is then left out.
+    ``checkpointing``: the checkpoints to take, and the one to resume from (``bench.run.checkpointing``).
     """
     run, config, parallel = scenario.run, scenario.model, scenario.parallel_config
     rank = groups.coords.rank if groups else 0
     rank_model, trainer = build_trainer(scenario, groups, device)
     moe_layers = {_block_index(name): m for name, m in rank_model.module.named_modules() if isinstance(m, MoELayer)}
-    batches = _batches(scenario, device, groups.coords.dp_rank if groups else 0)
+    batches = TokenBatches(scenario, device, groups.coords.dp_rank if groups else 0)
     tokens_per_step = run["tokens_per_step"]
     world = scenario.world_size
     flops_per_token = training_flops_per_token(config, config.seq_len)
@@ -119,8 +157,9 @@ def execute(
 
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
     total_steps = run["warmup_steps"] + run["steps"] * run["repeats"]
+    ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing, progress)
     losses, grad_norms = [], []
-    for step in range(total_steps):
+    for step in range(ckpt.start_step, total_steps):
         tokens, labels = next(batches)
         measured = step >= run["warmup_steps"]
         synchronize(device)
@@ -135,12 +174,14 @@ def execute(
         loss_value = _global_loss(loss, groups, parallel.dp)
         if not math.isfinite(loss_value):
             raise NonFiniteLoss(f"loss is {loss_value} at step {step}")
+        grad_norm = None
         if measured:
             record.step_times.append(elapsed)
             losses.append(loss_value)
             if trainer.last_grad_norm is not None:
                 # Read after the timed region: the norm stays on the device during the step.
-                grad_norms.append(float(trainer.last_grad_norm))
+                grad_norm = float(trainer.last_grad_norm)
+                grad_norms.append(grad_norm)
             for index, layer in moe_layers.items():
                 record.counts[index].append(layer.last_counts_E.tolist())
             record.dropped.append(sum(int(layer.last_dropped) for layer in moe_layers.values()))
@@ -149,7 +190,9 @@ def execute(
                 f"step {step + 1}/{total_steps} {'measured' if measured else 'warm-up'} "
                 f"loss {loss_value:.4f} time {elapsed:.3f}s"
             )
+        ckpt.step_done(step, measured, loss_value, elapsed, grad_norm)
 
+    saves = ckpt.finish()
     record.memory = _measure_memory(trainer, batches, device)
     rank_tokens = tokens_per_step // parallel.dp
     record.work = _measure_work(scenario, trainer, rank_model, device, groups, flops_per_token * rank_tokens)
@@ -160,8 +203,11 @@ def execute(
     if rank != 0:
         return None
 
-    # A step takes as long as its slowest rank.
-    step_times = [max(r.step_times[i] for r in records) for i in range(len(record.step_times))]
+    # A step takes as long as its slowest rank; a resumed run's earlier steps come from the journal.
+    prior = [e for e in ckpt.prior_steps if e["measured"]]
+    step_times = [e["time_s"] for e in prior] + [max(r.step_times[i] for r in records) for i in range(len(record.step_times))]
+    losses = [e["loss"] for e in prior] + losses
+    grad_norms = [e["grad_norm"] for e in prior if e.get("grad_norm") is not None] + grad_norms
     result = ExecuteResult()
     m = result.metrics
     m["step_time_s"] = metric(step_times, "s", "lower")
@@ -190,6 +236,9 @@ def execute(
     m["optimizer_state_bytes"] = metric([max(r.optimizer_state_bytes for r in records)], "bytes", "lower")
     # The work of the whole step: every rank's counts summed (per rank in details.work).
     m.update(work_metrics([r.work for r in records], flops_per_token * tokens_per_step))
+    for key, samples in checkpoint_metrics(saves, ckpt.load_s).items():
+        unit = "bytes" if key.endswith("bytes_per_rank") or key.endswith("bytes_total") else "s"
+        m[key] = metric(samples, unit, "lower")
     result.details.update(
         flops_per_token=flops_per_token,
         recompute_flops_per_token=recompute_flops,
@@ -208,7 +257,87 @@ def execute(
         per_rank=[_rank_details(r, groups) for r in records],
         work={"step": WORK_STEP, "ranks": [{"rank": r.rank, **r.work} for r in records]},
     )
+    if ckpt.active:
+        result.details["checkpoint"] = ckpt.details(saves)
     return result
+
+
+class _CheckpointSession:
+    """One run's checkpoints: the load it starts from, the saves it takes, its journal lines (rank 0)."""
+
+    def __init__(self, scenario: Scenario, trainer: ParallelTrainer, groups, batches: TokenBatches,
+                 run: CheckpointRun | None, progress: Callable[[str], None]):
+        self.run, self.trainer, self.batches, self.progress = run, trainer, batches, progress
+        self.rank = groups.coords.rank if groups else 0
+        self.active = run is not None and (run.policy is not None or run.resume is not None)
+        self.start_step, self.load_s, self.prior_steps, self.earlier_attempts = 0, None, [], []
+        self.checkpointer: Checkpointer | None = None
+        self.stalls: list[float] = []
+        if not self.active:
+            return
+        # A group of its own: an async save's thread runs DCP's collectives while training runs its own.
+        self.group = dist.new_group(backend="gloo") if groups else None
+        barrier = (lambda: dist.barrier(group=self.group)) if groups else (lambda: None)
+        if run.resume is not None:
+            start = time.perf_counter()
+            extra = checkpoint.load(trainer, run.resume, extra_keys=("step", "data"), process_group=self.group)
+            self.load_s = time.perf_counter() - start
+            self.start_step = extra["step"]
+            batches.restore(extra["data"])
+            if self.rank == 0:
+                progress(f"resumed from {run.resume} at step {self.start_step} (loaded in {self.load_s:.2f}s)")
+        root = run.policy.root if run.policy else Path(run.resume).parent
+        self.journal_root = root if (run.policy is not None and self.rank == 0) else None
+        if run.policy is not None:
+            if self.rank == 0:
+                self.prior_steps, self.earlier_attempts = history(root, self.start_step, run.attempt)
+            self.checkpointer = Checkpointer(
+                run.policy,
+                save=lambda path, extra: checkpoint.save(trainer, path, extra, self.group),
+                async_save=lambda path, extra: checkpoint.async_save(trainer, path, extra, self.group),
+                rank=self.rank, world=scenario.world_size, barrier=barrier,
+                sidecar_fields={"scenario": scenario.name, "model": model_dict(scenario.model),
+                                "layout": scenario.parallel_config.to_dict(),
+                                "format": checkpoint.checkpoint_format(trainer)},
+            )
+        if self.journal_root is not None:
+            append_journal(self.journal_root, {"event": "start", "attempt": run.attempt,
+                                               "resumed_from_step": self.start_step if run.resume else None})
+        self.groups = groups
+
+    def step_done(self, step: int, measured: bool, loss: float, elapsed: float, grad_norm: float | None) -> None:
+        if self.checkpointer is None:
+            return
+        if self.groups:
+            # The journal keeps the step's time: the slowest rank's.
+            slowest = torch.tensor(elapsed, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            elapsed = slowest.item()
+        if self.journal_root is not None:
+            append_journal(self.journal_root, {"event": "step", "attempt": self.run.attempt, "step": step,
+                                               "measured": measured, "loss": loss, "time_s": elapsed,
+                                               "grad_norm": grad_norm})
+        self.checkpointer.poll()
+        if self.checkpointer.due(step + 1):
+            stall = self.checkpointer.save(step + 1, {"step": step + 1, "data": self.batches.state()})
+            self.stalls.append(stall)
+            if self.journal_root is not None:
+                append_journal(self.journal_root, {"event": "checkpoint", "attempt": self.run.attempt, "step": step + 1})
+                self.progress(f"checkpoint after step {step + 1}: training stalled {stall:.3f}s")
+
+    def finish(self):
+        return self.checkpointer.finish() if self.checkpointer else []
+
+    def details(self, saves) -> dict[str, Any]:
+        return {
+            "attempt": self.run.attempt,
+            "resumed_from": str(self.run.resume) if self.run.resume else None,
+            "resumed_from_step": self.start_step if self.run.resume else None,
+            "earlier_attempts": self.earlier_attempts,
+            "steps_from_earlier_attempts": len(self.prior_steps),
+            "saves": [dataclasses.asdict(r) for r in saves],
+            "folder": str(self.run.policy.root) if self.run.policy else None,
+        }
 
 
 def build_trainer(scenario: Scenario, groups: ProcessGroups | None, device: torch.device):
@@ -299,7 +428,7 @@ def _measure_work(
     restarted from its seed, so the counts depend on the code alone (learned routing depends on
     the weights as well: the same after the same steps).
     """
-    tokens, labels = next(_batches(scenario, device, groups.coords.dp_rank if groups else 0))
+    tokens, labels = next(TokenBatches(scenario, device, groups.coords.dp_rank if groups else 0))
     for layer in rank_model.moe_layers():
         layer.router.reset_routing_generator()
     group_labels = {}

@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import yaml
 
 from bench.machine import available_memory_bytes, device_peak, machine_info
 from bench.release.version import engine_info
 from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
+from bench.run.checkpointing import append_journal, next_attempt, policy_for
 from bench.run.launch import Launch
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
 
@@ -220,6 +222,7 @@ class Runner:
         launch: Launch | None = None,
         plan_only: bool = False,
         force: bool = False,
+        resume: dict[str, Path] | None = None,
     ):
         self.device = device
         self.launch = launch
@@ -231,6 +234,8 @@ class Runner:
         """Plan every scenario (``moe-bench plan``) instead of running it."""
         self.force = force
         """Start execute scenarios whose plan does not fit the device (``moe-bench run --force``)."""
+        self.resume = resume or {}
+        """The checkpoint each scenario (by name) resumes from (``moe-bench run --resume``, checked)."""
         self._peaks: dict[str, float | None] = {}
 
     @property
@@ -403,9 +408,11 @@ class Runner:
         if self.launch is not None:
             return self._execute_in_launch(scenario, peak, peak_fp8)
         timeout = scenario.run["timeout_s"]
+        request = self._checkpoint_request(scenario)
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
-            spec_path.write_text(json.dumps({"spec": scenario.spec, "file": str(scenario.file) if scenario.file else None}))
+            spec_path.write_text(json.dumps({"spec": scenario.spec, "file": str(scenario.file) if scenario.file else None,
+                                             "checkpoint": request}))
             processes = 1 if scenario.mode == "proxy" else scenario.world_size
             command = worker_command(processes) + [str(spec_path), str(out_path), "--device", str(self.device)]
             if peak:
@@ -414,14 +421,34 @@ class Runner:
                 command += ["--peak-tflops-fp8", str(peak_fp8)]
             returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(processes))
             if returncode is None:
-                return "timeout", f"stopped after exceeding its timeout of {timeout:g} s", {}, {}
-            if not out_path.exists():
+                outcome = {"status": "timeout", "error": f"stopped after exceeding its timeout of {timeout:g} s"}
+            elif not out_path.exists():
                 rank_errors = sorted(Path(tmp).glob("outcome.json.rank*.error"))
                 detail = rank_errors[0].read_text() if rank_errors else (tail[-1] if tail else "no output")
                 status = "oom" if returncode in (-signal.SIGKILL, 137) else "failed"
-                return status, f"worker exited with code {returncode}: {detail}", {}, {}
-            outcome = json.loads(out_path.read_text())
-        return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]
+                outcome = {"status": status, "error": f"worker exited with code {returncode}: {detail}"}
+            else:
+                outcome = json.loads(out_path.read_text())
+        self._end_attempt(scenario, request, outcome)
+        return outcome["status"], outcome["error"], outcome.get("metrics", {}), outcome.get("details", {})
+
+    def _checkpoint_request(self, scenario: Scenario) -> dict[str, Any] | None:
+        """What the worker needs for the scenario's checkpoints: None when it neither saves nor resumes."""
+        if scenario.mode != "execute":
+            return None
+        policy = policy_for(scenario.spec, self.out_root)
+        resume = self.resume.get(scenario.name)
+        if policy is None and resume is None:
+            return None
+        attempt = next_attempt(policy.root) if policy else 1
+        return {"out_root": str(self.out_root), "resume": str(resume) if resume else None, "attempt": attempt}
+
+    def _end_attempt(self, scenario: Scenario, request: dict[str, Any] | None, outcome: dict[str, Any]) -> None:
+        """The attempt's end in the journal: written here, since a killed worker cannot write it."""
+        policy = policy_for(scenario.spec, self.out_root) if request else None
+        if policy is not None and policy.root.is_dir():
+            append_journal(policy.root, {"event": "end", "attempt": request["attempt"], "status": outcome["status"],
+                                         "error": outcome.get("error")})
 
     def _execute_in_launch(
         self, scenario: Scenario, peak: float | None, peak_fp8: float | None
@@ -431,8 +458,18 @@ class Runner:
         from moe_engine.parallel.groups import build_process_groups
         from moe_engine.parallel.layout import Layout
 
+        from bench.run.worker import checkpoint_run
+
         groups = build_process_groups(Layout(scenario.parallel_config))
-        outcome = execute_outcome(scenario, self.device, peak, groups, peak_fp8)
+        request = self._checkpoint_request(scenario) if self.writes_results else None
+        if dist.is_initialized():
+            # Rank 0 numbers the attempt (it alone reads and writes the journal); every rank needs the request.
+            shared = [request]
+            dist.broadcast_object_list(shared, src=0)
+            request = shared[0]
+        outcome = execute_outcome(scenario, self.device, peak, groups, peak_fp8, checkpoint_run(request, scenario))
+        if self.writes_results:
+            self._end_attempt(scenario, request, outcome)
         return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]
 
 

@@ -6,6 +6,8 @@ Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: the ranks join 
 (gloo on CPU, NCCL on CUDA), execute their share of the layout, and rank 0 writes the outcome.
 A rank that fails writes ``OUT_JSON.rank<r>.error`` and exits non-zero so torchrun stops the others.
 
+SCENARIO_JSON is ``{"spec", "file", "checkpoint"}``; ``checkpoint`` (optional) is where the results
+root is, which checkpoint to resume from and the attempt's number (``bench.run.checkpointing``).
 Progress lines go to stdout (the runner relays them); the outcome goes to OUT_JSON as
 ``{"status", "error", "metrics", "details"}``. Exit code 0 whenever the scenario ran to an outcome.
 """
@@ -22,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.run.execute import NonFiniteLoss, execute
+from bench.run.checkpointing import policy_for
+from bench.run.execute import CheckpointRun, NonFiniteLoss, execute
 from bench.run.launch import detect_launch, join_launch
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.parallel.groups import build_process_groups
@@ -30,7 +33,8 @@ from moe_engine.parallel.layout import Layout
 
 
 def execute_outcome(
-    scenario: Scenario, device: torch.device, peak: float | None, groups, peak_fp8: float | None = None
+    scenario: Scenario, device: torch.device, peak: float | None, groups, peak_fp8: float | None = None,
+    checkpointing: CheckpointRun | None = None,
 ) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
     progress = lambda line: print(line, flush=True)  # noqa: E731
@@ -40,7 +44,8 @@ def execute_outcome(
 
             result = run_proxy(scenario, device, progress)
         else:
-            result = execute(scenario, device, peak, progress=progress, groups=groups, peak_tflops_fp8=peak_fp8)
+            result = execute(scenario, device, peak, progress=progress, groups=groups, peak_tflops_fp8=peak_fp8,
+                             checkpointing=checkpointing)
         if result is not None:
             outcome["metrics"], outcome["details"] = result.metrics, result.details
     except NonFiniteLoss as err:
@@ -51,6 +56,14 @@ def execute_outcome(
         outcome.update(status="failed", error=f"{type(err).__name__}: {err}")
         traceback.print_exc(file=sys.stdout)
     return outcome
+
+
+def checkpoint_run(request: dict | None, scenario: Scenario) -> CheckpointRun | None:
+    """The runner's checkpoint request (``{"out_root", "resume", "attempt"}``) for this scenario."""
+    if not request:
+        return None
+    resume = Path(request["resume"]) if request.get("resume") else None
+    return CheckpointRun(policy_for(scenario.spec, Path(request["out_root"])), resume, request.get("attempt", 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         device = join_launch(launch, device, scenario.run["timeout_s"])
         groups = build_process_groups(Layout(scenario.parallel_config))
     rank = groups.coords.rank if groups else 0
-    outcome = execute_outcome(scenario, device, args.peak_tflops, groups, args.peak_tflops_fp8)
+    outcome = execute_outcome(scenario, device, args.peak_tflops, groups, args.peak_tflops_fp8,
+                              checkpoint_run(payload.get("checkpoint"), scenario))
     if rank == 0:
         with open(args.out_json, "w") as handle:
             json.dump(outcome, handle)
