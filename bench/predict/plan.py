@@ -1,4 +1,4 @@
-"""``moe-bench plan``: parameters, FLOPs, per-rank memory and per-rank traffic of a layout, by arithmetic.
+"""``moe-bench plan``: parameters, FLOPs, per-rank memory, traffic and checkpoint bytes of a layout, by arithmetic.
 
 Nothing is allocated: a plan answers for a 2-trillion-parameter model on 1024 GPUs in milliseconds.
 Parameter counts and FLOPs come from ``moe_engine.flops`` (the project's one implementation of those
@@ -137,6 +137,22 @@ share is S = min(family elements, max(bucket_elements, largest tensor)) / (n wit
 n = dp for dense parameters and edp for experts; the step holds (t + 8) * S bytes: the fp32 copy of
 the gradients when the buffer is not fp32 (t = 4 for bf16 or mxfp8 with grad_dtype param; 0
 otherwise) and two fp32 temporaries of AdamW's per-tensor update.
+
+Checkpoint bytes (what ``moe_engine.checkpoint`` hands torch.distributed.checkpoint, DCP)
+    buffers format (every layout but fsdp): each parameter in its own dtype (``model/``), an fp32
+        master of each parameter that is not fp32 (``optim/master/``: none in fp32, none for routers)
+        and the two fp32 Adam moments (``optim/exp_avg/``, ``optim/exp_avg_sq/``): the param +
+        optimizer bytes of the table above, P + O; plus each MoE block's fp32 router expert_bias
+        buffer, 4 * E bytes.
+    fsdp (``fsdp2`` format): fp32 parameter shards (FSDP's masters are the parameters) and the two
+        fp32 moments, no separate master: 4 + 8 bytes per parameter, plus the expert biases.
+    The small pickled entries (step, lr, routing stream states, run progress) count as 0.
+    DCP writes a replicated tensor once: a stage's ranks hold its dense parameters (replicated over
+    dp) and all E of its experts (E / ep on each rank, replicated over edp), so the stage writes
+    C_stage = (P + O)(dense + E * experts of its blocks) + 4 * E * (its MoE blocks), and DCP's
+    deduplication (each duplicated item to the rank with the fewest planned bytes so far) spreads it
+    over the stage's dp ranks: per rank ceil(C_stage / dp), the largest over the stages reported;
+    total = the sum of C_stage over the stages, which does not depend on the layout.
 
 memory_total = params + grads + optimizer + max(activations + comm buffers + backward workspace,
 optimizer step); activations are freed before the optimizer step runs. It fits when it is at most the
@@ -480,6 +496,32 @@ def _state_memory(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> dict[str,
     return out
 
 
+def _checkpoint_bytes(model: ModelConfig, h: _Rank, precision: str, par: dict[str, Any]) -> int:
+    """Bytes a DCP checkpoint holds for pipeline stage ``h``, each replicated tensor once (module docstring).
+
+    The buffers format stores each parameter in its dtype plus its optimizer state (fp32 master when
+    it is not fp32, Adam m and v): the param + optimizer bytes of ``BYTES[precision]`` (the router's
+    ``ROUTER_BYTES``). FSDP stores fp32 parameter shards and the moments: ``BYTES["fp32"]``'s.
+    """
+    b = BYTES["fp32"] if par["dp_mode"] == "fsdp" else BYTES[precision]
+    # The stage's ranks hold all of its blocks' experts: E / ep each, over the ep ranks.
+    stage = h.dense + h.experts * par["ep"]
+    expert_bias = ROUTER_BYTES.param * model.moe.num_experts * h.n_moe
+    return stage.nbytes(b, "param") + stage.nbytes(b, "optimizer") + expert_bias
+
+
+def _checkpoint_counted(par: dict[str, Any]) -> str:
+    if par["dp_mode"] == "fsdp":
+        what = ("fsdp2 format: fp32 parameter shards (FSDP's masters) and fp32 Adam m and v, no separate "
+                "master")
+    else:
+        what = ("buffers format: parameters in their dtype (routers fp32), an fp32 master of each non-fp32 "
+                "parameter, fp32 Adam m and v")
+    return (what + ", plus the routers' fp32 expert_bias buffers; each replicated tensor written once, a stage's "
+            "bytes spread evenly over its dp ranks (DCP's dedup); step, lr, routing and run-progress entries "
+            "counted as 0")
+
+
 def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> int:
     """Transient bytes of the DDP optimizer step, which updates one gradient bucket at a time."""
     if par["dp_mode"] == "fsdp":
@@ -709,11 +751,9 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     # The engine picks the recomputed blocks over the pp * v chunks (``prepare_blocks``).
     chunks = stage_blocks(model.n_layers, par["pp"] * par["virtual_stages"])
     recomputed = set(recompute.blocks(chunks))
-    ranks = [
-        _plan_rank(model, _rank_holdings(model, pieces, layers, r, par["pp"], par["ep"]), b, par, tokens,
-                   recompute, recomputed)
-        for r, layers in enumerate(split)
-    ]
+    holdings = [_rank_holdings(model, pieces, layers, r, par["pp"], par["ep"]) for r, layers in enumerate(split)]
+    ranks = [_plan_rank(model, h, b, par, tokens, recompute, recomputed) for h in holdings]
+    checkpoint_stages = [_checkpoint_bytes(model, h, scenario.precision, par) for h in holdings]
     by_memory = max(ranks, key=lambda r: r["memory_bytes"]["total"])
     by_comm = max(ranks, key=lambda r: r["comm_bytes"]["total"])
     counts = parameter_counts(model)
@@ -736,6 +776,9 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         metrics[f"comm_{key}_bytes"] = metric([by_comm["comm_bytes"][key]], "bytes", "lower")
     if gpu_bytes:
         metrics["memory_fraction_of_gpu"] = metric([total / gpu_bytes], "ratio", "lower")
+    metrics["checkpoint_bytes_per_rank"] = metric(
+        [max(_ceil_div(c, par["dp"]) for c in checkpoint_stages)], "bytes", "lower")
+    metrics["checkpoint_bytes_total"] = metric([sum(checkpoint_stages)], "bytes", "lower")
 
     details = {
         "layout": _layout(scenario, len(by_memory["layers"]), tokens),
@@ -750,6 +793,7 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
              "comm_total_bytes": r["comm_bytes"]["total"]}
             for r in ranks
         ],
+        "checkpoint": {"counted": _checkpoint_counted(par), "stage_bytes": checkpoint_stages},
         "assumptions": _assumptions(scenario),
         "fits": total <= gpu_bytes if gpu_bytes else None,
         "memory_total_gib": total / 2**30,
@@ -778,7 +822,7 @@ def _count(n: float) -> str:
 
 
 def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -> str:
-    """One line per plan: the counts, the most loaded rank's memory against the GPU's, the traffic."""
+    """One line per plan: the counts, the most loaded rank's memory against the GPU's, the traffic, the checkpoint."""
     med = {k: v["median"] for k, v in metrics.items()}
     what = {"plan": name, "execute": f"{name} (of an execute scenario)",
             "proxy": f"{name} (of a proxy scenario: the whole layout at its own sizes)"}[details["scenario_mode"]]
@@ -792,7 +836,8 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
         against = (f"{med['memory_fraction_of_gpu']:.0%} of {cluster['gpu_memory_gib']:g} GiB per GPU: "
                    + ("fits" if details["fits"] else "DOES NOT FIT"))
     line = (f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
-            f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step")
+            f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
+            f"{_bytes(med['checkpoint_bytes_total'])} ({_bytes(med['checkpoint_bytes_per_rank'])} per rank)")
     recompute = details["recompute"]
     if recompute["mode"] != "none":
         mode = recompute["mode"] + (f" ({', '.join(recompute['parts'])})" if recompute["parts"] else "")

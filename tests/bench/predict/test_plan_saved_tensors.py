@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from bench.predict.plan import plan_scenario
-from bench.run.execute import _batches, build_trainer
+from bench.run.execute import TokenBatches, build_trainer
 from bench.run.memory import TensorMemoryTracker
 from bench.scenario import scenario_from_dict
 from moe_engine.model import build_model
@@ -219,7 +219,7 @@ def step_peak(scenario) -> tuple[int, int]:
     step (so the optimizer state exists), on CPU."""
     device = torch.device("cpu")
     _, trainer = build_trainer(scenario, None, device)
-    batches = _batches(scenario, device)
+    batches = TokenBatches(scenario, device)
     trainer.step(*next(batches))
     optimizer_step, peak = trainer.optimizer.step, {}
     with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
