@@ -3,7 +3,7 @@ and the step journal that keeps every step's figures across attempts.
 
 A scenario's ``checkpoint`` section asks for a checkpoint every n steps into its folder (default
 ``<results root>/checkpoints/<scenario>``). Each one is written as ``step-<n>.partial`` and renamed to
-``step-<n>`` once DCP has written its metadata and ``checkpoint.json`` is in place: a folder without
+``step-<n>`` once DCP has written its metadata and ``.moe-checkpoint.json`` is in place: a folder without
 the ``.partial`` suffix, with both files, is complete; anything else (a run killed while saving) is
 ignored by ``--resume`` and removed by the next run that saves. The newest ``keep`` complete ones
 are kept. A checkpoint is never written over: a fresh run refuses a folder that already holds
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 FORMAT_VERSION = 1
-SIDECAR = "checkpoint.json"
+SIDECAR = ".moe-checkpoint.json"  # hidden: result scans of the results root skip it
 JOURNAL = "steps.jsonl"
 _PREFIX, _PARTIAL = "step-", ".partial"
 
@@ -111,7 +111,7 @@ def resolve_resume(spec: dict[str, Any], model: dict[str, Any], policy: Checkpoi
     path = Path(given) if given is not None else policy.root
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or folder")
-    if not (path / ".metadata").exists() and not path.name.endswith(_PARTIAL):
+    if not path.name.startswith(_PREFIX) and not (path / ".metadata").exists():
         found = complete_checkpoints(path)
         if not found:
             raise CheckpointError(f"{path}: holds no complete checkpoint")
