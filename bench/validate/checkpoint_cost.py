@@ -1,0 +1,98 @@
+"""What checkpoints cost: save time, training stall (sync against async), load time, bytes per rank.
+
+    python -m bench.validate.checkpoint_cost [--suite ci | SCENARIO ...] [--every-steps 2]
+        [--device cpu] [--out docs/measurements/checkpoint-cost-2core-cpu.json]
+
+For each execute scenario, three ``moe-bench run``s in a temporary results root, the scenario given
+a ``checkpoint`` section: sync saves every n steps; the same with async saves (another folder);
+then ``--resume`` of the sync run from its latest checkpoint (the load). Recorded per scenario:
+the runs' checkpoint metrics (every save's time and stall, the load's time, the bytes each rank
+wrote) next to the plan's ``checkpoint_bytes_per_rank`` and ``checkpoint_bytes_total``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.predict.plan import plan_scenario
+from bench.results import load_results
+from bench.run.runner import expand_paths, load_all, suite_files
+from bench.validate.variants import merge, spec_as_written
+
+_METRICS = ("checkpoint_save_s", "checkpoint_stall_s", "checkpoint_load_s", "checkpoint_bytes_per_rank",
+            "checkpoint_bytes_total")
+
+
+def _run(spec: dict[str, Any], folder: Path, device: str, *extra: str) -> dict[str, Any]:
+    from bench.cli import main
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    before = {d.path for d in load_results(folder / "results")} if (folder / "results").exists() else set()
+    code = main(["run", str(path), "--out", str(folder / "results"), "--device", device, "--no-plots", *extra])
+    docs = [d for d in load_results(folder / "results") if d.path not in before]
+    if code != 0 or not docs:
+        return {"status": "failed", "exit_code": code}
+    metrics = docs[0].data["metrics"]
+    return {"status": docs[0].data["status"],
+            **{k: metrics[k]["samples"] for k in _METRICS if k in metrics}}
+
+
+def measure(scenario, every_steps: int, device: str, scratch: Path) -> dict[str, Any]:
+    spec = spec_as_written(scenario)
+    planned, _ = plan_scenario(scenario)
+    row: dict[str, Any] = {
+        "scenario": scenario.name, "layout": scenario.parallel_config.to_dict(),
+        "planned_bytes_per_rank": planned["checkpoint_bytes_per_rank"]["median"],
+        "planned_bytes_total": planned["checkpoint_bytes_total"]["median"],
+    }
+    for label, asynchronous in (("sync", False), ("async", True)):
+        patched = merge(spec, {"checkpoint": {"every_steps": every_steps, "async": asynchronous}})
+        row[label] = _run(patched, scratch / scenario.name / label, device)
+    sync_spec = merge(spec, {"checkpoint": {"every_steps": every_steps, "async": False}})
+    row["resume"] = _run(sync_spec, scratch / scenario.name / "sync", device, "--resume")
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m bench.validate.checkpoint_cost", description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="*", help="scenario files (default: the --suite)")
+    parser.add_argument("--suite", default="ci")
+    parser.add_argument("--every-steps", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=None, help="write the measurement document here")
+    args = parser.parse_args(argv)
+    import torch
+
+    files = expand_paths(args.files) if args.files else suite_files(args.suite, torch.device(args.device))
+    scenarios = [s for s in load_all(files) if s.mode == "execute"]
+    with tempfile.TemporaryDirectory(prefix="moe-ckpt-cost-") as scratch:
+        rows = [measure(s, args.every_steps, args.device, Path(scratch)) for s in scenarios]
+    for row in rows:
+        sync, asy, res = row["sync"], row["async"], row["resume"]
+        print(f"{row['scenario']}: bytes/rank {sync.get('checkpoint_bytes_per_rank')} (plan "
+              f"{row['planned_bytes_per_rank']:.0f}), total {sync.get('checkpoint_bytes_total')} (plan "
+              f"{row['planned_bytes_total']:.0f}); sync save {sync.get('checkpoint_save_s')} stall "
+              f"{sync.get('checkpoint_stall_s')}; async save {asy.get('checkpoint_save_s')} stall "
+              f"{asy.get('checkpoint_stall_s')}; load {res.get('checkpoint_load_s')}")
+    if args.out:
+        from bench.machine import machine_info
+        from bench.release.version import engine_info
+
+        document = {"what": __doc__.split("\n")[0], "command": " ".join(["python -m bench.validate.checkpoint_cost", *argv]),
+                    "machine": machine_info(), "engine": engine_info(), "every_steps": args.every_steps, "scenarios": rows}
+        Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
+    return 0 if all(r[k]["status"] == "ok" for r in rows for k in ("sync", "async", "resume")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
