@@ -260,7 +260,8 @@ class Checkpointer:
         """Checkpoint after ``steps_done`` steps; returns the seconds training stalled for it."""
         start = time.perf_counter()
         stall_prev = self._wait_pending()
-        partial = step_dir(self.policy.root, steps_done).with_name(step_dir(self.policy.root, steps_done).name + _PARTIAL)
+        final = step_dir(self.policy.root, steps_done)
+        partial = final.with_name(final.name + _PARTIAL)
         if self.rank == 0:
             partial.parent.mkdir(parents=True, exist_ok=True)
         if self.policy.asynchronous:
