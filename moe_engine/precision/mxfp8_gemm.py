@@ -110,12 +110,16 @@ def _pad_to_block(t: torch.Tensor, axis: int) -> torch.Tensor:
     return F.pad(t, [0, 0] * (t.ndim - 1 - axis) + [0, missing])
 
 
+# Each operand function runs as one kernel on a GPU and as several ATen ops on a CPU; the profiler
+# mark names it, for profiles and for ``bench.run.trace``, which prices it as one kernel on a GPU.
+@torch.profiler.record_function("mxfp8.quantize")
 def quantize_rows(t_MK: torch.Tensor) -> MXTensor:
     """An (M, K) activation or gradient as the A operand: blocks along K, K zero-padded to 32."""
     data, scales = quantize(_pad_to_block(t_MK, -1), axis=-1)
     return MXTensor(data, scales, axis=-1)
 
 
+@torch.profiler.record_function("mxfp8.quantize")
 def quantize_weight(w_EOI: torch.Tensor, transposed: bool = False) -> MXTensor:
     """An (E, O, I) weight as the B operand (E, N, K) of ``grouped_mm``.
 
@@ -129,6 +133,7 @@ def quantize_weight(w_EOI: torch.Tensor, transposed: bool = False) -> MXTensor:
     return MXTensor(data, scales, axis=2)
 
 
+@torch.profiler.record_function("mxfp8.dequantize")
 def dequantize_rows(t: MXTensor, size: int, dtype: torch.dtype) -> torch.Tensor:
     """The (M, size) values a ``quantize_rows`` operand stands for (its K padding dropped)."""
     return t.dequantize(dtype)[:, :size]
@@ -137,6 +142,7 @@ def dequantize_rows(t: MXTensor, size: int, dtype: torch.dtype) -> torch.Tensor:
 # --- the grouped GEMM ---------------------------------------------------------------------------
 
 
+@torch.profiler.record_function("mxfp8.grouped_mm")
 def grouped_mm(
     a_MK: MXTensor,
     b_ENK: MXTensor,

@@ -1,0 +1,256 @@
+"""The operations of a traced training step, and what each one costs in work: FLOPs or bytes.
+
+A trace (``bench.run.trace``) records every ATen op one rank's step dispatches, in order, with its
+tensors' shapes and dtypes. This module sorts them into the kinds a device profile prices
+(``bench.predict.pricing``) and counts their work. Pure arithmetic on the standard library.
+
+Kinds
+    free         no kernel: views, aliases, metadata (``prim.device``), scalar reads, profiler marks
+    gemm         mm, addmm, bmm, baddbmm: 2 * M * N * K per product
+    grouped_gemm ``_grouped_mm``: 2 * (rows in groups) * N * K, the rows read from the replayed routing
+                 (a grouped GEMM skips rows after the last offset, such as no-sync capacity padding)
+    mx_gemm      the engine's MXFP8 grouped GEMM (region ``mxfp8.grouped_mm``): one kernel on a GPU
+                 (``tl.dot_scaled``), several ATen ops in the CPU emulation; same FLOPs as a grouped GEMM
+    attention    fused SDPA kernels, forward and backward (flash / memory-efficient / cuDNN / CPU flash):
+                 forward 4 * B * H * Sq * Sk * d, halved under the causal mask; backward 2.5 times the
+                 forward (FlashAttention's count: five products instead of two)
+    collective   c10d ops (priced on the network, ``bench.predict.projection``)
+    memory       everything else: bytes read + written = the bytes of every tensor argument and output
+                 (an in-place op reads and writes its destination: counted twice, as it moves twice)
+
+Regions
+    The engine runs a few GPU kernels as several ATen ops on a CPU (the MXFP8 quantization and
+    grouped GEMM). The trace tags the ops inside such a function with its region; on a GPU profile a
+    region is priced as its one kernel (``region_op``), on a CPU profile op by op, as it ran.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KINDS", "OpWork", "TensorSpec", "TracedOp", "op_kind", "op_work"]
+
+KINDS = ("free", "gemm", "grouped_gemm", "mx_gemm", "attention", "collective", "memory")
+STAGES = ("forward", "backward", "optimizer", "other")
+
+_DTYPE_BYTES = {
+    "torch.float64": 8, "torch.int64": 8, "torch.complex64": 8,
+    "torch.float32": 4, "torch.int32": 4, "torch.uint32": 4,
+    "torch.bfloat16": 2, "torch.float16": 2, "torch.int16": 2, "torch.uint16": 2,
+    "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1, "torch.float8_e8m0fnu": 1, "torch.int8": 1,
+    "torch.uint8": 1, "torch.bool": 1,
+}
+_GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
+_ATTENTION = {
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
+}
+_FREE = {
+    "prim.device", "aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense",
+    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
+    "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select", "aten.split", "aten.split_with_sizes",
+    "aten.chunk", "aten.unbind", "aten.as_strided", "aten.reshape", "aten._reshape_alias", "aten.unfold",
+    "aten.diagonal", "aten.narrow", "aten.view_as_real", "aten.view_as_complex", "aten.empty",
+    "aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.new_empty_strided", "aten.set_",
+    "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size", "aten.resize_",
+}
+REGIONS = ("mxfp8.grouped_mm", "mxfp8.quantize", "mxfp8.dequantize")
+"""Engine functions that run as one kernel on a GPU and as several ATen ops on a CPU."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as an op saw it."""
+
+    shape: tuple[int, ...]
+    """Sizes."""
+    dtype: str
+    """``str(torch.dtype)``, e.g. ``torch.bfloat16``."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    def to_list(self) -> list:
+        return [list(self.shape), self.dtype]
+
+
+@dataclass(frozen=True)
+class TracedOp:
+    """One dispatched op of a traced step."""
+
+    name: str
+    """The op overload, e.g. ``aten.mm.default`` or ``c10d.allreduce_.default``."""
+    inputs: tuple[TensorSpec, ...]
+    """Tensor arguments in order (tensors inside list arguments included)."""
+    outputs: tuple[TensorSpec, ...]
+    """Tensor outputs in order."""
+    stage: str
+    """forward, backward (recompute included: it runs in the backward), optimizer, or other."""
+    region: str | None = None
+    """The engine function it runs inside (``REGIONS``), or None."""
+    region_call: int | None = None
+    """Which call of that function (consecutive ops of one call form one GPU kernel)."""
+    group_rows: tuple[int, ...] | None = None
+    """Grouped GEMMs: rows of each group along the grouped dim, from the routing; None elsewhere."""
+    arguments: tuple[tuple[str, Any], ...] = ()
+    """Named scalar arguments (bool, int, float), e.g. SDPA's ("is_causal", True)."""
+    collective: dict[str, Any] | None = None
+    """c10d ops: op, ranks, nbytes, group_name (``moe_engine.parallel.collective_log.CollectiveCall``)."""
+
+    @property
+    def packet(self) -> str:
+        """``aten.mm`` of ``aten.mm.default``."""
+        return self.name.rsplit(".", 1)[0] if self.name.count(".") >= 2 else self.name
+
+    def signature(self) -> tuple:
+        """What must match between a traced and an executed step: the op and its tensors."""
+        return (self.name, tuple(s.to_list().__repr__() for s in self.inputs),
+                tuple(s.to_list().__repr__() for s in self.outputs), self.stage, self.group_rows)
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r} in a traced op") from None
+
+
+def op_kind(op: TracedOp) -> str:
+    """The kind a profile prices ``op`` as (module docstring)."""
+    namespace, _, rest = op.name.partition(".")
+    base = rest.split(".")[0]
+    if namespace == "c10d" or op.collective is not None:
+        return "collective"
+    if op.packet in _FREE or namespace in ("profiler", "prim"):
+        return "free"
+    if base in _GEMMS:
+        return "gemm"
+    if base == "_grouped_mm":
+        return "grouped_gemm"
+    if base.removesuffix("_backward") in _ATTENTION:
+        return "attention"
+    return "memory"
+
+
+@dataclass(frozen=True)
+class OpWork:
+    """The work of one op."""
+
+    kind: str
+    """``KINDS``."""
+    flops: float
+    """Floating-point operations (gemm, grouped_gemm, mx_gemm, attention); 0 elsewhere."""
+    nbytes: float
+    """Bytes read and written (every tensor argument and output)."""
+    dtype: str
+    """The dtype its rate is taken at: the first input's (an MX GEMM: mxfp8)."""
+    groups: int = 1
+    """Grouped GEMMs: groups of the product (its per-group FLOPs are flops / groups)."""
+
+
+def _moved_bytes(op: TracedOp) -> int:
+    return sum(s.nbytes for s in op.inputs) + sum(s.nbytes for s in op.outputs)
+
+
+def _gemm_flops(op: TracedOp) -> float:
+    base = op.name.split(".")[1]
+    out = op.outputs[0].shape
+    a = op.inputs[1] if base in ("addmm", "baddbmm") else op.inputs[0]
+    # out (..., M, N) from a (..., M, K): 2 * numel(out) * K multiply-adds.
+    return 2.0 * math.prod(out) * a.shape[-1]
+
+
+def grouped_gemm_flops(a: TensorSpec, b: TensorSpec, out: TensorSpec, group_rows: tuple[int, ...] | None) -> float:
+    """FLOPs of ``_grouped_mm(a, b, offs)`` in each of its layouts, counting only rows inside groups.
+
+    a (M, K) x b (G, K, N) -> (M, N):       2 * R * K * N, R = rows in groups (M when unknown)
+    a (M, Kt) x b (Kt, N) -> (G, M, N):     2 * M * N * R, the groups along the reduction (weight gradients)
+    a (G, M, K) x b (G, K, N) -> (G, M, N): 2 * G * M * N * K
+    a (G, M, K) x b (K', N) -> (M', N):     2 * R * K * N (the grouped dim on b's rows)
+    """
+    rows = sum(group_rows) if group_rows is not None else None
+    if len(a.shape) == 2 and len(b.shape) == 3:
+        return 2.0 * (rows if rows is not None else a.shape[0]) * a.shape[1] * b.shape[2]
+    if len(a.shape) == 2 and len(b.shape) == 2:
+        return 2.0 * a.shape[0] * b.shape[1] * (rows if rows is not None else a.shape[1])
+    if len(a.shape) == 3 and len(b.shape) == 3:
+        return 2.0 * math.prod(out.shape) * a.shape[2]
+    return 2.0 * (rows if rows is not None else b.shape[0]) * a.shape[2] * b.shape[1]
+
+
+def attention_flops(op: TracedOp) -> float:
+    """Forward 4 * B * H * Sq * Sk * d (halved when causal); backward 2.5 times that."""
+    q, k = op.inputs[0], op.inputs[1]
+    backward = op.name.split(".")[1].endswith("_backward")
+    if backward:
+        # Backward kernels take grad_out first, then q, k.
+        q, k = op.inputs[1], op.inputs[2]
+    # Every kernel takes (B, H, S, d).
+    *batch, sq, d = q.shape
+    sk = k.shape[-2]
+    forward = 4.0 * math.prod(batch) * sq * sk * d
+    if _is_causal(op):
+        forward /= 2
+    return 2.5 * forward if backward else forward
+
+
+def _is_causal(op: TracedOp) -> bool:
+    return dict(op.arguments).get("is_causal", False) is True
+
+
+def op_work(op: TracedOp) -> OpWork:
+    """The work of ``op`` (module docstring)."""
+    kind = op_kind(op)
+    dtype = op.inputs[0].dtype if op.inputs else (op.outputs[0].dtype if op.outputs else "torch.float32")
+    moved = _moved_bytes(op)
+    if kind == "gemm":
+        return OpWork(kind, _gemm_flops(op), moved, dtype)
+    if kind == "grouped_gemm":
+        a, b, out = op.inputs[0], op.inputs[1], op.outputs[0]
+        groups = len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1)
+        return OpWork(kind, grouped_gemm_flops(a, b, out, op.group_rows), moved, dtype, max(groups, 1))
+    if kind == "attention":
+        return OpWork(kind, attention_flops(op), moved, dtype)
+    if kind in ("free", "collective"):
+        return OpWork(kind, 0.0, 0.0 if kind == "free" else moved, dtype)
+    return OpWork(kind, 0.0, moved, dtype)
+
+
+def region_op(ops: Iterable[TracedOp], region: str) -> OpWork:
+    """One kernel standing for the ATen ops of a region run (their order: as traced).
+
+    mxfp8.grouped_mm: the grouped GEMM's FLOPs at the MX rate; its bytes are the quantized operands
+    it reads (what the GPU kernel reads: fp8 values + scales) and the output it writes.
+    mxfp8.quantize: a memory-bound pass reading the input, writing fp8 values and scales.
+    mxfp8.dequantize: a memory-bound pass reading fp8 values and scales, writing the output.
+    """
+    ops = list(ops)
+    if region == "mxfp8.grouped_mm":
+        gemms = [o for o in ops if op_kind(o) == "grouped_gemm"]
+        if not gemms:
+            raise ValueError("an mxfp8.grouped_mm region without a grouped GEMM")
+        flops = sum(op_work(o).flops for o in gemms)
+        g = gemms[-1]
+        a, b, out = g.inputs[0], g.inputs[1], g.outputs[0]
+        # fp8 operands plus one scale byte per 32 values, the output at the GEMM's dtype.
+        nbytes = (a.numel + b.numel) * (1 + 1 / 32) + out.nbytes
+        groups = len(g.group_rows) if g.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1)
+        return OpWork("mx_gemm", flops, nbytes, "mxfp8", max(groups, 1))
+    if region == "mxfp8.quantize":
+        first = next((o for o in ops if o.inputs), None)
+        source = first.inputs[0] if first is not None else TensorSpec((0,), "torch.bfloat16")
+        return OpWork("memory", 0.0, source.nbytes + source.numel * (1 + 1 / 32), source.dtype)
+    if region == "mxfp8.dequantize":
+        last = next((o for o in reversed(ops) if o.outputs and op_kind(o) != "free"), None)
+        out = last.outputs[0] if last is not None else TensorSpec((0,), "torch.bfloat16")
+        return OpWork("memory", 0.0, out.numel * (1 + 1 / 32) + out.nbytes, out.dtype)
+    raise ValueError(f"unknown region {region!r}; expected one of {', '.join(REGIONS)}")

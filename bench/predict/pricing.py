@@ -1,0 +1,103 @@
+"""Seconds of each traced op on a device profile.
+
+Rules (W = the op's work, ``bench.predict.ops.op_work``; P = the profile's dense peak at the op's
+dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch overhead)
+
+    with a measured curve of the op's kind and dtype (``DeviceProfile.curves``): the curve's seconds
+    at the op's work (piecewise linear in log-log, ``Curve.seconds``); a grouped GEMM is priced per
+    group, at its FLOPs / groups, times the groups (the CPU emulation and per-group kernels run a
+    group at a time); memory-bound ops use the memory curve of any dtype (bytes are bytes)
+    otherwise, declared efficiencies (a roofline with an overhead):
+        gemm:          max(W_flops / (P e_gemm), W_bytes / (B e_memory)) + o
+        grouped_gemm:  max(W_flops / (P e_grouped_gemm), W_bytes / (B e_memory)) + o
+        mx_gemm:       the same at P = peak_tflops.mxfp8
+        attention:     W_flops / (P e_attention) + o
+        memory:        W_bytes / (B e_memory) + o
+    free ops cost 0 on a GPU (the host queues kernels ahead of the device); on a CPU each costs the
+    profile's measured ``free_op_us`` (the host is the device). Collectives cost 0 here: the network
+    model prices them (``bench.predict.projection``).
+
+Regions: on a GPU profile the ATen ops of one call of an engine region (``bench.predict.ops.REGIONS``)
+are priced as the one kernel the GPU runs (``region_op``); on a CPU profile, op by op, as they run.
+Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench.predict.device import DeviceProfile
+from bench.predict.ops import OpWork, TracedOp, op_work, region_op
+
+__all__ = ["PricedOp", "op_seconds", "price_ops", "rate_dtype"]
+
+_RATE_DTYPE = {
+    "torch.float32": "fp32", "torch.float64": "fp32", "torch.bfloat16": "bf16", "torch.float16": "bf16",
+    "torch.float8_e4m3fn": "fp8", "torch.float8_e5m2": "fp8", "mxfp8": "mxfp8",
+}
+
+
+def rate_dtype(dtype: str) -> str:
+    """The peak a dtype's GEMMs run at (``RATE_DTYPES``); integer ops count as fp32."""
+    return _RATE_DTYPE.get(dtype, "fp32")
+
+
+@dataclass(frozen=True)
+class PricedOp:
+    """One op with its price."""
+
+    op: TracedOp
+    """As traced."""
+    work: OpWork
+    """Its work (for a region's first op: the whole region's; later ops of the region: none)."""
+    seconds: float
+    """Its seconds on the profile (a region's on its first op, 0 on the rest)."""
+
+
+def op_seconds(work: OpWork, profile: DeviceProfile) -> float:
+    """Seconds of one op's work on ``profile`` (module docstring)."""
+    eff = profile.efficiency
+    overhead = eff["launch_overhead_us"] * 1e-6
+    if work.kind == "collective":
+        return 0.0
+    if work.kind == "free":
+        return eff.get("free_op_us", 0.0) * 1e-6 if profile.kind == "cpu" else 0.0
+    dtype = rate_dtype(work.dtype)
+    memory_s = work.nbytes / (profile.hbm_gbps * 1e9 * eff["memory"])
+    if work.kind == "memory":
+        curve = profile.curve("memory", "any")
+        return curve.seconds(work.nbytes) if curve else memory_s + overhead
+    curve_kind = "grouped_gemm" if work.kind in ("grouped_gemm", "mx_gemm") else work.kind
+    curve = profile.curve(curve_kind, dtype)
+    if curve is not None:
+        if curve_kind == "grouped_gemm":
+            return work.groups * curve.seconds(work.flops / work.groups)
+        return curve.seconds(work.flops)
+    peak = profile.peak_tflops[dtype] * 1e12
+    if work.kind == "attention":
+        return work.flops / (peak * eff["attention"]) + overhead
+    efficiency = eff["gemm"] if work.kind == "gemm" else eff["grouped_gemm"]
+    return max(work.flops / (peak * efficiency), memory_s) + overhead
+
+
+def price_ops(ops: Sequence[TracedOp], profile: DeviceProfile) -> list[PricedOp]:
+    """Every op of a trace with its seconds, in order (regions as the module docstring says)."""
+    priced: list[PricedOp] = []
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if op.region is None or profile.kind == "cpu":
+            work = op_work(op)
+            priced.append(PricedOp(op, work, op_seconds(work, profile)))
+            i += 1
+            continue
+        j = i
+        while j < len(ops) and ops[j].region == op.region and ops[j].region_call == op.region_call:
+            j += 1
+        work = region_op(ops[i:j], op.region)
+        priced.append(PricedOp(op, work, op_seconds(work, profile)))
+        none = OpWork("free", 0.0, 0.0, work.dtype)
+        priced.extend(PricedOp(o, none, 0.0) for o in ops[i + 1:j])
+        i = j
+    return priced

@@ -1,0 +1,327 @@
+"""Trace one rank's training step at the scenario's full size without allocating it.
+
+The rank is built as a proxy rank (``moe_engine.proxy``: its stage, its local experts, its optimizer
+shard, peers simulated, a fake world whose collectives move nothing) under ``FakeTensorMode``, where
+tensors carry shapes and dtypes but no storage, so a 1.2T model's rank traces on a laptop. One whole
+optimizer step runs (every microbatch, the backward, the optimizer) and a ``TorchDispatchMode``
+records every ATen and c10d op in order (``bench.predict.ops.TracedOp``).
+
+Routing is replayed for real. A fake tensor has no values, yet the routes decide the shapes of sync
+dispatch and the rows of each expert's GEMM. The mode keeps a real *shadow* of every small tensor
+whose inputs all have one: the routing generator's draws, the selected experts, the counts, offsets
+and slot plans (the routers' random, balanced and skewed modes draw from generators, which the
+shadows advance as a real run does). A host read of a fake tensor (``.tolist()`` of sync dispatch's
+split sizes) returns its shadow's value, and each grouped GEMM is recorded with the rows of its
+groups. Learned routing depends on activations, which a fake step does not compute: its routes
+have no shadow, so its grouped GEMMs are priced at their buffer's rows, and sync dispatch with
+learned routing cannot be traced (an error says so).
+
+The same mode records a real step when no fake mode is active (``fake=False``): tests compare the
+two op lists at CPU scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from bench.predict.ops import REGIONS, TensorSpec, TracedOp
+from bench.scenario import Scenario
+from moe_engine.parallel.collective_log import CollectiveRecorder
+from moe_engine.parallel.groups import ProcessGroups, build_process_groups
+from moe_engine.parallel.layout import Layout
+from moe_engine.parallel.trainer import ParallelTrainer
+from moe_engine.proxy.build import build_proxy_rank
+from moe_engine.proxy.world import join_fake_world, leave_fake_world
+
+SHADOW_MAX_ELEMENTS = 1 << 22
+"""A tensor gets a real shadow only up to this size: routing metadata is T * k or T * E elements."""
+
+
+class UntraceableStep(RuntimeError):
+    """The step reads a value on the host that the trace cannot know."""
+
+
+def _spec(t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(tuple(int(s) for s in t.shape), str(t.dtype))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _scalar_arguments(func, args, kwargs) -> tuple[tuple[str, Any], ...]:
+    named = []
+    for i, arg in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, (bool, int, float)):
+            named.append((arg.name, value))
+    return tuple(named)
+
+
+class StepTracer(TorchDispatchMode):
+    """Records ``TracedOp``s; keeps real shadows of small fake tensors (module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[TracedOp] = []
+        self.stage = "other"
+        self._shadows = WeakIdKeyDictionary()
+        self._regions: list[tuple[str, int]] = []
+        self._region_calls = 0
+        self._collectives = CollectiveRecorder()
+
+    # ---- shadows -------------------------------------------------------------------------------
+
+    def _shadow(self, t):
+        if isinstance(t, FakeTensor):
+            return self._shadows.get(t)
+        return t
+
+    def _run_shadow(self, func, args, kwargs, out) -> None:
+        inputs = _tensors((args, kwargs))
+        fakes = [t for t in inputs if isinstance(t, FakeTensor)]
+        outs = [t for t in _tensors(out) if isinstance(t, FakeTensor)]
+        if not outs or any(t.numel() > SHADOW_MAX_ELEMENTS for t in outs):
+            self._forget_written(func, args, kwargs)
+            return
+        if any(self._shadows.get(t) is None for t in fakes):
+            if func is torch.ops.aten.copy_.default and self._shadows.get(args[1]) is not None:
+                # A copy overwrites its destination: the source's shadow is all it needs.
+                with unset_fake_temporarily():
+                    self._shadows[args[0]] = self._shadows[args[1]].to(args[0].dtype).clone().expand(args[0].shape)
+                return
+            self._forget_written(func, args, kwargs)
+            return
+        real_args, real_kwargs = tree_map(self._shadow, (args, kwargs))
+        with unset_fake_temporarily():
+            real_out = func(*real_args, **real_kwargs)
+        for fake, real in zip(_tensors(out), _tensors(real_out)):
+            if isinstance(fake, FakeTensor):
+                self._shadows[fake] = real
+
+    def _forget_written(self, func, args, kwargs) -> None:
+        # An in-place op whose inputs are not all known leaves its destination unknown too.
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                for t in _tensors(value):
+                    self._shadows.pop(t, None)
+
+    def _host_read(self, t: torch.Tensor):
+        shadow = self._shadows.get(t)
+        if shadow is None:
+            raise UntraceableStep(
+                "the step reads a tensor's value on the host that depends on activations (e.g. the "
+                "split sizes of sync dispatch under learned routing); a traced step knows routes only "
+                "from the random, balanced and skewed routing modes"
+            )
+        with unset_fake_temporarily():
+            return shadow.item()
+
+    # ---- recording -----------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            value = self._host_read(args[0])
+            self._record(func, args, kwargs, None)
+            return value
+        self._track_region(func, args)
+        out = func(*args, **kwargs)
+        if any(isinstance(t, FakeTensor) for t in _tensors(out)) or func._schema.name == "aten::copy_":
+            self._run_shadow(func, args, kwargs, out)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _track_region(self, func, args) -> None:
+        name = func._schema.name
+        if name == "profiler::_record_function_enter_new":
+            self._region_calls += 1
+            self._regions.append((args[0], self._region_calls))
+        elif name == "profiler::_record_function_exit" and self._regions:
+            self._regions.pop()
+
+    def _record(self, func, args, kwargs, out) -> None:
+        if func.namespace == "prim":
+            # Metadata queries that only the fake mode issues (prim.device): no kernel either way.
+            return
+        collective = None
+        if func.namespace == "c10d":
+            before = len(self._collectives.calls)
+            self._collectives._record(func, args, kwargs)
+            if len(self._collectives.calls) == before:
+                return
+            call = self._collectives.calls[-1]
+            collective = {"op": call.op, "ranks": list(call.ranks), "nbytes": call.nbytes, "group_name": call.group_name}
+        stage = "backward" if torch._C._current_autograd_node() is not None else self.stage
+        group_rows = self._group_rows(func, args, kwargs)
+        region, region_call = next(((r, c) for r, c in reversed(self._regions) if r in REGIONS), (None, None))
+        self.ops.append(TracedOp(
+            name=str(func),
+            inputs=tuple(_spec(t) for t in _tensors((args, kwargs))),
+            outputs=tuple(_spec(t) for t in _tensors(out)),
+            stage=stage,
+            region=region,
+            region_call=region_call,
+            group_rows=group_rows,
+            arguments=_scalar_arguments(func, args, kwargs) if func.namespace == "aten" else (),
+            collective=collective,
+        ))
+
+    def _group_rows(self, func, args, kwargs) -> tuple[int, ...] | None:
+        if func is not torch.ops.aten._grouped_mm.default:
+            return None
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        if offs is None:
+            return None
+        offs = self._shadow(offs)
+        if offs is None:
+            return None
+        with unset_fake_temporarily():
+            ends = [int(v) for v in offs.tolist()]
+        return tuple(b - a for a, b in zip([0, *ends[:-1]], ends))
+
+    @contextlib.contextmanager
+    def in_stage(self, stage: str) -> Iterator[None]:
+        previous, self.stage = self.stage, stage
+        try:
+            yield
+        finally:
+            self.stage = previous
+
+
+# ---- the rank's step ---------------------------------------------------------------------------
+
+
+@dataclass
+class StepTrace:
+    """One optimizer step of one rank, as traced."""
+
+    ops: list[TracedOp]
+    """Every op in dispatch order."""
+    rank: int
+    """Global rank traced."""
+    world_size: int
+    """Ranks of the layout."""
+    microbatches: int
+    """Microbatches of the step."""
+    tokens_per_step: int
+    """Global tokens of one step."""
+    group_phases: dict[str, str]
+    """Process group name -> projection phase of its collectives (expert, pipeline, grad)."""
+    family_groups: dict[str, str] = field(default_factory=dict)
+    """dense / expert -> the group name their gradients reduce over."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "world_size": self.world_size, "microbatches": self.microbatches,
+            "tokens_per_step": self.tokens_per_step, "ops": len(self.ops),
+        }
+
+
+def _materialize(module: nn.Module, device: torch.device) -> None:
+    """``Module.to_empty`` for fake tensors (which cannot be swapped into an existing parameter)."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                sub._parameters[name] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+@contextlib.contextmanager
+def _fake_to_empty(fake: bool) -> Iterator[None]:
+    if not fake:
+        yield
+        return
+    original = nn.Module.to_empty
+
+    def to_empty(self, *, device, recurse=True):
+        _materialize(self, torch.device(device))
+        return self
+
+    nn.Module.to_empty = to_empty
+    try:
+        yield
+    finally:
+        nn.Module.to_empty = original
+
+
+def _batch(scenario: Scenario, dp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    seq_len = scenario.model.seq_len
+    sequences = scenario.run["tokens_per_step"] // dp // seq_len
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, scenario.model.vocab_size, (sequences, seq_len), generator=generator)
+    labels = torch.randint(0, scenario.model.vocab_size, (sequences, seq_len), generator=generator)
+    return tokens, labels
+
+
+def _phases(groups: ProcessGroups) -> dict[str, str]:
+    return {
+        groups.dp.group_name: "grad",
+        groups.edp.group_name: "grad",
+        groups.ep.group_name: "expert",
+        groups.pp.group_name: "pipeline",
+    }
+
+
+def _in_stage(owner, method: str, tracer: StepTracer, stage: str) -> None:
+    original = getattr(owner, method)
+
+    def staged(*args, **kwargs):
+        with tracer.in_stage(stage):
+            return original(*args, **kwargs)
+
+    setattr(owner, method, staged)
+
+
+def trace_step(
+    scenario: Scenario,
+    rank: int = 0,
+    fake: bool = True,
+    progress: Callable[[str], None] = lambda line: None,
+) -> StepTrace:
+    """Trace one optimizer step of ``rank`` of ``scenario``'s layout at its own sizes.
+
+    ``fake`` False runs the step for real (the scenario must fit this machine). The process must not
+    be in a process group: it joins a fake world for the duration.
+    """
+    parallel = scenario.parallel_config
+    world = scenario.world_size
+    seed = scenario.spec["routing"]["seed"]
+    join_fake_world(rank, world)
+    try:
+        groups = build_process_groups(Layout(parallel))
+        tracer = StepTracer()
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+        with mode, _fake_to_empty(fake):
+            progress(f"building rank {rank}'s share ({'fake tensors' if fake else 'real tensors'})")
+            rank_model = build_proxy_rank(
+                scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute
+            )
+            trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
+            tokens, labels = _batch(scenario, parallel.dp, seed)
+            # Once-per-step work outside the microbatches: zeroing the gradient buffers, the update.
+            for method, stage in (("zero_grad", "other"), ("step", "optimizer")):
+                _in_stage(trainer.optimizer, method, tracer, stage)
+            progress(f"tracing one step of {parallel.microbatches} microbatches")
+            with tracer, tracer.in_stage("forward"):
+                trainer.step(tokens, labels)
+        return StepTrace(
+            ops=tracer.ops, rank=rank, world_size=world, microbatches=parallel.microbatches,
+            tokens_per_step=scenario.run["tokens_per_step"], group_phases=_phases(groups),
+            family_groups={"dense": groups.dp.group_name, "expert": groups.edp.group_name},
+        )
+    finally:
+        leave_fake_world()
