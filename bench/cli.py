@@ -46,6 +46,15 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         if problem:
             return _fail(problem)
     resume: dict[str, Path] = {}
+    project_on = getattr(args, "project_on", [])
+    if project_on:
+        from bench.predict.device import ProfileError, load_profile
+
+        try:
+            for name in project_on:
+                load_profile(name)
+        except ProfileError as err:
+            return _fail(str(err))
     if not plan_only:
         try:
             resume = _checkpoint_checks(scenarios, getattr(args, "resume", None), Path(args.out))
@@ -59,7 +68,8 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
                    resume=resume).run(scenarios)
             leave_launch()
             return EXIT_OK
-    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force, resume=resume)
+    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force, resume=resume,
+                    project_devices=project_on)
     outcomes = runner.run(scenarios)
     if launch is not None:
         leave_launch()
@@ -154,6 +164,44 @@ def print_summary(outcomes) -> None:
             params,
         )
     Console(width=max(120, Console().width)).print(table)
+
+
+def cmd_project(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.predict.device import ProfileError, load_profile
+    from bench.run.project import DoesNotFit, project_on_device, summary
+    from bench.run.runner import expand_paths, load_all
+    from bench.scenario import ScenarioError
+
+    try:
+        scenarios = load_all(expand_paths(args.files))
+        devices = [load_profile(name) for name in (args.device or [])]
+    except (ScenarioError, ProfileError) as err:
+        return _fail(str(err))
+    for scenario in scenarios:
+        if not devices and not (scenario.cluster or {}).get("device"):
+            return _fail(f"{scenario.file}: cluster.device: missing; name a device with --device NAME")
+    problem = _unwritable(Path(args.out))
+    if problem:
+        return _fail(problem)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    code = 0
+    for scenario in scenarios:
+        targets = devices or [load_profile(scenario.cluster["device"])]
+        for profile in targets:
+            try:
+                doc = project_on_device(scenario, profile, progress=lambda line: print(line, flush=True))
+            except DoesNotFit as err:
+                print(f"moe-bench: error: {err}", file=sys.stderr)
+                code = EXIT_BAD_INPUT
+                continue
+            path = out / f"{scenario.name}.{profile.name}.json"
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            print(summary(doc))
+            print(f"  written to {path}")
+    return code
 
 
 def cmd_proxy_check(args: argparse.Namespace) -> int:
@@ -413,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true",
                      help="start execute scenarios whose plan needs more memory than the device has (default: "
                           "recorded oom without starting)")
+    run.add_argument("--project-on", action="append", default=[], metavar="DEVICE",
+                     help="also project each proxy result onto this device profile (repeatable), beside its "
+                          "cluster.device")
     run.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
                      help="continue each execute scenario from the latest complete checkpoint in its checkpoint "
                           "folder, or (one scenario) from PATH: a checkpoint, or a folder of them")
@@ -486,6 +537,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     version = sub.add_parser("version", help="print the engine version (the folder name under results/)")
     version.set_defaults(func=cmd_version)
+
+    project = sub.add_parser(
+        "project", help="a layout's step on a device kind, every op of a rank's full-size step priced on its profile")
+    project.add_argument("files", nargs="+", help="scenario files or folders (any mode)")
+    project.add_argument("--device", action="append",
+                         help="device profile name (devices/NAME.yaml) or file; repeat for several "
+                              "(default: the scenario's cluster.device)")
+    project.add_argument("--out", default="results/projections", help="folder for the projection documents")
+    project.set_defaults(func=cmd_project)
 
     check = sub.add_parser(
         "proxy-check", help="projection vs measurement: real multi-rank runs here and proxies of each of their ranks"

@@ -7,6 +7,7 @@ before any work starts.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,9 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
     for section in ("routing", "parallel", "recompute", "run"):
         spec.setdefault(section, {})
     spec.setdefault("precision", schema["properties"]["precision"]["default"])
+    if spec.get("cluster", {}).get("device"):
+        # Before the defaults: the device's network, not the schema's, fills what the file leaves out.
+        _apply_device(spec["cluster"], file)
     _fill_defaults(spec, schema)
     if spec.get("cluster"):
         _fill_defaults(spec["cluster"], schema["properties"]["cluster"])
@@ -226,6 +230,28 @@ def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
     if spec["proxy"]["cpu_scale"].get("blocks") and spec["model"].get("n_dense_layers", 0):
         # Fewer blocks would move the boundary between the dense and the MoE blocks.
         raise ScenarioError(file, "proxy.cpu_scale.blocks", "scaling the blocks needs a model without dense layers")
+
+
+def _apply_device(cluster: dict[str, Any], file) -> None:
+    """Fill a cluster's memory, peak and network from its device profile; a given value must agree."""
+    from bench.predict.device import ProfileError, load_profile
+
+    try:
+        profile = load_profile(cluster["device"])
+    except ProfileError as err:
+        raise ScenarioError(file, "cluster.device", str(err)) from None
+    implied = {
+        "gpu_memory_gib": profile.memory_bytes / 2**30,
+        "peak_tflops": profile.peak_tflops["bf16"],
+        **{key: profile.network[key] for key in ("gpus_per_node", "intra_node_gbps", "inter_node_gbps", "latency_us")},
+    }
+    for key, value in implied.items():
+        if key in cluster and not math.isclose(cluster[key], value, rel_tol=1e-3):
+            raise ScenarioError(
+                file, f"cluster.{key}",
+                f"{cluster[key]} contradicts device {profile.name} ({profile.file}: {value:g}); give one of them",
+            )
+        cluster.setdefault(key, value)
 
 
 def _check_cluster(spec: dict[str, Any], file) -> None:

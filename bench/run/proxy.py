@@ -785,8 +785,14 @@ def _bucket_measurements(measured: _Measured, table: list[dict[str, Any]]) -> li
     ]
 
 
-def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str], None] = lambda line: None) -> ExecuteResult:
-    """Run the proxy of ``scenario`` in this process (which must not be in a process group)."""
+def run_proxy(
+    scenario: Scenario,
+    device: torch.device,
+    progress: Callable[[str], None] = lambda line: None,
+    project_devices: list[str] = (),
+) -> ExecuteResult:
+    """Run the proxy of ``scenario`` in this process (which must not be in a process group); the result
+    also carries the op-level projection on its ``cluster.device`` and on each of ``project_devices``."""
     spec, scale = run_spec(scenario, device)
     run_scenario = scenario_from_dict(spec, file=scenario.file)
     if scenario.proxy["threads"]:
@@ -874,6 +880,7 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
             "scenario's network, not the scenario's GPUs",
         ],
         plan_vs_proxy=_plan_vs_proxy(plan_stage, plan_run, measured.memory, peak_key, device),
+        device_projections=_device_projections(scenario, project_devices, progress),
         plan_full_scale={"memory_total_bytes": plan_full["stages"][scale.pp_rank]["memory_total_bytes"],
                          "memory_bytes": plan_full["stages"][scale.pp_rank].get("memory_bytes")},
         network=asdict(net),
@@ -884,6 +891,21 @@ def run_proxy(scenario: Scenario, device: torch.device, progress: Callable[[str]
         losses=measured.losses,
     )
     return result
+
+
+def _device_projections(scenario: Scenario, extra: list[str], progress) -> dict[str, Any]:
+    """The op-level projection (``bench.run.project``) on each device: the scenario's own, then ``extra``."""
+    from bench.predict.device import load_profile
+    from bench.run.project import DoesNotFit, project_on_device
+
+    names = [n for n in [scenario.cluster.get("device"), *extra] if n]
+    projections = {}
+    for name in dict.fromkeys(names):
+        try:
+            projections[name] = project_on_device(scenario, load_profile(name), progress=progress)
+        except DoesNotFit as err:
+            projections[name] = {"device": name, "fits": False, "error": str(err)}
+    return projections
 
 
 def _scale_note(scale: ProxyScale, device: torch.device) -> str:

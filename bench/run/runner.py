@@ -223,6 +223,7 @@ class Runner:
         plan_only: bool = False,
         force: bool = False,
         resume: dict[str, Path] | None = None,
+        project_devices: list[str] | None = None,
     ):
         self.device = device
         self.launch = launch
@@ -236,6 +237,8 @@ class Runner:
         """Start execute scenarios whose plan does not fit the device (``moe-bench run --force``)."""
         self.resume = resume or {}
         """The checkpoint each scenario (by name) resumes from (``moe-bench run --resume``, checked)."""
+        self.project_devices = list(project_devices or [])
+        """Device profiles a proxy result is also projected onto, beside its cluster.device (``--project-on``)."""
         self._peaks: dict[str, float | None] = {}
 
     @property
@@ -412,7 +415,7 @@ class Runner:
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
             spec_path.write_text(json.dumps({"spec": scenario.spec, "file": str(scenario.file) if scenario.file else None,
-                                             "checkpoint": request}))
+                                             "checkpoint": request, "project_devices": self.project_devices}))
             processes = 1 if scenario.mode == "proxy" else scenario.world_size
             command = worker_command(processes) + [str(spec_path), str(out_path), "--device", str(self.device)]
             if peak:

@@ -34,7 +34,7 @@ from moe_engine.parallel.layout import Layout
 
 def execute_outcome(
     scenario: Scenario, device: torch.device, peak: float | None, groups, peak_fp8: float | None = None,
-    checkpointing: CheckpointRun | None = None,
+    checkpointing: CheckpointRun | None = None, project_devices: list[str] = (),
 ) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
     progress = lambda line: print(line, flush=True)  # noqa: E731
@@ -42,7 +42,7 @@ def execute_outcome(
         if scenario.mode == "proxy":
             from bench.run.proxy import run_proxy
 
-            result = run_proxy(scenario, device, progress)
+            result = run_proxy(scenario, device, progress, project_devices)
         else:
             result = execute(scenario, device, peak, progress=progress, groups=groups, peak_tflops_fp8=peak_fp8,
                              checkpointing=checkpointing)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = build_process_groups(Layout(scenario.parallel_config))
     rank = groups.coords.rank if groups else 0
     outcome = execute_outcome(scenario, device, args.peak_tflops, groups, args.peak_tflops_fp8,
-                              checkpoint_run(payload.get("checkpoint"), scenario))
+                              checkpoint_run(payload.get("checkpoint"), scenario), payload.get("project_devices", []))
     if rank == 0:
         with open(args.out_json, "w") as handle:
             json.dump(outcome, handle)

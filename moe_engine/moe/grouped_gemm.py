@@ -69,8 +69,11 @@ def check_operand(name: str, t: torch.Tensor) -> None:
         )
     if t.dim() == 3 and (t.stride(0) * t.element_size()) % ALIGNMENT_BYTES:
         raise GroupedMMError(f"{name}: group stride {t.stride(0)} is not a multiple of {ALIGNMENT_BYTES} bytes")
-    if t.numel() and t.data_ptr() % ALIGNMENT_BYTES:
-        raise GroupedMMError(f"{name}: data pointer is not {ALIGNMENT_BYTES}-byte aligned (offset {t.data_ptr() % ALIGNMENT_BYTES})")
+    # torch's allocators align every storage to at least 64 bytes, so the offset into the storage
+    # decides the data pointer's alignment; reading it that way works on fake and meta tensors too.
+    misaligned = (t.storage_offset() * t.element_size()) % ALIGNMENT_BYTES
+    if t.numel() and misaligned:
+        raise GroupedMMError(f"{name}: data pointer is not {ALIGNMENT_BYTES}-byte aligned (offset {misaligned})")
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:

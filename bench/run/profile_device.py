@@ -1,0 +1,673 @@
+"""``moe-bench profile-device``: measure this device's curves and write a device profile (``devices/*.yaml``).
+
+What is measured, on the device given (``cpu``, or ``cuda``/``cuda:N``), with ``torch.set_num_threads``
+set to the threads one real rank uses (``threads``; the project's 2-rank CPU runs use one each):
+
+- ``gemm`` (bf16, fp32): ``torch.mm(a_MK, b_KN)`` for square and a few engine-like rectangular shapes;
+  work = 2 M N K FLOPs, seconds = one call. Shape recorded: (M, N, K).
+- ``grouped_gemm`` (bf16, fp32): the experts' ``moe_engine.moe.grouped_gemm.grouped_mm(x, w, offsets)``,
+  x (E * rows, K) @ w (E, K, N) (w stored (E, N, K) and transposed, as ``experts.py`` passes
+  ``gate_up_EHD.transpose(1, 2)``), int32 offsets, every group ``rows`` rows; swept over rows per group
+  for a few (N, K) and expert counts. work = 2 rows N K (ONE group), seconds = one call / E, as
+  ``bench.predict.pricing`` prices a grouped GEMM group by group. Shape recorded: (E, rows, N, K).
+- ``attention`` (bf16, fp32): ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on (B, H, S, d)
+  tensors, d = 64, with autograd on (as in training). Forward points: work = 4 B H S S d / 2 (causal),
+  seconds = the forward; backward points: work = 2.5 x the forward FLOPs, seconds = ``out.backward``
+  alone (the forward of each backward is run outside the timed region, so this is fwd+bwd minus fwd
+  without the noise of a subtraction). Pricing reads both from one curve; each point says its ``pass``
+  (forward/backward; the loader ignores the key). Shape recorded: (B, H, S, d).
+- ``memory`` (any): ``torch.add(a, b)`` out of place on fp32 tensors of 1 KB to 256 MB each
+  (CPU default), so the small end is per-op overhead and the large end includes the first touch of
+  the freshly allocated output, as the engine's own out-of-place ops pay it. work = 3 x numel x 4 bytes.
+- ``hbm_gbps`` (CPU): the DRAM bandwidth of ``torch.add(a, b, out=c)`` into a preallocated output at
+  the two largest memory sizes (no page faults), the better of the two; ``efficiency.memory`` is the
+  out-of-place curve's largest point as a fraction of it.
+- ``efficiency``: gemm, grouped_gemm, attention = the bf16 curve's largest point against the dense
+  peak of the cores the measurement ran on (CPU: peak x threads / cores); launch_overhead_us = the
+  smallest memory op; free_op_us (CPU) = a kernel-less ``x.view(-1)`` dispatched from Python.
+- peaks (CPU): lscpu's cores x clock x FLOPs/cycle of the widest units its flags show (AMX-BF16: 1024
+  bf16 FLOPs/cycle/core; AVX-512: 2 FMA units x 16 fp32 lanes x 2). A KVM guest often shows no
+  "CPU max MHz"; then the clock is /proc/cpuinfo's, raised to the lowest clock the measured GEMMs
+  need when they beat it (a lower bound of the real turbo clock, said so in ``sources``). No FP8
+  units on a CPU: fp8 and mxfp8 get the bf16 figure.
+- network (CPU): gloo between ``ranks`` local processes (``bench.validate.proxy_check.calibrate_network``,
+  alpha from small all-reduces / all-to-alls, bandwidth from the large-minus-small slope).
+
+On a GPU the peaks, ``hbm_gbps``, network and their sources come from an existing profile
+(``base``, e.g. ``h200-sxm``); the curves and efficiencies are measured; timings synchronize the
+device around each timed batch.
+
+Timing: each point is warmed up (2 calls), then timed ``time.perf_counter`` around batches of calls
+(a batch lasts about 1 ms so that a microsecond op is not all timer), median over repeats within a
+per-point budget. The default CPU sweep runs in about a minute or two on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from bench.predict.device import DEVICES_DIR, load_profile, profile_from_dict
+
+__all__ = [
+    "Sweep",
+    "cpu_sweep",
+    "cuda_sweep",
+    "profile_device",
+    "profile_device_command",
+    "tiny_sweep",
+    "write_profile",
+]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What sizes are measured, and how long each point may take."""
+
+    gemm_shapes: tuple[tuple[int, int, int], ...]
+    """(M, N, K) of ``torch.mm(a_MK, b_KN)``."""
+    grouped_rows: tuple[int, ...]
+    """Rows per group."""
+    grouped_nk: tuple[tuple[int, int], ...]
+    """(N, K) of the experts' weights."""
+    grouped_experts: tuple[int, ...]
+    """Expert (group) counts."""
+    grouped_max_rows: int
+    """Skip a point whose E x rows exceeds this (keeps the sweep short)."""
+    attention_seq: tuple[int, ...]
+    """Sequence lengths S."""
+    attention_batch_heads: tuple[int, int] = (2, 4)
+    """(B, H)."""
+    attention_head_dim: int = 64
+    memory_numel: tuple[int, ...] = ()
+    """fp32 elements of each operand of ``torch.add``."""
+    dtypes: tuple[str, ...] = ("bf16", "fp32")
+    point_seconds: float = 0.25
+    """Timing budget of one point (after warm-up)."""
+    min_repeats: int = 3
+    max_repeats: int = 30
+    batch_seconds: float = 1e-3
+    """Calls are timed in batches lasting about this long."""
+    free_op_calls: int = 20000
+    """Calls of ``x.view(-1)`` timed for free_op_us."""
+
+
+def _pow2(lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(1 << k for k in range(lo, hi + 1))
+
+
+def cpu_sweep() -> Sweep:
+    """The default sweep for a small CPU (about a minute or two with one thread)."""
+    squares = tuple((n, n, n) for n in _pow2(4, 11))  # 16 .. 2048
+    return Sweep(
+        gemm_shapes=squares + ((4096, 256, 1024), (4096, 1024, 256), (1024, 4096, 512)),
+        grouped_rows=_pow2(3, 12),  # 8 .. 4096 rows per group
+        grouped_nk=((256, 256), (512, 1024)),
+        grouped_experts=(4, 16),
+        grouped_max_rows=16384,
+        attention_seq=_pow2(6, 11),  # 64 .. 2048
+        memory_numel=_pow2(8, 26),  # 1 KB .. 256 MB per fp32 operand
+    )
+
+
+def cuda_sweep() -> Sweep:
+    """The default sweep for a datacenter GPU."""
+    squares = tuple((n, n, n) for n in _pow2(5, 14))  # 32 .. 16384
+    return Sweep(
+        gemm_shapes=squares + ((16384, 2048, 7168), (16384, 7168, 2048), (8192, 4096, 4096)),
+        grouped_rows=_pow2(3, 14),  # 8 .. 16384
+        grouped_nk=((2048, 7168), (7168, 2048), (1024, 1024)),
+        grouped_experts=(8, 32, 128),
+        grouped_max_rows=1 << 18,
+        attention_seq=_pow2(7, 14),  # 128 .. 16384
+        attention_batch_heads=(4, 16),
+        memory_numel=_pow2(8, 28),  # 1 KB .. 1 GB per operand
+        point_seconds=0.2,
+        max_repeats=50,
+        free_op_calls=5000,
+    )
+
+
+def tiny_sweep() -> Sweep:
+    """A sweep of a few seconds, for tests."""
+    return Sweep(
+        gemm_shapes=((16, 16, 16), (32, 64, 48), (64, 32, 128)),
+        grouped_rows=(8, 32),
+        grouped_nk=((32, 64),),
+        grouped_experts=(2, 4),
+        grouped_max_rows=1024,
+        attention_seq=(32, 64),
+        attention_batch_heads=(1, 2),
+        attention_head_dim=16,
+        memory_numel=(256, 4096, 65536),
+        point_seconds=0.01,
+        min_repeats=2,
+        max_repeats=5,
+        batch_seconds=2e-4,
+        free_op_calls=500,
+    )
+
+
+# ---------------------------------------------------------------------------------------- timing
+
+
+@dataclass
+class _Timer:
+    device: torch.device
+    sweep: Sweep
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def median(self, fn: Callable[[Any], Any], setup: Callable[[], Any] | None = None) -> float:
+        """Median seconds of one ``fn(setup())`` (``setup`` untimed), after warm-up."""
+        setup = setup or (lambda: None)
+        for _ in range(2):
+            fn(setup())
+        self.sync()
+        arg = setup()
+        self.sync()
+        start = time.perf_counter()
+        fn(arg)
+        self.sync()
+        single = max(time.perf_counter() - start, 1e-9)
+        batch = max(1, int(self.sweep.batch_seconds / single))
+        repeats = int(self.sweep.point_seconds / (single * batch))
+        repeats = min(self.sweep.max_repeats, max(self.sweep.min_repeats, repeats))
+        times = []
+        for _ in range(repeats):
+            args = [setup() for _ in range(batch)]
+            self.sync()
+            start = time.perf_counter()
+            for a in args:
+                fn(a)
+            self.sync()
+            times.append((time.perf_counter() - start) / batch)
+            del args
+        return statistics.median(times)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _point(work: float, seconds: float, shape: Sequence[int], **extra: Any) -> dict[str, Any]:
+    return {"work": work, "seconds": _sig(seconds), "shape": [int(s) for s in shape], **extra}
+
+
+def _sorted(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(points, key=lambda p: (p["work"], p["shape"]))
+
+
+# ---------------------------------------------------------------------------------------- curves
+
+
+def gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    points = []
+    for m, n, k in timer.sweep.gemm_shapes:
+        a = torch.randn(m, k, dtype=_DTYPES[dtype], device=timer.device)
+        b = torch.randn(k, n, dtype=_DTYPES[dtype], device=timer.device)
+        seconds = timer.median(lambda _, a=a, b=b: torch.mm(a, b))
+        work = 2 * m * n * k
+        points.append(_point(work, seconds, (m, n, k)))
+        progress(f"  gemm {dtype} {m}x{n}x{k}: {seconds * 1e6:.1f} us, {work / seconds / 1e12:.3f} TFLOP/s")
+    return _sorted(points)
+
+
+def grouped_gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    from moe_engine.moe.grouped_gemm import grouped_mm
+
+    sweep = timer.sweep
+    points = []
+    for n, k in sweep.grouped_nk:
+        for experts in sweep.grouped_experts:
+            w_ENK = torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device)
+            w_EKN = w_ENK.transpose(1, 2)
+            for rows in sweep.grouped_rows:
+                if experts * rows > sweep.grouped_max_rows:
+                    continue
+                x = torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device)
+                offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=timer.device) * rows
+                seconds = timer.median(lambda _, x=x, w=w_EKN, o=offsets: grouped_mm(x, w, o)) / experts
+                work = 2 * rows * n * k
+                points.append(_point(work, seconds, (experts, rows, n, k)))
+                progress(f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
+                         f"{seconds * 1e6:.1f} us/group, {work / seconds / 1e12:.3f} TFLOP/s")
+    return _sorted(points)
+
+
+def attention_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    sweep = timer.sweep
+    b, h = sweep.attention_batch_heads
+    d = sweep.attention_head_dim
+    points = []
+    for s in sweep.attention_seq:
+        q, k, v = (torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device) for _ in range(3))
+        grad = torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
+
+        def leaves(qkv=(q, k, v)):
+            return [t.detach().requires_grad_() for t in qkv]
+
+        def forward(args):
+            return F.scaled_dot_product_attention(*args, is_causal=True)
+
+        with torch.enable_grad():
+            fwd_s = timer.median(forward, setup=leaves)
+            bwd_s = timer.median(lambda out, g=grad: out.backward(g), setup=lambda: forward(leaves()))
+        fwd_work = 2 * b * h * s * s * d  # 4 B H S S d, halved by the causal mask
+        bwd_work = 5 * fwd_work // 2  # 2.5 x the forward
+        points.append(_point(fwd_work, fwd_s, (b, h, s, d), **{"pass": "forward"}))
+        points.append(_point(bwd_work, bwd_s, (b, h, s, d), **{"pass": "backward"}))
+        progress(f"  attention {dtype} B={b} H={h} S={s} d={d}: fwd {fwd_s * 1e6:.1f} us "
+                 f"({fwd_work / fwd_s / 1e12:.3f} TFLOP/s), bwd {bwd_s * 1e6:.1f} us "
+                 f"({bwd_work / bwd_s / 1e12:.3f} TFLOP/s)")
+    return _sorted(points)
+
+
+def memory_points(timer: _Timer, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    points = []
+    for numel in timer.sweep.memory_numel:
+        a = torch.randn(numel, device=timer.device)
+        b = torch.randn(numel, device=timer.device)
+        seconds = timer.median(lambda _, a=a, b=b: torch.add(a, b))
+        work = 3 * numel * a.element_size()
+        points.append(_point(work, seconds, (numel,)))
+        progress(f"  memory add {numel} elements ({work} bytes): {seconds * 1e6:.2f} us, "
+                 f"{work / seconds / 1e9:.2f} GB/s")
+    return _sorted(points)
+
+
+def stream_gbps(timer: _Timer, progress: Callable[[str], None]) -> tuple[float, int]:
+    """Bandwidth of ``torch.add(a, b, out=c)`` (preallocated) at the two largest memory sizes: the best, its numel."""
+    best = (0.0, 0)
+    for numel in sorted(timer.sweep.memory_numel)[-2:]:
+        a, b, c = (torch.randn(numel, device=timer.device) for _ in range(3))
+        seconds = timer.median(lambda _, a=a, b=b, c=c: torch.add(a, b, out=c))
+        gbps = 3 * numel * a.element_size() / seconds / 1e9
+        progress(f"  memory add out= {numel} elements: {gbps:.2f} GB/s")
+        best = max(best, (gbps, numel))
+    return best
+
+
+def free_op_seconds(timer: _Timer) -> float:
+    """Median seconds of ``x.view(-1)`` (no kernel), from batches of calls."""
+    x = torch.randn(16, 16, device=timer.device)
+    calls = timer.sweep.free_op_calls
+    batch = max(1, calls // 10)
+    for _ in range(batch):
+        x.view(-1)
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        for _ in range(batch):
+            x.view(-1)
+        times.append((time.perf_counter() - start) / batch)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------- this CPU
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        text = subprocess.run(["lscpu"], check=False, capture_output=True, text=True, env=dict(os.environ, LC_ALL="C"),
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if ":" in line:
+            key, value = line.split(":", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _cpuinfo() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if ":" in line:
+                key, value = line.split(":", 1)
+                out.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class CpuSpec:
+    """What lscpu says about this CPU, and the FLOPs/cycle per core its flags imply."""
+
+    model: str
+    cores: int
+    ghz: float
+    ghz_source: str
+    flops_per_cycle: dict[str, int]
+    units: dict[str, str]
+    memory_gb: float
+    notes: list[str] = field(default_factory=list)
+
+
+def cpu_spec() -> CpuSpec:
+    info, proc = _lscpu(), _cpuinfo()
+    model = info.get("Model name") or proc.get("model name") or platform.processor() or platform.machine()
+    try:
+        cores = int(info["Core(s) per socket"]) * int(info.get("Socket(s)", "1"))
+    except (KeyError, ValueError):
+        cores = os.cpu_count() or 1
+    flags = set((info.get("Flags") or proc.get("flags") or "").split())
+    if info.get("CPU max MHz"):
+        ghz, ghz_source = float(info["CPU max MHz"]) / 1000, f"lscpu 'CPU max MHz' {info['CPU max MHz']}"
+    elif (m := re.search(r"@\s*([\d.]+)\s*GHz", model)):
+        ghz, ghz_source = float(m.group(1)), f"the model name's '@ {m.group(1)}GHz' (lscpu shows no 'CPU max MHz')"
+    elif proc.get("cpu MHz"):
+        ghz = float(proc["cpu MHz"]) / 1000
+        ghz_source = (f"/proc/cpuinfo 'cpu MHz' {proc['cpu MHz']} (lscpu shows no 'CPU max MHz'; likely the "
+                      "nominal/TSC clock)")
+    else:
+        ghz, ghz_source = 1.0, "no clock found (lscpu, /proc/cpuinfo); 1 GHz assumed"
+    if "avx512f" in flags:
+        fp32, fp32_unit = 64, "avx512f: 2 FMA units x 16 fp32 lanes x 2 FLOPs"
+    elif "avx2" in flags and "fma" in flags:
+        fp32, fp32_unit = 32, "avx2+fma: 2 FMA units x 8 fp32 lanes x 2 FLOPs"
+    elif "avx" in flags:
+        fp32, fp32_unit = 16, "avx: 8 fp32 lanes x (1 add + 1 mul)"
+    else:
+        fp32, fp32_unit = 8, "sse: 4 fp32 lanes x (1 add + 1 mul)"
+    if "amx_bf16" in flags:
+        bf16, bf16_unit = 1024, "amx_bf16: one AMX TMUL per core, TDPBF16PS 16x16x32 (16384 FLOPs) every 16 cycles"
+    elif "avx512_bf16" in flags:
+        bf16, bf16_unit = 128, "avx512_bf16: 2 units x VDPBF16PS 16 lanes x 2 pairs x 2 FLOPs"
+    else:
+        bf16, bf16_unit = fp32, "no bf16 units in the flags: bf16 runs at the fp32 rate"
+    memory_gb = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_gb = int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    if memory_gb <= 0:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return CpuSpec(model, cores, ghz, ghz_source, {"fp32": fp32, "bf16": bf16},
+                   {"fp32": fp32_unit, "bf16": bf16_unit}, memory_gb)
+
+
+# ---------------------------------------------------------------------------------------- profile
+
+
+def _rate(point: dict[str, Any]) -> float:
+    return point["work"] / point["seconds"]
+
+
+def _largest(points: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(points, key=lambda p: (p["work"], -p["seconds"]))
+
+
+def _fraction(value: float) -> float:
+    return _sig(min(1.0, max(value, 1e-6)), 3)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def profile_device(
+    device: str = "cpu",
+    threads: int = 1,
+    name: str | None = None,
+    progress: Callable[[str], None] = print,
+    base: str | None = None,
+    ranks: int = 2,
+    sweep: Sweep | None = None,
+    network: dict[str, float] | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Measure ``device`` and return its profile as a dict (``bench.predict.device.profile_from_dict`` form).
+
+    ``threads``: ``torch.set_num_threads`` during the measurement (the threads one rank uses; restored
+    after). ``name``: the profile's name (default ``cpu-<cores>core``, or ``<base>-measured``).
+    ``base``: an existing profile (name or path) whose peaks, hbm_gbps, network and sources are
+    copied; required on a GPU. ``ranks``: processes one host runs (network.gpus_per_node; the gloo
+    calibration runs that many). ``sweep``: sizes (default ``cpu_sweep``/``cuda_sweep``).
+    ``network``: an already measured ``calibrate_network`` result ({"latency_us", "gbps"}) instead of
+    measuring one. ``command``: what to record as ``measured.command``.
+    """
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"profile-device: device must be cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda" and base is None:
+        raise ValueError("profile-device: on a GPU give base=<profile> (e.g. h200-sxm) for the peaks and network")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    base_profile = load_profile(base) if base else None
+    sweep = sweep or (cuda_sweep() if dev.type == "cuda" else cpu_sweep())
+    timer = _Timer(dev, sweep)
+    started = time.perf_counter()
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        progress(f"profile-device: {dev}, {threads} thread(s)")
+        curves: dict[str, dict[str, list]] = {"gemm": {}, "grouped_gemm": {}, "attention": {}, "memory": {}}
+        for dtype in sweep.dtypes:
+            progress(f"gemm {dtype}")
+            curves["gemm"][dtype] = gemm_points(timer, dtype, progress)
+        for dtype in sweep.dtypes:
+            progress(f"grouped_gemm {dtype}")
+            curves["grouped_gemm"][dtype] = grouped_gemm_points(timer, dtype, progress)
+        for dtype in sweep.dtypes:
+            progress(f"attention {dtype}")
+            curves["attention"][dtype] = attention_points(timer, dtype, progress)
+        progress("memory")
+        curves["memory"]["any"] = memory_points(timer, progress)
+        stream, stream_numel = stream_gbps(timer, progress)
+        free_us = free_op_seconds(timer) * 1e6
+        progress(f"free op x.view(-1): {free_us:.3f} us")
+    finally:
+        torch.set_num_threads(old_threads)
+    if network is None and base_profile is None:
+        from bench.validate.proxy_check import calibrate_network
+
+        progress(f"network: gloo between {ranks} local processes")
+        network = calibrate_network(ranks, progress)
+        network_source = f"gloo between {ranks} local processes (bench.validate.netcal via calibrate_network)"
+    else:
+        network_source = "the gloo calibration passed in (a bench.validate.netcal result)"
+    elapsed = time.perf_counter() - started
+
+    today = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    stamp = f"measured by moe-bench profile-device on {today}"
+    torch_version = str(torch.__version__)
+    main_dtype = "bf16" if "bf16" in sweep.dtypes else sweep.dtypes[0]
+    sources: dict[str, str] = {}
+
+    if dev.type == "cpu":
+        spec = cpu_spec()
+        used = min(threads, spec.cores)
+        # The clock: lscpu's, unless the measured GEMMs need a faster one (a guest that shows only its
+        # nominal clock); then the lowest clock that explains them.
+        needed = {d: _rate(_largest(curves["gemm"][d])) / (used * spec.flops_per_cycle[d] * 1e9)
+                  for d in sweep.dtypes}
+        ghz, ghz_note = spec.ghz, spec.ghz_source
+        fastest = max(needed, key=needed.get)
+        if needed[fastest] > ghz:
+            ghz = needed[fastest]
+            ghz_note = (f"{spec.ghz_source}, raised to {ghz:.3f} GHz: the measured {fastest} GEMM "
+                        f"({_rate(_largest(curves['gemm'][fastest])) / 1e12:.4f} TFLOP/s on {used} thread(s)) needs at "
+                        f"least that clock at {spec.flops_per_cycle[fastest]} FLOPs/cycle/core, so this is a lower "
+                        f"bound of the running (turbo) clock")
+        peak = {d: spec.cores * ghz * spec.flops_per_cycle[d] / 1e3 for d in ("fp32", "bf16")}
+        peak_tflops = {"fp32": _sig(peak["fp32"]), "bf16": _sig(peak["bf16"]),
+                       "fp8": _sig(peak["bf16"]), "mxfp8": _sig(peak["bf16"])}
+        for d in ("fp32", "bf16"):
+            sources[f"peak_tflops.{d}"] = (
+                f"lscpu: {spec.cores} cores x {ghz:.3f} GHz x {spec.flops_per_cycle[d]} {d} FLOPs/cycle/core "
+                f"({spec.units[d]}); clock: {ghz_note}" + (
+                    ". The FMA-unit count is not in the flags; 2 is assumed (server Xeon/EPYC cores)"
+                    if spec.flops_per_cycle[d] == spec.flops_per_cycle["fp32"] else ""))
+        for d in ("fp8", "mxfp8"):
+            sources[f"peak_tflops.{d}"] = ("lscpu: this CPU has no FP8 units (no FP8 AMX/AVX flags); FP8/MXFP8 "
+                                           "GEMMs run dequantized, so the bf16 figure is given")
+        scale = used / spec.cores  # the measurement ran on `used` of the cores
+        memory_gb = _sig(spec.memory_gb)
+        sources["memory_gb"] = (f"/proc/meminfo: MemTotal {spec.memory_gb * 1e9 / 1024:.0f} kB x 1024 bytes / 1e9, the "
+                               "physical RAM the kernel sees")
+        hbm = _sig(stream)
+        sources["hbm_gbps"] = (f"{stamp}: DRAM bandwidth of torch.add(a, b, out=c) into a preallocated fp32 "
+                               f"output, {stream_numel} elements per operand (the best of the two largest memory "
+                               f"sizes), 3 x numel x 4 bytes / median seconds, {threads} thread(s)")
+        net = {"gpus_per_node": int(ranks), "intra_node_gbps": _sig(network["gbps"]),
+               "inter_node_gbps": _sig(network["gbps"]), "latency_us": _sig(network["latency_us"])}
+        sources["network.gpus_per_node"] = f"the ranks one host runs here ({ranks}, one process per rank)"
+        sources["network.intra_node_gbps"] = (f"{stamp}: {network_source}: bandwidth from the slope between 1 KB "
+                                              "and 16 MB all-reduces and all-to-alls")
+        sources["network.inter_node_gbps"] = ("no second host: the same gloo figure as intra_node_gbps "
+                                              f"({stamp})")
+        sources["network.latency_us"] = f"{stamp}: {network_source}: alpha from 1 KB all-reduces and all-to-alls"
+        description = (f"{spec.model}, {spec.cores} cores, {memory_gb} GB RAM (measured with {threads} "
+                       f"thread(s) per rank, {ranks} ranks per host)")
+        machine = {"cpu": spec.model, "cores": spec.cores, "torch": torch_version, "platform": platform.platform()}
+        kind = "cpu"
+        default_name = f"cpu-{spec.cores}core"
+    else:
+        props = torch.cuda.get_device_properties(dev)
+        peak_tflops = dict(base_profile.peak_tflops)
+        scale = 1.0
+        for key, text in base_profile.sources.items():
+            sources[key] = text
+        for d in peak_tflops:
+            sources[f"peak_tflops.{d}"] = f"copied from {base_profile.name}: {base_profile.sources[f'peak_tflops.{d}']}"
+        memory_gb = _sig(props.total_memory / 1e9)
+        sources["memory_gb"] = f"{stamp}: torch.cuda.get_device_properties({dev}).total_memory / 1e9"
+        hbm = base_profile.hbm_gbps
+        sources["hbm_gbps"] = (f"copied from {base_profile.name}: {base_profile.sources['hbm_gbps']} (measured here: "
+                               f"{stream:.0f} GB/s by torch.add out= at {stream_numel} elements)")
+        net = dict(base_profile.network)
+        for k in net:
+            sources[f"network.{k}"] = f"copied from {base_profile.name}: {base_profile.sources[f'network.{k}']}"
+        description = f"{props.name}, {memory_gb} GB (curves measured; peaks and network from {base_profile.name})"
+        machine = {"gpu": props.name, "cpu": cpu_spec().model, "cores": os.cpu_count(), "torch": torch_version,
+                   "cuda": torch.version.cuda}
+        kind = "gpu"
+        default_name = f"{base_profile.name}-measured"
+
+    efficiency: dict[str, float] = {}
+    for curve_kind in ("gemm", "grouped_gemm", "attention"):
+        top = _largest(curves[curve_kind][main_dtype])
+        reference = peak_tflops[main_dtype] * 1e12 * scale
+        fraction = _rate(top) / reference
+        efficiency[curve_kind] = _fraction(fraction)
+        others = ", ".join(f"{d} {_rate(_largest(curves[curve_kind][d])) / (peak_tflops[d] * 1e12 * scale):.3f}"
+                           for d in sweep.dtypes if d != main_dtype)
+        capped = " (capped at 1)" if fraction > 1 else ""
+        sources[f"efficiency.{curve_kind}"] = (
+            f"{stamp}: the {main_dtype} {curve_kind} curve's largest point, shape {top['shape']}, "
+            f"{_rate(top) / 1e12:.4f} TFLOP/s against peak_tflops.{main_dtype} x {scale:g} (the cores the "
+            f"{threads} thread(s) ran on) = {fraction:.3f}{capped}" + (f"; other dtypes: {others}" if others else ""))
+    top_mem = _largest(curves["memory"]["any"])
+    mem_fraction = _rate(top_mem) / (hbm * 1e9)
+    efficiency["memory"] = _fraction(mem_fraction)
+    sources["efficiency.memory"] = (
+        f"{stamp}: out-of-place torch.add at the memory curve's largest point ({top_mem['shape'][0]} fp32 elements "
+        f"per operand, {_rate(top_mem) / 1e9:.2f} GB/s, including the first touch of its fresh output) against "
+        f"hbm_gbps = {mem_fraction:.3f}" + (" (capped at 1)" if mem_fraction > 1 else ""))
+    smallest_mem = min(curves["memory"]["any"], key=lambda p: p["work"])
+    efficiency["launch_overhead_us"] = _sig(smallest_mem["seconds"] * 1e6)
+    sources["efficiency.launch_overhead_us"] = (
+        f"{stamp}: the smallest memory op, out-of-place torch.add of {smallest_mem['shape'][0]} fp32 elements "
+        f"per operand ({smallest_mem['work']} bytes moved), median over batches of calls")
+    if kind == "cpu":
+        efficiency["free_op_us"] = _sig(free_us)
+        sources["efficiency.free_op_us"] = (f"{stamp}: x.view(-1) (no kernel) dispatched from Python, median "
+                                            f"over batches of {max(1, sweep.free_op_calls // 10)} calls")
+    sources["curves"] = (
+        f"{stamp} on {dev}, {threads} thread(s): medians of time.perf_counter around batches of calls after 2 "
+        "warm-up calls (bench/run/profile_device.py docstring: what each kind's work and seconds are)")
+
+    name = name or default_name
+    threads_flag = f" --threads {threads}" if kind == "cpu" else ""
+    command = command or (f"moe-bench profile-device --device {device}{threads_flag} --name {name}"
+                          + (f" --base {base}" if base else "") + (f" --ranks {ranks}" if kind == "cpu" else ""))
+    return {
+        "schema_version": 1,
+        "name": name,
+        "description": description,
+        "kind": kind,
+        "memory_gb": memory_gb,
+        "peak_tflops": peak_tflops,
+        "hbm_gbps": hbm,
+        "network": net,
+        "efficiency": efficiency,
+        "measured": {
+            "date": today,
+            "command": command,
+            "machine": machine,
+            "threads": threads,
+            "device": str(dev),
+            "seconds": round(elapsed, 1),
+            "method": ("median seconds over repeated batches of calls (time.perf_counter, device synchronized "
+                       "around each batch), after 2 warm-up calls; per-point budget "
+                       f"{sweep.point_seconds} s, {sweep.min_repeats}-{sweep.max_repeats} repeats"),
+        },
+        "sources": sources,
+        "curves": curves,
+    }
+
+
+class _FlowMap(dict):
+    """A curve point, written on one line."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_FlowMap, lambda dumper, data: dumper.represent_mapping(
+    "tag:yaml.org,2002:map", dict(data), flow_style=True))
+
+
+def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
+    """Validate ``profile`` (``profile_from_dict``) and write it as YAML to ``path``; returns the path."""
+    path = Path(path)
+    profile_from_dict(profile, str(path))
+    data = dict(profile)
+    if data.get("curves"):
+        data["curves"] = {kind: {dtype: [_FlowMap(p) for p in points] for dtype, points in by_dtype.items()}
+                          for kind, by_dtype in data["curves"].items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# Written by moe-bench profile-device ({profile.get('measured', {}).get('command', '')}).\n"
+    path.write_text(header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True))
+    return path
+
+
+def profile_device_command(
+    device: str = "cpu",
+    threads: int = 1,
+    name: str | None = None,
+    base: str | None = None,
+    ranks: int = 2,
+    out: str | Path | None = None,
+    progress: Callable[[str], None] = print,
+) -> Path:
+    """What ``moe-bench profile-device`` runs: measure, then write ``out`` (default ``devices/<name>.yaml``)."""
+    profile = profile_device(device=device, threads=threads, name=name, progress=progress, base=base, ranks=ranks)
+    path = write_profile(profile, out or DEVICES_DIR / f"{profile['name']}.yaml")
+    progress(f"profile-device: wrote {path} in {profile['measured']['seconds']} s")
+    return path
+
