@@ -6,7 +6,8 @@ then the optimizer), the seconds of each on a profile (``bench.predict.pricing``
     microbatch_s = (seconds of the forward and backward ops) / m_t
     optimizer_s  = seconds of the optimizer ops + the once-per-step rest (zeroing gradient buffers)
     collectives  = the traced c10d ops (bytes from the traced tensors): expert (ep group) and pipeline
-                   (pp group) ones per microbatch, their count / m_t; gradient-group ones issued in the
+                   (pp group) ones per microbatch, their count / m_t, and so are FSDP's parameter
+                   gathers (dp-group all-gathers in the forward and backward); gradient-group ones issued in the
                    backward are the overlapped reduction buckets, each with the window w = the seconds
                    of the backward ops traced after it; those issued in the optimizer are the ZeRO-1
                    gather buckets, w = the optimizer ops' seconds after it; the rest are per step
@@ -133,7 +134,11 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
             continue
         phase = group_phases.get(p.op.collective["group_name"], "other")
         c = _collective(p.op, phase)
-        if phase in ("expert", "pipeline"):
+        if phase == "grad" and c.op == "all_gather" and p.op.stage in ("forward", "backward"):
+            # FSDP's parameter gathers: every microbatch's forward and backward gathers each unit again.
+            c = Collective(c.op, c.ranks, c.nbytes, "fsdp")
+            phase = "fsdp"
+        if phase in ("expert", "pipeline", "fsdp"):
             per_mb.setdefault((c.op, c.ranks, phase), []).append(c.nbytes)
         elif phase == "grad" and p.op.stage == "backward":
             grad_buckets.append(SyncBucket(c, after[i]))

@@ -70,9 +70,12 @@ Overlap windows of a scaled-down run (``bench.run.proxy.scaled_sync_buckets``)
     The buckets queue in the order of their windows, the longest first: the engine's fixed launch
     order. At the run's own scale (R = s = C = 1) the windows are the measured ones.
 
-Step (times in seconds; c_exp, c_pipe = summed seconds of one microbatch's "expert" and "pipeline" entries)
-    t_mb      = microbatch_s + c_exp + c_pipe   (dispatch all-to-alls and stage messages sit on the
-                                                 critical path: no overlap with compute is assumed)
+Step (times in seconds; c_exp, c_pipe, c_fsdp = summed seconds of one microbatch's "expert", "pipeline"
+and "fsdp" entries)
+    t_mb      = microbatch_s + c_exp + c_pipe + max(0, c_fsdp - microbatch_s)
+                (dispatch all-to-alls and stage messages sit on the critical path: no overlap with
+                 compute is assumed; FSDP's parameter gathers are prefetched, each unit's under the
+                 compute of the unit before, so only what outlasts the microbatch's compute shows)
     bubble    = 0                          pp = 1
                 (pp - 1) t_mb              gpipe, 1f1b   (pipeline time (m + pp - 1) t_mb)
                 (pp - 1) t_mb / v          interleaved1f1b
@@ -85,9 +88,10 @@ Step (times in seconds; c_exp, c_pipe = summed seconds of one microbatch's "expe
     step      = pipeline + grad_sync_exposed + optimizer_s + param_gather_exposed + other
 
 Breakdown (sums to the step)
-    compute = m microbatch_s, expert_comm = m c_exp, pipeline_comm = m c_pipe, bubble, grad_sync_exposed,
-    optimizer, param_gather_exposed, other_comm; beside them, not part of the sum: grad_sync_hidden,
-    grad_sync_total (= hidden + exposed), param_gather_hidden, param_gather_total.
+    compute = m microbatch_s, expert_comm = m c_exp, pipeline_comm = m c_pipe, fsdp_gather_exposed =
+    m max(0, c_fsdp - microbatch_s), bubble, grad_sync_exposed, optimizer, param_gather_exposed,
+    other_comm; beside them, not part of the sum: grad_sync_hidden, grad_sync_total (= hidden +
+    exposed), param_gather_hidden, param_gather_total, fsdp_gather_total = m c_fsdp.
 
 Throughput
     tokens_per_s_per_gpu = tokens_per_step / step / world_size
@@ -116,16 +120,18 @@ __all__ = [
 ]
 
 OPS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv")
-PHASES = ("expert", "pipeline", "grad", "other")
-PER_MICROBATCH_PHASES = ("expert", "pipeline")
+PHASES = ("expert", "pipeline", "fsdp", "grad", "other")
+PER_MICROBATCH_PHASES = ("expert", "pipeline", "fsdp")
 PER_STEP_PHASES = ("grad", "other")
 KINDS = ("gpipe", "1f1b", "interleaved1f1b")
 STEP_KEYS = (
-    "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer", "param_gather_exposed",
+    "compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed", "optimizer", "param_gather_exposed",
     "other_comm",
 )
 """Keys of ``Projection.breakdown_s`` that add up to the step."""
-BESIDE_KEYS = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total")
+BESIDE_KEYS = (
+    "grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total",
+)
 """Keys of ``Projection.breakdown_s`` reported beside the sum (hidden time overlaps the compute)."""
 BREAKDOWN_KEYS = STEP_KEYS + BESIDE_KEYS
 """Keys of ``Projection.breakdown_s``."""
@@ -217,8 +223,9 @@ class Collective:
     """all_to_all: this rank's send buffer; all_reduce, broadcast: the tensor; reduce_scatter: the whole
     input; all_gather: the whole output; send, recv: the message; barrier: 0."""
     phase: str
-    """expert (token dispatch, inside a microbatch), pipeline (stage messages, per microbatch), grad
-    (gradient / parameter sync, once per step) or other (anything else, once per step)."""
+    """expert (token dispatch, inside a microbatch), pipeline (stage messages, per microbatch), fsdp
+    (FSDP's parameter gathers, per microbatch), grad (gradient / parameter sync, once per step) or
+    other (anything else, once per step)."""
     count: int = 1
     """How many identical calls this entry stands for."""
 
@@ -475,7 +482,8 @@ def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buc
         "send and recv: alpha + B / beta, each recorded message priced on its own",
         "a single-rank group costs nothing (except send and recv)",
         "t_mb = microbatch compute + its expert all-to-alls + its pipeline messages: communication inside a "
-        "microbatch is on the critical path, not overlapped with compute",
+        "microbatch is on the critical path, not overlapped with compute; FSDP parameter gathers are prefetched "
+        "under the compute, only max(0, gathers - compute) of a microbatch is exposed",
         pipeline,
         grad,
         gather,
@@ -528,7 +536,9 @@ def project_step(
     m = schedule.microbatches
     expert = _seconds(per_microbatch, "expert", rank, net)
     pipe = _seconds(per_microbatch, "pipeline", rank, net)
-    t_mb = timing.microbatch_s + expert + pipe
+    fsdp = _seconds(per_microbatch, "fsdp", rank, net)
+    fsdp_exposed = max(0.0, fsdp - timing.microbatch_s)
+    t_mb = timing.microbatch_s + expert + pipe + fsdp_exposed
     # Gradient collectives with no launch time start as the backward ends, behind the buckets.
     unbucketed = [SyncBucket(c, 0.0) for c in per_step if c.phase == "grad"]
     grad = simulate_sync([*grad_buckets, *unbucketed], rank, net)
@@ -537,6 +547,7 @@ def project_step(
         "compute": m * timing.microbatch_s,
         "expert_comm": m * expert,
         "pipeline_comm": m * pipe,
+        "fsdp_gather_exposed": m * fsdp_exposed,
         "bubble": _bubble(schedule, t_mb),
         "grad_sync_exposed": grad.exposed_s,
         "optimizer": timing.optimizer_s,
@@ -546,6 +557,7 @@ def project_step(
         "grad_sync_total": grad.total_s,
         "param_gather_hidden": gather.hidden_s,
         "param_gather_total": gather.total_s,
+        "fsdp_gather_total": m * fsdp,
     }
     # Summing the parts (rather than pipeline time + ...) keeps the breakdown adding up to the step exactly.
     step = sum(breakdown[k] for k in STEP_KEYS)

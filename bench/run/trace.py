@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -39,7 +45,8 @@ from bench.scenario import Scenario
 from moe_engine.parallel.collective_log import CollectiveRecorder
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
-from moe_engine.parallel.trainer import ParallelTrainer
+from moe_engine.config import DataParallelMode
+from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.proxy.build import build_proxy_rank
 from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
@@ -75,6 +82,8 @@ class StepTracer(TorchDispatchMode):
         super().__init__()
         self.ops: list[TracedOp] = []
         self.stage = "other"
+        self.recording = True
+        """False while the rank is built: shadows are kept (a device mesh reads its ranks), ops not recorded."""
         self._shadows = WeakIdKeyDictionary()
         self._regions: list[tuple[str, int]] = []
         self._region_calls = 0
@@ -94,6 +103,9 @@ class StepTracer(TorchDispatchMode):
         if not outs or any(t.numel() > SHADOW_MAX_ELEMENTS for t in outs):
             self._forget_written(func, args, kwargs)
             return
+        if not self.recording and any(t.is_floating_point() for t in outs):
+            # While the rank is built: integer metadata only (a device mesh's ranks), not the weights.
+            return
         if any(self._shadows.get(t) is None for t in fakes):
             if func is torch.ops.aten.copy_.default and self._shadows.get(args[1]) is not None:
                 # A copy overwrites its destination: the source's shadow is all it needs.
@@ -106,8 +118,26 @@ class StepTracer(TorchDispatchMode):
         with unset_fake_temporarily():
             real_out = func(*real_args, **real_kwargs)
         for fake, real in zip(_tensors(out), _tensors(real_out)):
-            if isinstance(fake, FakeTensor):
+            if not isinstance(fake, FakeTensor):
+                continue
+            if real.dtype == fake.dtype and real.shape == fake.shape:
                 self._shadows[fake] = real
+            else:
+                self._shadows.pop(fake, None)
+
+    def _data_dependent(self, func, args, kwargs):
+        """An op whose output shape depends on values (nonzero): run on the shadows, faked from the result."""
+        inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)]
+        if not inputs or any(self._shadows.get(t) is None for t in inputs):
+            raise UntraceableStep(f"{func} needs the values of tensors whose values the trace does not know")
+        real_args, real_kwargs = tree_map(self._shadow, (args, kwargs))
+        with unset_fake_temporarily():
+            real_out = func(*real_args, **real_kwargs)
+        fake_mode = inputs[0].fake_mode
+        out = tree_map(lambda t: fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, real_out)
+        for fake, real in zip(_tensors(out), _tensors(real_out)):
+            self._shadows[fake] = real
+        return out
 
     def _forget_written(self, func, args, kwargs) -> None:
         # An in-place op whose inputs are not all known leaves its destination unknown too.
@@ -137,7 +167,12 @@ class StepTracer(TorchDispatchMode):
             self._record(func, args, kwargs, None)
             return value
         self._track_region(func, args)
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            out = self._data_dependent(func, args, kwargs)
+            self._record(func, args, kwargs, out)
+            return out
         if any(isinstance(t, FakeTensor) for t in _tensors(out)) or func._schema.name == "aten::copy_":
             self._run_shadow(func, args, kwargs, out)
         self._record(func, args, kwargs, out)
@@ -152,7 +187,7 @@ class StepTracer(TorchDispatchMode):
             self._regions.pop()
 
     def _record(self, func, args, kwargs, out) -> None:
-        if func.namespace == "prim":
+        if not self.recording or func.namespace == "prim":
             # Metadata queries that only the fake mode issues (prim.device): no kernel either way.
             return
         collective = None
@@ -276,6 +311,15 @@ def _phases(groups: ProcessGroups) -> dict[str, str]:
     }
 
 
+def _build_rank(scenario: Scenario, groups: ProcessGroups, seed: int):
+    parallel = scenario.parallel_config
+    if parallel.dp_mode is DataParallelMode.FSDP:
+        # FSDP needs no peers simulated (the engine's FSDP mode has no expert parallelism): the real
+        # build path, whose gathers and reduce-scatters move nothing on the fake world.
+        return build_rank_model(scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute)
+    return build_proxy_rank(scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute)
+
+
 def _in_stage(owner, method: str, tracer: StepTracer, stage: str) -> None:
     original = getattr(owner, method)
 
@@ -305,18 +349,18 @@ def trace_step(
         groups = build_process_groups(Layout(parallel))
         tracer = StepTracer()
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
-        with mode, _fake_to_empty(fake):
+        with mode, _fake_to_empty(fake), tracer:
             progress(f"building rank {rank}'s share ({'fake tensors' if fake else 'real tensors'})")
-            rank_model = build_proxy_rank(
-                scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute
-            )
+            tracer.recording = False
+            rank_model = _build_rank(scenario, groups, seed)
             trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
+            tracer.recording = True
             tokens, labels = _batch(scenario, parallel.dp, seed)
             # Once-per-step work outside the microbatches: zeroing the gradient buffers, the update.
             for method, stage in (("zero_grad", "other"), ("step", "optimizer")):
                 _in_stage(trainer.optimizer, method, tracer, stage)
             progress(f"tracing one step of {parallel.microbatches} microbatches")
-            with tracer, tracer.in_stage("forward"):
+            with tracer.in_stage("forward"):
                 trainer.step(tokens, labels)
         return StepTrace(
             ops=tracer.ops, rank=rank, world_size=world, microbatches=parallel.microbatches,

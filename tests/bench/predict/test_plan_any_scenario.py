@@ -115,7 +115,7 @@ def test_plan_of_a_proxy_scenario_by_hand(planned):
     assert per_rank["memory_bytes"]["optimizer_experts"] == 12 * local_experts
     # 4194304 tokens over dp 8 and 32 microbatches: 16384 tokens (4 sequences) per microbatch and rank.
     assert doc["details"]["layout"]["tokens_per_microbatch_per_rank"] == 16384
-    assert m["memory_fraction_of_gpu"] == pytest.approx(m["memory_total_bytes"] / (288 * 2**30))
+    assert m["memory_fraction_of_gpu"] == pytest.approx(m["memory_total_bytes"] / 288e9)
     # ... the same plan as the layout it replays.
     base = docs["moe-128e-47b-zero1"].data
     assert doc["metrics"] == base["metrics"]

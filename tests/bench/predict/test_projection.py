@@ -27,9 +27,9 @@ from bench.predict.projection import (
 NET = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_us=10.0)
 NODE0 = tuple(range(8))
 TWO_NODES = tuple(range(16))
-SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
-            "param_gather_exposed", "other_comm")
-BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total")
+SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed",
+            "optimizer", "param_gather_exposed", "other_comm")
+BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total")
 
 
 def approx(x: float):
@@ -289,6 +289,7 @@ def test_pp1_gradient_sync_hidden_under_backward():
         "grad_sync_exposed": 0.0, "grad_sync_hidden": approx(g), "grad_sync_total": approx(g),
         "optimizer": approx(0.01), "param_gather_exposed": 0.0, "param_gather_hidden": 0.0,
         "param_gather_total": 0.0, "other_comm": approx(6 * 10e-6),
+        "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0,
     }
     assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
     assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)
@@ -455,3 +456,14 @@ def call(**overrides):
 def test_project_step_rejects_bad_inputs(overrides, match):
     with pytest.raises(ValueError, match=match):
         call(**overrides)
+
+
+def test_fsdp_gathers_show_only_what_outlasts_the_compute():
+    # 8 ranks on one node; each microbatch gathers 9 GB (forward and backward) over them.
+    gather = Collective("all_gather", NODE0, 9_000_000_000, "fsdp", count=2)
+    c = 2 * (7 * 10e-6 + 7 / 8 * 9e9 / 900e9)
+    for compute, exposed in ((0.001, c - 0.001), (1.0, 0.0)):
+        p = project_step(0, RankTiming(compute, 0.0), [gather], [], Schedule(1, 1, 4, "1f1b"), NET, 8192, 8, 1e9)
+        assert p.breakdown_s["fsdp_gather_total"] == approx(4 * c)
+        assert p.breakdown_s["fsdp_gather_exposed"] == approx(4 * exposed)
+        assert p.step_s == approx(4 * compute + 4 * exposed)

@@ -21,6 +21,7 @@ LAYOUTS = [
     "e64-skewed-bf16",        # skewed routes
     "e8-random-mxfp8",        # the MXFP8 regions
     "e8-random-bf16-recompute-full",
+    "e8-dp2-fsdp-bf16",       # FSDP2: the real build path, its gathers on the fake world
 ]
 
 

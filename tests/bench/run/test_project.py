@@ -1,0 +1,74 @@
+"""``moe-bench project``: documents, bad input (exit 2, the file and field named), and a layout that does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from bench.cli import main
+from bench.predict.device import DEVICES_DIR
+from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
+
+SMALL = "scenarios/smoke/e8-ep2-nosync-bf16.yaml"
+
+
+def test_projection_document_on_a_gpu(tmp_path, capsys):
+    assert main(["project", SMALL, "--device", "h100-sxm", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "e8-ep2-nosync-bf16.h100-sxm.json").read_text())
+    steps = {k: v for k, v in doc["breakdown_s"].items() if k in (
+        "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
+        "param_gather_exposed", "other_comm", "skew")}
+    assert doc["step_s"] == pytest.approx(sum(steps.values()))
+    assert doc["tokens_per_s_per_gpu"] == pytest.approx(doc["tokens_per_step"] / doc["step_s"] / doc["world_size"])
+    assert doc["mfu"] == pytest.approx(doc["tflops_per_gpu"] / 989.4)
+    assert doc["memory"]["fits"] and doc["breakdown_s"]["expert_comm"] > 0
+    assert "tokens/s/GPU" in capsys.readouterr().out
+
+
+def test_unknown_device_exits_2(tmp_path, capsys):
+    assert main(["project", SMALL, "--device", "h900", "--out", str(tmp_path)]) == 2
+    assert "--device: unknown device 'h900'" in capsys.readouterr().err
+
+
+def test_profile_missing_a_field_exits_2_naming_file_and_field(tmp_path, capsys):
+    data = yaml.safe_load((DEVICES_DIR / "b200.yaml").read_text())
+    del data["network"]["latency_us"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert main(["project", SMALL, "--device", str(bad), "--out", str(tmp_path)]) == 2
+    assert f"{bad}: network.latency_us: missing" in capsys.readouterr().err
+
+
+def test_profile_with_a_non_positive_rate_exits_2(tmp_path, capsys):
+    data = yaml.safe_load((DEVICES_DIR / "b200.yaml").read_text())
+    data["peak_tflops"]["bf16"] = 0
+    bad = tmp_path / "zero.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    assert main(["project", SMALL, "--device", str(bad), "--out", str(tmp_path)]) == 2
+    assert f"{bad}: peak_tflops.bf16: must be a number > 0" in capsys.readouterr().err
+
+
+def test_a_layout_that_does_not_fit_is_not_projected(tmp_path, capsys):
+    # The 47B layout needs ~217 GB per rank by the plan; an H100 has 80.
+    assert main(["project", "scenarios/olmo-core3/moe-128e-47b.yaml", "--device", "h100-sxm", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit h100-sxm" in err and "memory_gb = 80" in err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_cluster_device_fills_the_cluster_and_refuses_a_contradiction():
+    scenario = load_scenario("scenarios/olmo-core3/moe-128e-47b.yaml")
+    assert scenario.cluster["gpu_memory_gib"] == pytest.approx(288e9 / 2**30)
+    assert scenario.cluster["inter_node_gbps"] == 100
+    spec = dict(scenario.spec)
+    spec["cluster"] = {"gpus": 8, "device": "b300", "gpu_memory_gib": 288}
+    with pytest.raises(ScenarioError, match="cluster.gpu_memory_gib: 288 contradicts device b300"):
+        scenario_from_dict(spec)
+    spec["cluster"] = {"gpus": 8, "device": "b900"}
+    with pytest.raises(ScenarioError, match="cluster.device: --device: unknown device 'b900'"):
+        scenario_from_dict(spec)
+    spec["cluster"] = {"gpus": 8}
+    with pytest.raises(ScenarioError, match="cluster"):
+        scenario_from_dict(spec)
