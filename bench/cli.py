@@ -204,6 +204,20 @@ def cmd_project(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_profile_device(args: argparse.Namespace) -> int:
+    from bench.predict.device import ProfileError
+    from bench.run.profile_device import profile_device_command
+
+    if args.threads < 1 or args.ranks < 1:
+        return _fail("--threads and --ranks: must be at least 1")
+    try:
+        profile_device_command(args.device, args.threads, args.name, args.base, args.ranks, args.out,
+                               progress=lambda line: print(line, flush=True))
+    except (ValueError, ProfileError) as err:
+        return _fail(str(err))
+    return EXIT_OK
+
+
 def cmd_proxy_check(args: argparse.Namespace) -> int:
     import json
 
@@ -546,6 +560,18 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: the scenario's cluster.device)")
     project.add_argument("--out", default="results/projections", help="folder for the projection documents")
     project.set_defaults(func=cmd_project)
+
+    profile = sub.add_parser(
+        "profile-device", help="measure this device's GEMM, grouped-GEMM, attention and memory curves into a "
+                               "device profile (devices/NAME.yaml)")
+    profile.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    profile.add_argument("--threads", type=int, default=1, help="CPU threads per rank while measuring (default 1)")
+    profile.add_argument("--ranks", type=int, default=2,
+                         help="ranks one host runs: the gloo links are measured between this many processes (CPU)")
+    profile.add_argument("--name", help="profile name (default: from the device)")
+    profile.add_argument("--base", help="on a GPU: the profile whose peaks, network and sources to keep (e.g. h200-sxm)")
+    profile.add_argument("--out", help="file to write (default devices/NAME.yaml)")
+    profile.set_defaults(func=cmd_profile_device)
 
     check = sub.add_parser(
         "proxy-check", help="projection vs measurement: real multi-rank runs here and proxies of each of their ranks"

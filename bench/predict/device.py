@@ -21,7 +21,7 @@ DEVICES_DIR = Path(__file__).resolve().parents[2] / "devices"
 """Where the profiles named by ``--device NAME`` live."""
 
 RATE_DTYPES = ("fp32", "bf16", "fp8", "mxfp8")
-CURVE_KINDS = ("gemm", "grouped_gemm", "memory", "attention")
+CURVE_KINDS = ("gemm", "grouped_gemm", "memory", "attention", "attention_backward")
 _EFFICIENCIES = ("gemm", "grouped_gemm", "attention", "memory")
 _NETWORK = ("gpus_per_node", "intra_node_gbps", "inter_node_gbps", "latency_us")
 

@@ -155,6 +155,8 @@ class OpWork:
     """The dtype its rate is taken at: the first input's (an MX GEMM: mxfp8)."""
     groups: int = 1
     """Grouped GEMMs: groups of the product (its per-group FLOPs are flops / groups)."""
+    backward: bool = False
+    """Attention: the backward kernel (priced on a curve of its own where a profile has one)."""
 
 
 def _moved_bytes(op: TracedOp) -> int:
@@ -219,7 +221,7 @@ def op_work(op: TracedOp) -> OpWork:
         groups = len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1)
         return OpWork(kind, grouped_gemm_flops(a, b, out, op.group_rows), moved, dtype, max(groups, 1))
     if kind == "attention":
-        return OpWork(kind, attention_flops(op), moved, dtype)
+        return OpWork(kind, attention_flops(op), moved, dtype, backward=op.name.split(".")[1].endswith("_backward"))
     if kind in ("free", "collective"):
         return OpWork(kind, 0.0, 0.0 if kind == "free" else moved, dtype)
     return OpWork(kind, 0.0, moved, dtype)

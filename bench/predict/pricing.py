@@ -6,7 +6,8 @@ dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch o
     with a measured curve of the op's kind and dtype (``DeviceProfile.curves``): the curve's seconds
     at the op's work (piecewise linear in log-log, ``Curve.seconds``); a grouped GEMM is priced per
     group, at its FLOPs / groups, times the groups (the CPU emulation and per-group kernels run a
-    group at a time); memory-bound ops use the memory curve of any dtype (bytes are bytes)
+    group at a time); an attention backward uses the ``attention_backward`` curve where there is one;
+    memory-bound ops use the memory curve of any dtype (bytes are bytes)
     otherwise, declared efficiencies (a roofline with an overhead):
         gemm:          max(W_flops / (P e_gemm), W_bytes / (B e_memory)) + o
         grouped_gemm:  max(W_flops / (P e_grouped_gemm), W_bytes / (B e_memory)) + o
@@ -70,6 +71,8 @@ def op_seconds(work: OpWork, profile: DeviceProfile) -> float:
         return curve.seconds(work.nbytes) if curve else memory_s + overhead
     curve_kind = "grouped_gemm" if work.kind in ("grouped_gemm", "mx_gemm") else work.kind
     curve = profile.curve(curve_kind, dtype)
+    if work.kind == "attention" and work.backward:
+        curve = profile.curve("attention_backward", dtype) or curve
     if curve is not None:
         if curve_kind == "grouped_gemm":
             return work.groups * curve.seconds(work.flops / work.groups)

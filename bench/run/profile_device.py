@@ -14,8 +14,9 @@ set to the threads one real rank uses (``threads``; the project's 2-rank CPU run
   tensors, d = 64, with autograd on (as in training). Forward points: work = 4 B H S S d / 2 (causal),
   seconds = the forward; backward points: work = 2.5 x the forward FLOPs, seconds = ``out.backward``
   alone (the forward of each backward is run outside the timed region, so this is fwd+bwd minus fwd
-  without the noise of a subtraction). Pricing reads both from one curve; each point says its ``pass``
-  (forward/backward; the loader ignores the key). Shape recorded: (B, H, S, d).
+  without the noise of a subtraction). The backward points are a curve of their own,
+  ``attention_backward``: a CPU's backward runs several times slower per FLOP than its forward.
+  Shape recorded: (B, H, S, d).
 - ``memory`` (any): ``torch.add(a, b)`` out of place on fp32 tensors of 1 KB to 256 MB each
   (CPU default), so the small end is per-op overhead and the large end includes the first touch of
   the freshly allocated output, as the engine's own out-of-place ops pay it. work = 3 x numel x 4 bytes.
@@ -28,7 +29,7 @@ set to the threads one real rank uses (``threads``; the project's 2-rank CPU run
 - peaks (CPU): lscpu's cores x clock x FLOPs/cycle of the widest units its flags show (AMX-BF16: 1024
   bf16 FLOPs/cycle/core; AVX-512: 2 FMA units x 16 fp32 lanes x 2). A KVM guest often shows no
   "CPU max MHz"; then the clock is /proc/cpuinfo's, raised to the lowest clock the measured GEMMs
-  need when they beat it (a lower bound of the real turbo clock, said so in ``sources``). No FP8
+  need when one of their points beats it (a lower bound of the real turbo clock, said so in ``sources``). No FP8
   units on a CPU: fp8 and mxfp8 get the bf16 figure.
 - network (CPU): gloo between ``ranks`` local processes (``bench.validate.proxy_check.calibrate_network``,
   alpha from small all-reduces / all-to-alls, bandwidth from the large-minus-small slope).
@@ -98,7 +99,7 @@ class Sweep:
     """fp32 elements of each operand of ``torch.add``."""
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     point_seconds: float = 0.25
-    """Timing budget of one point (after warm-up)."""
+    """Timing budget of one point (after warm-up); at least ``min_repeats`` repeats whatever it costs."""
     min_repeats: int = 3
     max_repeats: int = 30
     batch_seconds: float = 1e-3
@@ -115,13 +116,16 @@ def cpu_sweep() -> Sweep:
     """The default sweep for a small CPU (about a minute or two with one thread)."""
     squares = tuple((n, n, n) for n in _pow2(4, 11))  # 16 .. 2048
     return Sweep(
-        gemm_shapes=squares + ((4096, 256, 1024), (4096, 1024, 256), (1024, 4096, 512)),
+        # Engine-like rectangles, at works the squares do not have (one point per work).
+        gemm_shapes=squares + ((4096, 256, 512), (4096, 1024, 256), (1024, 4096, 1024)),
         grouped_rows=_pow2(3, 12),  # 8 .. 4096 rows per group
         grouped_nk=((256, 256), (512, 1024)),
         grouped_experts=(4, 16),
         grouped_max_rows=16384,
         attention_seq=_pow2(6, 11),  # 64 .. 2048
         memory_numel=_pow2(8, 26),  # 1 KB .. 256 MB per fp32 operand
+        point_seconds=0.5,
+        min_repeats=5,
     )
 
 
@@ -134,7 +138,7 @@ def cuda_sweep() -> Sweep:
         grouped_nk=((2048, 7168), (7168, 2048), (1024, 1024)),
         grouped_experts=(8, 32, 128),
         grouped_max_rows=1 << 18,
-        attention_seq=_pow2(7, 14),  # 128 .. 16384
+        attention_seq=_pow2(7, 13),  # 128 .. 8192
         attention_batch_heads=(4, 16),
         memory_numel=_pow2(8, 28),  # 1 KB .. 1 GB per operand
         point_seconds=0.2,
@@ -252,11 +256,14 @@ def grouped_gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], Non
     return _sorted(points)
 
 
-def attention_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def attention_points(
+    timer: _Timer, dtype: str, progress: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The forward curve and the backward curve (a CPU's backward runs several times slower per FLOP)."""
     sweep = timer.sweep
     b, h = sweep.attention_batch_heads
     d = sweep.attention_head_dim
-    points = []
+    forward_points, backward_points = [], []
     for s in sweep.attention_seq:
         q, k, v = (torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device) for _ in range(3))
         grad = torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
@@ -272,12 +279,12 @@ def attention_points(timer: _Timer, dtype: str, progress: Callable[[str], None])
             bwd_s = timer.median(lambda out, g=grad: out.backward(g), setup=lambda: forward(leaves()))
         fwd_work = 2 * b * h * s * s * d  # 4 B H S S d, halved by the causal mask
         bwd_work = 5 * fwd_work // 2  # 2.5 x the forward
-        points.append(_point(fwd_work, fwd_s, (b, h, s, d), **{"pass": "forward"}))
-        points.append(_point(bwd_work, bwd_s, (b, h, s, d), **{"pass": "backward"}))
+        forward_points.append(_point(fwd_work, fwd_s, (b, h, s, d)))
+        backward_points.append(_point(bwd_work, bwd_s, (b, h, s, d)))
         progress(f"  attention {dtype} B={b} H={h} S={s} d={d}: fwd {fwd_s * 1e6:.1f} us "
                  f"({fwd_work / fwd_s / 1e12:.3f} TFLOP/s), bwd {bwd_s * 1e6:.1f} us "
                  f"({bwd_work / bwd_s / 1e12:.3f} TFLOP/s)")
-    return _sorted(points)
+    return _sorted(forward_points), _sorted(backward_points)
 
 
 def memory_points(timer: _Timer, progress: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -464,7 +471,9 @@ def profile_device(
     torch.set_num_threads(threads)
     try:
         progress(f"profile-device: {dev}, {threads} thread(s)")
-        curves: dict[str, dict[str, list]] = {"gemm": {}, "grouped_gemm": {}, "attention": {}, "memory": {}}
+        curves: dict[str, dict[str, list]] = {
+            "gemm": {}, "grouped_gemm": {}, "attention": {}, "attention_backward": {}, "memory": {},
+        }
         for dtype in sweep.dtypes:
             progress(f"gemm {dtype}")
             curves["gemm"][dtype] = gemm_points(timer, dtype, progress)
@@ -473,7 +482,7 @@ def profile_device(
             curves["grouped_gemm"][dtype] = grouped_gemm_points(timer, dtype, progress)
         for dtype in sweep.dtypes:
             progress(f"attention {dtype}")
-            curves["attention"][dtype] = attention_points(timer, dtype, progress)
+            curves["attention"][dtype], curves["attention_backward"][dtype] = attention_points(timer, dtype, progress)
         progress("memory")
         curves["memory"]["any"] = memory_points(timer, progress)
         stream, stream_numel = stream_gbps(timer, progress)
@@ -502,16 +511,16 @@ def profile_device(
         used = min(threads, spec.cores)
         # The clock: lscpu's, unless the measured GEMMs need a faster one (a guest that shows only its
         # nominal clock); then the lowest clock that explains them.
-        needed = {d: _rate(_largest(curves["gemm"][d])) / (used * spec.flops_per_cycle[d] * 1e9)
-                  for d in sweep.dtypes}
+        best = {d: max((p for k in ("gemm", "grouped_gemm") for p in curves[k][d]), key=_rate) for d in sweep.dtypes}
+        needed = {d: _rate(best[d]) / (used * spec.flops_per_cycle[d] * 1e9) for d in sweep.dtypes}
         ghz, ghz_note = spec.ghz, spec.ghz_source
         fastest = max(needed, key=needed.get)
         if needed[fastest] > ghz:
             ghz = needed[fastest]
-            ghz_note = (f"{spec.ghz_source}, raised to {ghz:.3f} GHz: the measured {fastest} GEMM "
-                        f"({_rate(_largest(curves['gemm'][fastest])) / 1e12:.4f} TFLOP/s on {used} thread(s)) needs at "
-                        f"least that clock at {spec.flops_per_cycle[fastest]} FLOPs/cycle/core, so this is a lower "
-                        f"bound of the running (turbo) clock")
+            ghz_note = (f"{spec.ghz_source}, raised to {ghz:.3f} GHz: the fastest measured {fastest} GEMM point "
+                        f"(shape {best[fastest]['shape']}, {_rate(best[fastest]) / 1e12:.4f} TFLOP/s on {used} "
+                        f"thread(s)) needs at least that clock at {spec.flops_per_cycle[fastest]} FLOPs/cycle/core, "
+                        f"so this is a lower bound of the running (turbo) clock")
         peak = {d: spec.cores * ghz * spec.flops_per_cycle[d] / 1e3 for d in ("fp32", "bf16")}
         peak_tflops = {"fp32": _sig(peak["fp32"]), "bf16": _sig(peak["bf16"]),
                        "fp8": _sig(peak["bf16"]), "mxfp8": _sig(peak["bf16"])}
