@@ -242,10 +242,20 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
     problem = _unwritable(Path(args.out))
     if problem:
         return _fail(problem)
+    if args.runs < 1:
+        return _fail(f"--runs: must be at least 1, got {args.runs}")
+    profile = None
+    if args.device_profile:
+        from bench.predict.device import ProfileError, load_profile
+
+        try:
+            profile = load_profile(args.device_profile)
+        except ProfileError as err:
+            return _fail(str(err))
     runner = Runner(resolve_device("cpu"), Path(args.out))
-    reporter = Reporter(len(scenarios))
+    reporter = Reporter(len(scenarios) * args.runs)
     try:
-        report = check(runner, scenarios, reporter.line)
+        report = check(runner, scenarios, reporter.line, runs=args.runs, profile=profile)
     except RuntimeError as err:
         print(f"moe-bench: error: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -255,13 +265,20 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
         print(f"gloo links, {world} ranks: latency {net['latency_us']:.1f} us, {net['gbps']:.2f} GB/s")
     for row in report["rows"]:
         if row["status"] != "ok":
-            print(f"{row['scenario']}: real run {row['status']}: {row['error']}")
+            print(f"{row['scenario']} run {row['run'] + 1}: real run {row['status']}: {row['error']}")
             continue
         gaps = ", ".join(f"{g:+.1%}" for g in row["plan_memory_gap"])
+        op_level = f", op-level {row['op_level_error']:+.1%}" if "op_level_error" in row else ""
         print(
-            f"{row['scenario']}: measured {row['measured_step_s'] * 1e3:.1f} ms/step, projected "
-            f"{row['projected_step_s'] * 1e3:.1f} ms/step, error {row['error']:+.1%}; plan vs proxy memory {gaps}"
+            f"{row['scenario']} run {row['run'] + 1}: measured {row['measured_step_s'] * 1e3:.1f} ms/step, projected "
+            f"{row['projected_step_s'] * 1e3:.1f} ms/step (skew cv {row['step_time_cv']:.3f}), error "
+            f"{row['error']:+.1%} ({row['error_without_skew']:+.1%} without skew){op_level}; plan vs proxy memory {gaps}"
         )
+    for name, entry in report["summary"].items():
+        op_level = (f", op-level {entry['median_op_level_error']:+.1%}"
+                    if entry["median_op_level_error"] is not None else "")
+        print(f"{name}: median error over {entry['runs']} runs {entry['median_error']:+.1%} "
+              f"({entry['median_error_without_skew']:+.1%} without skew){op_level}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
@@ -579,6 +596,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("files", nargs="*", help="execute scenarios of 2+ ranks (default: the 2-rank smoke layouts)")
     check.add_argument("--out", default="results", help="results root for the runs (default: results)")
     check.add_argument("--json", default=None, help="also write the report here")
+    check.add_argument("--runs", type=int, default=1, help="real runs of each scenario (default 1)")
+    check.add_argument("--device-profile", metavar="PROFILE",
+                       help="also check the op-level projection on this device profile (e.g. cpu-2core, the "
+                            "profile of the machine it runs on) against the same real runs")
     check.set_defaults(func=cmd_proxy_check)
 
     micro = sub.add_parser("micro", help="run the micro-benchmarks and fold them into a result document")

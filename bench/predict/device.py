@@ -67,6 +67,17 @@ class Curve:
                 return math.exp(math.log(p0.seconds) + f * math.log(p1.seconds / p0.seconds))
         raise AssertionError("unreachable: work lies between the first and last points")
 
+    def seconds_at_shape(self, shape: tuple[int, ...], work: float) -> float:
+        """Seconds of an op of ``work`` at the throughput of the measured point nearest ``shape`` (distance
+        in log sizes, so 64 x 4096 x 256 is near 64 x 4096 x 512, far from 4096 x 64 x 256); by work
+        alone (``seconds``) when no point was measured at a shape of that rank."""
+        shaped = [p for p in self.points if len(p.shape) == len(shape) and all(s > 0 for s in p.shape)]
+        if not shaped or not all(s > 0 for s in shape):
+            return self.seconds(work)
+        nearest = min(shaped, key=lambda p: sum(math.log(a / b) ** 2 for a, b in zip(p.shape, shape)))
+        # Never below the fastest measured GEMM: the smallest ones are overhead-bound.
+        return max(nearest.seconds * work / nearest.work, min(p.seconds for p in shaped))
+
 
 @dataclass(frozen=True)
 class DeviceProfile:

@@ -157,18 +157,25 @@ class OpWork:
     """Grouped GEMMs: groups of the product (its per-group FLOPs are flops / groups)."""
     backward: bool = False
     """Attention: the backward kernel (priced on a curve of its own where a profile has one)."""
+    shape: tuple[int, ...] = ()
+    """GEMMs: (M, N, K), or (B, M, N, K) batched; grouped GEMMs: (groups, rows per group, N, K); for a
+    profile whose curves were measured at shapes."""
 
 
 def _moved_bytes(op: TracedOp) -> int:
     return sum(s.nbytes for s in op.inputs) + sum(s.nbytes for s in op.outputs)
 
 
-def _gemm_flops(op: TracedOp) -> float:
+def gemm_shape(op: TracedOp) -> tuple[int, ...]:
+    """(M, N, K) of a product, (B, M, N, K) of a batched one: out (..., M, N) from a (..., M, K)."""
     base = op.name.split(".")[1]
     out = op.outputs[0].shape
     a = op.inputs[1] if base in ("addmm", "baddbmm") else op.inputs[0]
-    # out (..., M, N) from a (..., M, K): 2 * numel(out) * K multiply-adds.
-    return 2.0 * math.prod(out) * a.shape[-1]
+    return (*out[:-2], out[-2], out[-1], a.shape[-1]) if len(out) > 2 else (out[0], out[1], a.shape[-1])
+
+
+def _gemm_flops(op: TracedOp) -> float:
+    return 2.0 * math.prod(gemm_shape(op))
 
 
 def grouped_gemm_flops(a: TensorSpec, b: TensorSpec, out: TensorSpec, group_rows: tuple[int, ...] | None) -> float:
@@ -187,6 +194,19 @@ def grouped_gemm_flops(a: TensorSpec, b: TensorSpec, out: TensorSpec, group_rows
     if len(a.shape) == 3 and len(b.shape) == 3:
         return 2.0 * math.prod(out.shape) * a.shape[2]
     return 2.0 * (rows if rows is not None else b.shape[0]) * a.shape[2] * b.shape[1]
+
+
+def grouped_shape(a: TensorSpec, b: TensorSpec, out: TensorSpec, groups: int, flops: float) -> tuple[int, ...]:
+    """(groups, rows per group, N, K) as a profile measures grouped GEMMs: rows the grouped dim, N x K
+    the rest of each product (a weight gradient's (M, N) output in their place)."""
+    if len(a.shape) == 2 and len(b.shape) == 2:
+        n, k = a.shape[0], b.shape[1]
+    elif len(b.shape) == 3:
+        n, k = b.shape[2], a.shape[-1]
+    else:
+        n, k = b.shape[-1], a.shape[-1]
+    rows = round(flops / (2 * groups * n * k)) if n and k else 0
+    return groups, rows, n, k
 
 
 def attention_flops(op: TracedOp) -> float:
@@ -215,11 +235,12 @@ def op_work(op: TracedOp) -> OpWork:
     dtype = op.inputs[0].dtype if op.inputs else (op.outputs[0].dtype if op.outputs else "torch.float32")
     moved = _moved_bytes(op)
     if kind == "gemm":
-        return OpWork(kind, _gemm_flops(op), moved, dtype)
+        return OpWork(kind, _gemm_flops(op), moved, dtype, shape=gemm_shape(op))
     if kind == "grouped_gemm":
         a, b, out = op.inputs[0], op.inputs[1], op.outputs[0]
-        groups = len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1)
-        return OpWork(kind, grouped_gemm_flops(a, b, out, op.group_rows), moved, dtype, max(groups, 1))
+        groups = max(len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1), 1)
+        flops = grouped_gemm_flops(a, b, out, op.group_rows)
+        return OpWork(kind, flops, moved, dtype, groups, shape=grouped_shape(a, b, out, groups, flops))
     if kind == "attention":
         return OpWork(kind, attention_flops(op), moved, dtype, backward=op.name.split(".")[1].endswith("_backward"))
     if kind in ("free", "collective"):

@@ -4,10 +4,12 @@ Rules (W = the op's work, ``bench.predict.ops.op_work``; P = the profile's dense
 dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch overhead)
 
     with a measured curve of the op's kind and dtype (``DeviceProfile.curves``): the curve's seconds
-    at the op's work (piecewise linear in log-log, ``Curve.seconds``); a grouped GEMM is priced per
+    at the op's work (piecewise linear in log-log, ``Curve.seconds``); a GEMM runs at the throughput
+    of the measured shape nearest its (M, N, K) (``Curve.seconds_at_shape``: skinny products run far
+    below square ones of the same FLOPs), a grouped GEMM at the nearest (groups, rows per group, N, K); a grouped GEMM is priced per
     group, at its FLOPs / groups, times the groups (the CPU emulation and per-group kernels run a
     group at a time); an attention backward uses the ``attention_backward`` curve where there is one;
-    memory-bound ops use the memory curve of any dtype (bytes are bytes)
+    memory-bound ops use the memory curve of their dtype (fp32 for others; a curve keyed ``any`` fits all)
     otherwise, declared efficiencies (a roofline with an overhead):
         gemm:          max(W_flops / (P e_gemm), W_bytes / (B e_memory)) + o
         grouped_gemm:  max(W_flops / (P e_grouped_gemm), W_bytes / (B e_memory)) + o
@@ -67,15 +69,19 @@ def op_seconds(work: OpWork, profile: DeviceProfile) -> float:
     dtype = rate_dtype(work.dtype)
     memory_s = work.nbytes / (profile.hbm_gbps * 1e9 * eff["memory"])
     if work.kind == "memory":
-        curve = profile.curve("memory", "any")
+        curve = profile.curve("memory", dtype) or profile.curve("memory", "fp32") or profile.curve("memory", "any")
         return curve.seconds(work.nbytes) if curve else memory_s + overhead
     curve_kind = "grouped_gemm" if work.kind in ("grouped_gemm", "mx_gemm") else work.kind
     curve = profile.curve(curve_kind, dtype)
     if work.kind == "attention" and work.backward:
         curve = profile.curve("attention_backward", dtype) or curve
     if curve is not None:
+        if curve_kind == "grouped_gemm" and work.shape:
+            return work.groups * curve.seconds_at_shape(work.shape, work.flops / work.groups)
         if curve_kind == "grouped_gemm":
             return work.groups * curve.seconds(work.flops / work.groups)
+        if work.kind == "gemm" and work.shape:
+            return curve.seconds_at_shape(work.shape, work.flops)
         return curve.seconds(work.flops)
     peak = profile.peak_tflops[dtype] * 1e12
     if work.kind == "attention":

@@ -85,13 +85,25 @@ and "fsdp" entries)
     gather    = the overlapped-sync simulation of the gather buckets: param_gather_exposed,
                 param_gather_hidden
     other     = summed seconds of the per-step "other" entries (never hidden)
-    step      = pipeline + grad_sync_exposed + optimizer_s + param_gather_exposed + other
+    step      = pipeline + grad_sync_exposed + optimizer_s + param_gather_exposed + other + skew
 
 Breakdown (sums to the step)
     compute = m microbatch_s, expert_comm = m c_exp, pipeline_comm = m c_pipe, fsdp_gather_exposed =
     m max(0, c_fsdp - microbatch_s), bubble, grad_sync_exposed, optimizer, param_gather_exposed,
-    other_comm; beside them, not part of the sum: grad_sync_hidden, grad_sync_total (= hidden +
+    other_comm, skew; beside them, not part of the sum: grad_sync_hidden, grad_sync_total (= hidden +
     exposed), param_gather_hidden, param_gather_total, fsdp_gather_total = m c_fsdp.
+
+Rank skew (``SkewModel``; the ``skew`` entry of the breakdown, 0 without a model)
+    A collective completes when the slowest rank of its group reaches it. Ranks' compute between two
+    consecutive blocking collectives (a segment) varies by independent noise; the step has S of them,
+    and the wait at each is E[max of n] - mean = z_n sigma_seg (z_n = E[max of n standard normals],
+    z_2 = 1/sqrt(pi)). With sigma_step^2 = S sigma_seg^2 the variance of a rank's step and
+    cv = sigma_step / step (the step-time spread real multi-rank runs record):
+        skew = z_n sqrt(S) cv compute
+    S = m * (the per-microbatch collectives' calls) + the per-step "other" calls + 1 (the step's end,
+    where the gradient sync completes); n = the largest group among them. The assumption: the noise
+    is independent between segments and ranks; shared slowdowns (the whole machine) count in cv too,
+    which makes this an upper estimate where they dominate.
 
 Throughput
     tokens_per_s_per_gpu = tokens_per_step / step / world_size
@@ -112,8 +124,12 @@ __all__ = [
     "RankTiming",
     "Schedule",
     "SyncBucket",
+    "SkewModel",
     "SyncTimes",
     "collective_seconds",
+    "expected_max_normal",
+    "skew_seconds",
+    "sync_points",
     "project_step",
     "simulate_sync",
     "summarize_collectives",
@@ -126,7 +142,7 @@ PER_STEP_PHASES = ("grad", "other")
 KINDS = ("gpipe", "1f1b", "interleaved1f1b")
 STEP_KEYS = (
     "compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed", "optimizer", "param_gather_exposed",
-    "other_comm",
+    "other_comm", "skew",
 )
 """Keys of ``Projection.breakdown_s`` that add up to the step."""
 BESIDE_KEYS = (
@@ -391,6 +407,54 @@ def simulate_sync(buckets: Iterable[SyncBucket], rank: int, net: Network) -> Syn
     return SyncTimes(total_s=total, exposed_s=max(0.0, end))
 
 
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals], by Simpson's rule (z_1 = 0, z_2 = 1/sqrt(pi))."""
+    if n <= 1:
+        return 0.0
+    steps, lo, hi = 4000, -10.0, 10.0
+    h = (hi - lo) / steps
+    total = 0.0
+    for i in range(steps + 1):
+        x = lo + i * h
+        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
+        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += weight * x * n * pdf * cdf ** (n - 1)
+    return total * h / 3
+
+
+@dataclass(frozen=True)
+class SkewModel:
+    """How much a rank's step time varies: the input of the rank-skew waits (module docstring)."""
+
+    cv: float
+    """Coefficient of variation of one rank's step time (robust spread / median of measured steps)."""
+    source: str
+    """Where cv comes from, in words."""
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.cv) or not self.cv >= 0:
+            raise ValueError(f"skew.cv: must be a number >= 0, got {self.cv!r}")
+
+
+def sync_points(collectives: Iterable[Collective], per_step: Iterable[Collective], microbatches: int) -> tuple[int, int]:
+    """(S, n): the blocking collectives of a step and the largest group among them (module docstring).
+
+    ``collectives`` are one microbatch's, ``per_step`` the step's others (gradient buckets included)."""
+    collectives, per_step = list(collectives), list(per_step)
+    others = [c for c in per_step if c.phase == "other"]
+    s = microbatches * sum(c.count for c in collectives) + sum(c.count for c in others) + 1
+    n = max((len(c.ranks) for c in [*collectives, *per_step]), default=1)
+    return s, n
+
+
+def skew_seconds(skew: SkewModel | None, sync_count: int, group_size: int, compute_s: float) -> float:
+    """z_n sqrt(S) cv compute: the expected waits for the slowest rank (module docstring)."""
+    if skew is None or group_size < 2 or sync_count < 1:
+        return 0.0
+    return expected_max_normal(group_size) * math.sqrt(sync_count) * skew.cv * compute_s
+
+
 @dataclass(frozen=True)
 class Projection:
     """The projected step of one rank on the target cluster."""
@@ -494,6 +558,14 @@ def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buc
     ]
 
 
+def _skew_assumption(skew: SkewModel | None) -> str:
+    if skew is None:
+        return "rank skew: not modelled (no measured step-time spread given): ranks reach each collective together"
+    return (f"rank skew: each blocking collective waits for the slowest rank; skew = z_n * sqrt(S) * cv * compute "
+            f"with cv = {skew.cv:.4g} ({skew.source}), S = the step's blocking collectives, n = their largest group; "
+            "independent noise between segments and ranks assumed")
+
+
 def project_step(
     rank: int,
     timing: RankTiming,
@@ -506,13 +578,14 @@ def project_step(
     flops_per_token: float,
     grad_buckets: Iterable[SyncBucket] = (),
     gather_buckets: Iterable[SyncBucket] = (),
+    skew: SkewModel | None = None,
 ) -> Projection:
     """The projected step of ``rank`` (formulas in the module docstring).
 
     ``per_microbatch`` holds the collectives of one microbatch (phases expert and pipeline), ``per_step``
     those issued once per step (phases grad and other) that no bucket stands for; ``tokens_per_step``
     is global. ``grad_buckets`` (the gradient reductions) and ``gather_buckets`` (the ZeRO-1 gathers),
-    in launch order, are the overlapped syncs.
+    in launch order, are the overlapped syncs. ``skew``: the rank-skew waits' model (none: 0).
     """
     grad_buckets, gather_buckets = list(grad_buckets), list(gather_buckets)
     if not _is_int(world_size) or world_size < 1:
@@ -553,6 +626,10 @@ def project_step(
         "optimizer": timing.optimizer_s,
         "param_gather_exposed": gather.exposed_s,
         "other_comm": _seconds(per_step, "other", rank, net),
+        "skew": skew_seconds(
+            skew, *sync_points(per_microbatch, [*per_step, *(b.collective for b in grad_buckets)], m),
+            m * timing.microbatch_s,
+        ),
         "grad_sync_hidden": grad.hidden_s,
         "grad_sync_total": grad.total_s,
         "param_gather_hidden": gather.hidden_s,
@@ -568,5 +645,5 @@ def project_step(
         tokens_per_s_per_gpu=tokens_per_step / step / world_size,
         tflops_per_gpu=flops_per_token * tokens_per_step / step / world_size / 1e12,
         breakdown_s=breakdown,
-        assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets)),
+        assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets)) + [_skew_assumption(skew)],
     )

@@ -3,8 +3,9 @@
 What is measured, on the device given (``cpu``, or ``cuda``/``cuda:N``), with ``torch.set_num_threads``
 set to the threads one real rank uses (``threads``; the project's 2-rank CPU runs use one each):
 
-- ``gemm`` (bf16, fp32): ``torch.mm(a_MK, b_KN)`` for square and a few engine-like rectangular shapes;
-  work = 2 M N K FLOPs, seconds = one call. Shape recorded: (M, N, K).
+- ``gemm`` (bf16, fp32): ``torch.mm(a_MK, b_KN)`` for square shapes and a grid of rectangles;
+  work = 2 M N K FLOPs, seconds = one call. Shape recorded: (M, N, K). Also ``torch.bmm`` of the
+  combine's batched products, shape (B, M, N, K), work 2 B M N K.
 - ``grouped_gemm`` (bf16, fp32): the experts' ``moe_engine.moe.grouped_gemm.grouped_mm(x, w, offsets)``,
   x (E * rows, K) @ w (E, K, N) (w stored (E, N, K) and transposed, as ``experts.py`` passes
   ``gate_up_EHD.transpose(1, 2)``), int32 offsets, every group ``rows`` rows; swept over rows per group
@@ -17,9 +18,12 @@ set to the threads one real rank uses (``threads``; the project's 2-rank CPU run
   without the noise of a subtraction). The backward points are a curve of their own,
   ``attention_backward``: a CPU's backward runs several times slower per FLOP than its forward.
   Shape recorded: (B, H, S, d).
-- ``memory`` (any): ``torch.add(a, b)`` out of place on fp32 tensors of 1 KB to 256 MB each
-  (CPU default), so the small end is per-op overhead and the large end includes the first touch of
-  the freshly allocated output, as the engine's own out-of-place ops pay it. work = 3 x numel x 4 bytes.
+- ``memory`` (bf16, fp32): ``torch.mul(a, b)`` out of place on tensors of 1 KB to 256 MB each, so the
+  small end is per-op overhead and the large end includes the first touch of the freshly allocated
+  output, as the engine's own out-of-place ops pay it. work = 3 x numel x element size. bf16 has a
+  curve of its own: a CPU computes it through fp32 and moves half the bytes per element.
+- Every curve's operands are cold: each call takes the next of several copies filling
+  ``Sweep.pool_bytes`` (256 MB by default), as a training step's ops read tensors written long before.
 - ``hbm_gbps`` (CPU): the DRAM bandwidth of ``torch.add(a, b, out=c)`` into a preallocated output at
   the two largest memory sizes (no page faults), the better of the two; ``efficiency.memory`` is the
   out-of-place curve's largest point as a fraction of it.
@@ -46,6 +50,7 @@ per-point budget. The default CPU sweep runs in about a minute or two on a 2-cor
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import os
 import platform
 import re
@@ -92,11 +97,13 @@ class Sweep:
     """Skip a point whose E x rows exceeds this (keeps the sweep short)."""
     attention_seq: tuple[int, ...]
     """Sequence lengths S."""
+    bmm_shapes: tuple[tuple[int, int, int, int], ...] = ()
+    """(B, M, N, K) of ``torch.bmm`` points, recorded in the gemm curve with their four sizes."""
     attention_batch_heads: tuple[int, int] = (2, 4)
     """(B, H)."""
     attention_head_dim: int = 64
     memory_numel: tuple[int, ...] = ()
-    """fp32 elements of each operand of ``torch.add``."""
+    """Elements of each operand of the memory curves' ``torch.mul``."""
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     point_seconds: float = 0.25
     """Timing budget of one point (after warm-up); at least ``min_repeats`` repeats whatever it costs."""
@@ -106,6 +113,9 @@ class Sweep:
     """Calls are timed in batches lasting about this long."""
     free_op_calls: int = 20000
     """Calls of ``x.view(-1)`` timed for free_op_us."""
+    pool_bytes: int = 256 << 20
+    """Operands rotate through copies filling at least this many bytes, so each call finds them out of
+    the caches, as a training step does (its tensors are written long before they are read again)."""
 
 
 def _pow2(lo: int, hi: int) -> tuple[int, ...]:
@@ -115,9 +125,17 @@ def _pow2(lo: int, hi: int) -> tuple[int, ...]:
 def cpu_sweep() -> Sweep:
     """The default sweep for a small CPU (about a minute or two with one thread)."""
     squares = tuple((n, n, n) for n in _pow2(4, 11))  # 16 .. 2048
+    # A grid of rectangles: a training step's GEMMs are skinny (a router's N = E, a head's N = V,
+    # weight gradients' K = tokens), and pricing takes the throughput of the nearest shape.
+    grid = tuple((m, n, k) for m in (8, 64, 256, 1024, 4096) for n in (8, 64, 256, 1024, 4096)
+                 for k in (64, 256, 1024, 4096))
+    # The combine's batched products: per token, its k expert outputs weighted (1 x k @ k x D), and
+    # the two products of its backward.
+    batched = tuple((b, m, n, k) for b in (1024, 4096, 16384)
+                    for m, n, k in ((1, 256, 2), (1, 2, 256), (2, 256, 1), (1, 1024, 8), (1, 8, 1024), (8, 1024, 1)))
     return Sweep(
-        # Engine-like rectangles, at works the squares do not have (one point per work).
-        gemm_shapes=squares + ((4096, 256, 512), (4096, 1024, 256), (1024, 4096, 1024)),
+        gemm_shapes=squares + tuple(s for s in grid if s not in squares),
+        bmm_shapes=batched,
         grouped_rows=_pow2(3, 12),  # 8 .. 4096 rows per group
         grouped_nk=((256, 256), (512, 1024)),
         grouped_experts=(4, 16),
@@ -133,7 +151,10 @@ def cuda_sweep() -> Sweep:
     """The default sweep for a datacenter GPU."""
     squares = tuple((n, n, n) for n in _pow2(5, 14))  # 32 .. 16384
     return Sweep(
-        gemm_shapes=squares + ((16384, 2048, 7168), (16384, 7168, 2048), (8192, 4096, 4096)),
+        gemm_shapes=squares + tuple((m, n, k) for m in (128, 1024, 8192, 32768) for n in (8, 128, 1024, 4096, 16384)
+                                    for k in (128, 1024, 4096, 16384)),
+        bmm_shapes=tuple((b, m, n, k) for b in (16384, 65536)
+                         for m, n, k in ((1, 4096, 4), (1, 4, 4096), (4, 4096, 1), (1, 8192, 8), (1, 8, 8192), (8, 8192, 1))),
         grouped_rows=_pow2(3, 14),  # 8 .. 16384
         grouped_nk=((2048, 7168), (7168, 2048), (1024, 1024)),
         grouped_experts=(8, 32, 128),
@@ -164,6 +185,7 @@ def tiny_sweep() -> Sweep:
         max_repeats=5,
         batch_seconds=2e-4,
         free_op_calls=500,
+        pool_bytes=1 << 20,
     )
 
 
@@ -219,18 +241,34 @@ def _sorted(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(points, key=lambda p: (p["work"], p["shape"]))
 
 
+def _cold(timer: _Timer, make: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    """A setup that hands out operand sets in turn from copies filling ``sweep.pool_bytes`` (at least 2)."""
+    first = make()
+    each = sum(t.numel() * t.element_size() for t in first)
+    pool = [first] + [make() for _ in range(max(1, min(255, timer.sweep.pool_bytes // max(each, 1))))]
+    turn = itertools.count()
+    return lambda: pool[next(turn) % len(pool)]
+
+
 # ---------------------------------------------------------------------------------------- curves
 
 
 def gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     points = []
     for m, n, k in timer.sweep.gemm_shapes:
-        a = torch.randn(m, k, dtype=_DTYPES[dtype], device=timer.device)
-        b = torch.randn(k, n, dtype=_DTYPES[dtype], device=timer.device)
-        seconds = timer.median(lambda _, a=a, b=b: torch.mm(a, b))
+        operands = _cold(timer, lambda: (torch.randn(m, k, dtype=_DTYPES[dtype], device=timer.device),
+                                         torch.randn(k, n, dtype=_DTYPES[dtype], device=timer.device)))
+        seconds = timer.median(lambda ab: torch.mm(*ab), setup=operands)
         work = 2 * m * n * k
         points.append(_point(work, seconds, (m, n, k)))
         progress(f"  gemm {dtype} {m}x{n}x{k}: {seconds * 1e6:.1f} us, {work / seconds / 1e12:.3f} TFLOP/s")
+    for batch, m, n, k in timer.sweep.bmm_shapes:
+        operands = _cold(timer, lambda: (torch.randn(batch, m, k, dtype=_DTYPES[dtype], device=timer.device),
+                                         torch.randn(batch, k, n, dtype=_DTYPES[dtype], device=timer.device)))
+        seconds = timer.median(lambda ab: torch.bmm(*ab), setup=operands)
+        work = 2 * batch * m * n * k
+        points.append(_point(work, seconds, (batch, m, n, k)))
+        progress(f"  bmm {dtype} {batch}x{m}x{n}x{k}: {seconds * 1e6:.1f} us")
     return _sorted(points)
 
 
@@ -241,14 +279,14 @@ def grouped_gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], Non
     points = []
     for n, k in sweep.grouped_nk:
         for experts in sweep.grouped_experts:
-            w_ENK = torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device)
-            w_EKN = w_ENK.transpose(1, 2)
             for rows in sweep.grouped_rows:
                 if experts * rows > sweep.grouped_max_rows:
                     continue
-                x = torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device)
                 offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=timer.device) * rows
-                seconds = timer.median(lambda _, x=x, w=w_EKN, o=offsets: grouped_mm(x, w, o)) / experts
+                operands = _cold(timer, lambda: (
+                    torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device),
+                    torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device).transpose(1, 2)))
+                seconds = timer.median(lambda xw, o=offsets: grouped_mm(*xw, o), setup=operands) / experts
                 work = 2 * rows * n * k
                 points.append(_point(work, seconds, (experts, rows, n, k)))
                 progress(f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
@@ -265,11 +303,12 @@ def attention_points(
     d = sweep.attention_head_dim
     forward_points, backward_points = [], []
     for s in sweep.attention_seq:
-        q, k, v = (torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device) for _ in range(3))
         grad = torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
+        qkv = _cold(timer, lambda: tuple(torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
+                                         for _ in range(3)))
 
-        def leaves(qkv=(q, k, v)):
-            return [t.detach().requires_grad_() for t in qkv]
+        def leaves():
+            return [t.detach().requires_grad_() for t in qkv()]
 
         def forward(args):
             return F.scaled_dot_product_attention(*args, is_causal=True)
@@ -287,15 +326,16 @@ def attention_points(
     return _sorted(forward_points), _sorted(backward_points)
 
 
-def memory_points(timer: _Timer, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def memory_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Out-of-place ``torch.mul`` of two operands of each size, cold (``_cold``), in ``dtype``."""
     points = []
     for numel in timer.sweep.memory_numel:
-        a = torch.randn(numel, device=timer.device)
-        b = torch.randn(numel, device=timer.device)
-        seconds = timer.median(lambda _, a=a, b=b: torch.add(a, b))
-        work = 3 * numel * a.element_size()
+        operands = _cold(timer, lambda: (torch.randn(numel, dtype=_DTYPES[dtype], device=timer.device),
+                                         torch.randn(numel, dtype=_DTYPES[dtype], device=timer.device)))
+        seconds = timer.median(lambda ab: torch.mul(*ab), setup=operands)
+        work = 3 * numel * _DTYPES[dtype].itemsize
         points.append(_point(work, seconds, (numel,)))
-        progress(f"  memory add {numel} elements ({work} bytes): {seconds * 1e6:.2f} us, "
+        progress(f"  memory mul {dtype} {numel} elements ({work} bytes): {seconds * 1e6:.2f} us, "
                  f"{work / seconds / 1e9:.2f} GB/s")
     return _sorted(points)
 
@@ -484,7 +524,8 @@ def profile_device(
             progress(f"attention {dtype}")
             curves["attention"][dtype], curves["attention_backward"][dtype] = attention_points(timer, dtype, progress)
         progress("memory")
-        curves["memory"]["any"] = memory_points(timer, progress)
+        for dtype in sweep.dtypes:
+            curves["memory"][dtype] = memory_points(timer, dtype, progress)
         stream, stream_numel = stream_gbps(timer, progress)
         free_us = free_op_seconds(timer) * 1e6
         progress(f"free op x.view(-1): {free_us:.3f} us")
@@ -589,17 +630,17 @@ def profile_device(
             f"{stamp}: the {main_dtype} {curve_kind} curve's largest point, shape {top['shape']}, "
             f"{_rate(top) / 1e12:.4f} TFLOP/s against peak_tflops.{main_dtype} x {scale:g} (the cores the "
             f"{threads} thread(s) ran on) = {fraction:.3f}{capped}" + (f"; other dtypes: {others}" if others else ""))
-    top_mem = _largest(curves["memory"]["any"])
+    top_mem = _largest(curves["memory"]["fp32"])
     mem_fraction = _rate(top_mem) / (hbm * 1e9)
     efficiency["memory"] = _fraction(mem_fraction)
     sources["efficiency.memory"] = (
-        f"{stamp}: out-of-place torch.add at the memory curve's largest point ({top_mem['shape'][0]} fp32 elements "
+        f"{stamp}: out-of-place torch.mul at the fp32 memory curve's largest point ({top_mem['shape'][0]} fp32 elements "
         f"per operand, {_rate(top_mem) / 1e9:.2f} GB/s, including the first touch of its fresh output) against "
         f"hbm_gbps = {mem_fraction:.3f}" + (" (capped at 1)" if mem_fraction > 1 else ""))
-    smallest_mem = min(curves["memory"]["any"], key=lambda p: p["work"])
+    smallest_mem = min(curves["memory"]["fp32"], key=lambda p: p["work"])
     efficiency["launch_overhead_us"] = _sig(smallest_mem["seconds"] * 1e6)
     sources["efficiency.launch_overhead_us"] = (
-        f"{stamp}: the smallest memory op, out-of-place torch.add of {smallest_mem['shape'][0]} fp32 elements "
+        f"{stamp}: the smallest memory op, out-of-place torch.mul of {smallest_mem['shape'][0]} fp32 elements "
         f"per operand ({smallest_mem['work']} bytes moved), median over batches of calls")
     if kind == "cpu":
         efficiency["free_op_us"] = _sig(free_us)

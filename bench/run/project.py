@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.predict.device import DeviceProfile
-from bench.predict.op_projection import SkewModel, project_priced_step, step_prices
+from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import price_ops
-from bench.predict.projection import Network, Schedule
+from bench.predict.projection import Network, Schedule, SkewModel
 from bench.run.trace import trace_step
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
@@ -91,7 +91,7 @@ def project_on_device(
         trace = trace_step(traced, rank=rank, fake=True)
         priced = price_ops(trace.ops, profile)
         prices = step_prices(priced, m_traced, trace.group_phases)
-        projection, skew_info = project_priced_step(
+        projection = project_priced_step(
             prices, rank, schedule, net, scenario.run["tokens_per_step"], scenario.world_size, flops_per_token, skew
         )
         stages.append({
@@ -104,7 +104,6 @@ def project_on_device(
             "seconds_by_kind_per_step_traced": prices.seconds_by_kind,
             "traced_matmul_flops_per_microbatch": prices.flops_traced / m_traced,
             "projection": projection.to_dict(),
-            **skew_info,
         })
     slowest = max(stages, key=lambda s: s["projection"]["step_s"])
     projection = slowest["projection"]
@@ -151,7 +150,7 @@ def summary(doc: dict[str, Any]) -> str:
     b = doc["breakdown_s"]
     parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in b.items() if v and k in (
         "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
-        "param_gather_exposed", "other_comm", "skew"))
+        "param_gather_exposed", "other_comm", "skew", "fsdp_gather_exposed"))
     mem = doc["memory"]
     return (
         f"{doc['scenario']} on {doc['world_size']} x {doc['device']}: step {doc['step_s']:.3f} s, "

@@ -7,13 +7,19 @@ For each execute scenario given (default: the 2-rank smoke layouts), on this mac
 3. run a proxy of every rank of it (mode proxy, one thread, the scenario's own sizes) with the
    measured links as the cluster, all at once so that they share the machine as the real ranks do,
    and take the slowest rank's projected step, as a real step waits for its slowest rank;
-4. report projected / measured - 1, and each proxy's plan-vs-measured memory gap.
+4. add the rank-skew waits (``bench.predict.projection``: z_n sqrt(S) cv compute) with cv the real
+   run's own step-time spread (1.4826 MAD / median of its steps);
+5. with ``--device-profile``, also project the scenario op by op on this machine's profile
+   (``bench.run.project``, the same skew) and compare that with the same real run;
+6. report projected / measured - 1 of every run and the medians per scenario, and each proxy's
+   plan-vs-measured memory gap.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -21,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.predict.device import DeviceProfile
+from bench.predict.projection import Collective, SkewModel, skew_seconds, sync_points
+from bench.run.project import project_on_device
 from bench.run.runner import Runner, run_with_timeout
 from bench.scenario import Scenario, scenario_from_dict
 
@@ -60,7 +69,47 @@ def proxy_spec(scenario: Scenario, rank: int, network: dict[str, Any]) -> dict[s
     return spec
 
 
-def check(runner: Runner, scenarios: list[Scenario], progress: Callable[[str], None]) -> dict[str, Any]:
+def step_time_cv(samples: list[float]) -> float:
+    """Robust coefficient of variation of a run's step times: 1.4826 * MAD / median."""
+    median = statistics.median(samples)
+    mad = statistics.median(abs(t - median) for t in samples)
+    return 1.4826 * mad / median if median > 0 else 0.0
+
+
+def proxy_skew_s(details: dict[str, Any], skew: SkewModel) -> float:
+    """The rank-skew waits of a proxy's projected step (``bench.predict.projection``), from its collectives."""
+    rows = details["collectives_per_step"]
+
+    def entries(phases):
+        return [Collective(r["op"], tuple(range(r["group_size"])), r["nbytes"], r["phase"], r["count"])
+                for r in rows if r["phase"] in phases]
+
+    # The proxy ran the scenario's own microbatches: its per-step counts are the step's.
+    count, group = sync_points(entries(("expert", "pipeline")), entries(("grad", "other")), 1)
+    return skew_seconds(skew, count, group, details["projection"]["breakdown_s"]["compute"])
+
+
+def _proxies(runner: Runner, scenario: Scenario, network: dict[str, Any]) -> list:
+    specs = [scenario_from_dict(proxy_spec(scenario, r, network)) for r in range(scenario.world_size)]
+    # The real ranks share this machine's cores and memory bandwidth; so do the proxies, run at
+    # the same time with one thread each, so that each measures its compute under the same load.
+    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        proxies = list(pool.map(lambda spec: runner.run_one(spec, lambda line: None), specs))
+    for rank, proxy in enumerate(proxies):
+        if proxy.status != "ok":
+            raise RuntimeError(f"the proxy of {scenario.name} rank {rank} ended {proxy.status}: {proxy.error}")
+    return proxies
+
+
+def check(
+    runner: Runner,
+    scenarios: list[Scenario],
+    progress: Callable[[str], None],
+    runs: int = 1,
+    profile: DeviceProfile | None = None,
+) -> dict[str, Any]:
+    """``runs`` real runs of each scenario, each against its proxies' projection (with the rank skew its
+    own step-time spread implies) and, given a ``profile``, against the op-level projection on it."""
     worlds = sorted({s.world_size for s in scenarios})
     networks = {}
     for world in worlds:
@@ -68,30 +117,56 @@ def check(runner: Runner, scenarios: list[Scenario], progress: Callable[[str], N
         networks[world] = calibrate_network(world, progress)
     rows = []
     for scenario in scenarios:
-        progress(f"{scenario.name}: real run on {scenario.world_size} ranks")
-        real = runner.run_one(scenario, progress)
-        if real.status != "ok":
-            rows.append({"scenario": scenario.name, "status": real.status, "error": real.error})
+        for run in range(runs):
+            progress(f"{scenario.name}: real run {run + 1} of {runs} on {scenario.world_size} ranks")
+            real = runner.run_one(scenario, progress)
+            if real.status != "ok":
+                rows.append({"scenario": scenario.name, "run": run, "status": real.status, "error": real.error})
+                continue
+            progress(f"{scenario.name}: proxies of its {scenario.world_size} ranks, side by side")
+            proxies = _proxies(runner, scenario, networks[scenario.world_size])
+            measured = real.metrics["step_time_s"]["median"]
+            samples = real.metrics["step_time_s"]["samples"]
+            skew = SkewModel(step_time_cv(samples), f"1.4826 MAD / median of this real run's {len(samples)} step times")
+            plain = [p.metrics["projected_step_time_s"]["median"] for p in proxies]
+            skewed = [t + proxy_skew_s(p.details, skew) for t, p in zip(plain, proxies)]
+            row = {
+                "scenario": scenario.name,
+                "run": run,
+                "status": "ok",
+                "world_size": scenario.world_size,
+                "measured_step_s": measured,
+                "step_time_cv": skew.cv,
+                "projected_step_s": max(skewed),
+                "error": max(skewed) / measured - 1,
+                "projected_without_skew_s": max(plain),
+                "error_without_skew": max(plain) / measured - 1,
+                "proxy_compute_s": [p.metrics["step_time_s"]["median"] for p in proxies],
+                "plan_memory_gap": [p.metrics["plan_memory_gap"]["median"] for p in proxies],
+            }
+            if profile is not None:
+                op_level = project_on_device(scenario, profile, skew=skew)
+                row.update(op_level_step_s=op_level["step_s"], op_level_error=op_level["step_s"] / measured - 1,
+                           op_level_breakdown_s=op_level["breakdown_s"])
+            rows.append(row)
+    return {"networks": {str(k): v for k, v in networks.items()}, "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per scenario: the errors of every ok run and their medians."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["status"] != "ok":
             continue
-        progress(f"{scenario.name}: proxies of its {scenario.world_size} ranks, side by side")
-        specs = [scenario_from_dict(proxy_spec(scenario, r, networks[scenario.world_size])) for r in range(scenario.world_size)]
-        # The real ranks share this machine's cores and memory bandwidth; so do the proxies, run at
-        # the same time with one thread each, so that each measures its compute under the same load.
-        with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-            proxies = list(pool.map(lambda spec: runner.run_one(spec, lambda line: None), specs))
-        for rank, proxy in enumerate(proxies):
-            if proxy.status != "ok":
-                raise RuntimeError(f"the proxy of {scenario.name} rank {rank} ended {proxy.status}: {proxy.error}")
-        measured = real.metrics["step_time_s"]["median"]
-        projected = max(p.metrics["projected_step_time_s"]["median"] for p in proxies)
-        rows.append({
-            "scenario": scenario.name,
-            "status": "ok",
-            "world_size": scenario.world_size,
-            "measured_step_s": measured,
-            "projected_step_s": projected,
-            "error": projected / measured - 1,
-            "proxy_compute_s": [p.metrics["step_time_s"]["median"] for p in proxies],
-            "plan_memory_gap": [p.metrics["plan_memory_gap"]["median"] for p in proxies],
-        })
-    return {"networks": {str(k): v for k, v in networks.items()}, "rows": rows}
+        entry = out.setdefault(row["scenario"], {"runs": 0, "errors": [], "errors_without_skew": [], "op_level_errors": []})
+        entry["runs"] += 1
+        entry["errors"].append(row["error"])
+        entry["errors_without_skew"].append(row["error_without_skew"])
+        if "op_level_error" in row:
+            entry["op_level_errors"].append(row["op_level_error"])
+    medians = {"errors": "median_error", "errors_without_skew": "median_error_without_skew",
+               "op_level_errors": "median_op_level_error"}
+    for entry in out.values():
+        for key, median_key in medians.items():
+            entry[median_key] = statistics.median(entry[key]) if entry[key] else None
+    return out

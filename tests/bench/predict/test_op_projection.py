@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from bench.predict.op_projection import SkewModel, expected_max_normal, project_priced_step, step_prices
+from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
 from bench.predict.pricing import PricedOp
-from bench.predict.projection import Network, Schedule
+from bench.predict.projection import Network, Schedule, SkewModel, expected_max_normal
 
 X = (TensorSpec((4,), "torch.float32"),)
 PHASES = {"dp": "grad", "ep": "expert"}
@@ -60,14 +60,14 @@ def test_expected_max_of_normals():
     assert expected_max_normal(8) == pytest.approx(1.4236, abs=1e-4)
 
 
-def test_skew_adds_cv_times_z_n_of_the_compute_per_microbatch():
+def test_skew_is_z_n_sqrt_s_cv_compute():
     prices = step_prices(trace(), microbatches_traced=2, group_phases=PHASES)
     schedule = Schedule(pp=1, virtual_stages=1, microbatches=8, kind="1f1b")
     net = Network(gpus_per_node=2, intra_node_gbps=1.0, inter_node_gbps=1.0, latency_us=0.0)
-    plain, _ = project_priced_step(prices, 0, schedule, net, 1024, 2, 1e6)
-    skewed, info = project_priced_step(prices, 0, schedule, net, 1024, 2, 1e6, SkewModel(0.1, "test"))
-    wait = 0.1 / math.sqrt(math.pi) * 8 * prices.timing.microbatch_s
-    assert info["skew_s"] == pytest.approx(wait, rel=1e-6)
-    assert skewed.step_s == pytest.approx(plain.step_s + wait, rel=1e-9)
+    plain = project_priced_step(prices, 0, schedule, net, 1024, 2, 1e6)
+    skewed = project_priced_step(prices, 0, schedule, net, 1024, 2, 1e6, SkewModel(0.1, "test"))
+    # S = 8 microbatches x 2 all-to-alls + 1 "other" all-reduce + the step's end = 18; n = 2.
+    wait = 1 / math.sqrt(math.pi) * math.sqrt(18) * 0.1 * 8 * prices.timing.microbatch_s
     assert skewed.breakdown_s["skew"] == pytest.approx(wait, rel=1e-6)
+    assert skewed.step_s == pytest.approx(plain.step_s + wait, rel=1e-9)
     assert plain.breakdown_s["skew"] == 0.0

@@ -28,7 +28,7 @@ NET = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_
 NODE0 = tuple(range(8))
 TWO_NODES = tuple(range(16))
 SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed",
-            "optimizer", "param_gather_exposed", "other_comm")
+            "optimizer", "param_gather_exposed", "other_comm", "skew")
 BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total")
 
 
@@ -289,7 +289,7 @@ def test_pp1_gradient_sync_hidden_under_backward():
         "grad_sync_exposed": 0.0, "grad_sync_hidden": approx(g), "grad_sync_total": approx(g),
         "optimizer": approx(0.01), "param_gather_exposed": 0.0, "param_gather_hidden": 0.0,
         "param_gather_total": 0.0, "other_comm": approx(6 * 10e-6),
-        "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0,
+        "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0, "skew": 0.0,
     }
     assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
     assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)

@@ -33,7 +33,10 @@ ATTENTION_WORK = {  # (B, H, S, d) -> forward 4 B H S S d / 2 (causal), backward
     (1, 2, 32, 16): (65_536, 163_840),
     (1, 2, 64, 16): (262_144, 655_360),
 }
-MEMORY_WORK = {(256,): 3_072, (4_096,): 49_152, (65_536,): 786_432}  # 3 x numel x 4 bytes
+MEMORY_WORK = {  # 3 x numel x element size
+    "fp32": {(256,): 3_072, (4_096,): 49_152, (65_536,): 786_432},
+    "bf16": {(256,): 1_536, (4_096,): 24_576, (65_536,): 393_216},
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +54,13 @@ def test_profile_passes_the_validator(profile):
     assert {(k, d) for k, d in parsed.curves} == {
         ("gemm", "bf16"), ("gemm", "fp32"), ("grouped_gemm", "bf16"), ("grouped_gemm", "fp32"),
         ("attention", "bf16"), ("attention", "fp32"), ("attention_backward", "bf16"),
-        ("attention_backward", "fp32"), ("memory", "any"),
+        ("attention_backward", "fp32"), ("memory", "bf16"), ("memory", "fp32"),
     }
     assert profile["measured"]["threads"] == 1
     assert parsed.network == {"gpus_per_node": 2, "intra_node_gbps": 1.5, "inter_node_gbps": 1.5, "latency_us": 100.0}
     assert parsed.peak_tflops["fp8"] == parsed.peak_tflops["bf16"] == parsed.peak_tflops["mxfp8"]
     assert 0 < parsed.efficiency["free_op_us"] and 0 < parsed.efficiency["launch_overhead_us"]
-    smallest = profile["curves"]["memory"]["any"][0]
+    smallest = profile["curves"]["memory"]["fp32"][0]
     assert parsed.efficiency["launch_overhead_us"] == pytest.approx(smallest["seconds"] * 1e6, rel=1e-3)
 
 
@@ -78,8 +81,8 @@ def test_work_is_what_the_pricing_counts(profile):
         forward = {tuple(p["shape"]): p["work"] for p in profile["curves"]["attention"][dtype]}
         backward = {tuple(p["shape"]): p["work"] for p in profile["curves"]["attention_backward"][dtype]}
         assert {s: (forward[s], backward[s]) for s in forward} == ATTENTION_WORK
-    memory = {tuple(p["shape"]): p["work"] for p in profile["curves"]["memory"]["any"]}
-    assert memory == MEMORY_WORK
+    for dtype, expected in MEMORY_WORK.items():
+        assert {tuple(p["shape"]): p["work"] for p in profile["curves"]["memory"][dtype]} == expected
 
 
 def test_written_file_loads(profile, tmp_path):
