@@ -212,7 +212,7 @@ def cmd_profile_device(args: argparse.Namespace) -> int:
         return _fail("--threads and --ranks: must be at least 1")
     try:
         profile_device_command(args.device, args.threads, args.name, args.base, args.ranks, args.out,
-                               progress=lambda line: print(line, flush=True))
+                               progress=lambda line: print(line, flush=True), quick=args.quick)
     except (ValueError, ProfileError) as err:
         return _fail(str(err))
     return EXIT_OK
@@ -588,6 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--name", help="profile name (default: from the device)")
     profile.add_argument("--base", help="on a GPU: the profile whose peaks, network and sources to keep (e.g. h200-sxm)")
     profile.add_argument("--out", help="file to write (default devices/NAME.yaml)")
+    profile.add_argument("--quick", action="store_true", help="20 ms per point (a check within a device budget)")
     profile.set_defaults(func=cmd_profile_device)
 
     check = sub.add_parser(

@@ -6,17 +6,21 @@
 # 1. the tests that touch CUDA: the CUDA-marked ones and the single-process engine tests on the device
 #    (MOE_TEST_DEVICE=cuda). The multi-process gloo tests are CPU tests and stay in CI;
 # 2. the micro-benchmarks on the GPU (pytest-benchmark JSON with the derived ratios);
-# 3. the `gpu` scenario suite through moe-bench (result documents under OUTDIR/results).
+# 3. the `gpu` scenario suite through moe-bench (result documents under OUTDIR/results);
+# 4. the device's measured profile (moe-bench profile-device, peaks and network from h200-sxm unless
+#    GPU_CHECK_BASE names another profile) and the gpu suite projected op by op on it, to compare with 3.
 # A failing step is recorded and the next one still runs. Exit status: 0 only if every step passed.
 #
-# Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 8 minutes
-# in all, steps.txt records the measured seconds):
+# Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 9.25
+# minutes in all, steps.txt records the measured seconds):
 #   tests-cuda  180 s: the same selection takes 16 s on a 2-core CPU machine with its 39 CUDA tests
 #                      skipped; those compile Triton kernels (about 30 distinct quantizer and GEMM
 #                      specialisations at up to 3 s each: 90 s) after CUDA start-up (about 15 s).
 #   micro-cuda   90 s: 4 benchmarks at pytest-benchmark's 1 s measuring time each, plus warm-up,
 #                      Triton compilation and start-up.
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite).
+#   profile      45 s: the quick CUDA sweep (bench/run/profile_device.py, about 250 points at 20 ms each).
+#   project      30 s: three one-GPU scenarios traced under fake tensors (about 5 s each on a CPU) and priced.
 set -uo pipefail
 
 out=${1:?usage: bench/gpu-check.sh OUTDIR}
@@ -52,6 +56,10 @@ run_step tests-cuda 180 env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tes
 run_step micro-cuda 90 env MOE_BENCH_DEVICE=cuda "$python" -m pytest bench/micro -q --benchmark-enable \
     --benchmark-json="$out/micro-cuda.json" -p no:cacheprovider
 run_step suite-gpu 210 "$python" -m bench.cli run --suite gpu --device cuda --out "$out/results" --no-plots
+run_step profile 45 "$python" -m bench.cli profile-device --device cuda --quick --base "${GPU_CHECK_BASE:-h200-sxm}" \
+    --name measured-gpu --out "$out/device-profile.yaml"
+run_step project 30 "$python" -m bench.cli project scenarios/gpu --device "$out/device-profile.yaml" \
+    --out "$out/projections"
 
 echo "gpu-check: results in $out (status $status)"
 exit $status

@@ -99,7 +99,8 @@ class DeviceProfile:
     """gpus_per_node, intra_node_gbps, inter_node_gbps (per GPU, one direction), latency_us."""
     efficiency: dict[str, float]
     """Declared fractions of peak for gemm, grouped_gemm, attention, memory; launch_overhead_us; on a CPU,
-    free_op_us (what a view or other kernel-less op costs the host)."""
+    free_op_us (what a view or other kernel-less op costs the host) and host_op_us (the host's time
+    around each op of a training step)."""
     sources: dict[str, str]
     """A source for every number, by dotted field name."""
     measured: dict[str, Any] | None
@@ -200,15 +201,16 @@ def profile_from_dict(data: Any, file: str) -> DeviceProfile:
     if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or overhead < 0:
         raise _fail(file, "efficiency.launch_overhead_us", f"must be a number >= 0, got {overhead!r}")
     efficiency["launch_overhead_us"] = float(overhead)
-    if "free_op_us" in eff_raw:
-        free = eff_raw["free_op_us"]
-        if isinstance(free, bool) or not isinstance(free, (int, float)) or free < 0:
-            raise _fail(file, "efficiency.free_op_us", f"must be a number >= 0, got {free!r}")
-        efficiency["free_op_us"] = float(free)
+    for optional in ("free_op_us", "host_op_us"):
+        if optional in eff_raw:
+            value = eff_raw[optional]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise _fail(file, f"efficiency.{optional}", f"must be a number >= 0, got {value!r}")
+            efficiency[optional] = float(value)
     sources = _mapping(data, "sources", file)
     needed = (["memory_gb", "hbm_gbps"] + [f"peak_tflops.{d}" for d in RATE_DTYPES]
               + [f"network.{k}" for k in _NETWORK] + [f"efficiency.{k}" for k in (*_EFFICIENCIES, "launch_overhead_us")])
-    needed += [f"efficiency.{k}" for k in ("free_op_us",) if k in eff_raw]
+    needed += [f"efficiency.{k}" for k in ("free_op_us", "host_op_us") if k in eff_raw]
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise _fail(file, f"sources.{key}", "missing: every number needs its source")

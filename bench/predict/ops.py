@@ -157,6 +157,9 @@ class OpWork:
     """Grouped GEMMs: groups of the product (its per-group FLOPs are flops / groups)."""
     backward: bool = False
     """Attention: the backward kernel (priced on a curve of its own where a profile has one)."""
+    grouped_reduction: bool = False
+    """Grouped GEMMs whose groups run along the reduction dim (weight gradients: one (N x rows) @
+    (rows x K) product per group)."""
     shape: tuple[int, ...] = ()
     """GEMMs: (M, N, K), or (B, M, N, K) batched; grouped GEMMs: (groups, rows per group, N, K); for a
     profile whose curves were measured at shapes."""
@@ -240,7 +243,8 @@ def op_work(op: TracedOp) -> OpWork:
         a, b, out = op.inputs[0], op.inputs[1], op.outputs[0]
         groups = max(len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1), 1)
         flops = grouped_gemm_flops(a, b, out, op.group_rows)
-        return OpWork(kind, flops, moved, dtype, groups, shape=grouped_shape(a, b, out, groups, flops))
+        return OpWork(kind, flops, moved, dtype, groups, shape=grouped_shape(a, b, out, groups, flops),
+                      grouped_reduction=len(a.shape) == 2 and len(b.shape) == 2)
     if kind == "attention":
         return OpWork(kind, attention_flops(op), moved, dtype, backward=op.name.split(".")[1].endswith("_backward"))
     if kind in ("free", "collective"):

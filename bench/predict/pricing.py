@@ -6,7 +6,9 @@ dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch o
     with a measured curve of the op's kind and dtype (``DeviceProfile.curves``): the curve's seconds
     at the op's work (piecewise linear in log-log, ``Curve.seconds``); a GEMM runs at the throughput
     of the measured shape nearest its (M, N, K) (``Curve.seconds_at_shape``: skinny products run far
-    below square ones of the same FLOPs), a grouped GEMM at the nearest (groups, rows per group, N, K); a grouped GEMM is priced per
+    below square ones of the same FLOPs), a grouped GEMM at the nearest (groups, rows per group, N, K),
+    one whose groups run along the reduction dim (a weight gradient) as its groups' GEMMs on the gemm
+    curve (N x rows @ rows x K each); a grouped GEMM is priced per
     group, at its FLOPs / groups, times the groups (the CPU emulation and per-group kernels run a
     group at a time); an attention backward uses the ``attention_backward`` curve where there is one;
     memory-bound ops use the memory curve of their dtype (fp32 for others; a curve keyed ``any`` fits all)
@@ -17,7 +19,9 @@ dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch o
         attention:     W_flops / (P e_attention) + o
         memory:        W_bytes / (B e_memory) + o
     free ops cost 0 on a GPU (the host queues kernels ahead of the device); on a CPU each costs the
-    profile's measured ``free_op_us`` (the host is the device). Collectives cost 0 here: the network
+    profile's measured ``free_op_us`` (the host is the device). A CPU profile with ``host_op_us`` (the
+    host's time around each op of a training step, measured) adds it to every op, free ones
+    included, in place of ``free_op_us``. Collectives cost 0 here: the network
     model prices them (``bench.predict.projection``).
 
 Regions: on a GPU profile the ATen ops of one call of an engine region (``bench.predict.ops.REGIONS``)
@@ -60,6 +64,17 @@ class PricedOp:
 
 def op_seconds(work: OpWork, profile: DeviceProfile) -> float:
     """Seconds of one op's work on ``profile`` (module docstring)."""
+    if work.kind == "collective":
+        return 0.0
+    kernel = _kernel_seconds(work, profile)
+    host = profile.efficiency.get("host_op_us")
+    if profile.kind == "cpu" and host is not None:
+        # The host is the device: it runs the kernel and its own code around each op, one after the other.
+        return (0.0 if work.kind == "free" else kernel) + host * 1e-6
+    return kernel
+
+
+def _kernel_seconds(work: OpWork, profile: DeviceProfile) -> float:
     eff = profile.efficiency
     overhead = eff["launch_overhead_us"] * 1e-6
     if work.kind == "collective":
@@ -76,6 +91,10 @@ def op_seconds(work: OpWork, profile: DeviceProfile) -> float:
     if work.kind == "attention" and work.backward:
         curve = profile.curve("attention_backward", dtype) or curve
     if curve is not None:
+        gemm_curve = profile.curve("gemm", dtype)
+        if curve_kind == "grouped_gemm" and work.grouped_reduction and work.shape and gemm_curve is not None:
+            groups, rows, n, k = work.shape
+            return groups * gemm_curve.seconds_at_shape((n, k, rows), work.flops / groups)
         if curve_kind == "grouped_gemm" and work.shape:
             return work.groups * curve.seconds_at_shape(work.shape, work.flops / work.groups)
         if curve_kind == "grouped_gemm":

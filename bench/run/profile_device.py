@@ -29,7 +29,9 @@ set to the threads one real rank uses (``threads``; the project's 2-rank CPU run
   out-of-place curve's largest point as a fraction of it.
 - ``efficiency``: gemm, grouped_gemm, attention = the bf16 curve's largest point against the dense
   peak of the cores the measurement ran on (CPU: peak x threads / cores); launch_overhead_us = the
-  smallest memory op; free_op_us (CPU) = a kernel-less ``x.view(-1)`` dispatched from Python.
+  smallest memory op; free_op_us (CPU) = a kernel-less ``x.view(-1)`` dispatched from Python;
+  host_op_us (CPU) = a tiny engine model's training step divided by the ops it dispatches (the
+  host's cost around each op: Python, autograd, the engine's code).
 - peaks (CPU): lscpu's cores x clock x FLOPs/cycle of the widest units its flags show (AMX-BF16: 1024
   bf16 FLOPs/cycle/core; AVX-512: 2 FMA units x 16 fp32 lanes x 2). A KVM guest often shows no
   "CPU max MHz"; then the clock is /proc/cpuinfo's, raised to the lowest clock the measured GEMMs
@@ -49,6 +51,7 @@ per-point budget. The default CPU sweep runs in about a minute or two on a 2-cor
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import itertools
 import os
@@ -368,6 +371,43 @@ def free_op_seconds(timer: _Timer) -> float:
     return statistics.median(times)
 
 
+def host_op_seconds(timer: _Timer, steps: int = 30) -> tuple[float, int]:
+    """Seconds per dispatched op of a training step of a tiny model of the engine (one process): what a
+    host spends around each op (Python, autograd, the engine's own code) when the kernels cost nothing.
+
+    Returns (median step seconds / ops, ops per step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+    from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, seq_len=16,
+                         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16))
+    parallel = ParallelConfig()
+    trainer = ParallelTrainer(build_rank_model(config, parallel, None, timer.device, 0), parallel, None)
+    tokens = torch.randint(0, 64, (2, 16), device=timer.device)
+    for _ in range(3):
+        trainer.step(tokens, tokens)
+    count = Count()
+    with count:
+        trainer.step(tokens, tokens)
+    times = []
+    for _ in range(steps):
+        timer.sync()
+        start = time.perf_counter()
+        trainer.step(tokens, tokens)
+        timer.sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / count.ops, count.ops
+
+
 # ---------------------------------------------------------------------------------------- this CPU
 
 
@@ -467,6 +507,42 @@ def _largest(points: list[dict[str, Any]]) -> dict[str, Any]:
     return max(points, key=lambda p: (p["work"], -p["seconds"]))
 
 
+def _neighbour(threads: int, stop) -> None:
+    """Another rank's load on a shared host: cold bf16 elementwise passes and bf16 GEMMs, in turn."""
+    torch.set_num_threads(threads)
+    pool = [torch.randn(1 << 22, dtype=torch.bfloat16) for _ in range(16)]
+    a, b = torch.randn(512, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16)
+    turn = 0
+    while not stop.is_set():
+        torch.mul(pool[turn % 16], pool[(turn + 1) % 16])
+        torch.mm(a, b)
+        turn += 1
+
+
+class _Neighbours:
+    """``count`` processes loading the host as the other ranks of a CPU run would, while it is measured."""
+
+    def __init__(self, count: int, threads: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.stop = context.Event()
+        self.processes = [context.Process(target=_neighbour, args=(threads, self.stop), daemon=True)
+                          for _ in range(count)]
+
+    def __enter__(self) -> "_Neighbours":
+        for process in self.processes:
+            process.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+
+
 def _fraction(value: float) -> float:
     return _sig(min(1.0, max(value, 1e-6)), 3)
 
@@ -485,6 +561,8 @@ def profile_device(
     sweep: Sweep | None = None,
     network: dict[str, float] | None = None,
     command: str | None = None,
+    load: bool = True,
+    quick: bool = False,
 ) -> dict[str, Any]:
     """Measure ``device`` and return its profile as a dict (``bench.predict.device.profile_from_dict`` form).
 
@@ -494,7 +572,9 @@ def profile_device(
     copied; required on a GPU. ``ranks``: processes one host runs (network.gpus_per_node; the gloo
     calibration runs that many). ``sweep``: sizes (default ``cpu_sweep``/``cuda_sweep``).
     ``network``: an already measured ``calibrate_network`` result ({"latency_us", "gbps"}) instead of
-    measuring one. ``command``: what to record as ``measured.command``.
+    measuring one. ``command``: what to record as ``measured.command``. ``load``: on a CPU, run the
+    measurement while ``ranks - 1`` neighbour processes load the host (``_neighbour``), as a rank of a
+    multi-rank CPU run shares it. ``quick``: 20 ms per point instead of the sweep's budget.
     """
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
@@ -505,12 +585,18 @@ def profile_device(
         dev = torch.device("cuda", torch.cuda.current_device())
     base_profile = load_profile(base) if base else None
     sweep = sweep or (cuda_sweep() if dev.type == "cuda" else cpu_sweep())
+    if quick:
+        # The same points, timed briefly: for a check within a fixed device budget (bench/gpu-check.sh).
+        sweep = dataclasses.replace(sweep, point_seconds=0.02, min_repeats=3, max_repeats=10)
     timer = _Timer(dev, sweep)
     started = time.perf_counter()
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    # On a CPU host the other ranks share the cores' caches and memory bandwidth: measure under their load.
+    neighbours = _Neighbours(ranks - 1 if dev.type == "cpu" and load else 0, threads)
     try:
-        progress(f"profile-device: {dev}, {threads} thread(s)")
+        neighbours.__enter__()
+        progress(f"profile-device: {dev}, {threads} thread(s), {len(neighbours.processes)} neighbour rank(s) loading the host")
         curves: dict[str, dict[str, list]] = {
             "gemm": {}, "grouped_gemm": {}, "attention": {}, "attention_backward": {}, "memory": {},
         }
@@ -529,7 +615,10 @@ def profile_device(
         stream, stream_numel = stream_gbps(timer, progress)
         free_us = free_op_seconds(timer) * 1e6
         progress(f"free op x.view(-1): {free_us:.3f} us")
+        host_s, host_ops = host_op_seconds(timer)
+        progress(f"host time per op of a tiny training step ({host_ops} ops): {host_s * 1e6:.2f} us")
     finally:
+        neighbours.__exit__()
         torch.set_num_threads(old_threads)
     if network is None and base_profile is None:
         from bench.validate.proxy_check import calibrate_network
@@ -646,6 +735,10 @@ def profile_device(
         efficiency["free_op_us"] = _sig(free_us)
         sources["efficiency.free_op_us"] = (f"{stamp}: x.view(-1) (no kernel) dispatched from Python, median "
                                             f"over batches of {max(1, sweep.free_op_calls // 10)} calls")
+        efficiency["host_op_us"] = _sig(host_s * 1e6)
+        sources["efficiency.host_op_us"] = (
+            f"{stamp}: median wall time of a training step of a tiny model of the engine (d_model 32, 2 MoE "
+            f"layers of 8 experts, 32 tokens, one process) divided by the {host_ops} ops it dispatches")
     sources["curves"] = (
         f"{stamp} on {dev}, {threads} thread(s): medians of time.perf_counter around batches of calls after 2 "
         "warm-up calls (bench/run/profile_device.py docstring: what each kind's work and seconds are)")
@@ -669,11 +762,15 @@ def profile_device(
             "command": command,
             "machine": machine,
             "threads": threads,
+            "neighbours": len(neighbours.processes),
             "device": str(dev),
             "seconds": round(elapsed, 1),
             "method": ("median seconds over repeated batches of calls (time.perf_counter, device synchronized "
                        "around each batch), after 2 warm-up calls; per-point budget "
-                       f"{sweep.point_seconds} s, {sweep.min_repeats}-{sweep.max_repeats} repeats"),
+                       f"{sweep.point_seconds} s, {sweep.min_repeats}-{sweep.max_repeats} repeats; operands cold "
+                       f"(rotating copies of {sweep.pool_bytes >> 20} MiB); {len(neighbours.processes)} neighbour "
+                       "process(es) loading the host meanwhile with cold bf16 elementwise passes and bf16 GEMMs, "
+                       "as the other ranks of a CPU run do"),
         },
         "sources": sources,
         "curves": curves,
@@ -714,9 +811,11 @@ def profile_device_command(
     ranks: int = 2,
     out: str | Path | None = None,
     progress: Callable[[str], None] = print,
+    quick: bool = False,
 ) -> Path:
     """What ``moe-bench profile-device`` runs: measure, then write ``out`` (default ``devices/<name>.yaml``)."""
-    profile = profile_device(device=device, threads=threads, name=name, progress=progress, base=base, ranks=ranks)
+    profile = profile_device(device=device, threads=threads, name=name, progress=progress, base=base, ranks=ranks,
+                             quick=quick)
     path = write_profile(profile, out or DEVICES_DIR / f"{profile['name']}.yaml")
     progress(f"profile-device: wrote {path} in {profile['measured']['seconds']} s")
     return path

@@ -42,7 +42,7 @@ MEMORY_WORK = {  # 3 x numel x element size
 @pytest.fixture(scope="module")
 def profile():
     lines = []
-    result = profile_device("cpu", threads=1, name="tiny-cpu", progress=lines.append, sweep=tiny_sweep(),
+    result = profile_device("cpu", threads=1, name="tiny-cpu", progress=lines.append, sweep=tiny_sweep(), load=False,
                             network=NETWORK)
     assert any(line.startswith("  gemm bf16") for line in lines), "no progress lines"
     return result
@@ -96,7 +96,7 @@ def test_written_file_loads(profile, tmp_path):
 
 def test_threads_are_restored_and_gpu_needs_a_base():
     before = torch.get_num_threads()
-    profile_device("cpu", threads=1, progress=lambda line: None, sweep=tiny_sweep(), network=NETWORK)
+    profile_device("cpu", threads=1, progress=lambda line: None, sweep=tiny_sweep(), network=NETWORK, load=False)
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="base"):
         profile_device("cuda", progress=lambda line: None)
