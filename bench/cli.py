@@ -244,6 +244,8 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
         return _fail(problem)
     if args.runs < 1:
         return _fail(f"--runs: must be at least 1, got {args.runs}")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        return _fail(f"--warmup-steps: must be at least 0, got {args.warmup_steps}")
     profile = None
     if args.device_profile:
         from bench.predict.device import ProfileError, load_profile
@@ -255,7 +257,8 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
     runner = Runner(resolve_device("cpu"), Path(args.out))
     reporter = Reporter(len(scenarios) * args.runs)
     try:
-        report = check(runner, scenarios, reporter.line, runs=args.runs, profile=profile)
+        report = check(runner, scenarios, reporter.line, runs=args.runs, profile=profile,
+                       warmup_steps=args.warmup_steps)
     except RuntimeError as err:
         print(f"moe-bench: error: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -598,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--out", default="results", help="results root for the runs (default: results)")
     check.add_argument("--json", default=None, help="also write the report here")
     check.add_argument("--runs", type=int, default=1, help="real runs of each scenario (default 1)")
+    check.add_argument("--warmup-steps", type=int, default=None,
+                       help="untimed steps before the timed ones, replacing the scenarios' own (a fresh process "
+                            "runs its first steps slower; a device profile prices the steady state)")
     check.add_argument("--device-profile", metavar="PROFILE",
                        help="also check the op-level projection on this device profile (e.g. cpu-2core, the "
                             "profile of the machine it runs on) against the same real runs")

@@ -508,15 +508,19 @@ def _largest(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _neighbour(threads: int, stop) -> None:
-    """Another rank's load on a shared host: cold bf16 elementwise passes and bf16 GEMMs, in turn."""
+    """Another rank's load on a shared host: training steps of a CPU-sized model of the engine (the
+    smoke suite's 8-expert model, 1024 tokens a step), until told to stop."""
     torch.set_num_threads(threads)
-    pool = [torch.randn(1 << 22, dtype=torch.bfloat16) for _ in range(16)]
-    a, b = torch.randn(512, 512, dtype=torch.bfloat16), torch.randn(512, 512, dtype=torch.bfloat16)
-    turn = 0
+    from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision
+    from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+
+    config = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=256,
+                         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128), dtype=Precision.BF16)
+    parallel = ParallelConfig()
+    trainer = ParallelTrainer(build_rank_model(config, parallel, None, torch.device("cpu"), 1), parallel, None)
+    tokens = torch.randint(0, 1024, (4, 256))
     while not stop.is_set():
-        torch.mul(pool[turn % 16], pool[(turn + 1) % 16])
-        torch.mm(a, b)
-        turn += 1
+        trainer.step(tokens, tokens)
 
 
 class _Neighbours:
@@ -769,8 +773,8 @@ def profile_device(
                        "around each batch), after 2 warm-up calls; per-point budget "
                        f"{sweep.point_seconds} s, {sweep.min_repeats}-{sweep.max_repeats} repeats; operands cold "
                        f"(rotating copies of {sweep.pool_bytes >> 20} MiB); {len(neighbours.processes)} neighbour "
-                       "process(es) loading the host meanwhile with cold bf16 elementwise passes and bf16 GEMMs, "
-                       "as the other ranks of a CPU run do"),
+                       "process(es) loading the host meanwhile with training steps of the engine's CPU-sized "
+                       "8-expert model, as the other ranks of a CPU run do"),
         },
         "sources": sources,
         "curves": curves,

@@ -69,6 +69,14 @@ def proxy_spec(scenario: Scenario, rank: int, network: dict[str, Any]) -> dict[s
     return spec
 
 
+def with_warmup(scenario: Scenario, warmup_steps: int) -> Scenario:
+    """The scenario with ``warmup_steps`` untimed steps before its timed ones."""
+    spec = copy.deepcopy(scenario.spec)
+    spec["run"]["warmup_steps"] = warmup_steps
+    spec["run"]["timeout_s"] = spec["run"]["timeout_s"] + 2 * warmup_steps
+    return scenario_from_dict(spec, file=scenario.file)
+
+
 def step_time_cv(samples: list[float]) -> float:
     """Robust coefficient of variation of a run's step times: 1.4826 * MAD / median."""
     median = statistics.median(samples)
@@ -107,9 +115,14 @@ def check(
     progress: Callable[[str], None],
     runs: int = 1,
     profile: DeviceProfile | None = None,
+    warmup_steps: int | None = None,
 ) -> dict[str, Any]:
     """``runs`` real runs of each scenario, each against its proxies' projection (with the rank skew its
-    own step-time spread implies) and, given a ``profile``, against the op-level projection on it."""
+    own step-time spread implies) and, given a ``profile``, against the op-level projection on it.
+    ``warmup_steps`` replaces the scenarios' own (a fresh process's first steps run slower while its
+    allocator and page mappings warm up; a profile prices the steady state)."""
+    if warmup_steps is not None:
+        scenarios = [with_warmup(s, warmup_steps) for s in scenarios]
     worlds = sorted({s.world_size for s in scenarios})
     networks = {}
     for world in worlds:
@@ -149,7 +162,8 @@ def check(
                 row.update(op_level_step_s=op_level["step_s"], op_level_error=op_level["step_s"] / measured - 1,
                            op_level_breakdown_s=op_level["breakdown_s"])
             rows.append(row)
-    return {"networks": {str(k): v for k, v in networks.items()}, "rows": rows, "summary": summarize(rows)}
+    return {"networks": {str(k): v for k, v in networks.items()}, "warmup_steps": warmup_steps, "rows": rows,
+            "summary": summarize(rows)}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
