@@ -9,7 +9,9 @@ import math
 import pytest
 import torch
 
+from bench.predict.device import load_profile
 from bench.predict.projection import STEP_KEYS, Collective, Network
+from bench.run.project import project_on_device
 from bench.results import REPO_ROOT
 from bench.run.proxy import (
     BucketMeasurement,
@@ -244,7 +246,7 @@ def test_stage_sizes_come_from_the_plan_of_the_replayed_stage():
 
 @pytest.mark.slow
 def test_a_proxy_run_measures_its_rank(tmp_path):
-    runner = Runner(torch.device("cpu"), tmp_path, reporter_factory=SilentReporter)
+    runner = Runner(torch.device("cpu"), tmp_path, reporter_factory=SilentReporter, project_devices=["h100-sxm"])
     outcome = runner.run_one(scenario_from_dict(tiny()), lambda line: None)
     assert outcome.status == "ok", outcome.error
     import json
@@ -285,6 +287,10 @@ def test_a_proxy_run_measures_its_rank(tmp_path):
         assert breakdown[f"{name}_total"] > 0
         assert breakdown[f"{name}_hidden"] + breakdown[f"{name}_exposed"] == pytest.approx(breakdown[f"{name}_total"])
     assert math.isclose(metrics["projected_run_step_time_s"]["median"], projection["step_s"])
+    # Beside the CPU-measured projection, the op-level one on the device asked for (--project-on).
+    on_h100 = details["device_projections"]["h100-sxm"]
+    assert on_h100["step_s"] == pytest.approx(
+        project_on_device(scenario_from_dict(tiny()), load_profile("h100-sxm"))["step_s"], rel=1e-9)
 
 
 # ---- overlap windows: the run's buckets at the scenario's scale ------------------------------------
