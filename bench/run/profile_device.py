@@ -175,6 +175,7 @@ def tiny_sweep() -> Sweep:
     """A sweep of a few seconds, for tests."""
     return Sweep(
         gemm_shapes=((16, 16, 16), (32, 64, 48), (64, 32, 128)),
+        bmm_shapes=((64, 1, 32, 2),),
         grouped_rows=(8, 32),
         grouped_nk=((32, 64),),
         grouped_experts=(2, 4),

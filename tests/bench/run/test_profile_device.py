@@ -22,6 +22,7 @@ GEMM_WORK = {  # (M, N, K) -> 2 M N K
     (16, 16, 16): 8_192,
     (32, 64, 48): 196_608,
     (64, 32, 128): 524_288,
+    (64, 1, 32, 2): 8_192,  # a batched product (B, M, N, K): 2 B M N K
 }
 GROUPED_WORK = {  # (E, rows, N, K) -> 2 rows N K, ONE group
     (2, 8, 32, 64): 32_768,
@@ -91,7 +92,7 @@ def test_written_file_loads(profile, tmp_path):
     assert loaded.measured["threads"] == 1
     assert loaded.curves == profile_from_dict(copy.deepcopy(profile), str(path)).curves
     gemm = loaded.curve("gemm", "bf16")
-    assert [p.shape for p in gemm.points] == [(16, 16, 16), (32, 64, 48), (64, 32, 128)]
+    assert [p.shape for p in gemm.points] == [(16, 16, 16), (64, 1, 32, 2), (32, 64, 48), (64, 32, 128)]  # by work
 
 
 def test_threads_are_restored_and_gpu_needs_a_base():

@@ -41,6 +41,10 @@ def test_fake_trace_has_the_ops_of_the_real_step(name):
     assert grouped and all(op.group_rows is not None for op in grouped)
     stages = {op.stage for op in fake.ops}
     assert {"forward", "backward", "optimizer"} <= stages
+    # Each op where it runs: attention's backward kernel in the backward, Adam's update in the optimizer.
+    assert {op.stage for op in fake.ops if op.name.endswith("attention_for_cpu_backward.default")} == {"backward"}
+    assert {op.stage for op in fake.ops if op.name.endswith("attention_for_cpu.default")} <= {"forward", "backward"}
+    assert {op.stage for op in fake.ops if op.name.startswith("aten.addcdiv_")} == {"optimizer"}
 
 
 def test_learned_routes_are_unknown_to_a_fake_trace_but_the_ops_match():
