@@ -170,7 +170,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     import json
 
     from bench.predict.device import ProfileError, load_profile
-    from bench.run.project import DoesNotFit, project_on_device, summary
+    from bench.run.project import DoesNotFit, NotTraceable, check_traceable, project_on_device, summary
     from bench.run.runner import expand_paths, load_all
     from bench.scenario import ScenarioError
 
@@ -182,6 +182,10 @@ def cmd_project(args: argparse.Namespace) -> int:
     for scenario in scenarios:
         if not devices and not (scenario.cluster or {}).get("device"):
             return _fail(f"{scenario.file}: cluster.device: missing; name a device with --device NAME")
+        try:
+            check_traceable(scenario)
+        except NotTraceable as err:
+            return _fail(str(err))
     problem = _unwritable(Path(args.out))
     if problem:
         return _fail(problem)

@@ -79,9 +79,6 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * dtype_bytes(self.dtype)
 
-    def to_list(self) -> list:
-        return [list(self.shape), self.dtype]
-
 
 @dataclass(frozen=True)
 class TracedOp:
@@ -113,8 +110,8 @@ class TracedOp:
 
     def signature(self) -> tuple:
         """What must match between a traced and an executed step: the op and its tensors."""
-        return (self.name, tuple(s.to_list().__repr__() for s in self.inputs),
-                tuple(s.to_list().__repr__() for s in self.outputs), self.stage, self.group_rows)
+        return (self.name, tuple((s.shape, s.dtype) for s in self.inputs),
+                tuple((s.shape, s.dtype) for s in self.outputs), self.stage, self.group_rows)
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -11,6 +11,7 @@ device holds is reported as "does not fit" and not projected.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +23,9 @@ from bench.predict.pricing import price_ops
 from bench.predict.projection import Network, Schedule, SkewModel
 from bench.run.trace import trace_step
 from bench.scenario import Scenario, scenario_from_dict
+from moe_engine.config import DataParallelMode
 from moe_engine.flops import training_flops_per_token
-from moe_engine.parallel.layout import Layout
+from moe_engine.parallel.layout import Layout, check_proxy_layout
 
 TRACED_MICROBATCHES = 2
 """Microbatches a projection traces: the first stands for every one but the last, where buckets launch."""
@@ -31,6 +33,25 @@ TRACED_MICROBATCHES = 2
 
 class DoesNotFit(ValueError):
     """The layout needs more memory per rank than the device has."""
+
+
+class NotTraceable(ValueError):
+    """A layout the trace cannot build a rank of; the message names the field."""
+
+
+def check_traceable(scenario: Scenario) -> None:
+    """The layouts a trace builds: a proxy rank's (ddp, zero1; gpipe or 1f1b, one stage per rank), and
+    FSDP without pipeline stages (the real build path, whose pipeline would wait for its neighbours)."""
+    parallel = scenario.parallel_config
+    if parallel.dp_mode is DataParallelMode.FSDP:
+        if parallel.pp > 1:
+            raise NotTraceable(f"{scenario.file}: parallel.pp: an FSDP layout traces without pipeline stages, "
+                               f"got pp {parallel.pp}")
+        return
+    try:
+        check_proxy_layout(parallel)
+    except ValueError as err:
+        raise NotTraceable(f"{scenario.file}: {err}") from None
 
 
 def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
@@ -67,8 +88,10 @@ def project_on_device(
 ) -> dict[str, Any]:
     """The projection document of ``scenario`` on ``profile`` (module docstring).
 
-    Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device.
+    Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device, and
+    ``NotTraceable`` for a layout the trace cannot build.
     """
+    check_traceable(scenario)
     fit = memory_fit(scenario, profile)
     if not fit["fits"]:
         raise DoesNotFit(
@@ -125,7 +148,7 @@ def project_on_device(
         "memory": fit,
         "slowest_stage": slowest["pipeline_rank"],
         "stages": stages,
-        "network": net.__dict__ if hasattr(net, "__dict__") else dict(profile.network),
+        "network": dataclasses.asdict(net),
         "traced_microbatches": m_traced,
         "assumptions": projection["assumptions"] + [
             f"compute priced op by op on {profile.name} ({'measured curves' if profile.curves else 'declared efficiencies'}"

@@ -896,7 +896,7 @@ def run_proxy(
 def _device_projections(scenario: Scenario, extra: list[str], progress) -> dict[str, Any]:
     """The op-level projection (``bench.run.project``) on each device: the scenario's own, then ``extra``."""
     from bench.predict.device import load_profile
-    from bench.run.project import DoesNotFit, project_on_device
+    from bench.run.project import DoesNotFit, NotTraceable, project_on_device
 
     names = [n for n in [scenario.cluster.get("device"), *extra] if n]
     projections = {}
@@ -905,6 +905,8 @@ def _device_projections(scenario: Scenario, extra: list[str], progress) -> dict[
             projections[name] = project_on_device(scenario, load_profile(name), progress=progress)
         except DoesNotFit as err:
             projections[name] = {"device": name, "fits": False, "error": str(err)}
+        except NotTraceable as err:
+            projections[name] = {"device": name, "error": str(err)}
     return projections
 
 

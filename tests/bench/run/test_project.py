@@ -72,3 +72,9 @@ def test_cluster_device_fills_the_cluster_and_refuses_a_contradiction():
     spec["cluster"] = {"gpus": 8}
     with pytest.raises(ScenarioError, match="cluster"):
         scenario_from_dict(spec)
+
+
+def test_a_layout_the_trace_cannot_build_exits_2_naming_the_field(tmp_path, capsys):
+    assert main(["project", "scenarios/olmo-core3/moe-1.2t-512gpu-fsdp.yaml", "--device", "b300",
+                 "--out", str(tmp_path)]) == 2
+    assert "parallel.pp: an FSDP layout traces without pipeline stages, got pp 8" in capsys.readouterr().err
