@@ -434,7 +434,7 @@ def _cpuinfo() -> dict[str, str]:
                 key, value = line.split(":", 1)
                 out.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
+        return {}  # no /proc here: the caller falls back to what platform reports
     return out
 
 
@@ -490,7 +490,7 @@ def cpu_spec() -> CpuSpec:
             if line.startswith("MemTotal:"):
                 memory_gb = int(line.split()[1]) * 1024 / 1e9
     except OSError:
-        pass
+        memory_gb = 0.0  # no /proc/meminfo: sysconf below
     if memory_gb <= 0:
         memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     return CpuSpec(model, cores, ghz, ghz_source, {"fp32": fp32, "bf16": bf16},
@@ -787,7 +787,7 @@ class _FlowMap(dict):
 
 
 class _Dumper(yaml.SafeDumper):
-    pass
+    """A SafeDumper of its own, so that the one-line representer below does not change PyYAML's."""
 
 
 _Dumper.add_representer(_FlowMap, lambda dumper, data: dumper.represent_mapping(

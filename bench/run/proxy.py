@@ -75,6 +75,7 @@ from bench.predict.projection import (
 from bench.results import metric
 from bench.run.execute import ExecuteResult, NonFiniteLoss, synchronize
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.run.trace import group_phases
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
 from moe_engine.model import Block
@@ -169,16 +170,6 @@ def _as_plan(spec: dict[str, Any]) -> Scenario:
     plan["mode"] = "plan"
     plan.pop("proxy", None)
     return scenario_from_dict(plan)
-
-
-def _group_phases(groups: ProcessGroups) -> dict[str, str]:
-    """Process group name -> projection phase of its collectives."""
-    return {
-        groups.dp.group_name: "grad",
-        groups.edp.group_name: "grad",
-        groups.ep.group_name: "expert",
-        groups.pp.group_name: "pipeline",
-    }
 
 
 @dataclass(frozen=True)
@@ -800,7 +791,7 @@ def run_proxy(
     join_fake_world(scale.rank, scenario.world_size)
     try:
         measured, groups = _measure(run_scenario, scale, device, progress)
-        phases = _group_phases(groups)
+        phases = group_phases(groups)
         family_groups = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
     finally:
         leave_fake_world()

@@ -302,7 +302,8 @@ def _batch(scenario: Scenario, dp: int, seed: int) -> tuple[torch.Tensor, torch.
     return tokens, labels
 
 
-def _phases(groups: ProcessGroups) -> dict[str, str]:
+def group_phases(groups: ProcessGroups) -> dict[str, str]:
+    """Process group name -> projection phase of its collectives (``bench.predict.projection``)."""
     return {
         groups.dp.group_name: "grad",
         groups.edp.group_name: "grad",
@@ -364,7 +365,7 @@ def trace_step(
                 trainer.step(tokens, labels)
         return StepTrace(
             ops=tracer.ops, rank=rank, world_size=world, microbatches=parallel.microbatches,
-            tokens_per_step=scenario.run["tokens_per_step"], group_phases=_phases(groups),
+            tokens_per_step=scenario.run["tokens_per_step"], group_phases=group_phases(groups),
             family_groups={"dense": groups.dp.group_name, "expert": groups.edp.group_name},
         )
     finally:
