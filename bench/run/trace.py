@@ -331,6 +331,21 @@ def _in_stage(owner, method: str, tracer: StepTracer, stage: str) -> None:
     setattr(owner, method, staged)
 
 
+@contextlib.contextmanager
+def rank_trainer(scenario: Scenario, rank: int = 0) -> Iterator[tuple[ParallelTrainer, torch.Tensor, torch.Tensor]]:
+    """``rank`` of ``scenario``'s layout built for real as a proxy rank on a fake world, with its trainer
+    and its batch: (trainer, tokens, labels). The scenario must fit this machine."""
+    parallel = scenario.parallel_config
+    seed = scenario.spec["routing"]["seed"]
+    join_fake_world(rank, scenario.world_size)
+    try:
+        groups = build_process_groups(Layout(parallel))
+        trainer = ParallelTrainer(_build_rank(scenario, groups, seed), parallel, groups, scenario.optimizer)
+        yield (trainer, *_batch(scenario, parallel.dp, seed))
+    finally:
+        leave_fake_world()
+
+
 def trace_step(
     scenario: Scenario,
     rank: int = 0,

@@ -1,0 +1,133 @@
+"""Why a CPU run's first steps are slow: GEMM kernels built per shape, and routes that keep making new ones.
+
+    python -m bench.validate.cpu_warmup [SCENARIO] [--steps 80] [--block 10]
+        [--out docs/measurements/cpu-warmup-2core-cpu.json]
+
+On a CPU, torch runs bf16 GEMMs through oneDNN, which builds (JIT-compiles) a kernel the first time
+it meets a shape and caches it. Dense layers have one shape each and pay that once. A grouped GEMM
+runs one GEMM per expert at that expert's rows, and random routes give the experts new row counts
+every step, so a run keeps meeting shapes it has not built until most of the likely counts are
+cached. Two measurements, one process, one thread (as one rank of a CPU run):
+
+- ``fresh_shape_us``: ``torch.mm`` of (M, 256) @ (256, 256) at 16 row counts M this process has not
+  run before: the first call (which builds the kernel) against an immediate repeat, median per dtype;
+- ``blocks``: rank 0 of SCENARIO (default the dp2 smoke layout) built as a proxy rank and stepped
+  ``steps`` times; per block of ``block`` steps, the median step time and the mean number of expert
+  GEMM shapes per step (rows, operand shapes and strides) that no earlier step ran.
+
+The steps run under a dispatch mode that reads the grouped GEMMs' offsets (a few microseconds per op
+on every step alike), so the step times are a little above a plain run's; the decay is the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.machine import machine_info
+from bench.scenario import load_scenario
+
+DEFAULT_SCENARIO = "scenarios/smoke/e8-dp2-bf16.yaml"
+DEFAULT_OUT = "docs/measurements/cpu-warmup-2core-cpu.json"
+
+
+def fresh_shape_us(dtype: torch.dtype, shapes: int = 16, first_rows: int = 1009) -> dict[str, float]:
+    """First call of a GEMM at a row count not run before against its repeat, medians in microseconds."""
+    w_KN = torch.randn(256, 256, dtype=dtype)
+    first, repeat = [], []
+    for i in range(shapes):
+        # Odd, spaced row counts well away from the sizes anything else in the process ran.
+        a_MK = torch.randn(first_rows + 7 * i, 256, dtype=dtype)
+        start = time.perf_counter()
+        torch.mm(a_MK, w_KN)
+        middle = time.perf_counter()
+        torch.mm(a_MK, w_KN)
+        first.append(middle - start)
+        repeat.append(time.perf_counter() - middle)
+    return {"first_call_us": statistics.median(first) * 1e6, "repeat_us": statistics.median(repeat) * 1e6}
+
+
+class _GroupShapes(TorchDispatchMode):
+    """Collects the (operand shapes and strides, rows) of every expert GEMM a step runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            a, b = args[0], args[1]
+            offsets = args[2] if len(args) > 2 else kwargs["offs"]
+            ends = offsets.tolist()
+            form = (tuple(a.shape[1:]), tuple(a.stride()), tuple(b.shape[1:]), tuple(b.stride()))
+            self.shapes.update((form, end - begin) for begin, end in zip([0, *ends[:-1]], ends))
+        return func(*args, **kwargs)
+
+
+def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> list[dict[str, Any]]:
+    """Median step time and new expert GEMM shapes per step, per block of steps (module docstring)."""
+    from bench.run.trace import rank_trainer
+
+    scenario = load_scenario(scenario_path)
+    times, new_shapes, seen = [], [], set()
+    with rank_trainer(scenario) as (trainer, tokens, labels):
+        for step in range(steps):
+            mode = _GroupShapes()
+            start = time.perf_counter()
+            with mode:
+                trainer.step(tokens, labels)
+            times.append(time.perf_counter() - start)
+            new_shapes.append(len(mode.shapes - seen))
+            seen |= mode.shapes
+            if (step + 1) % block == 0:
+                progress(f"  steps {step + 2 - block}-{step + 1}: {statistics.median(times[-block:]) * 1e3:.1f} ms, "
+                         f"{statistics.fmean(new_shapes[-block:]):.1f} new expert GEMM shapes a step")
+    return [
+        {"steps": [i + 1, min(i + block, steps)], "median_step_ms": statistics.median(times[i:i + block]) * 1e3,
+         "new_expert_gemm_shapes_per_step": statistics.fmean(new_shapes[i:i + block])}
+        for i in range(0, steps, block)
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.validate.cpu_warmup", description=__doc__.splitlines()[0])
+    parser.add_argument("scenario", nargs="?", default=DEFAULT_SCENARIO)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.block < 1:
+        print("cpu_warmup: --steps and --block must be positive", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    fresh = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        fresh[name] = fresh_shape_us(dtype)
+        print(f"{name} GEMM (M, 256) @ (256, 256) at a new M: first call {fresh[name]['first_call_us']:.0f} us, "
+              f"repeat {fresh[name]['repeat_us']:.0f} us")
+    print(f"{args.scenario}: rank 0, {args.steps} steps")
+    blocks = step_decay(args.scenario, args.steps, args.block)
+    report = {
+        "command": "python -m bench.validate.cpu_warmup " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "machine": machine_info(), "threads": 1, "fresh_shape_us": fresh,
+        "scenario": args.scenario, "blocks": blocks,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""The warm-up measurement counts the expert GEMM shapes a step meets for the first time."""
+
+from __future__ import annotations
+
+from bench.validate.cpu_warmup import step_decay
+
+
+def test_balanced_routes_meet_every_shape_in_the_first_step():
+    # Balanced routing gives every expert the same rows every step: the six GEMM forms of an expert
+    # MLP (gate-up and down, forward, input gradient, weight gradient) at one row count each, shared
+    # by both layers, all met in step 1 and never again.
+    blocks = step_decay("scenarios/smoke/e8-balanced-bf16.yaml", steps=3, block=1, progress=lambda line: None)
+    assert [b["new_expert_gemm_shapes_per_step"] for b in blocks] == [6, 0, 0]
+    assert [b["steps"] for b in blocks] == [[1, 1], [2, 2], [3, 3]]
+
+
+def test_random_routes_keep_making_new_shapes():
+    blocks = step_decay("scenarios/smoke/e8-random-bf16.yaml", steps=2, block=1, progress=lambda line: None)
+    assert blocks[0]["new_expert_gemm_shapes_per_step"] > 6
+    assert blocks[1]["new_expert_gemm_shapes_per_step"] > 0
+
