@@ -55,8 +55,13 @@ The direction (``better``) and unit are taken from the candidate when both sides
 
 Scenario-level outcomes are listed explicitly, never silently passed: ``missing_in_candidate``,
 ``missing_in_baseline`` (new scenario; not a failure), ``not_ok`` (status other than ``ok`` on
-either side, with status and error) and ``mismatched`` (scenario hash differs between the sides: a
-changed scenario is not a like-for-like comparison, so no metric rows are produced for it).
+either side, with status and error) and ``mismatched`` (the scenario differs between the sides: a
+changed scenario is not a like-for-like comparison, so no metric rows are produced for it). Two
+sides run the same scenario when their hashes agree, or when one side's spec, loaded by today's
+``bench.scenario`` (which fills the fields added since that version at their defaults), equals the
+other's: a release that adds a config field with a default leaves the scenario files it did not
+touch comparable with the releases before it, and a changed default is an engine change the
+comparison measures.
 
 Work counters
 -------------
@@ -218,6 +223,26 @@ def _pool_metrics(docs: Sequence[ResultDocument]) -> dict[str, dict[str, Any]]:
         if exact[name]:
             entry["spread"] = None
     return pooled
+
+
+def _with_todays_defaults(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    from bench.scenario import ScenarioError, scenario_from_dict
+
+    try:
+        return scenario_from_dict(json.loads(json.dumps(spec))).spec
+    except (ScenarioError, ValueError, KeyError, TypeError):
+        return None
+
+
+def same_scenario(base: "Group", cand: "Group") -> bool:
+    """Whether two sides ran the same scenario (module docstring, scenario-level outcomes)."""
+    if base.hash == cand.hash:
+        return True
+    base_spec = base.newest.data["scenario"].get("spec")
+    cand_spec = cand.newest.data["scenario"].get("spec")
+    if base_spec is None or cand_spec is None:
+        return False
+    return _with_todays_defaults(base_spec) == cand_spec or _with_todays_defaults(cand_spec) == base_spec
 
 
 def group_documents(docs: Iterable[ResultDocument]) -> dict[Key, Group]:
@@ -529,7 +554,7 @@ def compare(
             side = "both" if b.status != "ok" and c.status != "ok" else ("baseline" if b.status != "ok" else "candidate")
             not_ok.append(ScenarioIssue("not_ok", side=side, **common))
             continue
-        if b.hash != c.hash:
+        if not same_scenario(b, c):
             mismatched.append(ScenarioIssue("mismatched", **common))
             continue
         compared.append(key)

@@ -590,3 +590,46 @@ def test_pooled_runs_take_the_newest_census(tmp_path):
     cand[1]["details"]["work"]["ranks"][0]["ops_by_name"] = {"aten.mm.default": 800, "aten.clone.default": 1}
     result = run_gate(tmp_path, base, cand)
     assert result.failures[0].endswith("(+0.1%, 800 -> 801): aten.clone.default +1 [1xnvidia-h200]")
+
+
+def _spec_without(spec: dict, *paths: str) -> dict:
+    """``spec`` as an older release wrote it: without the fields added since (``section.field``)."""
+    old = json.loads(json.dumps(spec))
+    for path in paths:
+        section, key = path.split(".")
+        del old[section][key]
+    return old
+
+
+def test_fields_added_since_the_baseline_at_their_defaults_still_compare(tmp_path):
+    from bench.scenario import load_scenario
+
+    spec = load_scenario("scenarios/smoke/e8-random-bf16.yaml").spec
+    old = _spec_without(spec, "parallel.grad_dtype", "run.compile")
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, spec=old)],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(800)}, spec=spec)],
+    )
+    assert result.comparison.mismatched == ()
+    assert [r.verdict for r in result.comparison.rows] == ["regressed"]
+
+
+@pytest.mark.parametrize("change", ["a field both versions have", "a new field away from its default"])
+def test_a_changed_scenario_is_still_mismatched(tmp_path, change):
+    from bench.scenario import load_scenario
+
+    spec = load_scenario("scenarios/smoke/e8-random-bf16.yaml").spec
+    old = _spec_without(spec, "parallel.grad_dtype", "run.compile")
+    new = json.loads(json.dumps(spec))
+    if change == "a field both versions have":
+        new["run"]["steps"] += 1
+    else:
+        new["parallel"]["grad_dtype"] = "bf16" if spec["parallel"]["grad_dtype"] != "bf16" else "fp32"
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, spec=old)],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, spec=new)],
+    )
+    assert len(result.comparison.mismatched) == 1
+    assert result.comparison.rows == ()
