@@ -20,11 +20,13 @@ def _fail(message: str) -> int:
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
+    from bench.report.comparisons import ComparisonError, load_comparisons
     from bench.run.launch import detect_launch, join_launch, leave_launch
     from bench.run.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
     try:
+        comparisons = load_comparisons()
         device = resolve_device(args.device)
         files = expand_paths(args.files) if args.files else suite_files(args.suite or "default", device)
         if args.files and args.suite:
@@ -35,7 +37,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         if not files:
             return _fail("no scenarios to run")
         scenarios = load_all(files)
-    except ScenarioError as err:
+    except (ScenarioError, ComparisonError) as err:
         return _fail(str(err))
 
     # A plan is arithmetic in this process: any scenario, whatever its mode, and never a launch's rank.
@@ -80,6 +82,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
             print(summary_line(o.name, o.metrics, o.details))
     else:
         print_summary(outcomes)
+        print_comparisons(outcomes, comparisons)
     failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
     print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
     if getattr(args, "plots", False):
@@ -164,6 +167,20 @@ def print_summary(outcomes) -> None:
             params,
         )
     Console(width=max(120, Console().width)).print(table)
+
+
+def print_comparisons(outcomes, comparisons) -> None:
+    """Each pair of the reference release's comparisons that ran: its ratio, beside the published figure."""
+    from bench.report.comparisons import pair_ratios
+
+    rows = pair_ratios(comparisons, {o.name: (o.status, o.metrics) for o in outcomes})
+    if not rows:
+        return
+    print("comparisons (ratio of the medians, numerator / denominator):")
+    for row in rows:
+        value = f"{row.ratio:.3f}" if row.ratio is not None else f"n/a ({row.note})"
+        print(f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {value}"
+              f"  [published: {row.comparison.reference}; {row.comparison.mirrors}]")
 
 
 def cmd_project(args: argparse.Namespace) -> int:
@@ -381,6 +398,27 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from bench.gate.compare import parse_tolerance
+    from bench.report.page import ReportError, build_report
+
+    try:
+        tolerance = parse_tolerance(args.tolerance)
+        out = Path(args.out) if args.out else Path(args.results) / "report"
+        problem = _unwritable(out)
+        if problem:
+            return _fail(problem)
+        report = build_report(Path(args.results), out, base=args.base, new=args.new, tolerance=tolerance,
+                              on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr))
+    except (ReportError, ValueError) as err:
+        return _fail(str(err))
+    if report.comparison is not None:
+        print(f"release comparison {report.comparison.versions.base} -> {report.comparison.versions.new}: "
+              f"{report.comparison.header}")
+    print(f"wrote {report.path} ({len(report.charts)} charts)")
+    return EXIT_OK
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     from bench.release.version import engine_version
 
@@ -540,6 +578,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("results_dir")
     plot.add_argument("--out", required=True)
     plot.set_defaults(func=cmd_plot)
+
+    report = sub.add_parser("report", help="one self-contained HTML page: problems, the release comparison, "
+                                           "trends and the reference experiments")
+    report.add_argument("results", help="results folder (results/<version>/<machine>/*.json)")
+    report.add_argument("--out", help="folder for index.html (default: RESULTS/report)")
+    report.add_argument("--base", metavar="VERSION",
+                        help="baseline version of the comparison (default: the latest release older than --new)")
+    report.add_argument("--new", metavar="VERSION", help="candidate version (default: the newest in RESULTS)")
+    report.add_argument("--tolerance", default="5%", help="the gate's tolerance for the verdicts (default 5%%)")
+    report.set_defaults(func=cmd_report)
 
     ab = sub.add_parser("ab", help="A/B gate: a baseline git ref and this checkout alternately, paired ratios")
     ab.add_argument("files", nargs="*", help="scenario files or folders (default: the --suite)")

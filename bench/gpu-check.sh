@@ -18,9 +18,12 @@
 #                      specialisations at up to 3 s each: 90 s) after CUDA start-up (about 15 s).
 #   micro-cuda   90 s: 4 benchmarks at pytest-benchmark's 1 s measuring time each, plus warm-up,
 #                      Triton compilation and start-up.
-#   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite).
+#   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
+#                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
+#                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).
 #   profile      45 s: the quick CUDA sweep (bench/run/profile_device.py, about 250 points at 20 ms each).
-#   project      30 s: three one-GPU scenarios traced under fake tensors (about 5 s each on a CPU) and priced.
+#   project      30 s: the three one-GPU scenarios (scenarios/gpu/*.yaml, not gpu/node) traced under fake
+#                      tensors (about 5 s each on a CPU) and priced.
 set -uo pipefail
 
 out=${1:?usage: bench/gpu-check.sh OUTDIR}
@@ -55,10 +58,17 @@ run_step tests-cuda 180 env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tes
     --junitxml="$out/tests-cuda.xml" -p no:cacheprovider
 run_step micro-cuda 90 env MOE_BENCH_DEVICE=cuda "$python" -m pytest bench/micro -q --benchmark-enable \
     --benchmark-json="$out/micro-cuda.json" -p no:cacheprovider
-run_step suite-gpu 210 "$python" -m bench.cli run --suite gpu --device cuda --out "$out/results" --no-plots
+# The node scenarios this host has the GPUs for (1 < dp * pp <= GPUs): 75 s each on top of the one-GPU set.
+node_scenarios=$("$python" -c "
+import torch
+from bench.run.runner import load_all, suite_files
+gpus = torch.cuda.device_count()
+print(sum(1 < s.world_size <= gpus for s in load_all(suite_files('gpu', torch.device('cuda')))))")
+run_step suite-gpu $((210 + 75 * ${node_scenarios:-0})) "$python" -m bench.cli run --suite gpu --device cuda \
+    --out "$out/results" --no-plots
 run_step profile 45 "$python" -m bench.cli profile-device --device cuda --quick --base "${GPU_CHECK_BASE:-h200-sxm}" \
     --name measured-gpu --out "$out/device-profile.yaml"
-run_step project 30 "$python" -m bench.cli project scenarios/gpu --device "$out/device-profile.yaml" \
+run_step project 30 "$python" -m bench.cli project scenarios/gpu/*.yaml --device "$out/device-profile.yaml" \
     --out "$out/projections"
 
 echo "gpu-check: results in $out (status $status)"

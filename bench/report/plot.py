@@ -10,7 +10,9 @@
 * ``summary.png``: each (machine, scenario)'s headline metric as a ratio to its first version;
 * ``expert_sweep.png``: throughput against the number of experts for scenarios of the newest
   version that differ only in ``model.moe.num_experts`` (written only when such a group exists);
-* ``index.html``: a self-contained page with every figure and a table of every document.
+* ``index.html``: a self-contained page with every figure, the reference release's comparisons
+  (``bench.report.comparisons``: each pair's ratio per version and machine, from the latest ok runs)
+  and a table of every document.
 
 Documents whose status is not ``ok`` are left out of the figures and listed in the index. When a
 (version, machine, scenario) was run more than once, the figures use the latest ``ok`` run (by
@@ -37,6 +39,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
+from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios  # noqa: E402
 from bench.results import ResultDocument, ResultFileError, load_results  # noqa: E402
 
 __all__ = [
@@ -438,9 +441,38 @@ td.status-bad { color: #b42318; font-weight: 600; }
 """
 
 
+def comparison_rows(latest: dict[tuple[str, str, str], ResultDocument]) -> list[tuple[str, str, PairRatio]]:
+    """(version, machine, pair ratio) for every comparison pair with both sides' latest ok runs there."""
+    by_place: dict[tuple[str, str], dict[str, tuple[str, dict]]] = defaultdict(dict)
+    for (version, machine, scenario), doc in latest.items():
+        by_place[(version, machine)][scenario] = (doc.status, doc.metrics)
+    comparisons = load_comparisons()
+    rows = []
+    for version, machine in sorted(by_place, key=lambda place: (version_sort_key(place[0]), place[1])):
+        rows += [(version, machine, r) for r in pair_ratios(comparisons, by_place[(version, machine)])]
+    return rows
+
+
+def _comparisons_html(rows: list[tuple[str, str, PairRatio]]) -> list[str]:
+    e = html.escape
+    parts = ["<h2>Comparisons</h2>",
+             ("<p>The reference release's comparisons: each pair's ratio of the medians, numerator / denominator "
+              "(pairs defined in <code>scenarios/suites.yaml</code>, <code>comparisons</code>).</p>"),
+             ("<table><thead><tr><th>version</th><th>machine</th><th>comparison</th><th>numerator</th>"
+              "<th>denominator</th><th>metric</th><th>ratio</th><th>published</th><th>mirrors</th></tr></thead><tbody>")]
+    for version, machine, r in rows:
+        parts.append(
+            f"<tr><td>{e(version)}</td><td>{e(machine)}</td><td>{e(r.comparison.label)}</td><td>{e(r.numerator)}</td>"
+            f"<td>{e(r.denominator)}</td><td>{e(r.metric or '')}</td><td>{r.ratio:.3f}</td>"
+            f"<td>{e(r.comparison.reference)}</td><td>{e(r.comparison.mirrors)}</td></tr>"
+        )
+    parts.append("</tbody></table>")
+    return parts
+
+
 def _write_index(
     out_dir: Path, figures: list[tuple[Path, str]], docs: list[ResultDocument], results_dir: Path,
-    skipped: Iterable[ResultFileError] = (),
+    skipped: Iterable[ResultFileError] = (), comparisons: list[tuple[str, str, PairRatio]] = (),
 ) -> Path:
     e = html.escape
     skipped = list(skipped)
@@ -462,6 +494,10 @@ def _write_index(
     else:
         parts.append("<p>No figures (no ok results with metrics).</p>")
 
+    # Both sides are ok runs here; a pair whose metric one side lacks has no ratio to show.
+    comparisons = [row for row in comparisons if row[2].ratio is not None]
+    if comparisons:
+        parts += _comparisons_html(comparisons)
     bad = [d for d in docs if d.status != "ok"]
     rows_sorted = sorted(docs, key=lambda d: (version_sort_key(d.version), d.machine, d.name, _doc_order_key(d)))
     if bad:
@@ -561,5 +597,5 @@ def plot_results(
             figures.insert(1, (sweep, "Throughput (tokens/s per GPU, median) vs number of experts, newest version "
                                       "per machine; scenarios identical except model.moe.num_experts"))
 
-    written.append(_write_index(out_dir, figures, docs, results_dir, skipped))
+    written.append(_write_index(out_dir, figures, docs, results_dir, skipped, comparison_rows(latest)))
     return written

@@ -1,8 +1,10 @@
 """Run scenarios: plans in process, executes in a worker process with a timeout; write results.
 
 Every scenario is loaded and validated before any work starts. A scenario that fails, runs out of
-memory or times out is recorded with that status and the suite goes on. An execute scenario whose
-plan (``bench.predict.plan``) needs more memory than its device has is recorded ``oom`` without
+memory or times out is recorded with that status and the suite goes on. A scenario needing more GPUs
+(dp * pp) than the host has is recorded ``skipped`` with the reason before anything else (no plan, no
+memory query, no process), so a suite can list layouts for several node sizes. An execute scenario
+whose plan (``bench.predict.plan``) needs more memory than its device has is recorded ``oom`` without
 starting (unless forced).
 """
 
@@ -39,6 +41,7 @@ SUITES_PATH = SCENARIOS_DIR / "suites.yaml"
 
 def suite_files(name: str, device: torch.device) -> list[Path]:
     suites = yaml.safe_load(SUITES_PATH.read_text())
+    suites.pop("comparisons", None)  # the pairs the summary compares (bench.report.comparisons), not a suite
     if name not in suites:
         raise ScenarioError(SUITES_PATH, name, f"no such suite (known: {', '.join(sorted(suites))})")
     entry = suites[name]

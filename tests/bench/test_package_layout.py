@@ -17,7 +17,8 @@ from bench.results import REPO_ROOT
 
 PACKAGES = ("bench", "moe_engine")
 ARITHMETIC = ("bench.predict.plan", "bench.predict.projection", "bench.predict.device", "bench.predict.ops",
-              "bench.predict.pricing", "bench.predict.op_projection", "bench.gate.compare")
+              "bench.predict.pricing", "bench.predict.op_projection", "bench.gate.compare",
+              "bench.report.comparisons")
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
 # and the result/scenario documents. Everything else in the engine builds or runs a model.
 ARITHMETIC_MAY_IMPORT = ("bench.results", "bench.scenario", "moe_engine", "moe_engine.config", "moe_engine.flops",

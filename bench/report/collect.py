@@ -1,0 +1,173 @@
+"""The results a report is drawn from: every document under a results folder, by version.
+
+``load_result_set`` reads ``results/<version>/<machine>/<scenario>[.N].json`` (any layout: documents
+are found recursively and placed by their own ``engine.version`` and ``machine.name``). Within one
+version the documents of a (scenario, machine) are pooled exactly as ``moe-bench gate`` pools a side
+(``bench.gate.compare.group_documents``): the newest document decides the status, the ``ok`` runs
+of the same scenario hash are pooled. So a trend point, a chart bar and a release-comparison row
+of one version all show the same numbers.
+
+Bad input raises ``ReportError`` (one line): a folder that does not exist, a folder without a single
+readable result document, a version asked for that the folder does not hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.gate.compare import Group, group_documents
+from bench.report.plot import sort_versions, version_sort_key
+from bench.results import ResultDocument, ResultFileError, load_results
+
+Key = tuple[str, str]
+"""(scenario name, machine name), as the gate keys its groups."""
+
+
+class ReportError(ValueError):
+    """Nothing can be drawn, or a version asked for is not there; ``str()`` is one line."""
+
+
+@dataclass(frozen=True)
+class ResultSet:
+    """The documents under one results folder, grouped by version."""
+
+    root: Path
+    """The folder they were read from."""
+    docs: tuple[ResultDocument, ...]
+    """Every readable result document."""
+    skipped: tuple[ResultFileError, ...]
+    """Files that could not be read as result documents (named, with the reason)."""
+    releases: tuple[str, ...]
+    """The recorded release versions (``releases.json``), oldest first; marked on the trends."""
+    _groups: dict[str, dict[Key, Group]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def versions(self) -> list[str]:
+        """Every version with documents, in version order (``0.2.0 < 0.10.0``)."""
+        return sort_versions(d.version for d in self.docs)
+
+    @property
+    def machines(self) -> list[str]:
+        return sorted({d.machine for d in self.docs})
+
+    def docs_of(self, version: str) -> list[ResultDocument]:
+        return [d for d in self.docs if d.version == version]
+
+    def groups(self, version: str) -> dict[Key, Group]:
+        """The gate's groups of one version: (scenario, machine) -> pooled documents."""
+        if version not in self._groups:
+            self._groups[version] = group_documents(self.docs_of(version))
+        return self._groups[version]
+
+    def ok_groups(self, version: str) -> dict[Key, Group]:
+        return {key: g for key, g in self.groups(version).items() if g.status == "ok"}
+
+    def newest_first(self) -> list[str]:
+        return list(reversed(self.versions))
+
+
+def load_result_set(
+    root: Path,
+    releases: Iterable[str] = (),
+    on_bad_file: Callable[[ResultFileError], None] | None = None,
+) -> ResultSet:
+    """Every readable document under ``root``; an unreadable file is skipped (and handed to
+    ``on_bad_file`` to warn). Raises ReportError when ``root`` is missing or holds no document."""
+    root = Path(root)
+    if not root.exists():
+        raise ReportError(f"{root}: no such results folder")
+    skipped: list[ResultFileError] = []
+
+    def skip(err: ResultFileError) -> None:
+        skipped.append(err)
+        if on_bad_file is not None:
+            on_bad_file(err)
+
+    docs = load_results(root, on_bad_file=skip)
+    if not docs:
+        unread = f" ({len(skipped)} unreadable file{'s' * (len(skipped) != 1)} skipped)" if skipped else ""
+        raise ReportError(f"{root}: no result documents{unread}; nothing to draw")
+    return ResultSet(root, tuple(docs), tuple(skipped), tuple(sort_versions(releases)))
+
+
+@dataclass(frozen=True)
+class VersionPair:
+    """The two versions the release comparison sets side by side."""
+
+    base: str
+    new: str
+    why: str
+    """How they were chosen, for the page (``latest release 0.1.0 against the newest results``)."""
+
+
+def choose_versions(results: ResultSet, base: str | None = None, new: str | None = None) -> VersionPair | None:
+    """The versions to compare: ``new`` defaults to the newest version in the folder, ``base`` to the
+    latest release older than ``new`` that the folder holds, else the version just before ``new``.
+    None when the folder holds one version only (and none was asked for). ReportError for a version
+    asked for that the folder does not hold, or for the same version on both sides."""
+    versions = results.versions
+    for flag, value in (("--base", base), ("--new", new)):
+        if value is not None and value not in versions:
+            raise ReportError(f"{flag} {value}: no results of that version in {results.root} "
+                              f"(versions there: {', '.join(versions)})")
+    if base is not None and base == new:
+        raise ReportError(f"--base and --new are both {base}: a comparison needs two versions")
+    chosen_new = new if new is not None else versions[-1]
+    if base is not None:
+        if base == chosen_new:
+            raise ReportError(f"--base {base}: the newest version in {results.root}; name an older one, "
+                              "or --new as well")
+        return VersionPair(base, chosen_new, "chosen with --base" + (" and --new" if new else ""))
+    older = [v for v in versions if version_sort_key(v) < version_sort_key(chosen_new)]
+    if not older:
+        return None
+    released = [v for v in older if v in results.releases]
+    if released:
+        return VersionPair(released[-1], chosen_new,
+                           f"the latest release ({released[-1]}) against "
+                           + (f"{chosen_new} (--new)" if new else "the newest results"))
+    return VersionPair(older[-1], chosen_new, "no release among the results: the version before "
+                       + (f"{chosen_new} (--new)" if new else "the newest"))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A scenario whose newest run in a version did not finish ok."""
+
+    version: str
+    machine: str
+    scenario: str
+    status: str
+    """failed, oom, timeout, skipped, ..."""
+    error: str | None
+    path: str | None
+
+
+def problems(results: ResultSet) -> list[Problem]:
+    """Every (version, machine, scenario) whose newest document is not ok, newest version first."""
+    found = []
+    for version in results.newest_first():
+        for (scenario, machine), group in sorted(results.groups(version).items()):
+            if group.status != "ok":
+                path = str(group.newest.path) if group.newest.path is not None else None
+                found.append(Problem(version, machine, scenario, group.status, group.error, path))
+    return found
+
+
+def median(group: Group, name: str) -> float | None:
+    entry = group.metrics.get(name)
+    return None if entry is None else float(entry["median"])
+
+
+def first_metric(groups: Iterable[Group], names: Iterable[str]) -> str | None:
+    """The first of ``names`` that every group has (alternatives: the GPU and the CPU record peak
+    memory under different names)."""
+    groups = list(groups)
+    return next((n for n in names if groups and all(n in g.metrics for g in groups)), None)
+
+
+def spec_of(group: Group) -> dict[str, Any]:
+    return group.newest.data["scenario"].get("spec") or {}

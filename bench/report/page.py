@@ -1,0 +1,348 @@
+"""``moe-bench report``: one self-contained HTML page of a results folder.
+
+``build_report(results_dir, out_dir)`` writes ``out_dir/index.html``: Plotly's JavaScript and every
+chart's data are inlined, so the page needs no network to be viewed. Top to bottom:
+
+1. problems: every scenario whose newest run in a version failed, ran out of memory, timed out or was
+   skipped, with its error; files that could not be read;
+2. the release comparison of two versions (``bench.report.release_table``: the gate's verdicts);
+3. trends of each scenario's headline metrics across versions (``bench.report.trends``);
+4. the reference experiments drawn from whatever results are there (``bench.report.experiments``):
+   the expert-count sweep, the pair comparisons of ``scenarios/suites.yaml``, the recompute modes,
+   plan memory per rank against the GPU, projection breakdowns.
+
+Every number names its machine and version. Bad input raises ``ReportError`` (one line; the CLI
+exits 2): no such folder, no readable document, a version that is not in the folder.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow, format_percent
+from bench.release.record import ReleaseError, load_releases
+from bench.report import charts
+from bench.report.collect import ReportError, ResultSet, choose_versions, load_result_set, problems
+from bench.report.comparisons import Comparison
+from bench.report.experiments import (
+    EXPERTS,
+    RECOMPUTE,
+    pair_charts,
+    plan_memory,
+    projection_stacks,
+    variant_groups,
+)
+from bench.report.release_table import ReleaseComparison, release_comparison
+from bench.report.trends import single_version_scenarios, trends
+from bench.report.units import format_value, signed_percent
+from bench.results import ResultFileError
+
+__all__ = ["PAGE_NAME", "Report", "ReportError", "build_report"]
+
+PAGE_NAME = "index.html"
+
+
+@dataclass
+class Report:
+    """What ``build_report`` wrote."""
+
+    path: Path
+    charts: list[str] = field(default_factory=list)
+    """The kind of each chart on the page, in page order (trend, pair, sweep, ...)."""
+    figures: list = field(default_factory=list)
+    """The chart's Plotly figures, in the same order."""
+    warnings: list[str] = field(default_factory=list)
+    """Problems with the input that did not stop the page (unreadable files, the release record)."""
+    comparison: ReleaseComparison | None = None
+
+
+class _Page:
+    """The page's HTML, built section by section; charts are numbered as they are added."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.charts: list[str] = []
+        self.figures: list = []
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+    def chart(self, kind: str, figure, caption: str) -> None:
+        div = pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=f"chart-{len(self.charts) + 1}",
+                          config={"displaylogo": False, "responsive": True})
+        self.charts.append(kind)
+        self.figures.append(figure)
+        self.add(f'<figure class="chart" data-chart="{kind}">{div}<figcaption>{_e(caption)}</figcaption></figure>')
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text))
+
+
+def _table(header: list[str], rows: list[list[str]], attrs: str = "") -> str:
+    """An HTML table; cells are HTML already (escape text with ``_e``)."""
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table {attrs}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def build_report(
+    results_dir: Path,
+    out_dir: Path,
+    base: str | None = None,
+    new: str | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+    releases: list[str] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    comparisons: list[Comparison] | None = None,
+) -> Report:
+    """Write ``out_dir/index.html`` from the documents under ``results_dir``.
+
+    ``releases``: the release versions to compare against and mark (default: ``releases.json``).
+    ``comparisons``: the pairs to chart (default: the comparisons of ``scenarios/suites.yaml``).
+    ``on_warning`` gets each problem that does not stop the page (an unreadable file, named).
+    """
+    warnings: list[str] = []
+
+    def warn(text: str) -> None:
+        warnings.append(text)
+        if on_warning is not None:
+            on_warning(text)
+
+    if releases is None:
+        try:
+            releases = [r.version for r in load_releases()]
+        except ReleaseError as err:
+            warn(f"{err}; no releases marked")
+            releases = []
+
+    def skipped(err: ResultFileError) -> None:
+        warn(f"{err}; skipped")
+
+    results = load_result_set(Path(results_dir), releases, on_bad_file=skipped)
+    versions = choose_versions(results, base, new)
+    comparison = release_comparison(results, versions, tolerance) if versions else None
+
+    page = _Page()
+    _header(page, results, warnings)
+    _problems(page, results)
+    _comparison(page, results, comparison)
+    _trends(page, results)
+    _experiments(page, results, comparisons)
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / PAGE_NAME
+    path.write_text(_document("\n".join(page.parts)), encoding="utf-8")
+    return Report(path, page.charts, page.figures, warnings, comparison)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+def _machine_text(machine: dict) -> str:
+    gpu = f"{machine.get('gpu_count')} x {machine.get('gpu_name')}" if machine.get("gpu_count") else "no GPU"
+    cpu = f"{machine.get('cpu_model', '?')} ({machine.get('cpu_cores', '?')} cores)"
+    return f"{cpu}, {gpu}, torch {machine.get('torch', '?')}"
+
+
+def _header(page: _Page, results: ResultSet, warnings: list[str]) -> None:
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    releases = [v for v in results.versions if v in results.releases]
+    page.add(f"<h1>moe-bench results</h1><p class='lead'>{len(results.docs)} result documents from "
+             f"<code>{_e(results.root)}</code>: versions {_e(', '.join(results.versions))}"
+             f" (releases among them: {_e(', '.join(releases) or 'none')}); generated {stamp}.</p>")
+    machines = {d.machine: d.data["machine"] for d in results.docs}
+    page.add(_table(["machine", "what it is"], [[_e(n), _e(_machine_text(m))] for n, m in sorted(machines.items())],
+                    "class='machines'"))
+    page.add("<nav><a href='#problems'>Problems</a> · <a href='#comparison'>Release comparison</a> · "
+             "<a href='#trends'>Trends</a> · <a href='#experiments'>Reference experiments</a></nav>")
+    if warnings:
+        items = "".join(f"<li>{_e(w)}</li>" for w in warnings)
+        page.add(f"<div class='warnings' id='warnings'><b>Not read:</b><ul>{items}</ul></div>")
+
+
+def _problems(page: _Page, results: ResultSet) -> None:
+    found = problems(results)
+    page.add("<h2 id='problems'>Problems</h2>")
+    if not found:
+        page.add("<p class='ok'>Every scenario's newest run in every version finished ok.</p>")
+        return
+    rows = [[f"<span class='status status-{_e(p.status)}'>{_e(p.status)}</span>", _e(p.scenario), _e(p.machine),
+             _e(p.version), f"<pre>{_e(p.error or '')}</pre>", f"<code>{_e(p.path or '')}</code>"] for p in found]
+    page.add(f"<p>{len(found)} scenario run{'s' * (len(found) != 1)} did not finish ok (the newest run of each "
+             "scenario in each version):</p>")
+    page.add(_table(["status", "scenario", "machine", "version", "error", "file"], rows, "class='problems'"))
+
+
+def _noise(row: MetricRow) -> str:
+    if row.noise is None:
+        return "-"
+    if row.exact and not row.noise:
+        return "exact value"
+    sides = [f"{side} IQR {format_percent(v, 1)}" for side, v in (("base", row.base_rel_iqr), ("new", row.cand_rel_iqr))
+             if v is not None]
+    return f"{format_percent(row.noise, 1)}" + (f" ({', '.join(sides)})" if sides else "")
+
+
+def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison | None) -> None:
+    page.add("<h2 id='comparison'>Release comparison</h2>")
+    if comparison is None:
+        page.add(f"<p>One version only ({_e(results.versions[0])}): nothing to compare yet.</p>")
+        return
+    v = comparison.versions
+    gate = comparison.gate
+    page.add(f"<p><b>{_e(v.base)} → {_e(v.new)}</b>: {_e(v.why)}. Verdicts of <code>moe-bench gate --baseline "
+             f"&lt;{_e(v.base)} results&gt; --candidate &lt;{_e(v.new)} results&gt;</code> at tolerance "
+             f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
+             "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>")
+    verdict = "pass" if gate.passed else "fail"
+    page.add(f"<p class='gate gate-{verdict}' data-gate='{verdict}'>{_e(comparison.header)}</p>")
+    if gate.failures:
+        page.add("<ul class='failures'>" + "".join(f"<li>{_e(line)}</li>" for line in gate.failures) + "</ul>")
+    notes = [i.describe() for i in comparison.issues if not i.fails_gate]
+    notes += [line for line in gate.work if not line.startswith("REGRESSION")]
+    if notes:
+        page.add("<ul class='notes'>" + "".join(f"<li>{_e(line)}</li>" for line in notes) + "</ul>")
+    if not comparison.tables:
+        changed = len(comparison.comparison.mismatched)
+        why = (f" {changed} scenario{'s' * (changed != 1)} ran in both, with specs that differ (the scenario hash "
+               "covers the spec with every default filled in): not like for like, so not compared."
+               if changed else "")
+        page.add(f"<p>No scenario to compare metric by metric: none finished ok in both {_e(v.base)} and "
+                 f"{_e(v.new)} on the same machine with the same spec.{_e(why)}</p>")
+    for table in comparison.tables:
+        rows = []
+        for row in table.rows:
+            change = signed_percent(row.change) if row.change is not None and abs(row.change) != float("inf") else "-"
+            rows.append([
+                _e(row.metric), _e(format_value(row.base, row.unit)), _e(format_value(row.cand, row.unit)),
+                _e(f"{row.ratio:.3f}" if row.ratio is not None else "-"), _e(change), _e(_noise(row)),
+                _e(format_percent(row.threshold, 1) if row.threshold is not None else "-"),
+                f"<span class='verdict verdict-{row.verdict}'>{row.verdict}</span>",
+            ])
+        hidden = f"; {table.info_metrics} reported, never gated, not listed" if table.info_metrics else ""
+        page.add(f"<h3>{_e(table.scenario)} <small>on {_e(table.machine)}: {_e(v.base)} → {_e(v.new)}{hidden}"
+                 "</small></h3>")
+        attrs = (f"class='comparison' data-scenario='{_e(table.scenario)}' data-machine='{_e(table.machine)}' "
+                 f"data-base='{_e(v.base)}' data-new='{_e(v.new)}'")
+        page.add(_table(["metric", f"base ({_e(v.base)})", f"new ({_e(v.new)})", "ratio", "change",
+                         "noise", "threshold", "verdict"], rows, attrs))
+
+
+def _trends(page: _Page, results: ResultSet) -> None:
+    page.add("<h2 id='trends'>Trends</h2>")
+    found = trends(results)
+    if not found:
+        page.add("<p>No scenario finished ok in two versions yet.</p>")
+    for trend in found:
+        page.chart("trend", charts.trend_figure(trend, results.releases),
+                   f"{trend.scenario} on {trend.machine}: the pooled median of each version (as the gate pools its "
+                   "runs), the interquartile range as a band, min..max as bars; a metric with one sample has no "
+                   "spread.")
+    single = single_version_scenarios(results)
+    if single:
+        names = ", ".join(f"{s} ({v}, {m})" for s, m, v in single)
+        page.add(f"<p class='small'>In one version only, so no trend: {_e(names)}.</p>")
+
+
+def _experiments(page: _Page, results: ResultSet, comparisons: list[Comparison] | None) -> None:
+    page.add("<h2 id='experiments'>Reference experiments</h2><p>The comparisons the reference release published, "
+             "drawn from whatever results this folder holds (each at the newest version that has it).</p>")
+    page.add("<h3>Expert-count sweep</h3>")
+    sweep = [g for g in variant_groups(results, EXPERTS) if g.throughput_metric or g.memory_metric]
+    for mode in dict.fromkeys(g.mode for g in sweep):  # a plan's GiB and a CPU run's MiB never share an axis
+        page.chart("sweep", charts.sweep_figure([g for g in sweep if g.mode == mode]),
+                   f"{_MODE_TEXT.get(mode, mode)} identical except for the number of experts (top-k and the expert "
+                   "size stay, so the active parameters per token do).")
+    if not sweep:
+        page.add(_absent("scenarios identical except model.moe.num_experts (e.g. smoke/e8-random-bf16 and "
+                         "e64-random-bf16)"))
+    page.add("<h3>Pair comparisons</h3>")
+    pairs = pair_charts(results, comparisons)
+    for chart in pairs:
+        if chart.bars:
+            page.chart("pair", charts.pair_figure(chart),
+                       f"{chart.comparison.label}, mirrors {chart.comparison.mirrors}. Each pair's bars are one "
+                       "version on one machine; the numerator is labelled with the ratio.")
+        if chart.unmeasured:
+            notes = "; ".join(f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}): {b.note}"
+                              for b in chart.unmeasured)
+            page.add(f"<p class='small'>{_e(chart.comparison.label)}, no ratio: {_e(notes)}.</p>")
+    if not pairs:
+        page.add(_absent("both scenarios of a pair in scenarios/suites.yaml's comparisons (e.g. e8-ep2-nosync-bf16 "
+                         "and e8-dp2-fsdp-bf16)"))
+    page.add("<h3>Activation recompute</h3>")
+    recompute = [g for g in variant_groups(results, RECOMPUTE) if g.throughput_metric or g.memory_metric]
+    if recompute:
+        page.chart("recompute", charts.recompute_figure(recompute),
+                   "Scenarios identical except their recompute section (mode none when absent).")
+    else:
+        page.add(_absent("scenarios identical except their recompute section (e.g. smoke/e8-ep2-nosync-bf16 and "
+                         "e8-ep2-nosync-bf16-recompute-full)"))
+    page.add("<h3>Plan memory per rank</h3>")
+    plans = plan_memory(results)
+    for machine, stacks in plans.items():
+        page.chart("plan-memory", charts.plan_memory_figure(machine, stacks),
+                   "The plan's memory of the most loaded rank, part by part as the plan adds it up (the larger of "
+                   "the backward's transient memory and the optimizer step's), against the cluster's GPU memory.")
+    if not plans:
+        page.add(_absent("plan results of scenarios with a cluster (scenarios/olmo-core3)"))
+    page.add("<h3>Projection breakdowns</h3>")
+    stacks = projection_stacks(results)
+    if stacks:
+        page.chart("projection", charts.projection_figure(stacks),
+                   "Each proxy's projected step split into its parts (they add up to the step): on the scenario's "
+                   "cluster with the measuring machine's compute, and op by op on each device profile it was "
+                   "projected on.")
+    else:
+        page.add(_absent("proxy results (the proxy suite)"))
+
+
+_MODE_TEXT = {"execute": "Runs of scenarios", "plan": "Plans of layouts", "proxy": "Proxies of layouts"}
+
+
+def _absent(what: str) -> str:
+    return f"<p class='absent'>Nothing to draw: needs {_e(what)}.</p>"
+
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1250px;
+       color: #222; padding: 0 1em; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 2px solid #ddd; padding-bottom: 0.2em; margin-top: 2em; }
+h3 small { font-weight: normal; color: #666; }
+table { border-collapse: collapse; margin: 0.5em 0 1em; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f4f4f4; }
+table.comparison td:nth-child(n+2):nth-child(-n+7) { text-align: right; font-variant-numeric: tabular-nums; }
+pre { margin: 0; white-space: pre-wrap; max-width: 50em; font-size: 0.9em; }
+.lead { color: #444; } .small { font-size: 0.85em; color: #555; } .absent { color: #777; font-style: italic; }
+.warnings { background: #fff4e0; border: 1px solid #f0c070; padding: 0.5em 1em; }
+.status, .verdict { font-weight: 600; padding: 0.1em 0.4em; border-radius: 3px; }
+.status-failed, .status-oom, .status-timeout { background: #fde0e0; color: #a00; }
+.status-skipped { background: #eee; color: #555; }
+.verdict-regressed { background: #fde0e0; color: #a00; } .verdict-improved { background: #e0f5e0; color: #060; }
+.verdict-missing { background: #fff4d0; color: #850; } .verdict-unchanged { color: #555; font-weight: normal; }
+.gate { font-weight: 600; padding: 0.4em 0.8em; border-radius: 4px; }
+.gate-pass { background: #e0f5e0; } .gate-fail { background: #fde0e0; }
+.ok { color: #060; } figure.chart { margin: 1em 0 2em; } figcaption { font-size: 0.85em; color: #555; }
+nav { margin: 1em 0; }
+"""
+
+
+def _document(body: str) -> str:
+    return (
+        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>"
+        f"<title>moe-bench results</title><style>{_STYLE}</style>"
+        f"<script type='text/javascript'>{get_plotlyjs()}</script></head>\n<body>\n{body}\n</body></html>\n"
+    )

@@ -1,0 +1,68 @@
+"""The release comparison of the report: two versions of a results folder through ``moe-bench gate``.
+
+The verdicts come from ``bench.gate.compare.compare`` and ``gate`` called exactly as ``moe-bench gate
+--baseline <base> --candidate <new>`` calls them (the same default tolerance, no work accepted), on
+the documents of the two versions: the page and the gate never disagree. The page shows, per compared
+scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
+metrics reported but never gated (``better: null``) are counted, not listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.gate.compare import DEFAULT_TOLERANCE, Comparison, GateResult, MetricRow, ScenarioIssue, compare, gate
+from bench.report.collect import ResultSet, VersionPair
+
+HEADLINE_ORDER = (
+    "tokens_per_s_per_gpu", "projected_tokens_per_s_per_gpu", "rank_tokens_per_s", "tflops_per_gpu",
+    "step_time_s", "cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes", "rss_peak_bytes",
+)
+"""Rows shown first, in this order; the other gated metrics follow alphabetically, work counters last."""
+
+
+@dataclass(frozen=True)
+class ScenarioTable:
+    """The gated rows of one compared (scenario, machine)."""
+
+    scenario: str
+    machine: str
+    rows: tuple[MetricRow, ...]
+    info_metrics: int
+    """Metrics of the scenario that are reported, never gated (not listed on the page)."""
+
+
+@dataclass(frozen=True)
+class ReleaseComparison:
+    versions: VersionPair
+    comparison: Comparison
+    gate: GateResult
+    tables: tuple[ScenarioTable, ...]
+
+    @property
+    def issues(self) -> tuple[ScenarioIssue, ...]:
+        return self.comparison.issues
+
+    @property
+    def header(self) -> str:
+        """The gate's first report line: PASS or FAIL and the counts."""
+        return self.gate.report.splitlines()[0]
+
+
+def _row_order(row: MetricRow) -> tuple:
+    if row.metric in HEADLINE_ORDER:
+        return (0, HEADLINE_ORDER.index(row.metric), "")
+    return (2 if row.metric.startswith("work_") else 1, 0, row.metric)
+
+
+def release_comparison(
+    results: ResultSet, versions: VersionPair, tolerance: float = DEFAULT_TOLERANCE
+) -> ReleaseComparison:
+    comparison = compare(results.docs_of(versions.base), results.docs_of(versions.new), tolerance)
+    verdict = gate(comparison, tolerance, None)
+    tables = []
+    for scenario, machine in comparison.compared:
+        rows = [r for r in verdict.comparison.rows if (r.scenario, r.machine) == (scenario, machine)]
+        shown = sorted((r for r in rows if r.better is not None), key=_row_order)
+        tables.append(ScenarioTable(scenario, machine, tuple(shown), len(rows) - len(shown)))
+    return ReleaseComparison(versions, verdict.comparison, verdict, tuple(tables))

@@ -1,0 +1,149 @@
+"""Numbers as people read them: GiB, tokens/s with thousands separators, TFLOP/s, percentages.
+
+``format_value(value, unit)`` is the text of one metric value in the report (tables, hover labels);
+``axis_scale(unit, values)`` is the factor and label of a chart axis showing such values, so that an
+axis reads ``peak memory (GiB)`` rather than ``1e10``. Units are the result documents' ``unit``
+strings (``bytes``, ``tokens/s``, ``TFLOP/s``, ``s``, ``ratio``, ``params``, ``FLOP``, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+GIB = 2**30
+MIB = 2**20
+KIB = 2**10
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits, thousands separated, never in exponent form:
+    12815.39 -> "12,815", 0.0042317 -> "0.00423", 46.87 -> "46.9"."""
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
+
+
+def percent(fraction: float, decimals: int = 1) -> str:
+    """0.123 -> "12.3%"."""
+    return f"{fraction * 100:.{decimals}f}%"
+
+
+def signed_percent(fraction: float, decimals: int = 1) -> str:
+    """0.031 -> "+3.1%", -0.5 -> "-50.0%"."""
+    return f"{fraction * 100:+.{decimals}f}%"
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes in GiB, two decimals: 171917901824 -> "160.11 GiB"."""
+    return f"{n_bytes / GIB:,.2f} GiB"
+
+
+def memory(n_bytes: float) -> str:
+    """GiB from 1 GiB up, else MiB (or KiB, B): 52428800 -> "50.0 MiB"."""
+    magnitude = abs(n_bytes)
+    if magnitude >= GIB:
+        return gib(n_bytes)
+    if magnitude >= MIB:
+        return f"{n_bytes / MIB:,.1f} MiB"
+    if magnitude >= KIB:
+        return f"{n_bytes / KIB:,.1f} KiB"
+    return f"{n_bytes:,.0f} B"
+
+
+def tokens_per_s(value: float) -> str:
+    """12815.39 -> "12,815 tokens/s"; below 100 one decimal: "12.8 tokens/s"."""
+    return f"{value:,.0f} tokens/s" if abs(value) >= 100 else f"{value:,.1f} tokens/s"
+
+
+def tflops(value: float) -> str:
+    """0.23024 -> "0.230 TFLOP/s", 858.2 -> "858 TFLOP/s" (3 significant digits)."""
+    return f"{significant(value)} TFLOP/s"
+
+
+def duration(seconds: float) -> str:
+    """0.0123 -> "12.3 ms", 1.5 -> "1.50 s", 40910 -> "11.4 h"."""
+    magnitude = abs(seconds)
+    if magnitude < 1e-3:
+        return f"{significant(seconds * 1e6)} us"
+    if magnitude < 1:
+        return f"{significant(seconds * 1e3)} ms"
+    if magnitude < 600:
+        return f"{significant(seconds)} s"
+    if magnitude < 3 * 3600:
+        return f"{significant(seconds / 60)} min"
+    return f"{significant(seconds / 3600)} h"
+
+
+_SCALED = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def _scaled(value: float, unit: str, separator: str = " ") -> str:
+    for scale, prefix in _SCALED:
+        if abs(value) >= scale:
+            return f"{significant(value / scale)}{separator}{prefix}{unit}"
+    return f"{significant(value)}{separator}{unit}".rstrip()
+
+
+def format_value(value: float | None, unit: str) -> str:
+    """One metric value with its unit, as the report shows it; "-" for None."""
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return str(value)
+    if unit == "bytes":
+        return memory(value)
+    if unit == "tokens/s":
+        return tokens_per_s(value)
+    if unit == "TFLOP/s":
+        return tflops(value)
+    if unit == "s":
+        return duration(value)
+    if unit == "ratio":
+        return percent(value)
+    if unit == "params":
+        for scale, word in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+            if abs(value) >= scale:
+                return f"{value / scale:,.2f} {word} params"
+        return f"{value:,.0f} params"
+    if unit == "FLOP":
+        return _scaled(value, "FLOP")
+    if unit == "tokens":
+        return f"{value:,.0f} tokens" if value == int(value) else f"{significant(value)} tokens"
+    if unit in ("count", ""):
+        return f"{value:,.0f}" if value == int(value) else significant(value)
+    return f"{significant(value, 4)} {unit}"
+
+
+@dataclass(frozen=True)
+class AxisScale:
+    """How a chart axis shows values of one unit."""
+
+    factor: float
+    """Values are divided by this before they are drawn."""
+    label: str
+    """The unit on the axis title (``GiB``, ``tokens/s``, ``ms``, ``%``)."""
+    tickformat: str
+    """A d3 format for the tick labels (``,.0f``: thousands separated)."""
+
+
+def axis_scale(unit: str, values: Iterable[float]) -> AxisScale:
+    """The axis for ``values`` of ``unit``: bytes in GiB (MiB when all are below 1 GiB), seconds in ms
+    when all are below a second, ratios in percent, tokens/s with thousands separators."""
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
+    top = max(finite, default=0.0)
+    if unit == "bytes":
+        return AxisScale(GIB, "GiB", ",.2f") if top >= GIB else AxisScale(MIB, "MiB", ",.1f")
+    if unit == "s":
+        return AxisScale(1.0, "s", ",.3~g") if top >= 1 else AxisScale(1e-3, "ms", ",.3~g")
+    if unit == "ratio":
+        return AxisScale(0.01, "%", ",.1f")
+    if unit in ("tokens/s", "tokens"):
+        return AxisScale(1.0, unit, ",.0f" if top >= 100 else ",.1f")
+    if unit == "params":
+        return AxisScale(1e9, "B params", ",.2f") if top >= 1e9 else AxisScale(1e6, "M params", ",.1f")
+    if unit == "FLOP":
+        return AxisScale(1e9, "GFLOP", ",.3~g")
+    return AxisScale(1.0, unit, ",.3~g")
