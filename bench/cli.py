@@ -85,8 +85,8 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         print_comparisons(outcomes, comparisons)
     failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
     print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
-    if getattr(args, "plots", False):
-        _plot_after_run(Path(args.out))
+    if getattr(args, "report", False):
+        _report_after_run(Path(args.out))
     return EXIT_FAILED if failed else EXIT_OK
 
 
@@ -124,19 +124,19 @@ def _unwritable(out_root: Path) -> str | None:
     )
 
 
-def _plot_after_run(out_root: Path) -> None:
-    """Redraw the plots of everything under the results root; a plotting problem never hides results.
+def _report_after_run(out_root: Path) -> None:
+    """Rewrite the report page of everything under the results root; a report problem never hides results.
 
     A result file there that cannot be read (an old, truncated one) is skipped with a warning.
     """
-    from bench.report.plot import plot_results
+    from bench.report.page import build_report
 
     try:
-        plot_results(out_root, out_root / "plots",
-                     on_bad_file=lambda err: print(f"moe-bench: warning: {err}; skipped", file=sys.stderr))
-        print(f"plots: {out_root / 'plots' / 'index.html'}")
+        report = build_report(out_root, out_root / "report",
+                              on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr))
+        print(f"report: {report.path}")
     except Exception as err:  # the results are written; report and go on
-        print(f"moe-bench: warning: plotting failed: {err}", file=sys.stderr)
+        print(f"moe-bench: warning: the report page failed: {err}", file=sys.stderr)
 
 
 def print_summary(outcomes) -> None:
@@ -533,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--suite", help="a suite from scenarios/suites.yaml (default, ci, gpu)")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument("--out", default="results", help="results root (default: results)")
-    run.add_argument("--no-plots", dest="plots", action="store_false", help="skip redrawing <out>/plots")
+    # --no-plots: the flag's name before the report page replaced the plots (older releases' A/B runs pass it).
+    run.add_argument("--no-report", "--no-plots", dest="report", action="store_false",
+                     help="skip rewriting the report page <out>/report/index.html")
     run.add_argument("--force", action="store_true",
                      help="start execute scenarios whose plan needs more memory than the device has (default: "
                           "recorded oom without starting)")
@@ -550,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "whether it fits the cluster's GPUs")
     plan.add_argument("files", nargs="+", help="scenario files or folders (plan, proxy or execute)")
     plan.add_argument("--out", default="results", help="results root (default: results)")
-    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", plots=False), plan_only=True))
+    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", report=False), plan_only=True))
 
     accept_work_help = ("accept an increase of these work counters (comma-separated work_* names; none given: "
                         "every one): reported as accepted, not failed")

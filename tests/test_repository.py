@@ -13,7 +13,7 @@ from bench.results import REPO_ROOT
 
 # Written by commands on every run: committing them freezes one run's output next to code that has
 # moved on (results under results/<version>/ are measurements and are committed on purpose).
-GENERATED = ["moe-bench-export*", "results/plots/*", "bench/engine.json", "gpu-check-out/*", "*.egg-info/*"]
+GENERATED = ["moe-bench-export*", "results/plots/*", "results/report/*", "bench/engine.json", "gpu-check-out/*", "*.egg-info/*"]
 
 
 def tracked_files() -> list[str]:

@@ -6,7 +6,8 @@ unreachable engine or a missing image is bad input: nothing runs, nothing is wri
 requested when the host has them. Each image writes under ``<out>/<its version>/<machine>/`` as a
 local run would; the table compares every later image with the first (``bench.gate.compare`` verdicts,
 so a single-sample metric such as peak memory is compared as an exact value) and is written to
-``<out>/plots/versions.md``, next to the plots of every version under ``<out>``. A result file that
+``<out>/report/versions.md``, next to the report page of every version under ``<out>``
+(``bench.report.page``). A result file that
 cannot be read back is reported (one line naming it) and left out: its scenario shows as missing.
 """
 
@@ -141,8 +142,8 @@ def _first_line(err: BaseException) -> str:
 
 def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
                  log: Callable[[str], None] = print) -> tuple[int, str]:
-    """Check, run every image, compare, plot. Returns (exit code, the table). Raises VersionsError first."""
-    from bench.report.plot import plot_results
+    """Check, run every image, compare, write the report. Returns (exit code, the table). Raises VersionsError first."""
+    from bench.report.page import build_report
 
     if len(images) < 2:
         raise VersionsError("give at least two images to compare")
@@ -159,7 +160,7 @@ def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
 
     reported: set[Path] = set()
 
-    def skip(err: ResultFileError) -> None:  # once per file: the plots read the same files again
+    def skip(err: ResultFileError) -> None:
         if err.path not in reported:
             reported.add(err.path)
             log(f"versions: warning: {err}; skipped")
@@ -179,8 +180,7 @@ def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
             failed.append(image)
             log(f"versions: {image} exited with code {code}")
     table = compare_versions(docs_by_image)
-    plots = out / "plots"
-    plot_results(out, plots, on_bad_file=skip)
-    (plots / "versions.md").write_text(table)
-    log(f"versions: table {plots / 'versions.md'}, plots {plots / 'index.html'}")
+    report = build_report(out, out / "report", on_warning=lambda text: log(f"versions: warning: {text}"))
+    (out / "report" / "versions.md").write_text(table)
+    log(f"versions: table {out / 'report' / 'versions.md'}, report {report.path}")
     return (1 if failed else 0), table

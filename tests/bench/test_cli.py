@@ -115,7 +115,7 @@ def test_plot_skips_a_bad_result_file(sides, bad_file, tmp_path, capsys):
     assert str(path) in (tmp_path / "plots" / "index.html").read_text()
 
 
-def test_run_redraws_the_plots_past_a_bad_old_result_file(tmp_path, capsys):
+def test_run_rewrites_the_report_past_a_bad_old_result_file(tmp_path, capsys):
     from bench.scenario import SCENARIOS_DIR
 
     out = tmp_path / "results"
@@ -124,11 +124,23 @@ def test_run_redraws_the_plots_past_a_bad_old_result_file(tmp_path, capsys):
     old.write_text(TRUNCATED)
     assert main(["run", str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"), "--device", "cpu",
                  "--out", str(out)]) == 0
-    err = capsys.readouterr().err
-    assert f"moe-bench: warning: {old}: {BAD_FILES['truncated']}; skipped" in err.splitlines()
-    assert "Traceback" not in err and "plotting failed" not in err
-    index = (out / "plots" / "index.html").read_text()
-    assert "moe-8e-4.6b" in index and str(old) in index
+    captured = capsys.readouterr()
+    assert f"moe-bench: warning: {old}: {BAD_FILES['truncated']}; skipped" in captured.err.splitlines()
+    assert "Traceback" not in captured.err and "report page failed" not in captured.err
+    page = (out / "report" / "index.html").read_text()
+    assert "moe-8e-4.6b" in page and str(old) in page
+    assert f"report: {out / 'report' / 'index.html'}" in captured.out.splitlines()
+    assert not (out / "plots").exists()
+
+
+def test_no_report_and_its_old_name_skip_the_page(tmp_path):
+    from bench.scenario import SCENARIOS_DIR
+
+    for flag in ("--no-report", "--no-plots"):
+        out = tmp_path / flag
+        assert main(["run", str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"), "--device", "cpu",
+                     "--out", str(out), flag]) == 0
+        assert not (out / "report").exists()
 
 
 @pytest.mark.parametrize("command", ["gate", "compare", "export"])
