@@ -119,8 +119,9 @@ def check(
 ) -> dict[str, Any]:
     """``runs`` real runs of each scenario, each against its proxies' projection (with the rank skew its
     own step-time spread implies) and, given a ``profile``, against the op-level projection on it.
-    ``warmup_steps`` replaces the scenarios' own (a fresh process's first steps run slower while its
-    allocator and page mappings warm up; a profile prices the steady state)."""
+    ``warmup_steps`` replaces the scenarios' own (a fresh process's first steps run slower: on a CPU
+    each new GEMM shape builds a kernel, and random routes keep giving experts new row counts for
+    tens of steps, ``bench.validate.cpu_warmup``; a profile prices the steady state)."""
     if warmup_steps is not None:
         scenarios = [with_warmup(s, warmup_steps) for s in scenarios]
     worlds = sorted({s.world_size for s in scenarios})
