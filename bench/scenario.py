@@ -227,9 +227,13 @@ def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
     except ValueError as err:
         field, _, reason = str(err).partition(": ")
         raise ScenarioError(file, field, reason) from None
-    if spec["proxy"]["cpu_scale"].get("blocks") and spec["model"].get("n_dense_layers", 0):
-        # Fewer blocks would move the boundary between the dense and the MoE blocks.
-        raise ScenarioError(file, "proxy.cpu_scale.blocks", "scaling the blocks needs a model without dense layers")
+    model = spec["model"]
+    if spec["proxy"]["cpu_scale"].get("blocks") and (model.get("n_dense_layers", 0) or model.get("moe_every", 1) > 1):
+        # Fewer blocks would move the boundary between the dense and the MoE blocks, or their pattern.
+        raise ScenarioError(
+            file, "proxy.cpu_scale.blocks", "scaling the blocks needs a model without dense layers (n_dense_layers 0, "
+            "moe_every 1)",
+        )
 
 
 def _apply_device(cluster: dict[str, Any], file) -> None:

@@ -2,7 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
+from moe_engine.config import ExpertBackendKind, MLAConfig, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
 
 try:
     __version__ = version("moe-engine")
@@ -23,6 +23,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ExpertBackendKind",
+    "MLAConfig",
     "ModelConfig",
     "MoEConfig",
     "Precision",

@@ -162,6 +162,12 @@ class MoEConfig:
     """Weight of the router z-loss mean_t logsumexp(logits_t)^2."""
     expert_bias_rate: float = 0.0
     """Update rate of the aux-loss-free expert bias (selection only); 0 disables it."""
+    n_groups: int = 1
+    """Groups the experts are split into for group-limited routing (contiguous blocks of E / n_groups)."""
+    top_groups: int | None = None
+    """Groups a token's experts may come from under learned routing (None: every group, no limit)."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' combine weights, after any top-k renormalisation (DeepSeek-V3: 2.5)."""
     backend: ExpertBackendKind = ExpertBackendKind.TORCH
     """Grouped-GEMM implementation of the experts."""
 
@@ -187,6 +193,80 @@ class MoEConfig:
         for name in ("aux_loss_weight", "z_loss_weight", "expert_bias_rate"):
             value = getattr(self, name)
             _require(value >= 0, f"{prefix}.{name}", f"must be >= 0, got {value}")
+        _require(
+            self.routed_scaling_factor > 0,
+            f"{prefix}.routed_scaling_factor",
+            f"must be > 0, got {self.routed_scaling_factor}",
+        )
+        _require(self.n_groups >= 1, f"{prefix}.n_groups", f"must be >= 1, got {self.n_groups}")
+        _require(
+            self.num_experts % self.n_groups == 0,
+            f"{prefix}.n_groups",
+            f"{self.n_groups} groups do not divide {prefix}.num_experts={self.num_experts}",
+        )
+        if self.top_groups is not None:
+            _require(
+                1 <= self.top_groups <= self.n_groups,
+                f"{prefix}.top_groups",
+                f"must be between 1 and {prefix}.n_groups={self.n_groups}, got {self.top_groups}",
+            )
+        reachable = self.groups_per_token * (self.num_experts // self.n_groups)
+        _require(
+            self.top_k <= reachable,
+            f"{prefix}.top_k",
+            f"{self.top_k} exceeds the {reachable} experts of the {self.groups_per_token} chosen groups "
+            f"({prefix}.top_groups of {prefix}.n_groups={self.n_groups})",
+        )
+
+    @property
+    def groups_per_token(self) -> int:
+        """Groups learned routing picks a token's experts from (every group without a limit)."""
+        return self.n_groups if self.top_groups is None else self.top_groups
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether learned routing first chooses groups (fewer chosen than there are)."""
+        return self.groups_per_token < self.n_groups
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries, keys and values up-projected from low-rank
+    latents, with a RoPE key of its own shared by every head."""
+
+    kv_lora_rank: int = 64
+    """Width of the key-value latent (what an inference cache would hold per token, with the RoPE key)."""
+    q_lora_rank: int | None = None
+    """Width of the query latent; None projects queries straight from the model width (DeepSeek-V2-Lite)."""
+    qk_nope_head_dim: int = 32
+    """Per-head query/key dimensions without RoPE (up-projected from the key-value latent)."""
+    qk_rope_head_dim: int = 16
+    """Per-head query/key dimensions with RoPE; the key's are one vector shared by every head (even)."""
+    v_head_dim: int = 32
+    """Per-head value dimension (the output projection reads n_heads * v_head_dim)."""
+
+    def __post_init__(self) -> None:
+        self.validate("mla")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Query/key dimension of a head: the no-RoPE and RoPE parts together."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self, prefix: str = "mla") -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{prefix}.{name}", f"must be >= 1, got {value}")
+        _require(
+            self.q_lora_rank is None or self.q_lora_rank >= 1,
+            f"{prefix}.q_lora_rank",
+            f"must be >= 1 (or null: no query latent), got {self.q_lora_rank}",
+        )
+        _require(
+            self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0,
+            f"{prefix}.qk_rope_head_dim",
+            f"must be even and >= 2 for RoPE (it rotates pairs of dimensions), got {self.qk_rope_head_dim}",
+        )
 
 
 @dataclass
@@ -205,12 +285,22 @@ class ModelConfig:
     """Attention key/value heads (grouped-query attention when fewer than n_heads)."""
     seq_len: int = 128
     """Maximum sequence length (RoPE tables are built for it)."""
+    head_dim: int | None = None
+    """Query/key/value width of each attention head; None: d_model / n_heads (unused, and must stay None, with mla)."""
     n_dense_layers: int = 0
     """Leading blocks whose feed-forward is a dense SwiGLU instead of an MoE layer."""
+    moe_every: int = 1
+    """After the leading dense blocks, every moe_every-th block is an MoE block, the others dense (1: all MoE)."""
     dense_hidden: int = 0
-    """Hidden size of the dense SwiGLU in the leading dense layers (required when there are any)."""
+    """Hidden size of the dense SwiGLU of every dense block (required when there are any)."""
+    tie_embeddings: bool = False
+    """The LM head multiplies by the input embedding's weight (one V x D matrix) instead of its own."""
+    mla: MLAConfig | None = None
+    """Multi-head latent attention in every block instead of grouped-query attention (None: GQA)."""
     qk_norm: bool = False
     """RMSNorm over the full query and key projections before RoPE (as OLMoE does)."""
+    qk_norm_per_head: bool = False
+    """With qk_norm: normalise each head's query and key instead (one weight of head_dim each, as Qwen3 does)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     norm_eps: float = 1e-5
@@ -226,40 +316,82 @@ class ModelConfig:
         _coerce_enums(self, "")
         if isinstance(self.moe, Mapping):
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, Mapping):
+            self.mla = MLAConfig(**self.mla)
+        if self.head_dim is None and self.mla is None and self.n_heads >= 1:
+            # Resolved here, so that every reader sees the width the model is built with (and a
+            # ``dataclasses.replace`` of d_model or n_heads keeps it: pass head_dim=None as well).
+            _require(
+                self.d_model % self.n_heads == 0,
+                "d_model",
+                f"{self.d_model} is not divisible by n_heads={self.n_heads} (or set head_dim)",
+            )
+            self.head_dim = self.d_model // self.n_heads
         self.validate()
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block ``layer_idx`` has an MoE feed-forward (else a dense SwiGLU of dense_hidden)."""
+        after_dense = layer_idx - self.n_dense_layers
+        return after_dense >= 0 and (after_dense + 1) % self.moe_every == 0
+
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.n_dense_layers
+        return len(self.moe_layer_indices)
+
+    @property
+    def n_dense_ffn_layers(self) -> int:
+        """Blocks with a dense SwiGLU: the leading ones and the dense blocks between MoE blocks."""
+        return self.n_layers - self.n_moe_layers
 
     def validate(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len"):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "seq_len", "moe_every"):
             value = getattr(self, name)
             _require(value >= 1, name, f"must be >= 1, got {value}")
-        _require(
-            self.d_model % self.n_heads == 0,
-            "d_model",
-            f"{self.d_model} is not divisible by n_heads={self.n_heads}",
-        )
-        _require(self.head_dim % 2 == 0, "n_heads", f"head_dim d_model/n_heads={self.head_dim} must be even for RoPE")
-        _require(
-            self.n_heads % self.n_kv_heads == 0,
-            "n_kv_heads",
-            f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}",
-        )
+        if self.mla is None:
+            _require(self.head_dim >= 2, "head_dim", f"must be >= 2, got {self.head_dim}")
+            _require(self.head_dim % 2 == 0, "head_dim", f"{self.head_dim} must be even for RoPE")
+            _require(
+                self.n_heads % self.n_kv_heads == 0,
+                "n_kv_heads",
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}",
+            )
+        else:
+            self.mla.validate("mla")
+            _require(
+                self.head_dim is None,
+                "head_dim",
+                f"multi-head latent attention sets its own head widths (mla.*_head_dim); leave it unset, got {self.head_dim}",
+            )
+            _require(
+                self.n_kv_heads == self.n_heads,
+                "n_kv_heads",
+                f"multi-head latent attention up-projects keys and values for every head: needs n_kv_heads = "
+                f"n_heads={self.n_heads}, got {self.n_kv_heads}",
+            )
+            _require(not self.qk_norm, "qk_norm", "multi-head latent attention normalises its latents (mla) instead")
+        _require(not self.qk_norm_per_head or self.qk_norm, "qk_norm_per_head", "needs qk_norm: true")
         _require(
             0 <= self.n_dense_layers <= self.n_layers,
             "n_dense_layers",
             f"must be between 0 and n_layers={self.n_layers}, got {self.n_dense_layers}",
         )
+        after_dense = self.n_layers - self.n_dense_layers
         _require(
-            self.n_dense_layers == 0 or self.dense_hidden >= 1,
+            self.moe_every == 1 or self.moe_every <= after_dense,
+            "moe_every",
+            f"{self.moe_every} exceeds the {after_dense} blocks after the n_dense_layers={self.n_dense_layers} "
+            "leading dense ones (no block would be MoE)",
+        )
+        dense = self.n_dense_ffn_layers
+        _require(
+            dense == 0 or self.dense_hidden >= 1,
             "dense_hidden",
-            f"must be >= 1 when n_dense_layers={self.n_dense_layers}, got {self.dense_hidden}",
+            f"must be >= 1 when the model has dense blocks (n_dense_layers={self.n_dense_layers}, "
+            f"moe_every={self.moe_every}: {dense}), got {self.dense_hidden}",
         )
         _require(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
         _require(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
@@ -273,9 +405,13 @@ class ModelConfig:
         """Build from plain data (a scenario file); unknown keys are an error, not ignored."""
         data = dict(data)
         moe = data.pop("moe", {})
+        mla = data.pop("mla", None)
         _reject_unknown(cls, data, "")
         _reject_unknown(MoEConfig, moe, "moe.")
-        return cls(**data, moe=MoEConfig(**moe))
+        if mla is not None:
+            _reject_unknown(MLAConfig, mla, "mla.")
+            mla = MLAConfig(**mla)
+        return cls(**data, moe=MoEConfig(**moe), mla=mla)
 
 
 @dataclass
@@ -419,6 +555,14 @@ class ParallelConfig:
             "parallel.pp",
             f"pp * virtual_stages = {self.num_stages} exceeds model.n_layers={model.n_layers}",
         )
+        # The embedding sits on the first pipeline rank and the LM head on the last: one shared weight
+        # would need its gradients summed across them, which the pipeline does not do.
+        _require(
+            not model.tie_embeddings or self.pp == 1,
+            "model.tie_embeddings",
+            f"tied embeddings need the embedding and the LM head on one pipeline rank; pp={self.pp} puts them on "
+            f"ranks 0 and {self.pp - 1} (untie them or use pp=1)",
+        )
 
     def validate_batch(self, sequences: int, field: str = "sequences") -> None:
         """A step of ``sequences`` sequences splits over dp, and each rank's share into equal microbatches
@@ -513,7 +657,7 @@ def _reject_unknown(cls, data: Mapping[str, Any], prefix: str) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in known:
-            raise ValueError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(known - {'moe'}))})")
+            raise ValueError(f"{prefix}{key}: unknown field (known: {', '.join(sorted(known - {'moe', 'mla'}))})")
 
 
 def _coerce_enums(obj, prefix: str) -> None:

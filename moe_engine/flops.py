@@ -5,40 +5,57 @@ too large to instantiate (a trillion-parameter model costs microseconds here). I
 one implementation of the FLOPs formula; MFU, throughput reports and benchmarks call
 ``training_flops_per_token`` rather than restating it.
 
-Notation: D = d_model, V = vocab_size, L = n_layers, L_dense = n_dense_layers,
-L_moe = L - L_dense, q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim,
+Notation: D = d_model, V = vocab_size, L = n_layers, L_moe = the MoE blocks (``is_moe_layer``: after
+the n_dense_layers leading dense blocks, every moe_every-th), L_dense = L - L_moe (every dense block,
+leading or interleaved), H = n_heads, q_dim = H * head_dim, kv_dim = n_kv_heads * head_dim,
 F_dense = dense_hidden, E = moe.num_experts, k = moe.top_k, F = moe.expert_hidden,
-F_shared = moe.shared_expert_hidden, S = seq_len.
+F_shared = moe.shared_expert_hidden, S = seq_len. With multi-head latent attention (``mla``):
+Q = q_lora_rank, C = kv_lora_rank, n = qk_nope_head_dim, r = qk_rope_head_dim, v = v_head_dim.
 
 Training FLOPs per token follow Megatron-LM's ``num_floating_point_operations`` convention (model
 FLOPs: activation recomputation is not counted, so MFU stays comparable across recompute
 settings)::
 
-    N_matmul = L * (2 * D * q_dim + 2 * D * kv_dim)      # q, o and k, v projections
+    N_matmul = L * N_attn                                 # attention projections (below)
              + L_dense * 3 * D * F_dense                  # dense SwiGLU (gate, up, down)
              + L_moe * k * 3 * D * F                      # the k routed experts a token visits
              + L_moe * 3 * D * F_shared                   # shared expert (0 when absent)
-             + D * V                                      # LM head (untied)
+             + D * V                                      # LM head (tied or not: the matmul runs)
 
-    training_flops_per_token = 6 * N_matmul
-                             + L * 6 * 2 * S * q_dim * 0.5
+    training_flops_per_token = 6 * N_matmul + L * 6 * S * A_core / 2
+
+    grouped-query attention:
+        N_attn = 2 * D * q_dim + 2 * D * kv_dim           # q, o and k, v projections
+        A_core = 2 * q_dim                                # QK^T and AV over q_dim each
+    multi-head latent attention (the MLA branch of Megatron's formula):
+        N_attn = Q * (D + H * (n + r) + 1)                # q_a, q_b, and the query latent's norm
+                 (D * H * (n + r) without a query latent) # q_proj
+               + C * (D + H * (n + v) + 1)                # kv_a's latent part, kv_b, the latent's norm
+               + D * r                                    # kv_a's shared RoPE key
+               + H * v * D                                # o_proj
+        A_core = H * (n + r) + H * v                      # QK^T over n + r, AV over v
+
+The "+ 1" terms are Megatron's: each latent's RMSNorm counted as one multiply-add per element (the
+only norms this convention counts). The engine runs MLA's AV over the query/key width n + r, to which
+it pads the values for the fused attention kernels (``moe_engine.modules.mla``); the formula keeps
+Megatron's v, so that work is outside it.
 
 The factor 6 is 2 FLOPs per multiply-add times 3 for forward plus backward (the backward pass
 computes gradients for both inputs and weights, twice the forward). The attention term counts the
-two sequence-mixing matmuls, QK^T and AV: each costs 2 * S * q_dim FLOPs per token in the forward
+two sequence-mixing matmuls, QK^T and AV: together 2 * S * A_core FLOPs per token in the forward
 pass (every query head meets S keys; grouped-query attention shares k/v but not this work), the
 causal mask halves it on average (0.5), and x3 again for forward plus backward.
 
 Excluded, as in Megatron-LM: the router (2 * D * E per token and MoE layer, small next to the
-experts), RMSNorm, RoPE, softmax, SwiGLU activations and other elementwise work, and the embedding
-lookup (a gather, no matmul).
+experts), RMSNorm (but MLA's latent norms, above), RoPE, softmax, SwiGLU activations and other
+elementwise work, and the embedding lookup (a gather, no matmul).
 
 Recompute FLOPs per token (``recompute_flops_per_token``): what activation recompute
 (``RecomputeConfig``, ``moe_engine.recompute``) runs again in backward, by the same convention
 (router, norms and elementwise work left out). A recomputed piece runs its forward again, a third
 of its training FLOPs::
 
-    attention forward (one block)  = 2 * (2 * D * q_dim + 2 * D * kv_dim) + 2 * S * q_dim
+    attention forward (one block)  = 2 * N_attn + S * A_core
     routed experts forward (MoE)   = 2 * k * 3 * D * F
     block forward, dense           = attention forward + 2 * 3 * D * F_dense
     block forward, MoE             = attention forward + 2 * (k * 3 * D * F + 3 * D * F_shared)
@@ -54,7 +71,8 @@ recomputed block::
                                                                without one the block ends with the
                                                                combine, an autograd Function that
                                                                saves after it runs: nothing is left out)
-    selective attention:  attention forward - 2 * D * q_dim   (the output projection)
+    selective attention:  attention forward - 2 * D * o_dim   (the output projection; o_dim = q_dim,
+                                                               or H * v with mla)
     selective experts:    routed experts forward, MoE blocks only (their autograd Function saves
                           after both GEMMs)
     selective norms:      0 (elementwise)
@@ -107,13 +125,13 @@ class ParameterCounts:
     embedding: int
     """Input embedding V * D (counted in total and active, though its lookup costs no FLOPs)."""
     lm_head: int
-    """Untied output projection D * V."""
+    """Output projection D * V; 0 with tied embeddings (the one matrix is counted under embedding)."""
     attention: int
-    """q, k, v and o projections of all layers (GQA shrinks k and v to kv_dim)."""
+    """Attention projections of all layers: q, k, v, o (GQA shrinks k and v to kv_dim), or MLA's."""
     norms: int
-    """Every RMSNorm weight: two per block, q_norm and k_norm when qk_norm, and the final norm."""
+    """Every RMSNorm weight: two per block, q_norm and k_norm when qk_norm (head_dim each per head), MLA's latent norms, the final norm."""
     dense_ffn: int
-    """SwiGLU weights of the leading dense layers."""
+    """SwiGLU weights of every dense block (the leading ones and those between MoE blocks)."""
     router: int
     """Router weights E * D of all MoE layers (kept in fp32 whatever the model's precision)."""
     shared_expert: int
@@ -135,10 +153,48 @@ def _swiglu_params(d_model: int, hidden: int) -> int:
 
 
 def _attention_projection_params(config: ModelConfig) -> int:
-    """Per-layer q, k, v, o weights; the matmul parameters of attention."""
-    q_dim = config.n_heads * config.head_dim
-    kv_dim = config.n_kv_heads * config.head_dim
-    return 2 * config.d_model * q_dim + 2 * config.d_model * kv_dim
+    """Per-layer attention weights (q, k, v, o, or MLA's projections); the matmul parameters of attention."""
+    d, heads, mla = config.d_model, config.n_heads, config.mla
+    if mla is None:
+        q_dim = heads * config.head_dim
+        kv_dim = config.n_kv_heads * config.head_dim
+        return 2 * d * q_dim + 2 * d * kv_dim
+    q_out = heads * mla.qk_head_dim
+    q = d * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (d + q_out)
+    kv = d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    return q + kv + heads * mla.v_head_dim * d
+
+
+def _attention_flop_params(config: ModelConfig) -> int:
+    """N_attn of the module docstring: the projections plus, with MLA, Megatron's one multiply-add per
+    element of each latent norm."""
+    mla = config.mla
+    latent_norms = 0
+    return _attention_projection_params(config) + latent_norms
+
+
+def _attention_norm_params(config: ModelConfig) -> int:
+    """Per-layer norm weights inside attention: q_norm and k_norm (qk_norm), or MLA's latent norms."""
+    mla = config.mla
+    if mla is not None:
+        return mla.kv_lora_rank + (mla.q_lora_rank or 0)
+    if config.qk_norm:
+        return 2 * config.head_dim if config.qk_norm_per_head else (config.n_heads + config.n_kv_heads) * config.head_dim
+    return 0
+
+
+def _attention_core_width(config: ModelConfig) -> int:
+    """A_core of the module docstring: the widths QK^T and AV contract over, summed over the heads."""
+    mla = config.mla
+    if mla is None:
+        return 2 * config.n_heads * config.head_dim
+    return config.n_heads * (mla.qk_head_dim + mla.v_head_dim)
+
+
+def _output_projection_params(config: ModelConfig) -> int:
+    """o_proj's weights: the attention's last GEMM."""
+    v_dim = config.head_dim if config.mla is None else config.mla.v_head_dim
+    return config.d_model * config.n_heads * v_dim
 
 
 def _moe_matmul_params_per_token(d_model: int, moe: MoEConfig) -> int:
@@ -163,16 +219,14 @@ def parameter_counts(config: ModelConfig) -> ParameterCounts:
     """
     d = config.d_model
     moe = config.moe
-    q_dim = config.n_heads * config.head_dim
-    kv_dim = config.n_kv_heads * config.head_dim
     n_moe = config.n_moe_layers
 
     embedding = config.vocab_size * d
-    lm_head = d * config.vocab_size
+    lm_head = 0 if config.tie_embeddings else d * config.vocab_size
     attention = config.n_layers * _attention_projection_params(config)
-    per_block_norms = 2 * d + ((q_dim + kv_dim) if config.qk_norm else 0)
+    per_block_norms = 2 * d + _attention_norm_params(config)
     norms = config.n_layers * per_block_norms + d
-    dense_ffn = config.n_dense_layers * _swiglu_params(d, config.dense_hidden)
+    dense_ffn = config.n_dense_ffn_layers * _swiglu_params(d, config.dense_hidden)
     router = n_moe * moe.num_experts * d
     shared_expert = n_moe * _swiglu_params(d, moe.shared_expert_hidden)
     per_expert = _swiglu_params(d, moe.expert_hidden)
@@ -200,28 +254,27 @@ def training_flops_per_token(config: ModelConfig, seq_len: int | None = None) ->
     ``seq_len`` defaults to ``config.seq_len``; pass the length actually trained on when it differs,
     since the attention term grows with it. The formula, with the notation of the module docstring::
 
-        6 * (  L * (2 * D * q_dim + 2 * D * kv_dim)
+        6 * (  L * N_attn
              + L_dense * 3 * D * F_dense
              + L_moe * (k * 3 * D * F + 3 * D * F_shared)
              + D * V )
-        + L * 6 * 2 * S * q_dim * 0.5
+        + L * 6 * S * A_core / 2
 
     The router, norms, embedding lookup and elementwise ops are left out (see the module docstring).
     """
     s = _seq_len(config, seq_len)
     d = config.d_model
     moe = config.moe
-    q_dim = config.n_heads * config.head_dim
 
     matmul_params_per_token = (
-        config.n_layers * _attention_projection_params(config)
-        + config.n_dense_layers * _swiglu_params(d, config.dense_hidden)
+        config.n_layers * _attention_flop_params(config)
+        + config.n_dense_ffn_layers * _swiglu_params(d, config.dense_hidden)
         + config.n_moe_layers * _moe_matmul_params_per_token(d, moe)
         + d * config.vocab_size
     )
-    # QK^T and AV: 2 matmuls x 2 FLOPs per multiply-add x S keys x q_dim, halved by the causal mask,
-    # x3 for forward + backward. Kept as 6 * S * q_dim (exact integer) before the float conversion.
-    attention_scores = config.n_layers * 6 * s * q_dim
+    # QK^T and AV: 2 FLOPs per multiply-add x S keys x A_core, halved by the causal mask, x3 for
+    # forward + backward. Kept as 3 * S * A_core (exact integer) before the float conversion.
+    attention_scores = config.n_layers * 3 * s * _attention_core_width(config)
     return float(_TRAINING_FLOPS_PER_MATMUL_PARAM * matmul_params_per_token + attention_scores)
 
 
@@ -231,14 +284,13 @@ def forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> 
 
 
 def attention_forward_flops_per_token(config: ModelConfig, seq_len: int | None = None) -> int:
-    """Forward FLOPs per token of one block's attention: 2 * (2*D*q_dim + 2*D*kv_dim) + 2 * S * q_dim.
+    """Forward FLOPs per token of one block's attention: 2 * N_attn + S * A_core.
 
-    The projections, and QK^T plus AV over the causal half of the S keys (2 matmuls x 2 FLOPs x
-    S * q_dim x 0.5): a third of the attention's share of ``training_flops_per_token``.
+    The projections, and QK^T plus AV over the causal half of the S keys (2 FLOPs x S * A_core x
+    0.5): a third of the attention's share of ``training_flops_per_token``.
     """
     s = _seq_len(config, seq_len)
-    q_dim = config.n_heads * config.head_dim
-    return _FORWARD_FLOPS_PER_MATMUL_PARAM * _attention_projection_params(config) + 2 * s * q_dim
+    return _FORWARD_FLOPS_PER_MATMUL_PARAM * _attention_flop_params(config) + s * _attention_core_width(config)
 
 
 def routed_experts_forward_flops_per_token(config: ModelConfig) -> int:
@@ -253,10 +305,10 @@ def block_forward_flops_per_token(config: ModelConfig, layer_idx: int, seq_len: 
     if not 0 <= layer_idx < config.n_layers:
         raise ValueError(f"layer_idx: {layer_idx} is outside the model's {config.n_layers} blocks")
     d = config.d_model
-    if layer_idx < config.n_dense_layers:
-        ffn = _swiglu_params(d, config.dense_hidden)
-    else:
+    if config.is_moe_layer(layer_idx):
         ffn = _moe_matmul_params_per_token(d, config.moe)
+    else:
+        ffn = _swiglu_params(d, config.dense_hidden)
     return attention_forward_flops_per_token(config, seq_len) + _FORWARD_FLOPS_PER_MATMUL_PARAM * ffn
 
 
@@ -270,18 +322,18 @@ def recompute_flops_per_token(
     ``first_per_stage`` counts in, as the engine does. Reported apart from the model FLOPs: MFU never
     counts them.
     """
-    d, q_dim = config.d_model, config.n_heads * config.head_dim
+    d = config.d_model
     # The projection that ends a recomputed piece is not run again (checkpoint's early stop).
     last_down = {True: 2 * d * config.dense_hidden, False: 2 * d * config.moe.shared_expert_hidden}
     total = 0
     for i in recompute.blocks(list(stages)):
-        dense = i < config.n_dense_layers
+        dense = not config.is_moe_layer(i)
         if recompute.mode is RecomputeMode.FULL:
             total += block_forward_flops_per_token(config, i, seq_len) - last_down[dense]
             continue
         for part in recompute.parts:
             if part is RecomputePart.ATTENTION:
-                total += attention_forward_flops_per_token(config, seq_len) - 2 * d * q_dim
+                total += attention_forward_flops_per_token(config, seq_len) - 2 * _output_projection_params(config)
             elif part is RecomputePart.EXPERTS and not dense:
                 # Dense blocks have no routed experts (``moe_engine.recompute`` recomputes nothing there).
                 total += routed_experts_forward_flops_per_token(config)

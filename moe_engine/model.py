@@ -8,6 +8,7 @@ from torch import nn
 
 from moe_engine.config import ModelConfig, Precision
 from moe_engine.modules.attention import Attention
+from moe_engine.modules.mla import MultiHeadLatentAttention
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
@@ -20,12 +21,12 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config) if config.mla is None else MultiHeadLatentAttention(config)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
-        if layer_idx < config.n_dense_layers:
-            self.ffn = SwiGLU(config.d_model, config.dense_hidden)
-        else:
+        if config.is_moe_layer(layer_idx):
             self.ffn = MoELayer(config.d_model, config.moe, layer_idx)
+        else:
+            self.ffn = SwiGLU(config.d_model, config.dense_hidden)
 
     def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), rope)
@@ -33,21 +34,32 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    """Embedding, blocks, final norm and LM head. With ``tie_embeddings`` there is no ``lm_head``
+    module: the logits multiply by the embedding's weight, so the model holds (and a checkpoint
+    names) that one matrix once, as ``embed.weight``."""
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.rope = RotaryEmbedding(config.head_dim, config.seq_len, config.rope_theta)
+        rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_head_dim
+        self.rope = RotaryEmbedding(rope_dim, config.seq_len, config.rope_theta)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """Logits (B, S, V) in the model's compute dtype."""
         h_BSD = self.embed(tokens_BS)
         for block in self.blocks:
             h_BSD = block(h_BSD, self.rope)
-        return self.lm_head(self.norm(h_BSD))
+        return self.logits(self.norm(h_BSD))
+
+    def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
+        """The LM head on the final norm's output: its own weight, or the embedding's when tied."""
+        if self.lm_head is None:
+            return F.linear(h_BSD, self.embed.weight)
+        return self.lm_head(h_BSD)
 
     def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy in fp32. Router losses enter the gradient through the MoE layers."""

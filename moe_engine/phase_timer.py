@@ -271,14 +271,15 @@ class PhaseTimer:
 def instrument_model(timer: PhaseTimer, module: nn.Module) -> None:
     """Instrument an engine model (or any module containing engine blocks) by module type.
 
-    Block -> "block" (norms, residual adds), Attention -> "attention", Router -> "router",
-    GroupedExperts -> "experts", MoELayer -> "dispatch" (its exclusive remainder: permutation,
+    Block -> "block" (norms, residual adds), Attention and MultiHeadLatentAttention -> "attention",
+    Router -> "router", GroupedExperts -> "experts", MoELayer -> "dispatch" (its exclusive remainder: permutation,
     all-to-all, combine), an MoE layer's shared expert -> "shared_expert", a block's dense SwiGLU
     ``ffn`` -> "dense_ffn". Embedding, final norm and LM head are left to the caller's "other".
     """
     # Imported here so that the timer itself depends on torch only.
     from moe_engine.model import Block
     from moe_engine.modules.attention import Attention
+    from moe_engine.modules.mla import MultiHeadLatentAttention
     from moe_engine.modules.mlp import SwiGLU
     from moe_engine.moe.experts import GroupedExperts
     from moe_engine.moe.layer import MoELayer
@@ -289,7 +290,7 @@ def instrument_model(timer: PhaseTimer, module: nn.Module) -> None:
             timer.instrument(sub, "block")
             if isinstance(sub.ffn, SwiGLU):
                 timer.instrument(sub.ffn, "dense_ffn")
-        elif isinstance(sub, Attention):
+        elif isinstance(sub, (Attention, MultiHeadLatentAttention)):
             timer.instrument(sub, "attention")
         elif isinstance(sub, Router):
             timer.instrument(sub, "router")

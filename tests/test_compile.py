@@ -38,7 +38,7 @@ from torch._dynamo.utils import counters
 
 import moe_engine.compile as compile_module
 from moe_engine.compile import graph_breaks
-from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig, RecomputePart
+from moe_engine.config import MLAConfig, ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig, RecomputePart
 from moe_engine.host_sync import forbid_host_sync, profile_host_syncs
 from moe_engine.parallel.pipeline import cross_entropy
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
@@ -252,3 +252,20 @@ def test_expert_parallel_no_sync_compiled_matches_eager_without_host_syncs():
             assert len(variant["syncs"]) == GROUPED_MM_CALLS_PER_STEP * local_experts * CONFIG.n_moe_layers, label
         assert compiled["frames_after_profile"] == compiled["frames"][-1]
         _assert_breaks_as_documented(EP_ROW, compiled, compiled["breaks"])
+
+
+@pytest.mark.slow
+def test_compiled_mla_interleaved_tied_model_matches_eager():
+    """Multi-head latent attention (its padded SDPA included), a dense block next to an MoE block and
+    tied embeddings compile into the same regions, break only where the MoE blocks do, and train as
+    eager does."""
+    config = dataclasses.replace(
+        CONFIG, n_kv_heads=4, head_dim=None, moe_every=2, dense_hidden=40, tie_embeddings=True,
+        mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    )
+    eager = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=False)
+    compiled = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
+    _assert_close(compiled, eager, "fp32")
+    _, documented_sites = documented_breaks()["torch grouped-mm"]
+    assert [site for site, _ in graph_breaks()] == documented_sites
+    assert compiled["frames"] == [compiled["frames"][0]] * STEPS, "nothing compiled after the first step"

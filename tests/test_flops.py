@@ -308,3 +308,101 @@ def test_flops_module_loads_no_model():
     code = ("import sys, moe_engine.flops; "
             "assert 'torch' not in sys.modules and 'moe_engine.model' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- multi-head latent attention, interleaved MoE blocks, tied embeddings, head_dim ----------------
+
+
+def mla_config(q_lora_rank: int | None = 24) -> ModelConfig:
+    """MLA (D 32, H 4, Q 24 or none, C 16, n 8, r 4, v 6), two MoE blocks."""
+    return ModelConfig(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, seq_len=16, dtype="fp32",
+        mla=dict(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, backend="loop"),
+    )
+
+
+def interleaved_config() -> ModelConfig:
+    """5 blocks: one leading dense block, then MoE every 2nd (blocks 2 and 4); head_dim 12 with D 32 and
+    4 heads (not D / H); tied embeddings."""
+    return ModelConfig(
+        vocab_size=64, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=12, seq_len=16,
+        n_dense_layers=1, moe_every=2, dense_hidden=40, tie_embeddings=True, dtype="fp32",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, backend="loop"),
+    )
+
+
+def qk_norm_per_head_config() -> ModelConfig:
+    return dataclasses.replace(interleaved_config(), qk_norm=True, qk_norm_per_head=True)
+
+
+@pytest.mark.parametrize("make_config", [mla_config, lambda: mla_config(None), interleaved_config, qk_norm_per_head_config],
+                         ids=["mla", "mla-no-q-latent", "interleaved-tied", "qk-norm-per-head"])
+def test_new_features_total_matches_built_model(make_config):
+    config = make_config()
+    assert parameter_counts(config).total == built_numel(config)
+
+
+def test_per_head_qk_norm_counts_one_weight_of_head_dim_each():
+    # Two block norms of 32 and q_norm, k_norm of head_dim 12 each, in 5 blocks; the final norm.
+    assert parameter_counts(qk_norm_per_head_config()).norms == 5 * (64 + 2 * 12) + 32
+
+
+def test_mla_counts_and_flops_by_hand():
+    counts = parameter_counts(mla_config())
+    # Per block: q_a 32*24 + q_b 24*(4*12) + kv_a 32*(16+4) + kv_b 16*(4*(8+6)) + o (4*6)*32
+    #          = 768 + 1152 + 640 + 896 + 768 = 4224.
+    assert counts.attention == 2 * 4224
+    # Two block norms of 32, the query latent's 24 and the key-value latent's 16 per block; final 32.
+    assert counts.norms == 2 * (64 + 24 + 16) + 32 == 240
+    assert counts.total == 2048 + 2048 + 8448 + 240 + 2 * 4 * 32 + 2 * 4 * 3 * 32 * 16 == 25328
+    assert counts.active == 25328 - 2 * 2 * 3 * 32 * 16 == 19184
+    # Megatron's MLA terms: Q(D + H(n+r) + 1) + C(D + H(n+v) + 1) + D r + H v D
+    #   = 24*81 + 16*89 + 32*4 + 24*32 = 1944 + 1424 + 128 + 768 = 4264 (the latent norms' 40 on top).
+    # Core: 6 * S * (H(n+r)/2 + H v/2) = 6 * 16 * (24 + 12) = 3456 per block.
+    matmul = 2 * 4264 + 2 * 2 * 3 * 32 * 16 + 32 * 64  # 16720
+    assert training_flops_per_token(mla_config()) == 6 * matmul + 2 * 3456 == 107232
+    # Without the query latent: q_proj 32 * 48 = 1536 replaces Q's 1944 (and its norm).
+    no_q = mla_config(None)
+    assert parameter_counts(no_q).attention == 2 * (1536 + 640 + 896 + 768)
+    assert training_flops_per_token(no_q) == 6 * (2 * (1536 + 1424 + 128 + 768) + 6144 + 2048) + 2 * 3456
+    # Selective attention recompute: its forward, 2 * 4264 + S * 72, less o_proj's 2 * 768.
+    attention = RecomputeConfig(mode="selective", parts=["attention"])
+    assert recompute_flops_per_token(mla_config(), attention, [range(2)]) == 2 * (2 * 4264 + 16 * 72 - 2 * 768)
+
+
+def test_interleaved_tied_counts_and_flops_by_hand():
+    config = interleaved_config()
+    assert [config.is_moe_layer(i) for i in range(5)] == [False, False, True, False, True]
+    counts = parameter_counts(config)
+    assert counts.lm_head == 0  # tied: the one V x D matrix is the embedding's
+    assert counts.embedding == 64 * 32
+    # q_dim 4 * 12 = 48, kv_dim 2 * 12 = 24: 2*32*48 + 2*32*24 = 4608 per block.
+    assert counts.attention == 5 * 4608
+    assert counts.dense_ffn == 3 * 3 * 32 * 40  # blocks 0, 1 and 3
+    assert counts.experts == 2 * 4 * 3 * 32 * 16
+    assert counts.total == 2048 + 5 * 4608 + (5 * 64 + 32) + 11520 + 2 * 4 * 32 + 12288 == 49504
+    assert counts.active == 49504 - 2 * 2 * 3 * 32 * 16
+    # The LM head's matmul runs tied or not: D * V stays in the FLOPs.
+    matmul = 5 * 4608 + 3 * 3 * 32 * 40 + 2 * 2 * 3 * 32 * 16 + 32 * 64  # 42752
+    assert training_flops_per_token(config) == 6 * matmul + 5 * 6 * 16 * 48 == 279552
+    untied = dataclasses.replace(config, tie_embeddings=False)
+    assert training_flops_per_token(untied) == training_flops_per_token(config)
+    assert parameter_counts(untied).total - counts.total == 32 * 64
+    # Block forwards follow the pattern: dense blocks 0, 1, 3 and MoE blocks 2, 4.
+    dense_block = 2 * 4608 + 16 * 96 + 2 * 3 * 32 * 40
+    moe_block = 2 * 4608 + 16 * 96 + 2 * 2 * 3 * 32 * 16
+    assert [block_forward_flops_per_token(config, i) for i in range(5)] == [dense_block] * 2 + [moe_block, dense_block, moe_block]
+    # Full recompute of every block: the dense blocks leave out their down projection.
+    full = RecomputeConfig(mode="full")
+    assert recompute_flops_per_token(config, full, [range(5)]) == 3 * (dense_block - 2 * 32 * 40) + 2 * moe_block
+
+
+@pytest.mark.parametrize("make_config", [mla_config, interleaved_config])
+def test_new_features_partition_and_thirds(make_config):
+    config = make_config()
+    counts = parameter_counts(config)
+    parts = {f.name: getattr(counts, f.name) for f in dataclasses.fields(counts)}
+    assert parts.pop("total") == sum(v for k, v in parts.items() if k != "active")
+    blocks = sum(block_forward_flops_per_token(config, i) for i in range(config.n_layers))
+    assert 3 * (blocks + 2 * config.d_model * config.vocab_size) == training_flops_per_token(config)

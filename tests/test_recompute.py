@@ -92,6 +92,28 @@ def test_single_process_recompute_trains_like_no_recompute(mode, routing):
     _assert_same_training(got, reference)
 
 
+def _public_architecture_config() -> ModelConfig:
+    """MLA with a query latent, a leading dense block and MoE every second block after it, tied
+    embeddings, group-limited learned routing with the expert bias moving."""
+    return ModelConfig(
+        vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, seq_len=8, dtype="fp32",
+        n_dense_layers=1, moe_every=2, dense_hidden=40, tie_embeddings=True,
+        mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, shared_expert_hidden=8, score_func="sigmoid",
+                      n_groups=2, top_groups=1, routed_scaling_factor=2.5, expert_bias_rate=0.01),
+    )
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_recompute_of_mla_interleaved_tied_model_trains_like_no_recompute(mode):
+    config = _public_architecture_config()
+    parallel = ParallelConfig(microbatches=2)
+    reference = _train(config, parallel, RecomputeConfig())
+    got = _train(config, parallel, MODES[mode])
+    assert got["recomputed"], "the mode recomputes something"
+    _assert_same_training(got, reference)
+
+
 def _layer_statistics(recompute: RecomputeConfig) -> list[dict]:
     """The MoE layers' load counts and last-forward statistics after two microbatches' forward and backward."""
     model = build_rank_model(_config(), ParallelConfig(), None, torch.device("cpu"), SEED, recompute=recompute).model

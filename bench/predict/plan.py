@@ -56,11 +56,25 @@ Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * i
                                 consumer saves it.
     attention part of a block:  norm(D) + a * T * D (the norm's output, which q, k and v save)
                               + attn, attn = [norm(q) + norm(kv) with qk_norm] + a * T * (2q + 2kv) + 4 * T * H
+                                             [+ 4 * T * (H + n_kv_heads) with qk_norm_per_head: the
+                                              norms' statistics, one fp32 value per head and token]
         (q and k after RoPE, v and the attention output, kept by the kernel; o_proj's input is a view
          of that output, which the kernel lays out (B, S, H, d); fp32 log-sum-exp. RoPE keeps only
          its cos/sin tables)
+        with multi-head latent attention (Q = q_lora_rank, C = kv_lora_rank, n, r, v the head widths,
+        W = max(n + r, v) the width the kernel runs at, ``moe_engine.modules.mla``):
+        attn = [norm(Q) + a * T * Q with a query latent]   (its norm, and the norm's output q_b saves)
+             + norm(C) + a * T * C                          (the key-value latent's norm and output)
+             + [4 * T * r in fp32]                          (the norm saves its input itself: a view of
+                                                             kv_a's output, which holds the RoPE key too)
+             + 3 * a * T * H * W                            (q and k at width n + r, padded to W; v)
+             + a * T * H * W + 4 * T * H                    (the kernel's output and log-sum-exp)
+             + [a * T * H * v when v < W]                   (o_proj's input, a copy of the sliced output)
+        v counts at W when padded; unpadded (v = W) it is a view that keeps kv_b's whole output,
+        T * H * (n + v), alive: a * T * H * (n + v) in place of a * T * H * W.
     SwiGLU of hidden F:         4 * a * T * F      (gate, up, silu(gate), product)
-    dense FFN:                  norm(D) + a * T * D (its input) + SwiGLU(F_d)
+    dense FFN:                  norm(D) + a * T * D (its input) + SwiGLU(F_d)   (every dense block: the
+                                leading ones and, with moe_every > 1, those between MoE blocks)
     MoE FFN:                    norm(D) + 4 * T * D   (the router's fp32 input: a copy of the norm's
                                                         output, or in fp32 the output itself)
                               + 8 * T * E                                 (fp32 logits and scores)
@@ -176,8 +190,8 @@ from moe_engine.flops import parameter_counts, recompute_flops_per_token, traini
 from moe_engine.parallel.layout import stage_blocks, stage_layers
 
 __all__ = [
-    "BYTES", "PrecisionBytes", "in_flight_microbatches", "plan_scenario", "precision_bytes", "stage_layers",
-    "summary_line",
+    "BYTES", "PrecisionBytes", "in_flight_microbatches", "kv_bytes_per_token", "plan_scenario", "precision_bytes",
+    "stage_layers", "summary_line",
 ]
 
 
@@ -270,7 +284,7 @@ def _pieces(model: ModelConfig) -> _Pieces:
     grown = parameter_counts(dataclasses.replace(model, n_layers=model.n_layers + 1))
     block_norms = grown.norms - counts.norms
     final_norm = counts.norms - model.n_layers * block_norms
-    n_moe, n_dense = model.n_moe_layers, model.n_dense_layers
+    n_moe, n_dense = model.n_moe_layers, model.n_dense_ffn_layers
     return _Pieces(
         embedding=Params(counts.embedding),
         head=Params(counts.lm_head + final_norm),
@@ -312,12 +326,49 @@ def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes) -> float:
     return tokens * width * (4 + b.activation)
 
 
+def _mla_attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
+    """What multi-head latent attention saves (the module docstring's MLA ``attn``)."""
+    mla, a, heads = model.mla, b.activation, model.n_heads
+    qk, v = mla.qk_head_dim, mla.v_head_dim
+    width = max(qk, v)
+    saved = 0.0
+    if mla.q_lora_rank is not None:
+        saved += _norm_activation_bytes(mla.q_lora_rank, tokens, b) + a * tokens * mla.q_lora_rank
+    saved += _norm_activation_bytes(mla.kv_lora_rank, tokens, b) + a * tokens * mla.kv_lora_rank
+    if a == 4:
+        # The latent's norm saves its fp32 input as is: a view of kv_a's output, RoPE key included.
+        saved += 4 * tokens * mla.qk_rope_head_dim
+    value = width if v < width else mla.qk_nope_head_dim + v
+    saved += a * tokens * heads * (2 * width + value + width) + 4 * tokens * heads
+    if v < width:
+        saved += a * tokens * heads * v
+    return saved
+
+
+def kv_bytes_per_token(model: ModelConfig, b: PrecisionBytes) -> dict[str, float]:
+    """Key and value bytes per token and block: what attention materialises for its kernel, and what
+    an inference cache would hold (MLA: the latent and the shared RoPE key; GQA: the k and v heads)."""
+    a = b.activation
+    if model.mla is None:
+        kv = 2 * model.n_kv_heads * model.head_dim * a
+        return {"attention": kv, "cache": kv}
+    mla = model.mla
+    width = max(mla.qk_head_dim, mla.v_head_dim)
+    return {"attention": 2 * model.n_heads * width * a, "cache": (mla.kv_lora_rank + mla.qk_rope_head_dim) * a}
+
+
 def _attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
     """What the attention module saves (``attn``): what selective attention recompute drops."""
+    if model.mla is not None:
+        return _mla_attention_bytes(model, tokens, b)
     q = model.n_heads * model.head_dim
     kv = model.n_kv_heads * model.head_dim
     # q_norm and k_norm: their outputs feed RoPE, which saves only its cos/sin tables.
     qk_norm = _norm_activation_bytes(q + kv, tokens, b) if model.qk_norm else 0
+    if model.qk_norm_per_head:
+        # Normalised per head, the norms' fp32 statistics are one value per head and token: as many as
+        # the log-sum-exp, too many to leave out.
+        qk_norm += 4 * tokens * (model.n_heads + model.n_kv_heads)
     # q and k after RoPE, v, and the attention output (saved by the kernel); o_proj's input is a view
     # of the output, which the kernel lays out (B, S, H, d); the fp32 log-sum-exp.
     return qk_norm + b.activation * tokens * (2 * q + 2 * kv) + 4 * tokens * model.n_heads
@@ -456,7 +507,7 @@ class _Rank:
 
 
 def _rank_holdings(model: ModelConfig, pieces: _Pieces, layers: list[int], rank: int, pp: int, ep: int) -> _Rank:
-    n_dense = sum(1 for i in layers if i < model.n_dense_layers)
+    n_dense = sum(1 for i in layers if not model.is_moe_layer(i))
     n_moe = len(layers) - n_dense
     local_experts = pieces.expert * (model.moe.num_experts // ep)
     dense = pieces.block * len(layers) + pieces.dense_ffn * n_dense + pieces.moe_dense * n_moe
@@ -529,8 +580,7 @@ def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: 
     dp, edp = par["dp"], par["dp"] // par["ep"]
     sharded = par["optimizer_sharding"] == "zero1"
     d, cap = model.d_model, par.get("bucket_elements", 2**22)
-    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
-    dense_tensors = [d * q, d * kv, d * model.moe.shared_expert_hidden, d * model.dense_hidden]
+    dense_tensors = [*_attention_matrices(model), d * model.moe.shared_expert_hidden, d * model.dense_hidden]
     if h.embedding or h.head:
         dense_tensors.append(model.vocab_size * d)
     expert_tensor = (model.moe.num_experts // par["ep"]) * 2 * model.moe.expert_hidden * d
@@ -539,6 +589,18 @@ def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: 
         if total:
             share = max(share, min(total, max(cap, largest)) / (n if sharded else 1))
     return int((b.optimizer_step_temp + 8) * share)
+
+
+def _attention_matrices(model: ModelConfig) -> list[int]:
+    """Elements of each of a block's attention weight matrices."""
+    d, heads, mla = model.d_model, model.n_heads, model.mla
+    if mla is None:
+        q, kv = heads * model.head_dim, model.n_kv_heads * model.head_dim
+        return [d * q, d * kv, d * kv, q * d]
+    q_out = heads * mla.qk_head_dim
+    q = [d * q_out] if mla.q_lora_rank is None else [d * mla.q_lora_rank, mla.q_lora_rank * q_out]
+    kv = [d * (mla.kv_lora_rank + mla.qk_rope_head_dim), mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)]
+    return q + kv + [heads * mla.v_head_dim * d]
 
 
 def _dispatch_pad(par: dict[str, Any]) -> float:
@@ -581,12 +643,12 @@ def _plan_rank(
 ) -> dict[str, Any]:
     pp, v, m, ep = par["pp"], par["virtual_stages"], par["microbatches"], par["ep"]
     blocks = [
-        _block_activations(model, i < model.n_dense_layers, tokens, b, par, recompute if i in recomputed else None)
+        _block_activations(model, not model.is_moe_layer(i), tokens, b, par, recompute if i in recomputed else None)
         for i in h.layers
     ]
     per_mb = sum(block.kept for block in blocks) + (_head_activation_bytes(model, tokens, b) if h.head else 0)
     full = recompute.mode is RecomputeMode.FULL
-    n_moe_full = sum(1 for i in h.layers if i in recomputed and i >= model.n_dense_layers) if full else 0
+    n_moe_full = sum(1 for i in h.layers if i in recomputed and model.is_moe_layer(i)) if full else 0
     in_flight = in_flight_microbatches(par["schedule"], pp, v, m, h.rank)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * _dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
@@ -623,6 +685,10 @@ def _plan_rank(
         "router_params": h.dense.fp32,
         "local_expert_params": h.experts.count,
         "activations_per_microbatch_bytes": per_mb,
+        # Keys and values of the rank's blocks per microbatch: as attention materialises them, and as
+        # an inference cache would hold them (the MLA latent).
+        "attention_kv_bytes_per_microbatch": len(h.layers) * tokens * kv_bytes_per_token(model, b)["attention"],
+        "kv_cache_bytes_per_token": len(h.layers) * kv_bytes_per_token(model, b)["cache"],
         "in_flight_microbatches": in_flight,
         "all_to_all_buffer_bytes": a2a_buffer,
         "pipeline_buffer_bytes": pipe_buffer,

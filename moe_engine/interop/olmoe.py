@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
+from moe_engine.interop.common import copy_weights, rope_parameters
 from moe_engine.model import Transformer, cast_parameters
 from moe_engine.moe.layer import MoELayer
 
@@ -34,20 +35,11 @@ if TYPE_CHECKING:
 __all__ = ["config_from_transformers", "from_transformers", "moe_layer_from_transformers"]
 
 
-def _rope(hf_config: Any) -> tuple[float, str]:
-    """(theta, rope type) from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling``."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        return float(params["rope_theta"]), params.get("rope_type", "default")
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    return float(hf_config.rope_theta), scaling.get("rope_type", scaling.get("type", "default"))
-
-
 def _unsupported(hf_config: Any) -> list[str]:
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None)
     clip_qkv = getattr(hf_config, "clip_qkv", None)
-    rope_type = _rope(hf_config)[1]
+    rope_type = rope_parameters(hf_config)[1]
     checks = [
         (clip_qkv is not None, f"clip_qkv={clip_qkv} (no q/k/v clipping)"),
         (getattr(hf_config, "tie_word_embeddings", False), "tie_word_embeddings=True (lm_head is a separate weight)"),
@@ -82,7 +74,7 @@ def config_from_transformers(
         n_kv_heads=kv_heads,
         seq_len=hf_config.max_position_embeddings,
         qk_norm=True,  # OLMoE always has q_norm/k_norm
-        rope_theta=_rope(hf_config)[0],
+        rope_theta=rope_parameters(hf_config)[0],
         norm_eps=hf_config.rms_norm_eps,
         init_std=getattr(hf_config, "initializer_range", 0.02),
         dtype=dtype,
@@ -177,8 +169,7 @@ def from_transformers(
 ) -> Transformer:
     """An engine model with the weights of an ``OlmoeForCausalLM`` (on its device unless told otherwise).
 
-    Every parameter on both sides must be used exactly once, so a layout change on either side
-    fails loudly instead of leaving a randomly initialised weight behind.
+    Every parameter on both sides must be used exactly once (``interop.common.copy_weights``).
     """
     config = config_from_transformers(hf_model.config, dtype=dtype, backend=backend)
     theirs = dict(hf_model.named_parameters(remove_duplicate=False))
@@ -186,24 +177,5 @@ def from_transformers(
         device = next(iter(theirs.values())).device
     with torch.device(device):
         model = Transformer(config)
-    ours = dict(model.named_parameters())
-
-    assigned: set[str] = set()
-    used: set[str] = set()
-    with torch.no_grad():
-        for our_name, their_name in _model_pairs(hf_model):
-            if our_name in assigned or their_name in used:
-                raise RuntimeError(f"{our_name} <- {their_name}: assigned twice")
-            if our_name not in ours or their_name not in theirs:
-                raise RuntimeError(f"{our_name} <- {their_name}: missing on one side")
-            target, source = ours[our_name], theirs[their_name]
-            if target.shape != source.shape:
-                raise RuntimeError(f"{our_name} <- {their_name}: shape {tuple(target.shape)} != {tuple(source.shape)}")
-            target.copy_(source)
-            assigned.add(our_name)
-            used.add(their_name)
-    if unassigned := sorted(ours.keys() - assigned):
-        raise RuntimeError(f"engine parameters not assigned: {', '.join(unassigned)}")
-    if unused := sorted(theirs.keys() - used):
-        raise RuntimeError(f"transformers parameters not converted: {', '.join(unused)}")
+    copy_weights(model, theirs, _model_pairs(hf_model))
     return cast_parameters(model, config.dtype)

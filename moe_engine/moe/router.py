@@ -4,6 +4,13 @@ Scores are computed in fp32 from a bias-free linear map D -> E. The selected exp
 scores (``learned``) or from a benchmark mode (``random``, ``balanced``, ``skewed``); in every mode
 the weights of the selected experts are gathered from the real scores, so the router's compute and
 its gradients are the same as in training.
+
+Group-limited routing (``MoEConfig.n_groups``, ``top_groups``; DeepSeek-V3) applies to learned
+routing: the E experts form n_groups contiguous groups, each group is scored by the sum of its two
+highest selection scores (scores plus the expert bias; its one score when a group has one expert),
+the top_groups groups of each token are kept and its top-k experts chosen among theirs. The combine
+weights are the chosen experts' scores, renormalised when ``normalize_top_k`` asks, times
+``routed_scaling_factor``.
 """
 
 from __future__ import annotations
@@ -58,6 +65,21 @@ def expert_counts(expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat)
     )
+
+
+def limit_to_top_groups(choice_TE: torch.Tensor, n_groups: int, top_groups: int) -> torch.Tensor:
+    """``choice_TE`` with every expert outside each token's ``top_groups`` best groups set to -inf.
+
+    A group's score is the sum of its two highest choice scores (DeepSeek-V3); chosen on the device.
+    """
+    num_tokens, num_experts = choice_TE.shape
+    per_group = num_experts // n_groups
+    grouped_TGe = choice_TE.view(num_tokens, n_groups, per_group)
+    group_score_TG = grouped_TGe.topk(min(2, per_group), dim=-1).values.sum(dim=-1)
+    chosen_TG = group_score_TG.topk(top_groups, dim=-1).indices
+    keep_TG = torch.zeros(num_tokens, n_groups, dtype=torch.bool, device=choice_TE.device).scatter_(1, chosen_TG, True)
+    keep_TE = keep_TG.unsqueeze(-1).expand(num_tokens, n_groups, per_group).reshape(num_tokens, num_experts)
+    return choice_TE.masked_fill(~keep_TE, float("-inf"))
 
 
 def zipf_log_probs(num_experts: int, exponent: float, device=None) -> torch.Tensor:
@@ -127,6 +149,8 @@ class Router(nn.Module):
         weight_TK = scores_TE.gather(1, expert_TK)
         if cfg.normalize_top_k:
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True)
+        if cfg.routed_scaling_factor != 1.0:
+            weight_TK = weight_TK * cfg.routed_scaling_factor
 
         counts_E = expert_counts(expert_TK, cfg.num_experts)
         aux = load_balancing_loss(probs_TE, counts_E, cfg.top_k)
@@ -140,7 +164,10 @@ class Router(nn.Module):
         num_tokens, num_experts = scores_TE.shape
         device = scores_TE.device
         if cfg.routing is RoutingMode.LEARNED:
-            return torch.topk(scores_TE + self.expert_bias, cfg.top_k, dim=-1).indices
+            choice_TE = scores_TE + self.expert_bias
+            if cfg.group_limited:
+                choice_TE = limit_to_top_groups(choice_TE, cfg.n_groups, cfg.groups_per_token)
+            return torch.topk(choice_TE, cfg.top_k, dim=-1).indices
         if cfg.routing is RoutingMode.BALANCED:
             slot_TK = torch.arange(num_tokens * cfg.top_k, device=device).view(num_tokens, cfg.top_k)
             return slot_TK % num_experts

@@ -205,3 +205,61 @@ def test_expert_bias_disabled_by_default():
     router = make_router(num_experts=4, top_k=1)
     router.update_expert_bias(torch.tensor([10, 0, 0, 0]))
     assert torch.equal(router.expert_bias, torch.zeros(4))
+
+
+def _group_limited_reference(scores_TE, bias_E, n_groups, top_groups, top_k):
+    """Per token, in plain Python: score each group by the sum of its two best biased scores, keep the
+    top_groups groups, take the top_k experts among theirs."""
+    num_experts = scores_TE.shape[1]
+    per_group = num_experts // n_groups
+    chosen = []
+    for row in (scores_TE + bias_E).tolist():
+        groups = [sorted(row[g * per_group:(g + 1) * per_group], reverse=True) for g in range(n_groups)]
+        group_score = [sum(values[:2]) for values in groups]
+        kept = sorted(range(n_groups), key=lambda g: -group_score[g])[:top_groups]
+        candidates = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
+        chosen.append(sorted(sorted(candidates, key=lambda e: -row[e])[:top_k]))
+    return chosen
+
+
+@pytest.mark.parametrize("score_func", ["sigmoid", "softmax"])
+@pytest.mark.parametrize("experts, groups, top_groups, k", [(16, 4, 2, 3), (12, 6, 3, 4), (8, 8, 3, 2)])
+def test_group_limited_routing_matches_a_per_token_loop(score_func, experts, groups, top_groups, k):
+    torch.manual_seed(0)
+    router = make_router(num_experts=experts, top_k=k, n_groups=groups, top_groups=top_groups,
+                         score_func=score_func, normalize_top_k=True, routed_scaling_factor=2.5)
+    # A bias that reorders the groups: selection must use it, the weights must not.
+    router.expert_bias.copy_(torch.randn(experts) * 0.3)
+    x_TD = torch.randn(256, 16)
+    out = router(x_TD)
+    logits_TE = x_TD @ router.weight.detach().T
+    scores_TE = torch.sigmoid(logits_TE) if score_func == "sigmoid" else torch.softmax(logits_TE, dim=-1)
+    expected = _group_limited_reference(scores_TE, router.expert_bias, groups, top_groups, k)
+    assert out.expert_TK.sort(dim=1).values.tolist() == expected
+    # Weights: the chosen experts' unbiased scores, renormalised, times the scaling factor.
+    chosen_TK = scores_TE.gather(1, out.expert_TK)
+    torch.testing.assert_close(out.weight_TK, 2.5 * chosen_TK / chosen_TK.sum(-1, keepdim=True))
+    # ...with gradients to the router weight through those weights.
+    out.weight_TK.square().sum().backward()
+    reference = router.weight.detach().clone().requires_grad_()
+    ref_scores = torch.sigmoid(x_TD @ reference.T) if score_func == "sigmoid" else torch.softmax(x_TD @ reference.T, -1)
+    ref_chosen = ref_scores.gather(1, out.expert_TK)
+    (2.5 * ref_chosen / ref_chosen.sum(-1, keepdim=True)).square().sum().backward()
+    torch.testing.assert_close(router.weight.grad, reference.grad)
+
+
+def test_group_limit_changes_the_choice_and_spares_benchmark_modes():
+    """The limit bites (some tokens' unlimited top-k leave the chosen groups), and random routing
+    ignores it (benchmark modes stay as they are)."""
+    torch.manual_seed(1)
+    x_TD = torch.randn(512, 16)
+    limited = make_router(num_experts=16, top_k=3, n_groups=4, top_groups=1)
+    free = make_router(num_experts=16, top_k=3)
+    free.weight.data.copy_(limited.weight.data)
+    limited_TK, free_TK = limited(x_TD).expert_TK, free(x_TD).expert_TK
+    assert not torch.equal(limited_TK.sort(1).values, free_TK.sort(1).values)
+    # Every token's experts come from its one chosen group of four.
+    assert ((limited_TK // 4) == (limited_TK[:, :1] // 4)).all()
+    random_limited = make_router(num_experts=16, top_k=2, n_groups=8, top_groups=1, routing="random", routing_seed=5)
+    random_free = make_router(num_experts=16, top_k=2, routing="random", routing_seed=5)
+    assert torch.equal(random_limited(x_TD).expert_TK, random_free(x_TD).expert_TK)

@@ -11,6 +11,8 @@ that each layout counts every gradient exactly once in the norm: a dense gradien
 dp rank, or an expert's on every replica, would clip by another factor.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from distributed_harness import run_ranks
@@ -26,6 +28,23 @@ CONFIG = ModelConfig(
     vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16),
 )
+# Multi-head latent attention with a query latent (values narrower than queries), and group-limited
+# learned routing with sigmoid scores, renormalised and scaled weights (DeepSeek-V3's router).
+MLA_CONFIG = ModelConfig(
+    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, seq_len=8, dtype="fp32",
+    mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16,
+                  score_func="sigmoid", normalize_top_k=True, n_groups=2, top_groups=1, routed_scaling_factor=2.5),
+)
+# Blocks 0, 1 and 3 dense, 2 and 4 MoE (a leading dense block, then MoE every second block); a head
+# width (12) that is not d_model / n_heads.
+INTERLEAVED_CONFIG = ModelConfig(
+    vocab_size=96, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=12, seq_len=8, dtype="fp32",
+    n_dense_layers=1, moe_every=2, dense_hidden=40,
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0),
+)
+TIED_CONFIG = dataclasses.replace(INTERLEAVED_CONFIG, tie_embeddings=True)
+MODELS = {"gqa": CONFIG, "mla": MLA_CONFIG, "interleaved": INTERLEAVED_CONFIG, "interleaved-tied": TIED_CONFIG}
 # The first step's gradient norm is about 1.5 (the test checks that clipping engages).
 OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.1)
 SEQUENCES, STEPS = 8, 2
@@ -34,10 +53,10 @@ SEED = 1234
 EXPERT_PARAMS = ("experts.gate_up", "experts.down")
 
 
-def _batches(seed: int):
+def _batches(seed: int, config: ModelConfig = CONFIG):
     generator = torch.Generator().manual_seed(seed)
     for _ in range(STEPS):
-        tokens = torch.randint(0, CONFIG.vocab_size, (SEQUENCES, CONFIG.seq_len + 1), generator=generator)
+        tokens = torch.randint(0, config.vocab_size, (SEQUENCES, config.seq_len + 1), generator=generator)
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -45,16 +64,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _layout_rank(parallel: ParallelConfig, seed: int):
+def _layout_rank(parallel: ParallelConfig, seed: int, config: ModelConfig = CONFIG):
     groups = build_process_groups(Layout(parallel))
-    rank_model = build_rank_model(CONFIG, parallel, groups, torch.device("cpu"), seed)
+    rank_model = build_rank_model(config, parallel, groups, torch.device("cpu"), seed)
     trainer = ParallelTrainer(rank_model, parallel, groups, OPTIMIZER)
     params = dict(rank_model.module.named_parameters())
     before = {n: _full(p).detach().clone() for n, p in params.items()}
     share = SEQUENCES // parallel.dp
     rows = slice(groups.coords.dp_rank * share, (groups.coords.dp_rank + 1) * share)
     losses, grads, norms, overlapped = [], None, [], []
-    for tokens, labels in _batches(seed):
+    for tokens, labels in _batches(seed, config):
         loss = trainer.step(tokens[rows], labels[rows])
         losses.append(loss)
         norms.append(trainer.last_grad_norm.clone())
@@ -70,12 +89,12 @@ def _layout_rank(parallel: ParallelConfig, seed: int):
             "overlapped": overlapped}
 
 
-def _reference(seed: int):
-    model = build_model(CONFIG, seed=seed)
+def _reference(seed: int, config: ModelConfig = CONFIG):
+    model = build_model(config, seed=seed)
     trainer = Trainer(model, OPTIMIZER)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses, grads, norms = [], None, []
-    for tokens, labels in _batches(seed):
+    for tokens, labels in _batches(seed, config):
         losses.append(trainer.step(tokens, labels))
         norms.append(trainer.last_grad_norm)
         if grads is None:
@@ -86,6 +105,7 @@ def _reference(seed: int):
 
 def _expected(reference: torch.Tensor, name: str, parallel: ParallelConfig, ep_rank: int) -> torch.Tensor:
     if parallel.ep > 1 and name.endswith(EXPERT_PARAMS):
+        # Every model here has CONFIG's expert count.
         experts = Layout(parallel).local_experts(ep_rank, CONFIG.moe.num_experts)
         return reference[experts.start : experts.stop]
     return reference
@@ -106,11 +126,22 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_trains_like_the_single_process_model(name):
-    parallel = LAYOUTS[name]
-    ranks = run_ranks(_layout_rank, parallel.world_size, parallel, SEED, timeout=180)
-    ref_losses, ref_grads, ref_updates, ref_norms = _reference(SEED)
+# The other models on a few layouts each, between them dp, ep (both dispatches), ZeRO-1, pp (1f1b and
+# interleaved, where a pipeline rank of the interleaved model holds no MoE block) and FSDP.
+CASES = [pytest.param("gqa", name, id=name) for name in LAYOUTS] + [
+    pytest.param(model, name, id=f"{model}-{name}", marks=pytest.mark.slow)
+    for model, name in [
+        ("mla", "ep2-zero1"), ("mla", "pp2-ep2"), ("interleaved", "pp2-interleaved-zero1"),
+        ("interleaved-tied", "dp2-microbatches2"), ("interleaved-tied", "fsdp-dp2"),
+    ]
+]
+
+
+@pytest.mark.parametrize("model, name", CASES)
+def test_layout_trains_like_the_single_process_model(model, name):
+    parallel, config = LAYOUTS[name], MODELS[model]
+    ranks = run_ranks(_layout_rank, parallel.world_size, parallel, SEED, config, timeout=180)
+    ref_losses, ref_grads, ref_updates, ref_norms = _reference(SEED, config)
     assert (ref_norms > 2 * OPTIMIZER.max_grad_norm).all(), "clipping engages at every step"
 
     # The step's loss is the mean of the last pipeline stage's local losses over dp.

@@ -562,3 +562,47 @@ def test_fp32_state_costs_4_4_8_bytes():
     assert median(metrics, "memory_params_bytes") == 4 * params
     assert median(metrics, "memory_grads_bytes") == 4 * params
     assert median(metrics, "memory_optimizer_bytes") == 8 * params
+
+
+# ---- multi-head latent attention, interleaved dense blocks, tied embeddings ---------------------
+
+
+def test_small_mla_activation_and_kv_bytes():
+    # The small scenario with MLA: H 4, Q 32, C 24, n 8, r 8, v 12 (qk 16 wider: values padded to W 16).
+    # T = 16 tokens per microbatch and rank, a = 2. Per block, attention saves
+    #   query latent: norm 16*32*6 = 3072 + its output 2*16*32 = 1024
+    #   kv latent:    norm 16*24*6 = 2304 + its output 2*16*24 = 768
+    #   q, k, v at W: 3 * 2*16*4*16 = 6144; output 2048 + log-sum-exp 4*16*4 = 256; o_proj's copy 2*16*4*12 = 1536
+    #   -> 17152, in place of GQA's q, k, v, o + lse 8192 + 256 = 8448.
+    spec = small_spec()
+    spec["model"]["mla"] = {"q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                            "v_head_dim": 12}
+    metrics, details = plan_scenario(scenario_from_dict(spec))
+    assert median(metrics, "memory_activations_bytes") == 2 * (16640 - 8448 + 17152 + 25600) + 72192
+    rank = details["per_rank"]
+    # Keys and values as attention runs them: 2 * H * W * a per token and block; an inference cache
+    # would hold the latent and the RoPE key, (C + r) * a.
+    assert rank["attention_kv_bytes_per_microbatch"] == 2 * 16 * (2 * 4 * 16 * 2)
+    assert rank["kv_cache_bytes_per_token"] == 2 * (24 + 8) * 2
+    # GQA (4 kv heads of 16): 2 * 64 * 2 bytes, the same either way.
+    _, gqa = small_plan()
+    assert gqa["per_rank"]["kv_cache_bytes_per_token"] == 2 * 2 * 64 * 2
+    assert gqa["per_rank"]["attention_kv_bytes_per_microbatch"] == 2 * 16 * 2 * 64 * 2
+
+
+def test_small_interleaved_tied_plan():
+    # 3 blocks, MoE every second (block 1), dense blocks 0 and 2 of F_d 48; tied embeddings (no LM head
+    # matrix: the head is the final norm alone). pp 1.
+    spec = small_spec()
+    spec["model"].update(n_layers=3, moe_every=2, dense_hidden=48, tie_embeddings=True)
+    metrics, details = plan_scenario(scenario_from_dict(spec))
+    dense_ffn = 3 * 64 * 48  # 9216
+    assert median(metrics, "total_params") == 64000 + 64 + 3 * 16512 + 2 * dense_ffn + 512 + 8 * 6144
+    rank = details["per_rank"]
+    assert (rank["n_dense_layers"], rank["n_moe_layers"]) == (2, 1)
+    assert rank["dense_params"] == 64000 + 64 + 3 * 16512 + 2 * dense_ffn + 512
+    assert rank["local_expert_params"] == 4 * 6144
+    # Activations: a dense block saves its attention part 16640, its norm 6144, the FFN's input 2048 and
+    # SwiGLU 4*2*16*48 = 6144; the MoE block 16640 + 25600 as in the all-MoE plan.
+    dense_block = 16640 + 6144 + 2048 + 6144
+    assert median(metrics, "memory_activations_bytes") == 2 * dense_block + 16640 + 25600 + 72192

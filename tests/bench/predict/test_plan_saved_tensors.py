@@ -11,7 +11,7 @@ brings back what its forward saves again; the largest such set must be the plan'
 The plan leaves out what is small next to a (T, D) activation, and so does this check (``_ignored``):
 integer and boolean tensors (routing indices, offsets, counts, masks), tensors of at most k values
 per token (norm statistics, the z-loss's log-sum-exp, the combine weights, losses) and RoPE's
-(S, head_dim) cos/sin tables. The model is sized so that everything the plan counts is at least
+(S, head_dim) (or MLA's (S, qk_rope_head_dim)) cos/sin tables. The model is sized so that everything the plan counts is at least
 four times larger than that (the smallest, attention's log-sum-exp, has H = 8 values per token).
 
 A whole training step (the engine's trainer, fp32 gradient buffers, 4 microbatches) then peaks in
@@ -43,6 +43,10 @@ BATCH, SEQ = 2, 32
 TOKENS = BATCH * SEQ
 TOP_K = 2
 HEAD_DIM = 32
+ROPE_DIM = 16
+"""RoPE width of the MLA models (their cos/sin tables are (S, ROPE_DIM))."""
+MLA = {"q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": ROPE_DIM, "v_head_dim": 24}
+"""DeepSeek's proportions: values narrower than queries and keys (padded to their width for the kernel)."""
 
 
 class LiveStorages(TorchDispatchMode):
@@ -78,14 +82,15 @@ def _ignored(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     for n in shape:
         numel *= n
     return (dtype in (torch.int64, torch.int32, torch.bool) or numel <= TOP_K * TOKENS
-            or shape == (SEQ, HEAD_DIM))
+            or shape in ((SEQ, HEAD_DIM), (SEQ, ROPE_DIM)))
 
 
 def _bytes(storages: dict[int, tuple]) -> int:
     return sum(nbytes for _, nbytes, shape, dtype in storages.values() if not _ignored(shape, dtype))
 
 
-def spec(precision: str, recompute: dict, *, shared: int = 0, dense_layers: int = 0, kv_heads: int = 8) -> dict:
+def spec(precision: str, recompute: dict, *, shared: int = 0, dense_layers: int = 0, kv_heads: int = 8,
+         model: dict | None = None) -> dict:
     return {
         "schema_version": 1,
         "name": "saved",
@@ -94,6 +99,7 @@ def spec(precision: str, recompute: dict, *, shared: int = 0, dense_layers: int 
             "vocab_size": 128, "d_model": 256, "n_layers": 3, "n_heads": 8, "n_kv_heads": kv_heads, "seq_len": SEQ,
             "qk_norm": True, "n_dense_layers": dense_layers, "dense_hidden": 192,
             "moe": {"num_experts": 16, "top_k": TOP_K, "expert_hidden": 64, "shared_expert_hidden": shared},
+            **(model or {}),
         },
         "routing": {"mode": "random", "seed": 0},
         "precision": precision,
@@ -168,6 +174,17 @@ MODELS = {
     "fp32-shared": {"precision": "fp32", "shared": 96},
     # mxfp8: the experts save fp8 copies; their recompute keeps the bf16 rows.
     "mxfp8": {"precision": "mxfp8"},
+    # MLA with a query latent, values padded to the query/key width for the kernel.
+    "bf16-mla": {"precision": "bf16", "model": {"qk_norm": False, "mla": MLA}},
+    # fp32 MLA without a query latent, values as wide as queries (no padding: v is a view of kv_b's
+    # output); the latent's norm saves its input, a view that holds the RoPE key too.
+    "fp32-mla-no-q-latent": {"precision": "fp32", "model": {"qk_norm": False, "mla": {
+        **MLA, "q_lora_rank": None, "qk_nope_head_dim": 16, "v_head_dim": 32}}},
+    # Per-head QK-norm (Qwen3): the norms save as many bytes as over the whole projections; fp32,
+    # where they save their input, a view of the projection, itself.
+    "fp32-qk-norm-per-head": {"precision": "fp32", "kv_heads": 4, "model": {"qk_norm_per_head": True}},
+    # Interleaved: MoE every second block (block 1), dense blocks 0 and 2, a shared expert.
+    "bf16-interleaved": {"precision": "bf16", "shared": 96, "model": {"moe_every": 2}},
 }
 
 
@@ -194,7 +211,7 @@ def test_plan_names_the_bytes_a_real_model_keeps(model, mode):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("model", ["bf16-gqa", "bf16-shared-dense"])
+@pytest.mark.parametrize("model", ["bf16-gqa", "bf16-shared-dense", "bf16-mla"])
 def test_plan_names_the_bytes_a_cuda_model_keeps(model, mode):
     """The same on a GPU, where the CUDA attention kernels and grouped GEMMs save the tensors (bf16:
     the CUDA kernels that take it; fp32 attention would fall back to the math kernel)."""

@@ -1,0 +1,167 @@
+"""Build engine models from transformers' DeepSeek-V3, weight for weight.
+
+DeepSeek-V3: multi-head latent attention (``mla``, with or without the query latent), the first
+``first_k_dense_replace`` blocks dense SwiGLUs of ``intermediate_size``, the others MoE blocks with
+``n_shared_experts`` shared experts (one shared SwiGLU of n_shared_experts * moe_intermediate_size)
+and a sigmoid router with group-limited selection (``n_group``, ``topk_group``), the selection bias
+``e_score_correction_bias`` (the engine's ``expert_bias``, copied), optional top-k renormalisation
+and ``routed_scaling_factor``. The multi-token-prediction module is not part of transformers' model
+and is not converted.
+
+Differences of definition, each handled here:
+
+- RoPE layout: with ``rope_interleave`` (the default) transformers rotates interleaved pairs
+  (x0, x1), (x2, x3), ... and the engine rotates halves (x_i, x_{i + r/2}). The two agree once the
+  RoPE rows of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` are reordered evens first, then
+  odds: the conversion does that, so the scores are the same.
+- Epsilon: transformers' latent norms (``q_a_layernorm``, ``kv_a_layernorm``) use 1e-6 whatever
+  ``rms_norm_eps`` says, and the engine uses one epsilon everywhere: a config with another
+  ``rms_norm_eps`` is rejected.
+- Scaled RoPE (YaRN, with its softmax mscale) is not implemented: rejected.
+- Losses: transformers' class has no router loss; the engine's weights are set to 0 (the
+  aux-loss-free bias is the balancing, and it is copied but not updated unless asked).
+- transformers renormalises the top-k weights by their sum + 1e-20, the engine by their sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_engine.config import ExpertBackendKind, MLAConfig, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
+from moe_engine.interop.common import Pair, copy_weights, rope_parameters, shared_unsupported, tied_parameters
+from moe_engine.model import Transformer, cast_parameters
+
+if TYPE_CHECKING:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+__all__ = ["config_from_transformers", "from_transformers"]
+
+_LATENT_NORM_EPS = 1e-6
+"""The epsilon of transformers' ``q_a_layernorm`` and ``kv_a_layernorm`` (its class default)."""
+
+
+def config_from_transformers(
+    hf_config: DeepseekV3Config,
+    *,
+    dtype: Precision | str = Precision.FP32,
+    backend: ExpertBackendKind | str = ExpertBackendKind.TORCH,
+) -> ModelConfig:
+    """The engine config of a DeepSeek-V3 model; raises ValueError for anything the engine would compute differently."""
+    problems = shared_unsupported(hf_config)
+    if hf_config.rms_norm_eps != _LATENT_NORM_EPS:
+        problems.append(f"rms_norm_eps={hf_config.rms_norm_eps} (transformers' latent norms use {_LATENT_NORM_EPS}, "
+                        "the engine one epsilon)")
+    if hf_config.num_key_value_heads != hf_config.num_attention_heads:
+        problems.append(f"num_key_value_heads={hf_config.num_key_value_heads} (MLA has one key and value per head)")
+    if problems:
+        raise ValueError("DeepSeek-V3 config not supported by moe_engine: " + "; ".join(problems))
+    n_dense = min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
+    return ModelConfig(
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_attention_heads,
+        seq_len=hf_config.max_position_embeddings,
+        n_dense_layers=n_dense,
+        dense_hidden=hf_config.intermediate_size if n_dense else 0,
+        tie_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        mla=MLAConfig(
+            kv_lora_rank=hf_config.kv_lora_rank,
+            q_lora_rank=hf_config.q_lora_rank,
+            qk_nope_head_dim=hf_config.qk_nope_head_dim,
+            qk_rope_head_dim=hf_config.qk_rope_head_dim,
+            v_head_dim=hf_config.v_head_dim,
+        ),
+        rope_theta=rope_parameters(hf_config)[0],
+        norm_eps=hf_config.rms_norm_eps,
+        init_std=getattr(hf_config, "initializer_range", 0.02),
+        dtype=dtype,
+        moe=MoEConfig(
+            num_experts=hf_config.n_routed_experts,
+            top_k=hf_config.num_experts_per_tok,
+            expert_hidden=hf_config.moe_intermediate_size,
+            shared_expert_hidden=hf_config.n_shared_experts * hf_config.moe_intermediate_size,
+            score_func=ScoreFunc.SIGMOID,
+            normalize_top_k=bool(hf_config.norm_topk_prob),
+            n_groups=hf_config.n_group,
+            top_groups=hf_config.topk_group,
+            routed_scaling_factor=hf_config.routed_scaling_factor,
+            routing=RoutingMode.LEARNED,
+            aux_loss_weight=0.0,
+            z_loss_weight=0.0,
+            backend=backend,
+        ),
+    )
+
+
+def _halves_from_pairs(rows: int, rope_dim: int, rope_start: int, period: int):
+    """A transform reordering the RoPE rows of a weight (in blocks of ``period`` rows, RoPE rows at
+    [rope_start, rope_start + rope_dim) of each) from interleaved pairs to halves: evens, then odds."""
+    order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    index = torch.arange(rows).view(-1, period)
+    index[:, rope_start:rope_start + rope_dim] = index[:, rope_start:rope_start + rope_dim][:, order]
+
+    def transform(weight: torch.Tensor) -> torch.Tensor:
+        return weight.index_select(0, index.flatten().to(weight.device))
+
+    return transform
+
+
+def _model_pairs(config: ModelConfig, interleaved: bool) -> Iterator[Pair]:
+    mla, heads = config.mla, config.n_heads
+    rope_dim, qk = mla.qk_rope_head_dim, mla.qk_head_dim
+    q_rows = (_halves_from_pairs(heads * qk, rope_dim, mla.qk_nope_head_dim, qk),) if interleaved else ()
+    kv_rows = mla.kv_lora_rank + rope_dim
+    kv_a = (_halves_from_pairs(kv_rows, rope_dim, mla.kv_lora_rank, kv_rows),) if interleaved else ()
+    yield "embed.weight", "model.embed_tokens.weight"
+    for i in range(config.n_layers):
+        ours, theirs = f"blocks.{i}", f"model.layers.{i}"
+        yield f"{ours}.attn_norm.weight", f"{theirs}.input_layernorm.weight"
+        yield f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"
+        attn, their_attn = f"{ours}.attn", f"{theirs}.self_attn"
+        if mla.q_lora_rank is None:
+            yield (f"{attn}.q_proj.weight", f"{their_attn}.q_proj.weight", *q_rows)
+        else:
+            yield f"{attn}.q_a_proj.weight", f"{their_attn}.q_a_proj.weight"
+            yield f"{attn}.q_a_norm.weight", f"{their_attn}.q_a_layernorm.weight"
+            yield (f"{attn}.q_b_proj.weight", f"{their_attn}.q_b_proj.weight", *q_rows)
+        yield (f"{attn}.kv_a_proj.weight", f"{their_attn}.kv_a_proj_with_mqa.weight", *kv_a)
+        yield f"{attn}.kv_a_norm.weight", f"{their_attn}.kv_a_layernorm.weight"
+        yield f"{attn}.kv_b_proj.weight", f"{their_attn}.kv_b_proj.weight"
+        yield f"{attn}.o_proj.weight", f"{their_attn}.o_proj.weight"
+        if config.is_moe_layer(i):
+            yield f"{ours}.ffn.router.weight", f"{theirs}.mlp.gate.weight"
+            yield f"{ours}.ffn.router.expert_bias", f"{theirs}.mlp.gate.e_score_correction_bias"
+            yield f"{ours}.ffn.experts.gate_up", f"{theirs}.mlp.experts.gate_up_proj"
+            yield f"{ours}.ffn.experts.down", f"{theirs}.mlp.experts.down_proj"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{ours}.ffn.shared_expert.{proj}.weight", f"{theirs}.mlp.shared_experts.{proj}.weight"
+        else:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{ours}.ffn.{proj}.weight", f"{theirs}.mlp.{proj}.weight"
+    yield "norm.weight", "model.norm.weight"
+    if not config.tie_embeddings:
+        yield "lm_head.weight", "lm_head.weight"
+
+
+def from_transformers(
+    hf_model: DeepseekV3ForCausalLM,
+    *,
+    dtype: Precision | str = Precision.FP32,
+    backend: ExpertBackendKind | str = ExpertBackendKind.TORCH,
+    device: torch.device | str | None = None,
+) -> Transformer:
+    """An engine model with the weights of a ``DeepseekV3ForCausalLM`` (on its device unless told otherwise)."""
+    config = config_from_transformers(hf_model.config, dtype=dtype, backend=backend)
+    theirs = tied_parameters(hf_model, config.tie_embeddings)
+    # The selection biases are buffers on both sides.
+    theirs.update({n: b for n, b in hf_model.named_buffers() if n.endswith("e_score_correction_bias")})
+    with torch.device(device or next(iter(theirs.values())).device):
+        model = Transformer(config)
+    biases = [f"blocks.{i}.ffn.router.expert_bias" for i in range(config.n_layers) if config.is_moe_layer(i)]
+    copy_weights(model, theirs, _model_pairs(config, bool(getattr(hf_model.config, "rope_interleave", False))), biases)
+    return cast_parameters(model, config.dtype)

@@ -1,0 +1,78 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), causal, through SDPA.
+
+Per token: the query comes from the model width directly, or through a low-rank latent of width
+q_lora_rank with an RMSNorm on it (``q_a_proj``, ``q_a_norm``, ``q_b_proj``). One projection
+(``kv_a_proj``) makes the key-value latent of width kv_lora_rank and a RoPE key of width
+qk_rope_head_dim; the latent, RMS-normalised (``kv_a_norm``), is up-projected (``kv_b_proj``) into
+each head's no-RoPE key (qk_nope_head_dim) and value (v_head_dim). A head's query is its no-RoPE
+part and its RoPE part; its key is its no-RoPE key and the RoPE key every head shares. The softmax
+scale is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), as DeepSeek's (before any YaRN mscale,
+which the engine does not implement). RoPE is the rotate-half convention of ``modules.rope``.
+
+The fused SDPA kernels (flash attention on CPU, FlashAttention-2 on CUDA) take one head width for
+queries, keys and values; with other widths SDPA falls back to its math kernel, which keeps the
+whole (S, S) score matrix for backward. So the narrower side is zero-padded to the wider one
+(values to qk_nope + qk_rope in DeepSeek's shapes) and the output sliced back: the scores are
+unchanged, and AV runs over the padded width (more than the FLOPs formula's v_head_dim counts).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_engine.config import ModelConfig
+from moe_engine.modules.norm import RMSNorm
+from moe_engine.modules.rope import RotaryEmbedding
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        mla = config.mla
+        d, heads = config.d_model, config.n_heads
+        self.n_heads = heads
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
+        qk_dim = mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, heads * qk_dim, bias=False)
+            self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(d, mla.q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.norm_eps)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
+        self.kv_a_proj = nn.Linear(d, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.norm_eps)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, d, bias=False)
+        self.softmax_scale = qk_dim**-0.5
+
+    def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        batch, seq_len, _ = x_BSD.shape
+        heads, nope, rope_dim, v_dim = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
+        qk_dim = nope + rope_dim
+        q = self.q_proj(x_BSD) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD)))
+        q_BSHq = q.view(batch, seq_len, heads, qk_dim)
+
+        latent_BSC, k_rope_BSr = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, rope_dim], dim=-1)
+        kv_BSH = self.kv_b_proj(self.kv_a_norm(latent_BSC)).view(batch, seq_len, heads, nope + v_dim)
+        k_nope_BSHn, v_BSHv = kv_BSH.split([nope, v_dim], dim=-1)
+
+        # RoPE works on (..., S, r) views; elementwise ops keep the (B, S, H) memory order. One RoPE key
+        # per token: rotated once, broadcast over the heads.
+        q_rope_BHSr, k_rope_B1Sr = rope(q_BSHq[..., nope:].transpose(1, 2), k_rope_BSr.unsqueeze(1))
+        # Queries, keys and values laid out (B, S, H, width), as grouped-query attention's are: the
+        # kernel's output then follows, and o_proj reads it without a copy when no slice is needed.
+        q_BSHq = torch.cat([q_BSHq[..., :nope], q_rope_BHSr.transpose(1, 2)], dim=-1)
+        k_BSHq = torch.cat([k_nope_BSHn, k_rope_B1Sr.transpose(1, 2).expand(batch, seq_len, heads, rope_dim)], dim=-1)
+        if v_dim < qk_dim:
+            v_BSHv = F.pad(v_BSHv, (0, qk_dim - v_dim))
+        elif qk_dim < v_dim:
+            q_BSHq, k_BSHq = (F.pad(t, (0, v_dim - qk_dim)) for t in (q_BSHq, k_BSHq))
+        o_BHSw = F.scaled_dot_product_attention(
+            q_BSHq.transpose(1, 2), k_BSHq.transpose(1, 2), v_BSHv.transpose(1, 2), is_causal=True,
+            scale=self.softmax_scale,
+        )
+        o_BSHv = o_BHSw.transpose(1, 2)[..., :v_dim]
+        return self.o_proj(o_BSHv.reshape(batch, seq_len, heads * v_dim))
