@@ -169,7 +169,7 @@ def _attention_flop_params(config: ModelConfig) -> int:
     """N_attn of the module docstring: the projections plus, with MLA, Megatron's one multiply-add per
     element of each latent norm."""
     mla = config.mla
-    latent_norms = 0
+    latent_norms = 0 if mla is None else mla.kv_lora_rank + (mla.q_lora_rank or 0)
     return _attention_projection_params(config) + latent_norms
 
 
