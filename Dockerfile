@@ -4,7 +4,8 @@
 # pytorch/pytorch:2.13.0-cuda13.0-cudnn9-runtime: the torch release CI pins (2.13.0), CUDA 13.0
 # (Hopper and Blackwell, B300 included; GPU hosts need an NVIDIA driver >= 580), the triton that
 # torch release was built with, and no compiler toolchain (the "devel" tag adds one; nothing here
-# compiles CUDA code ahead of time). The same image runs on a CPU-only host: torch finds no GPU and
+# compiles CUDA code ahead of time; g++ is installed below for the compilers torch and Triton run).
+# The same image runs on a CPU-only host: torch finds no GPU and
 # the suites pick their CPU scenarios. Any image with python >= 3.10, pip and torch >= 2.8 works
 # (e.g. MOE_BASE_IMAGE=moe-local-base:latest here): the base's torch and triton are never
 # reinstalled.
@@ -31,6 +32,13 @@ RUN (getent group "${GID}" >/dev/null || groupadd --gid "${GID}" moe) \
  && mkdir -p /home/moe /opt/moe-engine && chown "${UID}:${GID}" /home/moe /opt/moe-engine && chmod 1777 /home/moe
 
 WORKDIR /opt/moe-engine
+
+# A C/C++ compiler at run time: torch.compile's inductor builds its CPU kernels with g++ (run.compile on
+# a CPU host, tests/test_compile.py), and Triton compiles its small launcher with the C compiler on the
+# first kernel of a GPU run. The runtime base images carry none.
+RUN if ! command -v g++ >/dev/null; then \
+      apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+      && rm -rf /var/lib/apt/lists/*; fi
 
 # The pinned light dependencies first (this layer survives code changes). base-torch.txt pins the
 # base image's own torch (and triton) as constraints, so pip can never swap them.
