@@ -33,11 +33,14 @@ RUN (getent group "${GID}" >/dev/null || groupadd --gid "${GID}" moe) \
 
 WORKDIR /opt/moe-engine
 
-# A C/C++ compiler at run time: torch.compile's inductor builds its CPU kernels with g++ (run.compile on
+# A C/C++ compiler and Python's headers at run time: torch.compile's inductor builds its CPU kernels
+# with g++ against Python.h (run.compile on
 # a CPU host, tests/test_compile.py), and Triton compiles its small launcher with the C compiler on the
 # first kernel of a GPU run. The runtime base images carry none.
-RUN if ! command -v g++ >/dev/null; then \
+RUN headers=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")/Python.h; \
+    if ! command -v g++ >/dev/null || [ ! -f "$headers" ]; then \
       apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+        $([ -f "$headers" ] || echo python3-dev) \
       && rm -rf /var/lib/apt/lists/*; fi
 
 # The pinned light dependencies first (this layer survives code changes). base-torch.txt pins the

@@ -81,7 +81,8 @@ def test_report_command_on_the_results_folder(folder, tmp_path, capsys):
 
 
 def test_report_of_the_repositorys_own_results(tmp_path, capsys):
-    if not any((REPO_ROOT / "results").rglob("*.json")) or not (REPO_ROOT / "releases.json").is_file():
+    documents = [p for p in (REPO_ROOT / "results").rglob("*.json") if p.name != "schema.json"]
+    if not documents:
         pytest.skip("no committed results here (the image leaves results/ out: .dockerignore)")
     assert main(["report", str(REPO_ROOT / "results"), "--out", str(tmp_path / "page")]) == 0
     assert "Traceback" not in capsys.readouterr().err
