@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Pair", "copy_weights", "dense_pattern", "rope_parameters", "shared_unsupported", "tied_parameters"]
+__all__ = ["Pair", "converted_model", "copy_weights", "dense_pattern", "rope_parameters", "shared_unsupported", "tied_parameters"]
 
 Pair = tuple[str, str] | tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]
 """(engine name, transformers name[, transform of the source before the copy])."""
@@ -93,3 +93,18 @@ def tied_parameters(hf_model: nn.Module, tied: bool) -> dict[str, torch.Tensor]:
         if head is not embedding:
             raise RuntimeError("tie_word_embeddings is set but lm_head.weight is not the embedding's weight")
     return theirs
+
+
+def converted_model(hf_model: nn.Module, config, pairs: Iterable[Pair], device: torch.device | str | None,
+                    their_buffers: dict[str, torch.Tensor] | None = None, buffers: Iterable[str] = ()):
+    """An engine ``Transformer`` of ``config`` with ``hf_model``'s weights copied by ``pairs`` (and
+    ``their_buffers`` into the engine buffers named in ``buffers``), on ``hf_model``'s device unless
+    ``device`` says otherwise, cast to ``config.dtype``."""
+    from moe_engine.model import Transformer, cast_parameters
+
+    theirs = tied_parameters(hf_model, config.tie_embeddings)
+    theirs.update(their_buffers or {})
+    with torch.device(device or next(iter(theirs.values())).device):
+        model = Transformer(config)
+    copy_weights(model, theirs, pairs, buffers)
+    return cast_parameters(model, config.dtype)

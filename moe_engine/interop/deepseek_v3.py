@@ -31,8 +31,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_engine.config import ExpertBackendKind, MLAConfig, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
-from moe_engine.interop.common import Pair, copy_weights, rope_parameters, shared_unsupported, tied_parameters
-from moe_engine.model import Transformer, cast_parameters
+from moe_engine.interop.common import (
+    Pair,
+    converted_model,
+    rope_parameters,
+    shared_unsupported,
+)
+from moe_engine.model import Transformer
 
 if TYPE_CHECKING:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -157,11 +162,8 @@ def from_transformers(
 ) -> Transformer:
     """An engine model with the weights of a ``DeepseekV3ForCausalLM`` (on its device unless told otherwise)."""
     config = config_from_transformers(hf_model.config, dtype=dtype, backend=backend)
-    theirs = tied_parameters(hf_model, config.tie_embeddings)
     # The selection biases are buffers on both sides.
-    theirs.update({n: b for n, b in hf_model.named_buffers() if n.endswith("e_score_correction_bias")})
-    with torch.device(device or next(iter(theirs.values())).device):
-        model = Transformer(config)
+    their_biases = {n: b for n, b in hf_model.named_buffers() if n.endswith("e_score_correction_bias")}
     biases = [f"blocks.{i}.ffn.router.expert_bias" for i in range(config.n_layers) if config.is_moe_layer(i)]
-    copy_weights(model, theirs, _model_pairs(config, bool(getattr(hf_model.config, "rope_interleave", False))), biases)
-    return cast_parameters(model, config.dtype)
+    pairs = _model_pairs(config, bool(getattr(hf_model.config, "rope_interleave", False)))
+    return converted_model(hf_model, config, pairs, device, their_biases, biases)

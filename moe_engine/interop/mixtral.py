@@ -21,8 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
-from moe_engine.interop.common import copy_weights, rope_parameters, shared_unsupported, tied_parameters
-from moe_engine.model import Transformer, cast_parameters
+from moe_engine.interop.common import (
+    converted_model,
+    rope_parameters,
+    shared_unsupported,
+)
+from moe_engine.model import Transformer
 
 if TYPE_CHECKING:
     from transformers import MixtralConfig, MixtralForCausalLM
@@ -94,8 +98,4 @@ def from_transformers(
 ) -> Transformer:
     """An engine model with the weights of a ``MixtralForCausalLM`` (on its device unless told otherwise)."""
     config = config_from_transformers(hf_model.config, dtype=dtype, backend=backend)
-    theirs = tied_parameters(hf_model, config.tie_embeddings)
-    with torch.device(device or next(iter(theirs.values())).device):
-        model = Transformer(config)
-    copy_weights(model, theirs, _model_pairs(config))
-    return cast_parameters(model, config.dtype)
+    return converted_model(hf_model, config, _model_pairs(config), device)

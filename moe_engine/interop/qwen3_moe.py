@@ -25,13 +25,12 @@ import torch
 
 from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, Precision, RoutingMode, ScoreFunc
 from moe_engine.interop.common import (
-    copy_weights,
+    converted_model,
     dense_pattern,
     rope_parameters,
     shared_unsupported,
-    tied_parameters,
 )
-from moe_engine.model import Transformer, cast_parameters
+from moe_engine.model import Transformer
 
 if TYPE_CHECKING:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -129,8 +128,4 @@ def from_transformers(
 ) -> Transformer:
     """An engine model with the weights of a ``Qwen3MoeForCausalLM`` (on its device unless told otherwise)."""
     config = config_from_transformers(hf_model.config, dtype=dtype, backend=backend)
-    theirs = tied_parameters(hf_model, config.tie_embeddings)
-    with torch.device(device or next(iter(theirs.values())).device):
-        model = Transformer(config)
-    copy_weights(model, theirs, _model_pairs(config))
-    return cast_parameters(model, config.dtype)
+    return converted_model(hf_model, config, _model_pairs(config), device)
