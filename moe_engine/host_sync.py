@@ -9,19 +9,25 @@
   (``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``) or whose output shape
   depends on device data (``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``,
   indexing with a boolean mask);
+- tensors made from host data (``torch.tensor``, ``torch.as_tensor``: ``aten::lift_fresh``) and blocking
+  copies from the host to a device: on a GPU both are a copy that waits for the host
+  (``memcpy_and_sync``). On CPU they cost nothing, but the guard refuses them anyway, so that a CPU
+  run finds what the first GPU run would fail on;
 - on CUDA, ``torch.cuda.set_sync_debug_mode("error")``, which sees the synchronising CUDA calls of
   any kernel, but only for code running on a CUDA device.
 
 It cannot see a sync *inside* an ATen kernel: a dispatch mode sees the op it is handed
 (``aten._grouped_mm``), not the ops that op's kernel calls below the dispatcher. On CPU (and on
-CUDA for every grouped-GEMM input but bf16 on sm90/sm100) ``torch._grouped_mm`` reads its offsets
+CUDA for every grouped-GEMM input but bf16 on sm9x/sm10x) ``torch._grouped_mm`` reads its offsets
 on the host, one ``item()`` per group, and the guard lets it pass.
 
 ``profile_host_syncs(fn)`` is the second line of defence: it runs ``fn`` under the profiler, which
 records every op at every depth, and returns each host-synchronising event with the ops it ran
 inside. It works on CPU and CUDA (where it adds the CUDA runtime's synchronising calls), so a test
 can require "no sync at all" or "syncs only inside ``aten::_grouped_mm``" and see what the guard
-cannot.
+cannot. It counts only what runs inside a ``record_function`` region around ``fn``: on CUDA the profiler
+itself calls ``torch.cuda.synchronize()`` on exit, before it stops recording, and that sync is not
+``fn``'s.
 """
 
 from __future__ import annotations
@@ -88,6 +94,21 @@ _SYNCING_OPS = {
 _MASK_INDEXING_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 
 
+def _copies_from_host(func, args, kwargs) -> bool:
+    """A blocking copy of host memory to a device (on CUDA: ``memcpy_and_sync``)."""
+    name = func._schema.name
+    if name == "aten::lift_fresh":
+        return True
+    if name == "aten::_to_copy":
+        source, target = args[0].device, kwargs.get("device")
+    elif name == "aten::copy_":
+        source, target = args[1].device, args[0].device
+    else:
+        return False
+    non_blocking = kwargs.get("non_blocking", args[2] if name == "aten::copy_" and len(args) > 2 else False)
+    return source.type == "cpu" and target is not None and target.type not in ("cpu", "meta") and not non_blocking
+
+
 def _syncs(func, args, kwargs) -> bool:
     name = func._schema.name
     if name in _SYNCING_OPS:
@@ -104,6 +125,8 @@ class _ForbidOps(TorchDispatchMode):
         kwargs = kwargs or {}
         if _syncs(func, args, kwargs):
             raise HostSyncError(f"host synchronisation: {func._schema.name}")
+        if _copies_from_host(func, args, kwargs):
+            raise HostSyncError(f"host-to-device copy: {func._schema.name} (make the tensor before the guarded block)")
         return func(*args, **kwargs)
 
 
@@ -139,15 +162,20 @@ class ProfiledSync:
         return op in self.stack
 
 
+MEASURED_REGION = "moe_engine.host_sync.measured"
+"""The ``record_function`` label around the function ``profile_host_syncs`` measures."""
+
+
 def profile_host_syncs(fn: Callable[[], object]) -> list[ProfiledSync]:
     """Run ``fn`` under the profiler; every host sync it issued, at any depth, in order."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        fn()
+        with record_function(MEASURED_REGION):
+            fn()
     found = []
     for event in prof.events():
         if event.name in _SYNCING_OPS or event.name in _SYNCING_CUDA_CALLS:
@@ -155,6 +183,7 @@ def profile_host_syncs(fn: Callable[[], object]) -> list[ProfiledSync]:
             while parent is not None:
                 stack.append(parent.name)
                 parent = parent.cpu_parent
-            found.append(ProfiledSync(event.name, tuple(stack)))
+            if MEASURED_REGION in stack:
+                found.append(ProfiledSync(event.name, tuple(s for s in stack if s != MEASURED_REGION)))
     return found
 

@@ -41,11 +41,12 @@ def test_grouped_backend_on_cuda_matches_cpu_reference(dtype):
     (reference(x_ref) * grad).sum().backward()
 
     x_gpu = x.cuda().to(dtype).requires_grad_()
-    # Sync-free only on the CUTLASS path (bf16 on sm90/sm100); fp32 takes torch's host loop.
+    grad_gpu = grad.cuda().to(dtype)  # a host-to-device copy: outside the guard, which refuses one
+    # Sync-free only on the CUTLASS path (bf16 on sm9x/sm10x); fp32 takes torch's host loop.
     fast = grouped_mm_path(x_gpu.device, dtype) is GroupedMMPath.CUTLASS
     with forbid_host_sync() if fast else contextlib.nullcontext():
         y = layer(x_gpu)
-        (y * grad.cuda().to(dtype)).sum().backward()
+        (y * grad_gpu).sum().backward()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     y_ref = reference(x).detach()
     assert ((y.float().cpu() - y_ref).abs().max() / y_ref.abs().max()) < tol

@@ -119,7 +119,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
 class TorchGroupedBackend(ExpertBackend):
     """``torch._grouped_mm`` with device-side offsets.
 
-    No host sync on the CUTLASS path (bf16 on sm90/sm100); elsewhere torch's kernel loops over the
+    No host sync on the CUTLASS path (bf16 on sm9x/sm10x); elsewhere torch's kernel loops over the
     groups on the host (see ``moe_engine.moe.grouped_gemm``). ``path`` names the kernel the last
     forward ran; before any forward, the one bf16 would get on the first visible device.
     """

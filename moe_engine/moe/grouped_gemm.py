@@ -7,11 +7,11 @@ bucket or a padded buffer can break the last two unseen until the first GPU run.
 asserts these preconditions on every device, so CPU tests refuse what a GPU would. The checks read
 only shapes, strides and pointers: no device data, no host sync, cheap enough to leave on.
 
-Which kernel runs (``grouped_mm_path``): the CUTLASS grouped GEMM only for bf16 operands on sm90 and
-sm100 (Hopper, datacenter Blackwell). Every other dtype (fp32 included) and architecture (sm80,
-sm120) takes torch's fallback, a loop over the groups that reads the offsets on the host: one host
+Which kernel runs (``grouped_mm_path``): the CUTLASS grouped GEMM only for bf16 operands on compute
+capability 9.x and 10.x (Hopper; datacenter Blackwell: B200 is sm100, B300 sm103). Every other dtype
+(fp32 included) and architecture (sm80, sm120) takes torch's fallback, a loop over the groups that reads the offsets on the host: one host
 sync per group and GEMM. CPU always runs such a loop. The engine's "no host sync" guarantee for the
-experts therefore holds for bf16 on sm90/sm100 only; the code around the GEMMs is sync-free on
+experts therefore holds for bf16 on sm9x/sm10x only; the code around the GEMMs is sync-free on
 every device.
 """
 
@@ -29,7 +29,7 @@ class GroupedMMPath(str, Enum):
     """Which implementation ``torch._grouped_mm`` runs."""
 
     CUTLASS = "grouped-mm-cutlass"
-    """The CUDA grouped GEMM kernel (bf16 on sm90/sm100): offsets stay on the device."""
+    """The CUDA grouped GEMM kernel (bf16 on sm9x/sm10x): offsets stay on the device."""
     FALLBACK = "grouped-mm-host-loop"
     """A loop over groups that reads the offsets on the host (CPU; CUDA for other dtypes or GPUs)."""
 
@@ -42,7 +42,8 @@ def grouped_mm_path(device: torch.device | str, dtype: torch.dtype) -> GroupedMM
     """The kernel ``torch._grouped_mm`` runs for operands of ``dtype`` on ``device``."""
     device = torch.device(device)
     if device.type == "cuda" and dtype == torch.bfloat16:
-        if torch.cuda.get_device_capability(device) in ((9, 0), (10, 0)):
+        # torch's own test for its fast path is the major version alone (sm90, sm100, sm103 for B300).
+        if torch.cuda.get_device_capability(device)[0] in (9, 10):
             return GroupedMMPath.CUTLASS
     return GroupedMMPath.FALLBACK
 

@@ -285,17 +285,19 @@ def test_saved_expert_activations_shrink_in_mxfp8():
 def test_layer_on_cuda_runs_the_triton_kernel_without_host_sync():
     config = ModelConfig(
         d_model=256, dtype="bf16", init_std=0.05,
-        moe=MoEConfig(num_experts=16, top_k=4, expert_hidden=128, routing="random"),
+        # Balanced routing is the same function on both devices; "random" draws from Philox on CUDA and
+        # from mt19937 on the CPU, so one seed would route the two runs to other experts.
+        moe=MoEConfig(num_experts=16, top_k=4, expert_hidden=128, routing="balanced"),
     )
     x_TD = torch.randn(1024, 256, dtype=torch.bfloat16)
     grad_TD = torch.randn(1024, 256, dtype=torch.bfloat16)
     reference = run(make_layer(config, "torch"), x_TD, grad_TD)
     layer = make_layer(config, "mxfp8").cuda()
     x = x_TD.cuda().requires_grad_()
-    layer.router.reset_routing_generator()
+    grad = grad_TD.cuda()  # a host-to-device copy: outside the guard, which refuses one
     with forbid_host_sync():
         y = layer(x)
-        (y * grad_TD.cuda()).sum().backward()
+        (y * grad).sum().backward()
     major, minor = torch.cuda.get_device_capability()
     mode = "native" if major >= 10 else "emulated"  # no MX tensor cores before sm100
     assert layer.experts.backend.path == f"triton-dot-scaled-{mode}-sm{major}{minor}"
