@@ -26,6 +26,12 @@ is not ok in the candidate fails the gate; one that fails only in the baseline (
 newer than the baseline's code) is reported and not compared. A side whose result file cannot be
 read back counts as a failed run, naming the file.
 
+Accepted changes (``bench.gate.compare``, Accepted changes) apply as in ``moe-bench gate``: those of
+the command line (``--accept``) always, a release's when the baseline's version is older than that
+release and the candidate's is that release or newer. The resident blocks measure step time, so
+their verdict is accepted by an acceptance naming ``step_time_s``; the full runs' exact metrics and
+work counters by one naming them.
+
 ``moe-bench ab --calibrate`` runs the same resident comparison with this checkout on both sides
 (A/A) for the whole budget: its spread is the noise floor of the machine, and it gives the smallest
 tolerance that keeps false alarms at or below 5% within that budget.
@@ -50,7 +56,10 @@ from typing import Any, Callable, Iterator
 from bench.gate import paired
 from bench.gate.compare import (
     NOISE_FLOORS,
+    Acceptance,
+    acceptance_of,
     classify,
+    describe_acceptances,
     format_noise,
     format_number,
     format_percent,
@@ -68,7 +77,7 @@ from bench.gate.resident import (
     compare_resident,
 )
 from bench.release.git import try_git
-from bench.release.record import RELEASES_PATH, ReleaseError, latest_release
+from bench.release.record import RELEASES_PATH, ReleaseError, load_releases
 from bench.results import REPO_ROOT, ResultFileError, load_results
 from bench.scenario import Scenario
 
@@ -125,10 +134,12 @@ class PairedMetric:
     noise: float
     """Interquartile range of ``ratios`` (0 when ``exact``), at least the metric's ``NOISE_FLOORS`` entry."""
     verdict: str
-    """regressed, improved, unchanged or info (``bench.gate.compare.classify``), or accepted: an exact
-    metric's regression that the job accepts (``--accept-increase``)."""
+    """regressed, inconclusive, improved, unchanged or info (``bench.gate.compare.classify``), or accepted:
+    a regression within an accepted change, or of an exact metric the job accepts (``--accept-increase``)."""
     exact: bool = False
     """No run has a spread for this metric (one sample each): compared as an exact value."""
+    accepted: str | None = None
+    """The accepted changes a regression is within (verdict accepted); None for ``--accept-increase``."""
 
 
 @dataclass
@@ -145,19 +156,33 @@ class ABReport:
     """The paired block timings, one per execute scenario compared."""
     work: list[str] = field(default_factory=list)
     """Work-counter findings; those starting with REGRESSION fail the gate."""
+    acceptances: list[Acceptance] = field(default_factory=list)
+    """The accepted changes that apply to the two sides (``bench.gate.compare``, Accepted changes);
+    the resident blocks' step time is accepted by those naming ``step_time_s``."""
+
+    def resident_verdict(self, r: ResidentComparison) -> str:
+        """The blocks' verdict, ``accepted`` for a slowdown within the accepted changes of its step time."""
+        if r.verdict == "regressed" and r.estimate is not None:
+            _, within = acceptance_of(self.acceptances, "step_time_s", r.scenario, 1 + r.estimate.slowdown, "lower")
+            if within:
+                return "accepted"
+        return r.verdict
+
+    def _named(self, scenario: str, name: str) -> tuple[Acceptance, ...]:
+        return acceptance_of(self.acceptances, name, scenario, None, None)[0]
 
     @property
     def exit_code(self) -> int:
         return 1 if (
             self.failures
             or any(m.verdict == "regressed" for m in self.metrics)
-            or any(r.verdict == "regressed" for r in self.resident)
+            or any(self.resident_verdict(r) == "regressed" for r in self.resident)
             or any(w.startswith("REGRESSION") for w in self.work)
         ) else 0
 
     def render(self) -> str:
-        counts = {v: sum(m.verdict == v for m in self.metrics) + sum(r.verdict == v for r in self.resident)
-                  for v in ("regressed", "improved", "unchanged", "inconclusive", "accepted")}
+        verdicts = [m.verdict for m in self.metrics] + [self.resident_verdict(r) for r in self.resident]
+        counts = {v: verdicts.count(v) for v in ("regressed", "improved", "unchanged", "inconclusive", "accepted")}
         scenarios = len({m.scenario for m in self.metrics} | {r.scenario for r in self.resident})
         accepted = f", {counts['accepted']} accepted" if counts["accepted"] else ""
         header = (
@@ -173,7 +198,8 @@ class ABReport:
              format_number(statistics.median(r.candidate_s) / r.steps_per_block),
              format_ratio(1 + r.estimate.slowdown),
              f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}]",
-             f"{len(r.baseline_s)} x {r.steps_per_block} steps, {r.seconds:.0f} s, {r.stopped_by}", r.verdict)
+             f"{len(r.baseline_s)} x {r.steps_per_block} steps, {r.seconds:.0f} s, {r.stopped_by}",
+             self.resident_verdict(r))
             for r in self.resident if r.estimate is not None
         ] + [
             (m.scenario, m.metric, m.unit, format_number(m.base), format_number(m.cand), format_ratio(m.ratio),
@@ -183,9 +209,11 @@ class ABReport:
         widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
         findings = [
-            f"REGRESSION {r.scenario} step time: x{format_ratio(1 + r.estimate.slowdown)}, 95% interval "
+            f"{'REGRESSION' if self.resident_verdict(r) == 'regressed' else 'ACCEPTED'} {r.scenario} step time: "
+            f"x{format_ratio(1 + r.estimate.slowdown)}, 95% interval "
             f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] over "
             f"{len(r.baseline_s)} block pairs (tolerance {format_percent(self.tolerance)})"
+            + _acceptance_text(self._named(r.scenario, "step_time_s"), self.resident_verdict(r) == "accepted")
             for r in self.resident if r.verdict == "regressed"
         ] + [
             f"INCONCLUSIVE {r.scenario} step time: interval "
@@ -195,13 +223,24 @@ class ABReport:
         ] + [
             f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
             f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
+            + _acceptance_text(self._named(m.scenario, m.metric), False)
             for m in self.metrics if m.verdict == "regressed"
         ] + [
-            f"NOTE {m.scenario} {m.metric}: x{format_ratio(m.ratio)}, beyond the tolerance (accepted)"
+            f"ACCEPTED {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
+            f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)}); accepted: {m.accepted}"
+            if m.accepted
+            else f"NOTE {m.scenario} {m.metric}: x{format_ratio(m.ratio)}, beyond the tolerance (accepted)"
             for m in self.metrics if m.verdict == "accepted"
         ]
         table = lines if rows else ["(no metrics compared)"]
         return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
+
+
+def _acceptance_text(named: tuple[Acceptance, ...], within: bool) -> str:
+    """``; accepted: <reasons>`` for a change within them, ``; beyond the accepted change: ...`` otherwise."""
+    if not named:
+        return ""
+    return f"; {'accepted' if within else 'beyond the accepted change'}: {describe_acceptances(named)}"
 
 
 def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tolerance: float) -> PairedMetric:
@@ -227,15 +266,16 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
 
 def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float, baseline: str = "baseline",
                 candidate: str = "candidate", exact_only: bool = False,
-                accept_increase: frozenset[str] = frozenset()) -> ABReport:
+                accept_increase: frozenset[str] = frozenset(), acceptances: list[Acceptance] | None = None) -> ABReport:
     """The report over every scenario's (baseline, candidate) runs, pair by pair.
 
     ``exact_only``: gate only the metrics without a spread; the timed ones are left to the resident
     blocks (one full run per side says nothing about their noise). ``accept_increase``: exact metrics
     whose regression is reported as accepted instead of failing (a change that costs them on purpose).
+    ``acceptances``: accepted changes that apply to the two sides (a regression within them passes).
     """
     pairs_count = max((len(p) for p in runs.values()), default=0)
-    report = ABReport(baseline, candidate, tolerance, pairs_count)
+    report = ABReport(baseline, candidate, tolerance, pairs_count, acceptances=list(acceptances or ()))
     for scenario, pairs in runs.items():
         if all(b.status == c.status == "skipped" for b, c in pairs):
             report.notes.append(f"NOTE {scenario}: skipped on both sides ({pairs[-1][1].error})")
@@ -265,8 +305,12 @@ def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float
                         f"NOTE {scenario} {name}: plan estimate changed x{format_ratio(paired.ratio)} (not gated)"
                     )
                 paired = dataclasses.replace(paired, verdict="info")
-            elif paired.verdict == "regressed" and paired.exact and name in accept_increase:
-                paired = dataclasses.replace(paired, verdict="accepted")
+            elif paired.verdict == "regressed":
+                named, within = acceptance_of(report.acceptances, name, scenario, paired.ratio, paired.better)
+                if within:
+                    paired = dataclasses.replace(paired, verdict="accepted", accepted=describe_acceptances(named))
+                elif paired.exact and name in accept_increase:
+                    paired = dataclasses.replace(paired, verdict="accepted")
             report.metrics.append(paired)
         only = set().union(*(set(b.metrics) ^ set(c.metrics) for b, c in pairs))
         for name in sorted(only):
@@ -294,6 +338,8 @@ class ABPlan:
     """Work metrics whose increase is accepted (every one: the set of all); None accepts none."""
     accept_increase: frozenset[str] = frozenset()
     """Exact metrics (peak memory, optimizer bytes) whose regression is accepted."""
+    acceptances: tuple[Acceptance, ...] = ()
+    """Accepted changes: the command line's and every release's, applied by the two sides' versions."""
 
 
 def check_budget(budget_s: float) -> None:
@@ -306,29 +352,34 @@ def check_budget(budget_s: float) -> None:
 
 def plan_ab(ref: str | None, scenarios: list[Scenario], tolerance: float, budget_s: float = DEFAULT_BUDGET_S,
             root: Path = REPO_ROOT, releases_path: Path = RELEASES_PATH,
-            accept_work: frozenset[str] | None = None, accept_increase: frozenset[str] = frozenset()) -> ABPlan:
-    """Check everything before any work; raises ABError with a one-line reason."""
+            accept_work: frozenset[str] | None = None, accept_increase: frozenset[str] = frozenset(),
+            acceptances: tuple[Acceptance, ...] = ()) -> ABPlan:
+    """Check everything before any work; raises ABError with a one-line reason. ``acceptances``: the
+    command line's; the releases' (``releases_path``) are added, to apply where the versions say."""
     check_budget(budget_s)
     if not scenarios:
         raise ABError("no scenarios to run")
     if try_git(root, "rev-parse", "--is-inside-work-tree") is None:
         raise ABError(f"{root} is not a git checkout: the A/B gate checks the baseline out of the repository history")
+    try:
+        releases = load_releases(releases_path)
+    except ReleaseError as err:
+        raise ABError(str(err)) from None
+    acceptances = (*acceptances, *(a for r in releases for a in r.accepted))
     if ref is None:
-        try:
-            release = latest_release(releases_path)
-        except ReleaseError as err:
-            raise ABError(str(err)) from None
+        release = releases[-1] if releases else None
         if release is None:
             raise ABError(f"no release recorded in {releases_path.name}: pass --baseline-ref REF")
         commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{release.commit}^{{commit}}")
         if commit is None:
             raise ABError(f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
                           "(git fetch --unshallow)")
-        return ABPlan(f"release {release.version}", commit, scenarios, tolerance, budget_s, accept_work, accept_increase)
+        return ABPlan(f"release {release.version}", commit, scenarios, tolerance, budget_s, accept_work,
+                      accept_increase, acceptances)
     commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
     if commit is None:
         raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
-    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase)
+    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances)
 
 
 def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: Path = REPO_ROOT,
@@ -386,12 +437,13 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
                 f"{len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps in "
                 f"{comparison.seconds:.0f} s: {comparison.verdict}")
     baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
+    applicable = [a for a in plan.acceptances if a.applies(versions.get("baseline"), versions.get("candidate"))]
     report = paired_gate(runs, plan.tolerance, baseline, versions.get("candidate", "this checkout"), exact_only=True,
-                         accept_increase=plan.accept_increase)
+                         accept_increase=plan.accept_increase, acceptances=applicable)
     report.resident = comparisons
     report.failures += resident_failures
     report.notes += report_notes
-    report.work = _work_findings(runs, plan.accept_work)
+    report.work = _work_findings(runs, plan.accept_work, applicable)
     return report
 
 
@@ -403,13 +455,15 @@ def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: 
         return compare_resident(base, cand, plan.tolerance, plan.budget_s, log=log)
 
 
-def _work_findings(runs: dict[str, list[tuple[SideRun, SideRun]]], accept: frozenset[str] | None) -> list[str]:
+def _work_findings(runs: dict[str, list[tuple[SideRun, SideRun]]], accept: frozenset[str] | None,
+                   acceptances: list[Acceptance] | None = None) -> list[str]:
     """Work-counter verdicts of each scenario's two full runs (``bench.gate.compare.work_verdicts``)."""
     findings = []
     for scenario, pairs in runs.items():
         base, cand = pairs[-1]
         if base.status == cand.status == "ok":
-            findings += work_verdicts(scenario, (base.metrics, base.details), (cand.metrics, cand.details), accept)
+            findings += work_verdicts(scenario, (base.metrics, base.details), (cand.metrics, cand.details), accept,
+                                      acceptances=acceptances or ())
     return findings
 
 

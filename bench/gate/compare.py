@@ -47,6 +47,8 @@ Direction comes from the metric's ``better`` field:
   when ``ratio > 1 + threshold``;
 * ``better == "lower"`` (peak memory, step time): regressed when ``ratio > 1 + threshold``,
   improved when ``ratio < 1 - threshold``;
+* a change beyond the tolerance but within the noise: verdict ``inconclusive`` (the two runs are too
+  noisy to tell; reported, not gated); a change within the tolerance is ``unchanged``;
 * ``better is None``: verdict ``info``, reported and never gated (``outside_noise`` is still
   computed);
 * a metric on one side only: verdict ``missing`` (reported, not gated).
@@ -77,18 +79,33 @@ increased (accepted): ...``. ``work_verdicts`` gives these lines for any two doc
 gate calls it for its two sides). Where one side has no work counters (a document from before
 them) there is no work verdict, only the note ``no work counters on one side``.
 
+Accepted changes
+----------------
+A change made on purpose is accepted by name: ``METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%:
+REASON`` (``parse_acceptance``), e.g. ``peak_tensor_bytes@e8-random-bf16<=6%: fp32 gradient
+buffers``. A regression of a named metric on a named scenario that is at most N% worse passes with
+the verdict ``accepted`` and the report says why (``accepted: fp32 gradient buffers (release 0.2.0,
+up to 6%)``); a larger change, another metric or another scenario regresses as before, and the
+failure names the acceptance it went beyond. A release records its acceptances in
+``releases.json`` (``bench.release.record``); they apply to a comparison whose baseline is older
+than that release and whose candidate is that release or newer (``Acceptance.applies``), so they
+stop applying once the baseline has the change. An acceptance given on the command line applies to
+every comparison. Several acceptances of one metric on one scenario compound (5% twice accepts
+10.25%).
+
 ``gate`` fails (exit code 1) on any regressed metric, any work increase not accepted, any scenario
 missing in the candidate, any scenario not ``ok`` in the candidate and any mismatched scenario;
 otherwise it passes (0). The one exception: a scenario ``skipped`` on both sides (e.g. a CUDA-only
 scenario in two CPU runs) is listed in ``not_ok`` but does not fail. Scenarios only in the
-candidate, not ok only in the baseline, metrics on one side only, improvements, accepted work
-increases and ``info`` metrics are reported, not failed.
+candidate, not ok only in the baseline, metrics on one side only, improvements, accepted changes,
+inconclusive and ``info`` metrics are reported, not failed.
 
 Everything here is a pure function over loaded documents; the ``moe-bench`` CLI does the I/O.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
@@ -98,12 +115,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from packaging.version import InvalidVersion, Version
+
 from bench.results import ResultDocument, load_results, metric
 
 DEFAULT_TOLERANCE = 0.05
 """Default relative tolerance (5%)."""
 
-VERDICTS = ("regressed", "improved", "unchanged", "info", "missing")
+VERDICTS = ("regressed", "accepted", "inconclusive", "improved", "unchanged", "info", "missing")
 
 _EPS = 1e-12  # |ratio - 1| must exceed the threshold by more than rounding error.
 
@@ -310,9 +329,11 @@ class MetricRow:
     outside_noise: bool
     """|ratio - 1| exceeds the threshold (tolerance and noise)."""
     verdict: str
-    """One of VERDICTS: regressed, improved, unchanged, info, missing."""
+    """One of VERDICTS: regressed, accepted, inconclusive, improved, unchanged, info, missing."""
     exact: bool = False
     """No side has a spread (one sample per run): compared as an exact value, no noise allowance."""
+    accepted: str | None = None
+    """Why a regression is accepted (verdict ``accepted``): the reasons and where they were given."""
 
     @property
     def change(self) -> float | None:
@@ -454,7 +475,8 @@ def classify(ratio: float, noise: float, better: str | None, tolerance: float) -
     if better is None:
         return outside, "info"
     if not outside:
-        return outside, "unchanged"
+        beyond_tolerance = abs(ratio - 1.0) > tolerance + _EPS
+        return outside, "inconclusive" if beyond_tolerance else "unchanged"
     went_up = ratio > 1.0
     if better == "higher":
         return outside, "improved" if went_up else "regressed"
@@ -471,19 +493,22 @@ def is_work_metric(name: str) -> bool:
 def _evaluate(row: MetricRow, tolerance: float) -> MetricRow:
     """Fill in ratio, noise, threshold and verdict from the row's medians and spreads."""
     if row.base is None or row.cand is None:
-        return replace(row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing")
+        return replace(row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing",
+                       accepted=None)
     ratio = paired_ratio(row.base, row.cand)
     if is_work_metric(row.metric) and row.better is not None:
         # Exact counts: any change counts, whatever the tolerance.
         changed = row.cand != row.base
         worse = row.cand > row.base if row.better == "lower" else row.cand < row.base
         verdict = "unchanged" if not changed else ("regressed" if worse else "improved")
-        return replace(row, ratio=ratio, noise=0.0, threshold=0.0, outside_noise=changed, verdict=verdict, exact=True)
+        return replace(row, ratio=ratio, noise=0.0, threshold=0.0, outside_noise=changed, verdict=verdict, exact=True,
+                       accepted=None)
     noise = 0.0 if row.exact else (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
     noise = max(noise, NOISE_FLOORS.get(row.metric, 0.0))
     outside, verdict = classify(ratio, noise, row.better, tolerance)
     return replace(
-        row, ratio=ratio, noise=noise, threshold=max(tolerance, noise), outside_noise=outside, verdict=verdict
+        row, ratio=ratio, noise=noise, threshold=max(tolerance, noise), outside_noise=outside, verdict=verdict,
+        accepted=None,
     )
 
 
@@ -617,14 +642,16 @@ def work_verdicts(
     cand: WorkSide,
     accept: Collection[str] | bool | None = None,
     machine: str | None = None,
+    acceptances: Sequence[Acceptance] = (),
 ) -> list[str]:
     """The work verdict lines of one scenario's two sides (see the module doc), in metric order.
 
     ``base`` and ``cand``: each a result document (``ResultDocument`` or its JSON dict) or a
     ``(metrics, details)`` pair. ``accept``: the work metrics whose increase is accepted (True: all;
-    None: none). A line starts with ``REGRESSION`` (an increase not accepted: fails a gate) or
-    ``NOTE`` (an accepted increase, a decrease, or no work counters on one side). No line when
-    nothing changed, or when neither side has work counters (a plan, a proxy, a micro run).
+    None: none). ``acceptances``: accepted changes that apply to these two sides (module doc). A
+    line starts with ``REGRESSION`` (an increase not accepted: fails a gate) or ``NOTE`` (an
+    accepted increase, a decrease, or no work counters on one side). No line when nothing changed,
+    or when neither side has work counters (a plan, a proxy, a micro run).
     """
     base_metrics, base_details = _metrics_and_details(base)
     cand_metrics, cand_details = _metrics_and_details(cand)
@@ -645,12 +672,16 @@ def work_verdicts(
         if b == c or cand_metrics[name]["better"] is None:
             continue
         text = describe_work_change(name, b, c, base_ranks, cand_ranks)
+        named, within = acceptance_of(acceptances, name, scenario, paired_ratio(b, c), "lower")
         if c < b:
             lines.append(f"NOTE {scenario} {name}: work decreased: {text}{where}")
         elif name in accepted:
             lines.append(f"NOTE {scenario} {name}: work increased (accepted): {text}{where}")
+        elif within:
+            lines.append(f"NOTE {scenario} {name}: work increased (accepted: {describe_acceptances(named)}): "
+                         f"{text}{where}")
         else:
-            lines.append(f"REGRESSION {scenario} {name}: work increased: {text}{where}")
+            lines.append(f"REGRESSION {scenario} {name}: work increased: {text}{where}{_beyond(named)}")
     return lines
 
 
@@ -658,14 +689,18 @@ def _has_work_counters(metrics: Mapping[str, Any]) -> bool:
     return any(is_work_metric(name) for name in metrics)
 
 
-def work_findings(comparison: Comparison, accept: Collection[str] | bool | None = None) -> list[str]:
-    """``work_verdicts`` of every compared scenario (pooled metrics, the newest pooled run's census)."""
+def work_findings(
+    comparison: Comparison, accept: Collection[str] | bool | None = None, acceptances: Sequence[Acceptance] = ()
+) -> list[str]:
+    """``work_verdicts`` of every compared scenario (pooled metrics, the newest pooled run's census);
+    of ``acceptances``, those that apply to each scenario's two versions."""
     lines = []
     for key in comparison.compared:
         base, cand = comparison.base_groups.get(key), comparison.cand_groups.get(key)
         if base is None or cand is None:
             continue
-        lines += work_verdicts(key[0], _group_side(base), _group_side(cand), accept, machine=key[1])
+        lines += work_verdicts(key[0], _group_side(base), _group_side(cand), accept, machine=key[1],
+                               acceptances=_applicable(comparison, key, acceptances))
     return lines
 
 
@@ -784,6 +819,167 @@ def _per_rank_text(per_rank: dict[int, float], fmt) -> str:
 
 
 # --------------------------------------------------------------------------------------------
+# Accepted changes
+# --------------------------------------------------------------------------------------------
+
+GATED_METRICS = (
+    "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "rank_tokens_per_s", "dropped_tokens",
+    "peak_tensor_bytes", "rss_peak_bytes", "cuda_peak_active_bytes", "cuda_peak_reserved_bytes",
+    "optimizer_state_bytes", "checkpoint_save_s", "checkpoint_stall_s", "checkpoint_load_s",
+    "checkpoint_bytes_per_rank", "checkpoint_bytes_total",
+    *(f"memory_{part}_bytes" for part in ("params", "grads", "optimizer", "activations", "comm_buffers",
+                                          "backward_workspace", "optimizer_step", "total")),
+    "memory_fraction_of_gpu",
+    *(f"comm_{part}_bytes" for part in ("all_to_all", "grad_reduce", "pipeline", "total")),
+    *WORK_METRICS,
+)
+"""The metrics with a direction that execute, proxy and plan runs write (``bench.run.execute``,
+``bench.run.proxy``, ``bench.predict.plan``), and the work counters: an acceptance names one of them,
+or a metric of the documents it is checked against (``check_metric_names``)."""
+
+ACCEPT_FORMAT = "METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%: REASON"
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_]+")
+_SCENARIO_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """A change of named metrics on named scenarios made on purpose (module doc, Accepted changes)."""
+
+    metrics: tuple[str, ...]
+    """The metrics whose regression is accepted."""
+    scenarios: tuple[str, ...]
+    """The scenarios on which it is accepted."""
+    max_change: float
+    """The largest change accepted, as a fraction in the worse direction (0.06: 6% worse)."""
+    reason: str
+    """Why the change is made; the report shows it in place of "regressed"."""
+    release: str | None = None
+    """The release that made the change (``releases.json``); None for one given on the command line."""
+
+    @property
+    def spec(self) -> str:
+        """The text ``parse_acceptance`` reads back (what ``releases.json`` stores)."""
+        return f"{','.join(self.metrics)}@{','.join(self.scenarios)}<={format_percent(self.max_change)}: {self.reason}"
+
+    def applies(self, base_version: str | None, cand_version: str | None) -> bool:
+        """Whether it applies to a baseline and a candidate of these engine versions: a release's when the
+        baseline is older than the release and the candidate is that release or newer; one given on
+        the command line always."""
+        if self.release is None:
+            return True
+        try:
+            return Version(base_version) < Version(self.release) <= Version(cand_version)
+        except (InvalidVersion, TypeError):
+            return False
+
+    def describe(self) -> str:
+        """``fp32 gradient buffers (release 0.2.0, up to 6%)``."""
+        source = f"release {self.release}" if self.release else "--accept"
+        return f"{self.reason} ({source}, up to {format_percent(self.max_change)})"
+
+
+def parse_acceptance(text: str, release: str | None = None) -> Acceptance:
+    """``METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%: REASON``; raises ValueError (one line) otherwise.
+
+    The size is required: an acceptance never covers a change larger than the one it was given for.
+    """
+    expected = f"expected {ACCEPT_FORMAT}"
+    if not isinstance(text, str) or "\n" in text:
+        raise ValueError(f"{text!r}: not one line of text; {expected}")
+    head, colon, reason = text.partition(":")
+    names, at, rest = head.partition("@")
+    scenarios, le, size = rest.partition("<=")
+    if not at:
+        raise ValueError(f"{text!r}: no '@' between the metric and the scenarios; {expected}")
+    if not le:
+        raise ValueError(f"{text!r}: no accepted size (such as <=6%) after the scenarios; {expected}")
+    if not colon or not reason.strip():
+        raise ValueError(f"{text!r}: no reason after ':'; {expected}")
+    metric_names = tuple(n.strip() for n in names.split(","))
+    scenario_names = tuple(n.strip() for n in scenarios.split(","))
+    bad = next((n for n in metric_names if not _METRIC_NAME.fullmatch(n)), None)
+    if bad is not None:
+        raise ValueError(f"{text!r}: {bad!r} is not a metric name; {expected}")
+    bad = next((n for n in scenario_names if not _SCENARIO_NAME.fullmatch(n)), None)
+    if bad is not None:
+        raise ValueError(f"{text!r}: {bad!r} is not a scenario name; {expected}")
+    size = size.strip()
+    try:
+        fraction = float(size[:-1]) / 100 if size.endswith("%") else math.nan
+    except ValueError:
+        fraction = math.nan
+    if not math.isfinite(fraction) or fraction <= 0:
+        raise ValueError(f"{text!r}: the accepted size {size!r} is not a percentage above 0, such as 6%")
+    return Acceptance(metric_names, scenario_names, fraction, reason.strip(), release)
+
+
+def check_metric_names(acceptances: Iterable[Acceptance], docs: Iterable[ResultDocument] = ()) -> None:
+    """Raise ValueError (one line) for a metric that is neither gated (``GATED_METRICS``) nor in ``docs``:
+    an acceptance of a misspelt metric would accept nothing, silently."""
+    known = set(GATED_METRICS)
+    for doc in docs:
+        known |= {name for name, entry in doc.metrics.items() if entry.get("better") is not None}
+    for acceptance in acceptances:
+        unknown = [name for name in acceptance.metrics if name not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f"did you mean {close[0]}?" if close else f"gated metrics: {', '.join(GATED_METRICS)}"
+            raise ValueError(f"{acceptance.spec!r}: unknown metric {unknown[0]} ({hint})")
+
+
+def acceptance_of(
+    acceptances: Iterable[Acceptance], name: str, scenario: str, ratio: float | None, better: str | None
+) -> tuple[tuple[Acceptance, ...], bool]:
+    """The acceptances naming metric ``name`` on ``scenario``, and whether a change of ``ratio`` (cand /
+    base) in the direction ``better`` is within them (their sizes compound)."""
+    named = tuple(a for a in acceptances if name in a.metrics and scenario in a.scenarios)
+    if not named or ratio is None or better not in ("higher", "lower"):
+        return named, False
+    if better == "lower":
+        return named, ratio <= math.prod(1 + a.max_change for a in named) + _EPS
+    return named, ratio >= math.prod(1 - a.max_change for a in named) - _EPS
+
+
+def describe_acceptances(named: Iterable[Acceptance]) -> str:
+    return "; ".join(a.describe() for a in named)
+
+
+def _beyond(named: Sequence[Acceptance]) -> str:
+    """What a regression that acceptances name went beyond (empty when none names it)."""
+    return f"; beyond the accepted change: {describe_acceptances(named)}" if named else ""
+
+
+def _applicable(comparison: Comparison, key: Key, acceptances: Iterable[Acceptance]) -> tuple[Acceptance, ...]:
+    """The acceptances that apply to the two versions compared for ``key``."""
+    base, cand = comparison.base_groups.get(key), comparison.cand_groups.get(key)
+    base_version = base.version if base is not None else None
+    cand_version = cand.version if cand is not None else None
+    return tuple(a for a in acceptances if a.applies(base_version, cand_version))
+
+
+def accept_changes(
+    comparison: Comparison,
+    accept_work: Collection[str] | bool | None = None,
+    acceptances: Sequence[Acceptance] = (),
+) -> Comparison:
+    """The comparison with each accepted regression's verdict ``accepted`` (and its ``accepted``
+    reason): a work increase accepted by ``accept_work``, or a change within ``acceptances``."""
+    work_names = _accepted(accept_work)
+    rows = []
+    for row in comparison.rows:
+        if row.verdict == "regressed":
+            applicable = _applicable(comparison, (row.scenario, row.machine), acceptances)
+            named, within = acceptance_of(applicable, row.metric, row.scenario, row.ratio, row.better)
+            if is_work_metric(row.metric) and row.metric in work_names:
+                row = replace(row, verdict="accepted", accepted="--accept-work")
+            elif within:
+                row = replace(row, verdict="accepted", accepted=describe_acceptances(named))
+        rows.append(row)
+    return replace(comparison, rows=tuple(rows))
+
+
+# --------------------------------------------------------------------------------------------
 # Gate
 # --------------------------------------------------------------------------------------------
 
@@ -808,15 +1004,20 @@ class GateResult:
 
 
 def gate(
-    comparison: Comparison, tolerance: float | None = None, accept_work: Collection[str] | bool | None = None
+    comparison: Comparison,
+    tolerance: float | None = None,
+    accept_work: Collection[str] | bool | None = None,
+    acceptances: Sequence[Acceptance] = (),
 ) -> GateResult:
     """Decide pass/fail. ``tolerance`` (a fraction) recomputes the verdicts; None keeps the
-    comparison's own. ``accept_work``: the work metrics whose increase passes (True: every one)."""
+    comparison's own. ``accept_work``: the work metrics whose increase passes (True: every one).
+    ``acceptances``: changes made on purpose, each applied where its versions say (module doc)."""
     if tolerance is not None:
         _check_tolerance(tolerance)
         comparison = comparison.with_tolerance(tolerance)
+    comparison = accept_changes(comparison, accept_work, acceptances)
     tol = comparison.tolerance
-    work = work_findings(comparison, accept_work)
+    work = work_findings(comparison, accept_work, acceptances)
     # Where one side has no work counters that is said once ("no work counters on one side"), not
     # once per work metric missing.
     uncounted = {
@@ -828,7 +1029,9 @@ def gate(
     failures: list[str] = []
     for row in comparison.regressions:
         if not is_work_metric(row.metric):
-            failures.append(_finding("REGRESSION", row, tol))
+            applicable = _applicable(comparison, (row.scenario, row.machine), acceptances)
+            named, _ = acceptance_of(applicable, row.metric, row.scenario, row.ratio, row.better)
+            failures.append(_finding("REGRESSION", row, tol) + _beyond(named))
     failures += [line for line in work if line.startswith("REGRESSION")]
     for issue in comparison.missing_in_candidate + comparison.not_ok + comparison.mismatched:
         if issue.fails_gate:
@@ -845,19 +1048,20 @@ def gate(
             continue
         side = "candidate" if row.cand is None else "baseline"
         notes.append(f"NOTE {row.scenario} {row.metric}: metric missing in the {side} [{row.machine}]")
+    notes += accepted_lines(comparison)
     for row in comparison.improvements:
         if not is_work_metric(row.metric):
             notes.append(_finding("IMPROVED", row, tol))
     notes += [line for line in work if not line.startswith("REGRESSION")]
 
     counts = comparison.counts()
-    accepted = sum("work increased (accepted)" in line for line in work)
+    accepted_work = sum("work increased (accepted" in line for line in work)
     exit_code = 1 if failures else 0
     header = (
         f"{'FAIL' if exit_code else 'PASS'}: {len(comparison.compared)} scenario(s) compared, "
-        f"{len(comparison.rows)} metric(s): {counts['regressed']} regressed"
-        f"{f' ({accepted} accepted work increase' + 's' * (accepted != 1) + ')' if accepted else ''}, "
-        f"{counts['improved']} improved, "
+        f"{len(comparison.rows)} metric(s): {counts['regressed']} regressed, {counts['accepted']} accepted"
+        f"{f' ({accepted_work} accepted work increase' + 's' * (accepted_work != 1) + ')' if accepted_work else ''}, "
+        f"{counts['inconclusive']} inconclusive, {counts['improved']} improved, "
         f"{counts['unchanged']} unchanged, {counts['info']} info, {counts['missing']} missing; "
         f"scenarios: {len(comparison.missing_in_candidate)} missing in candidate, "
         f"{len(comparison.missing_in_baseline)} only in candidate, {len(comparison.not_ok)} not ok, "
@@ -866,6 +1070,12 @@ def gate(
     report = "\n".join([header, *failures, *notes]) + "\n"
     return GateResult(exit_code=exit_code, report=report, comparison=comparison, failures=tuple(failures),
                       work=tuple(work))
+
+
+def accepted_lines(comparison: Comparison) -> list[str]:
+    """``ACCEPTED ...: accepted: <reason>`` for each accepted row (work counters have their work lines)."""
+    return [f"{_finding('ACCEPTED', row, comparison.tolerance)}; accepted: {row.accepted}"
+            for row in comparison.rows_with("accepted") if not is_work_metric(row.metric)]
 
 
 def _finding(label: str, row: MetricRow, tolerance: float) -> str:
@@ -1010,7 +1220,7 @@ def _table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     for r in comparison.rows:
         cells = [
             r.scenario, r.metric, r.unit, format_number(r.base), format_number(r.cand),
-            format_ratio(r.ratio), "exact" if r.exact and r.noise is not None else format_percent(r.noise, 1),
+            format_ratio(r.ratio), "exact" if r.exact and r.noise == 0 else format_percent(r.noise, 1),
             r.verdict,
         ]
         if multi_machine:
@@ -1035,7 +1245,8 @@ def render_table(comparison: Comparison) -> str:
     return "\n".join([line(header), rule, *(line(r) for r in body)]) + "\n"
 
 
-_VERDICT_STYLE = {"regressed": "bold red", "improved": "green", "unchanged": "", "info": "dim", "missing": "yellow"}
+_VERDICT_STYLE = {"regressed": "bold red", "accepted": "cyan", "inconclusive": "magenta", "improved": "green",
+                  "unchanged": "", "info": "dim", "missing": "yellow"}
 
 
 def render_rich_table(comparison: Comparison, title: str | None = None):

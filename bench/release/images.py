@@ -20,7 +20,8 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.gate.compare import DEFAULT_TOLERANCE, compare, format_number, format_ratio
+from bench.gate.compare import DEFAULT_TOLERANCE, Acceptance, accept_changes, compare, format_number, format_ratio
+from bench.release.record import ReleaseError, load_releases
 from bench.results import ResultDocument, ResultFileError, load_results
 
 CONTAINER_RESULTS = "/moe-results"
@@ -104,11 +105,14 @@ def run_image(client: Any, image: str, command: list[str], out: Path, gpus: bool
         container.remove(force=True)
 
 
-def compare_versions(docs_by_image: dict[str, list[ResultDocument]], tolerance: float = DEFAULT_TOLERANCE) -> str:
-    """A Markdown table: per scenario and gated metric, each image's median, and later images' ratio to the first."""
+def compare_versions(docs_by_image: dict[str, list[ResultDocument]], tolerance: float = DEFAULT_TOLERANCE,
+                     acceptances: list[Acceptance] | None = None) -> str:
+    """A Markdown table: per scenario and gated metric, each image's median, and later images' ratio to the first
+    (a change a release between them accepts, ``acceptances``, says accepted)."""
     images = list(docs_by_image)
     first = docs_by_image[images[0]]
-    comparisons = {image: compare(first, docs_by_image[image], tolerance) for image in images[1:]}
+    comparisons = {image: accept_changes(compare(first, docs_by_image[image], tolerance), None, acceptances or ())
+                   for image in images[1:]}
     labels = [f"{image} ({_version(docs_by_image[image])})" for image in images]
     keys: list[tuple[str, str, str]] = []
     cells: dict[tuple[str, str, str], dict[str, str]] = {}
@@ -179,7 +183,12 @@ def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
         if code != 0:
             failed.append(image)
             log(f"versions: {image} exited with code {code}")
-    table = compare_versions(docs_by_image)
+    try:
+        acceptances = [a for release in load_releases() for a in release.accepted]
+    except ReleaseError as err:  # the report page says the same; the table goes on without acceptances
+        log(f"versions: warning: {err}")
+        acceptances = []
+    table = compare_versions(docs_by_image, acceptances=acceptances)
     report = build_report(out, out / "report", on_warning=lambda text: log(f"versions: warning: {text}"))
     (out / "report" / "versions.md").write_text(table)
     log(f"versions: table {out / 'report' / 'versions.md'}, report {report.path}")

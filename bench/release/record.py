@@ -3,11 +3,19 @@
 The A/B gate (``moe-bench ab`` without ``--baseline-ref``) and the version strings read this file,
 so neither depends on git tags having been fetched. Format::
 
-    {"releases": [{"version": "0.1.0", "commit": "<40 hex digits>", "date": "2025-12-01"}]}
+    {"releases": [{"version": "0.1.0", "commit": "<40 hex digits>", "date": "2025-12-01"},
+                  {"version": "0.2.0", "commit": "...", "date": "...",
+                   "accepted": ["peak_tensor_bytes@e8-random-bf16<=6%: fp32 gradient buffers"]}]}
+
+``accepted`` (optional) lists the changes the release makes on purpose, in the form of ``moe-bench gate
+--accept`` (``bench.gate.compare.parse_acceptance``): a gate whose baseline is older than the release
+and whose candidate is that release or newer reports them as accepted instead of regressed.
 
 ``cut_release`` (``moe-bench release VERSION``) records HEAD as release VERSION: the checkout must be
 clean, VERSION must be the package version (``pyproject.toml``) and newer than every recorded
-release. It also tags the commit ``v<VERSION>`` for ``git describe``.
+release. It also tags the commit ``v<VERSION>`` for ``git describe``. ``record_acceptances``
+(``moe-bench release VERSION --accept SPEC`` for a recorded VERSION) adds accepted changes to a
+release recorded before.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+from bench.gate.compare import Acceptance, parse_acceptance
 from bench.release.git import NotACheckout, checkout_head, git, try_git
 from bench.results import REPO_ROOT
 
@@ -42,6 +51,8 @@ class Release:
     """The full commit hash of the release."""
     date: str
     """The day it was recorded (UTC, ``YYYY-MM-DD``)."""
+    accepted: tuple[Acceptance, ...] = ()
+    """The changes it makes on purpose (each with ``release`` set to this version)."""
 
 
 def release_version(text: str) -> Version:
@@ -80,7 +91,16 @@ def load_releases(path: Path = RELEASES_PATH) -> list[Release]:
             raise ReleaseError(f"{where}.commit: expected a full 40-digit commit hash")
         if any(r.version == entry["version"] for r in releases):
             raise ReleaseError(f"{where}.version: {entry['version']} is recorded twice")
-        releases.append(Release(entry["version"], entry["commit"], entry["date"]))
+        specs = entry.get("accepted", [])
+        if not isinstance(specs, list):
+            raise ReleaseError(f"{where}.accepted: expected a list of accepted changes")
+        accepted = []
+        for number, spec in enumerate(specs):
+            try:
+                accepted.append(parse_acceptance(spec, release=entry["version"]))
+            except ValueError as err:
+                raise ReleaseError(f"{where}.accepted[{number}]: {err}") from None
+        releases.append(Release(entry["version"], entry["commit"], entry["date"], tuple(accepted)))
     return sorted(releases, key=lambda r: Version(r.version))
 
 
@@ -92,7 +112,9 @@ def latest_release(path: Path = RELEASES_PATH) -> Release | None:
 def write_releases(releases: list[Release], path: Path = RELEASES_PATH) -> None:
     """Replace the record atomically (oldest version first)."""
     ordered = sorted(releases, key=lambda r: Version(r.version))
-    text = json.dumps({"releases": [asdict(r) for r in ordered]}, indent=2) + "\n"
+    entries = [{"version": r.version, "commit": r.commit, "date": r.date,
+                **({"accepted": [a.spec for a in r.accepted]} if r.accepted else {})} for r in ordered]
+    text = json.dumps({"releases": entries}, indent=2) + "\n"
     fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=".tmp-releases-")
     try:
         with os.fdopen(fd, "w") as handle:
@@ -103,8 +125,10 @@ def write_releases(releases: list[Release], path: Path = RELEASES_PATH) -> None:
         raise
 
 
-def cut_release(version: str, root: Path = REPO_ROOT, tag: bool = True) -> Release:
-    """Record HEAD of the checkout at ``root`` as release ``version`` (see the module doc)."""
+def cut_release(version: str, root: Path = REPO_ROOT, tag: bool = True,
+                accepted: tuple[Acceptance, ...] = ()) -> Release:
+    """Record HEAD of the checkout at ``root`` as release ``version`` (see the module doc), with the
+    changes it makes on purpose."""
     from moe_engine import __version__
 
     root = Path(root)
@@ -130,7 +154,8 @@ def cut_release(version: str, root: Path = REPO_ROOT, tag: bool = True) -> Relea
     tagged = try_git(root, "rev-parse", "--verify", "--quiet", f"{tag_name}^{{commit}}")
     if tag and tagged and tagged != commit:
         raise ReleaseError(f"tag {tag_name} already exists at {tagged[:12]}, not at HEAD")
-    release = Release(version, commit, datetime.now(timezone.utc).date().isoformat())
+    release = Release(version, commit, datetime.now(timezone.utc).date().isoformat(),
+                      tuple(replace(a, release=version) for a in accepted))
     write_releases([*releases, release], path)
     if tag and not tagged:
         try:
@@ -138,3 +163,17 @@ def cut_release(version: str, root: Path = REPO_ROOT, tag: bool = True) -> Relea
         except (OSError, subprocess.SubprocessError):
             raise ReleaseError(f"recorded {version} in {path.name}, but creating the tag {tag_name} failed") from None
     return release
+
+
+def record_acceptances(version: str, accepted: tuple[Acceptance, ...], path: Path = RELEASES_PATH) -> Release:
+    """Add changes made on purpose to the recorded release ``version`` (one already recorded is kept once)."""
+    releases = load_releases(path)
+    release = next((r for r in releases if r.version == version), None)
+    if release is None:
+        raise ReleaseError(f"{version} is not a recorded release (recorded: "
+                           f"{', '.join(r.version for r in releases) or 'none'})")
+    added = [replace(a, release=version) for a in accepted]
+    new = [a for a in dict.fromkeys(added) if a not in release.accepted]
+    updated = replace(release, accepted=(*release.accepted, *new))
+    write_releases([updated if r is release else r for r in releases], path)
+    return updated

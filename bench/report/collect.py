@@ -100,7 +100,8 @@ class VersionPair:
     base: str
     new: str
     why: str
-    """How they were chosen, for the page (``latest release 0.1.0 against the newest results``)."""
+    """How they were chosen, for the page (``release 0.1.0, the last release before 0.2.0, against release
+    0.2.0, the newest results``)."""
 
 
 def choose_versions(results: ResultSet, base: str | None = None, new: str | None = None) -> VersionPair | None:
@@ -126,9 +127,12 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
         return None
     released = [v for v in older if v in results.releases]
     if released:
+        # "The latest release" only where it is: the newest version may be a later release itself.
+        base_text = (f"the latest release ({released[-1]})" if released[-1] == results.releases[-1]
+                     else f"release {released[-1]}, the last release before {chosen_new},")
+        new_text = f"release {chosen_new}" if chosen_new in results.releases else chosen_new
         return VersionPair(released[-1], chosen_new,
-                           f"the latest release ({released[-1]}) against "
-                           + (f"{chosen_new} (--new)" if new else "the newest results"))
+                           f"{base_text} against {new_text}" + (" (--new)" if new else ", the newest results"))
     return VersionPair(older[-1], chosen_new, "no release among the results: the version before "
                        + (f"{chosen_new} (--new)" if new else "the newest"))
 

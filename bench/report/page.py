@@ -5,7 +5,9 @@ chart's data are inlined, so the page needs no network to be viewed. Top to bott
 
 1. problems: every scenario whose newest run in a version failed, ran out of memory, timed out or was
    skipped, with its error; files that could not be read;
-2. the release comparison of two versions (``bench.report.release_table``: the gate's verdicts);
+2. the release comparison of two versions (``bench.report.release_table``: the gate's verdicts, the
+   releases' accepted changes applied), under a banner that says regressed, missing, not ok,
+   inconclusive, accepted or pass, with the counts of each;
 3. trends of each scenario's headline metrics across versions (``bench.report.trends``);
 4. the reference experiments drawn from whatever results are there (``bench.report.experiments``):
    the expert-count sweep, the pair comparisons of ``scenarios/suites.yaml``, the recompute modes,
@@ -26,8 +28,8 @@ from pathlib import Path
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow, format_percent
-from bench.release.record import ReleaseError, load_releases
+from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow, accepted_lines, format_percent
+from bench.release.record import Release, ReleaseError, load_releases
 from bench.report import charts
 from bench.report.collect import ReportError, ResultSet, choose_versions, load_result_set, problems
 from bench.report.comparisons import Comparison
@@ -99,13 +101,14 @@ def build_report(
     base: str | None = None,
     new: str | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
-    releases: list[str] | None = None,
+    releases: list[str | Release] | None = None,
     on_warning: Callable[[str], None] | None = None,
     comparisons: list[Comparison] | None = None,
 ) -> Report:
     """Write ``out_dir/index.html`` from the documents under ``results_dir``.
 
-    ``releases``: the release versions to compare against and mark (default: ``releases.json``).
+    ``releases``: the releases to compare against and mark (default: ``releases.json``); a ``Release``
+    brings its accepted changes, a version string none.
     ``comparisons``: the pairs to chart (default: the comparisons of ``scenarios/suites.yaml``).
     ``on_warning`` gets each problem that does not stop the page (an unreadable file, named).
     """
@@ -118,17 +121,19 @@ def build_report(
 
     if releases is None:
         try:
-            releases = [r.version for r in load_releases()]
+            releases = list(load_releases())
         except ReleaseError as err:
             warn(f"{err}; no releases marked")
             releases = []
+    acceptances = [a for r in releases if isinstance(r, Release) for a in r.accepted]
 
     def skipped(err: ResultFileError) -> None:
         warn(f"{err}; skipped")
 
-    results = load_result_set(Path(results_dir), releases, on_bad_file=skipped)
+    results = load_result_set(Path(results_dir), [r.version if isinstance(r, Release) else r for r in releases],
+                              on_bad_file=skipped)
     versions = choose_versions(results, base, new)
-    comparison = release_comparison(results, versions, tolerance) if versions else None
+    comparison = release_comparison(results, versions, tolerance, acceptances) if versions else None
 
     page = _Page()
     _header(page, results, warnings)
@@ -205,10 +210,12 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
              f"&lt;{_e(v.base)} results&gt; --candidate &lt;{_e(v.new)} results&gt;</code> at tolerance "
              f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
              "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>")
-    verdict = "pass" if gate.passed else "fail"
-    page.add(f"<p class='gate gate-{verdict}' data-gate='{verdict}'>{_e(comparison.header)}</p>")
+    _banner(page, comparison)
     if gate.failures:
         page.add("<ul class='failures'>" + "".join(f"<li>{_e(line)}</li>" for line in gate.failures) + "</ul>")
+    accepted = accepted_lines(comparison.comparison)
+    if accepted:
+        page.add("<ul class='accepted'>" + "".join(f"<li>{_e(line)}</li>" for line in accepted) + "</ul>")
     notes = [i.describe() for i in comparison.issues if not i.fails_gate]
     notes += [line for line in gate.work if not line.startswith("REGRESSION")]
     if notes:
@@ -228,7 +235,8 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
                 _e(row.metric), _e(format_value(row.base, row.unit)), _e(format_value(row.cand, row.unit)),
                 _e(f"{row.ratio:.3f}" if row.ratio is not None else "-"), _e(change), _e(_noise(row)),
                 _e(format_percent(row.threshold, 1) if row.threshold is not None else "-"),
-                f"<span class='verdict verdict-{row.verdict}'>{row.verdict}</span>",
+                f"<span class='verdict verdict-{row.verdict}'>{row.verdict}</span>"
+                + (f"<span class='reason'>: {_e(row.accepted)}</span>" if row.accepted else ""),
             ])
         hidden = f"; {table.info_metrics} reported, never gated, not listed" if table.info_metrics else ""
         page.add(f"<h3>{_e(table.scenario)} <small>on {_e(table.machine)}: {_e(v.base)} → {_e(v.new)}{hidden}"
@@ -237,6 +245,31 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
                  f"data-base='{_e(v.base)}' data-new='{_e(v.new)}'")
         page.add(_table(["metric", f"base ({_e(v.base)})", f"new ({_e(v.new)})", "ratio", "change",
                          "noise", "threshold", "verdict"], rows, attrs))
+
+
+_BANNER_WORDS = {"regressed": "Regressed", "missing": "Missing", "not-ok": "Not ok", "inconclusive": "Inconclusive",
+                 "accepted": "Passed with accepted changes", "pass": "Passed"}
+
+
+def _banner(page: _Page, comparison: ReleaseComparison) -> None:
+    """The verdict first, then what adds up to it, each kind counted apart; the gate's own line below."""
+    compared = comparison.comparison
+    counts = compared.counts()
+    missing = len(compared.missing_in_candidate)
+    parts = [
+        ("regressed", f"{counts['regressed']} regressed"),
+        ("accepted", f"{counts['accepted']} accepted"),
+        ("inconclusive", f"{counts['inconclusive']} inconclusive"),
+        ("missing", f"{missing} scenario{'s' * (missing != 1)} missing in {comparison.versions.new}"),
+        ("not-ok", f"{sum(i.fails_gate for i in compared.not_ok + compared.mismatched)} not ok or changed"),
+        ("improved", f"{counts['improved']} improved"),
+        ("unchanged", f"{counts['unchanged']} unchanged"),
+        ("one-side", f"{counts['missing']} metric{'s' * (counts['missing'] != 1)} on one side only"),
+    ]
+    spans = " · ".join(f"<span class='count' data-count='{kind}'>{_e(text)}</span>" for kind, text in parts)
+    outcome = comparison.outcome
+    page.add(f"<div class='gate gate-{outcome}' data-gate='{outcome}'><b>{_BANNER_WORDS[outcome]}</b>: {spans}"
+             f"<div class='gate-line'>{_e(comparison.header)}</div></div>")
 
 
 def _trends(page: _Page, results: ResultSet) -> None:
@@ -332,8 +365,11 @@ pre { margin: 0; white-space: pre-wrap; max-width: 50em; font-size: 0.9em; }
 .status-skipped { background: #eee; color: #555; }
 .verdict-regressed { background: #fde0e0; color: #a00; } .verdict-improved { background: #e0f5e0; color: #060; }
 .verdict-missing { background: #fff4d0; color: #850; } .verdict-unchanged { color: #555; font-weight: normal; }
-.gate { font-weight: 600; padding: 0.4em 0.8em; border-radius: 4px; }
-.gate-pass { background: #e0f5e0; } .gate-fail { background: #fde0e0; }
+.verdict-accepted { background: #e0ecfa; color: #035; } .verdict-inconclusive { background: #f0e6fa; color: #527; }
+.reason { font-size: 0.85em; color: #035; }
+.gate { padding: 0.4em 0.8em; border-radius: 4px; } .gate-line { font-size: 0.85em; color: #444; margin-top: 0.3em; }
+.gate-pass { background: #e0f5e0; } .gate-accepted { background: #e0ecfa; } .gate-inconclusive { background: #f0e6fa; }
+.gate-regressed, .gate-not-ok { background: #fde0e0; } .gate-missing { background: #fff4d0; }
 .ok { color: #060; } figure.chart { margin: 1em 0 2em; } figcaption { font-size: 0.85em; color: #555; }
 nav { margin: 1em 0; }
 """

@@ -1,17 +1,28 @@
 """The release comparison of the report: two versions of a results folder through ``moe-bench gate``.
 
 The verdicts come from ``bench.gate.compare.compare`` and ``gate`` called exactly as ``moe-bench gate
---baseline <base> --candidate <new>`` calls them (the same default tolerance, no work accepted), on
-the documents of the two versions: the page and the gate never disagree. The page shows, per compared
+--baseline <base> --candidate <new>`` calls them (the same default tolerance, no work accepted, the
+releases' accepted changes), on the documents of the two versions: the page and the gate never
+disagree. The page shows, per compared
 scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
 metrics reported but never gated (``better: null``) are counted, not listed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.gate.compare import DEFAULT_TOLERANCE, Comparison, GateResult, MetricRow, ScenarioIssue, compare, gate
+from bench.gate.compare import (
+    DEFAULT_TOLERANCE,
+    Acceptance,
+    Comparison,
+    GateResult,
+    MetricRow,
+    ScenarioIssue,
+    compare,
+    gate,
+)
 from bench.report.collect import ResultSet, VersionPair
 
 HEADLINE_ORDER = (
@@ -48,6 +59,23 @@ class ReleaseComparison:
         """The gate's first report line: PASS or FAIL and the counts."""
         return self.gate.report.splitlines()[0]
 
+    @property
+    def outcome(self) -> str:
+        """The banner's word, the first that holds of: ``regressed`` (a metric or the work regressed),
+        ``missing`` (a scenario of the base is not in the new version), ``not-ok`` (not ok in the new
+        version, or a changed scenario), ``inconclusive`` (a change within the noise), ``accepted`` (a
+        change accepted), ``pass``."""
+        counts = self.comparison.counts()
+        if counts["regressed"]:
+            return "regressed"
+        if self.comparison.missing_in_candidate:
+            return "missing"
+        if not self.gate.passed:
+            return "not-ok"
+        if counts["inconclusive"]:
+            return "inconclusive"
+        return "accepted" if counts["accepted"] else "pass"
+
 
 def _row_order(row: MetricRow) -> tuple:
     if row.metric in HEADLINE_ORDER:
@@ -56,10 +84,12 @@ def _row_order(row: MetricRow) -> tuple:
 
 
 def release_comparison(
-    results: ResultSet, versions: VersionPair, tolerance: float = DEFAULT_TOLERANCE
+    results: ResultSet, versions: VersionPair, tolerance: float = DEFAULT_TOLERANCE,
+    acceptances: Sequence[Acceptance] = (),
 ) -> ReleaseComparison:
+    """``moe-bench gate`` of the two versions' documents; ``acceptances``: the releases' accepted changes."""
     comparison = compare(results.docs_of(versions.base), results.docs_of(versions.new), tolerance)
-    verdict = gate(comparison, tolerance, None)
+    verdict = gate(comparison, tolerance, None, acceptances)
     tables = []
     for scenario, machine in comparison.compared:
         rows = [r for r in verdict.comparison.rows if (r.scenario, r.machine) == (scenario, machine)]

@@ -85,9 +85,10 @@ def test_constructed_regression_is_detected():
 
 
 def test_regression_inside_the_noise_does_not_fail():
-    """Median 1.4 but the pairs disagree wildly: the noise (IQR of the ratios) exceeds the change."""
+    """Median 1.4 but the pairs disagree wildly: the noise (IQR of the ratios) exceeds the change, which is
+    beyond the tolerance: inconclusive, and the gate passes."""
     m = paired_metric("s", "step_time_s", pairs_of([1.0, 1.0, 1.0], [0.6, 1.4, 2.4]), tolerance=0.30)
-    assert m.ratio == pytest.approx(1.4) and m.noise == pytest.approx(0.9) and m.verdict == "unchanged"
+    assert m.ratio == pytest.approx(1.4) and m.noise == pytest.approx(0.9) and m.verdict == "inconclusive"
 
 
 def test_below_tolerance_does_not_fail_and_improvements_are_reported():
@@ -155,7 +156,7 @@ def test_single_sample_metric_is_gated_as_an_exact_value():
     """Peak memory, one sample per run; pair ratios 1.06, 1.00, 1.15 (median 1.06) at tolerance 5%.
 
     Exact value: noise 0, 1.06 > 1.05 -> regressed. The same medians as timings (three samples each)
-    have the IQR of the ratios as noise, inclusive quartiles 1.03 and 1.105: 7.5% > 6% -> unchanged.
+    have the IQR of the ratios as noise, inclusive quartiles 1.03 and 1.105: 7.5% > 6% -> inconclusive.
     """
     def single(value: float) -> dict:
         return metric([value], "bytes", "lower")
@@ -165,7 +166,7 @@ def test_single_sample_metric_is_gated_as_an_exact_value():
     assert exact.ratio == pytest.approx(1.06) and exact.verdict == "regressed"
     assert exact.exact and exact.noise == 0.0
     timing = paired_metric("s", "step_time_s", pairs_of([100.0] * 3, list(cands)), tolerance=0.05)
-    assert not timing.exact and timing.noise == pytest.approx(0.075) and timing.verdict == "unchanged"
+    assert not timing.exact and timing.noise == pytest.approx(0.075) and timing.verdict == "inconclusive"
     equal = paired_metric("s", "peak_tensor_bytes", [(single(100.0), single(100.0))] * 3, tolerance=0.0)
     assert equal.exact and equal.verdict == "unchanged"
 
@@ -181,7 +182,7 @@ def test_single_sample_metric_is_gated_as_an_exact_value():
 
 def test_rss_is_gated_above_its_measured_noise_floor():
     """One RSS sample per run, at tolerance 3%: +5.4% (an A/A spread seen on a 2-core CPU machine) is
-    unchanged under the 10% floor, +15% regresses; peak_tensor_bytes at +5.4% still regresses."""
+    within the 10% floor (inconclusive, not failed), +15% regresses; peak_tensor_bytes at +5.4% still regresses."""
     def side(name: str, value: float) -> SideRun:
         return SideRun("ok", None, {name: metric([value], "bytes", "lower")}, "0.1.0")
 
@@ -189,7 +190,7 @@ def test_rss_is_gated_above_its_measured_noise_floor():
         return paired_gate({"s": [(side(name, 100.0), side(name, cand))]}, 0.03, exact_only=True)
 
     within = gate("rss_peak_bytes", 105.4)
-    assert within.exit_code == 0 and within.metrics[0].verdict == "unchanged"
+    assert within.exit_code == 0 and within.metrics[0].verdict == "inconclusive"
     assert within.metrics[0].exact and within.metrics[0].noise == pytest.approx(0.10)
     leak = gate("rss_peak_bytes", 115.0)
     assert leak.exit_code == 1

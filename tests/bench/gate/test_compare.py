@@ -82,7 +82,8 @@ def test_regression_caught(tmp_path):
     assert len(result.failures) == 1
 
 
-def test_noise_tolerated(tmp_path):
+def test_a_change_within_the_noise_is_inconclusive_not_failed(tmp_path):
+    """-20% against a noise of 30% + 30%: beyond the 5% tolerance, within the noise: inconclusive."""
     result = run_gate(
         tmp_path,
         [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.3)})],
@@ -93,9 +94,13 @@ def test_noise_tolerated(tmp_path):
     assert row.noise == pytest.approx(0.6)
     assert row.threshold == pytest.approx(0.6)
     assert not row.outside_noise
-    assert row.verdict == "unchanged"
+    assert row.verdict == "inconclusive"
     assert "REGRESSION" not in result.report
     assert result.report.startswith("PASS")
+    assert "0 regressed, 0 accepted, 1 inconclusive, 0 improved, 0 unchanged" in result.report.splitlines()[0]
+    # The same noise with a change within the tolerance: unchanged.
+    assert classify(0.96, 0.6, "higher", 0.05) == (False, "unchanged")
+    assert classify(0.94, 0.6, "higher", 0.05) == (False, "inconclusive")
 
 
 def test_within_tolerance_tolerated(tmp_path):
@@ -423,12 +428,13 @@ def test_single_sample_metrics_are_compared_as_exact_values(tmp_path):
 
 
 def test_rss_has_a_noise_floor_in_the_result_gate(tmp_path):
-    """``moe-bench gate`` on one-sample RSS: +6% at tolerance 5% is inside the 10% floor, +12% is not."""
+    """``moe-bench gate`` on one-sample RSS: +6% at tolerance 5% is inside the 10% floor (inconclusive, not
+    failed), +12% is not."""
     def runs(value):
         return [make_doc(metrics={"rss_peak_bytes": metric([value], "bytes", "lower")})]
 
     within = row_of(run_gate(tmp_path / "a", runs(100.0), runs(106.0), tolerance=0.05), "rss_peak_bytes")
-    assert within.verdict == "unchanged" and within.noise == pytest.approx(0.10)
+    assert within.verdict == "inconclusive" and within.noise == pytest.approx(0.10)
     leak = run_gate(tmp_path / "b", runs(100.0), runs(112.0), tolerance=0.05)
     assert row_of(leak, "rss_peak_bytes").verdict == "regressed" and leak.exit_code == 1
 
@@ -438,7 +444,7 @@ def test_pooled_single_sample_runs_stay_exact(tmp_path):
 
     Baseline runs 96 and 104, candidate runs 100 and 112 (one sample each): pooled to medians 100 and
     106, ratio 1.06, noise 0 -> regressed. The same values as the samples of a timing: rel_iqr
-    4/100 (quartiles 98, 102) + 6/106 (quartiles 103, 109) = 9.7% noise > 6% -> unchanged.
+    4/100 (quartiles 98, 102) + 6/106 (quartiles 103, 109) = 9.7% noise > 6% -> inconclusive.
     """
     def runs(*values):
         return [make_doc(metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")},
@@ -456,7 +462,7 @@ def test_pooled_single_sample_runs_stay_exact(tmp_path):
                       [make_doc(metrics={"step_time_s": metric([100.0, 112.0], "s", "lower")})], tolerance=0.05)
     row = row_of(timing, "step_time_s")
     assert not row.exact and row.noise == pytest.approx(0.04 + 6 / 106) and row.ratio == pytest.approx(1.06)
-    assert row.verdict == "unchanged" and timing.exit_code == 0
+    assert row.verdict == "inconclusive" and timing.exit_code == 0
 
 
 def test_versions_table_compares_single_sample_metrics_exactly(tmp_path):
@@ -527,7 +533,8 @@ def test_work_increase_passes_when_accepted_and_says_so(tmp_path):
     accepted = gate(compare(base, cand), accept_work=True)
     assert accepted.exit_code == 0
     assert "NOTE smoke-e8 work_matmul_flops: work increased (accepted): +3.1% matmul FLOPs per step" in accepted.report
-    assert "2 regressed (2 accepted work increases)" in accepted.report.splitlines()[0]
+    assert "0 regressed, 2 accepted (2 accepted work increases)" in accepted.report.splitlines()[0]
+    assert [r.accepted for r in accepted.comparison.rows_with("accepted")] == ["--accept-work"] * 2
     partly = gate(compare(base, cand), accept_work={"work_aten_ops"})
     assert partly.exit_code == 1
     assert [f.split(":")[0] for f in partly.failures] == ["REGRESSION smoke-e8 work_matmul_flops"]

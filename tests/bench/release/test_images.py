@@ -85,3 +85,23 @@ def test_compare_versions_table():
     row = "| s | tokens_per_s_per_gpu | tokens/s | 1000 | 500 (x0.500, regressed) | 1000 (x1.000, unchanged) |"
     assert row in lines
     assert not any("loss" in line for line in lines)  # not gated: left out of the table
+
+
+def test_the_versions_table_says_accepted_for_a_change_a_release_between_the_images_accepts(tmp_path):
+    """Peak 100 -> 105.5 bytes (+5.5%, beyond the 5% tolerance): accepted by release 0.2.0 up to 6%."""
+    from result_docs import make_doc
+
+    from bench.gate.compare import parse_acceptance
+    from bench.release.images import compare_versions
+    from bench.results import load_results, metric, write_result
+
+    def docs(version: str, peak: float):
+        write_result(make_doc("s", {"peak_tensor_bytes": metric([peak], "bytes", "lower")}, version=version),
+                     tmp_path / version)
+        return load_results(tmp_path / version)
+
+    images = {"moe-engine:0.1.0": docs("0.1.0", 100.0), "moe-engine:0.2.0": docs("0.2.0", 105.5)}
+    accepted = [parse_acceptance("peak_tensor_bytes@s<=6%: fp32 gradient buffers", release="0.2.0")]
+    row = "| s | peak_tensor_bytes | bytes | 100 | 105.5 (x1.055, {}) |"
+    assert row.format("accepted") in compare_versions(images, acceptances=accepted).splitlines()
+    assert row.format("regressed") in compare_versions(images).splitlines()

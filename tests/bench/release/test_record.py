@@ -6,7 +6,16 @@ import pytest
 from git_repo import SHA, commits, git
 
 from bench.cli import main
-from bench.release.record import Release, ReleaseError, cut_release, latest_release, load_releases, write_releases
+from bench.gate.compare import parse_acceptance
+from bench.release.record import (
+    Release,
+    ReleaseError,
+    cut_release,
+    latest_release,
+    load_releases,
+    record_acceptances,
+    write_releases,
+)
 from bench.release.version import checkout_version
 
 
@@ -27,6 +36,10 @@ def test_release_record_round_trip(tmp_path):
         ('{"releases": [{"version": "zero", "commit": "%s", "date": "d"}]}' % SHA, "not a PEP 440 version"),
         ('{"releases": [{"version": "0.1.0+local", "commit": "%s", "date": "d"}]}' % SHA, "not a release version"),
         ('{"releases": [{"version": "0.1.0", "commit": "%s"}]}' % SHA, "version, commit and date"),
+        ('{"releases": [{"version": "0.1.0", "commit": "%s", "date": "d", "accepted": "x"}]}' % SHA,
+         r"releases\[0\]\.accepted: expected a list"),
+        ('{"releases": [{"version": "0.1.0", "commit": "%s", "date": "d", "accepted": ["step_time_s@s: r"]}]}' % SHA,
+         r"releases\[0\]\.accepted\[0\]: 'step_time_s@s: r': no accepted size"),
     ],
 )
 def test_release_record_errors(tmp_path, content, message):
@@ -34,6 +47,26 @@ def test_release_record_errors(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(ReleaseError, match=message):
         load_releases(path)
+
+
+ACCEPTED = "peak_tensor_bytes@e8-random-bf16,e8-ep2-nosync-bf16<=6%: fp32 gradient buffers"
+
+
+def test_accepted_changes_are_kept_with_their_release(tmp_path):
+    path = tmp_path / "releases.json"
+    write_releases([Release("0.1.0", SHA, "2025-01-01"),
+                    Release("0.2.0", SHA[::-1], "2025-02-01", (parse_acceptance(ACCEPTED, "0.2.0"),))], path)
+    first, second = load_releases(path)
+    assert first.accepted == () and "accepted" not in path.read_text().split('"0.2.0"')[0]
+    assert [a.spec for a in second.accepted] == [ACCEPTED] and second.accepted[0].release == "0.2.0"
+    # Added to a release recorded before: once, with the release it belongs to.
+    more = parse_acceptance("step_time_s@e8-skewed-fp32<=3%: clipping")
+    updated = record_acceptances("0.1.0", (more, more), path)
+    assert updated.accepted == (parse_acceptance(more.spec, "0.1.0"),)
+    assert record_acceptances("0.1.0", (more,), path) == updated
+    assert load_releases(path)[0] == updated and load_releases(path)[1] == second
+    with pytest.raises(ReleaseError, match=r"0\.3\.0 is not a recorded release \(recorded: 0\.1\.0, 0\.2\.0\)"):
+        record_acceptances("0.3.0", (more,), path)
 
 
 def test_cut_release(repo, monkeypatch):
@@ -53,6 +86,12 @@ def test_cut_release(repo, monkeypatch):
     assert checkout_version(repo, "0.1.0").version == "0.1.0"  # the modified record is not a code change
     with pytest.raises(ReleaseError, match="not newer"):
         cut_release("0.1.0", root=repo)
+    monkeypatch.setattr(moe_engine, "__version__", "0.2.0")
+    (repo / "code.py").write_text("x = 3\n")
+    git(repo, "commit", "--quiet", "-am", "c3")
+    with_change = cut_release("0.2.0", root=repo, tag=False, accepted=(parse_acceptance(ACCEPTED),))
+    assert with_change.accepted == (parse_acceptance(ACCEPTED, "0.2.0"),)
+    assert load_releases(repo / "releases.json")[-1] == with_change
 
 
 def test_release_command_lists_and_refuses_bad_versions(capsys):

@@ -90,6 +90,6 @@ def test_the_report_renders_in_chromium(tmp_path):
         assert chart["rendered"] and chart["traces"] > 0 and chart["drawn"] == chart["traces"], chart
         assert chart["marks"] > 0, chart
     assert {key: verdicts.get(key) for key in EXPECTED_VERDICTS} == EXPECTED_VERDICTS
-    assert gate == "fail"
+    assert gate == "regressed"
     assert screenshot.stat().st_size > 50_000
     print(f"screenshot of the {BASE} -> {NEW} report: {screenshot}")

@@ -50,7 +50,14 @@ def test_problems_come_first_then_the_comparison_trends_and_experiments(report):
 
 def test_the_comparison_table_names_its_versions_and_machine_and_the_gates_verdict(report):
     text = report.path.read_text()
-    assert "data-gate='fail'" in text
+    # Three rows regressed (e8-random-bf16's tokens/s and step time, e8-ep2-nosync-bf16's host syncs) and
+    # e8-dp2-fsdp-bf16 failed in the new version: the banner says regressed first and counts each kind.
+    assert "data-gate='regressed'><b>Regressed</b>: " in text
+    banner = dict(re.findall(r"<span class='count' data-count='([a-z-]+)'>([^<]+)</span>", text))
+    assert banner.pop("unchanged").endswith(" unchanged")  # the plan's figures among them
+    assert banner == {"regressed": "3 regressed", "accepted": "0 accepted", "inconclusive": "0 inconclusive",
+                      "missing": f"0 scenarios missing in {NEW}", "not-ok": "1 not ok or changed",
+                      "improved": "2 improved", "one-side": "0 metrics on one side only"}
     tables = re.findall(r"<table class='comparison' data-scenario='([^']+)' data-machine='([^']+)' "
                         r"data-base='([^']+)' data-new='([^']+)'>", text)
     assert {t[0] for t in tables} == {"e8-random-bf16", "e64-random-bf16", "e8-ep2-nosync-bf16", "moe-128e-47b"}
