@@ -191,9 +191,21 @@ def cmd_project(args: argparse.Namespace) -> int:
     from bench.run.runner import expand_paths, load_all
     from bench.scenario import ScenarioError
 
+    devices = []  # (profile, why it stands in for the --device given, or None)
     try:
         scenarios = load_all(expand_paths(args.files))
-        devices = [load_profile(name) for name in (args.device or [])]
+        for name in args.device or []:
+            path = Path(name)
+            if args.fallback_device and path.suffix in (".yaml", ".yml") and not path.exists():
+                # A measurement that did not happen (bench/gpu-check.sh's profile step): project on the
+                # shipped profile all the same, and say so wherever the numbers go.
+                profile = load_profile(args.fallback_device)
+                note = (f"{name}: no such profile file; projected on the shipped profile {profile.name} "
+                        f"({profile.file}) in its place (--fallback-device)")
+                print(f"moe-bench: warning: {note}", file=sys.stderr)
+                devices.append((profile, note))
+            else:
+                devices.append((load_profile(name), None))
     except (ScenarioError, ProfileError) as err:
         return _fail(str(err))
     for scenario in scenarios:
@@ -210,17 +222,21 @@ def cmd_project(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     code = 0
     for scenario in scenarios:
-        targets = devices or [load_profile(scenario.cluster["device"])]
-        for profile in targets:
+        for profile, fallback in devices or [(load_profile(scenario.cluster["device"]), None)]:
             try:
                 doc = project_on_device(scenario, profile, progress=lambda line: print(line, flush=True))
             except DoesNotFit as err:
                 print(f"moe-bench: error: {err}", file=sys.stderr)
                 code = EXIT_BAD_INPUT
                 continue
+            if fallback:
+                doc["device_fallback"] = fallback
+                doc["assumptions"].append(fallback)
             path = out / f"{scenario.name}.{profile.name}.json"
             path.write_text(json.dumps(doc, indent=1) + "\n")
             print(summary(doc))
+            if fallback:
+                print(f"  {fallback}")
             print(f"  written to {path}")
     return code
 
@@ -233,7 +249,7 @@ def cmd_profile_device(args: argparse.Namespace) -> int:
         return _fail("--threads and --ranks: must be at least 1")
     try:
         profile_device_command(args.device, args.threads, args.name, args.base, args.ranks, args.out,
-                               progress=lambda line: print(line, flush=True), quick=args.quick)
+                               progress=lambda line: print(line, flush=True), quick=args.quick, tiny=args.tiny)
     except (ValueError, ProfileError) as err:
         return _fail(str(err))
     return EXIT_OK
@@ -335,11 +351,13 @@ def _load_side(path: str, skip_bad: bool = False):
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from bench.gate.compare import compare, render_rich_table, work_findings
+    from bench.gate.compare import accept_changes, accepted_lines, compare, render_rich_table, work_findings
 
     try:
         accept = _accepted_work(args.accept_work)
-        comparison = compare(_load_side(args.base), _load_side(args.cand))
+        base, cand = _load_side(args.base), _load_side(args.cand)
+        acceptances = _acceptances(args.accept, [*base, *cand])
+        comparison = accept_changes(compare(base, cand), accept, acceptances)
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
     from rich.console import Console
@@ -347,7 +365,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     Console(width=160).print(render_rich_table(comparison, title=f"{args.base} -> {args.cand}"))
     for issue in comparison.issues:
         print(issue.describe())
-    for line in work_findings(comparison, accept):
+    for line in accepted_lines(comparison) + work_findings(comparison, accept, acceptances):
         print(line)
     return EXIT_OK
 
@@ -358,11 +376,35 @@ def cmd_gate(args: argparse.Namespace) -> int:
     try:
         tolerance = parse_tolerance(args.tolerance)
         accept = _accepted_work(args.accept_work)
-        result = gate(compare(_load_side(args.baseline), _load_side(args.candidate), tolerance), tolerance, accept)
+        base, cand = _load_side(args.baseline), _load_side(args.candidate)
+        acceptances = _acceptances(args.accept, [*base, *cand])
+        result = gate(compare(base, cand, tolerance), tolerance, accept, acceptances)
     except (FileNotFoundError, ValueError) as err:
         return _fail(str(err))
     print(result.report, end="")
     return result.exit_code
+
+
+def _acceptances(specs: list[str], docs=(), with_releases: bool = True) -> list:
+    """``--accept SPEC`` (each checked: its form, and a metric that is gated or in ``docs``), then the
+    accepted changes of every recorded release (each applies only where its versions say). Raises
+    ValueError (one line)."""
+    from bench.gate.compare import check_metric_names, parse_acceptance
+    from bench.release import record
+
+    given = []
+    for spec in specs:
+        try:
+            given.append(parse_acceptance(spec))
+        except ValueError as err:
+            raise ValueError(f"--accept {err}") from None
+    try:
+        check_metric_names(given, docs)
+    except ValueError as err:
+        raise ValueError(f"--accept {err}") from None
+    if not with_releases:
+        return given
+    return given + [a for release in record.load_releases(record.RELEASES_PATH) for a in release.accepted]
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -429,16 +471,27 @@ def cmd_version(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from bench.release.record import ReleaseError, cut_release, latest_release, load_releases
+    from bench.release import record
 
     try:
+        accepted = tuple(_acceptances(args.accept, with_releases=False))
+        releases = record.load_releases(record.RELEASES_PATH)
         if args.version is None:
-            releases = [latest_release()] if args.latest else load_releases()
-            for release in filter(None, releases):
+            if accepted:
+                return _fail(
+                    "--accept: name the release that makes the change: moe-bench release VERSION --accept SPEC")
+            for release in releases[-1:] if args.latest else releases:
                 print(release.version if args.latest else f"{release.version}  {release.commit}  {release.date}")
+                for acceptance in [] if args.latest else release.accepted:
+                    print(f"  accepted: {acceptance.spec}")
             return EXIT_OK
-        release = cut_release(args.version, tag=args.tag)
-    except ReleaseError as err:
+        if accepted and any(r.version == args.version for r in releases):
+            release = record.record_acceptances(args.version, accepted, record.RELEASES_PATH)
+            for acceptance in accepted:
+                print(f"release {release.version} accepts {acceptance.spec}")
+            return EXIT_OK
+        release = record.cut_release(args.version, tag=args.tag, accepted=accepted)
+    except ValueError as err:  # a ReleaseError, or a malformed --accept
         return _fail(str(err))
     tagged = f", tagged v{release.version}" if args.tag else ""
     print(f"recorded release {release.version} = {release.commit} in releases.json{tagged}")
@@ -461,6 +514,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
             return _fail(f"{missing[0]}: no such scenario file")
         accept = _accepted_work(args.accept_work)
         accept_increase = _accepted_increases(args.accept_increase)
+        acceptances = tuple(_acceptances(args.accept, with_releases=False))
         scenarios = load_all(files)
         if args.calibrate:
             found = run_calibration(scenarios, args.budget, device=device.type, log=lambda line: print(line, flush=True))
@@ -470,7 +524,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         if keep is not None and keep.exists() and any(keep.iterdir()):
             return _fail(f"{keep}: --out must be a new or empty folder")
         plan = plan_ab(args.baseline_ref, scenarios, tolerance, args.budget, accept_work=accept,
-                       accept_increase=accept_increase)
+                       accept_increase=accept_increase, acceptances=acceptances)
     except (ABError, ScenarioError, ValueError, WorkerDied) as err:
         return _fail(str(err))
     print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
@@ -556,10 +610,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     accept_work_help = ("accept an increase of these work counters (comma-separated work_* names; none given: "
                         "every one): reported as accepted, not failed")
+    accept_help = ("accept a change made on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: REASON, e.g. "
+                   "'peak_tensor_bytes@e8-random-bf16<=6%%: fp32 gradient buffers': a regression of those metrics on "
+                   "those scenarios at most N%% worse is reported as accepted with the reason (repeatable; the "
+                   "releases' own, from releases.json, apply where the versions compared span them)")
     compare = sub.add_parser("compare", help="compare two result sets metric by metric")
     compare.add_argument("base")
     compare.add_argument("cand")
     compare.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS", help=accept_work_help)
+    compare.add_argument("--accept", action="append", default=[], metavar="SPEC", help=accept_help)
     compare.set_defaults(func=cmd_compare)
 
     gate = sub.add_parser("gate", help="exit 1 on a regression outside tolerance and noise, or on more work")
@@ -567,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--candidate", required=True)
     gate.add_argument("--tolerance", default="5%")
     gate.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS", help=accept_work_help)
+    gate.add_argument("--accept", action="append", default=[], metavar="SPEC", help=accept_help)
     gate.set_defaults(func=cmd_gate)
 
     export = sub.add_parser("export", help="export metrics for CI dashboards")
@@ -604,6 +664,8 @@ def build_parser() -> argparse.ArgumentParser:
     ab.add_argument("--accept-increase", metavar="METRICS",
                     help="accept a regression of these exact metrics, e.g. peak_tensor_bytes (comma-separated): "
                          "reported as accepted, not failed")
+    ab.add_argument("--accept", action="append", default=[], metavar="SPEC",
+                    help=accept_help + "; the resident blocks measure step_time_s")
     ab.add_argument("--tolerance", default="5%")
     ab.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ab.add_argument("--out", help="keep every run's result document here (default: discarded)")
@@ -621,6 +683,10 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("version", nargs="?", help="the version to release (default: list the recorded releases)")
     release.add_argument("--latest", action="store_true", help="print only the latest release's version")
     release.add_argument("--no-tag", dest="tag", action="store_false", help="do not create the tag vVERSION")
+    release.add_argument("--accept", action="append", default=[], metavar="SPEC",
+                         help="a change the release makes on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: "
+                              "REASON, recorded with it in releases.json (repeatable; for a release recorded "
+                              "before, added to it)")
     release.set_defaults(func=cmd_release)
 
     version = sub.add_parser("version", help="print the engine version (the folder name under results/)")
@@ -633,6 +699,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="device profile name (devices/NAME.yaml) or file; repeat for several "
                               "(default: the scenario's cluster.device)")
     project.add_argument("--out", default="results/projections", help="folder for the projection documents")
+    project.add_argument("--fallback-device", metavar="NAME",
+                         help="a --device file that does not exist is replaced by this profile, with a warning and "
+                              "the replacement recorded in each document (device_fallback)")
     project.set_defaults(func=cmd_project)
 
     profile = sub.add_parser(
@@ -645,7 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--name", help="profile name (default: from the device)")
     profile.add_argument("--base", help="on a GPU: the profile whose peaks, network and sources to keep (e.g. h200-sxm)")
     profile.add_argument("--out", help="file to write (default devices/NAME.yaml)")
-    profile.add_argument("--quick", action="store_true", help="20 ms per point (a check within a device budget)")
+    profile.add_argument("--quick", action="store_true",
+                         help="20 ms per point, on a GPU a smaller sweep (a check within a device budget)")
+    profile.add_argument("--tiny", action="store_true",
+                         help="a few seconds' sweep of tiny sizes (bench/gpu-check.sh --dry-run on a CPU)")
     profile.set_defaults(func=cmd_profile_device)
 
     check = sub.add_parser(

@@ -2,44 +2,129 @@
 # The prepared GPU check: every CUDA path of the project on one GPU, results under OUTDIR.
 #
 #   bench/gpu-check.sh OUTDIR
+#   bench/gpu-check.sh --dry-run OUTDIR    every step on this CPU, with stand-ins of tiny sizes
 #
 # 1. the tests that touch CUDA: the CUDA-marked ones and the single-process engine tests on the device
 #    (MOE_TEST_DEVICE=cuda). The multi-process gloo tests are CPU tests and stay in CI;
 # 2. the micro-benchmarks on the GPU (pytest-benchmark JSON with the derived ratios);
 # 3. the `gpu` scenario suite through moe-bench (result documents under OUTDIR/results);
-# 4. the device's measured profile (moe-bench profile-device, peaks and network from h200-sxm unless
-#    GPU_CHECK_BASE names another profile) and the gpu suite projected op by op on it, to compare with 3.
-# A failing step is recorded and the next one still runs. Exit status: 0 only if every step passed.
+# 4. the device's measured profile (moe-bench profile-device --quick, peaks and network from h200-sxm
+#    unless GPU_CHECK_BASE names another profile) and the gpu suite projected op by op on it, to compare
+#    with 3. Without the measured profile (step 4 failed) the projection runs on the GPU_CHECK_BASE
+#    profile and says so (project.log, device_fallback in each document, the last lines here).
+# A failing step is recorded and the next one still runs. Exit status: 0 only if every step passed,
+# 1 if one failed (the last line names them), 2 if the check cannot start.
 #
-# Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 9.25
+# Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 9.75
 # minutes in all, steps.txt records the measured seconds):
 #   tests-cuda  180 s: the same selection takes 16 s on a 2-core CPU machine with its 39 CUDA tests
 #                      skipped; those compile Triton kernels (about 30 distinct quantizer and GEMM
 #                      specialisations at up to 3 s each: 90 s) after CUDA start-up (about 15 s).
-#   micro-cuda   90 s: 4 benchmarks at pytest-benchmark's 1 s measuring time each, plus warm-up,
-#                      Triton compilation and start-up.
+#   micro-cuda   90 s: 4 benchmarks of 7 calls each (pedantic: 2 warm-up, 5 rounds) of one layer's
+#                      forward and backward on 4,096 tokens, at most 0.31 TFLOP a call (0.3 ms at the
+#                      989 TFLOP/s bf16 peak, 3 ms at 10%): under 0.1 s in all. The rest is pytest and
+#                      CUDA start-up (about 15 s) and the first call of each kernel.
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).
-#   profile      45 s: the quick CUDA sweep (bench/run/profile_device.py, about 250 points at 20 ms each).
-#   project      30 s: the three one-GPU scenarios (scenarios/gpu/*.yaml, not gpu/node) traced under fake
-#                      tensors (about 5 s each on a CPU) and priced.
+#   profile      45 s: the quick CUDA sweep (cuda_quick_sweep in bench/run/profile_device.py) times 365
+#                      points, 8.0 s by estimate_seconds: each call at the H200's peaks (estimates: 989
+#                      TFLOP/s bf16; 67 fp32, TF32 being off as in the engine; 4.8 TB/s), 3 calls of
+#                      warm-up and sizing, repeats of batches of 1 ms or more (3 to 10, 20 ms if they
+#                      fit), 10 ms making its operands. Twice that for kernels below peak (16 s), CUDA
+#                      start-up (about 15 s) and the first use of cuBLAS, the attention and grouped GEMM
+#                      kernels (about 5 s): 36 s.
+#                      (tests/bench/test_gpu_check.py recomputes the count and the estimate.)
+#   project      60 s: the three one-GPU scenarios (scenarios/gpu/*.yaml, not gpu/node) traced at full
+#                      size under fake tensors and priced: 30 s of CPU time on a 2-core CPU machine
+#                      (about 10 s a scenario), doubled for a slower host core.
+#
+# --dry-run exercises the plumbing (steps, limits, files, the profile handed to the projection,
+# steps.txt, the summary, the exit status) with about a minute of CPU time on a 2-core CPU machine: a
+# few CPU tests, the micro-benchmarks at tiny sizes, a tiny execute scenario for the suite, tiny_sweep
+# for the profile (network from GPU_CHECK_BASE, default cpu-2core) and the projection of the
+# scenario's bf16 twin on that profile.
 set -uo pipefail
 
-out=${1:?usage: bench/gpu-check.sh OUTDIR}
-mkdir -p "$out"
-cd "$(dirname "$0")/.."
+dry_run=0
+if [ "${1:-}" = --dry-run ]; then
+    dry_run=1
+    shift
+fi
+out=${1:?usage: bench/gpu-check.sh [--dry-run] OUTDIR}
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+cd "$(dirname "$0")/.." || exit 2
+root=$(pwd -P)
 python=${PYTHON:-python}
 
-if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "gpu-check: no CUDA device visible to torch; nothing to check" >&2
+# Worker processes start in a directory of their own, so the project must import from anywhere, and
+# from this checkout: an editable install of it.
+where=$(cd / && "$python" -c "
+import os, bench, moe_engine
+print(*(os.path.dirname(os.path.dirname(os.path.realpath(m.__file__))) for m in (bench, moe_engine)))" 2>/dev/null)
+if [ "$where" != "$root $root" ]; then
+    echo "gpu-check: bench and moe_engine do not import from $root outside it (found: ${where:-an import error}); run pip install -e . there" >&2
+    exit 2
+fi
+cli=$(cd / && PYTHONVERBOSE=1 moe-bench --help 2>&1 >/dev/null | grep -o "/[^ ']*/bench/cli\.py" | head -n 1)
+if [ "$cli" != "$root/bench/cli.py" ]; then
+    echo "gpu-check: moe-bench ($(command -v moe-bench || echo not on PATH)) does not run $root/bench/cli.py${cli:+ but $cli}; run pip install -e . there" >&2
     exit 2
 fi
 
-{ nvidia-smi || true; "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
-    >"$out/environment.txt" 2>&1
+if [ $dry_run = 1 ]; then
+    base=${GPU_CHECK_BASE:-cpu-2core}
+    "$python" -c "import torch, triton; print('dry run on the CPU: torch', torch.__version__, 'triton', triton.__version__)" \
+        >"$out/environment.txt" 2>&1
+    tests=(env -u MOE_TEST_DEVICE "$python" -m pytest tests/test_cuda.py tests/moe/test_grouped_gemm.py)
+    # The micro-benchmarks' own module at tiny sizes, so that pytest-benchmark still writes its JSON.
+    micro=(env MOE_BENCH_DEVICE=cpu "$python" -c "
+import sys, pytest, bench.micro.test_moe_layer as micro
+micro.TOKENS, micro.D_MODEL, micro.EXPERT_HIDDEN = 64, 32, 16
+sys.exit(pytest.main(sys.argv[1:]))")
+    # Run in fp32: the runner first measures the CPU's peak in the scenario's dtype, which takes minutes
+    # in bf16 on a CPU without bf16 units.
+    cat >"$out/dry-run-fp32.yaml" <<'EOF'
+schema_version: 1
+description: bench/gpu-check.sh --dry-run's stand-in for the gpu suite, a second of steps on a CPU.
+mode: execute
+model:
+  vocab_size: 256
+  d_model: 64
+  n_layers: 1
+  n_heads: 2
+  n_kv_heads: 2
+  seq_len: 64
+  moe: {num_experts: 4, top_k: 2, expert_hidden: 32}
+routing: {mode: random, seed: 0}
+precision: fp32
+run: {warmup_steps: 1, steps: 2, tokens_per_step: 128, timeout_s: 120}
+EOF
+    # Projected in bf16, as the gpu suite runs: the trace's fake grouped GEMM (torch's meta kernel)
+    # takes bf16 operands only.
+    sed 's/^precision: fp32$/precision: bf16/' "$out/dry-run-fp32.yaml" >"$out/dry-run-bf16.yaml"
+    suite=("$python" -m bench.cli run "$out/dry-run-fp32.yaml" --device cpu)
+    profile=("$python" -m bench.cli profile-device --device cpu --tiny --ranks 1 --name dry-run-cpu)
+    projected=("$out/dry-run-bf16.yaml")
+else
+    base=${GPU_CHECK_BASE:-h200-sxm}
+    if ! "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu-check: no CUDA device visible to torch; nothing to check (bench/gpu-check.sh --dry-run OUTDIR runs the steps on a CPU)" >&2
+        exit 2
+    fi
+    { nvidia-smi || true; "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
+        >"$out/environment.txt" 2>&1
+    cuda_tests=(tests/test_cuda.py tests/test_model.py tests/moe/test_grouped_gemm.py tests/moe/test_host_sync.py
+                tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision)
+    tests=(env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tests[@]}")
+    micro=(env MOE_BENCH_DEVICE=cuda "$python" -m pytest)
+    suite=("$python" -m bench.cli run --suite gpu --device cuda)
+    profile=("$python" -m bench.cli profile-device --device cuda --quick --name measured-gpu)
+    projected=(scenarios/gpu/*.yaml)
+fi
 
-status=0
+: >"$out/steps.txt"
+failed=()
 run_step() {  # name, time limit in seconds, command...
     local name=$1 limit=$2
     shift 2
@@ -47,29 +132,28 @@ run_step() {  # name, time limit in seconds, command...
     echo "== $name (limit ${limit}s)"
     timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
-    echo "$name rc=$rc seconds=$((SECONDS - started))" | tee -a "$out/steps.txt"
+    echo "$name rc=$rc seconds=$((SECONDS - started)) limit=$limit" | tee -a "$out/steps.txt"
     tail -n 5 "$out/$name.log"
-    [ $rc -eq 0 ] || status=1
+    [ $rc -eq 0 ] || failed+=("$name")
 }
 
-cuda_tests=(tests/test_cuda.py tests/test_model.py tests/moe/test_grouped_gemm.py tests/moe/test_host_sync.py
-            tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision)
-run_step tests-cuda 180 env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tests[@]}" -q \
-    --junitxml="$out/tests-cuda.xml" -p no:cacheprovider
-run_step micro-cuda 90 env MOE_BENCH_DEVICE=cuda "$python" -m pytest bench/micro -q --benchmark-enable \
-    --benchmark-json="$out/micro-cuda.json" -p no:cacheprovider
+run_step tests-cuda 180 "${tests[@]}" -q --junitxml="$out/tests-cuda.xml" -p no:cacheprovider
+run_step micro-cuda 90 "${micro[@]}" bench/micro -q --benchmark-enable --benchmark-json="$out/micro-cuda.json" \
+    -p no:cacheprovider
 # The node scenarios this host has the GPUs for (1 < dp * pp <= GPUs): 75 s each on top of the one-GPU set.
 node_scenarios=$("$python" -c "
 import torch
 from bench.run.runner import load_all, suite_files
 gpus = torch.cuda.device_count()
 print(sum(1 < s.world_size <= gpus for s in load_all(suite_files('gpu', torch.device('cuda')))))")
-run_step suite-gpu $((210 + 75 * ${node_scenarios:-0})) "$python" -m bench.cli run --suite gpu --device cuda \
-    --out "$out/results" --no-plots
-run_step profile 45 "$python" -m bench.cli profile-device --device cuda --quick --base "${GPU_CHECK_BASE:-h200-sxm}" \
-    --name measured-gpu --out "$out/device-profile.yaml"
-run_step project 30 "$python" -m bench.cli project scenarios/gpu/*.yaml --device "$out/device-profile.yaml" \
-    --out "$out/projections"
+run_step suite-gpu $((210 + 75 * ${node_scenarios:-0})) "${suite[@]}" --out "$out/results" --no-plots
+run_step profile 45 "${profile[@]}" --base "$base" --out "$out/device-profile.yaml"
+run_step project 60 "$python" -m bench.cli project "${projected[@]}" --device "$out/device-profile.yaml" \
+    --fallback-device "$base" --out "$out/projections"
 
-echo "gpu-check: results in $out (status $status)"
-exit $status
+grep -h -m 1 "no such profile file; projected on" "$out/project.log" | sed 's/^moe-bench: warning: /gpu-check: /'
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu-check: FAILED: ${failed[*]} (of 5 steps; logs and results in $out)"
+    exit 1
+fi
+echo "gpu-check: all 5 steps passed; results in $out"

@@ -34,6 +34,7 @@ false-alarm rate above the nominal 2.5% per side).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 MIN_PAIRS = 8
@@ -111,8 +112,7 @@ def hodges_lehmann(values: list[float], z: float = Z_95) -> PairedEstimate:
     if len(values) < 2:
         raise ValueError("at least two pairs are needed")
     walsh = walsh_averages(values)
-    mid = len(walsh) // 2
-    estimate = walsh[mid] if len(walsh) % 2 else (walsh[mid - 1] + walsh[mid]) / 2
+    estimate = statistics.median(walsh)
     k = signed_rank_k(len(values), z)
     return PairedEstimate(len(values), estimate, walsh[k - 1], walsh[len(walsh) - k])
 

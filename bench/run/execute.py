@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,11 +136,13 @@ def execute(
     groups: ProcessGroups | None = None,
     peak_tflops_fp8: float | None = None,
     checkpointing: CheckpointRun | None = None,
+    peak_tflops_source: str | None = None,
 ) -> ExecuteResult | None:
     """Run the scenario on this rank; every rank of a layout calls it. Rank 0 returns the result.
 
     ``peak_tflops`` is the device's dense BF16 peak (``mfu``), ``peak_tflops_fp8`` its FP8 peak
     (``mfu_fp8``, reported for MXFP8 runs); either may be None, and its MFU is then left out.
+    ``peak_tflops_source`` says where the peaks come from (the result records it as given).
     ``checkpointing``: the checkpoints to take, and the one to resume from (``bench.run.checkpointing``).
     """
     run, config, parallel = scenario.run, scenario.model, scenario.parallel_config
@@ -247,10 +250,7 @@ def execute(
         layout=parallel.to_dict(),
         peak_tflops=peak_tflops,
         peak_tflops_fp8=peak_tflops_fp8,
-        peak_tflops_source=(
-            "dense matmul measured on all cores, divided by the ranks sharing them"
-            if device.type == "cpu" else "datasheet table"
-        ),
+        peak_tflops_source=peak_tflops_source if peak_tflops else None,
         expert_backend=config.moe.backend.value,
         expert_backend_path=_backend_path(rank_model),
         losses=losses,
@@ -377,10 +377,9 @@ def _gather(record: _RankRecord, groups: ProcessGroups | None) -> list[_RankReco
 
 def _rank_details(record: _RankRecord, groups: ProcessGroups | None) -> dict[str, Any]:
     coords = dataclasses.asdict(groups.layout.coords(record.rank)) if groups else {"rank": 0}
-    times = sorted(record.step_times)
     return {
         **coords,
-        "step_time_s_median": times[len(times) // 2],
+        "step_time_s_median": statistics.median(record.step_times),
         "optimizer_state_bytes": record.optimizer_state_bytes,
         **record.memory,
         "dropped_assignments": sum(record.dropped),

@@ -38,7 +38,8 @@ set to the threads one real rank uses (``threads``; the project's 2-rank CPU run
   need when one of their points beats it (a lower bound of the real turbo clock, said so in ``sources``). No FP8
   units on a CPU: fp8 and mxfp8 get the bf16 figure.
 - network (CPU): gloo between ``ranks`` local processes (``bench.validate.proxy_check.calibrate_network``,
-  alpha from small all-reduces / all-to-alls, bandwidth from the large-minus-small slope).
+  alpha from small all-reduces / all-to-alls, bandwidth from the large-minus-small slope), or the
+  ``base`` profile's network when one is given.
 
 On a GPU the peaks, ``hbm_gbps``, network and their sources come from an existing profile
 (``base``, e.g. ``h200-sxm``); the curves and efficiencies are measured; timings synchronize the
@@ -46,7 +47,8 @@ device around each timed batch.
 
 Timing: each point is warmed up (2 calls), then timed ``time.perf_counter`` around batches of calls
 (a batch lasts about 1 ms so that a microsecond op is not all timer), median over repeats within a
-per-point budget. The default CPU sweep runs in about a minute or two on a 2-core machine.
+per-point budget. The default CPU sweep runs in about a minute or two on a 2-core machine. ``--quick``
+on a GPU times ``cuda_quick_sweep`` (its seconds by ``estimate_seconds``: bench/gpu-check.sh's header).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import itertools
+import math
 import os
 import platform
 import re
@@ -74,9 +77,12 @@ from bench.predict.device import DEVICES_DIR, load_profile, profile_from_dict
 __all__ = [
     "Sweep",
     "cpu_sweep",
+    "cuda_quick_sweep",
     "cuda_sweep",
+    "estimate_seconds",
     "profile_device",
     "profile_device_command",
+    "timed_points",
     "tiny_sweep",
     "write_profile",
 ]
@@ -119,10 +125,13 @@ class Sweep:
     pool_bytes: int = 256 << 20
     """Operands rotate through copies filling at least this many bytes, so each call finds them out of
     the caches, as a training step does (its tensors are written long before they are read again)."""
+    fp32_max_flops: float = math.inf
+    """fp32 gemm, grouped_gemm and attention points whose call exceeds this many FLOPs (attention: its
+    forward and backward) are not timed; a curve left without points is left out of the profile."""
 
 
-def _pow2(lo: int, hi: int) -> tuple[int, ...]:
-    return tuple(1 << k for k in range(lo, hi + 1))
+def _pow2(lo: int, hi: int, step: int = 1) -> tuple[int, ...]:
+    return tuple(1 << k for k in range(lo, hi + 1, step))
 
 
 def cpu_sweep() -> Sweep:
@@ -171,6 +180,43 @@ def cuda_sweep() -> Sweep:
     )
 
 
+QUICK = {"point_seconds": 0.02, "min_repeats": 3, "max_repeats": 10}
+"""``--quick``'s timing: a check within a fixed device budget (bench/gpu-check.sh)."""
+
+
+def cuda_quick_sweep() -> Sweep:
+    """``--quick`` on a GPU: sized by ``estimate_seconds`` to fit bench/gpu-check.sh's profile step.
+
+    What the projection of the gpu suite prices on the curves (``bench.predict.pricing``): bf16 GEMMs
+    of 32,768-token microbatches (M or K = 32,768; the others 512 to 50,304), the combine's batched
+    products, bf16 grouped GEMMs of 8 experts at 16,384 rows and 128 at 1,024 (N, K of 1,024 and
+    2,048), attention over 8 x 16 heads of 4,096 tokens (550 GFLOP forward) and memory passes of
+    every size. Its only fp32 GEMMs are the router's (32,768 x E x 2,048 and its two gradients,
+    17.2 GFLOP at E = 128); the engine leaves TF32 off, so they run on the CUDA cores (about 67
+    TFLOP/s), where the larger fp32 products of the full sweep take seconds and price nothing the
+    suite runs: fp32 stops at 2^36 FLOPs (1 ms there), past the router's shapes and their grid
+    neighbours. fp32 memory passes stay (the optimizer's, and ``efficiency.memory``). The nearest
+    measured shape prices the rest, at its throughput.
+    """
+    squares = tuple((n, n, n) for n in _pow2(6, 14, 2))  # 64 .. 16384
+    sizes = (8, 128, 512, 2048, 32768)
+    grid = tuple((m, n, k) for m in sizes for n in sizes for k in sizes)
+    return Sweep(
+        gemm_shapes=squares + tuple(s for s in grid if s not in squares),
+        bmm_shapes=tuple((32768, m, n, k) for m, n, k in ((1, 2048, 4), (1, 4, 2048), (4, 2048, 1))),
+        grouped_rows=_pow2(4, 14, 2),  # 16 .. 16384
+        grouped_nk=((2048, 2048), (1024, 2048), (2048, 1024)),
+        grouped_experts=(8, 128),
+        grouped_max_rows=1 << 17,
+        attention_seq=_pow2(7, 13),  # 128 .. 8192
+        attention_batch_heads=(4, 16),
+        memory_numel=_pow2(8, 28),  # 1 KB .. 1 GB per fp32 operand
+        free_op_calls=5000,
+        fp32_max_flops=2.0 ** 36,
+        **QUICK,
+    )
+
+
 def tiny_sweep() -> Sweep:
     """A sweep of a few seconds, for tests."""
     return Sweep(
@@ -191,6 +237,70 @@ def tiny_sweep() -> Sweep:
         free_op_calls=500,
         pool_bytes=1 << 20,
     )
+
+
+def _timed_fp32(sweep: Sweep, dtype: str, flops: float) -> bool:
+    return dtype != "fp32" or flops <= sweep.fp32_max_flops
+
+
+def _grouped_shapes(sweep: Sweep) -> list[tuple[int, int, int, int]]:
+    """(E, rows, N, K) of the grouped GEMM points, in the order they are timed."""
+    return [(e, rows, n, k) for n, k in sweep.grouped_nk for e in sweep.grouped_experts for rows in sweep.grouped_rows
+            if e * rows <= sweep.grouped_max_rows]
+
+
+def timed_points(sweep: Sweep) -> list[tuple[str, str, tuple[int, ...], float, float]]:
+    """Every point ``profile_device`` times with ``sweep``, in order: (kind, dtype, shape, FLOPs, bytes)
+    of one timed call (an attention backward's FLOPs include the forward each call needs first)."""
+    out: list[tuple[str, str, tuple[int, ...], float, float]] = []
+    for dtype in sweep.dtypes:
+        size = _DTYPES[dtype].itemsize
+        for m, n, k in sweep.gemm_shapes:
+            if _timed_fp32(sweep, dtype, 2 * m * n * k):
+                out.append(("gemm", dtype, (m, n, k), 2 * m * n * k, (m * k + k * n + m * n) * size))
+        for b, m, n, k in sweep.bmm_shapes:
+            if _timed_fp32(sweep, dtype, 2 * b * m * n * k):
+                out.append(("gemm", dtype, (b, m, n, k), 2 * b * m * n * k, b * (m * k + k * n + m * n) * size))
+    for dtype in sweep.dtypes:
+        size = _DTYPES[dtype].itemsize
+        for e, rows, n, k in _grouped_shapes(sweep):
+            if _timed_fp32(sweep, dtype, 2 * e * rows * n * k):
+                out.append(("grouped_gemm", dtype, (e, rows, n, k), 2 * e * rows * n * k,
+                            e * (rows * k + n * k + rows * n) * size))
+    b, h = sweep.attention_batch_heads
+    d = sweep.attention_head_dim
+    for dtype in sweep.dtypes:
+        size = _DTYPES[dtype].itemsize
+        for s in sweep.attention_seq:
+            forward = 2 * b * h * s * s * d
+            if _timed_fp32(sweep, dtype, 3.5 * forward):
+                out.append(("attention", dtype, (b, h, s, d), forward, 4 * b * h * s * d * size))
+                out.append(("attention_backward", dtype, (b, h, s, d), 3.5 * forward, 12 * b * h * s * d * size))
+    for dtype in sweep.dtypes:
+        out.extend(("memory", dtype, (n,), 0.0, 3 * n * _DTYPES[dtype].itemsize) for n in sweep.memory_numel)
+    out.extend(("stream", "fp32", (n,), 0.0, 12 * n) for n in sorted(sweep.memory_numel)[-2:])
+    return out
+
+
+H200_ESTIMATE = {"bf16": 990e12, "fp32": 67e12, "bytes": 4.8e12, "launch_s": 5e-6, "point_overhead_s": 0.01}
+"""Rates for sizing a GPU sweep before one has run it: estimates, not measurements. One H200's dense
+bf16 tensor-core peak (989 TFLOP/s), its fp32 peak without tensor cores (67 TFLOP/s; the engine leaves
+TF32 off), HBM3e bandwidth (4.8 TB/s), a kernel launch (5 us), and per point the making of its operand
+copies (up to 256 sets, a few launches each at about 10 us) and Python around the timed batches."""
+
+
+def estimate_seconds(sweep: Sweep, rates: dict[str, float] = H200_ESTIMATE) -> float:
+    """Seconds ``profile_device`` spends timing ``sweep``'s points at ``rates``, as ``_Timer.median``
+    spends them: each call at its FLOPs or bytes at peak (at least a launch), 3 calls of warm-up and
+    sizing, then repeats of batches of about ``batch_seconds`` within ``point_seconds``, clamped to
+    ``min_repeats``..``max_repeats``."""
+    total = 0.0
+    for _kind, dtype, _shape, flops, nbytes in timed_points(sweep):
+        call = max(flops / rates[dtype], nbytes / rates["bytes"], rates["launch_s"])
+        batch = max(call, sweep.batch_seconds)
+        timed = min(max(sweep.point_seconds, sweep.min_repeats * batch), sweep.max_repeats * batch)
+        total += 3 * call + timed + rates["point_overhead_s"]
+    return total
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -260,6 +370,8 @@ def _cold(timer: _Timer, make: Callable[[], tuple[torch.Tensor, ...]]) -> Callab
 def gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
     points = []
     for m, n, k in timer.sweep.gemm_shapes:
+        if not _timed_fp32(timer.sweep, dtype, 2 * m * n * k):
+            continue
         operands = _cold(timer, lambda: (torch.randn(m, k, dtype=_DTYPES[dtype], device=timer.device),
                                          torch.randn(k, n, dtype=_DTYPES[dtype], device=timer.device)))
         seconds = timer.median(lambda ab: torch.mm(*ab), setup=operands)
@@ -267,6 +379,8 @@ def gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> l
         points.append(_point(work, seconds, (m, n, k)))
         progress(f"  gemm {dtype} {m}x{n}x{k}: {seconds * 1e6:.1f} us, {work / seconds / 1e12:.3f} TFLOP/s")
     for batch, m, n, k in timer.sweep.bmm_shapes:
+        if not _timed_fp32(timer.sweep, dtype, 2 * batch * m * n * k):
+            continue
         operands = _cold(timer, lambda: (torch.randn(batch, m, k, dtype=_DTYPES[dtype], device=timer.device),
                                          torch.randn(batch, k, n, dtype=_DTYPES[dtype], device=timer.device)))
         seconds = timer.median(lambda ab: torch.bmm(*ab), setup=operands)
@@ -281,20 +395,18 @@ def grouped_gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], Non
 
     sweep = timer.sweep
     points = []
-    for n, k in sweep.grouped_nk:
-        for experts in sweep.grouped_experts:
-            for rows in sweep.grouped_rows:
-                if experts * rows > sweep.grouped_max_rows:
-                    continue
-                offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=timer.device) * rows
-                operands = _cold(timer, lambda: (
-                    torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device),
-                    torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device).transpose(1, 2)))
-                seconds = timer.median(lambda xw, o=offsets: grouped_mm(*xw, o), setup=operands) / experts
-                work = 2 * rows * n * k
-                points.append(_point(work, seconds, (experts, rows, n, k)))
-                progress(f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
-                         f"{seconds * 1e6:.1f} us/group, {work / seconds / 1e12:.3f} TFLOP/s")
+    for experts, rows, n, k in _grouped_shapes(sweep):
+        if not _timed_fp32(sweep, dtype, 2 * experts * rows * n * k):
+            continue
+        offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=timer.device) * rows
+        operands = _cold(timer, lambda: (
+            torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device),
+            torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device).transpose(1, 2)))
+        seconds = timer.median(lambda xw, o=offsets: grouped_mm(*xw, o), setup=operands) / experts
+        work = 2 * rows * n * k
+        points.append(_point(work, seconds, (experts, rows, n, k)))
+        progress(f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
+                 f"{seconds * 1e6:.1f} us/group, {work / seconds / 1e12:.3f} TFLOP/s")
     return _sorted(points)
 
 
@@ -307,6 +419,8 @@ def attention_points(
     d = sweep.attention_head_dim
     forward_points, backward_points = [], []
     for s in sweep.attention_seq:
+        if not _timed_fp32(sweep, dtype, 3.5 * 2 * b * h * s * s * d):
+            continue
         grad = torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
         qkv = _cold(timer, lambda: tuple(torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
                                          for _ in range(3)))
@@ -548,6 +662,13 @@ class _Neighbours:
                 process.kill()
 
 
+def _base_network(base: Any, sources: dict[str, str]) -> dict[str, float]:
+    """The network of the ``base`` profile, its sources added to ``sources``."""
+    for k in base.network:
+        sources[f"network.{k}"] = f"copied from {base.name}: {base.sources[f'network.{k}']}"
+    return dict(base.network)
+
+
 def _fraction(value: float) -> float:
     return _sig(min(1.0, max(value, 1e-6)), 3)
 
@@ -573,13 +694,15 @@ def profile_device(
 
     ``threads``: ``torch.set_num_threads`` during the measurement (the threads one rank uses; restored
     after). ``name``: the profile's name (default ``cpu-<cores>core``, or ``<base>-measured``).
-    ``base``: an existing profile (name or path) whose peaks, hbm_gbps, network and sources are
-    copied; required on a GPU. ``ranks``: processes one host runs (network.gpus_per_node; the gloo
-    calibration runs that many). ``sweep``: sizes (default ``cpu_sweep``/``cuda_sweep``).
+    ``base``: an existing profile (name or path) whose network is copied with its sources, on a GPU
+    its peaks and hbm_gbps too; required on a GPU; on a CPU it stands in for the gloo calibration.
+    ``ranks``: processes one host runs (network.gpus_per_node; the gloo calibration runs that many).
+    ``sweep``: sizes (default ``cpu_sweep``/``cuda_sweep``).
     ``network``: an already measured ``calibrate_network`` result ({"latency_us", "gbps"}) instead of
     measuring one. ``command``: what to record as ``measured.command``. ``load``: on a CPU, run the
     measurement while ``ranks - 1`` neighbour processes load the host (``_neighbour``), as a rank of a
-    multi-rank CPU run shares it. ``quick``: 20 ms per point instead of the sweep's budget.
+    multi-rank CPU run shares it. ``quick``: ``QUICK``'s timing instead of the sweep's; on a GPU the default
+    sweep is then ``cuda_quick_sweep``.
     """
     dev = torch.device(device)
     if dev.type not in ("cpu", "cuda"):
@@ -589,10 +712,10 @@ def profile_device(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     base_profile = load_profile(base) if base else None
-    sweep = sweep or (cuda_sweep() if dev.type == "cuda" else cpu_sweep())
+    if sweep is None:
+        sweep = cpu_sweep() if dev.type == "cpu" else cuda_quick_sweep() if quick else cuda_sweep()
     if quick:
-        # The same points, timed briefly: for a check within a fixed device budget (bench/gpu-check.sh).
-        sweep = dataclasses.replace(sweep, point_seconds=0.02, min_repeats=3, max_repeats=10)
+        sweep = dataclasses.replace(sweep, **QUICK)
     timer = _Timer(dev, sweep)
     started = time.perf_counter()
     old_threads = torch.get_num_threads()
@@ -618,13 +741,16 @@ def profile_device(
         for dtype in sweep.dtypes:
             curves["memory"][dtype] = memory_points(timer, dtype, progress)
         stream, stream_numel = stream_gbps(timer, progress)
-        free_us = free_op_seconds(timer) * 1e6
-        progress(f"free op x.view(-1): {free_us:.3f} us")
-        host_s, host_ops = host_op_seconds(timer)
-        progress(f"host time per op of a tiny training step ({host_ops} ops): {host_s * 1e6:.2f} us")
+        if dev.type == "cpu":  # a GPU profile prices neither: its host queues kernels ahead of the device
+            free_us = free_op_seconds(timer) * 1e6
+            progress(f"free op x.view(-1): {free_us:.3f} us")
+            host_s, host_ops = host_op_seconds(timer)
+            progress(f"host time per op of a tiny training step ({host_ops} ops): {host_s * 1e6:.2f} us")
     finally:
         neighbours.__exit__()
         torch.set_num_threads(old_threads)
+    # A sweep's fp32 cap can leave a curve without points; the profile has no such curve then.
+    curves = {kind: {d: points for d, points in by_dtype.items() if points} for kind, by_dtype in curves.items()}
     if network is None and base_profile is None:
         from bench.validate.proxy_check import calibrate_network
 
@@ -646,7 +772,8 @@ def profile_device(
         used = min(threads, spec.cores)
         # The clock: lscpu's, unless the measured GEMMs need a faster one (a guest that shows only its
         # nominal clock); then the lowest clock that explains them.
-        best = {d: max((p for k in ("gemm", "grouped_gemm") for p in curves[k][d]), key=_rate) for d in sweep.dtypes}
+        best = {d: max((p for k in ("gemm", "grouped_gemm") for p in curves[k].get(d, [])), key=_rate)
+                for d in sweep.dtypes}
         needed = {d: _rate(best[d]) / (used * spec.flops_per_cycle[d] * 1e9) for d in sweep.dtypes}
         ghz, ghz_note = spec.ghz, spec.ghz_source
         fastest = max(needed, key=needed.get)
@@ -676,14 +803,18 @@ def profile_device(
         sources["hbm_gbps"] = (f"{stamp}: DRAM bandwidth of torch.add(a, b, out=c) into a preallocated fp32 "
                                f"output, {stream_numel} elements per operand (the best of the two largest memory "
                                f"sizes), 3 x numel x 4 bytes / median seconds, {threads} thread(s)")
-        net = {"gpus_per_node": int(ranks), "intra_node_gbps": _sig(network["gbps"]),
-               "inter_node_gbps": _sig(network["gbps"]), "latency_us": _sig(network["latency_us"])}
-        sources["network.gpus_per_node"] = f"the ranks one host runs here ({ranks}, one process per rank)"
-        sources["network.intra_node_gbps"] = (f"{stamp}: {network_source}: bandwidth from the slope between 1 KB "
-                                              "and 16 MB all-reduces and all-to-alls")
-        sources["network.inter_node_gbps"] = ("no second host: the same gloo figure as intra_node_gbps "
-                                              f"({stamp})")
-        sources["network.latency_us"] = f"{stamp}: {network_source}: alpha from 1 KB all-reduces and all-to-alls"
+        if network is None:  # a base was given and no calibration: its network, as on a GPU
+            net = _base_network(base_profile, sources)
+        else:
+            net = {"gpus_per_node": int(ranks), "intra_node_gbps": _sig(network["gbps"]),
+                   "inter_node_gbps": _sig(network["gbps"]), "latency_us": _sig(network["latency_us"])}
+            sources["network.gpus_per_node"] = f"the ranks one host runs here ({ranks}, one process per rank)"
+            sources["network.intra_node_gbps"] = (f"{stamp}: {network_source}: bandwidth from the slope between "
+                                                  "1 KB and 16 MB all-reduces and all-to-alls")
+            sources["network.inter_node_gbps"] = ("no second host: the same gloo figure as intra_node_gbps "
+                                                  f"({stamp})")
+            sources["network.latency_us"] = (f"{stamp}: {network_source}: alpha from 1 KB all-reduces and "
+                                             "all-to-alls")
         description = (f"{spec.model}, {spec.cores} cores, {memory_gb} GB RAM (measured with {threads} "
                        f"thread(s) per rank, {ranks} ranks per host)")
         machine = {"cpu": spec.model, "cores": spec.cores, "torch": torch_version, "platform": platform.platform()}
@@ -702,9 +833,7 @@ def profile_device(
         hbm = base_profile.hbm_gbps
         sources["hbm_gbps"] = (f"copied from {base_profile.name}: {base_profile.sources['hbm_gbps']} (measured here: "
                                f"{stream:.0f} GB/s by torch.add out= at {stream_numel} elements)")
-        net = dict(base_profile.network)
-        for k in net:
-            sources[f"network.{k}"] = f"copied from {base_profile.name}: {base_profile.sources[f'network.{k}']}"
+        net = _base_network(base_profile, sources)
         description = f"{props.name}, {memory_gb} GB (curves measured; peaks and network from {base_profile.name})"
         machine = {"gpu": props.name, "cpu": cpu_spec().model, "cores": os.cpu_count(), "torch": torch_version,
                    "cuda": torch.version.cuda}
@@ -718,7 +847,7 @@ def profile_device(
         fraction = _rate(top) / reference
         efficiency[curve_kind] = _fraction(fraction)
         others = ", ".join(f"{d} {_rate(_largest(curves[curve_kind][d])) / (peak_tflops[d] * 1e12 * scale):.3f}"
-                           for d in sweep.dtypes if d != main_dtype)
+                           for d in sweep.dtypes if d != main_dtype and d in curves[curve_kind])
         capped = " (capped at 1)" if fraction > 1 else ""
         sources[f"efficiency.{curve_kind}"] = (
             f"{stamp}: the {main_dtype} {curve_kind} curve's largest point, shape {top['shape']}, "
@@ -747,11 +876,20 @@ def profile_device(
     sources["curves"] = (
         f"{stamp} on {dev}, {threads} thread(s): medians of time.perf_counter around batches of calls after 2 "
         "warm-up calls (bench/run/profile_device.py docstring: what each kind's work and seconds are)")
+    if dev.type == "cuda":
+        sources["curves"] += (f"; fp32 GEMMs with torch.backends.cuda.matmul.allow_tf32 = "
+                              f"{torch.backends.cuda.matmul.allow_tf32}, as the engine runs them (it leaves torch's "
+                              "default, off)")
+    if math.isfinite(sweep.fp32_max_flops):
+        sources["curves"] += (f"; fp32 gemm, grouped_gemm and attention points above {sweep.fp32_max_flops:.4g} "
+                              "FLOPs a call not timed (a larger fp32 op is priced at the throughput of the nearest "
+                              "measured one)")
 
     name = name or default_name
     threads_flag = f" --threads {threads}" if kind == "cpu" else ""
     command = command or (f"moe-bench profile-device --device {device}{threads_flag} --name {name}"
-                          + (f" --base {base}" if base else "") + (f" --ranks {ranks}" if kind == "cpu" else ""))
+                          + (f" --base {base}" if base else "") + (f" --ranks {ranks}" if kind == "cpu" else "")
+                          + (" --quick" if quick else ""))
     return {
         "schema_version": 1,
         "name": name,
@@ -817,10 +955,14 @@ def profile_device_command(
     out: str | Path | None = None,
     progress: Callable[[str], None] = print,
     quick: bool = False,
+    tiny: bool = False,
 ) -> Path:
-    """What ``moe-bench profile-device`` runs: measure, then write ``out`` (default ``devices/<name>.yaml``)."""
+    """What ``moe-bench profile-device`` runs: measure, then write ``out`` (default ``devices/<name>.yaml``).
+    ``tiny``: time ``tiny_sweep`` (seconds on a CPU: bench/gpu-check.sh --dry-run)."""
     profile = profile_device(device=device, threads=threads, name=name, progress=progress, base=base, ranks=ranks,
-                             quick=quick)
+                             quick=quick, sweep=tiny_sweep() if tiny else None)
+    if tiny:
+        profile["measured"]["command"] += " --tiny"
     path = write_profile(profile, out or DEVICES_DIR / f"{profile['name']}.yaml")
     progress(f"profile-device: wrote {path} in {profile['measured']['seconds']} s")
     return path

@@ -52,6 +52,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -727,8 +728,7 @@ def _measure(scenario: Scenario, scale: ProxyScale, device: torch.device, progre
 
 
 def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return statistics.median(values)
 
 
 def _phase_table(measured: _Measured) -> dict[str, dict[str, float]]:

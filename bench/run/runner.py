@@ -120,6 +120,29 @@ class RankMemory:
     """Where ``available`` comes from."""
 
 
+# The free memory of the GPUs is asked in a process of its own, which exits with its answer: asking in
+# the runner would create a CUDA context on every GPU (about 0.5 GB each) and hold it for the whole
+# suite, memory the workers then lack. Inside a launch each rank asks for its own GPU, which it uses anyway.
+_CUDA_FREE_QUERY = (
+    "import json, sys, torch; "
+    "print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1]))]))"
+)
+CUDA_FREE_SOURCE = "free memory of the GPU, torch.cuda.mem_get_info in a short-lived process"
+
+
+def cuda_free_bytes(count: int, timeout: float = 120) -> list[int]:
+    """The free memory of GPUs 0 to ``count - 1``, bytes, without a CUDA context in this process."""
+    command = [sys.executable, "-c", _CUDA_FREE_QUERY, str(count)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise OSError(f"the GPU memory query did not answer within {timeout:g} s") from err
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"the GPU memory query exited with code {done.returncode}: {last}")
+    return [int(b) for b in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -377,7 +400,9 @@ class Runner:
             return gathered
         if self.device.type == "cuda":
             # The runner starts one rank per GPU, rank r on GPU r.
-            return [entry(r, torch.device("cuda", r)) for r in range(scenario.world_size)]
+            free = cuda_free_bytes(scenario.world_size)
+            return [RankMemory(r, host, f"cuda:{r}", stage_bytes[layout.coords(r).pp_rank], free[r], CUDA_FREE_SOURCE)
+                    for r in range(scenario.world_size)]
         available, source = available_memory_bytes(self.device)
         return [RankMemory(r, host, "cpu", stage_bytes[layout.coords(r).pp_rank], available, source)
                 for r in range(scenario.world_size)]
@@ -386,7 +411,7 @@ class Runner:
         """Why the scenario cannot fit the memory here (None when it can, or when forced) and the figures."""
         try:
             ranks = self._rank_memory(scenario)
-        except OSError as err:  # no /proc/meminfo on this platform: nothing to compare with
+        except OSError as err:  # no /proc/meminfo on this platform, or no answer from the GPUs: nothing to compare with
             return None, {"skipped": f"available memory unknown: {err}"}
         reason, pools = memory_shortfall(ranks)
         details = {"pools": pools, "margin": MEMORY_MARGIN, "shortfall": reason, "forced": self.force}
@@ -404,15 +429,19 @@ class Runner:
         peaks = self._peak(scenario) if scenario.mode == "execute" else {}
         status, error, metrics, details = self._run_worker(scenario, peaks, progress)
         if scenario.mode == "execute":
-            details.update(peaks, memory_check=memory_check)  # the runner knows where its peaks come from
+            # The peaks and their source are the worker's fields (it was given them and measured against
+            # them); the runner adds what only it knows.
+            details["memory_check"] = memory_check
+            if "mfu_unavailable" in peaks:
+                details["mfu_unavailable"] = peaks["mfu_unavailable"]
         else:
             details.setdefault("peak_tflops", None)
         return status, error, metrics, details
 
     def _run_worker(self, scenario: Scenario, peaks: dict[str, Any], progress) -> tuple[str, str | None, dict, dict]:
-        peak, peak_fp8 = peaks.get("peak_tflops"), peaks.get("peak_tflops_fp8")
+        peak, peak_fp8, source = peaks.get("peak_tflops"), peaks.get("peak_tflops_fp8"), peaks.get("peak_tflops_source")
         if self.launch is not None:
-            return self._execute_in_launch(scenario, peak, peak_fp8)
+            return self._execute_in_launch(scenario, peak, peak_fp8, source)
         timeout = scenario.run["timeout_s"]
         request = self._checkpoint_request(scenario)
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
@@ -425,6 +454,8 @@ class Runner:
                 command += ["--peak-tflops", str(peak)]
             if peak_fp8:
                 command += ["--peak-tflops-fp8", str(peak_fp8)]
+            if peak and source:
+                command += ["--peak-tflops-source", source]
             returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(processes))
             if returncode is None:
                 outcome = {"status": "timeout", "error": f"stopped after exceeding its timeout of {timeout:g} s"}
@@ -457,7 +488,7 @@ class Runner:
                                          "error": outcome.get("error")})
 
     def _execute_in_launch(
-        self, scenario: Scenario, peak: float | None, peak_fp8: float | None
+        self, scenario: Scenario, peak: float | None, peak_fp8: float | None, peak_source: str | None
     ) -> tuple[str, str | None, dict, dict]:
         """Every rank of the launch executes its share here; the process group's timeout bounds hangs."""
         from bench.run.worker import execute_outcome
@@ -473,7 +504,8 @@ class Runner:
             shared = [request]
             dist.broadcast_object_list(shared, src=0)
             request = shared[0]
-        outcome = execute_outcome(scenario, self.device, peak, groups, peak_fp8, checkpoint_run(request, scenario))
+        outcome = execute_outcome(scenario, self.device, peak, groups, peak_fp8, checkpoint_run(request, scenario),
+                                  peak_source=peak_source)
         if self.writes_results:
             self._end_attempt(scenario, request, outcome)
         return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]

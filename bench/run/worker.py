@@ -1,6 +1,7 @@
 """Worker process: execute one scenario and write its metrics as JSON.
 
     python -m bench.run.worker SCENARIO_JSON OUT_JSON --device cpu [--peak-tflops X] [--peak-tflops-fp8 Y]
+        [--peak-tflops-source TEXT]
 
 Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: the ranks join one process group
 (gloo on CPU, NCCL on CUDA), execute their share of the layout, and rank 0 writes the outcome.
@@ -34,7 +35,7 @@ from moe_engine.parallel.layout import Layout
 
 def execute_outcome(
     scenario: Scenario, device: torch.device, peak: float | None, groups, peak_fp8: float | None = None,
-    checkpointing: CheckpointRun | None = None, project_devices: list[str] = (),
+    checkpointing: CheckpointRun | None = None, project_devices: list[str] = (), peak_source: str | None = None,
 ) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
     progress = lambda line: print(line, flush=True)  # noqa: E731
@@ -45,7 +46,7 @@ def execute_outcome(
             result = run_proxy(scenario, device, progress, project_devices)
         else:
             result = execute(scenario, device, peak, progress=progress, groups=groups, peak_tflops_fp8=peak_fp8,
-                             checkpointing=checkpointing)
+                             checkpointing=checkpointing, peak_tflops_source=peak_source)
         if result is not None:
             outcome["metrics"], outcome["details"] = result.metrics, result.details
     except NonFiniteLoss as err:
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense BF16 peak (mfu)")
     parser.add_argument("--peak-tflops-fp8", type=float, default=None, help="dense FP8 peak (mfu_fp8 of MXFP8 runs)")
+    parser.add_argument("--peak-tflops-source", default=None, help="where the peaks come from (recorded as given)")
     args = parser.parse_args(argv)
 
     with open(args.scenario_json) as handle:
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = build_process_groups(Layout(scenario.parallel_config))
     rank = groups.coords.rank if groups else 0
     outcome = execute_outcome(scenario, device, args.peak_tflops, groups, args.peak_tflops_fp8,
-                              checkpoint_run(payload.get("checkpoint"), scenario), payload.get("project_devices", []))
+                              checkpoint_run(payload.get("checkpoint"), scenario), payload.get("project_devices", []),
+                              peak_source=args.peak_tflops_source)
     if rank == 0:
         with open(args.out_json, "w") as handle:
             json.dump(outcome, handle)

@@ -82,7 +82,7 @@ def _fake_cuda_runner(monkeypatch, tmp_path, name: str):
 
     fake_gpu(monkeypatch, name)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runner_module, "available_memory_bytes", lambda device: (80 * 2**30, "faked"), raising=False)
+    monkeypatch.setattr(runner_module, "cuda_free_bytes", lambda count: [80 * 2**30] * count)
     commands = []
 
     def fake_worker(command, timeout, on_line, env=None):
@@ -99,14 +99,19 @@ def _flag(command: list[str], name: str) -> float | None:
     return float(command[command.index(name) + 1]) if name in command else None
 
 
+def _source(command: list[str]) -> str | None:
+    """The peaks' source the worker is told to record (its own field in the result)."""
+    return command[command.index("--peak-tflops-source") + 1] if "--peak-tflops-source" in command else None
+
+
 def test_an_mxfp8_run_gets_the_fp8_peak_too(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
     runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H200")
-    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
     (command,) = commands
     assert _flag(command, "--peak-tflops") == 989.5 and _flag(command, "--peak-tflops-fp8") == 1979.0
-    assert outcome.details["peak_tflops_fp8"] == 1979.0 and "H200 SXM" in outcome.details["peak_tflops_source"]
+    assert "H200 SXM" in _source(command) and "'NVIDIA H200'" in _source(command)
     # A bf16 run is measured against the BF16 peak alone.
     bf16 = scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16", "name": "bf"})
     runner.run_one(bf16, lambda line: None)
@@ -127,10 +132,11 @@ def test_an_unknown_gpu_records_why_it_has_no_mfu(monkeypatch, tmp_path):
     runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA Hypothetical X1")
     outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
     assert "--peak-tflops" not in commands[0] and "--peak-tflops-fp8" not in commands[0]
+    assert _source(commands[0]) is None
     missing = outcome.details["mfu_unavailable"]
     assert set(missing) == {"mfu", "mfu_fp8"} and "'NVIDIA Hypothetical X1'" in missing["mfu"]
     doc = json.loads(outcome.path.read_text())
-    assert doc["details"]["mfu_unavailable"] == missing and doc["details"]["peak_tflops"] is None
+    assert doc["details"]["mfu_unavailable"] == missing
 
 
 def test_a_gpu_without_fp8_says_so_for_an_mxfp8_run(monkeypatch, tmp_path):
@@ -147,11 +153,12 @@ def test_execute_reports_mfu_against_both_peaks():
     from bench.run.execute import execute
     from bench.scenario import scenario_from_dict
 
-    result = execute(scenario_from_dict(copy.deepcopy(TINY)), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0)
+    result = execute(scenario_from_dict(copy.deepcopy(TINY)), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0,
+                     peak_tflops_source="given by the test")
     m = result.metrics
     for mfu, mfu_fp8, tflops in zip(m["mfu"]["samples"], m["mfu_fp8"]["samples"], m["tflops_per_gpu"]["samples"]):
         assert mfu == pytest.approx(tflops / 2.0) and mfu_fp8 == pytest.approx(tflops / 4.0)
-    assert result.details["peak_tflops_fp8"] == 4.0
+    assert result.details["peak_tflops_fp8"] == 4.0 and result.details["peak_tflops_source"] == "given by the test"
     bf16 = execute(scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), 2.0,
                    peak_tflops_fp8=4.0)
     assert "mfu" in bf16.metrics and "mfu_fp8" not in bf16.metrics  # the FP8 peak bounds MXFP8 runs only

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from pathlib import Path
 
 import pytest
+from own_processes import owned_processes, owned_processes_after, owner_env
 
 from bench.gate.resident import ResidentSide, WorkerDied, WorkerFailedToStart, compare_resident
 from bench.results import REPO_ROOT
@@ -22,18 +21,13 @@ TINY = {
 }
 
 
-def session_processes(sid: int) -> list[int]:
-    """Live processes of a session (the worker and its ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return found
+@pytest.fixture
+def owner(monkeypatch) -> dict[str, str]:
+    """This test's process marker, set where the sides' processes inherit it: only they are looked for."""
+    env = owner_env()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
 
 
 def scenario(**parallel):
@@ -98,15 +92,15 @@ def test_the_budget_ends_an_undecided_comparison():
     assert result.stopped_by == "budget" and result.seconds >= 30
 
 
-def test_a_worker_that_dies_fails_with_its_error_and_leaves_nothing():
+def test_a_worker_that_dies_fails_with_its_error_and_leaves_nothing(owner):
     tiny = scenario()
     with ResidentSide("candidate", REPO_ROOT, tiny, "cpu", 60) as side:
-        sid = os.getsid(side.process.pid)
         side.block(1)
+        assert side.process.pid in owned_processes(owner)
         os.kill(side.process.pid, signal.SIGKILL)
         with pytest.raises(WorkerDied, match="candidate worker exited with code -9"):
             side.block(1)
-    assert session_processes(sid) == []
+    assert owned_processes_after(owner) == []
 
 
 def test_a_worker_that_cannot_start_says_why(tmp_path):
@@ -121,12 +115,10 @@ def test_a_worker_that_cannot_start_says_why(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_two_rank_side_runs_blocks_and_closes_all_its_ranks():
+def test_a_two_rank_side_runs_blocks_and_closes_all_its_ranks(owner):
     ep2 = scenario(dp=2, ep=2, dispatch="no-sync")
     with ResidentSide("a", REPO_ROOT, ep2, "cpu", 180) as a:
-        sid = os.getsid(a.process.pid)
         seconds = a.block(2)
         assert seconds > 0 and len(a.last_losses) == 2
-        assert len(session_processes(sid)) >= 2  # rank 0 and rank 1
-    time.sleep(0.5)
-    assert session_processes(sid) == []
+        assert len(owned_processes(owner)) >= 2  # rank 0 and rank 1
+    assert owned_processes_after(owner) == []

@@ -32,14 +32,14 @@ class FakeNode:
         self.memory_queries: list[str] = []
         self.launches: dict[str, list[str]] = {}
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-        monkeypatch.setattr(runner, "available_memory_bytes", self.available)
+        monkeypatch.setattr(runner, "cuda_free_bytes", self.available)
         monkeypatch.setattr(runner, "device_peak", lambda device: (None, "no peak on a faked GPU"))
         monkeypatch.setattr(runner, "run_with_timeout", self.worker)
 
-    def available(self, device: torch.device):
-        assert device.type == "cuda" and device.index is not None and device.index < self.gpus
-        self.memory_queries.append(str(device))
-        return self.free, f"free memory of {device}, torch.cuda.mem_get_info"
+    def available(self, count: int) -> list[int]:
+        assert count <= self.gpus
+        self.memory_queries.extend(f"cuda:{r}" for r in range(count))
+        return [self.free] * count
 
     def worker(self, command, timeout, on_line, env=None):
         spec = json.loads(Path(command[command.index("--device") - 2]).read_text())["spec"]
@@ -100,8 +100,8 @@ def test_a_scenario_the_gpus_cannot_hold_is_recorded_oom_before_starting(tmp_pat
         doc = docs[s.name]
         assert doc.status == "oom" and doc.metrics == {}
         assert doc.data["error"] == (
-            f"planned {planned_per_gpu(s) / GIB:.1f} GiB per rank, 30.0 GiB available (free memory of cuda:0, "
-            "torch.cuda.mem_get_info); not started (moe-bench run --force starts it anyway)"
+            f"planned {planned_per_gpu(s) / GIB:.1f} GiB per rank, 30.0 GiB available ({runner.CUDA_FREE_SOURCE}); "
+            "not started (moe-bench run --force starts it anyway)"
         )
         pools = doc.data["details"]["memory_check"]["pools"]
         assert [p["pool"] for p in pools] == [f"cuda:{r}" for r in range(s.world_size)]

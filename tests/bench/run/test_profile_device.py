@@ -8,12 +8,21 @@ The gloo calibration is passed in (``network=``) so that the test runs no torchr
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from bench.predict.device import load_profile, profile_from_dict
-from bench.run.profile_device import profile_device, tiny_sweep, write_profile
+from bench.run.profile_device import (
+    Sweep,
+    _Timer,
+    estimate_seconds,
+    profile_device,
+    timed_points,
+    tiny_sweep,
+    write_profile,
+)
 
 NETWORK = {"gbps": 1.5, "latency_us": 100.0}
 
@@ -101,3 +110,49 @@ def test_threads_are_restored_and_gpu_needs_a_base():
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="base"):
         profile_device("cuda", progress=lambda line: None)
+
+
+def test_timed_points_are_the_points_timed_and_fp32_stops_at_the_cap(monkeypatch):
+    # 200,000 FLOPs: of tiny_sweep's fp32 points (FLOPs of one call, by hand) the GEMM 64x32x128
+    # (524,288), the grouped GEMMs of 32 rows (262,144 and 524,288) and both attention sizes (forward
+    # and backward 3.5 x 65,536 and 3.5 x 262,144) are left out.
+    sweep = dataclasses.replace(tiny_sweep(), fp32_max_flops=200_000)
+    calls = []
+    median = _Timer.median
+
+    def counted(self, fn, setup=None):
+        calls.append(fn)
+        return median(self, fn, setup)
+
+    monkeypatch.setattr(_Timer, "median", counted)
+    result = profile_device("cpu", threads=1, progress=lambda line: None, sweep=sweep, base="cpu-2core", load=False)
+    # bf16: 4 gemm + 4 grouped + 2 x 2 attention + 3 memory; fp32: 3 + 2 + 0 + 3; 2 stream sizes.
+    assert len(calls) == len(timed_points(sweep)) == 25
+    curves = result["curves"]
+    assert {tuple(p["shape"]) for p in curves["gemm"]["fp32"]} == {(16, 16, 16), (32, 64, 48), (64, 1, 32, 2)}
+    assert {tuple(p["shape"]) for p in curves["grouped_gemm"]["fp32"]} == {(2, 8, 32, 64), (4, 8, 32, 64)}
+    assert "fp32" not in curves["attention"] and "fp32" not in curves["attention_backward"]
+    assert len(curves["memory"]["fp32"]) == 3 and len(curves["attention"]["bf16"]) == 2
+    measured = [(kind, dtype, tuple(p["shape"])) for kind, by_dtype in curves.items()
+                for dtype, points in by_dtype.items() for p in points]
+    assert sorted(measured) == sorted((k, d, s) for k, d, s, _, _ in timed_points(sweep) if k != "stream")
+    parsed = profile_from_dict(copy.deepcopy(result), "capped.yaml")
+    # A base on a CPU stands in for the gloo calibration: its network, with its sources.
+    assert parsed.network == {"gpus_per_node": 2, "intra_node_gbps": 1.437, "inter_node_gbps": 1.437,
+                              "latency_us": 113.5}
+    assert result["sources"]["network.latency_us"].startswith("copied from cpu-2core: ")
+    assert "above 2e+05 FLOPs a call not timed" in result["sources"]["curves"]
+
+
+def test_estimate_of_a_one_gemm_sweep_by_hand():
+    # At 1 TFLOP/s bf16 and 100 GB/s: the 1000^3 bf16 GEMM is 2 ms a call (its 6 MB move in 0.06 ms):
+    # warm-up and sizing 3 x 2 ms, repeats of 2 ms up to the 20 ms point budget (10, within 3..10),
+    # 10 ms making operands: 36 ms. The memory point (1000 bf16 elements) and the stream point (the
+    # one memory size, fp32) take a 10 us launch a call: 3 x 10 us, the most repeats (10) of 1 ms
+    # batches, 10 ms: 20.03 ms each.
+    rates = {"bf16": 1e12, "fp32": 1e11, "bytes": 1e11, "launch_s": 1e-5, "point_overhead_s": 0.01}
+    sweep = Sweep(gemm_shapes=((1000, 1000, 1000),), grouped_rows=(), grouped_nk=(), grouped_experts=(),
+                  grouped_max_rows=0, attention_seq=(), memory_numel=(1000,), dtypes=("bf16",),
+                  point_seconds=0.02, min_repeats=3, max_repeats=10, batch_seconds=1e-3)
+    assert [p[0] for p in timed_points(sweep)] == ["gemm", "memory", "stream"]
+    assert estimate_seconds(sweep, rates) == pytest.approx(0.036 + 2 * 0.02003)
