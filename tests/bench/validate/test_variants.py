@@ -7,10 +7,10 @@ import itertools
 import json
 import math
 import os
-import time
 
 import pytest
 import yaml
+from own_processes import owned_processes, owned_processes_after, owner_env
 
 from bench.gate import resident
 from bench.scenario import SCENARIOS_DIR, load_scenario, scenario_from_dict
@@ -291,12 +291,16 @@ def test_the_recompute_tool_measures_every_mode_and_an_identical_control(tiny_fi
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_real_run_writes_its_document_and_leaves_no_worker_behind(tiny_file, tmp_path, monkeypatch):
+    owner = owner_env()
+    for name, value in owner.items():  # every worker and rank this test starts inherits the marker
+        monkeypatch.setenv(name, value)
     sessions = []
     enter = resident.ResidentSide.__enter__
 
     def recording_enter(self):
         side = enter(self)
         sessions.append(os.getsid(side.process.pid))
+        assert side.process.pid in owned_processes(owner)  # the marker reaches the workers
         return side
 
     monkeypatch.setattr(resident.ResidentSide, "__enter__", recording_enter)
@@ -318,5 +322,4 @@ def test_a_real_run_writes_its_document_and_leaves_no_worker_behind(tiny_file, t
     assert row["probe_loss_rel_diff"]["full"] < 1e-5
     assert "| tiny-variants | 1 | full vs none |" in document["table"]
     assert len(sessions) == 2
-    time.sleep(0.5)
-    assert [variants.session_processes(sid) for sid in sessions] == [[], []]
+    assert owned_processes_after(owner) == []
