@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from distributed_harness import run_ranks
+from tolerances import assert_close_to_scale, assert_moves_close, in_quadrature, model_tolerance
 
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig
 from moe_engine.parallel.groups import build_process_groups
@@ -58,6 +59,7 @@ def _full(tensor):
 def _train(config: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, groups=None, rows=slice(None)):
     """Losses, first-step gradients, final parameters and buffers of STEPS steps on this rank."""
     rank_model = build_rank_model(config, parallel, groups, torch.device("cpu"), SEED, recompute=recompute)
+    initial = {n: _full(t).detach().clone() for n, t in rank_model.module.state_dict().items()}
     trainer = ParallelTrainer(rank_model, parallel, groups, OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0))
     # FSDP's gradients are the parameters' own (sharded); the engine's DDP buffers hold them otherwise.
     grad_of = getattr(trainer.optimizer, "grad_view", lambda param: param.grad)
@@ -68,16 +70,29 @@ def _train(config: ModelConfig, parallel: ParallelConfig, recompute: RecomputeCo
             grads = {n: _full(grad_of(p)).clone() for n, p in rank_model.module.named_parameters()}
     state = {n: _full(t).detach().clone() for n, t in rank_model.module.state_dict().items()}
     recomputed = sorted(n for n, m in rank_model.module.named_modules() if is_recomputed(m))
-    return {"losses": losses, "grads": grads, "state": state, "recomputed": recomputed}
+    return {"losses": losses, "grads": grads, "initial": initial, "state": state, "recomputed": recomputed,
+            "config": config}
 
 
 def _assert_same_training(got: dict, want: dict) -> None:
+    # The recompute runs the same kernels on the same inputs, but autograd may add a parameter's
+    # gradient contributions in another order: fp32 rounding of the model's sums at most.
     assert got["losses"][0] is not None
-    torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(want["losses"]), rtol=1e-6, atol=0)
+    tokens = SEQUENCES * want["config"].seq_len
+    loss_tol = model_tolerance(want["config"], tokens, gradients=False)
+    grad_tol = model_tolerance(want["config"], tokens)
+    torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(want["losses"]), rtol=loss_tol, atol=0)
     for name, grad in want["grads"].items():
-        torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7, msg=f"gradient of {name}")
+        assert_close_to_scale(got["grads"][name], grad, grad_tol, msg=f"gradient of {name}")
     for name, value in want["state"].items():
-        torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-7, msg=f"state {name}")
+        if not value.is_floating_point():
+            assert torch.equal(got["state"][name], value), f"state {name}"
+            continue
+        # lr = 1 and eps = 1 make each update about proportional to its gradient: compare what the two
+        # steps moved, each carrying its gradient's rounding.
+        moved, want_moved = got["state"][name] - got["initial"][name], value - want["initial"][name]
+        assert_moves_close(moved, want_moved, in_quadrature(grad_tol, grad_tol), want["initial"][name], STEPS,
+                           msg=f"state {name}")
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -8,6 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from tolerances import moe_layer_tolerance  # noqa: E402
 from transformers import OlmoeConfig, OlmoeForCausalLM  # noqa: E402
 
 from moe_engine.config import Precision  # noqa: E402
@@ -77,14 +78,15 @@ def test_moe_layer_matches_block(norm_topk_prob, backend, experts_impl):
     grad_out = torch.randn(2, 16, 64)
 
     y_ref, y = block(x_ref), layer(x)
-    assert rel_err(y, y_ref) <= 1e-5
+    # The fp32 layer's rounding: 32 tokens, d_model 64, expert hidden 32.
+    assert rel_err(y, y_ref) <= moe_layer_tolerance(32, 64, 32, gradients=False)
 
     theirs = [x_ref, block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight]
     ours = [x, layer.experts.gate_up, layer.experts.down, layer.router.weight]
     grads_ref = torch.autograd.grad(y_ref, theirs, grad_out)
     grads = torch.autograd.grad(y, ours, grad_out)
     for name, g, g_ref in zip(["input", "gate_up", "down", "router"], grads, grads_ref):
-        assert rel_err(g, g_ref) <= 1e-5, name
+        assert rel_err(g, g_ref) <= moe_layer_tolerance(32, 64, 32), name
 
 
 def test_moe_layer_takes_loss_weights_and_copies():

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed_harness import run_ranks
+from tolerances import moe_layer_tolerance, tolerance
 
 from moe_engine.config import DispatchKind, ExpertBackendKind, MoEConfig
 from moe_engine.host_sync import HostSyncError, forbid_host_sync
@@ -185,12 +186,16 @@ def assert_matches_reference(case: dict, ranks: list[dict]) -> None:
         assert got["dropped"].dtype == torch.int64 and got["dropped"].dim() == 0
         assert got["dropped"].item() == (~ref["kept"]).sum().item()
         assert torch.equal(got["counts"], ref["counts"])
+        # The single-process layer's rounding; the experts' gradients sum over every rank's tokens.
+        all_tokens = sum(x.shape[0] for x in case["x"])
+        grad_tol = moe_layer_tolerance(all_tokens, D_MODEL, HIDDEN)
         for name in ("y", "grad_x", "grad_router"):
-            assert relative_error(got[name], ref[name]) <= 1e-5, (rank, name)
+            tol = moe_layer_tolerance(all_tokens, D_MODEL, HIDDEN, gradients=False) if name == "y" else grad_tol
+            assert relative_error(got[name], ref[name]) <= tol, (rank, name)
         # A rank's experts receive gradient from every rank's tokens.
         for name in ("grad_gate_up", "grad_down"):
             expected = sum(r[name] for r in refs)[rank * per_rank : (rank + 1) * per_rank]
-            assert relative_error(got[name], expected) <= 1e-5, (rank, name)
+            assert relative_error(got[name], expected) <= grad_tol, (rank, name)
 
 
 @pytest.mark.parametrize(
@@ -274,9 +279,10 @@ def test_backends_ignore_trailing_padding_rows(backend):
     (y_ND * grad_ND).sum().backward()
     y_ref = reference(x_ND, ExpertGroups.from_counts(counts_E))
     (y_ref * grad_ND).sum().backward()
-    assert relative_error(y_ND, y_ref) <= 1e-5
+    # The experts' two GEMMs and their backward, the weight gradients summed over up to 7 rows.
+    assert relative_error(y_ND, y_ref) <= tolerance(torch.float32, HIDDEN, depth=2)
     for p, q in zip(experts.parameters(), reference.parameters()):
-        assert relative_error(p.grad, q.grad) <= 1e-5
+        assert relative_error(p.grad, q.grad) <= tolerance(torch.float32, HIDDEN, depth=4)
 
 
 def test_keep_only_copies_the_block_into_new_parameters():

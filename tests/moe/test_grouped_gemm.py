@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import tolerance
 
 from moe_engine import ModelConfig, build_model
 from moe_engine.config import ExpertBackendKind, MoEConfig
@@ -35,7 +36,8 @@ def test_ragged_and_empty_groups_equal_per_group_matmuls(dtype, device):
     offsets = torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
     got = grouped_mm(a_MK, b_EKN, offsets)
     want = _per_group_reference(a_MK, b_EKN, counts)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # fp32: a sum of 16 products against its exact value; bf16: that sum rounded once to bf16.
+    tol = tolerance(torch.float32, 16) if dtype == torch.float32 else 2e-2
     assert torch.allclose(got.double(), want.to(got.device), rtol=tol, atol=tol * want.abs().max().item())
 
 
@@ -135,7 +137,8 @@ def test_experts_without_tokens_get_exactly_zero_weight_gradients(backend, devic
     for name in ("gate_up", "down"):
         grad, want = getattr(experts, name).grad, getattr(reference, name).grad
         assert torch.equal(grad[1], torch.zeros_like(grad[1])) and torch.equal(grad[3], torch.zeros_like(grad[3]))
-        tol = 1e-5 if dtype == torch.float32 else 0.1
+        # fp32: the two GEMMs over 32 and their backward, the weight gradients over up to 10 rows.
+        tol = tolerance(torch.float32, 32, depth=5) if dtype == torch.float32 else 0.1
         assert torch.allclose(grad.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item()), name
 
 
@@ -144,7 +147,7 @@ def test_path_names_the_kernel(device):
         assert grouped_mm_path(device, torch.bfloat16) is GroupedMMPath.FALLBACK
         assert grouped_mm_path(device, torch.float32) is GroupedMMPath.FALLBACK
     else:
-        fast = torch.cuda.get_device_capability(device) in ((9, 0), (10, 0))
+        fast = torch.cuda.get_device_capability(device)[0] in (9, 10)
         assert grouped_mm_path(device, torch.bfloat16) is (GroupedMMPath.CUTLASS if fast else GroupedMMPath.FALLBACK)
         assert grouped_mm_path(device, torch.float32) is GroupedMMPath.FALLBACK
 
@@ -154,14 +157,16 @@ def test_path_names_the_kernel(device):
     [
         ((9, 0), torch.bfloat16, GroupedMMPath.CUTLASS),
         ((10, 0), torch.bfloat16, GroupedMMPath.CUTLASS),
+        ((10, 3), torch.bfloat16, GroupedMMPath.CUTLASS),  # B300
         ((8, 0), torch.bfloat16, GroupedMMPath.FALLBACK),
+        ((8, 9), torch.bfloat16, GroupedMMPath.FALLBACK),
         ((12, 0), torch.bfloat16, GroupedMMPath.FALLBACK),
         ((9, 0), torch.float32, GroupedMMPath.FALLBACK),
         ((10, 0), torch.float16, GroupedMMPath.FALLBACK),
     ],
 )
 def test_path_by_architecture_and_dtype(capability, dtype, expected, monkeypatch):
-    """torch runs its CUTLASS grouped GEMM for bf16 on sm90/sm100 only (faked device, no GPU needed)."""
+    """torch runs its CUTLASS grouped GEMM for bf16 on majors 9 and 10 only (faked device, no GPU needed)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert grouped_mm_path("cuda", dtype) is expected
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
+from tolerances import assert_close_to_scale, model_tolerance
 
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
@@ -62,11 +63,14 @@ def test_pipeline_schedules_match_single_process(parallel):
     ref_loss, ref_grads = _reference(SEED)
 
     assert ranks[0]["loss"] is None  # only the last stage computes the loss
-    torch.testing.assert_close(ranks[-1]["loss"], ref_loss, rtol=1e-5, atol=0)
+    # Microbatches sum the same terms in another order: fp32 rounding of the model's sums.
+    tokens = 8 * CONFIG["seq_len"]
+    loss_rtol = model_tolerance(_config(), tokens, gradients=False)
+    torch.testing.assert_close(ranks[-1]["loss"], ref_loss, rtol=loss_rtol, atol=0)
     got = {}
     for rank in ranks:
         assert not set(rank["grads"]) & set(got), "a parameter lives on two stages"
         got.update(rank["grads"])
     assert set(got) == set(ref_grads)
     for name, grad in ref_grads.items():
-        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert_close_to_scale(got[name], grad, model_tolerance(_config(), tokens), msg=name)

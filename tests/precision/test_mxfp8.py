@@ -1,4 +1,7 @@
-"""The torch MXFP8 quantizer against a plain reference written from the OCP MX v1.0 specification."""
+"""The torch MXFP8 quantizer against a plain reference written from the OCP MX v1.0 specification.
+
+Inputs are made on the CPU and quantized on the test device; the codes come back to the CPU to be
+compared byte for byte with the reference (integers: no tolerance)."""
 
 import bisect
 import math
@@ -80,13 +83,15 @@ def reference_quantize(x: torch.Tensor, rounding: ScaleRounding) -> tuple[torch.
 
 
 def quantize_codes(x: torch.Tensor, rounding=ScaleRounding.FLOOR, axis=-1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data and scale codes of x quantized where x is, as uint8 on the CPU."""
     data, scales = quantize(x, axis=axis, rounding=rounding)
     assert data.dtype == torch.float8_e4m3fn and scales.dtype == torch.float8_e8m0fnu
-    return data.view(torch.uint8), scales.view(torch.uint8)
+    assert data.device == scales.device == x.device
+    return data.view(torch.uint8).cpu(), scales.view(torch.uint8).cpu()
 
 
-def assert_matches_reference(x: torch.Tensor, rounding: ScaleRounding) -> None:
-    data, scales = quantize_codes(x, rounding)
+def assert_matches_reference(x: torch.Tensor, rounding: ScaleRounding, device: torch.device) -> None:
+    data, scales = quantize_codes(x.to(device), rounding)
     ref_data, ref_scales = reference_quantize(x, rounding)
     bad_scales = (scales != ref_scales).nonzero()
     assert len(bad_scales) == 0, f"scale codes differ at {bad_scales[:5].tolist()}"
@@ -211,41 +216,41 @@ FINITE_CASES = {
 
 @pytest.mark.parametrize("rounding", list(ScaleRounding), ids=lambda r: r.value)
 @pytest.mark.parametrize("case", FINITE_CASES)
-def test_quantize_matches_specification(case, rounding):
-    assert_matches_reference(FINITE_CASES[case](), rounding)
+def test_quantize_matches_specification(case, rounding, device):
+    assert_matches_reference(FINITE_CASES[case](), rounding, device)
 
 
 @pytest.mark.parametrize("rounding", list(ScaleRounding), ids=lambda r: r.value)
-def test_every_bf16_value_rounds_as_specified(rounding):
-    assert_matches_reference(all_bf16_values(), rounding)
+def test_every_bf16_value_rounds_as_specified(rounding, device):
+    assert_matches_reference(all_bf16_values(), rounding, device)
 
 
-def test_zero_block_gets_smallest_scale_and_keeps_signed_zeros():
-    data, scales = quantize_codes(zero_blocks())
+def test_zero_block_gets_smallest_scale_and_keeps_signed_zeros(device):
+    data, scales = quantize_codes(zero_blocks().to(device))
     assert (scales == 0).all()  # 2^-127
     assert data[1].eq(0x80).all() and data[0].eq(0).all() and data[2, 5] == 0x80
 
 
-def test_saturation_and_ties_by_hand():
+def test_saturation_and_ties_by_hand(device):
     x = torch.zeros(1, BLOCK)
     # Shared exponent 0: 464 is halfway between 448 (mantissa 110) and 480 (111), so it stays 448.
     x[0, :6] = torch.tensor([511.0, 464.0, 460.0, 9.0, 0.5 * 2.0**-9, 1.5 * 2.0**-9])
-    data, scales = quantize_codes(x)
+    data, scales = quantize_codes(x.to(device))
     assert scales.item() == 127
     assert data[0, :6].tolist() == [0x7E, 0x7E, 0x7E, 0b0_1010_001, 0, 2]  # 9 = 1.125 * 2^3; ties to even
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("rounding", list(ScaleRounding), ids=lambda r: r.value)
-def test_non_finite_element_poisons_its_block_only(bad, rounding):
+def test_non_finite_element_poisons_its_block_only(bad, rounding, device):
     x = random_across_magnitudes(4)
     x[1, 3] = bad
-    data, scales = quantize_codes(x, rounding)
+    data, scales = quantize_codes(x.to(device), rounding)
     assert scales[1, 0] == E8M0_NAN
     assert (scales[[0, 2, 3]] != E8M0_NAN).all()
     if math.isnan(bad):
         assert data.view(torch.float8_e4m3fn)[1, 3].float().isnan()
-    values = dequantize(*quantize(x, rounding=rounding))
+    values = dequantize(*quantize(x.to(device), rounding=rounding))
     assert values[1].isnan().all()
     assert values[[0, 2, 3]].isfinite().all()
     # The other blocks are quantized as if the bad one were not there.
@@ -262,16 +267,17 @@ def _roundtrip_inputs() -> torch.Tensor:
     return torch.cat([random_across_magnitudes(), random_spread_within_blocks(), saturating_blocks()[:-1]]).double()
 
 
-def _roundtrip(x: torch.Tensor, rounding: ScaleRounding):
-    data, scales = quantize(x, rounding=rounding)
-    shared = scales.view(torch.uint8).double() - 127  # [..., n_blocks]
+def _roundtrip(x: torch.Tensor, rounding: ScaleRounding, device: torch.device):
+    """x quantized and dequantized on the device, and each element's step 2^shared, back on the CPU."""
+    data, scales = quantize(x.to(device), rounding=rounding)
+    shared = scales.view(torch.uint8).cpu().double() - 127  # [..., n_blocks]
     step = torch.exp2(shared).repeat_interleave(BLOCK, dim=-1)  # 2^shared for each element
-    return dequantize(data, scales).double(), step
+    return dequantize(data, scales).cpu().double(), step
 
 
-def test_floor_roundtrip_error_bounds():
+def test_floor_roundtrip_error_bounds(device):
     x = _roundtrip_inputs()
-    values, step = _roundtrip(x.float(), ScaleRounding.FLOOR)
+    values, step = _roundtrip(x.float(), ScaleRounding.FLOOR, device)
     error, scaled = (values - x).abs(), x.abs() / step
     amax = x.abs().reshape(-1, BLOCK).amax(-1).repeat_interleave(BLOCK).reshape(x.shape)
     saturated = scaled > 448
@@ -292,9 +298,9 @@ def test_floor_roundtrip_error_bounds():
     assert (error[saturated] < 2.0**-3 * x.abs()[saturated]).all()
 
 
-def test_ceil_never_saturates_and_roundtrip_error_bounds():
+def test_ceil_never_saturates_and_roundtrip_error_bounds(device):
     x = _roundtrip_inputs()
-    values, step = _roundtrip(x.float(), ScaleRounding.CEIL)
+    values, step = _roundtrip(x.float(), ScaleRounding.CEIL, device)
     error, scaled = (values - x).abs(), x.abs() / step
     blocks_scaled = scaled.reshape(-1, BLOCK).amax(-1)
     # The scale is the smallest power of two bringing the maximum to 448 or below: in (224, 448].
@@ -306,18 +312,19 @@ def test_ceil_never_saturates_and_roundtrip_error_bounds():
     assert (error[~normal] <= 2.0**-10 * step[~normal]).all()
 
 
-def test_sizes_must_be_block_multiples():
+def test_sizes_must_be_block_multiples(device):
     with pytest.raises(ValueError, match="multiple of 32"):
-        quantize(torch.randn(4, 48))
+        quantize(torch.randn(4, 48, device=device))
     with pytest.raises(ValueError, match="axis 0"):
-        quantize(torch.randn(40, 64), axis=0)
+        quantize(torch.randn(40, 64, device=device), axis=0)
     with pytest.raises(ValueError, match="multiple of 32"):
-        dequantize(torch.zeros(4, 40, dtype=torch.float8_e4m3fn), torch.zeros(4, 1, dtype=torch.float8_e8m0fnu))
+        dequantize(torch.zeros(4, 40, dtype=torch.float8_e4m3fn, device=device),
+                   torch.zeros(4, 1, dtype=torch.float8_e8m0fnu, device=device))
 
 
 @pytest.mark.parametrize("rounding", list(ScaleRounding), ids=lambda r: r.value)
-def test_axis_zero_is_last_axis_of_transpose(rounding):
-    x = random_spread_within_blocks(512).reshape(64, 256)
+def test_axis_zero_is_last_axis_of_transpose(rounding, device):
+    x = random_spread_within_blocks(512).reshape(64, 256).to(device)
     data, scales = quantize(x, axis=0, rounding=rounding)
     data_t, scales_t = quantize(x.t(), axis=-1, rounding=rounding)
     assert data.shape == (64, 256) and scales.shape == (2, 256)
@@ -326,8 +333,8 @@ def test_axis_zero_is_last_axis_of_transpose(rounding):
     assert torch.equal(dequantize(data, scales, axis=0), dequantize(data_t, scales_t).t())
 
 
-def test_middle_axis_of_a_3d_tensor():
-    x = random_spread_within_blocks(768).reshape(3, 64, 128)
+def test_middle_axis_of_a_3d_tensor(device):
+    x = random_spread_within_blocks(768).reshape(3, 64, 128).to(device)
     data, scales = quantize(x, axis=1)
     data_m, scales_m = quantize(x.transpose(1, 2), axis=-1)
     assert scales.shape == (3, 2, 128)
@@ -337,25 +344,25 @@ def test_middle_axis_of_a_3d_tensor():
 
 @pytest.mark.parametrize("rounding", list(ScaleRounding), ids=lambda r: r.value)
 @pytest.mark.parametrize("case", ["random_fp32", "spread_within_blocks", "fp32_extremes", "saturating", "ties"])
-def test_quantization_is_idempotent_on_representable_values(case, rounding):
-    values = dequantize(*quantize(FINITE_CASES[case](), rounding=rounding))
+def test_quantization_is_idempotent_on_representable_values(case, rounding, device):
+    values = dequantize(*quantize(FINITE_CASES[case]().to(device), rounding=rounding))
     # MX values can exceed fp32's range (448 * 2^127 does); those dequantize to inf, past the point.
     values = values[values.isfinite().all(dim=-1)]
     again = dequantize(*quantize(values, rounding=rounding))
     assert torch.equal(again, values)
 
 
-def test_mxtensor_roundtrip_and_size():
-    x = random_across_magnitudes(8).reshape(4, 64)
+def test_mxtensor_roundtrip_and_size(device):
+    x = random_across_magnitudes(8).reshape(4, 64).to(device)
     mx = MXTensor.from_tensor(x)
     assert mx.nbytes == 4 * 64 + 4 * 2
     assert torch.equal(mx.dequantize(torch.float32), dequantize(*quantize(x)))
 
 
 @pytest.mark.parametrize(("shape", "axis"), [((0, 64), -1), ((64, 0), 0), ((0, 64), 0), ((3, 0, 5), 1)])
-def test_empty_tensors(shape, axis):
+def test_empty_tensors(shape, axis, device):
     # An expert that receives no tokens quantizes a (0, D) activation.
-    data, scales = quantize(torch.randn(shape), axis=axis)
+    data, scales = quantize(torch.randn(shape, device=device), axis=axis)
     expected = list(shape)
     expected[axis] //= BLOCK
     assert data.shape == shape and list(scales.shape) == expected

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import tolerance
 
 from moe_engine.precision import mxfp8_gemm as mx
 from moe_engine.precision.mxfp8 import dequantize, quantize
@@ -74,7 +75,8 @@ def test_emulation_matches_per_expert_reference(counts, padding, k, n, transpose
     assert out.shape == expected.shape
     assert torch.equal(out[m:], torch.zeros_like(out[m:])), "padding rows must come out as zeros"
     if m:
-        assert max_relative(out[:m], expected[:m]) < 1e-5  # fp32 summation order only
+        # Products of two 4-bit significands are exact in fp32: only the order of the sum over K differs.
+        assert max_relative(out[:m], expected[:m]) < tolerance(torch.float32, k)
 
 
 def test_dgrad_operand_is_requantized_not_transposed():
@@ -149,9 +151,10 @@ def test_triton_kernel_in_interpreter_matches_emulation():
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
     for case, error in zip(INTERPRETER_CASES, errors):
-        # fp32 output: both accumulate the same exact products in fp32; bf16 output: one rounding apart.
-        tolerance = 1e-5 if case[-1] == "float32" else 2**-7
-        assert error["relative"] < tolerance, (case, error)
+        # fp32 output: both accumulate the same exact products in fp32, in other orders over K; bf16
+        # output: one rounding apart.
+        bound = tolerance(torch.float32, case[2]) if case[-1] == "float32" else 2**-7
+        assert error["relative"] < bound, (case, error)
         assert error["padding_zero"] and error["finite"], (case, error)
 
 

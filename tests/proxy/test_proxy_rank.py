@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from distributed_harness import run_ranks
+from tolerances import assert_close_to_scale, tolerance
 
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
@@ -249,7 +250,10 @@ def test_proxy_local_experts_match_the_real_rank(real_runs, name, rank):
             # Rows past the received ones are capacity padding, left undefined by the grouped GEMM.
             rows = int(counts.sum())
             assert rows > 0 and got.shape == want.shape
-            torch.testing.assert_close(got[:rows], want[:rows], rtol=1e-6, atol=1e-6)
+            # The experts' two GEMMs (over d_model, then expert_hidden) in another process, perhaps blocked
+            # otherwise for another row count.
+            tol = tolerance(torch.float32, max(CONFIG.d_model, CONFIG.moe.expert_hidden), depth=2)
+            assert_close_to_scale(got[:rows], want[:rows], tol)
 
 
 @pytest.mark.slow

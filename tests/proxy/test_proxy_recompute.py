@@ -10,6 +10,7 @@ import contextlib
 
 import pytest
 import torch
+from tolerances import model_tolerance
 
 from bench.run.memory import TensorMemoryTracker
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig
@@ -68,8 +69,11 @@ def losses(layout: dict, rank: int, recompute: RecomputeConfig | None, steps: in
 def test_a_recomputing_proxy_rank_trains_as_one_that_keeps_its_activations(name, recompute):
     layout, rank = LAYOUTS[name]
     kept = losses(layout, rank, None)
-    # The recompute runs the same kernels on the same inputs: the same numbers, up to fp32 rounding at most.
-    torch.testing.assert_close(losses(layout, rank, recompute), kept, rtol=1e-6, atol=0)
+    # The recompute runs the same kernels on the same inputs: the same numbers, up to fp32 rounding at most
+    # (autograd may add a parameter's gradient contributions in another order, and the later steps'
+    # losses carry that).
+    rtol = model_tolerance(CONFIG, tokens=4 * CONFIG.seq_len, gradients=False)
+    torch.testing.assert_close(losses(layout, rank, recompute), kept, rtol=rtol, atol=0)
 
 
 def test_recompute_lowers_the_proxy_rank_s_tracked_activation_peak():
