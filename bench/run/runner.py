@@ -521,10 +521,25 @@ def worker_command(world_size: int) -> list[str]:
     ]
 
 
+QUIET_LIBRARIES = {
+    # The profiler's trace markers (USDT profiler_start/stop, one pair per profiled step and rank) print
+    # at Kineto's highest level, so only a level above every one of them silences them.
+    "KINETO_LOG_LEVEL": "6",
+    # c10's C++ warnings, e.g. "No backend of type 0 found ... Assuming no hooks are registered" from every
+    # rank as its process groups are destroyed; Python-level warnings are not affected.
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+}
+"""Log levels of the worker environment that keep library chatter off the user's console; a value the
+caller's environment already sets wins (``KINETO_LOG_LEVEL=4 moe-bench run ...`` shows Kineto's errors)."""
+
+
 def worker_env(world_size: int) -> dict[str, str]:
-    """Share the cores between the ranks instead of letting each rank spawn a thread per core."""
+    """Share the cores between the ranks instead of letting each rank spawn a thread per core; quiet
+    the libraries (``QUIET_LIBRARIES``)."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    for name, value in QUIET_LIBRARIES.items():
+        env.setdefault(name, value)
     return env
 
 
