@@ -52,11 +52,37 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+PEAK_MATMUL_SIZES = (256, 512, 1024, 2048, 4096)
+"""Square matmul sizes a peak measurement may use, smallest first."""
+
+
+def peak_matmul_size(seconds_of: Callable[[int], float], call_seconds: float = 0.1) -> int:
+    """The first size of ``PEAK_MATMUL_SIZES`` whose product takes ``call_seconds`` or more (the
+    largest if none does). A CPU without units for the dtype runs a bf16 product near 1 GFLOP/s: one
+    4096 product would take over two minutes there, while a core with them runs it in half a second."""
+    for n in PEAK_MATMUL_SIZES:
+        if seconds_of(n) >= call_seconds:
+            return n
+    return PEAK_MATMUL_SIZES[-1]
+
+
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
-    """Achieved TFLOP/s of a large square matmul: the CPU's practical peak for MFU."""
-    n = 4096
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    """Achieved TFLOP/s of a large square matmul (sized by ``peak_matmul_size``): the practical peak for MFU."""
+
+    def operands(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+
+    def seconds_of(n: int) -> float:
+        a, b = operands(n)
+        a @ b  # the first product of a shape builds its kernel
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        return time.perf_counter() - start
+
+    n = peak_matmul_size(seconds_of)
+    a, b = operands(n)
     for _ in range(2):
         a @ b
     synchronize(device)
