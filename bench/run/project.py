@@ -42,6 +42,9 @@ class NotTraceable(ValueError):
 def check_traceable(scenario: Scenario) -> None:
     """The layouts a trace builds: a proxy rank's (ddp, zero1; gpipe or 1f1b, one stage per rank), and
     FSDP without pipeline stages (the real build path, whose pipeline would wait for its neighbours)."""
+    if scenario.precision == "fp32":
+        # torch's fake-tensor kernel of the grouped GEMM takes bf16 operands only.
+        raise NotTraceable(f"{scenario.file}: precision: the trace prices bf16 and mxfp8 layouts, got fp32")
     parallel = scenario.parallel_config
     if parallel.dp_mode is DataParallelMode.FSDP:
         if parallel.pp > 1:
