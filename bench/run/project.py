@@ -6,6 +6,26 @@ step assembled on the profile's network (``bench.predict.op_projection``); the s
 the step, as every stage waits for it. Memory comes from the plan (``bench.predict.plan``, checked
 against measured peaks by the proxy tests): a layout whose most loaded rank needs more than the
 device holds is reported as "does not fit" and not projected.
+
+Identical stages share one trace and its op prices (``shared_traces``); each is still projected at its
+own rank, with its own place in the schedule. Two stages are identical when they hold
+
+- the same blocks in the same order, as far as the step can tell them apart: MoE or dense, recomputed
+  or not (their parameters are the same shapes; only their global indices differ);
+- the ends or neither: the first stage also embeds the tokens and has no stage before it to exchange
+  messages with, the last also runs the head and the loss and has none after it;
+- the same order of the traced microbatches' forwards and backwards (1F1B: pp - stage - 1 warm-up
+  forwards, capped at the microbatches traced);
+
+and only if routes cannot change the shapes of the ops: no expert parallelism, no-sync dispatch
+(fixed-capacity buffers) or balanced routing. Random and skewed routes are drawn per block, so a
+stage's blocks draw routes other than its twin's; under sync dispatch those decide the buffers'
+shapes, and every stage is traced. Otherwise all that routes decide is the rows of each expert inside
+the fixed buffers, and a stage that shares a trace is priced at its twin's rows: draws of the same law
+over the same number of blocks and microbatches (moe-1.2t-512gpu on b300: the middle stages' steps
+priced at their own routes are within 0.1% of their twin's). A shared trace's collectives are moved
+onto the sharing rank's own groups and neighbours (``bench.run.trace.retarget``): the network prices
+them at its ranks.
 """
 
 from __future__ import annotations
@@ -13,19 +33,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from bench.predict.device import DeviceProfile
 from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.plan import plan_scenario
-from bench.predict.pricing import price_ops
+from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import Network, Schedule, SkewModel
-from bench.run.trace import trace_step
+from bench.run.trace import StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
-from moe_engine.config import DataParallelMode
+from moe_engine.config import DataParallelMode, DispatchKind, RoutingMode
 from moe_engine.flops import training_flops_per_token
-from moe_engine.parallel.layout import Layout, check_proxy_layout
+from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
+from moe_engine.proxy.pipeline import stage_order
 
 TRACED_MICROBATCHES = 2
 """Microbatches a projection traces: the first stands for every one but the last, where buckets launch."""
@@ -82,14 +104,105 @@ def memory_fit(scenario: Scenario, profile: DeviceProfile) -> dict[str, Any]:
     }
 
 
+def _stage_kind(scenario: Scenario, stage: int) -> tuple:
+    """What tells a pipeline stage's traced step apart from another's (module docstring)."""
+    model, parallel = scenario.model, scenario.parallel_config
+    stages = stage_blocks(model.n_layers, parallel.pp)
+    recomputed = set(scenario.recompute.blocks(stages))
+    return (
+        stage == 0,
+        stage == parallel.pp - 1,
+        tuple((model.is_moe_layer(i), i in recomputed) for i in stages[stage]),
+        tuple(stage_order(parallel.schedule, parallel.pp, stage, parallel.microbatches)),
+    )
+
+
+def shared_traces(traced: Scenario) -> list[int]:
+    """For each pipeline stage of ``traced`` (the scenario as traced), the stage whose trace it takes:
+    the first identical one (module docstring), itself when it is the first."""
+    parallel = traced.parallel_config
+    fixed_shapes = (
+        parallel.ep == 1 or parallel.dispatch is DispatchKind.NO_SYNC
+        or traced.model.moe.routing is RoutingMode.BALANCED
+    )
+    if parallel.pp == 1 or not fixed_shapes:
+        return list(range(parallel.pp))
+    first: dict[tuple, int] = {}
+    return [first.setdefault(_stage_kind(traced, stage), stage) for stage in range(parallel.pp)]
+
+
+@dataclass
+class StageTrace:
+    """One pipeline stage's traced step (its own or its twin's, retargeted), priced op by op."""
+
+    pipeline_rank: int
+    rank: int
+    trace: StepTrace
+    priced: list[PricedOp]
+    shared_with: int | None
+    """The pipeline rank whose trace this is; None when traced for this stage."""
+    seconds: float
+    """Spent on this stage: tracing and pricing, or retargeting a twin's."""
+
+
+def stage_traces(
+    traced: Scenario,
+    profile: DeviceProfile,
+    share: bool = True,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Iterator[StageTrace]:
+    """Each pipeline stage's step of ``traced`` (the scenario as traced) at rank (stage, 0, 0), priced on
+    ``profile``; with ``share``, identical stages trace once (module docstring)."""
+    parallel = traced.parallel_config
+    layout = Layout(parallel)
+    sources = shared_traces(traced) if share else list(range(parallel.pp))
+    own: dict[int, StageTrace] = {}
+    started = time.perf_counter()
+    for stage, source in enumerate(sources):
+        rank = layout.rank_of(stage, 0, 0)
+        begun = time.perf_counter()
+        where = f"{traced.name}: stage {stage} of {parallel.pp} (rank {rank})"
+        if source == stage:
+            twins = [s for s, src in enumerate(sources) if src == stage and s != stage]
+            also = f"; its trace serves {_stages(twins)}" if twins else ""
+            progress(f"{where}: tracing at full size, {parallel.microbatches} microbatches{also}")
+            trace = trace_step(traced, rank=rank, fake=True, progress=_prefixed(progress, where))
+            priced = price_ops(trace.ops, profile)
+            own[stage] = current = StageTrace(stage, rank, trace, priced, None, time.perf_counter() - begun)
+            what = f"traced {len(trace.ops):,} ops in {current.seconds:.0f}s"
+        else:
+            twin = own[source]
+            trace = retarget(twin.trace, traced, rank)
+            # Collectives cost nothing here (the network prices them), so the twin's prices hold op for op.
+            priced = [p if p.op is op else dataclasses.replace(p, op=op) for p, op in zip(twin.priced, trace.ops)]
+            current = StageTrace(stage, rank, trace, priced, source, time.perf_counter() - begun)
+            what = f"stage {source}'s trace (identical stage)"
+        progress(f"{where}: {what}; {time.perf_counter() - started:.0f}s elapsed")
+        yield current
+
+
+def _stages(stages: list[int]) -> str:
+    if len(stages) == 1:
+        return f"stage {stages[0]}"
+    if len(stages) > 2 and stages == list(range(stages[0], stages[-1] + 1)):
+        return f"stages {stages[0]}-{stages[-1]}"
+    return "stages " + ", ".join(map(str, stages))
+
+
+def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], None]:
+    return lambda line: progress(f"{prefix}: {line}")
+
+
 def project_on_device(
     scenario: Scenario,
     profile: DeviceProfile,
     skew: SkewModel | None = None,
     microbatches: int | None = TRACED_MICROBATCHES,
     progress: Callable[[str], None] = lambda line: None,
+    share_stages: bool = True,
 ) -> dict[str, Any]:
-    """The projection document of ``scenario`` on ``profile`` (module docstring).
+    """The projection document of ``scenario`` on ``profile`` (module docstring); ``share_stages`` False
+    traces every pipeline stage.
 
     Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device, and
     ``NotTraceable`` for a layout the trace cannot build.
@@ -102,29 +215,37 @@ def project_on_device(
             f"the most loaded rank (stage {fit['most_loaded_stage']}) needs "
             f"{fit['memory_need_bytes'] / 1e9:.1f} GB by the plan"
         )
-    parallel = scenario.parallel_config
     traced = traced_scenario(scenario, microbatches)
-    m_traced = traced.parallel_config.microbatches
-    layout = Layout(parallel)
+    return projection_document(scenario, profile, fit, stage_traces(traced, profile, share_stages, progress), skew)
+
+
+def projection_document(
+    scenario: Scenario,
+    profile: DeviceProfile,
+    fit: dict[str, Any],
+    staged_steps: Iterable[StageTrace],
+    skew: SkewModel | None = None,
+) -> dict[str, Any]:
+    """``project_on_device``'s document from every stage's priced step (``stage_traces``) and the memory fit."""
+    parallel = scenario.parallel_config
     net = Network.from_cluster(profile.cluster())
     schedule = Schedule(parallel.pp, parallel.virtual_stages, parallel.microbatches, parallel.schedule.value)
     flops_per_token = training_flops_per_token(scenario.model)
+    staged_steps = list(staged_steps)
+    m_traced = staged_steps[0].trace.microbatches
     stages = []
-    for stage in range(parallel.pp):
-        rank = layout.rank_of(stage, 0, 0)
-        started = time.perf_counter()
-        progress(f"{scenario.name}: tracing stage {stage} (rank {rank}) at full size, {m_traced} microbatches")
-        trace = trace_step(traced, rank=rank, fake=True)
-        priced = price_ops(trace.ops, profile)
-        prices = step_prices(priced, m_traced, trace.group_phases)
+    for staged in staged_steps:
+        rank = staged.rank
+        prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
         projection = project_priced_step(
             prices, rank, schedule, net, scenario.run["tokens_per_step"], scenario.world_size, flops_per_token, skew
         )
         stages.append({
-            "pipeline_rank": stage,
+            "pipeline_rank": staged.pipeline_rank,
             "rank": rank,
-            "ops_traced": len(trace.ops),
-            "trace_s": time.perf_counter() - started,
+            "trace_shared_with": staged.shared_with,
+            "ops_traced": len(staged.trace.ops),
+            "trace_s": staged.seconds,
             "microbatch_s": prices.timing.microbatch_s,
             "optimizer_s": prices.timing.optimizer_s,
             "seconds_by_kind_per_step_traced": prices.seconds_by_kind,
@@ -133,6 +254,12 @@ def project_on_device(
         })
     slowest = max(stages, key=lambda s: s["projection"]["step_s"])
     projection = slowest["projection"]
+    shared = [s["pipeline_rank"] for s in stages if s["trace_shared_with"] is not None]
+    sharing = [(
+        f"{_stages(shared)}: the trace of an identical stage (trace_shared_with: same blocks, "
+        "ends and microbatch order, routes that fix no shape): its ops and their prices, at the stage's own "
+        "ranks, with its twin's rows per expert (bench/run/project.py)"
+    )] if shared else []
     peak = profile.peak_tflops[_peak_dtype(scenario.precision)]
     return {
         "scenario": scenario.name,
@@ -159,6 +286,7 @@ def project_on_device(
             f"traced {m_traced} of the {parallel.microbatches} microbatches at full size: every microbatch runs the "
             "same ops (only routes differ); the last is where the gradient buckets launch",
             "memory from the plan (bench/predict/plan.py); the step is the slowest pipeline stage's",
+            *sharing,
             f"MFU = TFLOP/s per GPU (model FLOPs, Megatron's convention) / the {_peak_dtype(scenario.precision)} "
             f"dense peak {peak:g} TFLOP/s",
         ],

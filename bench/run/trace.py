@@ -18,16 +18,22 @@ learned routing cannot be traced (an error says so).
 
 The same mode records a real step when no fake mode is active (``fake=False``): tests compare the
 two op lists at CPU scale.
+
+A rank whose step runs the same ops as a traced one (an identical pipeline stage, ``bench.run.project``)
+takes that trace through ``retarget``: the same ops, each collective on its own groups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -37,21 +43,24 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.predict.ops import REGIONS, TensorSpec, TracedOp
 from bench.scenario import Scenario
+from moe_engine.config import DataParallelMode
 from moe_engine.parallel.collective_log import CollectiveRecorder
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
-from moe_engine.config import DataParallelMode
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.proxy.build import build_proxy_rank
 from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 SHADOW_MAX_ELEMENTS = 1 << 22
 """A tensor gets a real shadow only up to this size: routing metadata is T * k or T * E elements."""
+
+PROGRESS_EVERY_S = 15.0
+"""A long trace reports its ops this often."""
 
 
 class UntraceableStep(RuntimeError):
@@ -62,8 +71,28 @@ def _spec(t: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(int(s) for s in t.shape), str(t.dtype))
 
 
+# An op's arguments nest tensors only in lists, tuples and dicts; walking those directly costs a sixth
+# of a pytree flatten, and a traced step walks them a few times for each of its ~10^5 ops.
 def _tensors(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _map_tensors(fn, value):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_tensors(fn, v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_map_tensors(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(fn, v) for k, v in value.items()}
+    return value
 
 
 def _scalar_arguments(func, args, kwargs) -> tuple[tuple[str, Any], ...]:
@@ -78,7 +107,7 @@ def _scalar_arguments(func, args, kwargs) -> tuple[tuple[str, Any], ...]:
 class StepTracer(TorchDispatchMode):
     """Records ``TracedOp``s; keeps real shadows of small fake tensors (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, progress: Callable[[str], None] = lambda line: None):
         super().__init__()
         self.ops: list[TracedOp] = []
         self.stage = "other"
@@ -88,6 +117,8 @@ class StepTracer(TorchDispatchMode):
         self._regions: list[tuple[str, int]] = []
         self._region_calls = 0
         self._collectives = CollectiveRecorder()
+        self._progress = progress
+        self._started = self._reported = time.perf_counter()
 
     # ---- shadows -------------------------------------------------------------------------------
 
@@ -114,7 +145,7 @@ class StepTracer(TorchDispatchMode):
                 return
             self._forget_written(func, args, kwargs)
             return
-        real_args, real_kwargs = tree_map(self._shadow, (args, kwargs))
+        real_args, real_kwargs = _map_tensors(self._shadow, (args, kwargs))
         with unset_fake_temporarily():
             real_out = func(*real_args, **real_kwargs)
         for fake, real in zip(_tensors(out), _tensors(real_out)):
@@ -130,7 +161,7 @@ class StepTracer(TorchDispatchMode):
         inputs = [t for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)]
         if not inputs or any(self._shadows.get(t) is None for t in inputs):
             raise UntraceableStep(f"{func} needs the values of tensors whose values the trace does not know")
-        real_args, real_kwargs = tree_map(self._shadow, (args, kwargs))
+        real_args, real_kwargs = _map_tensors(self._shadow, (args, kwargs))
         with unset_fake_temporarily():
             real_out = func(*real_args, **real_kwargs)
         fake_mode = inputs[0].fake_mode
@@ -212,6 +243,14 @@ class StepTracer(TorchDispatchMode):
             arguments=_scalar_arguments(func, args, kwargs) if func.namespace == "aten" else (),
             collective=collective,
         ))
+        if len(self.ops) % 1024 == 0:
+            self._report(stage)
+
+    def _report(self, stage: str) -> None:
+        now = time.perf_counter()
+        if now - self._reported >= PROGRESS_EVERY_S:
+            self._reported = now
+            self._progress(f"{len(self.ops):,} ops traced ({stage}), {now - self._started:.0f}s")
 
     def _group_rows(self, func, args, kwargs) -> tuple[int, ...] | None:
         if func is not torch.ops.aten._grouped_mm.default:
@@ -256,6 +295,8 @@ class StepTrace:
     """Process group name -> projection phase of its collectives (expert, pipeline, grad)."""
     family_groups: dict[str, str] = field(default_factory=dict)
     """dense / expert -> the group name their gradients reduce over."""
+    groups: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    """dp / ep / edp / pp -> the rank's group of that kind: (its name, its global ranks)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -312,6 +353,14 @@ def group_phases(groups: ProcessGroups) -> dict[str, str]:
     }
 
 
+def rank_groups(groups: ProcessGroups) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``StepTrace.groups`` of a rank's process groups."""
+    return {
+        kind: (group.group_name, tuple(dist.get_process_group_ranks(group)))
+        for kind, group in (("dp", groups.dp), ("ep", groups.ep), ("edp", groups.edp), ("pp", groups.pp))
+    }
+
+
 def _build_rank(scenario: Scenario, groups: ProcessGroups, seed: int):
     parallel = scenario.parallel_config
     if parallel.dp_mode is DataParallelMode.FSDP:
@@ -360,10 +409,15 @@ def trace_step(
     parallel = scenario.parallel_config
     world = scenario.world_size
     seed = scenario.spec["routing"]["seed"]
+    threads = torch.get_num_threads()
     join_fake_world(rank, world)
     try:
+        # The real work of a trace is the shadows': small tensors, on which intra-op threads only add
+        # synchronisation; on a busy host it costs ~100x (a stable argsort of 32k routes: 2 ms on one
+        # thread, 170 ms on two), and a traced step is made of ~10^5 such ops.
+        torch.set_num_threads(1)
         groups = build_process_groups(Layout(parallel))
-        tracer = StepTracer()
+        tracer = StepTracer(progress)
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode, _fake_to_empty(fake), tracer:
             progress(f"building rank {rank}'s share ({'fake tensors' if fake else 'real tensors'})")
@@ -382,6 +436,44 @@ def trace_step(
             ops=tracer.ops, rank=rank, world_size=world, microbatches=parallel.microbatches,
             tokens_per_step=scenario.run["tokens_per_step"], group_phases=group_phases(groups),
             family_groups={"dense": groups.dp.group_name, "expert": groups.edp.group_name},
+            groups=rank_groups(groups),
         )
     finally:
         leave_fake_world()
+        torch.set_num_threads(threads)
+
+
+def retarget(trace: StepTrace, scenario: Scenario, rank: int) -> StepTrace:
+    """``trace`` as ``rank`` of ``scenario``'s layout records it, for a rank that runs the same ops.
+
+    Each collective moves to ``rank``'s group of the same kind (one on the whole world stays); a message
+    goes to or comes from the rank as many stages away as the traced one's. Only what names ranks and
+    groups changes.
+    """
+    layout = Layout(scenario.parallel_config)
+    join_fake_world(rank, scenario.world_size)
+    try:
+        groups = build_process_groups(layout)
+        mine, phases = rank_groups(groups), group_phases(groups)
+        family = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
+    finally:
+        leave_fake_world()
+    kind_of = {name: kind for kind, (name, _) in trace.groups.items()}
+    shift = layout.coords(rank).pp_rank - layout.coords(trace.rank).pp_rank
+    traced_pp = trace.groups["pp"][1]
+
+    def moved(op: TracedOp) -> TracedOp:
+        call = op.collective
+        if call["group_name"] not in kind_of:
+            if call["ranks"] != list(range(scenario.world_size)):
+                raise ValueError(f"{op.name} on group {call['group_name']}, neither the world nor one of the rank's")
+            return op
+        name, ranks = mine[kind_of[call["group_name"]]]
+        if call["op"] in ("send", "recv"):
+            ranks = (rank, ranks[traced_pp.index(call["ranks"][1]) + shift])
+        return dataclasses.replace(op, collective={**call, "ranks": list(ranks), "group_name": name})
+
+    return dataclasses.replace(
+        trace, ops=[moved(op) if op.collective is not None else op for op in trace.ops], rank=rank,
+        group_phases=phases, family_groups=family, groups=mine,
+    )
