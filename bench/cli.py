@@ -176,10 +176,9 @@ def print_comparisons(outcomes, comparisons) -> None:
     rows = pair_ratios(comparisons, {o.name: (o.status, o.metrics) for o in outcomes})
     if not rows:
         return
-    print("comparisons (ratio of the medians, numerator / denominator):")
+    print("comparisons (ratio of the medians, numerator / denominator, [95% interval from the two runs' steps]):")
     for row in rows:
-        value = f"{row.ratio:.3f}" if row.ratio is not None else f"n/a ({row.note})"
-        print(f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {value}"
+        print(f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {row.describe()}"
               f"  [published: {row.comparison.reference}; {row.comparison.mirrors}]")
 
 
@@ -458,6 +457,18 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(f"release comparison {report.comparison.versions.base} -> {report.comparison.versions.new}: "
               f"{report.comparison.header}")
     print(f"wrote {report.path} ({len(report.charts)} charts)")
+    if args.screenshot:
+        from bench.report.screenshot import BrowserMissing, chromium, undrawn, view_page
+
+        try:
+            with chromium() as browser:
+                view = view_page(browser, report.path, Path(args.screenshot))
+        except (BrowserMissing, OSError) as err:
+            return _fail(f"--screenshot: {err}")
+        problems = undrawn(view) + [f"browser console: {e}" for e in view.errors]
+        if problems:
+            return _fail(f"--screenshot: the page did not render cleanly: {'; '.join(problems)}")
+        print(f"wrote {view.screenshot} (every chart drawn in headless Chromium)")
     return EXIT_OK
 
 
@@ -649,6 +660,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="baseline version of the comparison (default: the latest release older than --new)")
     report.add_argument("--new", metavar="VERSION", help="candidate version (default: the newest in RESULTS)")
     report.add_argument("--tolerance", default="5%", help="the gate's tolerance for the verdicts (default 5%%)")
+    report.add_argument("--screenshot", metavar="PNG",
+                        help="also open the page in headless Chromium and save the whole page there (needs "
+                             "selenium, chromium and chromium-driver); fails if a chart is not drawn")
     report.set_defaults(func=cmd_report)
 
     ab = sub.add_parser("ab", help="A/B gate: a baseline git ref and this checkout alternately, paired ratios")

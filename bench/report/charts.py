@@ -111,7 +111,8 @@ def _direction(better: str | None) -> str:
 
 
 def pair_figure(chart: PairChart) -> go.Figure:
-    """Both scenarios of each pair as bars, grouped by pair, the numerator labelled with the ratio."""
+    """Left, both scenarios of each pair as bars, grouped by pair; right, each pair's ratio with its 95%
+    interval as error bars against a line at 1 (an interval that crosses it is within noise)."""
     comparison = chart.comparison
     unit = next((b.unit for b in chart.bars if b.unit), "")
     scale = axis_scale(unit, [v for b in chart.bars for v in (b.numerator_value, b.denominator_value)])
@@ -122,20 +123,30 @@ def pair_figure(chart: PairChart) -> go.Figure:
             group = f"{group} #{i + 1}"
         used |= {(group, bar.numerator), (group, bar.denominator)}
         groups.append(group)
-    fig = go.Figure()
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
+                        subplot_titles=[metric_title(chart.bars[0].metric), "ratio, numerator / denominator"])
     for side, color in (("numerator", _color(0)), ("denominator", _color(1))):
         names = [getattr(b, side) for b in chart.bars]
         values = [getattr(b, f"{side}_value") for b in chart.bars]
-        text = [f"×{b.ratio:.2f}" if side == "numerator" else "" for b in chart.bars]
         hover = [f"<b>{name}</b> on {b.machine}, version {b.version}<br>{metric_title(b.metric)}: "
-                 f"{format_value(v, unit)}<br>{b.numerator} / {b.denominator} = {b.ratio:.3f}"
+                 f"{format_value(v, unit)}<br>{b.numerator} / {b.denominator} = {b.described}"
                  for name, v, b in zip(names, values, chart.bars)]
         fig.add_trace(go.Bar(x=[groups, names], y=[v / scale.factor for v in values], name=side,
-                             marker_color=color, text=text, textposition="outside", hovertext=hover,
-                             hoverinfo="text", showlegend=False))
-    fig.update_layout(barmode="stack", uniformtext={"minsize": 9})
-    fig.update_yaxes(title_text=f"{metric_title(chart.bars[0].metric)} ({scale.label})", tickformat=scale.tickformat)
-    title = f"{comparison.label}: measured ×ratio on each pair; reference {comparison.reference}"
+                             marker_color=color, hovertext=hover, hoverinfo="text", showlegend=False), row=1, col=1)
+    labels = [f"{b.numerator} / {b.denominator}<br>{g}" for b, g in zip(chart.bars, groups)]
+    ratios = [b.ratio for b in chart.bars]
+    fig.add_trace(go.Scatter(
+        x=labels, y=ratios, mode="markers+text", marker={"color": _color(0), "size": 9},
+        text=[f"×{r:.2f}" for r in ratios], textposition="middle right", showlegend=False,
+        error_y={"type": "data", "symmetric": False,
+                 "array": [b.interval[1] - b.ratio if b.interval else 0 for b in chart.bars],
+                 "arrayminus": [b.ratio - b.interval[0] if b.interval else 0 for b in chart.bars]},
+        hovertext=[f"{b.numerator} / {b.denominator} on {b.machine}, version {b.version}: {b.described}"
+                   for b in chart.bars], hoverinfo="text"), row=1, col=2)
+    fig.add_hline(y=1.0, line_dash="dot", line_color="#888", row=1, col=2)
+    fig.update_yaxes(title_text=scale.label, tickformat=scale.tickformat, row=1, col=1)
+    fig.update_xaxes(tickfont={"size": 10}, row=1, col=2)
+    title = f"{comparison.label}: measured ×ratio on each pair with its 95% interval; reference {comparison.reference}"
     return _layout(fig, title, height=HEIGHT + 40)
 
 

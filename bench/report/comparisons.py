@@ -3,13 +3,24 @@
 The pairs are data, the ``comparisons`` section of ``scenarios/suites.yaml``: each comparison names a
 metric (or alternatives: the first one both results have) and pairs of scenario names, numerator
 first. ``pair_ratios`` turns a set of results into the ratio of each pair whose two scenarios are
-among them. The summary of ``moe-bench run`` and the report's index both show these rows.
+among them. The summary of ``moe-bench run`` and the report's page both show these rows.
+
+Each ratio carries a 95% interval from the two runs' own samples (``ratio_interval``): the Moses
+interval of the shift between the logarithms of the two sample sets, the distribution-free interval
+that goes with the Mann-Whitney test, exact for the small sample counts runs have. It answers "could
+step-to-step noise alone make these two runs differ this much?"; it does not cover the difference
+between two processes of the same code (a few percent on a CPU machine, ``bench.gate.ab``), which
+only repeated runs measure. Metrics of one sample per run (peak memory, counts) are exact values: no
+interval, no noise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +30,8 @@ from bench.results import REPO_ROOT
 
 COMPARISONS_PATH = REPO_ROOT / "scenarios" / "suites.yaml"
 COMPARISONS_KEY = "comparisons"
+EXACT_UP_TO = 400
+"""Largest n*m whose interval uses the exact Mann-Whitney table; larger ones the normal approximation."""
 
 
 class ComparisonError(ValueError):
@@ -59,6 +72,27 @@ class PairRatio:
     """median(numerator) / median(denominator), None when it cannot be computed."""
     note: str | None = None
     """Why there is no ratio (a side not ok, the metric missing)."""
+    interval: tuple[float, float] | None = None
+    """95% interval of the ratio from both runs' samples (``ratio_interval``); None when exact or too few."""
+    exact: bool = False
+    """Both sides are single exact values (peak memory, counts): the ratio has no noise."""
+
+    def describe(self) -> str:
+        """The ratio with its interval, for people: ``1.156 [1.102, 1.213]``, ``0.987 [0.95, 1.02], within
+        noise``, ``1.500 (exact values)``."""
+        if self.ratio is None:
+            return f"n/a ({self.note})"
+        if self.exact:
+            return f"{self.ratio:.3f} (exact values)"
+        if self.interval is None:
+            return f"{self.ratio:.3f} (too few samples for an interval)"
+        low, high = self.interval
+        return f"{self.ratio:.3f} [{low:.3f}, {high:.3f}]" + (", within noise" if self.within_noise else "")
+
+    @property
+    def within_noise(self) -> bool:
+        """The interval holds 1: the two runs' own noise could make this ratio."""
+        return self.interval is not None and self.interval[0] <= 1.0 <= self.interval[1]
 
 
 def load_comparisons(path: Path | None = None) -> list[Comparison]:
@@ -129,5 +163,64 @@ def pair_ratios(
             if not den:
                 rows.append(PairRatio(comparison, numerator, denominator, metric, None, f"{denominator} {metric} is 0"))
                 continue
-            rows.append(PairRatio(comparison, numerator, denominator, metric, num / den))
+            num_samples, den_samples = _samples(num_metrics[metric]), _samples(den_metrics[metric])
+            exact = len(num_samples) == 1 and len(den_samples) == 1
+            interval = None if exact else ratio_interval(num_samples, den_samples)
+            rows.append(PairRatio(comparison, numerator, denominator, metric, num / den, None, interval, exact))
     return rows
+
+
+def _samples(entry: Mapping[str, Any]) -> list[float]:
+    samples = entry.get("samples")
+    # An old document may count its samples instead of listing them: the median stands for one sample.
+    return [float(v) for v in samples] if isinstance(samples, list) and samples else [float(entry["median"])]
+
+
+@lru_cache(maxsize=None)
+def _mann_whitney_counts(n: int, m: int) -> tuple[int, ...]:
+    """How many of the C(n+m, n) orderings of two samples give each value of the Mann-Whitney U (0..n*m)."""
+    if n == 0 or m == 0:
+        return (1,)
+    # U(n, m) = U(n-1, m) + m when the largest value is the first sample's, U(n, m-1) otherwise.
+    first, second = _mann_whitney_counts(n - 1, m), _mann_whitney_counts(n, m - 1)
+    counts = [0] * (n * m + 1)
+    for u, c in enumerate(first):
+        counts[u + m] += c
+    for u, c in enumerate(second):
+        counts[u] += c
+    return tuple(counts)
+
+
+def trimmed_differences(n: int, m: int, confidence: float = 0.95) -> int | None:
+    """How many of the n*m sorted differences to step over at each end for the ``confidence`` interval:
+    the largest k with P(U < k) <= (1 - confidence) / 2 under the null; None when even k = 1 is too
+    many (too few samples for that confidence)."""
+    if n * m > EXACT_UP_TO:
+        # The normal approximation of U (mean nm/2, variance nm(n+m+1)/12) is within a count of the
+        # exact table at these sizes, and the table would cost (nm)^2 steps.
+        z = statistics.NormalDist().inv_cdf(1 - (1 - confidence) / 2)
+        k = math.floor(n * m / 2 - z * math.sqrt(n * m * (n + m + 1) / 12))
+        return k if k >= 1 else None
+    counts = _mann_whitney_counts(n, m)
+    total = sum(counts)
+    tail, k = 0, 0
+    while k < len(counts) and 2 * (tail + counts[k]) <= (1 - confidence) * total:
+        tail += counts[k]
+        k += 1
+    return k if k >= 1 else None
+
+
+def ratio_interval(
+    numerator: Sequence[float], denominator: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float] | None:
+    """The ``confidence`` interval of numerator / denominator from two independent samples (module
+    docstring): the k-th smallest and k-th largest of the n*m ratios x_i / y_j, with k from the exact
+    Mann-Whitney null distribution. None when the samples are too few for that confidence (at 95%,
+    three samples a side are too few, four are enough) or hold a value that is not positive."""
+    if min(len(numerator), len(denominator)) == 0 or any(v <= 0 for v in (*numerator, *denominator)):
+        return None
+    k = trimmed_differences(len(numerator), len(denominator), confidence)
+    if k is None:
+        return None
+    logs = sorted(math.log(x) - math.log(y) for x in numerator for y in denominator)
+    return math.exp(logs[k - 1]), math.exp(logs[-k])

@@ -54,6 +54,10 @@ class PairBar:
     ratio: float | None
     note: str | None
     """Why there is no ratio (a side not ok, the metric missing)."""
+    interval: tuple[float, float] | None = None
+    """95% interval of the ratio from both runs' samples (``bench.report.comparisons.ratio_interval``)."""
+    described: str = ""
+    """The ratio with its interval as the console prints it (``PairRatio.describe``)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ def pair_charts(results: ResultSet, comparisons: list[Comparison] | None = None)
                 found[row.comparison.name].append(PairBar(
                     version, machine, row.numerator, row.denominator, row.metric, unit,
                     median(num, row.metric) if row.metric else None, median(den, row.metric) if row.metric else None,
-                    row.ratio, row.note,
+                    row.ratio, row.note, row.interval, row.describe(),
                 ))
     charts = []
     for comparison in comparisons:

@@ -210,6 +210,10 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
              f"&lt;{_e(v.base)} results&gt; --candidate &lt;{_e(v.new)} results&gt;</code> at tolerance "
              f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
              "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>")
+    if comparison.one_version_machines:
+        alone = "; ".join(f"{m} ({version} only)" for m, version in comparison.one_version_machines)
+        page.add(f"<p class='small one-version-machines'>Compared on the machines that ran both versions; measured "
+                 f"in one version only, so not compared: {_e(alone)}.</p>")
     _banner(page, comparison)
     if gate.failures:
         page.add("<ul class='failures'>" + "".join(f"<li>{_e(line)}</li>" for line in gate.failures) + "</ul>")
@@ -284,68 +288,79 @@ def _trends(page: _Page, results: ResultSet) -> None:
                    "spread.")
     single = single_version_scenarios(results)
     if single:
-        names = ", ".join(f"{s} ({v}, {m})" for s, m, v in single)
-        page.add(f"<p class='small'>In one version only, so no trend: {_e(names)}.</p>")
+        items = "".join(f"<li>{_e(s)} <small>({_e(v)}, {_e(m)})</small></li>" for s, m, v in single)
+        page.add(f"<details class='single-version'><summary>{len(single)} scenario{'s' * (len(single) != 1)} in one "
+                 f"version only, so no trend</summary><ul>{items}</ul></details>")
 
 
 def _experiments(page: _Page, results: ResultSet, comparisons: list[Comparison] | None) -> None:
+    """Each experiment the results can draw gets its section; the others are named once, at the end, with
+    what they would need (so a page never shows an empty section)."""
     page.add("<h2 id='experiments'>Reference experiments</h2><p>The comparisons the reference release published, "
              "drawn from whatever results this folder holds (each at the newest version that has it).</p>")
-    page.add("<h3>Expert-count sweep</h3>")
+    undrawn: list[tuple[str, str]] = []
     sweep = [g for g in variant_groups(results, EXPERTS) if g.throughput_metric or g.memory_metric]
+    if sweep:
+        page.add("<h3>Expert-count sweep</h3>")
+    else:
+        undrawn.append(("Expert-count sweep", "scenarios identical except model.moe.num_experts (e.g. "
+                        "smoke/e8-random-bf16 and e64-random-bf16)"))
     for mode in dict.fromkeys(g.mode for g in sweep):  # a plan's GiB and a CPU run's MiB never share an axis
         page.chart("sweep", charts.sweep_figure([g for g in sweep if g.mode == mode]),
                    f"{_MODE_TEXT.get(mode, mode)} identical except for the number of experts (top-k and the expert "
                    "size stay, so the active parameters per token do).")
-    if not sweep:
-        page.add(_absent("scenarios identical except model.moe.num_experts (e.g. smoke/e8-random-bf16 and "
-                         "e64-random-bf16)"))
-    page.add("<h3>Pair comparisons</h3>")
     pairs = pair_charts(results, comparisons)
+    if pairs:
+        page.add("<h3>Pair comparisons</h3><p class='small'>Each ratio's interval is the 95% interval from the two "
+                 "runs' own step samples: it shows what step-to-step noise could do, not the difference between two "
+                 "processes of the same code, which only repeated runs measure (<code>moe-bench ab</code>).</p>")
+    else:
+        undrawn.append(("Pair comparisons", "both scenarios of a pair in scenarios/suites.yaml's comparisons (the "
+                        "default suite runs them; e.g. e8-ep2-nosync-bf16 and e8-dp2-fsdp-bf16)"))
     for chart in pairs:
         if chart.bars:
             page.chart("pair", charts.pair_figure(chart),
-                       f"{chart.comparison.label}, mirrors {chart.comparison.mirrors}. Each pair's bars are one "
-                       "version on one machine; the numerator is labelled with the ratio.")
+                       f"{chart.comparison.label}, mirrors {chart.comparison.mirrors}. Left, each pair's two "
+                       "scenarios in one version on one machine; right, the ratio with its 95% interval: "
+                       + "; ".join(f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}) = {b.described}"
+                                   for b in chart.bars) + ".")
         if chart.unmeasured:
             notes = "; ".join(f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}): {b.note}"
                               for b in chart.unmeasured)
             page.add(f"<p class='small'>{_e(chart.comparison.label)}, no ratio: {_e(notes)}.</p>")
-    if not pairs:
-        page.add(_absent("both scenarios of a pair in scenarios/suites.yaml's comparisons (e.g. e8-ep2-nosync-bf16 "
-                         "and e8-dp2-fsdp-bf16)"))
-    page.add("<h3>Activation recompute</h3>")
     recompute = [g for g in variant_groups(results, RECOMPUTE) if g.throughput_metric or g.memory_metric]
     if recompute:
+        page.add("<h3>Activation recompute</h3>")
         page.chart("recompute", charts.recompute_figure(recompute),
                    "Scenarios identical except their recompute section (mode none when absent).")
     else:
-        page.add(_absent("scenarios identical except their recompute section (e.g. smoke/e8-ep2-nosync-bf16 and "
-                         "e8-ep2-nosync-bf16-recompute-full)"))
-    page.add("<h3>Plan memory per rank</h3>")
+        undrawn.append(("Activation recompute", "scenarios identical except their recompute section (the "
+                        "default suite plans them; e.g. olmo-core3/moe-128e-47b-zero1 and moe-128e-47b-zero1-recompute-full)"))
     plans = plan_memory(results)
+    if plans:
+        page.add("<h3>Plan memory per rank</h3>")
+    else:
+        undrawn.append(("Plan memory per rank", "plan results of scenarios with a cluster (scenarios/olmo-core3)"))
     for machine, stacks in plans.items():
         page.chart("plan-memory", charts.plan_memory_figure(machine, stacks),
                    "The plan's memory of the most loaded rank, part by part as the plan adds it up (the larger of "
                    "the backward's transient memory and the optimizer step's), against the cluster's GPU memory.")
-    if not plans:
-        page.add(_absent("plan results of scenarios with a cluster (scenarios/olmo-core3)"))
-    page.add("<h3>Projection breakdowns</h3>")
     stacks = projection_stacks(results)
     if stacks:
+        page.add("<h3>Projection breakdowns</h3>")
         page.chart("projection", charts.projection_figure(stacks),
                    "Each proxy's projected step split into its parts (they add up to the step): on the scenario's "
                    "cluster with the measuring machine's compute, and op by op on each device profile it was "
                    "projected on.")
     else:
-        page.add(_absent("proxy results (the proxy suite)"))
+        undrawn.append(("Projection breakdowns", "proxy results (the proxy suite)"))
+    if undrawn:
+        items = "".join(f"<li><b>{_e(name)}</b>: needs {_e(need)}</li>" for name, need in undrawn)
+        page.add(f"<details class='undrawn'><summary>Not drawn from these results: "
+                 f"{_e(', '.join(name for name, _ in undrawn))}</summary><ul>{items}</ul></details>")
 
 
 _MODE_TEXT = {"execute": "Runs of scenarios", "plan": "Plans of layouts", "proxy": "Proxies of layouts"}
-
-
-def _absent(what: str) -> str:
-    return f"<p class='absent'>Nothing to draw: needs {_e(what)}.</p>"
 
 
 _STYLE = """

@@ -456,14 +456,16 @@ def comparison_rows(latest: dict[tuple[str, str, str], ResultDocument]) -> list[
 def _comparisons_html(rows: list[tuple[str, str, PairRatio]]) -> list[str]:
     e = html.escape
     parts = ["<h2>Comparisons</h2>",
-             ("<p>The reference release's comparisons: each pair's ratio of the medians, numerator / denominator "
-              "(pairs defined in <code>scenarios/suites.yaml</code>, <code>comparisons</code>).</p>"),
+             ("<p>The reference release's comparisons: each pair's ratio of the medians, numerator / denominator, "
+              "with its 95% interval from the two runs' own samples (\"within noise\" when it holds 1; "
+              "<code>bench.report.comparisons</code>). Pairs defined in <code>scenarios/suites.yaml</code>, "
+              "<code>comparisons</code>.</p>"),
              ("<table><thead><tr><th>version</th><th>machine</th><th>comparison</th><th>numerator</th>"
               "<th>denominator</th><th>metric</th><th>ratio</th><th>published</th><th>mirrors</th></tr></thead><tbody>")]
     for version, machine, r in rows:
         parts.append(
             f"<tr><td>{e(version)}</td><td>{e(machine)}</td><td>{e(r.comparison.label)}</td><td>{e(r.numerator)}</td>"
-            f"<td>{e(r.denominator)}</td><td>{e(r.metric or '')}</td><td>{r.ratio:.3f}</td>"
+            f"<td>{e(r.denominator)}</td><td>{e(r.metric or '')}</td><td>{e(r.describe())}</td>"
             f"<td>{e(r.comparison.reference)}</td><td>{e(r.comparison.mirrors)}</td></tr>"
         )
     parts.append("</tbody></table>")

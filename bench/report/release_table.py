@@ -3,8 +3,9 @@
 The verdicts come from ``bench.gate.compare.compare`` and ``gate`` called exactly as ``moe-bench gate
 --baseline <base> --candidate <new>`` calls them (the same default tolerance, no work accepted, the
 releases' accepted changes), on the documents of the two versions: the page and the gate never
-disagree. The page shows, per compared
-scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
+disagree. Only machines that ran both versions are compared (the gate of the two versions' folders on each
+such machine): a machine that measured one version only has nothing to compare there, which is not a
+scenario gone missing; the page names it. The page shows, per compared scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
 metrics reported but never gated (``better: null``) are counted, not listed.
 """
 
@@ -49,6 +50,8 @@ class ReleaseComparison:
     comparison: Comparison
     gate: GateResult
     tables: tuple[ScenarioTable, ...]
+    one_version_machines: tuple[tuple[str, str], ...] = ()
+    """(machine, the version it ran) for machines with results of only one of the two versions."""
 
     @property
     def issues(self) -> tuple[ScenarioIssue, ...]:
@@ -87,12 +90,18 @@ def release_comparison(
     results: ResultSet, versions: VersionPair, tolerance: float = DEFAULT_TOLERANCE,
     acceptances: Sequence[Acceptance] = (),
 ) -> ReleaseComparison:
-    """``moe-bench gate`` of the two versions' documents; ``acceptances``: the releases' accepted changes."""
-    comparison = compare(results.docs_of(versions.base), results.docs_of(versions.new), tolerance)
+    """``moe-bench gate`` of the two versions' documents on the machines that ran both (module docstring);
+    ``acceptances``: the releases' accepted changes."""
+    base_docs, new_docs = results.docs_of(versions.base), results.docs_of(versions.new)
+    base_machines, new_machines = {d.machine for d in base_docs}, {d.machine for d in new_docs}
+    both = base_machines & new_machines
+    alone = tuple(sorted([(m, versions.base) for m in base_machines - both] + [(m, versions.new) for m in new_machines - both]))
+    comparison = compare([d for d in base_docs if d.machine in both], [d for d in new_docs if d.machine in both],
+                         tolerance)
     verdict = gate(comparison, tolerance, None, acceptances)
     tables = []
     for scenario, machine in comparison.compared:
         rows = [r for r in verdict.comparison.rows if (r.scenario, r.machine) == (scenario, machine)]
         shown = sorted((r for r in rows if r.better is not None), key=_row_order)
         tables.append(ScenarioTable(scenario, machine, tuple(shown), len(rows) - len(shown)))
-    return ReleaseComparison(versions, verdict.comparison, verdict, tuple(tables))
+    return ReleaseComparison(versions, verdict.comparison, verdict, tuple(tables), alone)

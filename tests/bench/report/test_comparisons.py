@@ -116,8 +116,9 @@ def test_the_run_summary_prints_each_pair_that_ran(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(runner, "available_memory_bytes", lambda device: (20 * 2**30, "MemAvailable"))
     monkeypatch.setattr(execute, "measure_peak_tflops", lambda device, dtype, seconds=1.0: 1.0)
-    throughput = {"e8-ep2-sync-bf16": [300.0, 310.0, 290.0], "e8-ep2-nosync-bf16": [400.0, 380.0, 420.0],
-                  "e8-dp2-fsdp-bf16": [100.0, 100.0, 100.0], "lonely": [7.0]}
+    throughput = {"e8-ep2-sync-bf16": [300.0, 310.0, 290.0, 305.0, 295.0],
+                  "e8-ep2-nosync-bf16": [400.0, 380.0, 420.0, 390.0, 410.0],
+                  "e8-dp2-fsdp-bf16": [100.0] * 5, "lonely": [7.0]}
 
     def fake_worker(command, timeout, on_line, env=None):
         spec = json.loads(Path(command[command.index("--device") - 2]).read_text())["spec"]
@@ -132,10 +133,13 @@ def test_the_run_summary_prints_each_pair_that_ran(tmp_path, monkeypatch, capsys
     files.append(str(write_scenario(tmp_path, "lonely", TINY)))
     assert main(["run", *files, "--out", str(tmp_path / "r"), "--device", "cpu", "--no-plots"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if " / " in line and " = " in line]
+    # The 95% interval of five samples a side steps over the 2 smallest and 2 largest of the 25 ratios
+    # (Mann-Whitney's critical U for 5 and 5 is 2): sync / no-sync's third smallest is 290 / 410, its
+    # third largest 310 / 390; no-sync / FSDP's are 380 / 100 and 420 / 100.
     assert lines == [
-        ("  DDP+EP / FSDP tokens/s: e8-ep2-nosync-bf16 / e8-dp2-fsdp-bf16 = 4.000  [published: 2.68 (52,000 / "
+        ("  DDP+EP / FSDP tokens/s: e8-ep2-nosync-bf16 / e8-dp2-fsdp-bf16 = 4.000 [3.800, 4.200]  [published: 2.68 (52,000 / "
          "19,400 tokens/s per GPU); OLMo-core 3: 47B MoE on 8 B300, DDP with resident experts and EP against FSDP]"),
-        ("  sync / no-sync dispatch tokens/s: e8-ep2-sync-bf16 / e8-ep2-nosync-bf16 = 0.750  [published: none "
+        ("  sync / no-sync dispatch tokens/s: e8-ep2-sync-bf16 / e8-ep2-nosync-bf16 = 0.750 [0.707, 0.795]  [published: none "
          "published; OLMo-core 3: routing metadata kept on the GPU, no host synchronisation in dispatch]"),
     ]
 
@@ -173,7 +177,81 @@ def test_the_report_index_shows_each_pair_per_version_and_machine(tmp_path):
                       r"<td>([^<]*)</td><td>([^<]*)</td>", section)
     assert rows == [
         ("0.1.0", "gpu-box", "DDP+EP / FSDP tokens/s", "node8-e128-ddp-ep8-nosync-bf16", "node8-e128-fsdp-bf16",
-         "tokens_per_s_per_gpu", f"{52000 / 20000:.3f}"),
+         "tokens_per_s_per_gpu", f"{52000 / 20000:.3f} (too few samples for an interval)"),
         ("0.2.0", "gpu-box", "DDP+EP / FSDP tokens/s", "node8-e128-ddp-ep8-nosync-bf16", "node8-e128-fsdp-bf16",
-         "tokens_per_s_per_gpu", f"{48000 / 24000:.3f}"),
+         "tokens_per_s_per_gpu", f"{48000 / 24000:.3f} (too few samples for an interval)"),
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# The ratio's interval
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, m", [(1, 1), (2, 3), (4, 4), (5, 5), (3, 7)])
+def test_the_null_distribution_counts_every_ordering(n, m):
+    """The table behind the interval against brute force: every way to choose which n of the n + m
+    ranks are the first sample's, and the U each gives (pairs with the first sample above)."""
+    from itertools import combinations
+
+    from bench.report.comparisons import _mann_whitney_counts
+
+    counts = [0] * (n * m + 1)
+    for firsts in combinations(range(n + m), n):
+        seconds = [r for r in range(n + m) if r not in firsts]
+        counts[sum(a > b for a in firsts for b in seconds)] += 1
+    assert list(_mann_whitney_counts(n, m)) == counts
+
+
+# Two-sided 5% critical values of the Mann-Whitney U from the published tables: the interval steps over
+# that many of the n*m sorted ratios at each end, plus none: k = U_crit + 1.
+CRITICAL_U = [((4, 4), 0), ((5, 5), 2), ((6, 6), 5), ((7, 7), 8), ((8, 8), 13), ((10, 10), 23), ((5, 10), 8),
+              ((20, 20), 127)]
+
+
+@pytest.mark.parametrize("sizes, critical", CRITICAL_U, ids=[f"{a}x{b}" for (a, b), _ in CRITICAL_U])
+def test_the_interval_trims_the_tabled_count(sizes, critical):
+    from bench.report.comparisons import trimmed_differences
+
+    assert trimmed_differences(*sizes) == critical + 1
+
+
+def test_too_few_samples_give_no_interval():
+    from bench.report.comparisons import ratio_interval
+
+    assert ratio_interval([1.0, 1.1, 1.2], [1.0, 1.1, 1.2]) is None  # the smallest p at 3 and 3 is 0.1
+    assert ratio_interval([1.0, 1.1, 1.2, 1.3], [0.0, 1.0, 1.1, 1.2]) is None  # a zero has no logarithm
+    assert ratio_interval([1.0, 1.1, 1.2, 1.3], [1.0, 1.1, 1.2, 1.3]) == pytest.approx((1.0 / 1.3, 1.3 / 1.0))  # k = 1
+
+
+def test_the_interval_covers_a_known_ratio_as_often_as_it_says():
+    """Five lognormal steps a side, a true ratio of 1.1: the interval is exact for a shift, so it holds the
+    ratio in 1 - 2 * 4 / 252 = 96.8% of runs (P(U <= 2) = 4 / 252 at 5 and 5); 3,000 runs put that
+    within +-3 standard errors (0.3%). Trimming one ratio fewer or more gives 98.4% or 94.4%."""
+    import random
+
+    from bench.report.comparisons import ratio_interval
+
+    seed = 20261202
+    rng = random.Random(seed)
+    runs, held = 3000, 0
+    for _ in range(runs):
+        slow = [1.1 * rng.lognormvariate(0.0, 0.05) for _ in range(5)]
+        fast = [rng.lognormvariate(0.0, 0.05) for _ in range(5)]
+        low, high = ratio_interval(slow, fast)
+        held += low <= 1.1 <= high
+    coverage = 1 - 2 * 4 / 252
+    error = (coverage * (1 - coverage) / runs) ** 0.5
+    assert abs(held / runs - coverage) < 3 * error, (seed, held / runs)
+
+
+def test_a_ratio_says_when_it_is_within_noise():
+    c = Comparison("a", "A", ("tokens_per_s_per_gpu", "peak_tensor_bytes"), "m", "r", (("x", "y"),))
+    noisy = {"x": ("ok", {"tokens_per_s_per_gpu": metric([101.0, 99.0, 103.0, 98.0, 100.0], "t", "higher")}),
+             "y": ("ok", {"tokens_per_s_per_gpu": metric([100.0, 102.0, 97.0, 99.0, 101.0], "t", "higher")})}
+    (row,) = pair_ratios([c], noisy)
+    assert row.within_noise and row.describe().endswith(", within noise")
+    exact = {"x": ("ok", {"peak_tensor_bytes": metric([150.0], "bytes", "lower")}),
+             "y": ("ok", {"peak_tensor_bytes": metric([100.0], "bytes", "lower")})}
+    (row,) = pair_ratios([c], exact)
+    assert row.exact and row.interval is None and row.describe() == "1.500 (exact values)"

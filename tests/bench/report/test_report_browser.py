@@ -10,47 +10,29 @@ Debian's ``chromium`` and ``chromium-driver``, and ``selenium`` from the dev ext
 from __future__ import annotations
 
 import contextlib
-import shutil
+import re
 
 import pytest
 from report_results import BASE, EXPECTED_CHARTS, EXPECTED_VERDICTS, NEW, write_comparisons, write_two_versions
 
+from bench.cli import main
 from bench.report.comparisons import load_comparisons
 from bench.report.page import build_report
+from bench.report.screenshot import BrowserMissing, chromium, undrawn, view_page
+from bench.results import REPO_ROOT
 
-webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
-from selenium.common.exceptions import TimeoutException
-from selenium.webdriver.support.ui import WebDriverWait
-
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
 
 
+@contextlib.contextmanager
 def _chromium():
-    binary = next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
-    driver = shutil.which("chromedriver")
-    if binary is None or driver is None:
-        pytest.skip("no headless browser: needs Chromium and its driver (apt-get install chromium chromium-driver)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-                 "--window-size=1300,1000"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    return webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver), options=options)
+    try:
+        with chromium() as browser:
+            yield browser
+    except BrowserMissing as err:
+        pytest.skip(str(err))
 
 
-# What each chart drew: its traces (``g.trace`` in the plot area, one per trace of its data) and
-# the marks with a real geometry (a path longer than a degenerate "M0,0Z").
-CHARTS_JS = """
-return [...document.querySelectorAll('figure.chart')].map(figure => {
-  const plot = figure.querySelector('.js-plotly-plot');
-  if (!plot) return {kind: figure.dataset.chart, rendered: false};
-  const marks = [...plot.querySelectorAll('.cartesianlayer g.trace path')]
-    .filter(p => (p.getAttribute('d') || '').length > 8);
-  return {kind: figure.dataset.chart, rendered: true, traces: (plot.data || []).length,
-          drawn: plot.querySelectorAll('.cartesianlayer g.trace').length, marks: marks.length};
-});
-"""
 VERDICTS_JS = """
 return [...document.querySelectorAll('table.comparison')].flatMap(table =>
   [...table.tBodies[0].rows].map(row => [table.dataset.scenario, row.cells[0].textContent,
@@ -63,33 +45,64 @@ def test_the_report_renders_in_chromium(tmp_path):
     results = write_two_versions(tmp_path / "results")
     comparisons = load_comparisons(write_comparisons(tmp_path / "comparisons.yaml"))
     report = build_report(results, tmp_path / "page", releases=[BASE], comparisons=comparisons)
-    browser = _chromium()
-    try:
-        browser.get(report.path.as_uri())
-        expected = sum(EXPECTED_CHARTS.values())
-
-        def drawn(b) -> bool:  # Plotly draws after the page loads: wait until every chart has its traces
-            found = b.execute_script(CHARTS_JS)
-            return len(found) == expected and all(c["rendered"] and c["drawn"] == c["traces"] for c in found)
-
-        with contextlib.suppress(TimeoutException):  # the assertions below say what is missing
-            WebDriverWait(browser, 15, poll_frequency=0.2).until(drawn)
-        charts = browser.execute_script(CHARTS_JS)
+    screenshot = tmp_path / "report.png"
+    with _chromium() as browser:
+        view = view_page(browser, report.path, screenshot)
         verdicts = {(s, m): v for s, m, v in browser.execute_script(VERDICTS_JS)}
         gate = browser.find_element("css selector", "[data-gate]").get_attribute("data-gate")
-        height = browser.execute_script("return document.documentElement.scrollHeight")
-        browser.set_window_size(1300, height)
-        screenshot = tmp_path / "report.png"
-        assert browser.save_screenshot(str(screenshot))
-        errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
-    finally:
-        browser.quit()
-    assert errors == []
-    assert [c["kind"] for c in charts] == report.charts and len(charts) == expected
-    for chart in charts:
-        assert chart["rendered"] and chart["traces"] > 0 and chart["drawn"] == chart["traces"], chart
-        assert chart["marks"] > 0, chart
+    assert view.errors == []
+    assert [c["kind"] for c in view.charts] == report.charts and len(view.charts) == sum(EXPECTED_CHARTS.values())
+    assert undrawn(view) == []
     assert {key: verdicts.get(key) for key in EXPECTED_VERDICTS} == EXPECTED_VERDICTS
     assert gate == "regressed"
     assert screenshot.stat().st_size > 50_000
     print(f"screenshot of the {BASE} -> {NEW} report: {screenshot}")
+
+
+# Each section of the page as the browser lays it out: its heading and whether a chart, a table or text
+# follows it before the next heading.
+SECTIONS_JS = """
+const heads = [...document.querySelectorAll('h2, h3')];
+return heads.map((h, i) => {
+  let filled = false;
+  for (let n = h.nextElementSibling; n && !['H2', 'H3'].includes(n.tagName); n = n.nextElementSibling) {
+    if (n.matches('figure.chart, table, ul, div.gate, details') || n.querySelector('figure.chart, table')
+        || (n.tagName === 'P' && !n.classList.contains('absent') && n.textContent.trim())) filled = true;
+  }
+  return [h.tagName, h.textContent.trim(), filled];
+});
+"""
+
+
+@pytest.mark.slow
+def test_the_repositorys_own_results_read_right_in_chromium(tmp_path, capsys):
+    """``moe-bench report results --screenshot`` on the committed results, as a new user runs it: every
+    chart drawn, no console error, no empty section, the releases named as releases.json has them, and
+    the accepted changes shown with their reasons."""
+    if not any(p.suffix == ".json" and p.name != "schema.json" for p in (REPO_ROOT / "results").rglob("*")):
+        pytest.skip("no committed results here (the image leaves results/ out: .dockerignore)")
+    with _chromium():
+        pass  # skips here, with the reason, where there is no browser to take the screenshot
+    out, screenshot = tmp_path / "page", tmp_path / "report.png"
+    code = main(["report", str(REPO_ROOT / "results"), "--out", str(out), "--screenshot", str(screenshot)])
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "every chart drawn in headless Chromium" in printed.out
+    with _chromium() as browser:
+        view = view_page(browser, out / "index.html")
+        sections = browser.execute_script(SECTIONS_JS)
+        text = browser.find_element("tag name", "body").text
+        gate = browser.find_element("css selector", "[data-gate]").get_attribute("data-gate")
+    assert view.errors == [] and undrawn(view) == [] and view.charts
+    empty = [title for _, title, filled in sections if not filled]
+    assert empty == [], f"sections with nothing under them: {empty}"
+    assert "Nothing to draw" not in text
+    from bench.release.record import load_releases
+
+    releases = [r.version for r in load_releases()]
+    for called in re.findall(r"([\w.+-]+),? the latest release", text):
+        assert called == releases[-1], f"{called} called the latest release; releases.json: {releases}"
+    assert gate != "regressed", "the project's own release fails its own gate on the page"
+    for release in load_releases():
+        for accepted in release.accepted:
+            assert f"accepted: {accepted.reason}" in text

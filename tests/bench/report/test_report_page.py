@@ -141,3 +141,14 @@ def test_unreadable_documents_are_named_and_skipped(tmp_path, capsys):
     page = (tmp_path / "page" / "index.html").read_text()
     assert str(folder / "old.json") in page and str(folder / "list.json") in page
     assert "One version only (0.1.0): nothing to compare yet." in page
+
+
+def test_a_screenshot_without_a_browser_is_one_line_and_exit_2(folder, tmp_path, capsys, monkeypatch):
+    from bench.report import screenshot
+
+    monkeypatch.setattr(screenshot.shutil, "which", lambda name: None)
+    err = _bad(["report", str(folder), "--out", str(tmp_path / "page"), "--screenshot", str(tmp_path / "p.png")],
+               capsys)
+    assert err.strip() == ("moe-bench: error: --screenshot: no headless browser: needs Chromium and its driver "
+                           "(apt-get install chromium chromium-driver)")
+    assert (tmp_path / "page" / "index.html").exists() and not (tmp_path / "p.png").exists()
