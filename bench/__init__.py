@@ -1,1 +1,1 @@
-"""moe-engine's benchmark suite: scenario -> run -> result -> gate / report -> release (see the README's tour)."""
+"""moe-engine's benchmark suite: scenario -> run -> result -> gate / report -> release (see docs/code-tour.md)."""
