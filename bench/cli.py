@@ -120,7 +120,7 @@ def _unwritable(out_root: Path) -> str | None:
     owner = f"owned by uid {folder.stat().st_uid}" if folder.exists() else "missing"
     return (
         f"{out_root}: results folder not writable by uid {os.getuid()} ({folder} is {owner}); in a container, "
-        "leave HOST_UID/HOST_GID unset (the run takes the folder's owner) or make the folder writable (see README)"
+        "leave HOST_UID/HOST_GID unset (the run takes the folder's owner) or make the folder writable (see docs/install.md)"
     )
 
 
@@ -186,7 +186,15 @@ def cmd_project(args: argparse.Namespace) -> int:
     import json
 
     from bench.predict.device import ProfileError, load_profile
-    from bench.run.project import DoesNotFit, NotTraceable, check_traceable, project_on_device, summary
+    from bench.run.breakdown import format_breakdown
+    from bench.run.project import (
+        DoesNotFit,
+        NotTraceable,
+        check_traceable,
+        project_on_device,
+        summary,
+        trace_progress,
+    )
     from bench.run.runner import expand_paths, load_all
     from bench.scenario import ScenarioError
 
@@ -223,7 +231,9 @@ def cmd_project(args: argparse.Namespace) -> int:
     for scenario in scenarios:
         for profile, fallback in devices or [(load_profile(scenario.cluster["device"]), None)]:
             try:
-                doc = project_on_device(scenario, profile, progress=lambda line: print(line, flush=True))
+                with trace_progress(sys.stdout) as progress:
+                    doc = project_on_device(scenario, profile, progress=progress, share_stages=not args.every_stage,
+                                            breakdown=args.breakdown)
             except DoesNotFit as err:
                 print(f"moe-bench: error: {err}", file=sys.stderr)
                 code = EXIT_BAD_INPUT
@@ -236,6 +246,11 @@ def cmd_project(args: argparse.Namespace) -> int:
             print(summary(doc))
             if fallback:
                 print(f"  {fallback}")
+            if args.breakdown:
+                b = doc["breakdown"]
+                print(f"  projected step of stage {b['pipeline_rank']} by op kind and module "
+                      f"({doc['step_s']:.3f} s; hidden: collectives run under compute, not in the step):")
+                print(format_breakdown(b))
             print(f"  written to {path}")
     return code
 
@@ -716,6 +731,11 @@ def build_parser() -> argparse.ArgumentParser:
     project.add_argument("--fallback-device", metavar="NAME",
                          help="a --device file that does not exist is replaced by this profile, with a warning and "
                               "the replacement recorded in each document (device_fallback)")
+    project.add_argument("--breakdown", action="store_true",
+                         help="also print and write (the document's breakdown) the projected step by op kind and by "
+                              "engine module: time, bytes moved, FLOPs, kernels, share of the step")
+    project.add_argument("--every-stage", action="store_true",
+                         help="trace every pipeline stage, identical ones too (by default they share one trace)")
     project.set_defaults(func=cmd_project)
 
     profile = sub.add_parser(

@@ -38,7 +38,10 @@ from bench.predict.projection import (
     project_step,
 )
 
-__all__ = ["StepPrices", "project_priced_step", "step_prices"]
+__all__ = ["PER_MICROBATCH_ACCOUNTS", "StepPrices", "collective_account", "project_priced_step", "step_prices"]
+
+PER_MICROBATCH_ACCOUNTS = ("expert", "pipeline", "fsdp")
+"""Accounts of collectives that every microbatch issues (``collective_account``)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,22 @@ class StepPrices:
 def _collective(op, phase: str) -> Collective:
     c = op.collective
     return Collective(c["op"], tuple(c["ranks"]), int(c["nbytes"]), phase)
+
+
+def collective_account(op, group_phases: dict[str, str]) -> tuple[str, str]:
+    """(phase, account) of a traced collective (module docstring): its phase from its group (an FSDP
+    parameter gather: fsdp), and where the step counts it: expert, pipeline, fsdp (per microbatch),
+    grad_sync (the reductions, bucketed in the backward or not), param_gather (ZeRO-1's gathers in
+    the optimizer) or other."""
+    phase = group_phases.get(op.collective["group_name"], "other")
+    if phase == "grad" and op.collective["op"] == "all_gather" and op.stage in ("forward", "backward"):
+        # FSDP's parameter gathers: every microbatch's forward and backward gathers each unit again.
+        return "fsdp", "fsdp"
+    if phase in ("expert", "pipeline"):
+        return phase, phase
+    if phase == "grad":
+        return phase, "param_gather" if op.stage == "optimizer" else "grad_sync"
+    return phase, "other"
 
 
 def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]) -> StepPrices:
@@ -89,17 +108,13 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
     for i, p in enumerate(priced):
         if p.work.kind != "collective":
             continue
-        phase = group_phases.get(p.op.collective["group_name"], "other")
+        phase, account = collective_account(p.op, group_phases)
         c = _collective(p.op, phase)
-        if phase == "grad" and c.op == "all_gather" and p.op.stage in ("forward", "backward"):
-            # FSDP's parameter gathers: every microbatch's forward and backward gathers each unit again.
-            c = Collective(c.op, c.ranks, c.nbytes, "fsdp")
-            phase = "fsdp"
-        if phase in ("expert", "pipeline", "fsdp"):
+        if account in PER_MICROBATCH_ACCOUNTS:
             per_mb.setdefault((c.op, c.ranks, phase), []).append(c.nbytes)
-        elif phase == "grad" and p.op.stage == "backward":
+        elif account == "grad_sync" and p.op.stage == "backward":
             grad_buckets.append(SyncBucket(c, after[i]))
-        elif phase == "grad" and p.op.stage == "optimizer":
+        elif account == "param_gather":
             gather_buckets.append(SyncBucket(c, after[i]))
         else:
             per_step.setdefault((c.op, c.ranks, phase), []).append(c.nbytes)

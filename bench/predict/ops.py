@@ -102,6 +102,9 @@ class TracedOp:
     """Named scalar arguments (bool, int, float), e.g. SDPA's ("is_causal", True)."""
     collective: dict[str, Any] | None = None
     """c10d ops: op, ranks, nbytes, group_name (``moe_engine.parallel.collective_log.CollectiveCall``)."""
+    location: str = ""
+    """Where it ran: the engine modules on the call stack, a named part of the step (``@optimizer``),
+    or "" outside both (``bench.run.trace.ModuleLocator``)."""
 
     @property
     def packet(self) -> str:

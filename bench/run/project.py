@@ -26,23 +26,31 @@ over the same number of blocks and microbatches (moe-1.2t-512gpu on b300: the mi
 priced at their own routes are within 0.1% of their twin's). A shared trace's collectives are moved
 onto the sharing rank's own groups and neighbours (``bench.run.trace.retarget``): the network prices
 them at its ranks.
+
+While it traces, a ``TraceProgress`` tells which stage runs, whether it is traced or takes an identical
+stage's trace, and the ops traced so far: rich progress bars on a terminal, plain lines elsewhere
+(``trace_progress``). With ``breakdown`` the document also holds the slowest stage's step by op kind
+and by engine module (``bench.run.breakdown``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from bench.predict.device import DeviceProfile
 from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import Network, Schedule, SkewModel
-from bench.run.trace import StepTrace, retarget, trace_step
+from bench.run.breakdown import step_breakdown
+from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.config import DataParallelMode, DispatchKind, RoutingMode
 from moe_engine.flops import training_flops_per_token
@@ -145,39 +153,177 @@ class StageTrace:
     """Spent on this stage: tracing and pricing, or retargeting a twin's."""
 
 
+class TraceProgress:
+    """What a projection tells while it traces its stages, as plain lines (logs, pipes, tests): each
+    stage as it starts, whether it is traced or takes an identical stage's trace, the trace's ops
+    now and then (every ``PROGRESS_EVERY_S``), and what it took."""
+
+    def __init__(self, line: Callable[[str], None] = lambda text: None):
+        self._line = line
+        self._scenario, self._stages, self._sources = "", 1, [0]
+        self._ranks: dict[int, int] = {}
+        self._started = self._reported = time.perf_counter()
+
+    def begin(self, scenario: str, sources: list[int]) -> None:
+        """A projection of ``scenario`` whose stage i takes stage ``sources[i]``'s trace."""
+        self._scenario, self._stages, self._sources = scenario, len(sources), sources
+        self._started = time.perf_counter()
+        self._line(f"{scenario}: {sharing_text(sources)}")
+
+    def where(self, stage: int) -> str:
+        return f"{self._scenario}: stage {stage} of {self._stages} (rank {self._ranks.get(stage, '?')})"
+
+    def stage(self, stage: int, rank: int, microbatches: int) -> None:
+        """Stage ``stage`` (at ``rank``) begins: traced, or its twin's trace taken."""
+        self._ranks[stage] = rank
+        self._reported = time.perf_counter()
+        source = self._sources[stage]
+        if source == stage:
+            twins = [s for s, src in enumerate(self._sources) if src == stage and s != stage]
+            also = f"; its trace serves {_stages(twins)}" if twins else ""
+            self._line(f"{self.where(stage)}: tracing at full size, {microbatches} microbatches{also}")
+
+    def note(self, stage: int, text: str) -> None:
+        """A line of the stage's trace."""
+        self._line(f"{self.where(stage)}: {text}")
+
+    def ops(self, stage: int, count: int, phase: str) -> None:
+        """The stage's trace holds ``count`` ops, the latest of ``phase`` (forward, backward, ...)."""
+        now = time.perf_counter()
+        if now - self._reported >= PROGRESS_EVERY_S:
+            self._reported = now
+            self._line(f"{self.where(stage)}: {count:,} ops traced ({phase}), {now - self._started:.0f}s elapsed")
+
+    def done(self, staged: StageTrace) -> None:
+        """A stage is traced and priced, or has its twin's trace."""
+        stage = staged.pipeline_rank
+        if staged.shared_with is None:
+            what = f"traced {len(staged.trace.ops):,} ops in {staged.seconds:.0f}s"
+        else:
+            what = f"stage {staged.shared_with}'s trace (identical stage)"
+        self._line(f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed")
+
+    def close(self) -> None:
+        """The projection is over (a live display stops)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LiveTraceProgress(TraceProgress):
+    """``TraceProgress`` on a terminal: rich progress bars, one for the stages and one per stage with
+    its ops traced so far and its time; a line per finished stage stays above them."""
+
+    def __init__(self, stream):
+        super().__init__()
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(), console=Console(file=stream), transient=True,
+        )
+        self._progress.start()
+        self._overall = None
+        self._tasks: dict[int, Any] = {}
+
+    def begin(self, scenario: str, sources: list[int]) -> None:
+        self._scenario, self._stages, self._sources = scenario, len(sources), sources
+        self._started = time.perf_counter()
+        self._progress.console.print(f"{scenario}: {sharing_text(sources)}", highlight=False, soft_wrap=True)
+        self._overall = self._progress.add_task(f"{scenario}: stages", total=len(sources), detail="")
+
+    def stage(self, stage: int, rank: int, microbatches: int) -> None:
+        self._ranks[stage] = rank
+        source = self._sources[stage]
+        what = "tracing" if source == stage else f"taking stage {source}'s trace"
+        self._tasks[stage] = self._progress.add_task(
+            f"  stage {stage} of {self._stages} (rank {rank})", total=None, detail=what)
+
+    def note(self, stage: int, text: str) -> None:
+        self._progress.update(self._tasks[stage], detail=text)
+
+    def ops(self, stage: int, count: int, phase: str) -> None:
+        self._progress.update(self._tasks[stage], detail=f"{count:,} ops traced ({phase})")
+
+    def done(self, staged: StageTrace) -> None:
+        stage = staged.pipeline_rank
+        self._progress.remove_task(self._tasks.pop(stage))
+        self._progress.advance(self._overall)
+        if staged.shared_with is None:
+            what = f"traced {len(staged.trace.ops):,} ops in {staged.seconds:.0f}s"
+        else:
+            what = f"shared: stage {staged.shared_with}'s trace (identical stage)"
+        self._progress.console.print(
+            f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed", highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def trace_progress(stream) -> TraceProgress:
+    """Progress bars on a terminal (not under CI), plain lines to ``stream`` otherwise."""
+    if stream.isatty() and not os.environ.get("CI"):
+        return LiveTraceProgress(stream)
+    return TraceProgress(lambda text: print(text, file=stream, flush=True))
+
+
+def sharing_text(sources: list[int], done: bool = False) -> str:
+    """Which stages are (``done``: were) traced and which take an identical stage's trace, in words;
+    stage i takes stage ``sources[i]``'s."""
+    traced = [s for s, src in enumerate(sources) if s == src]
+    if len(sources) == 1:
+        return "one stage traced" if done else "one stage to trace"
+    text = f"{len(traced)} of {len(sources)} stages {'traced' if done else 'to trace'}"
+    shared: dict[int, list[int]] = {}
+    for stage, source in enumerate(sources):
+        if source != stage:
+            shared.setdefault(source, []).append(stage)
+    if not shared:
+        return text + " (every stage)"
+    def verb(twins: list[int]) -> str:
+        return "took" if done else ("takes" if len(twins) == 1 else "take")
+
+    return text + "; " + "; ".join(f"{_stages(twins)} {verb(twins)} stage {source}'s trace (identical)"
+                                    for source, twins in shared.items())
+
+
 def stage_traces(
     traced: Scenario,
     profile: DeviceProfile,
     share: bool = True,
-    progress: Callable[[str], None] = lambda line: None,
+    progress: Callable[[str], None] | TraceProgress = lambda line: None,
 ) -> Iterator[StageTrace]:
     """Each pipeline stage's step of ``traced`` (the scenario as traced) at rank (stage, 0, 0), priced on
-    ``profile``; with ``share``, identical stages trace once (module docstring)."""
+    ``profile``; with ``share``, identical stages trace once (module docstring). ``progress``: a
+    ``TraceProgress``, or a function that takes its lines."""
+    reporter = progress if isinstance(progress, TraceProgress) else TraceProgress(progress)
     parallel = traced.parallel_config
     layout = Layout(parallel)
     sources = shared_traces(traced) if share else list(range(parallel.pp))
+    reporter.begin(traced.name, sources)
     own: dict[int, StageTrace] = {}
-    started = time.perf_counter()
     for stage, source in enumerate(sources):
         rank = layout.rank_of(stage, 0, 0)
         begun = time.perf_counter()
-        where = f"{traced.name}: stage {stage} of {parallel.pp} (rank {rank})"
+        reporter.stage(stage, rank, parallel.microbatches)
         if source == stage:
-            twins = [s for s, src in enumerate(sources) if src == stage and s != stage]
-            also = f"; its trace serves {_stages(twins)}" if twins else ""
-            progress(f"{where}: tracing at full size, {parallel.microbatches} microbatches{also}")
-            trace = trace_step(traced, rank=rank, fake=True, progress=_prefixed(progress, where))
+            trace = trace_step(
+                traced, rank=rank, fake=True, progress=functools.partial(reporter.note, stage),
+                on_ops=functools.partial(reporter.ops, stage),
+            )
             priced = price_ops(trace.ops, profile)
             own[stage] = current = StageTrace(stage, rank, trace, priced, None, time.perf_counter() - begun)
-            what = f"traced {len(trace.ops):,} ops in {current.seconds:.0f}s"
         else:
             twin = own[source]
             trace = retarget(twin.trace, traced, rank)
             # Collectives cost nothing here (the network prices them), so the twin's prices hold op for op.
             priced = [p if p.op is op else dataclasses.replace(p, op=op) for p, op in zip(twin.priced, trace.ops)]
             current = StageTrace(stage, rank, trace, priced, source, time.perf_counter() - begun)
-            what = f"stage {source}'s trace (identical stage)"
-        progress(f"{where}: {what}; {time.perf_counter() - started:.0f}s elapsed")
+        reporter.done(current)
         yield current
 
 
@@ -189,20 +335,17 @@ def _stages(stages: list[int]) -> str:
     return "stages " + ", ".join(map(str, stages))
 
 
-def _prefixed(progress: Callable[[str], None], prefix: str) -> Callable[[str], None]:
-    return lambda line: progress(f"{prefix}: {line}")
-
-
 def project_on_device(
     scenario: Scenario,
     profile: DeviceProfile,
     skew: SkewModel | None = None,
     microbatches: int | None = TRACED_MICROBATCHES,
-    progress: Callable[[str], None] = lambda line: None,
+    progress: Callable[[str], None] | TraceProgress = lambda line: None,
     share_stages: bool = True,
+    breakdown: bool = False,
 ) -> dict[str, Any]:
     """The projection document of ``scenario`` on ``profile`` (module docstring); ``share_stages`` False
-    traces every pipeline stage.
+    traces every pipeline stage; ``breakdown`` adds the step by op kind and module (``bench.run.breakdown``).
 
     Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device, and
     ``NotTraceable`` for a layout the trace cannot build.
@@ -216,7 +359,8 @@ def project_on_device(
             f"{fit['memory_need_bytes'] / 1e9:.1f} GB by the plan"
         )
     traced = traced_scenario(scenario, microbatches)
-    return projection_document(scenario, profile, fit, stage_traces(traced, profile, share_stages, progress), skew)
+    staged = stage_traces(traced, profile, share_stages, progress)
+    return projection_document(scenario, profile, fit, staged, skew, breakdown)
 
 
 def projection_document(
@@ -225,21 +369,24 @@ def projection_document(
     fit: dict[str, Any],
     staged_steps: Iterable[StageTrace],
     skew: SkewModel | None = None,
+    breakdown: bool = False,
 ) -> dict[str, Any]:
-    """``project_on_device``'s document from every stage's priced step (``stage_traces``) and the memory fit."""
+    """``project_on_device``'s document from every stage's priced step (``stage_traces``) and the memory fit;
+    with ``breakdown``, the slowest stage's step by op kind and module (``bench.run.breakdown``)."""
     parallel = scenario.parallel_config
     net = Network.from_cluster(profile.cluster())
     schedule = Schedule(parallel.pp, parallel.virtual_stages, parallel.microbatches, parallel.schedule.value)
     flops_per_token = training_flops_per_token(scenario.model)
     staged_steps = list(staged_steps)
     m_traced = staged_steps[0].trace.microbatches
-    stages = []
+    stages, projections = [], []
     for staged in staged_steps:
         rank = staged.rank
         prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
         projection = project_priced_step(
             prices, rank, schedule, net, scenario.run["tokens_per_step"], scenario.world_size, flops_per_token, skew
         )
+        projections.append(projection)
         stages.append({
             "pipeline_rank": staged.pipeline_rank,
             "rank": rank,
@@ -261,6 +408,14 @@ def projection_document(
         "ranks, with its twin's rows per expert (bench/run/project.py)"
     )] if shared else []
     peak = profile.peak_tflops[_peak_dtype(scenario.precision)]
+    extra = {}
+    if breakdown:
+        i = stages.index(slowest)
+        staged = staged_steps[i]
+        extra["breakdown"] = {"pipeline_rank": slowest["pipeline_rank"], **step_breakdown(
+            staged.priced, staged.trace.group_phases, m_traced, parallel.microbatches, projections[i],
+            staged.rank, net,
+        )}
     return {
         "scenario": scenario.name,
         "device": profile.name,
@@ -290,6 +445,7 @@ def projection_document(
             f"MFU = TFLOP/s per GPU (model FLOPs, Megatron's convention) / the {_peak_dtype(scenario.precision)} "
             f"dense peak {peak:g} TFLOP/s",
         ],
+        **extra,
     }
 
 
@@ -306,9 +462,13 @@ def summary(doc: dict[str, Any]) -> str:
         "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
         "param_gather_exposed", "other_comm", "skew", "fsdp_gather_exposed"))
     mem = doc["memory"]
-    return (
+    text = (
         f"{doc['scenario']} on {doc['world_size']} x {doc['device']}: step {doc['step_s']:.3f} s, "
         f"{doc['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {doc['tflops_per_gpu']:.0f} TFLOP/s/GPU, "
         f"MFU {doc['mfu']:.1%}; memory {mem['memory_need_bytes'] / 1e9:.1f} of {mem['device_memory_bytes'] / 1e9:.0f} GB\n"
         f"  step: {parts}"
     )
+    if len(doc["stages"]) > 1:
+        sources = [s["pipeline_rank"] if s["trace_shared_with"] is None else s["trace_shared_with"] for s in doc["stages"]]
+        text += f"\n  stages: {sharing_text(sources, done=True)}; the step is stage {doc['slowest_stage']}'s"
+    return text

@@ -19,18 +19,23 @@ learned routing cannot be traced (an error says so).
 The same mode records a real step when no fake mode is active (``fake=False``): tests compare the
 two op lists at CPU scale.
 
+Each op also records where it ran (``TracedOp.location``, ``ModuleLocator``): the engine module or the
+named part of the step (optimizer, gradient sync, the proxy's stand-ins for its peers), for the
+projection's breakdown by module (``bench.run.breakdown``).
+
 A rank whose step runs the same ops as a traced one (an identical pipeline stage, ``bench.run.project``)
 takes that trace through ``retarget``: the same ops, each collective on its own groups.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -60,7 +65,13 @@ SHADOW_MAX_ELEMENTS = 1 << 22
 """A tensor gets a real shadow only up to this size: routing metadata is T * k or T * E elements."""
 
 PROGRESS_EVERY_S = 15.0
-"""A long trace reports its ops this often."""
+"""A long trace reports its ops in a line this often (``trace_step``'s default ``on_ops``)."""
+
+OPS_REPORT_EVERY = 1024
+"""A trace tells ``on_ops`` its count of ops each time it grows by this many."""
+
+ACCUMULATE_GRAD_SEQUENCE_NR = 2**64 - 1
+"""The sequence number autograd gives a leaf's gradient accumulator (so that it runs first)."""
 
 
 class UntraceableStep(RuntimeError):
@@ -104,21 +115,115 @@ def _scalar_arguments(func, args, kwargs) -> tuple[tuple[str, Any], ...]:
     return tuple(named)
 
 
+class ModuleLocator:
+    """Where each op of a traced step runs, as ``TracedOp.location`` records it.
+
+    - Inside a named scope (``scope``: the optimizer's step, the gradient sync, the proxy's
+      fabrication of its peers' traffic, the expert-bias update): ``@name``, the innermost scope.
+    - Inside an FSDP ``record_function`` scope (``FSDP::...``, FSDP2's gathers, reductions and their
+      copies): ``@fsdp``.
+    - Inside a module's forward, a recomputed one in the backward included: the class names of the
+      modules on the call stack, outermost first, joined by ``/`` (``Transformer/Block/MoELayer/Router``);
+      after a child's forward has returned, the innermost module's name is followed by ``>`` and the
+      child's (``MoELayer>GroupedExperts``: the MoE layer's own ops after its experts ran). Global
+      forward pre- and post-hooks keep the stack.
+    - In the backward otherwise: the location at which the autograd node running the op was created
+      in the forward. Autograd numbers the nodes a thread creates in order (the sequence number); the
+      locator keeps the location at each number where it changed, so each backward op lands where
+      the forward op that made its node ran. A leaf's gradient accumulator (sequence number
+      ``ACCUMULATE_GRAD_SEQUENCE_NR``, where the gradient buffers' hooks run): ``@accumulate_grad``.
+    - Anywhere else (the trainer's own code, outside every module and scope): ``""``.
+
+    A fully recomputed block is re-entered through its forward function, not its module call: its
+    children's ops get their own locations, its own few (the residual adds) the location of the node
+    whose saved tensor started the recompute.
+    """
+
+    def __init__(self):
+        self._frames: list[list] = []
+        """[class name, the last child whose forward returned (or None)] per module on the stack."""
+        self._scopes: list[str] = []
+        self._sequence_nrs: list[int] = []
+        self._locations: list[str] = []
+        self.current = ""
+        """The module stack's location now."""
+        self._handles: list = []
+
+    def __enter__(self) -> Self:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [
+            register_module_forward_pre_hook(self._entered),
+            register_module_forward_hook(self._returned, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _entered(self, module, args) -> None:
+        self._frames.append([type(module).__name__, None])
+        self._moved()
+
+    def _returned(self, module, args, output) -> None:
+        name = self._frames.pop()[0]
+        if self._frames:
+            self._frames[-1][1] = name
+        self._moved()
+
+    def _moved(self) -> None:
+        location = "/".join(frame[0] for frame in self._frames)
+        if self._frames and self._frames[-1][1] is not None:
+            location += ">" + self._frames[-1][1]
+        self.current = location
+        # Nodes created from now on are numbered from here: the latest location at a number wins.
+        number = torch._C._autograd._get_sequence_nr()
+        if self._sequence_nrs and self._sequence_nrs[-1] == number:
+            self._locations[-1] = location
+        else:
+            self._sequence_nrs.append(number)
+            self._locations.append(location)
+
+    @contextlib.contextmanager
+    def scope(self, name: str) -> Iterator[None]:
+        self._scopes.append(name)
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    def locate(self, node, in_fsdp: bool) -> str:
+        """The location of an op dispatched now, inside autograd ``node`` (None in the forward)."""
+        if self._scopes:
+            return "@" + self._scopes[-1]
+        if in_fsdp:
+            return "@fsdp"
+        if self._frames or node is None:
+            return self.current
+        number = node._sequence_nr()
+        if number == ACCUMULATE_GRAD_SEQUENCE_NR:
+            return "@accumulate_grad"
+        i = bisect.bisect_right(self._sequence_nrs, number) - 1
+        return self._locations[i] if i >= 0 else ""
+
+
 class StepTracer(TorchDispatchMode):
     """Records ``TracedOp``s; keeps real shadows of small fake tensors (module docstring)."""
 
-    def __init__(self, progress: Callable[[str], None] = lambda line: None):
+    def __init__(self, on_ops: Callable[[int, str], None] = lambda count, stage: None):
         super().__init__()
         self.ops: list[TracedOp] = []
         self.stage = "other"
         self.recording = True
         """False while the rank is built: shadows are kept (a device mesh reads its ranks), ops not recorded."""
+        self.locator = ModuleLocator()
         self._shadows = WeakIdKeyDictionary()
         self._regions: list[tuple[str, int]] = []
         self._region_calls = 0
         self._collectives = CollectiveRecorder()
-        self._progress = progress
-        self._started = self._reported = time.perf_counter()
+        self._on_ops = on_ops
 
     # ---- shadows -------------------------------------------------------------------------------
 
@@ -229,9 +334,11 @@ class StepTracer(TorchDispatchMode):
                 return
             call = self._collectives.calls[-1]
             collective = {"op": call.op, "ranks": list(call.ranks), "nbytes": call.nbytes, "group_name": call.group_name}
-        stage = "backward" if torch._C._current_autograd_node() is not None else self.stage
+        node = torch._C._current_autograd_node()
+        stage = "backward" if node is not None else self.stage
         group_rows = self._group_rows(func, args, kwargs)
         region, region_call = next(((r, c) for r, c in reversed(self._regions) if r in REGIONS), (None, None))
+        in_fsdp = bool(self._regions) and any(r.startswith("FSDP::") for r, _ in self._regions)
         self.ops.append(TracedOp(
             name=str(func),
             inputs=tuple(_spec(t) for t in _tensors((args, kwargs))),
@@ -242,15 +349,10 @@ class StepTracer(TorchDispatchMode):
             group_rows=group_rows,
             arguments=_scalar_arguments(func, args, kwargs) if func.namespace == "aten" else (),
             collective=collective,
+            location=self.locator.locate(node, in_fsdp),
         ))
-        if len(self.ops) % 1024 == 0:
-            self._report(stage)
-
-    def _report(self, stage: str) -> None:
-        now = time.perf_counter()
-        if now - self._reported >= PROGRESS_EVERY_S:
-            self._reported = now
-            self._progress(f"{len(self.ops):,} ops traced ({stage}), {now - self._started:.0f}s")
+        if len(self.ops) % OPS_REPORT_EVERY == 0:
+            self._on_ops(len(self.ops), stage)
 
     def _group_rows(self, func, args, kwargs) -> tuple[int, ...] | None:
         if func is not torch.ops.aten._grouped_mm.default:
@@ -266,10 +368,12 @@ class StepTracer(TorchDispatchMode):
         return tuple(b - a for a, b in zip([0, *ends[:-1]], ends))
 
     @contextlib.contextmanager
-    def in_stage(self, stage: str) -> Iterator[None]:
+    def in_stage(self, stage: str, scope: str | None = None) -> Iterator[None]:
+        """Ops inside are of ``stage`` (outside autograd's backward), and of location ``@scope`` if given."""
         previous, self.stage = self.stage, stage
         try:
-            yield
+            with self.locator.scope(scope) if scope else contextlib.nullcontext():
+                yield
         finally:
             self.stage = previous
 
@@ -370,14 +474,34 @@ def _build_rank(scenario: Scenario, groups: ProcessGroups, seed: int):
     return build_proxy_rank(scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute)
 
 
-def _in_stage(owner, method: str, tracer: StepTracer, stage: str) -> None:
+def _in_stage(owner, method: str, tracer: StepTracer, stage: str | None, scope: str) -> None:
+    """``owner.method`` runs in ``stage`` (None: the caller's) and scope ``scope`` while traced."""
     original = getattr(owner, method)
 
     def staged(*args, **kwargs):
-        with tracer.in_stage(stage):
+        with tracer.in_stage(stage or tracer.stage, scope):
             return original(*args, **kwargs)
 
     setattr(owner, method, staged)
+
+
+def _locate_parts(trainer: ParallelTrainer, rank_model, tracer: StepTracer) -> None:
+    """Name the parts of the step that run outside the model's modules (``ModuleLocator``): the
+    optimizer's zeroing and step, its gradient sync inside the step, the expert-bias update, and the
+    proxy's fabrication of its peers' traffic (the engine's ``fabrication`` seam)."""
+    optimizer = trainer.optimizer
+    for method, stage, scope in (("zero_grad", "other", "optimizer"), ("step", "optimizer", "optimizer")):
+        _in_stage(optimizer, method, tracer, stage, scope)
+    if hasattr(optimizer, "finish_grad_sync"):
+        _in_stage(optimizer, "finish_grad_sync", tracer, None, "grad_sync")
+    if hasattr(trainer, "_update_expert_bias"):
+        _in_stage(trainer, "_update_expert_bias", tracer, None, "expert_bias")
+    fabricators = [layer.dispatcher for layer in rank_model.moe_layers()]
+    if rank_model.pipeline is not None:
+        fabricators.append(rank_model.pipeline)
+    for owner in fabricators:
+        if hasattr(owner, "fabrication"):
+            owner.fabrication = lambda: tracer.locator.scope("proxy_peers")
 
 
 @contextlib.contextmanager
@@ -395,16 +519,32 @@ def rank_trainer(scenario: Scenario, rank: int = 0) -> Iterator[tuple[ParallelTr
         leave_fake_world()
 
 
+def _ops_lines(progress: Callable[[str], None]) -> Callable[[int, str], None]:
+    """An ``on_ops`` that reports in a line of ``progress`` at most every ``PROGRESS_EVERY_S``."""
+    started = reported = time.perf_counter()
+
+    def on_ops(count: int, stage: str) -> None:
+        nonlocal reported
+        now = time.perf_counter()
+        if now - reported >= PROGRESS_EVERY_S:
+            reported = now
+            progress(f"{count:,} ops traced ({stage}), {now - started:.0f}s")
+
+    return on_ops
+
+
 def trace_step(
     scenario: Scenario,
     rank: int = 0,
     fake: bool = True,
     progress: Callable[[str], None] = lambda line: None,
+    on_ops: Callable[[int, str], None] | None = None,
 ) -> StepTrace:
     """Trace one optimizer step of ``rank`` of ``scenario``'s layout at its own sizes.
 
     ``fake`` False runs the step for real (the scenario must fit this machine). The process must not
-    be in a process group: it joins a fake world for the duration.
+    be in a process group: it joins a fake world for the duration. ``progress`` takes the trace's
+    lines; ``on_ops`` (count, stage) its count of ops as it grows (default: a line now and then).
     """
     parallel = scenario.parallel_config
     world = scenario.world_size
@@ -417,7 +557,7 @@ def trace_step(
         # thread, 170 ms on two), and a traced step is made of ~10^5 such ops.
         torch.set_num_threads(1)
         groups = build_process_groups(Layout(parallel))
-        tracer = StepTracer(progress)
+        tracer = StepTracer(on_ops or _ops_lines(progress))
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode, _fake_to_empty(fake), tracer:
             progress(f"building rank {rank}'s share ({'fake tensors' if fake else 'real tensors'})")
@@ -426,11 +566,11 @@ def trace_step(
             trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
             tracer.recording = True
             tokens, labels = _batch(scenario, parallel.dp, seed)
-            # Once-per-step work outside the microbatches: zeroing the gradient buffers, the update.
-            for method, stage in (("zero_grad", "other"), ("step", "optimizer")):
-                _in_stage(trainer.optimizer, method, tracer, stage)
+            # Once-per-step work outside the microbatches (zeroing the gradient buffers, the update)
+            # gets its stage, and each part of the step outside the model its location.
+            _locate_parts(trainer, rank_model, tracer)
             progress(f"tracing one step of {parallel.microbatches} microbatches")
-            with tracer.in_stage("forward"):
+            with tracer.in_stage("forward"), tracer.locator:
                 trainer.step(tokens, labels)
         return StepTrace(
             ops=tracer.ops, rank=rank, world_size=world, microbatches=parallel.microbatches,

@@ -1,0 +1,408 @@
+"""Where a projected step's time goes: by op kind and by engine module (``moe-bench project --breakdown``).
+
+The breakdown re-counts the step ``bench.predict.op_projection`` projects, op by op, so that its rows
+add up to the projected step: time, bytes moved, FLOPs and kernels.
+
+Counting (m = the scenario's microbatches, m_t = the traced ones)
+    compute ops     seconds, bytes, FLOPs and kernels as priced (``bench.predict.pricing``), times
+                    m / m_t in the forward and backward (the projection's microbatch_s * m), once
+                    in the optimizer and the rest of the step. A kernel is an op priced as one (views
+                    and metadata are none; a region priced as one GPU kernel is one).
+    collectives     each priced alone on the network (``collective_seconds``), times m / m_t for the
+                    per-microbatch ones (expert all-to-alls, stage messages, FSDP's gathers). The
+                    step counts of each account of collectives (``ACCOUNTS``) what the projection
+                    counts: all of the expert all-to-alls, stage messages and once-per-step others
+                    (no overlap), only the exposed part of the gradient sync, the ZeRO-1 gathers and
+                    the FSDP gathers. Each collective gets the share of its account's counted time
+                    that its own price has of the account's; the rest is ``hidden_s``: time it runs
+                    under compute, not in the step. Bytes are the messages' (what the rank sends or
+                    receives, ``Collective.nbytes``); a call is a kernel.
+    idle            the pipeline bubble and the rank-skew waits belong to no op: rows of their own
+                    (``bubble``, ``skew``) in both tables, so that every table adds up to the step.
+
+Op kinds (``OP_KINDS``, ``op_kind_of``): the priced kind first (GEMMs, grouped GEMMs including the MX
+ones, attention kernels, collectives, free views), then the memory-bound ops by their ATen name; an op
+of another namespace (a custom op: the engine's fused kernels) is ``fused``.
+
+Modules (``MODULES``, ``module_of``): from where the op ran (``TracedOp.location``, kept by
+``bench.run.trace.ModuleLocator``); the rule is ``module_of``'s docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from bench.predict.op_projection import PER_MICROBATCH_ACCOUNTS, collective_account
+from bench.predict.pricing import PricedOp
+from bench.predict.projection import Collective, Network, Projection, collective_seconds
+
+__all__ = ["MODULES", "OP_KINDS", "format_breakdown", "module_of", "op_kind_of", "step_breakdown"]
+
+OP_KINDS = {
+    "gemm": "dense matrix products (mm, addmm, bmm)",
+    "grouped_gemm": "expert grouped GEMMs (bf16 and MXFP8)",
+    "attention": "fused attention kernels, forward and backward",
+    "elementwise": "pointwise arithmetic, activations and their gradients, comparisons, masks",
+    "reduction": "sums, means, norms, softmax and log-softmax, losses, scans",
+    "copy_cast": "copies, dtype casts, clones, concatenations, MXFP8 quantization",
+    "fill": "zeros, constants, ranges",
+    "index_sort": "gathers, scatters, indexing, embedding lookups, sorts, top-k, searches",
+    "random": "random number generation",
+    "fused": "the engine's own fused ops (custom ops outside ATen)",
+    "collective": "collectives and stage messages (priced on the network)",
+    "free": "views and metadata (no kernel; time only on a CPU profile)",
+    "other": "an ATen op none of the above names (add it to bench/run/breakdown.py)",
+}
+"""The op kinds of the breakdown, in table order, with what each holds."""
+
+MODULES = {
+    "embedding": "token embedding",
+    "attention": "attention: projections, RoPE, the attention kernel",
+    "norms": "RMSNorms (block, QK and final)",
+    "router": "router scores, expert selection, auxiliary losses, the expert-bias update",
+    "dispatch": "MoE layer before its experts: routing plan, gather of routed rows, all-to-alls out",
+    "experts": "routed experts' grouped GEMMs and activation",
+    "combine": "MoE layer after its experts: unsort, all-to-alls back, weighted combine",
+    "shared_expert": "the MoE layer's shared expert",
+    "mlp": "dense blocks' feed-forward",
+    "residual": "residual adds of the blocks",
+    "head": "LM head",
+    "loss": "the trainer's loss: fp32 cast, log-softmax, NLL, scaling",
+    "pipeline": "pipeline stage messages",
+    "grad_sync": "gradient buffers: accumulation, scaling, bucket reductions",
+    "fsdp": "FSDP's parameter gathers, gradient reductions and their copies",
+    "optimizer": "zeroing gradients, clipping, AdamW, ZeRO-1 parameter gathers",
+    "proxy_peers": "the proxy rank's stand-ins for its peers' traffic (no work on a real rank)",
+    "other": "ops outside every module and part of the step (the trace's own batch)",
+}
+"""The engine modules of the breakdown, in table order, with what each holds."""
+
+IDLE = {"bubble": "pipeline bubble (idle)", "skew": "rank skew (waits for the slowest rank)"}
+"""Rows of time that belongs to no op."""
+
+_SCOPES = {
+    "@optimizer": "optimizer", "@grad_sync": "grad_sync", "@accumulate_grad": "grad_sync",
+    "@expert_bias": "router", "@proxy_peers": "proxy_peers", "@fsdp": "fsdp",
+}
+_CLASSES = {
+    "Router": "router", "GroupedExperts": "experts", "RMSNorm": "norms", "Embedding": "embedding",
+    "Attention": "attention", "MultiHeadLatentAttention": "attention", "RotaryEmbedding": "attention",
+    "Block": "residual",
+}
+
+
+def module_of(location: str, stage: str, pipeline_message: bool = False) -> str:
+    """The engine module an op belongs to, from where it ran (``TracedOp.location``) and its stage.
+
+    1. A message between pipeline stages: ``pipeline``.
+    2. A named part of the step: the optimizer's zeroing and step (``optimizer``, ZeRO-1's gathers and
+       the clipping norm included), the gradient sync it finishes and the gradient buffers' hooks in
+       the backward (``grad_sync``), the expert-bias update (``router``), the proxy's fabrication of
+       its peers' traffic (``proxy_peers``), FSDP's own scopes (``fsdp``).
+    3. Inside the model's modules, the innermost module that names a part, walking out from the op:
+       Router, GroupedExperts, RMSNorm, Embedding, attention (Attention, MLA, RotaryEmbedding),
+       SwiGLU (``shared_expert`` inside an MoE layer, else ``mlp``), the MoE layer's own ops
+       (``dispatch`` until its experts have run, ``combine`` after), a block's own ops (``residual``);
+       the model's own ops and a linear map directly under it: ``head``.
+    4. Outside every module and part, the forward and backward: ``loss`` (the trainer computes
+       the loss, and nothing else, outside the model); elsewhere ``other``.
+
+    Backward ops carry the location of the forward op whose autograd node runs them, so each
+    gradient lands with its forward.
+    """
+    if pipeline_message:
+        return "pipeline"
+    if location.startswith("@"):
+        return _SCOPES.get(location, "other")
+    if not location:
+        return "loss" if stage in ("forward", "backward") else "other"
+    return _module_in_chain(location)
+
+
+@cache
+def _module_in_chain(location: str) -> str:
+    chain = location.split("/")
+    for i in range(len(chain) - 1, -1, -1):
+        name, _, after = chain[i].partition(">")
+        if name == "MoELayer":
+            return "combine" if after in ("GroupedExperts", "SwiGLU") else "dispatch"
+        if name == "SwiGLU":
+            return "shared_expert" if i > 0 and chain[i - 1].partition(">")[0] == "MoELayer" else "mlp"
+        if name in _CLASSES:
+            return _CLASSES[name]
+    return "head"
+
+
+# ---- op kinds ----------------------------------------------------------------------------------
+
+_ELEMENTWISE = {
+    "add", "sub", "rsub", "mul", "div", "neg", "exp", "exp2", "log", "log2", "log10", "log1p", "expm1",
+    "sqrt", "rsqrt", "pow", "silu", "silu_backward", "sigmoid", "sigmoid_backward", "tanh", "tanh_backward",
+    "relu", "threshold_backward", "gelu", "gelu_backward", "where", "masked_fill", "clamp", "clamp_min",
+    "clamp_max", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "abs", "sign", "sgn", "reciprocal",
+    "square", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "logical_xor",
+    "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "remainder", "fmod", "floor_divide", "floor",
+    "ceil", "round", "trunc", "sin", "cos", "erf", "nan_to_num", "isnan", "isinf", "softplus", "hardtanh",
+    "tril", "triu",
+}
+_REDUCTION = {
+    "sum", "mean", "amax", "amin", "argmax", "argmin", "norm", "linalg_vector_norm", "prod", "var", "std",
+    "var_mean", "std_mean", "cumsum", "cumprod", "logsumexp", "softmax", "_softmax", "log_softmax",
+    "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "nll_loss_forward",
+    "nll_loss_backward", "nll_loss", "dot", "vdot", "all", "any", "count_nonzero", "native_layer_norm",
+    "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward", "mse_loss",
+}
+_COPY_CAST = {
+    "_to_copy", "copy", "clone", "contiguous", "cat", "stack", "_copy_from", "_copy_from_and_resize",
+    "lift_fresh_copy", "slice_backward", "select_backward", "repeat", "roll", "flip", "constant_pad_nd",
+    "expand_copy", "view_copy", "_unsafe_index_put",
+}
+_FILL = {
+    "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full",
+    "fill", "zero", "arange", "scalar_tensor", "linspace", "eye",
+}
+_INDEX_SORT = {
+    "index_select", "index", "index_put", "_index_put_impl", "index_add", "index_copy", "index_fill",
+    "gather", "scatter", "scatter_add", "scatter_reduce", "embedding", "embedding_dense_backward",
+    "embedding_backward", "masked_select", "masked_scatter", "nonzero", "searchsorted", "bucketize",
+    "repeat_interleave", "take", "sort", "argsort", "topk", "kthvalue", "bincount", "histc", "unique",
+    "_unique2",
+}
+_RANDOM = {
+    "normal", "uniform", "rand", "randn", "randint", "random", "bernoulli", "randperm", "exponential",
+    "multinomial", "rand_like", "randn_like", "randint_like", "native_dropout",
+}
+_BY_NAME = {
+    **dict.fromkeys(_ELEMENTWISE, "elementwise"), **dict.fromkeys(_REDUCTION, "reduction"),
+    **dict.fromkeys(_COPY_CAST, "copy_cast"), **dict.fromkeys(_FILL, "fill"),
+    **dict.fromkeys(_INDEX_SORT, "index_sort"), **dict.fromkeys(_RANDOM, "random"),
+}
+# max and min reduce, except their two-tensor overloads.
+_OVERLOADS = {"aten.max.other": "elementwise", "aten.min.other": "elementwise",
+              "aten.max.default": "reduction", "aten.min.default": "reduction",
+              "aten.max.dim": "reduction", "aten.min.dim": "reduction"}
+_PRICED = {"gemm": "gemm", "grouped_gemm": "grouped_gemm", "mx_gemm": "grouped_gemm",
+           "attention": "attention", "collective": "collective", "free": "free"}
+
+
+def op_kind_of(priced: PricedOp) -> str:
+    """The breakdown's kind of a priced op (``OP_KINDS``): its priced kind, or for a memory-bound op
+    its ATen name; an MXFP8 quantization region is ``copy_cast``."""
+    kind = _PRICED.get(priced.work.kind)
+    if kind is not None:
+        return kind
+    if priced.op.region is not None:
+        return "copy_cast"
+    if not priced.op.name.startswith("aten."):
+        return "fused"
+    return _memory_kind(priced.op.name)
+
+
+@cache
+def _memory_kind(name: str) -> str:
+    packet = name.rsplit(".", 1)[0] if name.count(".") >= 2 else name
+    if name in _OVERLOADS:
+        return _OVERLOADS[name]
+    if packet.rsplit(".", 1)[-1] in ("max", "min"):
+        return "reduction"
+    base = packet.partition(".")[2].removeprefix("_foreach_")
+    if base.endswith("_") and not base.endswith("__"):
+        base = base[:-1]
+    return _BY_NAME.get(base) or _tagged_kind(name)
+
+
+def _tagged_kind(name: str) -> str:
+    """A name the tables miss: torch's own pointwise and reduction tags, else ``other``."""
+    import torch
+
+    namespace, packet, overload = (name.split(".") + ["default"])[:3]
+    try:
+        op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    except (AttributeError, RuntimeError):
+        return "other"
+    if torch.Tag.pointwise in op.tags:
+        return "elementwise"
+    if torch.Tag.reduction in op.tags:
+        return "reduction"
+    return "other"
+
+
+# ---- the breakdown -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Row:
+    time_s: float = 0.0
+    hidden_s: float = 0.0
+    bytes: float = 0.0
+    flops: float = 0.0
+    kernels: float = 0.0
+
+    def add(self, time_s: float, hidden_s: float, nbytes: float, flops: float, kernels: float) -> None:
+        self.time_s += time_s
+        self.hidden_s += hidden_s
+        self.bytes += nbytes
+        self.flops += flops
+        self.kernels += kernels
+
+    @property
+    def empty(self) -> bool:
+        return not (self.time_s or self.hidden_s or self.bytes or self.flops or self.kernels)
+
+    def to_dict(self, step_s: float) -> dict[str, float]:
+        return {"time_s": self.time_s, "share": self.time_s / step_s, "hidden_s": self.hidden_s,
+                "bytes": self.bytes, "flops": self.flops, "kernels": self.kernels}
+
+
+ACCOUNTS = {
+    "expert": "expert_comm", "pipeline": "pipeline_comm", "fsdp": "fsdp_gather_exposed",
+    "grad_sync": "grad_sync_exposed", "param_gather": "param_gather_exposed", "other": "other_comm",
+}
+"""Accounts of collectives (``bench.predict.op_projection.collective_account``) -> the projection's
+counted seconds of each (``Projection.breakdown_s``)."""
+
+TOP_OPS = 20
+"""ATen ops the breakdown lists by name, the most time first."""
+
+
+def step_breakdown(
+    priced: Sequence[PricedOp],
+    group_phases: dict[str, str],
+    microbatches_traced: int,
+    microbatches: int,
+    projection: Projection,
+    rank: int,
+    net: Network,
+) -> dict[str, Any]:
+    """The projected step (``projection``, of this priced trace of ``rank``) by op kind and by module
+    (module docstring): JSON-ready, each table's rows adding up to the step."""
+    per_microbatch = microbatches / microbatches_traced
+    steps = projection.breakdown_s
+    step_s = projection.step_s
+
+    # Collectives: each one's price on its own, then its share of its account's counted seconds.
+    accounts: list[str | None] = []
+    alone: list[float] = []
+    priced_by_account = dict.fromkeys(ACCOUNTS, 0.0)
+    for p in priced:
+        if p.work.kind != "collective":
+            accounts.append(None)
+            alone.append(0.0)
+            continue
+        phase, account = collective_account(p.op, group_phases)
+        c = p.op.collective
+        weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0
+        seconds = weight * collective_seconds(Collective(c["op"], tuple(c["ranks"]), int(c["nbytes"]), phase), rank, net)
+        accounts.append(account)
+        alone.append(seconds)
+        priced_by_account[account] += seconds
+    counted_share = {
+        account: (steps[key] / priced_by_account[account] if priced_by_account[account] > 0 else 0.0)
+        for account, key in ACCOUNTS.items()
+    }
+
+    by_kind: dict[str, _Row] = {}
+    by_module: dict[str, _Row] = {}
+    module_kinds: dict[str, dict[str, float]] = {}
+    by_op: dict[str, _Row] = {}
+    op_modules: dict[str, dict[str, float]] = {}
+    op_kinds: dict[str, str] = {}
+    for p, account, seconds_alone in zip(priced, accounts, alone):
+        op = p.op
+        kind = op_kind_of(p)
+        pipeline_message = account == "pipeline"
+        module = module_of(op.location, op.stage, pipeline_message)
+        if account is None:
+            weight = per_microbatch if op.stage in ("forward", "backward") else 1.0
+            time_s, hidden_s = p.seconds * weight, 0.0
+            kernels = 0.0 if kind == "free" else weight
+            nbytes, flops = p.work.nbytes * weight, p.work.flops * weight
+        else:
+            weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0
+            time_s = seconds_alone * counted_share[account]
+            hidden_s = seconds_alone - time_s if account in ("grad_sync", "param_gather", "fsdp") else 0.0
+            kernels, nbytes, flops = weight, op.collective["nbytes"] * weight, 0.0
+        for table, key in ((by_kind, kind), (by_module, module), (by_op, op.packet)):
+            table.setdefault(key, _Row()).add(time_s, hidden_s, nbytes, flops, kernels)
+        mix = module_kinds.setdefault(module, {})
+        mix[kind] = mix.get(kind, 0.0) + time_s
+        where = op_modules.setdefault(op.packet, {})
+        where[module] = where.get(module, 0.0) + time_s
+        op_kinds.setdefault(op.packet, kind)
+
+    for table in (by_kind, by_module):
+        for key in IDLE:
+            if steps[key] > 0:
+                table[key] = _Row(time_s=steps[key])
+    # Rows of nothing (views and metadata on a GPU profile) would only lengthen the tables.
+    kinds = [k for k in (*OP_KINDS, *IDLE) if k in by_kind and not by_kind[k].empty]
+    modules = [m for m in (*MODULES, *IDLE) if m in by_module and not by_module[m].empty]
+    total = _Row()
+    for row in by_kind.values():
+        total.add(row.time_s, row.hidden_s, row.bytes, row.flops, row.kernels)
+    top = sorted(by_op, key=lambda name: -by_op[name].time_s)[:TOP_OPS]
+    return {
+        "step_s": step_s,
+        "by_kind": {k: by_kind[k].to_dict(step_s) for k in kinds},
+        "by_module": {
+            m: by_module[m].to_dict(step_s) | (
+                {"time_by_kind_s": {k: s for k, s in sorted(module_kinds[m].items(), key=lambda kv: -kv[1]) if s > 0}}
+                if m in module_kinds else {}
+            )
+            for m in modules
+        },
+        "top_ops": [
+            {"op": name, "kind": op_kinds[name], **by_op[name].to_dict(step_s),
+             "time_by_module_s": {m: s for m, s in sorted(op_modules[name].items(), key=lambda kv: -kv[1]) if s > 0}}
+            for name in top
+        ],
+        "total": total.to_dict(step_s),
+        "kinds": {k: OP_KINDS.get(k) or IDLE[k] for k in kinds},
+        "modules": {m: MODULES.get(m) or IDLE[m] for m in modules},
+        "rules": [
+            f"one step of {microbatches} microbatches: each traced forward and backward op counts "
+            f"{microbatches} / {microbatches_traced} times, the optimizer's and the rest once",
+            "time_s: what the projected step counts; each table's rows add up to step_s",
+            "collectives: expert all-to-alls, stage messages and once-per-step collectives are counted whole "
+            "(not overlapped with compute); of the gradient sync, ZeRO-1 and FSDP gathers only the exposed part, "
+            "split over their collectives by their prices; hidden_s: the rest, run under compute",
+            "bubble and skew: idle time of the pipeline schedule and waits for the slowest rank, in no op",
+            "kernels: ops priced as a kernel (a region priced as one GPU kernel: one) and collective calls; "
+            "bytes: read + written by compute ops, sent or received by collectives",
+            "module of an op: where it ran in the engine (bench/run/breakdown.py module_of); backward ops "
+            "with the forward op that made their autograd node",
+        ],
+    }
+
+
+def format_breakdown(breakdown: dict[str, Any], top: int = 10) -> str:
+    """The breakdown's two tables and its top ops, as console text."""
+    lines = []
+
+    def table(title: str, rows: dict[str, dict[str, float]]) -> None:
+        lines.append(f"  {title:<16}{'time ms':>11}{'share':>8}{'hidden ms':>11}{'GB moved':>11}"
+                     f"{'TFLOP':>10}{'kernels':>10}")
+        for name, row in rows.items():
+            lines.append(_row_text(name, row))
+        t = breakdown["total"]
+        lines.append(_row_text("total", t))
+
+    table("by op kind", breakdown["by_kind"])
+    lines.append("")
+    table("by module", breakdown["by_module"])
+    lines.append("")
+    lines.append(f"  top ops{'':<35}{'time ms':>11}{'share':>8}{'GB moved':>11}{'kernels':>10}  modules")
+    for row in breakdown["top_ops"][:top]:
+        modules = ", ".join(m for m in list(row["time_by_module_s"])[:3])
+        lines.append(f"  {row['op']:<42}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}"
+                     f"{row['bytes'] / 1e9:>11.1f}{row['kernels']:>10,.0f}  {modules}")
+    return "\n".join(lines)
+
+
+def _row_text(name: str, row: dict[str, float]) -> str:
+    hidden = f"{row['hidden_s'] * 1e3:.1f}" if row["hidden_s"] else ""
+    return (f"  {name:<16}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}{hidden:>11}"
+            f"{row['bytes'] / 1e9:>11.1f}{row['flops'] / 1e12:>10.1f}{row['kernels']:>10,.0f}")
