@@ -6,7 +6,9 @@ What runs
     shard. Collectives are issued but move nothing; the recorder logs their sizes. Peers' traffic is
     simulated from the routing mode (``moe_engine.proxy.peers``). On a CPU host ``proxy.cpu_scale``
     shrinks the run: fewer blocks of the stage (every block of a stage has the same shapes), shorter
-    sequences and fewer sequences per microbatch; the experts keep their shapes. A GPU host runs the
+    sequences, fewer sequences per microbatch, fewer microbatches, and fp32 for a CPU without bf16 units
+    (``cpu_scale.precision``: the plan it is checked against is then the fp32 plan of the same run);
+    the experts keep their shapes. A GPU host runs the
     scenario's own sizes. The proxy runs as many microbatches as the schedule keeps in flight on the
     rank (so the activation peak is the real one), at least 2 (the accumulation path) and at most the
     scenario's.
@@ -149,7 +151,9 @@ def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], 
     seq_len_run = scale.get("seq_len") or seq_len
     model["seq_len"] = seq_len_run
     sequences = scale.get("sequences_per_microbatch") or sequences_full
-    if proxy["microbatches"]:
+    if scale.get("microbatches"):
+        m_run = min(scale["microbatches"], m_full)
+    elif proxy["microbatches"]:
         m_run = min(proxy["microbatches"], m_full)
     elif pp > 1:
         in_flight = m_full if par["schedule"] == "gpipe" else min(m_full, pp - pp_rank)
@@ -158,6 +162,8 @@ def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], 
         m_run = min(2, m_full)
     par["microbatches"] = m_run
     spec["run"]["tokens_per_step"] = dp * m_run * sequences * seq_len_run
+    if scale.get("precision"):
+        spec["precision"] = scale["precision"]
     scale_record = ProxyScale(
         rank=proxy["rank"], pp_rank=pp_rank, blocks_run=blocks, blocks_full=blocks_full,
         seq_len_run=seq_len_run, tokens_per_microbatch_run=sequences * seq_len_run,

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+import yaml
 import torch
 
 from bench.predict.device import load_profile
@@ -87,16 +88,25 @@ def test_the_1_2t_proxy_scales_down_on_cpu_only():
     spec, scale = run_spec(scenario, torch.device("cpu"))
     # Stage 0 of 8 holds 7 of the 56 blocks; 16.8M tokens over dp 64 and 64 microbatches: 1 sequence of 4096.
     assert (scale.blocks_run, scale.blocks_full) == (1, 7)
-    assert (scale.tokens_per_microbatch_run, scale.tokens_per_microbatch_full) == (128, 4096)
-    # 1F1B keeps pp - 0 = 8 microbatches in flight on stage 0.
-    assert (scale.microbatches_run, scale.microbatches_full) == (8, 64)
-    assert spec["model"]["n_layers"] == 8 and spec["model"]["seq_len"] == 128
-    assert spec["run"]["tokens_per_step"] == 64 * 8 * 128
+    assert (scale.tokens_per_microbatch_run, scale.tokens_per_microbatch_full) == (32, 4096)
+    # cpu_scale.microbatches: 2 instead of the 8 that 1F1B keeps in flight on stage 0.
+    assert (scale.microbatches_run, scale.microbatches_full) == (2, 64)
+    assert spec["model"]["n_layers"] == 8 and spec["model"]["seq_len"] == 32
+    assert spec["run"]["tokens_per_step"] == 64 * 2 * 32
+    assert spec["precision"] == "fp32" and scenario.precision == "bf16"
     # The experts keep their shapes.
     assert spec["model"]["moe"] == scenario.spec["model"]["moe"] and spec["model"]["d_model"] == 8192
     spec, scale = run_spec(scenario, torch.device("cuda"))
     assert (scale.blocks_run, scale.tokens_per_microbatch_run) == (7, 4096)
-    assert spec["model"]["n_layers"] == 56
+    assert spec["model"]["n_layers"] == 56 and spec["precision"] == "bf16"
+    assert (scale.microbatches_run, scale.microbatches_full) == (8, 64)  # 1F1B's in-flight count on a GPU
+
+
+def test_without_cpu_scale_microbatches_the_cpu_run_keeps_the_in_flight_count():
+    data = yaml.safe_load((OLMO_DIR / "moe-1.2t-512gpu-proxy.yaml").read_text())
+    del data["proxy"]["cpu_scale"]["microbatches"], data["proxy"]["cpu_scale"]["precision"]
+    spec, scale = run_spec(scenario_from_dict(data), torch.device("cpu"))
+    assert (scale.microbatches_run, spec["precision"]) == (8, "bf16")
 
 
 def test_collectives_split_into_microbatch_and_step_entries():
