@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from bench.run.proxy import _bucket_measurements, _measure, _sync_table, run_spec, unbucketed_calls
+from bench.run.proxy_measure import bucket_measurements, measure_rank, sync_table
+from bench.run.proxy_projection import unbucketed_calls
+from bench.run.proxy_scale import run_spec
 from bench.scenario import scenario_from_dict
 from moe_engine.proxy import peers
 from moe_engine.proxy.world import join_fake_world, leave_fake_world
@@ -51,7 +53,7 @@ def measured():
     peers.repeat_rows = slow_repeat_rows
     join_fake_world(scale.rank, scenario.world_size)
     try:
-        result, _ = _measure(run_scenario, scale, torch.device("cpu"), lambda line: None)
+        result, _ = measure_rank(run_scenario, scale, torch.device("cpu"), lambda line: None)
     finally:
         leave_fake_world()
         peers.repeat_rows = repeat_rows
@@ -63,7 +65,7 @@ def test_every_measured_step_records_every_bucket(measured):
     assert len(measured.buckets) > 4 and all(len(step) == len(measured.buckets) for step in measured.syncs)
     # Each bucket's collectives are the ones the step issued: none is missing from the recorded calls, and
     # no reduce-scatter or gather is left once they are taken out.
-    buckets = _bucket_measurements(measured, _sync_table(measured))
+    buckets = bucket_measurements(measured, sync_table(measured))
     left = unbucketed_calls(measured.calls, buckets)
     assert not [c for c in left if c.op in ("reduce_scatter", "all_gather")]
     assert sum(b.reduce is not None for b in buckets) == sum(c.op == "reduce_scatter" for c in measured.calls)

@@ -7,26 +7,25 @@ import dataclasses
 import math
 
 import pytest
-import yaml
 import torch
+import yaml
 
 from bench.predict.device import load_profile
 from bench.predict.projection import STEP_KEYS, Collective, Network
-from bench.run.project import project_on_device
 from bench.results import REPO_ROOT
-from bench.run.proxy import (
+from bench.run.project import project_on_device
+from bench.run.proxy_projection import (
     BucketMeasurement,
     CallScaling,
     ProjectionTarget,
-    ProxyScale,
     StageSize,
     StepMeasurement,
     classify_calls,
     project_full_scale,
     project_run_scale,
-    run_spec,
     scaled_sync_buckets,
 )
+from bench.run.proxy_scale import ProxyScale, run_spec
 from bench.run.runner import Runner, SilentReporter
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
 from moe_engine.parallel.collective_log import CollectiveCall

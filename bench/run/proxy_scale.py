@@ -1,0 +1,83 @@
+"""How a proxy runs one rank at CPU scale: the scenario as the proxy runs it (``run_spec``) and its
+``ProxyScale`` against the scenario's own sizes (rules in ``bench.run.proxy``'s docstring, "What runs")."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bench.scenario import Scenario
+from moe_engine.parallel.layout import Layout, stage_layers
+
+
+@dataclass(frozen=True)
+class ProxyScale:
+    """What the proxy runs against what the scenario describes, for the replayed rank."""
+
+    rank: int
+    """Global rank replayed."""
+    pp_rank: int
+    """Its pipeline rank."""
+    blocks_run: int
+    """Transformer blocks of its stage that the proxy builds."""
+    blocks_full: int
+    """Blocks of its stage in the scenario."""
+    seq_len_run: int
+    """Tokens per sequence in the run."""
+    tokens_per_microbatch_run: int
+    """Tokens per microbatch on the rank, in the run."""
+    tokens_per_microbatch_full: int
+    """Tokens per microbatch on the rank, in the scenario."""
+    microbatches_run: int
+    """Microbatches per step in the run."""
+    microbatches_full: int
+    """Microbatches per step in the scenario."""
+
+    @property
+    def block_ratio(self) -> float:
+        return self.blocks_full / self.blocks_run
+
+    @property
+    def token_ratio(self) -> float:
+        return self.tokens_per_microbatch_full / self.tokens_per_microbatch_run
+
+
+def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], ProxyScale]:
+    """The scenario as the proxy runs it (scaled on CPU), and the scale against the original."""
+    spec = copy.deepcopy(scenario.spec)
+    model, par, proxy = spec["model"], spec["parallel"], spec["proxy"]
+    layout = Layout(scenario.parallel_config)
+    pp_rank = layout.coords(proxy["rank"]).pp_rank
+    n_layers, seq_len, pp, dp = model["n_layers"], model["seq_len"], par["pp"], par["dp"]
+    blocks_full = len(stage_layers(n_layers, pp)[pp_rank])
+    m_full = par["microbatches"]
+    sequences_full = scenario.run["tokens_per_step"] // seq_len // dp // m_full
+    scale = proxy["cpu_scale"] if device.type == "cpu" else {}
+
+    blocks = min(scale.get("blocks") or blocks_full, blocks_full)
+    if blocks < blocks_full:
+        model["n_layers"] = pp * blocks
+    seq_len_run = scale.get("seq_len") or seq_len
+    model["seq_len"] = seq_len_run
+    sequences = scale.get("sequences_per_microbatch") or sequences_full
+    if scale.get("microbatches"):
+        m_run = min(scale["microbatches"], m_full)
+    elif proxy["microbatches"]:
+        m_run = min(proxy["microbatches"], m_full)
+    elif pp > 1:
+        in_flight = m_full if par["schedule"] == "gpipe" else min(m_full, pp - pp_rank)
+        m_run = max(min(2, m_full), in_flight)
+    else:
+        m_run = min(2, m_full)
+    par["microbatches"] = m_run
+    spec["run"]["tokens_per_step"] = dp * m_run * sequences * seq_len_run
+    if scale.get("precision"):
+        spec["precision"] = scale["precision"]
+    scale_record = ProxyScale(
+        rank=proxy["rank"], pp_rank=pp_rank, blocks_run=blocks, blocks_full=blocks_full,
+        seq_len_run=seq_len_run, tokens_per_microbatch_run=sequences * seq_len_run,
+        tokens_per_microbatch_full=sequences_full * seq_len, microbatches_run=m_run, microbatches_full=m_full,
+    )
+    return spec, scale_record
