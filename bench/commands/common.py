@@ -1,0 +1,106 @@
+"""What the commands of ``moe-bench`` share: exit codes, one-line errors, the output-folder check, the
+``--accept`` and ``--accept-work`` options and reading one side of a comparison."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+ACCEPT_WORK_HELP = ("accept an increase of these work counters (comma-separated work_* names; none given: "
+                    "every one): reported as accepted, not failed")
+ACCEPT_HELP = ("accept a change made on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: REASON, e.g. "
+               "'peak_tensor_bytes@e8-random-bf16<=6%%: fp32 gradient buffers': a regression of those metrics on "
+               "those scenarios at most N%% worse is reported as accepted with the reason (repeatable; the "
+               "releases' own, from releases.json, apply where the versions compared span them)")
+
+
+def fail(message: str) -> int:
+    print(f"moe-bench: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def unwritable(out_root: Path) -> str | None:
+    """Why the results folder cannot take results (None when it can); checked before any work."""
+    folder = out_root
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return None
+    owner = f"owned by uid {folder.stat().st_uid}" if folder.exists() else "missing"
+    return (
+        f"{out_root}: results folder not writable by uid {os.getuid()} ({folder} is {owner}); in a container, "
+        "leave HOST_UID/HOST_GID unset (the run takes the folder's owner) or make the folder writable (see docs/install.md)"
+    )
+
+
+def parse_accept_options(specs: list[str], docs=(), with_releases: bool = True) -> list:
+    """``--accept SPEC`` (each checked: its form, and a metric that is gated or in ``docs``), then the
+    accepted changes of every recorded release (each applies only where its versions say). Raises
+    ValueError (one line)."""
+    from bench.gate.compare import check_metric_names, parse_acceptance
+    from bench.release import record
+
+    given = []
+    for spec in specs:
+        try:
+            given.append(parse_acceptance(spec))
+        except ValueError as err:
+            raise ValueError(f"--accept {err}") from None
+    try:
+        check_metric_names(given, docs)
+    except ValueError as err:
+        raise ValueError(f"--accept {err}") from None
+    if not with_releases:
+        return given
+    return given + [a for release in record.load_releases(record.RELEASES_PATH) for a in release.accepted]
+
+
+def load_side(path: str, skip_bad: bool = False):
+    """The result documents of a file or folder. A file that cannot be read as a result document
+    raises ResultFileError (a ValueError: one line naming the file and the reason); with
+    ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input."""
+    from bench.results import load_results
+
+    skipped = []
+
+    def warn(err) -> None:
+        skipped.append(err)
+        print(f"moe-bench: warning: {err}; skipped", file=sys.stderr)
+
+    docs = load_results(Path(path), on_bad_file=warn if skip_bad else None)
+    if not docs:
+        unread = f" ({len(skipped)} unreadable file{'s' if len(skipped) != 1 else ''} skipped)" if skipped else ""
+        raise ValueError(f"{path}: no result documents{unread}")
+    return docs
+
+
+def accepted_work(value: str | None) -> frozenset[str] | None:
+    """``--accept-work`` (every work metric) or ``--accept-work a,b``; unknown names are bad input."""
+    from bench.gate.compare import WORK_METRICS
+
+    if value is None:
+        return None
+    if value == "all":
+        return frozenset(WORK_METRICS)
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    unknown = sorted(names - set(WORK_METRICS))
+    if unknown:
+        raise ValueError(f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRICS))})")
+    return names
+
+
+def accepted_increases(value: str | None) -> frozenset[str]:
+    """``--accept-increase a,b``: exact metrics (not work counters, not timings) whose regression passes."""
+    from bench.gate.ab import ACCEPTABLE_INCREASES
+
+    names = frozenset(n.strip() for n in (value or "").split(",") if n.strip())
+    unknown = sorted(names - set(ACCEPTABLE_INCREASES))
+    if unknown:
+        raise ValueError(
+            f"--accept-increase: {unknown[0]} is not an exact metric the gate can accept "
+            f"(known: {', '.join(ACCEPTABLE_INCREASES)}; work counters: --accept-work)"
+        )
+    return names

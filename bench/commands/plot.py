@@ -1,0 +1,33 @@
+"""``moe-bench plot``: PNG plots of every scenario across versions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench.commands.common import EXIT_OK, fail
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from bench.report.plot import plot_results
+    from bench.results import ResultValidationError
+
+    results_dir = Path(args.results_dir)
+    if not results_dir.is_dir():
+        return fail(f"{results_dir}: no such results folder")
+    try:
+        written = plot_results(results_dir, Path(args.out),
+                               on_bad_file=lambda err: print(f"moe-bench: warning: {err}; skipped", file=sys.stderr))
+    except (ResultValidationError, ValueError) as err:
+        return fail(str(err))
+    print(f"wrote {len(written)} files; open {Path(args.out) / 'index.html'}")
+    return EXIT_OK
+
+
+def register(sub) -> None:
+    """Add the command's parser(s) to ``sub``, the subparsers of ``moe-bench``."""
+    plot = sub.add_parser("plot", help="PNG plots of every scenario across versions, and an index.html")
+    plot.add_argument("results_dir")
+    plot.add_argument("--out", required=True)
+    plot.set_defaults(func=cmd_plot)

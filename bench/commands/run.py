@@ -1,0 +1,187 @@
+"""``moe-bench run`` and ``moe-bench plan``: run or plan scenarios, write their result documents, print the summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
+
+
+def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
+    from bench.report.comparisons import ComparisonError, load_comparisons
+    from bench.run.launch import detect_launch, join_launch, leave_launch
+    from bench.run.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
+    from bench.scenario import ScenarioError
+
+    try:
+        comparisons = load_comparisons()
+        device = resolve_device(args.device)
+        files = expand_paths(args.files) if args.files else suite_files(args.suite or "default", device)
+        if args.files and args.suite:
+            files += suite_files(args.suite, device)
+        missing = [f for f in files if not Path(f).exists()]
+        if missing:
+            return fail(f"{missing[0]}: no such scenario file")
+        if not files:
+            return fail("no scenarios to run")
+        scenarios = load_all(files)
+    except (ScenarioError, ComparisonError) as err:
+        return fail(str(err))
+
+    # A plan is arithmetic in this process: any scenario, whatever its mode, and never a launch's rank.
+    launch = None if plan_only else detect_launch()
+    force = getattr(args, "force", False)
+    if launch is None or launch.rank == 0:
+        problem = unwritable(Path(args.out))
+        if problem:
+            return fail(problem)
+    resume: dict[str, Path] = {}
+    project_on = getattr(args, "project_on", [])
+    if project_on:
+        from bench.predict.device import ProfileError, load_profile
+
+        try:
+            for name in project_on:
+                load_profile(name)
+        except ProfileError as err:
+            return fail(str(err))
+    if not plan_only:
+        try:
+            resume = _checkpoint_checks(scenarios, getattr(args, "resume", None), Path(args.out))
+        except ValueError as err:
+            return fail(str(err))
+    if launch is not None:
+        # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
+        device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
+        if launch.rank != 0:
+            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force,
+                   resume=resume).run(scenarios)
+            leave_launch()
+            return EXIT_OK
+    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force, resume=resume,
+                    project_devices=project_on)
+    outcomes = runner.run(scenarios)
+    if launch is not None:
+        leave_launch()
+    if plan_only:
+        from bench.predict.plan import summary_line
+
+        for o in outcomes:
+            print(summary_line(o.name, o.metrics, o.details))
+    else:
+        print_summary(outcomes)
+        print_comparisons(outcomes, comparisons)
+    failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
+    print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
+    if getattr(args, "report", False):
+        _report_after_run(Path(args.out))
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _checkpoint_checks(scenarios, resume: str | bool | None, out_root: Path) -> dict[str, Path]:
+    """Before any step: the checkpoint each scenario resumes from (complete, of its model), and folders
+    that can take checkpoints without writing over an earlier run's. Raises ValueError (one line)."""
+    from bench.run.checkpointing import check_writable, model_dict, policy_for, resolve_resume
+
+    executes = [s for s in scenarios if s.mode == "execute"]
+    given = resume if isinstance(resume, str) else None
+    if given is not None and len(executes) != 1:
+        raise ValueError(f"--resume {given}: names one checkpoint, for exactly one execute scenario "
+                         f"({len(executes)} given)")
+    targets: dict[str, Path] = {}
+    for scenario in executes:
+        policy = policy_for(scenario.spec, out_root)
+        if resume is not None:
+            targets[scenario.name] = resolve_resume(scenario.spec, model_dict(scenario.model), policy, given)
+        if policy is not None:
+            check_writable(policy, resuming=resume is not None)
+    return targets
+
+
+def _report_after_run(out_root: Path) -> None:
+    """Rewrite the report page of everything under the results root; a report problem never hides results.
+
+    A result file there that cannot be read (an old, truncated one) is skipped with a warning.
+    """
+    from bench.report.page import build_report
+
+    try:
+        report = build_report(out_root, out_root / "report",
+                              on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr))
+        print(f"report: {report.path}")
+    except Exception as err:  # the results are written; report and go on
+        print(f"moe-bench: warning: the report page failed: {err}", file=sys.stderr)
+
+
+def print_summary(outcomes) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="moe-bench results")
+    for column in ("scenario", "mode", "status", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory", "params (total/active)"):
+        table.add_column(column, justify="left" if column in ("scenario", "mode", "status") else "right")
+    for o in outcomes:
+        m = o.metrics
+
+        def med(name, fmt):
+            return fmt(m[name]["median"]) if name in m else ""
+
+        memory = next((n for n in ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes") if n in m), None)
+        params = ""
+        if "total_params" in m:
+            params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"
+        # A proxy measured one rank; its cluster figures are projections, marked as such.
+        prefix, mark = ("projected_", " (proj.)") if o.scenario.mode == "proxy" else ("", "")
+        table.add_row(
+            o.scenario.name, o.scenario.mode, o.status,
+            med(f"{prefix}tokens_per_s_per_gpu", lambda v: f"{v:,.0f}{mark}"),
+            med(f"{prefix}tflops_per_gpu", lambda v: f"{v:.3f}{mark}"),
+            med("mfu", lambda v: f"{v:.1%}"),
+            f"{m[memory]['median'] / 2**30:.2f} GiB" if memory else "",
+            params,
+        )
+    Console(width=max(120, Console().width)).print(table)
+
+
+def print_comparisons(outcomes, comparisons) -> None:
+    """Each pair of the reference release's comparisons that ran: its ratio, beside the published figure."""
+    from bench.report.comparisons import pair_ratios
+
+    rows = pair_ratios(comparisons, {o.name: (o.status, o.metrics) for o in outcomes})
+    if not rows:
+        return
+    print("comparisons (ratio of the medians, numerator / denominator, [95% interval from the two runs' steps]):")
+    for row in rows:
+        print(f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {row.describe()}"
+              f"  [published: {row.comparison.reference}; {row.comparison.mirrors}]")
+
+
+def register(sub) -> None:
+    """Add the command's parser(s) to ``sub``, the subparsers of ``moe-bench``."""
+    run = sub.add_parser("run", help="run scenarios (default: the default suite)")
+    run.add_argument("files", nargs="*", help="scenario files or folders")
+    run.add_argument("--suite", help="a suite from scenarios/suites.yaml (default, ci, gpu)")
+    run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    run.add_argument("--out", default="results", help="results root (default: results)")
+    # --no-plots: the flag's name before the report page replaced the plots (older releases' A/B runs pass it).
+    run.add_argument("--no-report", "--no-plots", dest="report", action="store_false",
+                     help="skip rewriting the report page <out>/report/index.html")
+    run.add_argument("--force", action="store_true",
+                     help="start execute scenarios whose plan needs more memory than the device has (default: "
+                          "recorded oom without starting)")
+    run.add_argument("--project-on", action="append", default=[], metavar="DEVICE",
+                     help="also project each proxy result onto this device profile (repeatable), beside its "
+                          "cluster.device")
+    run.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
+                     help="continue each execute scenario from the latest complete checkpoint in its checkpoint "
+                          "folder, or (one scenario) from PATH: a checkpoint, or a folder of them")
+    run.set_defaults(func=cmd_run)
+
+    plan = sub.add_parser(
+        "plan", help="plan any scenario's whole layout: parameters, FLOPs, per-rank memory and traffic, and "
+                     "whether it fits the cluster's GPUs")
+    plan.add_argument("files", nargs="+", help="scenario files or folders (plan, proxy or execute)")
+    plan.add_argument("--out", default="results", help="results root (default: results)")
+    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", report=False), plan_only=True))
