@@ -152,3 +152,45 @@ def test_a_screenshot_without_a_browser_is_one_line_and_exit_2(folder, tmp_path,
     assert err.strip() == ("moe-bench: error: --screenshot: no headless browser: needs Chromium and its driver "
                            "(apt-get install chromium chromium-driver)")
     assert (tmp_path / "page" / "index.html").exists() and not (tmp_path / "p.png").exists()
+
+
+def test_every_section_is_filled_after_the_default_suite(tmp_path):
+    """A results folder holding what ``moe-bench run`` of the default suite writes on a CPU host (every one
+    of its scenarios: the real plans, and execute runs with made-up timings) fills every section of the
+    page; the only experiment it cannot draw is the proxies' projection breakdown (the default suite
+    runs no proxy), and the page names it once in the collapsed list."""
+    import copy
+
+    import torch
+
+    from bench.predict.plan import plan_scenario
+    from bench.results import metric
+    from bench.run.runner import suite_files
+    from bench.scenario import load_scenario
+
+    folder = result_dir(tmp_path / "results", NEW, MACHINE)
+    for i, path in enumerate(suite_files("default", torch.device("cpu"))):
+        scenario = load_scenario(path)
+        if scenario.mode == "plan":
+            metrics, details = plan_scenario(scenario)
+        else:
+            tokens = [1000.0 + 10 * i + d for d in (0, 5, -5, 10, -10)]
+            metrics = {"tokens_per_s_per_gpu": metric(tokens, "tokens/s", "higher"),
+                       "step_time_s": metric([1000 / t for t in tokens], "s", "lower"),
+                       "peak_tensor_bytes": metric([(100 + i) * 2**20], "bytes", "lower")}
+            details = None
+        doc = make_doc(scenario.name, metrics, spec=copy.deepcopy(scenario.spec), version=NEW, machine=MACHINE)
+        doc["mode"] = scenario.mode
+        doc["scenario"]["file"] = str(path.relative_to(REPO_ROOT))
+        if details is not None:
+            doc["details"] = details
+        write_result(doc, folder)
+    report = build_report(tmp_path / "results", tmp_path / "page", releases=[])
+    page = report.path.read_text()
+    experiments = page[page.index("id='experiments'"):]
+    headings = re.findall(r"<h3>([^<]+)</h3>", experiments)
+    assert headings == ["Expert-count sweep", "Pair comparisons", "Activation recompute", "Plan memory per rank"]
+    assert re.findall(r"<summary>Not drawn from these results: ([^<]+)</summary>", page) == ["Projection breakdowns"]
+    assert "Nothing to draw" not in page
+    kinds = Counter(report.charts)
+    assert kinds["pair"] >= 4 and kinds["sweep"] >= 1 and kinds["recompute"] == 1 and kinds["plan-memory"] == 1
