@@ -40,7 +40,7 @@ def parse_accept_options(specs: list[str], docs=(), with_releases: bool = True) 
     """``--accept SPEC`` (each checked: its form, and a metric that is gated or in ``docs``), then the
     accepted changes of every recorded release (each applies only where its versions say). Raises
     ValueError (one line)."""
-    from bench.gate.compare import check_metric_names, parse_acceptance
+    from bench.gate.accept import check_metric_names, parse_acceptance
     from bench.release import record
 
     given = []

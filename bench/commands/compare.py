@@ -16,7 +16,10 @@ from bench.commands.common import (
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from bench.gate.compare import accept_changes, accepted_lines, compare, render_rich_table, work_findings
+    from bench.gate.compare import compare
+    from bench.gate.tables import render_rich_table
+    from bench.gate.verdict import accept_changes, accepted_lines
+    from bench.gate.work import work_findings
 
     try:
         accept = accepted_work(args.accept_work)
@@ -36,7 +39,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from bench.gate.compare import compare, gate, parse_tolerance
+    from bench.gate.compare import compare
+    from bench.gate.formatting import parse_tolerance
+    from bench.gate.verdict import gate
 
     try:
         tolerance = parse_tolerance(args.tolerance)

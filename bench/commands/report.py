@@ -10,7 +10,7 @@ from bench.commands.common import EXIT_OK, fail, unwritable
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from bench.gate.compare import parse_tolerance
+    from bench.gate.formatting import parse_tolerance
     from bench.report.page import ReportError, build_report
 
     try:

@@ -26,7 +26,7 @@ is not ok in the candidate fails the gate; one that fails only in the baseline (
 newer than the baseline's code) is reported and not compared. A side whose result file cannot be
 read back counts as a failed run, naming the file.
 
-Accepted changes (``bench.gate.compare``, Accepted changes) apply as in ``moe-bench gate``: those of
+Accepted changes (``bench.gate.accept``) apply as in ``moe-bench gate``: those of
 the command line (``--accept``) always, a release's when the baseline's version is older than that
 release and the candidate's is that release or newer. The resident blocks measure step time, so
 their verdict is accepted by an acceptance naming ``step_time_s``; the full runs' exact metrics and
@@ -54,20 +54,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from bench.gate import paired
-from bench.gate.compare import (
-    NOISE_FLOORS,
-    Acceptance,
-    acceptance_of,
-    classify,
-    describe_acceptances,
-    format_noise,
-    format_number,
-    format_percent,
-    format_ratio,
-    is_work_metric,
-    paired_ratio,
-    work_verdicts,
-)
+from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
+from bench.gate.compare import NOISE_FLOORS, classify, is_work_metric, paired_ratio
+from bench.gate.formatting import format_noise, format_number, format_percent, format_ratio
 from bench.gate.resident import (
     TARGET_BLOCK_S,
     ResidentComparison,
@@ -76,6 +65,7 @@ from bench.gate.resident import (
     WorkerFailedToStart,
     compare_resident,
 )
+from bench.gate.work import work_verdicts
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, load_releases
 from bench.results import REPO_ROOT, ResultFileError, load_results
@@ -157,7 +147,7 @@ class ABReport:
     work: list[str] = field(default_factory=list)
     """Work-counter findings; those starting with REGRESSION fail the gate."""
     acceptances: list[Acceptance] = field(default_factory=list)
-    """The accepted changes that apply to the two sides (``bench.gate.compare``, Accepted changes);
+    """The accepted changes that apply to the two sides (``bench.gate.accept``);
     the resident blocks' step time is accepted by those naming ``step_time_s``."""
 
     def resident_verdict(self, r: ResidentComparison) -> str:
@@ -457,7 +447,7 @@ def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: 
 
 def _work_findings(runs: dict[str, list[tuple[SideRun, SideRun]]], accept: frozenset[str] | None,
                    acceptances: list[Acceptance] | None = None) -> list[str]:
-    """Work-counter verdicts of each scenario's two full runs (``bench.gate.compare.work_verdicts``)."""
+    """Work-counter verdicts of each scenario's two full runs (``bench.gate.work.work_verdicts``)."""
     findings = []
     for scenario, pairs in runs.items():
         base, cand = pairs[-1]

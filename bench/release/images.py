@@ -20,7 +20,10 @@ import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
-from bench.gate.compare import DEFAULT_TOLERANCE, Acceptance, accept_changes, compare, format_number, format_ratio
+from bench.gate.accept import Acceptance
+from bench.gate.compare import DEFAULT_TOLERANCE, compare
+from bench.gate.formatting import format_number, format_ratio
+from bench.gate.verdict import accept_changes
 from bench.release.record import ReleaseError, load_releases
 from bench.results import ResultDocument, ResultFileError, load_results
 

@@ -8,7 +8,7 @@ so neither depends on git tags having been fetched. Format::
                    "accepted": ["peak_tensor_bytes@e8-random-bf16<=6%: fp32 gradient buffers"]}]}
 
 ``accepted`` (optional) lists the changes the release makes on purpose, in the form of ``moe-bench gate
---accept`` (``bench.gate.compare.parse_acceptance``): a gate whose baseline is older than the release
+--accept`` (``bench.gate.accept.parse_acceptance``): a gate whose baseline is older than the release
 and whose candidate is that release or newer reports them as accepted instead of regressed.
 
 ``cut_release`` (``moe-bench release VERSION``) records HEAD as release VERSION: the checkout must be
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from bench.gate.compare import Acceptance, parse_acceptance
+from bench.gate.accept import Acceptance, parse_acceptance
 from bench.release.git import NotACheckout, checkout_head, git, try_git
 from bench.results import REPO_ROOT
 

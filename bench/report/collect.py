@@ -3,7 +3,7 @@
 ``load_result_set`` reads ``results/<version>/<machine>/<scenario>[.N].json`` (any layout: documents
 are found recursively and placed by their own ``engine.version`` and ``machine.name``). Within one
 version the documents of a (scenario, machine) are pooled exactly as ``moe-bench gate`` pools a side
-(``bench.gate.compare.group_documents``): the newest document decides the status, the ``ok`` runs
+(``bench.gate.groups.group_documents``): the newest document decides the status, the ``ok`` runs
 of the same scenario hash are pooled. So a trend point, a chart bar and a release-comparison row
 of one version all show the same numbers.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.gate.compare import Group, group_documents
+from bench.gate.groups import Group, group_documents
 from bench.report.plot import sort_versions, version_sort_key
 from bench.results import ResultDocument, ResultFileError, load_results
 

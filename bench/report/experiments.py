@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.gate.compare import Group
+from bench.gate.groups import Group
 from bench.predict.projection import STEP_KEYS
 from bench.report.collect import ResultSet, first_metric, median, spec_of
 from bench.report.comparisons import Comparison, load_comparisons, pair_ratios

@@ -22,7 +22,7 @@ Formats (``FORMATS``):
     metrics are exported, ``better`` null included.
 
 Only documents with status ``ok`` are exported. Repeated runs of one scenario on one machine are
-pooled as ``bench.gate.compare`` pools them (newest run decides; samples of ok runs with the same
+pooled as ``bench.gate.groups`` pools them (newest run decides; samples of ok runs with the same
 scenario hash and engine version are concatenated). Names must be unique in one export: when the
 documents span several machines, pass ``include_machine=True`` (names become
 ``"<machine>/<scenario>..."``) or export one machine at a time; a clash raises ``ValueError``.
@@ -34,7 +34,8 @@ import json
 import re
 from typing import Any, Iterable
 
-from bench.gate.compare import Group, format_number, group_documents
+from bench.gate.formatting import format_number
+from bench.gate.groups import Group, group_documents
 from bench.results import ResultDocument
 
 GITHUB_ACTION_BENCHMARK = "github-action-benchmark"

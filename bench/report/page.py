@@ -28,7 +28,9 @@ from pathlib import Path
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow, accepted_lines, format_percent
+from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow
+from bench.gate.formatting import format_percent
+from bench.gate.verdict import accepted_lines
 from bench.release.record import Release, ReleaseError, load_releases
 from bench.report import charts
 from bench.report.collect import ReportError, ResultSet, choose_versions, load_result_set, problems

@@ -1,6 +1,6 @@
 """The release comparison of the report: two versions of a results folder through ``moe-bench gate``.
 
-The verdicts come from ``bench.gate.compare.compare`` and ``gate`` called exactly as ``moe-bench gate
+The verdicts come from ``bench.gate.compare.compare`` and ``bench.gate.verdict.gate`` called exactly as ``moe-bench gate
 --baseline <base> --candidate <new>`` calls them (the same default tolerance, no work accepted, the
 releases' accepted changes), on the documents of the two versions: the page and the gate never
 disagree. Only machines that ran both versions are compared (the gate of the two versions' folders on each
@@ -14,16 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.gate.compare import (
-    DEFAULT_TOLERANCE,
-    Acceptance,
-    Comparison,
-    GateResult,
-    MetricRow,
-    ScenarioIssue,
-    compare,
-    gate,
-)
+from bench.gate.accept import Acceptance
+from bench.gate.compare import DEFAULT_TOLERANCE, Comparison, MetricRow, ScenarioIssue, compare
+from bench.gate.verdict import GateResult, gate
 from bench.report.collect import ResultSet, VersionPair
 
 HEADLINE_ORDER = (

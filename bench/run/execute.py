@@ -18,8 +18,6 @@ import torch
 import torch.distributed as dist
 
 from bench.results import metric
-from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
-from bench.run.work import count_step_work, work_metrics
 from bench.run.checkpointing import (
     Checkpointer,
     CheckpointPolicy,
@@ -28,6 +26,8 @@ from bench.run.checkpointing import (
     history,
     model_dict,
 )
+from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.run.work import count_step_work, work_metrics
 from bench.scenario import Scenario
 from moe_engine import checkpoint
 from moe_engine.flops import recompute_flops_per_token, training_flops_per_token

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.predict.projection import (
     Collective,
@@ -19,8 +19,6 @@ from bench.predict.projection import (
     SyncBucket,
     project_step,
 )
-from bench.run.proxy_scale import ProxyScale
-from moe_engine.parallel.collective_log import CollectiveCall
 
 BLOCK_PHASES = ("attention", "router", "dispatch", "experts", "shared_expert", "dense_ffn", "block")
 FABRICATION = "fabrication"
@@ -29,6 +27,10 @@ GRAD_BUFFERS = "grad_buffers"
 WINDOW_CLASSES = ("blocks", "rest", "embedding", "grad_buffers")
 """How a stretch of the last backward scales: the block phases, the rest (what no phase times), the
 embedding, and gradient buckets' launches (scaling the bucket by 1/dp)."""
+
+if TYPE_CHECKING:  # annotations only: this module runs nothing
+    from bench.run.proxy_scale import ProxyScale
+    from moe_engine.parallel.collective_log import CollectiveCall
 
 
 @dataclass(frozen=True)

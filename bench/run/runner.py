@@ -491,11 +491,9 @@ class Runner:
         self, scenario: Scenario, peak: float | None, peak_fp8: float | None, peak_source: str | None
     ) -> tuple[str, str | None, dict, dict]:
         """Every rank of the launch executes its share here; the process group's timeout bounds hangs."""
-        from bench.run.worker import execute_outcome
+        from bench.run.worker import checkpoint_run, execute_outcome
         from moe_engine.parallel.groups import build_process_groups
         from moe_engine.parallel.layout import Layout
-
-        from bench.run.worker import checkpoint_run
 
         groups = build_process_groups(Layout(scenario.parallel_config))
         request = self._checkpoint_request(scenario) if self.writes_results else None

@@ -33,7 +33,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-
 from bench.gate.resident import ResidentSide
 from bench.scenario import Scenario
 from bench.validate import variants

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bench.gate.compare import parse_tolerance
+from bench.gate.formatting import parse_tolerance
 from bench.gate.resident import ResidentSide, compare_resident
 from bench.results import REPO_ROOT
 from bench.scenario import load_scenario

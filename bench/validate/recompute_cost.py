@@ -38,7 +38,6 @@ import argparse
 import sys
 from typing import Any
 
-
 from bench.validate import variants
 from bench.validate.variants import Variant
 

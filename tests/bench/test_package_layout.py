@@ -3,7 +3,8 @@
 - the engine never imports ``bench``;
 - no import circle between modules (imports inside functions count too);
 - no module imports another module's private name;
-- pure arithmetic (``bench.predict``, ``bench.gate.compare``) imports nothing that runs a model.
+- pure arithmetic (``bench.predict``, the gate's comparison modules, the proxy's projection) imports nothing
+  that runs a model.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from bench.results import REPO_ROOT
 
 PACKAGES = ("bench", "moe_engine")
 ARITHMETIC = ("bench.predict.plan", "bench.predict.projection", "bench.predict.device", "bench.predict.ops",
-              "bench.predict.pricing", "bench.predict.op_projection", "bench.gate.compare",
-              "bench.report.comparisons")
+              "bench.predict.pricing", "bench.predict.op_projection", "bench.gate.compare", "bench.gate.groups",
+              "bench.gate.work", "bench.gate.accept", "bench.gate.verdict", "bench.gate.formatting", "bench.gate.tables",
+              "bench.report.comparisons", "bench.run.proxy_projection")
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
 # and the result/scenario documents. Everything else in the engine builds or runs a model.
 ARITHMETIC_MAY_IMPORT = ("bench.results", "bench.scenario", "moe_engine", "moe_engine.config", "moe_engine.flops",
@@ -45,7 +47,7 @@ def imports_of(name: str) -> list[tuple[str, list[str]]]:
     """(imported module, imported names) for every import statement of the module, resolved to modules."""
     tree = ast.parse(MODULES[name].read_text())
     found = []
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found += [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -58,6 +60,16 @@ def imports_of(name: str) -> list[tuple[str, list[str]]]:
             found.append((node.module, [n for n in names if f"{node.module}.{n}" not in MODULES]))
             found += [(sub, []) for sub in submodules]
     return [(module, names) for module, names in found if module.split(".")[0] in PACKAGES]
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:`` (imports for annotations run nothing)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
 
 
 def _lazy_home(attribute: str) -> str:

@@ -10,7 +10,8 @@ import pytest
 from result_docs import make_doc, refuse_reads
 
 from bench import results
-from bench.gate.compare import compare, gate
+from bench.gate.compare import compare
+from bench.gate.verdict import gate
 from bench.results import REPO_ROOT, SCHEMA_VERSION, load_result, load_results, metric, validate, write_result
 
 COMMITTED = REPO_ROOT / "results"

@@ -12,7 +12,10 @@ from result_docs import make_doc
 from bench.cli import main
 from bench.gate import paired
 from bench.gate.ab import ABReport, SideRun, paired_gate
-from bench.gate.compare import Acceptance, compare, gate, parse_acceptance, work_verdicts
+from bench.gate.accept import Acceptance, parse_acceptance
+from bench.gate.compare import compare
+from bench.gate.verdict import gate
+from bench.gate.work import work_verdicts
 from bench.gate.resident import ResidentComparison
 from bench.release import record
 from bench.results import REPO_ROOT, load_results, metric, write_result
@@ -119,7 +122,7 @@ def test_accepting_metric_x_does_not_hide_a_regression_of_metric_y_on_the_same_s
 
 def test_acceptances_of_one_metric_compound():
     """Two releases accepting 5% each accept 1.05 x 1.05 = 1.1025 of peak memory, not more."""
-    from bench.gate.compare import acceptance_of
+    from bench.gate.accept import acceptance_of
 
     both = [accept("peak_tensor_bytes@s<=5%: a", "0.2.0"), accept("peak_tensor_bytes@s<=5%: b", "0.3.0")]
     assert acceptance_of(both, "peak_tensor_bytes", "s", 1.1025, "lower") == (tuple(both), True)

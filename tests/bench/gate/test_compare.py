@@ -8,18 +8,12 @@ import pytest
 from result_docs import make_doc
 from rich.table import Table
 
-from bench.gate.compare import (
-    classify,
-    compare,
-    compare_paths,
-    gate,
-    group_documents,
-    parse_tolerance,
-    render_rich_table,
-    render_table,
-    to_json,
-    work_verdicts,
-)
+from bench.gate.compare import classify, compare, compare_paths
+from bench.gate.formatting import parse_tolerance
+from bench.gate.groups import group_documents
+from bench.gate.tables import render_rich_table, render_table, to_json
+from bench.gate.verdict import gate
+from bench.gate.work import work_verdicts
 from bench.results import load_results, metric, write_result
 
 

@@ -91,7 +91,7 @@ def test_the_versions_table_says_accepted_for_a_change_a_release_between_the_ima
     """Peak 100 -> 105.5 bytes (+5.5%, beyond the 5% tolerance): accepted by release 0.2.0 up to 6%."""
     from result_docs import make_doc
 
-    from bench.gate.compare import parse_acceptance
+    from bench.gate.accept import parse_acceptance
     from bench.release.images import compare_versions
     from bench.results import load_results, metric, write_result
 

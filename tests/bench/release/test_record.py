@@ -6,7 +6,7 @@ import pytest
 from git_repo import SHA, commits, git
 
 from bench.cli import main
-from bench.gate.compare import parse_acceptance
+from bench.gate.accept import parse_acceptance
 from bench.release.record import (
     Release,
     ReleaseError,

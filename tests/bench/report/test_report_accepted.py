@@ -9,7 +9,7 @@ import pytest
 from report_results import BASE, NEW, write_two_versions
 from result_docs import make_doc
 
-from bench.gate.compare import parse_acceptance
+from bench.gate.accept import parse_acceptance
 from bench.release.record import Release
 from bench.report.collect import VersionPair, choose_versions, load_result_set
 from bench.report.page import build_report

@@ -20,7 +20,8 @@ from test_runner import variant, write_scenario
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.cli import main
-from bench.gate.compare import WORK_METRICS, work_verdicts
+from bench.gate.compare import WORK_METRICS
+from bench.gate.work import work_verdicts
 from bench.results import load_results, write_result
 from bench.run.execute import execute
 from bench.run.memory import TensorMemoryTracker

@@ -1,0 +1,169 @@
+"""Grouping one side's documents by (scenario, machine), and pooling several runs of one scenario.
+
+A side may hold several runs of one scenario on one machine (``x.json``, ``x.2.json``, ...). They
+are **pooled**: the newest document (by ``timestamp``, ties broken by the ``.N`` file-name suffix
+that ``write_result`` gives later runs) decides the status, scenario hash and engine version of
+the group; the samples of every ``ok`` document with that same scenario hash and engine version
+are concatenated per metric and the median and spread are recomputed over the pooled samples.
+Pooling gives the noise estimate more samples and includes run-to-run variation in it. A metric
+with no spread in every pooled document (one sample per run: see *Exact values* below) stays
+without one: its pooled value is the median of the runs' values. Documents
+with another hash or version (an older, different run kept in the same folder) are left out of
+the pool and listed in ``Group.ignored``. When the newest document is not ``ok`` the scenario is
+``not ok`` on that side, even if an older run succeeded: a fresh failure is never hidden by an
+older success.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from bench.results import ResultDocument, metric
+
+Key = tuple[str, str]  # (scenario name, machine name)
+
+
+@dataclass(frozen=True)
+class Group:
+    """All documents of one side for one (scenario, machine), pooled."""
+
+    scenario: str
+    machine: str
+    newest: ResultDocument
+    """The newest document: decides status, error, hash and version."""
+    pooled: tuple[ResultDocument, ...]
+    """The ``ok`` documents whose samples were pooled (same hash and version as ``newest``;
+    empty when ``newest`` is not ok)."""
+    ignored: tuple[ResultDocument, ...]
+    """Documents of this scenario left out of the pool (other hash/version, or not ok)."""
+    metrics: dict[str, dict[str, Any]]
+    """Pooled metric entries (``bench.results.metric`` format)."""
+
+    @property
+    def key(self) -> Key:
+        return (self.scenario, self.machine)
+
+    @property
+    def status(self) -> str:
+        return self.newest.status
+
+    @property
+    def error(self) -> str | None:
+        return self.newest.data.get("error")
+
+    @property
+    def hash(self) -> str:
+        return self.newest.data["scenario"]["hash"]
+
+    @property
+    def version(self) -> str:
+        return self.newest.version
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        docs = self.pooled or (self.newest,)
+        return tuple(str(d.path) for d in docs if d.path is not None)
+
+
+def _run_index(doc: ResultDocument) -> int:
+    """The ``.N`` suffix write_result gives the N-th run (``x.json`` is 1, ``x.2.json`` is 2)."""
+    if doc.path is None:
+        return 1
+    file_name = Path(doc.path).name
+    stem = file_name[: -len(".json")] if file_name.endswith(".json") else file_name
+    match = re.fullmatch(re.escape(doc.name) + r"\.(\d+)", stem)
+    return int(match.group(1)) if match else 1
+
+
+def _timestamp(doc: ResultDocument) -> datetime | None:
+    text = doc.data.get("timestamp", "")
+    try:
+        stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return stamp
+
+
+def _age_key(doc: ResultDocument) -> tuple:
+    stamp = _timestamp(doc)
+    # Unparseable timestamps sort as oldest.
+    return (stamp is not None, stamp.timestamp() if stamp else 0.0, _run_index(doc), str(doc.path or ""))
+
+
+def _pool_metrics(docs: Sequence[ResultDocument]) -> dict[str, dict[str, Any]]:
+    """Concatenate samples per metric (newest document's unit and direction win); a metric without
+    a spread in every document stays without one (exact: see the module doc)."""
+    samples: dict[str, list[float]] = {}
+    meta: dict[str, tuple[str, str | None]] = {}
+    exact: dict[str, bool] = {}
+    for doc in docs:  # oldest first, so the newest document's unit/better is kept last
+        for name, entry in doc.metrics.items():
+            samples.setdefault(name, []).extend(float(v) for v in entry["samples"])
+            meta[name] = (entry["unit"], entry["better"])
+            exact[name] = exact.get(name, True) and entry["spread"] is None
+    if len(docs) == 1:
+        return {name: dict(entry) for name, entry in docs[0].metrics.items()}
+    pooled = {name: metric(values, *meta[name]) for name, values in samples.items()}
+    for name, entry in pooled.items():
+        if exact[name]:
+            entry["spread"] = None
+    return pooled
+
+
+def _with_todays_defaults(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    from bench.scenario import ScenarioError, scenario_from_dict
+
+    try:
+        return scenario_from_dict(json.loads(json.dumps(spec))).spec
+    except (ScenarioError, ValueError, KeyError, TypeError):
+        return None
+
+
+def same_scenario(base: "Group", cand: "Group") -> bool:
+    """Whether two sides ran the same scenario (module docstring, scenario-level outcomes)."""
+    if base.hash == cand.hash:
+        return True
+    base_spec = base.newest.data["scenario"].get("spec")
+    cand_spec = cand.newest.data["scenario"].get("spec")
+    if base_spec is None or cand_spec is None:
+        return False
+    return _with_todays_defaults(base_spec) == cand_spec or _with_todays_defaults(cand_spec) == base_spec
+
+
+def group_documents(docs: Iterable[ResultDocument]) -> dict[Key, Group]:
+    """Group a side's documents by (scenario, machine) and pool repeated runs (see module doc)."""
+    by_key: dict[Key, list[ResultDocument]] = {}
+    for doc in docs:
+        by_key.setdefault((doc.name, doc.machine), []).append(doc)
+    groups: dict[Key, Group] = {}
+    for key in sorted(by_key):
+        members = sorted(by_key[key], key=_age_key)
+        newest = members[-1]
+        if newest.status == "ok":
+            same = lambda d: (  # noqa: E731
+                d.status == "ok"
+                and d.data["scenario"]["hash"] == newest.data["scenario"]["hash"]
+                and d.version == newest.version
+            )
+            pooled = tuple(d for d in members if same(d))
+        else:
+            pooled = ()
+        pooled_ids = {id(d) for d in pooled}
+        ignored = tuple(d for d in members if id(d) not in pooled_ids and d is not newest)
+        groups[key] = Group(
+            scenario=key[0],
+            machine=key[1],
+            newest=newest,
+            pooled=pooled,
+            ignored=ignored,
+            metrics=_pool_metrics(pooled) if pooled else {},
+        )
+    return groups
