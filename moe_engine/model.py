@@ -6,17 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_engine import kernels
 from moe_engine.config import ModelConfig, Precision
 from moe_engine.modules.attention import Attention
 from moe_engine.modules.mla import MultiHeadLatentAttention
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
+from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.layer import MoELayer
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)). With fused kernels the residual add
+    h = x + attn(...) runs inside the feed-forward norm's fused op."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -29,6 +32,9 @@ class Block(nn.Module):
             self.ffn = SwiGLU(config.d_model, config.dense_hidden)
 
     def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        if self.ffn_norm.fused_kernels:
+            h_BSD, normed_BSD = self.ffn_norm(self.attn(self.attn_norm(x_BSD), rope), residual=x_BSD)
+            return h_BSD + self.ffn(normed_BSD)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), rope)
         return h_BSD + self.ffn(self.ffn_norm(h_BSD))
 
@@ -47,13 +53,48 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.fused_kernels = False
+        if config.fused_kernels:
+            self.use_fused_kernels(True)
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Logits (B, S, V) in the model's compute dtype."""
+    def use_fused_kernels(self, on: bool) -> None:
+        """Run every RMSNorm (and the residual add before each block's second norm), SwiGLU, RoPE and the
+        loss as fused ops (``moe_engine.kernels``), or as their eager compositions."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, SwiGLU, GroupedExperts, RotaryEmbedding)):
+                module.fused_kernels = on
+        self.fused_kernels = on
+
+    def fused_kernel_paths(self) -> dict[str, kernels.KernelPath]:
+        """Where each fused op runs for this model's parameters' device and compute dtype (all on the
+        reference path, saying so, while fused kernels are off)."""
+        device, dtype = self.embed.weight.device, self.embed.weight.dtype
+        paths = kernels.kernel_paths(device, dtype)
+        if not self.fused_kernels:
+            return {op: kernels.KernelPath(op, "reference", "reference: fused_kernels is off") for op in paths}
+        return paths
+
+    def forward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, S, V) in the model's compute dtype. With ``labels_BS`` the mean next-token
+        cross-entropy in fp32 instead: with fused kernels from the LM head fused with the loss (the
+        logits never exist), else from the logits."""
+        h_BSD = self.hidden(tokens_BS)
+        if labels_BS is None:
+            return self.logits(h_BSD)
+        if self.fused_kernels:
+            return kernels.linear_cross_entropy(h_BSD, self.head_weight(), labels_BS)
+        return _cross_entropy(self.logits(h_BSD), labels_BS)
+
+    def hidden(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, S, D): what the LM head multiplies."""
         h_BSD = self.embed(tokens_BS)
         for block in self.blocks:
             h_BSD = block(h_BSD, self.rope)
-        return self.logits(self.norm(h_BSD))
+        return self.norm(h_BSD)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's (V, D) weight: its own, or the embedding's when tied."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
         """The LM head on the final norm's output: its own weight, or the embedding's when tied."""
@@ -62,9 +103,12 @@ class Transformer(nn.Module):
         return self.lm_head(h_BSD)
 
     def loss(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy in fp32. Router losses enter the gradient through the MoE layers."""
-        logits_BSV = self(tokens_BS)
-        return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
+        """Mean next-token cross-entropy in fp32. Router losses enter the gradient through the MoE layers.
+        With fused kernels the LM head and the loss are one op inside ``forward`` (called as the module,
+        so its hooks see it); without, the loss follows ``forward`` on the logits."""
+        if self.fused_kernels:
+            return self(tokens_BS, labels_BS)
+        return _cross_entropy(self(tokens_BS), labels_BS)
 
     def moe_layers(self) -> list[MoELayer]:
         return [m for m in self.modules() if isinstance(m, MoELayer)]
@@ -84,6 +128,10 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if param.ndim >= 2:
                 nn.init.normal_(param, std=std)
+
+
+def _cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
 
 
 def cast_parameters(model: nn.Module, precision: Precision) -> nn.Module:

@@ -4,13 +4,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_engine import kernels
+
 
 class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); with ``fused_kernels`` set (``ModelConfig.fused_kernels``) the
+    activation is one fused op (``moe_engine.kernels.swiglu``) that keeps only gate(x) and up(x)."""
+
     def __init__(self, d_model: int, hidden: int):
         super().__init__()
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.fused_kernels = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_kernels:
+            return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -3,9 +3,13 @@
 import torch
 from torch import nn
 
+from moe_engine import kernels
+
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions [0, max_len), built in fp32 and cast at use."""
+    """cos/sin tables for positions [0, max_len), built in fp32 and cast at use. With ``fused_kernels``
+    set (``ModelConfig.fused_kernels``) each of q and k is rotated by one fused op
+    (``moe_engine.kernels.rope``) that reads the fp32 tables directly."""
 
     def __init__(self, head_dim: int, max_len: int, theta: float):
         super().__init__()
@@ -13,6 +17,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_SH", torch.empty(max_len, head_dim), persistent=False)
         self.register_buffer("sin_SH", torch.empty(max_len, head_dim), persistent=False)
         self.reset_tables()
+        self.fused_kernels = False
 
     @torch.no_grad()
     def reset_tables(self) -> None:
@@ -28,6 +33,8 @@ class RotaryEmbedding(nn.Module):
         self.sin_SH.copy_(angles_SH.sin())
 
     def forward(self, q_BHSd: torch.Tensor, k_BHSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_kernels:
+            return kernels.rope(q_BHSd, self.cos_SH, self.sin_SH), kernels.rope(k_BHSd, self.cos_SH, self.sin_SH)
         seq_len = q_BHSd.shape[-2]
         cos = self.cos_SH[:seq_len].to(q_BHSd.dtype)
         sin = self.sin_SH[:seq_len].to(q_BHSd.dtype)

@@ -6,6 +6,9 @@ Weight layout (the (out, in) convention of ``nn.Linear``, also OLMoE's in transf
   projection, so ``h = x @ gate_up[e].T`` and ``silu(h[:, :F]) * h[:, F:]``.
 - ``down`` (E, D, F): ``y = a @ down[e].T``.
 
+With ``fused_kernels`` set (``ModelConfig.fused_kernels``) the grouped backends run the activation
+and its backward as fused ops (``moe_engine.kernels.swiglu``); the loop backend stays the reference.
+
 Rows arrive sorted by expert; expert e owns rows [offsets[e-1], offsets[e]). Rows after the last
 offset are padding (expert-parallel receive buffers have some): a backend may leave their outputs
 undefined, callers mask them. A backend implements ``ExpertBackend.forward``; the module holds the
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_engine import kernels
 from moe_engine.config import ExpertBackendKind
 from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups
@@ -29,6 +33,9 @@ from moe_engine.precision.mxfp8 import MXTensor
 
 class ExpertBackend(ABC):
     """The seam: compute the experts' SwiGLU for rows already sorted by expert."""
+
+    fused_swiglu: bool = False
+    """Run the activation as the fused op (backends built on ``swiglu``/``swiglu_backward`` honour it)."""
 
     @abstractmethod
     def forward(
@@ -56,13 +63,19 @@ class LoopBackend(ExpertBackend):
         return torch.cat(outputs)
 
 
-def swiglu(h_NH: torch.Tensor) -> torch.Tensor:
+def swiglu(h_NH: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    if fused:
+        return kernels.swiglu_packed(h_NH)
     gate_NF, up_NF = h_NH.chunk(2, dim=-1)
     return F.silu(gate_NF) * up_NF
 
 
-def swiglu_backward(h_NH: torch.Tensor, grad_a_NF: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(
+    h_NH: torch.Tensor, grad_a_NF: torch.Tensor, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Recomputes a = silu(gate) * up and returns (a, d/dh), each written once, no concatenation."""
+    if fused:
+        return kernels.swiglu_packed_backward(h_NH, grad_a_NF)
     gate_NF, up_NF = h_NH.chunk(2, dim=-1)
     silu_NF = F.silu(gate_NF)
     grad_h_NH = torch.empty_like(h_NH)
@@ -97,10 +110,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
     """Both GEMMs of the experts on ``torch._grouped_mm``; saves x and h, recomputes the activation."""
 
     @staticmethod
-    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF):
+    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, fused=False):
         h_NH = grouped_mm(x_ND, gate_up_EHD.transpose(1, 2), offsets_E)
-        y_ND = grouped_mm(swiglu(h_NH), down_EDF.transpose(1, 2), offsets_E)
+        y_ND = grouped_mm(swiglu(h_NH, fused), down_EDF.transpose(1, 2), offsets_E)
         ctx.save_for_backward(x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF)
+        ctx.fused = fused
         return y_ND
 
     @staticmethod
@@ -109,11 +123,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # A zero-stride gradient (from y.sum()) breaks the grouped GEMM's backward kernels.
         grad_y_ND = grad_y_ND.contiguous()
         grad_a_NF = grouped_mm(grad_y_ND, down_EDF, offsets_E)
-        a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
+        a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF, ctx.fused)
         grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
         grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
         grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E)
-        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF
+        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None
 
 
 class TorchGroupedBackend(ExpertBackend):
@@ -129,7 +143,7 @@ class TorchGroupedBackend(ExpertBackend):
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         self.path = grouped_mm_path(x_ND.device, x_ND.dtype).value
-        return _GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF)
+        return _GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, self.fused_swiglu)
 
 
 def _real_rows(x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -163,17 +177,17 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, path):
+    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, path, fused=False):
         real_N1 = _real_rows(x_ND, offsets_E)
         x_mx = mx.quantize_rows(torch.where(real_N1, x_ND, 0))
         h_NH = mx.grouped_mm(x_mx, mx.quantize_weight(gate_up_EHD), offsets_E, x_ND.dtype, path)
-        a_mx = mx.quantize_rows(swiglu(h_NH))
+        a_mx = mx.quantize_rows(swiglu(h_NH, fused))
         y_ND = mx.grouped_mm(a_mx, mx.quantize_weight(down_EDF), offsets_E, x_ND.dtype, path)
 
         if any(ctx.needs_input_grad):
             h_mx = mx.quantize_rows(h_NH)
             ctx.save_for_backward(x_mx.data, x_mx.scales, h_mx.data, h_mx.scales, offsets_E, gate_up_EHD, down_EDF)
-            ctx.path = path
+            ctx.path, ctx.fused = path, fused
         return y_ND
 
     @staticmethod
@@ -187,7 +201,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         down_dgrad = mx.quantize_weight(down_EDF, transposed=True)
         grad_a_NF = mx.grouped_mm(mx.quantize_rows(grad_y_ND), down_dgrad, offsets_E, dtype, path)
         h_NH = mx.dequantize_rows(MXTensor(h_data, h_scales, axis=-1), hidden2, dtype)
-        a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF)
+        a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF, ctx.fused)
 
         grad_x_ND = grad_gate_up_EHD = grad_down_EDF = None
         if ctx.needs_input_grad[3]:
@@ -198,7 +212,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gate_up_dgrad = mx.quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = mx.grouped_mm(mx.quantize_rows(grad_h_NH), gate_up_dgrad, offsets_E, dtype, path)
-        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None
+        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None, None
 
 
 class MXFP8Backend(ExpertBackend):
@@ -217,7 +231,7 @@ class MXFP8Backend(ExpertBackend):
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         path = mx.available_path(x_ND.device)
         self.path = mx.path_label(path, x_ND.device)
-        return _MXFP8GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, path)
+        return _MXFP8GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, path, self.fused_swiglu)
 
 
 BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
@@ -238,6 +252,15 @@ class GroupedExperts(nn.Module):
         # Global indices of the experts held here (all of them until sharded for expert parallelism).
         self.global_experts = range(num_experts)
         self.total_experts = num_experts
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the backend runs the activation as the fused op (``ExpertBackend.fused_swiglu``)."""
+        return self.backend.fused_swiglu
+
+    @fused_kernels.setter
+    def fused_kernels(self, on: bool) -> None:
+        self.backend.fused_swiglu = on
 
     @property
     def num_experts(self) -> int:

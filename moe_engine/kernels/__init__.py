@@ -1,0 +1,45 @@
+"""Fused ops for the memory-bound work of a step, each one ``torch.library.custom_op`` forward and one
+backward (so a trace sees one op each), with a Triton kernel on CUDA and the eager PyTorch
+composition as the reference and CPU path (``dispatch`` holds the rule).
+
+    ``norm``           moe_engine::rms_norm, moe_engine::add_rms_norm, moe_engine::rms_norm_backward
+    ``activation``     moe_engine::swiglu, moe_engine::swiglu_backward, moe_engine::swiglu_packed_backward
+    ``cross_entropy``  moe_engine::linear_cross_entropy, moe_engine::linear_cross_entropy_backward
+    ``rotary``         moe_engine::rope, moe_engine::rope_backward
+
+The model runs them with ``ModelConfig.fused_kernels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_engine.kernels import activation as _activation
+from moe_engine.kernels import cross_entropy as _cross_entropy
+from moe_engine.kernels import norm as _norm
+from moe_engine.kernels import rotary as _rotary
+from moe_engine.kernels.activation import swiglu, swiglu_packed, swiglu_packed_backward
+from moe_engine.kernels.cross_entropy import linear_cross_entropy
+from moe_engine.kernels.dispatch import KernelPath
+from moe_engine.kernels.norm import add_rms_norm, rms_norm
+from moe_engine.kernels.rotary import rope
+
+__all__ = [
+    "KernelPath", "add_rms_norm", "kernel_paths", "linear_cross_entropy", "paths_details", "rms_norm", "rope",
+    "swiglu", "swiglu_packed", "swiglu_packed_backward",
+]
+
+
+def kernel_paths(device: torch.device | str, dtype: torch.dtype) -> dict[str, KernelPath]:
+    """Where each fused op runs for tensors of ``dtype`` on ``device`` (at sizes within the kernels' limits)."""
+    return {
+        "rms_norm": _norm.path(device, dtype),
+        "swiglu": _activation.path(device, dtype),
+        "linear_cross_entropy": _cross_entropy.path(device, dtype),
+        "rope": _rotary.path(device, dtype),
+    }
+
+
+def paths_details(paths: dict[str, KernelPath]) -> str:
+    """One line for a result's details: ``op: path`` for each op."""
+    return "; ".join(f"{op}: {path.details}" for op, path in paths.items())
