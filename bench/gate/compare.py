@@ -49,9 +49,9 @@ Scenario-level outcomes are listed explicitly, never silently passed: ``missing_
 ``missing_in_baseline`` (new scenario; not a failure), ``not_ok`` (status other than ``ok`` on
 either side, with status and error) and ``mismatched`` (the scenario differs between the sides: a
 changed scenario is not a like-for-like comparison, so no metric rows are produced for it). Two
-sides run the same scenario when their hashes agree, or when one side's spec, loaded by today's
-``bench.scenario`` (which fills the fields added since that version at their defaults), equals the
-other's: a release that adds a config field with a default leaves the scenario files it did not
+sides run the same scenario when their hashes agree, or when both sides' specs, loaded by today's
+``bench.scenario`` (which fills the fields added since each version at their defaults), are equal
+(``bench.gate.groups.same_scenario``): a release that adds a config field with a default leaves the scenario files it did not
 touch comparable with the releases before it, and a changed default is an engine change the
 comparison measures.
 """

@@ -135,7 +135,9 @@ def same_scenario(base: "Group", cand: "Group") -> bool:
     cand_spec = cand.newest.data["scenario"].get("spec")
     if base_spec is None or cand_spec is None:
         return False
-    return _with_todays_defaults(base_spec) == cand_spec or _with_todays_defaults(cand_spec) == base_spec
+    # Both at today's defaults: a field added after both versions, at its default, changes neither.
+    base_today, cand_today = _with_todays_defaults(base_spec), _with_todays_defaults(cand_spec)
+    return base_today is not None and base_today == cand_today
 
 
 def group_documents(docs: Iterable[ResultDocument]) -> dict[Key, Group]:

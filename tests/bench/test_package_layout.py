@@ -18,7 +18,8 @@ from bench.results import REPO_ROOT
 
 PACKAGES = ("bench", "moe_engine")
 ARITHMETIC = ("bench.predict.plan", "bench.predict.projection", "bench.predict.device", "bench.predict.ops",
-              "bench.predict.pricing", "bench.predict.op_projection", "bench.gate.compare", "bench.gate.groups",
+              "bench.predict.pricing", "bench.predict.op_projection", "bench.predict.plan_bytes",
+              "bench.predict.plan_activations", "bench.predict.plan_rank", "bench.gate.compare", "bench.gate.groups",
               "bench.gate.work", "bench.gate.accept", "bench.gate.verdict", "bench.gate.formatting", "bench.gate.tables",
               "bench.report.comparisons", "bench.run.proxy_projection")
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,

@@ -616,6 +616,24 @@ def test_fields_added_since_the_baseline_at_their_defaults_still_compare(tmp_pat
     assert [r.verdict for r in result.comparison.rows] == ["regressed"]
 
 
+def test_fields_added_after_both_versions_still_compare(tmp_path):
+    """0.1.0 lacks grad_dtype and compile, 0.2.0 has them; neither has a field added later still
+    (model.fused_kernels): both sides at today's defaults are the same scenario."""
+    from bench.scenario import load_scenario
+
+    spec = load_scenario("scenarios/smoke/e8-random-bf16.yaml").spec
+    assert "fused_kernels" in spec["model"]
+    older = _spec_without(spec, "parallel.grad_dtype", "run.compile", "model.fused_kernels")
+    newer = _spec_without(spec, "model.fused_kernels")
+    result = run_gate(
+        tmp_path,
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}, spec=older)],
+        [make_doc(metrics={"tokens_per_s_per_gpu": tput(800)}, spec=newer)],
+    )
+    assert result.comparison.mismatched == ()
+    assert [r.verdict for r in result.comparison.rows] == ["regressed"]
+
+
 @pytest.mark.parametrize("change", ["a field both versions have", "a new field away from its default"])
 def test_a_changed_scenario_is_still_mismatched(tmp_path, change):
     from bench.scenario import load_scenario
