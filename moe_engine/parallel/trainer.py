@@ -165,7 +165,9 @@ class ParallelTrainer:
         for i, (tokens, labels) in enumerate(zip(tokens_BS.chunk(m), labels_BS.chunk(m))):
             if self.fsdp:
                 model.set_requires_gradient_sync(i == m - 1)
-            loss = cross_entropy(model(tokens), labels)
+            # With fused kernels the LM head and the loss are one op inside the model's forward.
+            fused = getattr(model, "fused_kernels", False)
+            loss = model(tokens, labels) if fused else cross_entropy(model(tokens), labels)
             (loss if m == 1 else loss / m).backward()
             losses.append(loss.detach())
         return losses[0] if m == 1 else torch.stack(losses).mean()
