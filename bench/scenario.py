@@ -189,6 +189,9 @@ def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> Parallel
     try:
         parallel = ParallelConfig.from_dict(spec["parallel"])
         parallel.validate(model)
+        if parallel.a2a_chunks > 1 and parallel.ep == 1:
+            # Without expert parallelism there is no all-to-all to split.
+            raise ValueError(f"parallel.a2a_chunks: needs ep > 1 (a2a_chunks={parallel.a2a_chunks}, ep=1)")
         if spec["mode"] == "execute":
             parallel.validate_executable()
         spec["parallel"]["microbatches"] = parallel.microbatches

@@ -511,6 +511,8 @@ class ParallelConfig:
     """Gradient elements per all-reduce bucket (buckets launch as soon as they fill in backward)."""
     grad_dtype: GradDtype = GradDtype.FP32
     """Precision of gradient accumulation and reduction (fp32 by default, also for bf16 parameters)."""
+    a2a_chunks: int = 1
+    """Chunks of each MoE layer's expert all-to-alls (ep > 1): chunk k+1 moves while chunk k's experts compute."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "parallel.")

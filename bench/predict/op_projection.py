@@ -3,8 +3,9 @@
 Inputs: the ops of a traced step (``bench.run.trace``: m_t microbatches of the scenario's own size,
 then the optimizer), the seconds of each on a profile (``bench.predict.pricing``), and the layout.
 
-    microbatch_s = (seconds of the forward and backward ops) / m_t
-    optimizer_s  = seconds of the optimizer ops + the once-per-step rest (zeroing gradient buffers)
+    microbatch_s = (seconds of the forward and backward ops that run every microbatch) / m_t
+    optimizer_s  = seconds of the optimizer ops + the once-per-step rest (zeroing gradient buffers;
+                   the forward and backward ops that run once per step, ``ONCE_PER_STEP``)
     collectives  = the traced c10d ops (bytes from the traced tensors): expert (ep group) and pipeline
                    (pp group) ones per microbatch, their count / m_t, and so are FSDP's parameter
                    gathers (dp-group all-gathers in the forward and backward); gradient-group ones issued in the
@@ -15,20 +16,40 @@ then the optimizer), the seconds of each on a profile (``bench.predict.pricing``
                    schedule, on the profile's network, with its rank-skew waits
 
 A traced step of m_t < m microbatches stands for m: every microbatch of a step runs the same ops
-(only the routes differ), and the last one is where the buckets launch, in the trace too.
+(only the routes differ), and the last one is where the buckets launch, in the trace too. What a
+bucket's launch runs in that last backward runs once per step, not once per microbatch: its scaling
+by 1/dp (``div_`` of the bucket's flat gradient buffer, in the gradient buffers' hooks or the sync
+that finishes them; ``ONCE_PER_STEP``) counts once, with the optimizer's seconds.
+
+The proxy's stand-ins for its simulated peers are priced at 0 (``bench.predict.pricing``); the
+projection's assumptions say how many ops that left out.
+
+Chunked dispatch (``bench.predict.projection.ExpertOverlap``): the trace shows what the engine ran.
+Each MoE layer's forward exchanges its routing counts once (an integer all-to-all) and its rows in C
+chunks out and C back, so
+
+    C             = the forward's row all-to-alls / (2 * its count exchanges)
+    P (direction) = its row all-to-alls / (2 C), per microbatch
+    X (direction) = the seconds of its ops inside the experts (``GroupedExperts``; a recomputed
+                    forward's count with the backward), per microbatch
+
+A trace whose rows do not come in whole passes (no count exchange, or a remainder) has none.
 
 The rank-skew waits are ``bench.predict.projection``'s (``SkewModel``), from the traced collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.predict.pricing import PricedOp
+from bench.predict.ops import TracedOp
+from bench.predict.pricing import PricedOp, is_stand_in
 from bench.predict.projection import (
     Collective,
+    ExpertOverlap,
     Network,
     Projection,
     RankTiming,
@@ -38,10 +59,24 @@ from bench.predict.projection import (
     project_step,
 )
 
-__all__ = ["PER_MICROBATCH_ACCOUNTS", "StepPrices", "collective_account", "project_priced_step", "step_prices"]
+__all__ = [
+    "ONCE_PER_STEP", "PER_MICROBATCH_ACCOUNTS", "StepPrices", "collective_account", "expert_overlap",
+    "project_priced_step", "runs_every_microbatch", "step_prices",
+]
 
 PER_MICROBATCH_ACCOUNTS = ("expert", "pipeline", "fsdp")
 """Accounts of collectives that every microbatch issues (``collective_account``)."""
+
+ONCE_PER_STEP = frozenset({("@accumulate_grad", "aten.div_"), ("@grad_sync", "aten.div_")})
+"""(location, ATen packet) of the forward and backward ops that run once per step: a gradient bucket's
+scaling by 1/dp as its reduction launches (``moe_engine.parallel.data_parallel``), in the gradient
+buffers' hooks of the last backward or in the sync that finishes them."""
+
+
+def runs_every_microbatch(op: TracedOp) -> bool:
+    """Whether ``op`` runs once per microbatch (a forward or backward op that is not ``ONCE_PER_STEP``);
+    the rest of a step runs once."""
+    return op.stage in ("forward", "backward") and (op.location, op.packet) not in ONCE_PER_STEP
 
 
 @dataclass(frozen=True)
@@ -57,6 +92,12 @@ class StepPrices:
     """Seconds of the step's ops by kind (gemm, grouped_gemm, mx_gemm, attention, memory, free)."""
     flops_traced: float
     """FLOPs of the traced step's matmul-like ops (gemm, grouped_gemm, mx_gemm, attention)."""
+    expert_overlap: list[ExpertOverlap] = dataclasses.field(default_factory=list)
+    """The chunked expert all-to-alls of a microbatch by direction (none when not chunked)."""
+    once_per_step_s: float = 0.0
+    """Seconds of the forward and backward ops that run once per step (``ONCE_PER_STEP``), in optimizer_s."""
+    stand_ins: int = 0
+    """Ops of the trace that stand in for the proxy's simulated peers, priced at 0."""
 
 
 def _collective(op, phase: str) -> Collective:
@@ -85,10 +126,16 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
     by_kind: dict[str, float] = {}
     flops = 0.0
+    once_per_step = 0.0
+    stand_ins = 0
     for p in priced:
         if p.work.kind == "collective":
             continue
-        compute[p.op.stage] += p.seconds
+        stand_ins += is_stand_in(p.op)
+        if p.op.stage in ("forward", "backward") and not runs_every_microbatch(p.op):
+            once_per_step += p.seconds
+        else:
+            compute[p.op.stage] += p.seconds
         by_kind[p.work.kind] = by_kind.get(p.work.kind, 0.0) + p.seconds
         if p.work.kind in ("gemm", "grouped_gemm", "mx_gemm", "attention"):
             flops += p.work.flops
@@ -128,9 +175,53 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
     ]
     timing = RankTiming(
         microbatch_s=(compute["forward"] + compute["backward"]) / microbatches_traced,
-        optimizer_s=compute["optimizer"] + compute["other"],
+        optimizer_s=compute["optimizer"] + compute["other"] + once_per_step,
     )
-    return StepPrices(timing, per_microbatch, step_entries, grad_buckets, gather_buckets, by_kind, flops)
+    overlap = expert_overlap(priced, microbatches_traced, group_phases)
+    return StepPrices(timing, per_microbatch, step_entries, grad_buckets, gather_buckets, by_kind, flops,
+                      overlap, once_per_step, stand_ins)
+
+
+def _in_experts(location: str) -> bool:
+    return any(part.partition(">")[0] == "GroupedExperts" for part in location.split("/"))
+
+
+def expert_overlap(priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]) -> list[ExpertOverlap]:
+    """The chunked expert all-to-alls of one microbatch, forward and backward (module docstring)."""
+    exchanges: dict[str, dict[tuple[int, ...], list[int]]] = {"forward": {}, "backward": {}}
+    counts = {"forward": 0, "backward": 0}
+    compute = {"forward": 0.0, "backward": 0.0}
+    for p in priced:
+        stage = p.op.stage
+        if stage not in compute:
+            continue
+        if p.work.kind != "collective":
+            if _in_experts(p.op.location):
+                compute[stage] += p.seconds
+            continue
+        _, account = collective_account(p.op, group_phases)
+        if account != "expert" or p.op.collective["op"] != "all_to_all":
+            continue
+        if p.op.inputs and not p.op.inputs[0].dtype.startswith(("torch.float", "torch.bfloat")):
+            counts[stage] += 1  # the routing counts, once per forward pass
+            continue
+        exchanges[stage].setdefault(tuple(p.op.collective["ranks"]), []).append(int(p.op.collective["nbytes"]))
+    rows = {stage: sum(map(len, by_group.values())) for stage, by_group in exchanges.items()}
+    if not counts["forward"] or rows["forward"] % (2 * counts["forward"]):
+        return []
+    chunks = rows["forward"] // (2 * counts["forward"])
+    overlaps = []
+    for stage, by_group in exchanges.items():
+        if not rows[stage] or rows[stage] % (2 * chunks):
+            continue
+        calls = tuple(
+            Collective("all_to_all", ranks, round(statistics.fmean(sizes)), "expert",
+                       max(1, round(len(sizes) / microbatches_traced)))
+            for ranks, sizes in by_group.items()
+        )
+        passes = rows[stage] / (2 * chunks) / microbatches_traced
+        overlaps.append(ExpertOverlap(chunks, passes, calls, compute[stage] / microbatches_traced))
+    return overlaps
 
 
 def project_priced_step(
@@ -144,7 +235,20 @@ def project_priced_step(
     skew: SkewModel | None = None,
 ) -> Projection:
     """The projected step of a priced trace (module docstring)."""
-    return project_step(
+    projection = project_step(
         rank, prices.timing, prices.per_microbatch, prices.per_step, schedule, net, tokens_per_step,
-        world_size, flops_per_token, prices.grad_buckets, prices.gather_buckets, skew,
+        world_size, flops_per_token, prices.grad_buckets, prices.gather_buckets, skew, prices.expert_overlap,
     )
+    projection.assumptions.extend(_trace_assumptions(prices))
+    return projection
+
+
+def _trace_assumptions(prices: StepPrices) -> list[str]:
+    return [
+        (f"the proxy's stand-ins for its simulated peers ({prices.stand_ins} traced ops: fabricated received "
+         "rows, counts and stage messages, the peers' routers replayed) cost 0: a real rank runs none of them, "
+         "it receives those tensors through the collectives priced on the network"),
+        (f"ops that run once per step inside the forward or backward (a gradient bucket's 1/dp scaling as its "
+         f"reduction launches: {prices.once_per_step_s * 1e3:.3f} ms) count once per step, with the optimizer, "
+         "not once per microbatch"),
+    ]

@@ -26,6 +26,11 @@ dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch o
 
 Regions: on a GPU profile the ATen ops of one call of an engine region (``bench.predict.ops.REGIONS``)
 are priced as the one kernel the GPU runs (``region_op``); on a CPU profile, op by op, as they run.
+
+Stand-ins (``STAND_IN_LOCATIONS``): a proxy rank fabricates what its simulated peers would send it
+(received rows, counts and stage messages, the peers' routers replayed to draw their routes). A real
+rank runs none of it: it receives those tensors through the collectives the network prices. Each
+such op costs 0 on every profile, and is priced as no kernel (kind free, no bytes).
 Pure arithmetic.
 """
 
@@ -37,7 +42,10 @@ from dataclasses import dataclass
 from bench.predict.device import DeviceProfile
 from bench.predict.ops import OpWork, TracedOp, op_work, region_op
 
-__all__ = ["PricedOp", "op_seconds", "price_ops", "rate_dtype"]
+__all__ = ["STAND_IN_LOCATIONS", "PricedOp", "is_stand_in", "op_seconds", "price_ops", "rate_dtype"]
+
+STAND_IN_LOCATIONS = ("@proxy_peers",)
+"""Where a traced op runs as the proxy's stand-in for its simulated peers (``TracedOp.location``)."""
 
 _RATE_DTYPE = {
     "torch.float32": "fp32", "torch.float64": "fp32", "torch.bfloat16": "bf16", "torch.float16": "bf16",
@@ -109,12 +117,26 @@ def _kernel_seconds(work: OpWork, profile: DeviceProfile) -> float:
     return max(work.flops / (peak * efficiency), memory_s) + overhead
 
 
+def is_stand_in(op: TracedOp) -> bool:
+    """Whether ``op`` is the proxy's stand-in for its peers, run by no real rank (module docstring)."""
+    return op.location in STAND_IN_LOCATIONS
+
+
+def _no_work(op: TracedOp) -> OpWork:
+    dtype = op.inputs[0].dtype if op.inputs else (op.outputs[0].dtype if op.outputs else "torch.float32")
+    return OpWork("free", 0.0, 0.0, dtype)
+
+
 def price_ops(ops: Sequence[TracedOp], profile: DeviceProfile) -> list[PricedOp]:
-    """Every op of a trace with its seconds, in order (regions as the module docstring says)."""
+    """Every op of a trace with its seconds, in order (regions and stand-ins as the module docstring says)."""
     priced: list[PricedOp] = []
     i = 0
     while i < len(ops):
         op = ops[i]
+        if is_stand_in(op):
+            priced.append(PricedOp(op, _no_work(op), 0.0))
+            i += 1
+            continue
         if op.region is None or profile.kind == "cpu":
             work = op_work(op)
             priced.append(PricedOp(op, work, op_seconds(work, profile)))

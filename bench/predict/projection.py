@@ -70,12 +70,31 @@ Overlap windows of a scaled-down run (``bench.run.proxy.scaled_sync_buckets``)
     The buckets queue in the order of their windows, the longest first: the engine's fixed launch
     order. At the run's own scale (R = s = C = 1) the windows are the measured ones.
 
+Overlapped expert all-to-alls (chunked dispatch: ``parallel.a2a_chunks`` = C > 1, ``ExpertOverlap``)
+    Each MoE layer pass (a forward, a backward, a recomputed forward) sends its rows out and back in
+    C chunks: chunk k+1's dispatch travels while chunk k's experts compute, chunk k's combine while
+    chunk k+1's do (``moe_engine.moe.dispatch``). Per direction (forward, backward) of one microbatch:
+    P = its MoE layer passes, A = the seconds of their row all-to-alls (formulas above), X = the
+    seconds of the experts' own ops; each pass has 1/P of both. A pass's link carries its messages one
+    at a time in the order the engine issues them, d_0, d_1, c_0, d_2, c_1, ..., d_(C-1), c_(C-2),
+    c_(C-1), each dispatch d_k and combine c_k of a/(2C) seconds (a = A/P: out and back move the same
+    rows); chunk k's experts (x/C, x = X/P) start when d_k has arrived and chunk k-1's are done; c_k
+    starts when chunk k's experts are done and the link is free:
+        e_k     = max(end(d_k), e_(k-1)) + x/C                 (e_(-1) = 0; d_0 starts at 0)
+        exposed = end(c_(C-1)) - x,   hidden = a - exposed     (per pass; C = 1: exposed = a)
+    With compute to spare only the first chunk's dispatch and the last chunk's combine show (a/C);
+    with none, all of a. The backward is priced by the same rule (its engine order differs: every
+    combine's gradient leaves first, then each chunk's dispatch gradient after its experts).
+    c_exp_hidden = the sum over directions of P * hidden. Compute and the all-to-alls do not slow
+    each other (no contention for SMs or memory bandwidth is modelled).
+
 Step (times in seconds; c_exp, c_pipe, c_fsdp = summed seconds of one microbatch's "expert", "pipeline"
 and "fsdp" entries)
-    t_mb      = microbatch_s + c_exp + c_pipe + max(0, c_fsdp - microbatch_s)
+    t_mb      = microbatch_s + c_exp - c_exp_hidden + c_pipe + max(0, c_fsdp - microbatch_s)
                 (dispatch all-to-alls and stage messages sit on the critical path: no overlap with
-                 compute is assumed; FSDP's parameter gathers are prefetched, each unit's under the
-                 compute of the unit before, so only what outlasts the microbatch's compute shows)
+                 compute is assumed but the chunked dispatch's above; FSDP's parameter gathers are
+                 prefetched, each unit's under the compute of the unit before, so only what
+                 outlasts the microbatch's compute shows)
     bubble    = 0                          pp = 1
                 (pp - 1) t_mb              gpipe, 1f1b   (pipeline time (m + pp - 1) t_mb)
                 (pp - 1) t_mb / v          interleaved1f1b
@@ -88,10 +107,11 @@ and "fsdp" entries)
     step      = pipeline + grad_sync_exposed + optimizer_s + param_gather_exposed + other + skew
 
 Breakdown (sums to the step)
-    compute = m microbatch_s, expert_comm = m c_exp, pipeline_comm = m c_pipe, fsdp_gather_exposed =
-    m max(0, c_fsdp - microbatch_s), bubble, grad_sync_exposed, optimizer, param_gather_exposed,
-    other_comm, skew; beside them, not part of the sum: grad_sync_hidden, grad_sync_total (= hidden +
-    exposed), param_gather_hidden, param_gather_total, fsdp_gather_total = m c_fsdp.
+    compute = m microbatch_s, expert_comm = m (c_exp - c_exp_hidden), pipeline_comm = m c_pipe,
+    fsdp_gather_exposed = m max(0, c_fsdp - microbatch_s), bubble, grad_sync_exposed, optimizer,
+    param_gather_exposed, other_comm, skew; beside them, not part of the sum: grad_sync_hidden,
+    grad_sync_total (= hidden + exposed), param_gather_hidden, param_gather_total, fsdp_gather_total =
+    m c_fsdp, expert_comm_hidden = m c_exp_hidden, expert_comm_total = m c_exp.
 
 Rank skew (``SkewModel``; the ``skew`` entry of the breakdown, 0 without a model)
     A collective completes when the slowest rank of its group reaches it. Ranks' compute between two
@@ -119,6 +139,7 @@ from typing import Any
 
 __all__ = [
     "Collective",
+    "ExpertOverlap",
     "Network",
     "Projection",
     "RankTiming",
@@ -126,8 +147,10 @@ __all__ = [
     "SyncBucket",
     "SkewModel",
     "SyncTimes",
+    "chunked_exposed_s",
     "collective_seconds",
     "expected_max_normal",
+    "expert_hidden_s",
     "skew_seconds",
     "sync_points",
     "project_step",
@@ -147,6 +170,7 @@ STEP_KEYS = (
 """Keys of ``Projection.breakdown_s`` that add up to the step."""
 BESIDE_KEYS = (
     "grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total",
+    "expert_comm_hidden", "expert_comm_total",
 )
 """Keys of ``Projection.breakdown_s`` reported beside the sum (hidden time overlaps the compute)."""
 BREAKDOWN_KEYS = STEP_KEYS + BESIDE_KEYS
@@ -383,6 +407,62 @@ class SyncBucket:
 
 
 @dataclass(frozen=True)
+class ExpertOverlap:
+    """One direction (forward or backward) of a microbatch's chunked expert all-to-alls, and the expert
+    compute they run under (module docstring)."""
+
+    chunks: int
+    """C: the chunks each MoE layer pass sends its rows out and back in."""
+    passes: float
+    """P: MoE layer passes of this direction in one microbatch."""
+    exchanges: tuple[Collective, ...]
+    """Their row all-to-alls (phase expert; ``count``: calls in one microbatch)."""
+    compute_s: float
+    """X: seconds of the experts' own ops in these passes, one microbatch."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exchanges", tuple(self.exchanges))
+        if not _is_int(self.chunks) or self.chunks < 1:
+            raise ValueError(f"expert_overlap.chunks: must be an integer >= 1, got {self.chunks!r}")
+        if not _is_number(self.passes) or not self.passes > 0:
+            raise ValueError(f"expert_overlap.passes: must be a number > 0, got {self.passes!r}")
+        if not _is_number(self.compute_s) or not self.compute_s >= 0:
+            raise ValueError(f"expert_overlap.compute_s: must be a number >= 0, got {self.compute_s!r}")
+        for i, c in enumerate(self.exchanges):
+            if not isinstance(c, Collective) or c.phase != "expert" or c.op != "all_to_all":
+                raise ValueError(f"expert_overlap.exchanges[{i}]: expected an expert all_to_all, got {c!r}")
+
+
+def chunked_exposed_s(alltoall_s: float, compute_s: float, chunks: int) -> float:
+    """Seconds of one MoE layer pass's all-to-alls (``alltoall_s``, out and back) that its experts
+    (``compute_s``) do not hide, in ``chunks`` chunks (the rule in the module docstring)."""
+    if chunks == 1:
+        return alltoall_s
+    half = alltoall_s / (2 * chunks)
+    expert = compute_s / chunks
+    link = half
+    arrived = [link]
+    computed = 0.0
+    for k in range(chunks):
+        if k + 1 < chunks:
+            link += half
+            arrived.append(link)
+        computed = max(arrived[k], computed) + expert
+        link = max(link, computed) + half
+    # Never more than the all-to-alls themselves (the difference above rounds).
+    return min(link - compute_s, alltoall_s)
+
+
+def expert_hidden_s(overlaps: Iterable[ExpertOverlap], rank: int, net: Network) -> float:
+    """c_exp_hidden: the expert all-to-all seconds of one microbatch that its experts hide."""
+    hidden = 0.0
+    for o in overlaps:
+        a = sum(collective_seconds(c, rank, net) for c in o.exchanges) / o.passes
+        hidden += o.passes * (a - chunked_exposed_s(a, o.compute_s / o.passes, o.chunks))
+    return hidden
+
+
+@dataclass(frozen=True)
 class SyncTimes:
     """What an overlapped sync costs the step."""
 
@@ -509,6 +589,20 @@ def _bubble(schedule: Schedule, t_mb: float) -> float:
     return (pp - 1) * t_mb
 
 
+def _overlap_assumption(overlaps: list[ExpertOverlap]) -> str:
+    chunked = [o for o in overlaps if o.chunks > 1]
+    if not chunked:
+        return ("expert all-to-alls (where the layout has them): each layer's rows out and back whole, on the "
+                "critical path, not overlapped with compute")
+    return (f"expert all-to-alls in {chunked[0].chunks} chunks per MoE layer pass (parallel.a2a_chunks): chunk "
+            "k+1's dispatch moves while chunk k's experts compute, chunk k's combine while chunk k+1's do; per "
+            "pass, its dispatches and combines (half of its all-to-all time each) queue on one link in the "
+            "engine's order d0, d1, c0, d2, c1, ..., c(C-1), each chunk's experts (the experts' traced seconds / "
+            "(passes * C)) start when its dispatch arrived and the chunk before is done, its combine when they "
+            "are done; exposed = the pass's end - its expert compute, at least the first dispatch and the last "
+            "combine; the backward by the same rule; no contention between the all-to-alls and compute")
+
+
 def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buckets: int) -> list[str]:
     pp, v = schedule.pp, schedule.virtual_stages
     if pp == 1:
@@ -545,9 +639,10 @@ def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buc
         "barrier: 2 * ceil(log2 n) * alpha",
         "send and recv: alpha + B / beta, each recorded message priced on its own",
         "a single-rank group costs nothing (except send and recv)",
-        "t_mb = microbatch compute + its expert all-to-alls + its pipeline messages: communication inside a "
-        "microbatch is on the critical path, not overlapped with compute; FSDP parameter gathers are prefetched "
-        "under the compute, only max(0, gathers - compute) of a microbatch is exposed",
+        "t_mb = microbatch compute + its expert all-to-alls (less what chunked dispatch hides) + its pipeline "
+        "messages: communication inside a microbatch is on the critical path, not overlapped with compute "
+        "otherwise; FSDP parameter gathers are prefetched under the compute, only max(0, gathers - compute) "
+        "of a microbatch is exposed",
         pipeline,
         grad,
         gather,
@@ -579,6 +674,7 @@ def project_step(
     grad_buckets: Iterable[SyncBucket] = (),
     gather_buckets: Iterable[SyncBucket] = (),
     skew: SkewModel | None = None,
+    expert_overlap: Iterable[ExpertOverlap] = (),
 ) -> Projection:
     """The projected step of ``rank`` (formulas in the module docstring).
 
@@ -586,8 +682,10 @@ def project_step(
     those issued once per step (phases grad and other) that no bucket stands for; ``tokens_per_step``
     is global. ``grad_buckets`` (the gradient reductions) and ``gather_buckets`` (the ZeRO-1 gathers),
     in launch order, are the overlapped syncs. ``skew``: the rank-skew waits' model (none: 0).
+    ``expert_overlap``: the chunked expert all-to-alls of a microbatch, by direction (they are among
+    ``per_microbatch``'s expert entries too; none: nothing overlapped).
     """
-    grad_buckets, gather_buckets = list(grad_buckets), list(gather_buckets)
+    grad_buckets, gather_buckets, expert_overlap = list(grad_buckets), list(gather_buckets), list(expert_overlap)
     if not _is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
     if not _is_int(rank) or not 0 <= rank < world_size:
@@ -606,8 +704,15 @@ def project_step(
                 raise ValueError(f"{name}[{i}]: expected a SyncBucket, got {type(bucket).__name__}")
         _check_entries(name, [b.collective for b in buckets], ("grad",), world_size, rank)
 
+    for i, o in enumerate(expert_overlap):
+        if not isinstance(o, ExpertOverlap):
+            raise ValueError(f"expert_overlap[{i}]: expected an ExpertOverlap, got {type(o).__name__}")
+        _check_entries("expert_overlap", list(o.exchanges), ("expert",), world_size, rank)
+
     m = schedule.microbatches
-    expert = _seconds(per_microbatch, "expert", rank, net)
+    expert_total = _seconds(per_microbatch, "expert", rank, net)
+    expert_hidden = expert_hidden_s(expert_overlap, rank, net)
+    expert = expert_total - expert_hidden
     pipe = _seconds(per_microbatch, "pipeline", rank, net)
     fsdp = _seconds(per_microbatch, "fsdp", rank, net)
     fsdp_exposed = max(0.0, fsdp - timing.microbatch_s)
@@ -635,6 +740,8 @@ def project_step(
         "param_gather_hidden": gather.hidden_s,
         "param_gather_total": gather.total_s,
         "fsdp_gather_total": m * fsdp,
+        "expert_comm_hidden": m * expert_hidden,
+        "expert_comm_total": m * expert_total,
     }
     # Summing the parts (rather than pipeline time + ...) keeps the breakdown adding up to the step exactly.
     step = sum(breakdown[k] for k in STEP_KEYS)
@@ -645,5 +752,6 @@ def project_step(
         tokens_per_s_per_gpu=tokens_per_step / step / world_size,
         tflops_per_gpu=flops_per_token * tokens_per_step / step / world_size / 1e12,
         breakdown_s=breakdown,
-        assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets)) + [_skew_assumption(skew)],
+        assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets))
+        + [_overlap_assumption(expert_overlap), _skew_assumption(skew)],
     )

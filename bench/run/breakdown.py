@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from bench.predict.op_projection import PER_MICROBATCH_ACCOUNTS, collective_account
+from bench.predict.op_projection import PER_MICROBATCH_ACCOUNTS, collective_account, runs_every_microbatch
 from bench.predict.pricing import PricedOp
 from bench.predict.projection import Collective, Network, Projection, collective_seconds
 
@@ -316,7 +316,7 @@ def step_breakdown(
         pipeline_message = account == "pipeline"
         module = module_of(op.location, op.stage, pipeline_message)
         if account is None:
-            weight = per_microbatch if op.stage in ("forward", "backward") else 1.0
+            weight = per_microbatch if runs_every_microbatch(op) else 1.0
             time_s, hidden_s = p.seconds * weight, 0.0
             kernels = 0.0 if kind == "free" else weight
             nbytes, flops = p.work.nbytes * weight, p.work.flops * weight

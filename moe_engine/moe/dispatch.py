@@ -15,6 +15,22 @@ by destination rank. Two variants:
 
 A receiver gets rows ordered by source rank then local expert, sorts them (stably) by local
 expert for the grouped GEMM and unsorts the outputs before they travel back.
+
+Chunked exchanges (``chunks`` > 1, ``ParallelConfig.a2a_chunks``) overlap the all-to-alls with the
+experts. Every destination's rows (no-sync: its slots) are cut into ``chunks`` nearly equal pieces
+(``permute.chunk_bounds``); one gather writes the send buffer in chunk-major order, so chunk k is a
+contiguous block, and every rank cuts what it receives from each source the same way. Then
+
+    dispatch chunk 0, wait for it
+    for k: start chunk k+1's dispatch (async), run chunk k's experts, start chunk k's combine (async)
+    wait for the combines; one weighted combine over the whole buffer
+
+In the backward, autograd runs the reverse: the combines' gradients are sent first (all chunks,
+async), each chunk's expert backward runs as soon as its gradients arrived, and its dispatch
+gradient is sent back (async) while the next chunk's experts run. Routes, slots and drops are those
+of one chunk: only the order in which rows travel and meet their experts changes. A dispatcher that
+replaces the row exchange (a proxy rank fabricating its peers' rows, ``moe_engine.proxy``) exchanges
+each chunk through ``exchange_rows``, in the same order, one at a time.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ from __future__ import annotations
 import copy
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,10 +47,13 @@ from moe_engine.config import DispatchKind
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import (
     ExpertGroups,
+    chunk_major_order,
+    chunk_rows,
     combine,
     gather_tokens,
     plan_routing,
     plan_slots,
+    reorder_rows,
     sort_permutation,
 )
 from moe_engine.moe.router import RouterOutput
@@ -97,6 +117,75 @@ def all_to_all(
     return _AllToAll.apply(send_RD, recv_splits, send_splits, group)
 
 
+class _InFlight:
+    """One row all-to-all started asynchronously, and (in backward) its reverse."""
+
+    def __init__(self, group, recv_splits: list[int] | None, send_splits: list[int] | None):
+        self.group, self.recv_splits, self.send_splits = group, recv_splits, send_splits
+        self.work = None
+        self.buffers: tuple = ()
+        """Tensors the collective in flight reads or writes: held until it is waited for."""
+
+    def start(self, send_RD: torch.Tensor, recv_splits, send_splits) -> torch.Tensor:
+        send_RD = send_RD.contiguous()
+        rows = send_RD.shape[0] if recv_splits is None else sum(recv_splits)
+        recv_RD = send_RD.new_empty(rows, *send_RD.shape[1:])
+        self.work = dist.all_to_all_single(recv_RD, send_RD, recv_splits, send_splits, group=self.group, async_op=True)
+        self.buffers = (send_RD, recv_RD)
+        return recv_RD
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.work, self.buffers = None, ()
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Starts the row all-to-all; returns its receive buffer, valid once ``_WaitAllToAll`` has run.
+    Backward: waits for the gradients that ``_WaitAllToAll``'s backward started sending back."""
+
+    @staticmethod
+    def forward(ctx, send_RD, flight: _InFlight):
+        ctx.flight = flight
+        return flight.start(send_RD, flight.recv_splits, flight.send_splits)
+
+    @staticmethod
+    def backward(ctx, grad_recv_RD):
+        # grad_recv_RD is what _WaitAllToAll's backward is sending; the sent rows' gradients are what
+        # arrives, in the buffer it started receiving into: complete after the wait.
+        flight = ctx.flight
+        grad_send_RD = flight.buffers[1]
+        flight.wait()
+        return grad_send_RD, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Waits for the row all-to-all. Backward: starts sending the gradients back (async)."""
+
+    @staticmethod
+    def forward(ctx, recv_RD, flight: _InFlight):
+        flight.wait()
+        ctx.flight = flight
+        return recv_RD.view_as(recv_RD)
+
+    @staticmethod
+    def backward(ctx, grad_recv_RD):
+        flight = ctx.flight
+        flight.start(grad_recv_RD, flight.send_splits, flight.recv_splits)
+        # Passed on to _StartAllToAll's backward, which waits and returns what arrived instead.
+        return flight.buffers[0], None
+
+
+def start_all_to_all(
+    send_RD: torch.Tensor, group, recv_splits: list[int] | None = None, send_splits: list[int] | None = None
+) -> Callable[[], torch.Tensor]:
+    """Differentiable ``all_to_all_single`` of rows, started now: returns the function that waits for
+    it and gives the received rows. Its backward starts the gradients' exchange when they are ready
+    and waits for it only where the sent rows' gradients are needed."""
+    flight = _InFlight(group, recv_splits, send_splits)
+    recv_RD = _StartAllToAll.apply(send_RD, flight)
+    return lambda: _WaitAllToAll.apply(recv_RD, flight)
+
+
 def capacity(num_assignments: int, ep: int, capacity_factor: float) -> int:
     """Rows per destination rank: capacity_factor times the balanced load from one source."""
     # Rounded first so that e.g. 0.1 * 30 counts as 3, not 3.0000000000000004 -> 4.
@@ -108,6 +197,19 @@ def received_local_experts(recv_counts_SL: torch.Tensor, slot_capacity: int) -> 
     ends_SL = torch.cumsum(recv_counts_SL, dim=1)
     within_SC = torch.arange(slot_capacity, device=ends_SL.device).expand(ends_SL.shape[0], -1).contiguous()
     return torch.searchsorted(ends_SL, within_SC, right=True).flatten()
+
+
+def _received_local_experts_sync(recv_counts_SL: torch.Tensor, rows: int) -> torch.Tensor:
+    """Local expert of each row received in a sync exchange (rows by source, then local expert)."""
+    num_local = recv_counts_SL.shape[1]
+    local_ids = torch.arange(num_local, device=recv_counts_SL.device).repeat(recv_counts_SL.shape[0])
+    return torch.repeat_interleave(local_ids, recv_counts_SL.flatten(), output_size=rows)
+
+
+def _expert_rows(local_M: torch.Tensor, num_local: int) -> torch.Tensor:
+    """int64 rows of each local expert among ``local_M`` (padding rows, id L, not counted); on the device."""
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=local_M.device)
+    return counts.scatter_add_(0, local_M, torch.ones_like(local_M))[:num_local]
 
 
 def _run_received(
@@ -128,16 +230,31 @@ class AllToAllDispatcher(Dispatcher):
     """Expert parallelism over ``group``: tokens travel to the rank holding their expert and back.
 
     In the no-sync variant every rank of the group must pass the same number of tokens (the
-    equal-split buffers are sized from it); the sync variant accepts any.
+    equal-split buffers are sized from it); the sync variant accepts any. Every rank of the group
+    must use the same ``chunks`` (chunked exchanges: the module docstring).
     """
 
-    def __init__(self, group, kind: DispatchKind = DispatchKind.NO_SYNC, capacity_factor: float = 1.25):
+    def __init__(
+        self, group, kind: DispatchKind = DispatchKind.NO_SYNC, capacity_factor: float = 1.25, chunks: int = 1
+    ):
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
         self.group = group
         self.ep = dist.get_world_size(group)
         self.kind = DispatchKind(kind)
         self.capacity_factor = capacity_factor
+        self.chunks = chunks
+
+    @property
+    def chunks(self) -> int:
+        """All-to-alls each direction of a layer's exchange is cut into (1: the whole buffer at once)."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, chunks: int) -> None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"a2a_chunks must be an integer >= 1, got {chunks!r}")
+        self._chunks = chunks
 
     def __deepcopy__(self, memo):
         # Process groups cannot be copied; a copied model talks over the same group.
@@ -175,9 +292,18 @@ class AllToAllDispatcher(Dispatcher):
         # The one host synchronisation of this variant: both sides' split sizes.
         send_splits, recv_splits = torch.stack([send_counts_SL.sum(dim=1), recv_counts_SL.sum(dim=1)]).tolist()
 
+        if self.chunks > 1:
+            rows = reorder_rows(plan.rows, self._chunk_major(send_counts_SL.sum(dim=1), sum(send_splits)))
+            local_M = _received_local_experts_sync(recv_counts_SL, sum(recv_splits))
+            local_M = local_M.index_select(0, self._chunk_major(recv_counts_SL.sum(dim=1), sum(recv_splits)))
+            y_ND = self._chunked(
+                gather_tokens(x_TD, rows), local_M, experts, chunk_rows(send_splits, self.chunks),
+                chunk_rows(recv_splits, self.chunks), padded=False,
+            )
+            return combine(y_ND, route.weight_TK, rows), _no_drops(x_TD.device)
+
         recv_MD = self.exchange_rows(gather_tokens(x_TD, plan.rows), recv_splits, send_splits, combine=False)
-        local_ids = torch.arange(experts.num_experts, device=x_TD.device).repeat(ep)
-        local_M = torch.repeat_interleave(local_ids, recv_counts_SL.flatten(), output_size=recv_MD.shape[0])
+        local_M = _received_local_experts_sync(recv_counts_SL, recv_MD.shape[0])
         y_MD = _run_received(recv_MD, local_M, recv_counts_SL.sum(dim=0), experts, padded=False)
         y_ND = self.exchange_rows(y_MD, send_splits, recv_splits, combine=True)
         return combine(y_ND, route.weight_TK, plan.rows), _no_drops(x_TD.device)
@@ -190,9 +316,65 @@ class AllToAllDispatcher(Dispatcher):
         slots = plan_slots(plan, ep, slot_capacity)
         recv_counts_SL = self.exchange_counts(slots.kept_E.view(ep, -1), route.expert_TK)
 
+        if self.chunks > 1:
+            slots_S = torch.full((ep,), slot_capacity, dtype=torch.int64, device=x_TD.device)
+            order_R = self._chunk_major(slots_S, ep * slot_capacity)
+            rows = reorder_rows(slots.rows, order_R)
+            local_R = received_local_experts(recv_counts_SL, slot_capacity).index_select(0, order_R)
+            pieces = chunk_rows([slot_capacity] * ep, self.chunks)
+            y_RD = self._chunked(gather_tokens(x_TD, rows), local_R, experts, pieces, pieces, padded=True)
+            return combine(y_RD, route.weight_TK, rows), slots.dropped
+
         # One gather from x_TD writes each kept assignment straight into its slot.
         recv_RD = self.exchange_rows(gather_tokens(x_TD, slots.rows), None, None, combine=False)
         local_R = received_local_experts(recv_counts_SL, slot_capacity)
         y_RD = _run_received(recv_RD, local_R, recv_counts_SL.sum(dim=0), experts, padded=True)
         y_RD = self.exchange_rows(y_RD, None, None, combine=True)
         return combine(y_RD, route.weight_TK, slots.rows), slots.dropped
+
+    # ---- chunked exchanges (module docstring) ----------------------------------------------------
+
+    def _chunk_major(self, rows_S: torch.Tensor, total: int) -> torch.Tensor:
+        return chunk_major_order(rows_S, total, self.chunks)
+
+    def _overlaps(self) -> bool:
+        """Whether chunks travel asynchronously: not where a subclass replaces the row exchange."""
+        return type(self).exchange_rows is AllToAllDispatcher.exchange_rows
+
+    def _start_rows(self, send_RD, recv_splits, send_splits, combine: bool) -> Callable[[], torch.Tensor]:
+        if self._overlaps():
+            return start_all_to_all(send_RD, self.group, recv_splits, send_splits)
+        recv_RD = self.exchange_rows(send_RD, recv_splits, send_splits, combine)
+        return lambda: recv_RD
+
+    def _chunked(
+        self,
+        send_ND: torch.Tensor,
+        local_M: torch.Tensor,
+        experts: GroupedExperts,
+        send_rows: list[list[int]],
+        recv_rows: list[list[int]],
+        padded: bool,
+    ) -> torch.Tensor:
+        """Expert outputs for the chunk-major send buffer ``send_ND``, back in its order.
+
+        ``local_M``: the local expert of each received row, chunk-major (padding rows: L);
+        ``send_rows`` / ``recv_rows`` [chunk][rank]: the rows of each chunk to and from each rank."""
+        num_local = experts.num_experts
+        sends = send_ND.split([sum(rows) for rows in send_rows])
+        locals_ = local_M.split([sum(rows) for rows in recv_rows])
+        # Equal splits (no-sync) travel as such: the same collective as an unchunked exchange's.
+        splits = (lambda rows: None) if padded else (lambda rows: rows)
+
+        def start_dispatch(k: int) -> Callable[[], torch.Tensor]:
+            return self._start_rows(sends[k], splits(recv_rows[k]), splits(send_rows[k]), combine=False)
+
+        pending, returns = start_dispatch(0), []
+        for k in range(self.chunks):
+            recv_MD = pending()
+            if k + 1 < self.chunks:
+                pending = start_dispatch(k + 1)
+            counts_L = _expert_rows(locals_[k], num_local)
+            y_MD = _run_received(recv_MD, locals_[k], counts_L, experts, padded)
+            returns.append(self._start_rows(y_MD, splits(send_rows[k]), splits(recv_rows[k]), combine=True))
+        return torch.cat([wait() for wait in returns])

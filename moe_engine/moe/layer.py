@@ -69,9 +69,11 @@ class MoELayer(nn.Module):
         ep: int,
         kind: DispatchKind = DispatchKind.NO_SYNC,
         capacity_factor: float = 1.25,
+        a2a_chunks: int = 1,
     ) -> None:
         """Become rank ``ep_rank``'s shard of an expert-parallel group: keep only its block of experts
-        (new parameters, same values) and send tokens to their experts over all-to-all in ``group``."""
+        (new parameters, same values) and send tokens to their experts over all-to-all in ``group``,
+        in ``a2a_chunks`` chunks overlapped with the experts (``moe_engine.moe.dispatch``)."""
         num_experts = self.config.num_experts
         if num_experts % ep != 0:
             raise ValueError(f"ep={ep} does not divide num_experts={num_experts}")
@@ -83,7 +85,7 @@ class MoELayer(nn.Module):
         from moe_engine.parallel.layout import Layout
 
         self.experts.keep_only(Layout(ParallelConfig(dp=ep, ep=ep)).local_experts(ep_rank, num_experts))
-        self.dispatcher = AllToAllDispatcher(group, kind, capacity_factor)
+        self.dispatcher = AllToAllDispatcher(group, kind, capacity_factor, a2a_chunks)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])

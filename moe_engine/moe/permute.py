@@ -7,6 +7,10 @@ and backward is a gather (no scatter with duplicates):
 - on one device the rows are the assignments stably sorted by expert (R = N, a permutation);
 - in no-sync expert parallelism the rows are fixed-capacity slots per destination rank, where some
   rows hold no assignment and some assignments (over capacity) have no row.
+
+Chunked exchanges (``chunk_major_order``) move a buffer's rows in chunks: each destination's run of
+rows is cut into the same number of nearly equal pieces, and the buffer reordered so that chunk k,
+every destination's k-th piece, is one contiguous block of rows.
 """
 
 from __future__ import annotations
@@ -194,3 +198,42 @@ def plan_slots(plan: RoutingPlan, num_ranks: int, capacity: int) -> SlotPlan:
 
     rows = RowMap(row_N, assignment_R, plan.rows.top_k, kept_N=kept_N, filled_R=filled_SC.flatten())
     return SlotPlan(rows, kept_SL.flatten(), (counts_SL - kept_SL).sum())
+
+
+def chunk_bounds(rows: int, chunks: int) -> list[int]:
+    """Where each of ``chunks`` nearly equal pieces of ``rows`` rows starts, and the end: piece k is
+    rows [k * rows // chunks, (k + 1) * rows // chunks)."""
+    return [k * rows // chunks for k in range(chunks + 1)]
+
+
+def chunk_rows(rows_S: list[int], chunks: int) -> list[list[int]]:
+    """[chunk][s]: the rows of each run of ``rows_S`` (one per destination or source) in each chunk."""
+    bounds_S = [chunk_bounds(rows, chunks) for rows in rows_S]
+    return [[bounds[k + 1] - bounds[k] for bounds in bounds_S] for k in range(chunks)]
+
+
+def chunk_major_order(rows_S: torch.Tensor, total: int, chunks: int) -> torch.Tensor:
+    """int64 order of a buffer's ``total`` rows, runs of ``rows_S`` rows one after the other, that
+    puts chunk k (every run's piece k, ``chunk_bounds``) before chunk k + 1, each run's rows in
+    order: the new row r holds the old row order[r]. On the device, no host sync."""
+    position_R = torch.arange(total, device=rows_S.device)
+    run_R = torch.repeat_interleave(torch.arange(rows_S.numel(), device=rows_S.device), rows_S, output_size=total)
+    start_S = torch.cumsum(rows_S, dim=0) - rows_S
+    within_R = position_R - start_S.index_select(0, run_R)
+    size_R = rows_S.index_select(0, run_R)
+    # Row w of a run of n rows lies in piece k = the largest k with k n // chunks <= w, i.e. k n < (w + 1) chunks.
+    chunk_R = torch.div((within_R + 1) * chunks - 1, size_R, rounding_mode="floor")
+    return torch.argsort(chunk_R * total + position_R)
+
+
+def reorder_rows(rows: RowMap, order_R: torch.Tensor) -> RowMap:
+    """The same assignments in a buffer whose new row r is the old row ``order_R[r]``."""
+    new_row_R = torch.empty_like(order_R)
+    new_row_R.scatter_(0, order_R, torch.arange(order_R.numel(), device=order_R.device))
+    return RowMap(
+        row_N=new_row_R.index_select(0, rows.row_N),
+        assignment_R=rows.assignment_R.index_select(0, order_R),
+        top_k=rows.top_k,
+        kept_N=rows.kept_N,
+        filled_R=None if rows.filled_R is None else rows.filled_R.index_select(0, order_R),
+    )

@@ -95,7 +95,8 @@ def build_rank_model(
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
-                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor
+                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor,
+                parallel.a2a_chunks,
             )
     if fsdp:
         apply_fsdp(model, groups.dp, config.dtype.torch_dtype)

@@ -78,10 +78,12 @@ def build_proxy_rank(
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
-                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor
+                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor,
+                parallel.a2a_chunks,
             )
             layer_peers = SimulatedPeers(config.moe, layer.router.layer_idx, seeds, config.d_model)
             layer.dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, parallel.capacity_factor, layer_peers)
+            layer.dispatcher.chunks = parallel.a2a_chunks
     if parallel.pp == 1:
         module: nn.Module = model
         pipeline = None

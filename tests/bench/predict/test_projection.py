@@ -29,7 +29,8 @@ NODE0 = tuple(range(8))
 TWO_NODES = tuple(range(16))
 SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed",
             "optimizer", "param_gather_exposed", "other_comm", "skew")
-BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total")
+BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total",
+          "expert_comm_hidden", "expert_comm_total")
 
 
 def approx(x: float):
@@ -216,6 +217,8 @@ def check_breakdown(p: Projection) -> None:
     for sync in ("grad_sync", "param_gather"):
         assert p.breakdown_s[f"{sync}_hidden"] + p.breakdown_s[f"{sync}_exposed"] == approx(
             p.breakdown_s[f"{sync}_total"])
+    assert p.breakdown_s["expert_comm_hidden"] + p.breakdown_s["expert_comm"] == approx(
+        p.breakdown_s["expert_comm_total"])
 
 
 def pp1() -> Schedule:
@@ -290,6 +293,7 @@ def test_pp1_gradient_sync_hidden_under_backward():
         "optimizer": approx(0.01), "param_gather_exposed": 0.0, "param_gather_hidden": 0.0,
         "param_gather_total": 0.0, "other_comm": approx(6 * 10e-6),
         "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0, "skew": 0.0,
+        "expert_comm_hidden": 0.0, "expert_comm_total": approx(EXPERT_S),
     }
     assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
     assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)

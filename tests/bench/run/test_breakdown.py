@@ -253,7 +253,11 @@ def test_breakdown_adds_up_to_the_projected_step(layout):
     matmul_flops = stage["traced_matmul_flops_per_microbatch"] * m
     assert _sum({k: kinds[k] for k in ("gemm", "grouped_gemm", "attention") if k in kinds}, "flops") == \
         pytest.approx(matmul_flops, rel=1e-12)
-    weight = lambda op: m / m_t if op.stage in ("forward", "backward") else 1.0
+    # The projection's rules, restated: the proxy's stand-ins for its peers cost nothing (no kernel, no
+    # bytes), and a gradient bucket's 1/dp scaling runs once per step, not once per microbatch.
+    once = lambda op: op.name.startswith("aten.div_") and op.location in ("@accumulate_grad", "@grad_sync")
+    weight = lambda op: (0.0 if op.location == "@proxy_peers" else
+                         1.0 if once(op) or op.stage not in ("forward", "backward") else m / m_t)
     kernels = math.fsum(weight(op) for op in trace.ops if op_kind(op) not in ("free", "collective"))
     calls = [op for op in trace.ops if op_kind(op) == "collective"]
     per_microbatch = {"expert", "pipeline"}

@@ -222,6 +222,7 @@ def test_the_full_scale_projection_scales_each_part_by_its_own_rule():
         "grad_sync_exposed": grad, "grad_sync_hidden": 0.0, "grad_sync_total": grad, "optimizer": 0.31,
         "param_gather_exposed": 0.0, "param_gather_hidden": 0.0, "param_gather_total": 0.0, "other_comm": other,
         "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0, "skew": 0.0,
+        "expert_comm_hidden": 0.0, "expert_comm_total": 16 * a2a,  # one chunk: nothing overlaps
     })
     assert projection.tokens_per_s_per_gpu == pytest.approx(8 * 16 * 4096 / step_s / 16)
     assert projection.tflops_per_gpu == pytest.approx(6e9 * 8 * 16 * 4096 / step_s / 16 / 1e12)
