@@ -15,6 +15,8 @@ Kinds
                  forward 4 * B * H * Sq * Sk * d, halved under the causal mask; backward 2.5 times the
                  forward (FlashAttention's count: five products instead of two)
     collective   c10d ops (priced on the network, ``bench.predict.projection``)
+    fused        the engine's fused ops (``moe_engine::*``): the kernels each runs on a GPU, its GEMMs
+                 and memory-bound passes, as ``bench.predict.fused_ops`` counts them
     memory       everything else: bytes read + written = the bytes of every tensor argument and output
                  (an in-place op reads and writes its destination: counted twice, as it moves twice)
 
@@ -33,7 +35,7 @@ from typing import Any
 
 __all__ = ["KINDS", "OpWork", "TensorSpec", "TracedOp", "op_kind", "op_work"]
 
-KINDS = ("free", "gemm", "grouped_gemm", "mx_gemm", "attention", "collective", "memory")
+KINDS = ("free", "gemm", "grouped_gemm", "mx_gemm", "attention", "collective", "fused", "memory")
 STAGES = ("forward", "backward", "optimizer", "other")
 
 _DTYPE_BYTES = {
@@ -132,6 +134,8 @@ def op_kind(op: TracedOp) -> str:
         return "collective"
     if op.packet in _FREE or namespace in ("profiler", "prim"):
         return "free"
+    if namespace == "moe_engine":
+        return "fused"
     if base in _GEMMS:
         return "gemm"
     if base == "_grouped_mm":
@@ -163,6 +167,15 @@ class OpWork:
     shape: tuple[int, ...] = ()
     """GEMMs: (M, N, K), or (B, M, N, K) batched; grouped GEMMs: (groups, rows per group, N, K); for a
     profile whose curves were measured at shapes."""
+    parts: tuple[Any, ...] = ()
+    """Fused ops: their kernels (``bench.predict.fused_ops.FusedPart``: a count and one launch's work)."""
+
+    @property
+    def kernels(self) -> int:
+        """GPU kernels the op launches: none for free ops, its parts' launches for a fused op, else one."""
+        if self.parts:
+            return sum(p.count for p in self.parts)
+        return 0 if self.kind == "free" else 1
 
 
 def _moved_bytes(op: TracedOp) -> int:
@@ -247,6 +260,11 @@ def op_work(op: TracedOp) -> OpWork:
                       grouped_reduction=len(a.shape) == 2 and len(b.shape) == 2)
     if kind == "attention":
         return OpWork(kind, attention_flops(op), moved, dtype, backward=op.name.split(".")[1].endswith("_backward"))
+    if kind == "fused":
+        # fused_ops builds on this module's types, so it is imported where it is needed.
+        from bench.predict.fused_ops import fused_work
+
+        return fused_work(op)
     if kind in ("free", "collective"):
         return OpWork(kind, 0.0, 0.0 if kind == "free" else moved, dtype)
     return OpWork(kind, 0.0, moved, dtype)

@@ -18,6 +18,8 @@ dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch o
         mx_gemm:       the same at P = peak_tflops.mxfp8
         attention:     W_flops / (P e_attention) + o
         memory:        W_bytes / (B e_memory) + o
+        fused:         the sum over its kernels (``bench.predict.fused_ops``) of each one's price by
+                       the rule of its kind (gemm or memory), curves included
     free ops cost 0 on a GPU (the host queues kernels ahead of the device); on a CPU each costs the
     profile's measured ``free_op_us`` (the host is the device). A CPU profile with ``host_op_us`` (the
     host's time around each op of a training step, measured) adds it to every op, free ones
@@ -89,6 +91,8 @@ def _kernel_seconds(work: OpWork, profile: DeviceProfile) -> float:
         return 0.0
     if work.kind == "free":
         return eff.get("free_op_us", 0.0) * 1e-6 if profile.kind == "cpu" else 0.0
+    if work.kind == "fused":
+        return sum(part.count * _kernel_seconds(part.work, profile) for part in work.parts)
     dtype = rate_dtype(work.dtype)
     memory_s = work.nbytes / (profile.hbm_gbps * 1e9 * eff["memory"])
     if work.kind == "memory":

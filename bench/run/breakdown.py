@@ -7,7 +7,8 @@ Counting (m = the scenario's microbatches, m_t = the traced ones)
     compute ops     seconds, bytes, FLOPs and kernels as priced (``bench.predict.pricing``), times
                     m / m_t in the forward and backward (the projection's microbatch_s * m), once
                     in the optimizer and the rest of the step. A kernel is an op priced as one (views
-                    and metadata are none; a region priced as one GPU kernel is one).
+                    and metadata are none; a region priced as one GPU kernel is one; a fused op is
+                    the kernels it launches, ``bench.predict.fused_ops``).
     collectives     each priced alone on the network (``collective_seconds``), times m / m_t for the
                     per-microbatch ones (expert all-to-alls, stage messages, FSDP's gathers). The
                     step counts of each account of collectives (``ACCOUNTS``) what the projection
@@ -185,7 +186,7 @@ _OVERLOADS = {"aten.max.other": "elementwise", "aten.min.other": "elementwise",
               "aten.max.default": "reduction", "aten.min.default": "reduction",
               "aten.max.dim": "reduction", "aten.min.dim": "reduction"}
 _PRICED = {"gemm": "gemm", "grouped_gemm": "grouped_gemm", "mx_gemm": "grouped_gemm",
-           "attention": "attention", "collective": "collective", "free": "free"}
+           "attention": "attention", "collective": "collective", "free": "free", "fused": "fused"}
 
 
 def op_kind_of(priced: PricedOp) -> str:
@@ -318,7 +319,7 @@ def step_breakdown(
         if account is None:
             weight = per_microbatch if runs_every_microbatch(op) else 1.0
             time_s, hidden_s = p.seconds * weight, 0.0
-            kernels = 0.0 if kind == "free" else weight
+            kernels = p.work.kernels * weight
             nbytes, flops = p.work.nbytes * weight, p.work.flops * weight
         else:
             weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0

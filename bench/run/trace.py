@@ -347,7 +347,7 @@ class StepTracer(TorchDispatchMode):
             region=region,
             region_call=region_call,
             group_rows=group_rows,
-            arguments=_scalar_arguments(func, args, kwargs) if func.namespace == "aten" else (),
+            arguments=_scalar_arguments(func, args, kwargs) if func.namespace in ("aten", "moe_engine") else (),
             collective=collective,
             location=self.locator.locate(node, in_fsdp),
         ))

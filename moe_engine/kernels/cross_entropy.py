@@ -240,4 +240,7 @@ def linear_cross_entropy(
     default, ``default_chunk_rows``)."""
     if labels.shape != h.shape[:-1]:
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match hidden states {tuple(h.shape)}")
-    return linear_cross_entropy_op(h.reshape(-1, h.shape[-1]), weight, labels.reshape(-1), ignore_index, chunk_rows)[0]
+    h_ND = h.reshape(-1, h.shape[-1])
+    # Resolved here so that a trace records the chunking the op runs (its price depends on it).
+    chunk_rows = chunk_rows if chunk_rows > 0 else default_chunk_rows(h_ND.shape[0], h_ND.shape[1], weight.shape[0])
+    return linear_cross_entropy_op(h_ND, weight, labels.reshape(-1), ignore_index, chunk_rows)[0]

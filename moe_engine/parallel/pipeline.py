@@ -7,6 +7,10 @@ single-process model. The loss of a step is the mean of the microbatch losses, w
 full-batch mean because microbatches are equal. Each microbatch's loss is scaled by 1/m before its
 backward (the schedule's own rescaling after the last backward is off), so gradients are final as
 they arrive and a data-parallel bucket can reduce during the last microbatch's backward.
+
+With fused kernels the last stage sends its normalised hidden states to the loss instead of logits,
+and the loss is the LM head fused with the cross-entropy (``moe_engine.kernels.linear_cross_entropy``,
+the head's weight taken from the stage): the (B, S, V) logits never exist, as in the one-process step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from moe_engine import kernels
 from moe_engine.config import ParallelConfig, PipelineSchedule
 from moe_engine.model import Transformer
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
@@ -54,12 +59,22 @@ class StageModule(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
+        self.fused_loss = self.is_last and model.fused_kernels
+        """The last stage ends at the final norm; the loss applies the LM head (module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h_BSD = self.embed(x) if self.is_first else x
         for block in self.blocks.values():
             h_BSD = block(h_BSD, self.rope)
-        return self.lm_head(self.norm(h_BSD)) if self.is_last else h_BSD
+        if not self.is_last:
+            return h_BSD
+        return self.norm(h_BSD) if self.fused_loss else self.lm_head(self.norm(h_BSD))
+
+    def loss(self, out: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """The last stage's training loss of its output (logits, or the normalised hidden states)."""
+        if self.fused_loss:
+            return kernels.linear_cross_entropy(out, self.lm_head.weight, labels_BS)
+        return cross_entropy(out, labels_BS)
 
 
 def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -67,8 +82,8 @@ def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
 
 
-def _scaled_cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, scale: float) -> torch.Tensor:
-    return cross_entropy(logits_BSV, labels_BS) * scale
+def _scaled_loss(out: torch.Tensor, labels_BS: torch.Tensor, stage: StageModule, scale: float) -> torch.Tensor:
+    return stage.loss(out, labels_BS) * scale
 
 
 class StageParameters(nn.Module):
@@ -116,7 +131,9 @@ class Pipeline:
                 if isinstance(layer, MoELayer):
                     layer.loss_scale = 1 / config.microbatches
         schedule = _SCHEDULES[config.schedule]
-        loss_fn = functools.partial(_scaled_cross_entropy, scale=1 / config.microbatches)
+        # Only the rank holding the last stage calls the loss.
+        last = next((m for m in self.modules if m.is_last), None)
+        loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / config.microbatches)
         stages = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = schedule(stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_engine.config import ParallelConfig, PipelineSchedule
-from moe_engine.parallel.pipeline import StageModule, StageParameters, cross_entropy
+from moe_engine.parallel.pipeline import StageModule, StageParameters
 
 
 def stage_order(schedule: PipelineSchedule, pp: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
@@ -78,7 +78,7 @@ class ProxyPipeline:
                     x = self._message(shape, device, self.stage - 1).requires_grad_()
                 out = self.module(x)
                 if self.is_last:
-                    out = cross_entropy(out, labels[i])
+                    out = self.module.loss(out, labels[i])
                     losses.append(out.detach())
                     out = out / m
                 else:

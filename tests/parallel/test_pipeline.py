@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
 from tolerances import assert_close_to_scale, model_tolerance
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
@@ -19,9 +20,20 @@ CONFIG = dict(
 SEED = 1234
 
 
-def _config() -> ModelConfig:
+def _config(fused_kernels: bool = False) -> ModelConfig:
     data = dict(CONFIG)
-    return ModelConfig(**{k: v for k, v in data.items() if k != "moe"}, moe=MoEConfig(**data["moe"]))
+    return ModelConfig(**{k: v for k, v in data.items() if k != "moe"}, moe=MoEConfig(**data["moe"]),
+                       fused_kernels=fused_kernels)
+
+
+class _OpNames(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
 
 
 def _batch(seed: int):
@@ -29,16 +41,17 @@ def _batch(seed: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _pipeline_rank(parallel: ParallelConfig, seed: int):
-    model = build_model(_config(), seed=seed)
+def _pipeline_rank(parallel: ParallelConfig, seed: int, fused_kernels: bool = False):
+    model = build_model(_config(fused_kernels), seed=seed)
     layout = Layout(parallel)
     pipeline = Pipeline(model, parallel, layout.stage_indices(dist.get_rank()), dist.group.WORLD, torch.device("cpu"))
     tokens, labels = _batch(seed)
-    loss = pipeline.step(tokens, labels)
+    with _OpNames() as ops:
+        loss = pipeline.step(tokens, labels)
     grads = {
         name: p.grad.clone() for module in pipeline.modules for name, p in module.named_parameters() if p.grad is not None
     }
-    return {"loss": loss, "grads": grads}
+    return {"loss": loss, "grads": grads, "ops": ops.names}
 
 
 def _reference(seed: int):
@@ -74,3 +87,19 @@ def test_pipeline_schedules_match_single_process(parallel):
     assert set(got) == set(ref_grads)
     for name, grad in ref_grads.items():
         assert_close_to_scale(got[name], grad, model_tolerance(_config(), tokens), msg=name)
+
+
+def test_fused_pipeline_keeps_no_logits_and_matches_the_unfused_single_process_step():
+    # The last stage ends at the final norm and its loss is the fused LM head + cross-entropy.
+    parallel = ParallelConfig(pp=2, schedule="1f1b", microbatches=4)
+    ranks = run_ranks(_pipeline_rank, parallel.pp, parallel, SEED, True, timeout=120)
+    ref_loss, ref_grads = _reference(SEED)
+    last = ranks[-1]
+    assert "moe_engine::linear_cross_entropy" in last["ops"]
+    assert not {"aten::_log_softmax", "aten::nll_loss_forward"} & last["ops"]
+    tokens = 8 * CONFIG["seq_len"]
+    torch.testing.assert_close(last["loss"], ref_loss, rtol=model_tolerance(_config(), tokens, gradients=False), atol=0)
+    got = {name: g for rank in ranks for name, g in rank["grads"].items()}
+    assert set(got) == set(ref_grads)
+    for name, grad in ref_grads.items():
+        assert_close_to_scale(got[name], grad, model_tolerance(_config(), tokens), msg=f"{name}, seed {SEED}")

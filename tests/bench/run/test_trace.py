@@ -91,3 +91,30 @@ def test_a_full_size_rank_traces_without_allocating_it():
     rows = [r for op in grouped for r in op.group_rows]
     assert len(grouped[0].group_rows) == 16
     assert 3500 < sum(rows) / len(rows) < 4700
+
+
+def _fused(name: str):
+    spec = load_scenario(f"scenarios/smoke/{name}.yaml").spec
+    spec["model"]["fused_kernels"] = True
+    return scenario_from_dict(spec)
+
+
+@pytest.mark.parametrize("name", ["e8-random-bf16", "e8-pp2-1f1b-bf16"])
+def test_fused_kernels_trace_as_they_run_and_price_the_loss_gemms(name):
+    scenario = _fused(name)
+    rank = scenario.world_size - 1  # the last stage computes the loss
+    real = trace_step(scenario, rank=rank, fake=False)
+    fake = trace_step(scenario, rank=rank, fake=True)
+    assert _kernels(fake) == _kernels(real)
+    losses = [op for op in fake.ops if op.packet == "moe_engine.linear_cross_entropy"]
+    assert losses and all(dict(op.arguments).get("chunk_rows", 0) > 0 for op in losses)
+    assert {op.packet for op in fake.ops} >= {"moe_engine.rms_norm", "moe_engine.swiglu",
+                                              "moe_engine.linear_cross_entropy_backward"}
+    # Against the same step unfused: the LM head's three products (6 N V D) are now inside the fused
+    # loss, which recomputes the logits once more in its backward: 2 N V D more FLOPs, N the step's
+    # tokens on this stage.
+    plain = trace_step(load_scenario(f"scenarios/smoke/{name}.yaml"), rank=rank, fake=True)
+    model = scenario.model
+    extra = 2 * scenario.run["tokens_per_step"] * model.vocab_size * model.d_model
+    flops = lambda trace: sum(op_work(op).flops for op in trace.ops)  # noqa: E731
+    assert flops(fake) == pytest.approx(flops(plain) + extra, rel=1e-9)

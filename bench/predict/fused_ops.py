@@ -1,0 +1,156 @@
+"""The work of the engine's fused ops (``moe_engine::*``, ``moe_engine.kernels``) as their GPU path runs them.
+
+A trace sees each fused op as one op (a ``torch.library.custom_op``), but on a GPU one op can be
+several kernels: the fused cross-entropy runs its LM-head GEMMs chunk by chunk beside its row-wise
+Triton kernels. Each op's work is therefore a list of parts, each part a kernel repeated ``count``
+times (``FusedPart``); the profile prices every part by the rules of its kind (``bench.predict.pricing``)
+and the op costs their sum. Pure arithmetic on the standard library.
+
+Sizes: s the bytes of an element of the op's main input, N rows, D the hidden width, V the vocabulary,
+C the cross-entropy's rows per chunk (``chunk_rows``, recorded by the trace), c = ceil(N / C) chunks.
+
+    moe_engine::rms_norm, add_rms_norm, swiglu, swiglu_backward, swiglu_packed_backward, rope,
+    rope_backward
+        one memory-bound kernel that reads every input and writes every output once: the bytes of
+        the op's tensors (the generic rule of ``bench.predict.ops``)
+    moe_engine::rms_norm_backward
+        the same kernel, plus torch's sum of its per-program fp32 partial grad_weight rows and the
+        cast of that sum to the weight's dtype: 2 more kernels (1 with an fp32 weight), priced as
+        launches (programs x D partials are small against the N x D rows)
+    moe_engine::linear_cross_entropy (forward), per chunk of C rows
+        GEMM   logits (C, V) = h (C, D) @ W^T:   2 C V D FLOPs, (C D + V D + C V) s bytes
+        loss   one pass over the logits:         C V s + 8 C (labels) + 8 C (lse, loss) bytes
+        copy   lse and loss into the outputs:    2 kernels of 8 C bytes
+        and once: the count of labelled rows (labels != ignore_index 9 N bytes, its sum N + 8, the
+        cast 12), the loss's sum (4 N + 4) and the mean (12): 5 kernels
+        totals: 2 N V D FLOPs; N D s + c V D s + 2 N V s + 46 N + 36 bytes; 4 c + 5 kernels
+    moe_engine::linear_cross_entropy_backward, per chunk of C rows
+        GEMM   logits again (C, V):              2 C V D FLOPs, (C D + V D + C V) s
+        grad   softmax - onehot in place:        2 C V s + 8 C (labels) + 4 C (lse) + 4 (scale) bytes
+        GEMM   grad_h (C, D) = g (C, V) @ W:     2 C V D FLOPs, (C V + V D + C D) s
+        GEMM   grad_W += g^T @ h (accumulating): 2 C V D FLOPs, (C V + C D + 2 V D) s
+        and once: the count (3 kernels, 10 N + 20 bytes), the scale (12) and grad_W's zero fill
+        (V D s): 5 kernels (the incoming grad_loss is fp32 already: no cast)
+        totals: 6 N V D FLOPs; 3 N D s + (4 c + 1) V D s + 5 N V s + 22 N + 4 c + 32 bytes; 4 c + 5 kernels
+
+The last chunk may be shorter (N - (c - 1) C rows): its parts are priced at its own size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bench.predict.ops import OpWork, TensorSpec, TracedOp, dtype_bytes
+
+__all__ = ["FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
+
+NAMESPACE = "moe_engine"
+
+_ONE_PASS = ("rms_norm", "add_rms_norm", "swiglu", "swiglu_backward", "swiglu_packed_backward", "rope", "rope_backward")
+FUSED_OPS = (*_ONE_PASS, "rms_norm_backward", "linear_cross_entropy", "linear_cross_entropy_backward")
+"""Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
+
+
+@dataclass(frozen=True)
+class FusedPart:
+    """A kernel of a fused op, run ``count`` times with the same work."""
+
+    count: int
+    """Launches of this kernel in one call of the op."""
+    work: OpWork
+    """One launch's work (kind gemm or memory)."""
+
+
+def is_fused(op: TracedOp) -> bool:
+    """Whether ``op`` is one of the engine's fused ops."""
+    return op.name.startswith(NAMESPACE + ".")
+
+
+def _base(op: TracedOp) -> str:
+    return op.name.split(".")[1]
+
+
+def _moved(specs: tuple[TensorSpec, ...]) -> int:
+    return sum(s.nbytes for s in specs)
+
+
+def _memory(count: int, nbytes: float, dtype: str) -> FusedPart:
+    return FusedPart(count, OpWork("memory", 0.0, nbytes, dtype))
+
+
+def _gemm(count: int, m: int, n: int, k: int, s: int, dtype: str, accumulate: bool = False) -> FusedPart:
+    """``count`` products (M, K) @ (K, N) -> (M, N); ``accumulate``: the output is read as well."""
+    nbytes = (m * k + k * n + m * n * (2 if accumulate else 1)) * s
+    return FusedPart(count, OpWork("gemm", 2.0 * m * n * k, nbytes, dtype, shape=(m, n, k)))
+
+
+def _chunk_sizes(rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """(count, rows) of the full chunks and of the shorter last one."""
+    if rows == 0:
+        return []
+    chunk = min(chunk_rows, rows) if chunk_rows > 0 else rows
+    full, last = divmod(rows, chunk)
+    return [(n, r) for n, r in ((full, chunk), (1 if last else 0, last)) if n]
+
+
+def _chunk_rows(op: TracedOp) -> int:
+    chunk_rows = dict(op.arguments).get("chunk_rows")
+    if not isinstance(chunk_rows, int):
+        raise ValueError(f"{op.name}: the trace did not record chunk_rows; retrace with this version")
+    return chunk_rows
+
+
+def _cross_entropy_parts(op: TracedOp) -> list[FusedPart]:
+    backward = _base(op).endswith("_backward")
+    h, weight = (op.inputs[1], op.inputs[2]) if backward else (op.inputs[0], op.inputs[1])
+    rows, width = h.shape
+    vocab = weight.shape[0]
+    s, dtype = dtype_bytes(h.dtype), h.dtype
+    # The count of labelled rows: labels != ignore_index, its sum, the cast to fp32.
+    parts = [_memory(1, 9 * rows, "torch.int64"), _memory(1, rows + 8, "torch.bool"), _memory(1, 12, "torch.int64")]
+    for count, c in _chunk_sizes(rows, _chunk_rows(op)):
+        if backward:
+            parts += [
+                _gemm(count, c, vocab, width, s, dtype),
+                _memory(count, 2 * c * vocab * s + 12 * c + 4, dtype),
+                _gemm(count, c, width, vocab, s, dtype),
+                _gemm(count, vocab, width, c, s, dtype, accumulate=True),
+            ]
+        else:
+            parts += [
+                _gemm(count, c, vocab, width, s, dtype),
+                _memory(count, c * vocab * s + 16 * c, dtype),
+                _memory(2 * count, 8 * c, "torch.float32"),
+            ]
+    if backward:
+        parts += [_memory(1, 12, "torch.float32"), _memory(1, vocab * width * s, dtype)]  # the scale, grad_W = 0
+    else:
+        parts += [_memory(1, 4 * rows + 4, "torch.float32"), _memory(1, 12, "torch.float32")]  # sum, mean
+    return parts
+
+
+def fused_parts(op: TracedOp) -> list[FusedPart]:
+    """The kernels of one fused op as its GPU path runs them (module docstring)."""
+    base = _base(op)
+    dtype = op.inputs[0].dtype if op.inputs else "torch.float32"
+    if base in _ONE_PASS:
+        return [_memory(1, _moved(op.inputs) + _moved(op.outputs), dtype)]
+    if base == "rms_norm_backward":
+        weight = op.inputs[-2]
+        casts = 0 if weight.dtype == "torch.float32" else 1
+        return [_memory(1, _moved(op.inputs) + _moved(op.outputs), dtype), _memory(1 + casts, 0.0, "torch.float32")]
+    if base in ("linear_cross_entropy", "linear_cross_entropy_backward"):
+        return _cross_entropy_parts(op)
+    raise ValueError(
+        f"{op.name} has no pricing rule: add it to bench/predict/fused_ops.py (known: {', '.join(FUSED_OPS)})"
+    )
+
+
+def fused_work(op: TracedOp) -> OpWork:
+    """One fused op's work: its parts' FLOPs, bytes and kernels summed, the parts kept for pricing."""
+    parts = tuple(fused_parts(op))
+    flops = math.fsum(p.count * p.work.flops for p in parts)
+    nbytes = math.fsum(p.count * p.work.nbytes for p in parts)
+    dtype = op.inputs[0].dtype if op.inputs else "torch.float32"
+    return OpWork("fused", flops, nbytes, dtype, parts=parts)
