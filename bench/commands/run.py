@@ -121,7 +121,7 @@ def print_summary(outcomes) -> None:
 
     table = Table(title="moe-bench results")
     for column in ("scenario", "mode", "status", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory", "params (total/active)"):
-        table.add_column(column, justify="left" if column in ("scenario", "mode", "status") else "right")
+        table.add_column(column, justify="left" if column in ("scenario", "mode", "status") else "right", no_wrap=True)
     for o in outcomes:
         m = o.metrics
 
@@ -132,17 +132,31 @@ def print_summary(outcomes) -> None:
         params = ""
         if "total_params" in m:
             params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"
-        # A proxy measured one rank; its cluster figures are projections, marked as such.
-        prefix, mark = ("projected_", " (proj.)") if o.scenario.mode == "proxy" else ("", "")
+        tokens = med("tokens_per_s_per_gpu", lambda v: f"{v:,.0f}")
+        tflops = med("tflops_per_gpu", lambda v: f"{v:.3f}")
+        if o.scenario.mode == "proxy":
+            tokens, tflops = _proxy_figures(o)
         table.add_row(
-            o.scenario.name, o.scenario.mode, o.status,
-            med(f"{prefix}tokens_per_s_per_gpu", lambda v: f"{v:,.0f}{mark}"),
-            med(f"{prefix}tflops_per_gpu", lambda v: f"{v:.3f}{mark}"),
+            o.scenario.name, o.scenario.mode, o.status, tokens, tflops,
             med("mfu", lambda v: f"{v:.1%}"),
             f"{m[memory]['median'] / 2**30:.2f} GiB" if memory else "",
             params,
         )
-    Console(width=max(120, Console().width)).print(table)
+    # Wide enough for the longest scenario names and marked projections whole (logs are read in editors).
+    Console(width=max(170, Console().width)).print(table)
+
+
+def _proxy_figures(o) -> tuple[str, str]:
+    """A proxy measured one rank of a cluster; the cluster's figures are projections. The summary shows
+    the projection onto the first GPU profile (``details.device_projections``), marked with its name:
+    the one at the measuring machine's own compute prices a GPU cluster at CPU speed and says nothing
+    about it (it stays in the result document, ``projected_*``)."""
+    projections = o.details.get("device_projections") or {}
+    device, projection = next(iter(projections.items()), (None, None))
+    if projection is None or "tokens_per_s_per_gpu" not in projection:
+        return "", ""
+    mark = f" (proj. {device})"
+    return f"{projection['tokens_per_s_per_gpu']:,.0f}{mark}", f"{projection['tflops_per_gpu']:.1f}{mark}"
 
 
 def print_comparisons(outcomes, comparisons) -> None:

@@ -223,3 +223,18 @@ def test_micro_benchmark_report_folds_into_metrics():
     assert metrics["moe_layer_e64_k8_gflops"]["median"] == pytest.approx(2.0)
     assert metrics["dense_swiglu_same_flops_gflops"]["median"] == pytest.approx((4 / 1.0 + 4 / 1.1) / 2)
     assert metrics["moe_layer_vs_dense_flops"]["median"] == 0.5
+
+
+def test_the_run_summary_shows_a_proxy_at_its_gpu_projection_not_at_cpu_compute(capsys, tmp_path):
+    from bench.commands.run import print_summary
+    from bench.run.runner import Outcome
+    from bench.scenario import load_scenario
+
+    scenario = load_scenario("scenarios/olmo-core3/moe-1.2t-512gpu-proxy.yaml")
+    metrics = {"projected_tokens_per_s_per_gpu": metric([0.195], "tokens/s", None),
+               "projected_tflops_per_gpu": metric([0.069], "TFLOP/s", None)}
+    details = {"device_projections": {"b300": {"tokens_per_s_per_gpu": 1012.99, "tflops_per_gpu": 358.32}}}
+    print_summary([Outcome(scenario, "ok", None, tmp_path / "r.json", metrics, 1.0, details=details)])
+    out = capsys.readouterr().out
+    assert "1,013 (proj. b300)" in out and "358.3 (proj. b300)" in out
+    assert "0.069" not in out
