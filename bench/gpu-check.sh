@@ -15,15 +15,19 @@
 # A failing step is recorded and the next one still runs. Exit status: 0 only if every step passed,
 # 1 if one failed (the last line names them), 2 if the check cannot start.
 #
-# Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 9.75
+# Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 10.75
 # minutes in all, steps.txt records the measured seconds):
 #   tests-cuda  180 s: the same selection takes 16 s on a 2-core CPU machine with its 39 CUDA tests
 #                      skipped; those compile Triton kernels (about 30 distinct quantizer and GEMM
 #                      specialisations at up to 3 s each: 90 s) after CUDA start-up (about 15 s).
-#   micro-cuda   90 s: 4 benchmarks of 7 calls each (pedantic: 2 warm-up, 5 rounds) of one layer's
+#   micro-cuda  150 s: 4 benchmarks of 7 calls each (pedantic: 2 warm-up, 5 rounds) of one layer's
 #                      forward and backward on 4,096 tokens, at most 0.31 TFLOP a call (0.3 ms at the
-#                      989 TFLOP/s bf16 peak, 3 ms at 10%): under 0.1 s in all. The rest is pytest and
-#                      CUDA start-up (about 15 s) and the first call of each kernel.
+#                      989 TFLOP/s bf16 peak, 3 ms at 10%): under 0.1 s in all; and each fused op
+#                      against its eager composition (bench/micro/test_fused_ops.py, 10 benchmarks of 7
+#                      calls): the loss pair does 13.5 TFLOP a call (0.14 s at 10% of the peak, 2 s for
+#                      its 14 calls), the rest move under 2 GB a call (under 1 ms at 4.8 TB/s). The rest
+#                      is pytest and CUDA start-up (about 15 s) and the first call of each kernel (about
+#                      12 Triton kernels at up to 3 s each).
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).
@@ -78,7 +82,7 @@ if [ $dry_run = 1 ]; then
         >"$out/environment.txt" 2>&1
     tests=(env -u MOE_TEST_DEVICE "$python" -m pytest tests/test_cuda.py tests/moe/test_grouped_gemm.py)
     # The micro-benchmarks' own module at tiny sizes, so that pytest-benchmark still writes its JSON.
-    micro=(env MOE_BENCH_DEVICE=cpu "$python" -c "
+    micro=(env MOE_BENCH_DEVICE=cpu MOE_BENCH_PROFILE="$base" "$python" -c "
 import sys, pytest, bench.micro.test_moe_layer as micro
 micro.TOKENS, micro.D_MODEL, micro.EXPERT_HIDDEN = 64, 32, 16
 sys.exit(pytest.main(sys.argv[1:]))")
@@ -115,9 +119,11 @@ else
     { nvidia-smi || true; "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
         >"$out/environment.txt" 2>&1
     cuda_tests=(tests/test_cuda.py tests/test_model.py tests/moe/test_grouped_gemm.py tests/moe/test_host_sync.py
-                tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision)
+                tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision
+                tests/kernels)
     tests=(env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tests[@]}")
-    micro=(env MOE_BENCH_DEVICE=cuda "$python" -m pytest)
+    # Each fused op against its eager composition, its bytes/s set against the base profile's memory rate.
+    micro=(env MOE_BENCH_DEVICE=cuda MOE_BENCH_PROFILE="$base" "$python" -m pytest)
     suite=("$python" -m bench.cli run --suite gpu --device cuda)
     profile=("$python" -m bench.cli profile-device --device cuda --quick --name measured-gpu)
     projected=(scenarios/gpu/*.yaml)
@@ -138,7 +144,7 @@ run_step() {  # name, time limit in seconds, command...
 }
 
 run_step tests-cuda 180 "${tests[@]}" -q --junitxml="$out/tests-cuda.xml" -p no:cacheprovider
-run_step micro-cuda 90 "${micro[@]}" bench/micro -q --benchmark-enable --benchmark-json="$out/micro-cuda.json" \
+run_step micro-cuda 150 "${micro[@]}" bench/micro -q --benchmark-enable --benchmark-json="$out/micro-cuda.json" \
     -p no:cacheprovider
 # The node scenarios this host has the GPUs for (1 < dp * pp <= GPUs): 75 s each on top of the one-GPU set.
 node_scenarios=$("$python" -c "

@@ -1,9 +1,11 @@
 """Micro-benchmark fixtures and the ratios derived from benchmarks measured in the same run.
 
 Run: ``pytest bench/micro --benchmark-json=micro.json`` (``MOE_BENCH_DEVICE=cuda`` on a GPU).
-Each benchmark stores its work (``flops``, ``tokens``) in ``extra_info``; the ratios below compare
-medians of the same run, so machine speed cancels out. They are added to the JSON under
-``derived`` and printed at the end.
+Each benchmark stores its work (``flops``, ``tokens``, ``bytes``) in ``extra_info``; the ratios below
+compare medians of the same run, so machine speed cancels out. They are added to the JSON under
+``derived`` and printed at the end. With ``MOE_BENCH_PROFILE=NAME`` (a device profile,
+``devices/NAME.yaml``) each memory-bound benchmark's achieved bytes/s is also set against the
+profile's declared memory rate (HBM bandwidth x its memory efficiency): ``derived["memory_rate"]``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import pytest
 import torch
 
 # (numerator, denominator, metric): metric "flops" compares achieved FLOP/s, "tokens" tokens/s.
+# "bytes" compares achieved bytes/s: a fused op and its eager composition carry the fused op's bytes,
+# so the ratio is eager seconds / fused seconds.
 RATIOS = {
     "moe_layer_vs_dense_flops": ("test_moe_layer[E64-k8]", "test_dense_swiglu_same_flops", "flops"),
     "experts_128_vs_8_tokens": ("test_expert_count[E128-k4]", "test_expert_count[E8-k4]", "tokens"),
+    **{f"fused_over_eager_{op}": (f"test_fused_op[{op}-fused]", f"test_fused_op[{op}-eager]", "bytes")
+       for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy")},
 }
-TARGETS = {"moe_layer_vs_dense_flops": 0.70, "experts_128_vs_8_tokens": 0.85}
+TARGETS = {"moe_layer_vs_dense_flops": 0.70, "experts_128_vs_8_tokens": 0.85,
+           **{key: 1.0 for key in RATIOS if key.startswith("fused_over_eager_")}}
 
 
 @pytest.fixture(scope="session")
@@ -43,8 +50,25 @@ def derive_ratios(benchmarks: list[dict]) -> dict[str, dict]:
     return derived
 
 
+def memory_rates(benchmarks: list[dict]) -> dict[str, dict]:
+    """Achieved bytes/s of each benchmark with ``bytes`` against MOE_BENCH_PROFILE's declared memory rate."""
+    name = os.environ.get("MOE_BENCH_PROFILE")
+    if not name:
+        return {}
+    from bench.predict.device import load_profile
+
+    profile = load_profile(name)
+    declared = profile.hbm_gbps * 1e9 * profile.efficiency["memory"]
+    return {b["name"]: {"achieved_gbps": _rate(b, "bytes") / 1e9, "declared_gbps": declared / 1e9,
+                        "fraction": _rate(b, "bytes") / declared, "profile": profile.name}
+            for b in benchmarks if "bytes" in b["extra_info"]}
+
+
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["derived"] = derive_ratios(output_json["benchmarks"])
+    rates = memory_rates(output_json["benchmarks"])
+    if rates:
+        output_json["derived"]["memory_rate"] = rates
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -59,6 +83,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             line += f", {_rate(bench, 'flops') / 1e9:.1f} GFLOP/s"
         if "tokens" in info:
             line += f", {_rate(bench, 'tokens'):.0f} tokens/s"
+        if "bytes" in info:
+            line += f", {_rate(bench, 'bytes') / 1e9:.1f} GB/s ({info.get('path', '')})"
         terminalreporter.write_line(line)
     for key, value in derive_ratios(benchmarks).items():
         terminalreporter.write_line(f"{key}: {value['ratio']:.3f} (target >= {value['target']})")
+    for key, value in memory_rates(benchmarks).items():
+        terminalreporter.write_line(f"{key}: {value['fraction']:.0%} of {value['profile']}'s declared memory rate "
+                                    f"({value['achieved_gbps']:.0f} of {value['declared_gbps']:.0f} GB/s)")
