@@ -34,6 +34,19 @@ C the cross-entropy's rows per chunk (``chunk_rows``, recorded by the trace), c 
         totals: 6 N V D FLOPs; 3 N D s + (4 c + 1) V D s + 5 N V s + 22 N + 4 c + 32 bytes; 4 c + 5 kernels
 
 The last chunk may be shorter (N - (c - 1) C rows): its parts are priced at its own size.
+
+    moe_engine::gather_rows, gather_rows_backward, combine_rows, combine_rows_backward
+        one memory-bound kernel each (the combine's backward zeroes grad_y's empty rows in the same
+        launch), priced by the rows it moves rather than by its tensors' sizes: a gather reads a
+        source row once per copy, and the ops carry the map's other direction for their backward.
+        With T tokens, k assignments each (N = T k, dropped ones counted: an upper bound), R buffer
+        rows, D the width, s and s_w the bytes of a row's and a weight's element, I the bytes of the
+        op's int64 and bool inputs (all counted, read or not: a few bytes a row against D s):
+        gather_rows            2 R D s + I                              (R rows read, R written)
+        gather_rows_backward   (N + T) D s + I                          (N rows read, T written)
+        combine_rows           (N + T) D s + T k s_w + I;  2 N D FLOPs
+        combine_rows_backward  (T + N + R) D s + 2 T k s_w + I;  4 N D FLOPs (grad_weight, grad_y)
+        the FLOPs those of the eager bmms they replace.
 """
 
 from __future__ import annotations
@@ -48,7 +61,8 @@ __all__ = ["FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
 NAMESPACE = "moe_engine"
 
 _ONE_PASS = ("rms_norm", "add_rms_norm", "swiglu", "swiglu_backward", "swiglu_packed_backward", "rope", "rope_backward")
-FUSED_OPS = (*_ONE_PASS, "rms_norm_backward", "linear_cross_entropy", "linear_cross_entropy_backward")
+_ROUTING = ("gather_rows", "gather_rows_backward", "combine_rows", "combine_rows_backward")
+FUSED_OPS = (*_ONE_PASS, "rms_norm_backward", "linear_cross_entropy", "linear_cross_entropy_backward", *_ROUTING)
 """Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
 
 
@@ -130,6 +144,25 @@ def _cross_entropy_parts(op: TracedOp) -> list[FusedPart]:
     return parts
 
 
+def _routing_parts(op: TracedOp) -> list[FusedPart]:
+    base = _base(op)
+    index = sum(t.nbytes for t in op.inputs if t.dtype in ("torch.int64", "torch.bool"))
+    rows = op.inputs[0]
+    if base == "gather_rows":
+        return [_memory(1, 2 * op.outputs[0].nbytes + index, rows.dtype)]
+    if base == "gather_rows_backward":
+        gathered = op.inputs[1].shape[0] * rows.shape[1] * dtype_bytes(rows.dtype)
+        return [_memory(1, gathered + op.outputs[0].nbytes + index, rows.dtype)]
+    # combine_rows(y, weight, row, ...), combine_rows_backward(grad, y, weight, row, ...)
+    y, weight, row = op.inputs[:3] if base == "combine_rows" else op.inputs[1:4]
+    width, assignments = y.shape[1], row.shape[0]
+    gathered = assignments * width * dtype_bytes(y.dtype)
+    moved = gathered + weight.nbytes + _moved(op.outputs) + index
+    if base == "combine_rows":
+        return [FusedPart(1, OpWork("memory", 2.0 * assignments * width, moved, y.dtype))]
+    return [FusedPart(1, OpWork("memory", 4.0 * assignments * width, moved + rows.nbytes, y.dtype))]
+
+
 def fused_parts(op: TracedOp) -> list[FusedPart]:
     """The kernels of one fused op as its GPU path runs them (module docstring)."""
     base = _base(op)
@@ -142,6 +175,8 @@ def fused_parts(op: TracedOp) -> list[FusedPart]:
         return [_memory(1, _moved(op.inputs) + _moved(op.outputs), dtype), _memory(1 + casts, 0.0, "torch.float32")]
     if base in ("linear_cross_entropy", "linear_cross_entropy_backward"):
         return _cross_entropy_parts(op)
+    if base in _ROUTING:
+        return _routing_parts(op)
     raise ValueError(
         f"{op.name} has no pricing rule: add it to bench/predict/fused_ops.py (known: {', '.join(FUSED_OPS)})"
     )

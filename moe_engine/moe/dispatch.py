@@ -31,6 +31,9 @@ gradient is sent back (async) while the next chunk's experts run. Routes, slots 
 of one chunk: only the order in which rows travel and meet their experts changes. A dispatcher that
 replaces the row exchange (a proxy rank fabricating its peers' rows, ``moe_engine.proxy``) exchanges
 each chunk through ``exchange_rows``, in the same order, one at a time.
+
+With the experts' ``fused_kernels`` set (``ModelConfig.fused_kernels`` reaches them) every gather of
+rows and the weighted combine run as fused ops (``permute.gather_tokens`` / ``combine``, ``fused``).
 """
 
 from __future__ import annotations
@@ -84,8 +87,9 @@ class LocalDispatcher(Dispatcher):
 
     def __call__(self, x_TD, route, experts):
         plan = plan_routing(route.expert_TK, experts.num_experts)
-        y_ND = experts(gather_tokens(x_TD, plan.rows), plan.groups)
-        return combine(y_ND, route.weight_TK, plan.rows), _no_drops(x_TD.device)
+        fused = experts.fused_kernels
+        y_ND = experts(gather_tokens(x_TD, plan.rows, fused), plan.groups)
+        return combine(y_ND, route.weight_TK, plan.rows, fused), _no_drops(x_TD.device)
 
 
 def all_to_all_rows(x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group) -> torch.Tensor:
@@ -218,12 +222,12 @@ def _run_received(
     """Expert outputs for received rows, in arrival order; padding rows (local id L) give zeros."""
     sort = sort_permutation(local_R)
     groups = ExpertGroups.from_counts(counts_L)
-    y_RD = experts(gather_tokens(recv_RD, sort), groups)
+    y_RD = experts(gather_tokens(recv_RD, sort, experts.fused_kernels), groups)
     if padded:
         # Grouped GEMMs leave rows after the last offset uninitialised (possibly NaN).
         real_R = torch.arange(y_RD.shape[0], device=y_RD.device) < groups.offsets_E[-1]
         y_RD = torch.where(real_R.unsqueeze(1), y_RD, 0)
-    return gather_tokens(y_RD, sort.inverse())
+    return gather_tokens(y_RD, sort.inverse(), experts.fused_kernels)
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -285,7 +289,7 @@ class AllToAllDispatcher(Dispatcher):
         return all_to_all(send_RD, self.group, recv_splits, send_splits)
 
     def _sync(self, x_TD, route, experts):
-        ep = self.ep
+        ep, fused = self.ep, experts.fused_kernels
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
         send_counts_SL = plan.groups.counts_E.view(ep, -1)
         recv_counts_SL = self.exchange_counts(send_counts_SL, route.expert_TK)
@@ -297,19 +301,19 @@ class AllToAllDispatcher(Dispatcher):
             local_M = _received_local_experts_sync(recv_counts_SL, sum(recv_splits))
             local_M = local_M.index_select(0, self._chunk_major(recv_counts_SL.sum(dim=1), sum(recv_splits)))
             y_ND = self._chunked(
-                gather_tokens(x_TD, rows), local_M, experts, chunk_rows(send_splits, self.chunks),
+                gather_tokens(x_TD, rows, fused), local_M, experts, chunk_rows(send_splits, self.chunks),
                 chunk_rows(recv_splits, self.chunks), padded=False,
             )
-            return combine(y_ND, route.weight_TK, rows), _no_drops(x_TD.device)
+            return combine(y_ND, route.weight_TK, rows, fused), _no_drops(x_TD.device)
 
-        recv_MD = self.exchange_rows(gather_tokens(x_TD, plan.rows), recv_splits, send_splits, combine=False)
+        recv_MD = self.exchange_rows(gather_tokens(x_TD, plan.rows, fused), recv_splits, send_splits, combine=False)
         local_M = _received_local_experts_sync(recv_counts_SL, recv_MD.shape[0])
         y_MD = _run_received(recv_MD, local_M, recv_counts_SL.sum(dim=0), experts, padded=False)
         y_ND = self.exchange_rows(y_MD, send_splits, recv_splits, combine=True)
-        return combine(y_ND, route.weight_TK, plan.rows), _no_drops(x_TD.device)
+        return combine(y_ND, route.weight_TK, plan.rows, fused), _no_drops(x_TD.device)
 
     def _no_sync(self, x_TD, route, experts):
-        ep = self.ep
+        ep, fused = self.ep, experts.fused_kernels
         num_tokens, top_k = route.expert_TK.shape
         slot_capacity = capacity(num_tokens * top_k, ep, self.capacity_factor)
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
@@ -322,15 +326,15 @@ class AllToAllDispatcher(Dispatcher):
             rows = reorder_rows(slots.rows, order_R)
             local_R = received_local_experts(recv_counts_SL, slot_capacity).index_select(0, order_R)
             pieces = chunk_rows([slot_capacity] * ep, self.chunks)
-            y_RD = self._chunked(gather_tokens(x_TD, rows), local_R, experts, pieces, pieces, padded=True)
-            return combine(y_RD, route.weight_TK, rows), slots.dropped
+            y_RD = self._chunked(gather_tokens(x_TD, rows, fused), local_R, experts, pieces, pieces, padded=True)
+            return combine(y_RD, route.weight_TK, rows, fused), slots.dropped
 
         # One gather from x_TD writes each kept assignment straight into its slot.
-        recv_RD = self.exchange_rows(gather_tokens(x_TD, slots.rows), None, None, combine=False)
+        recv_RD = self.exchange_rows(gather_tokens(x_TD, slots.rows, fused), None, None, combine=False)
         local_R = received_local_experts(recv_counts_SL, slot_capacity)
         y_RD = _run_received(recv_RD, local_R, recv_counts_SL.sum(dim=0), experts, padded=True)
         y_RD = self.exchange_rows(y_RD, None, None, combine=True)
-        return combine(y_RD, route.weight_TK, slots.rows), slots.dropped
+        return combine(y_RD, route.weight_TK, slots.rows, fused), slots.dropped
 
     # ---- chunked exchanges (module docstring) ----------------------------------------------------
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_engine import kernels
 from moe_engine.moe.router import expert_counts
 
 
@@ -145,13 +146,19 @@ class _Combine(torch.autograd.Function):
         return grad_y_RD, grad_weight_TK, None
 
 
-def gather_tokens(x_TD: torch.Tensor, rows: RowMap) -> torch.Tensor:
-    """The (R, D) buffer: each row a copy of its assignment's token row, zero where empty."""
+def gather_tokens(x_TD: torch.Tensor, rows: RowMap, fused: bool = False) -> torch.Tensor:
+    """The (R, D) buffer: each row a copy of its assignment's token row, zero where empty. ``fused``:
+    as one op forward and one backward (``moe_engine.kernels.gather_rows``)."""
+    if fused:
+        return kernels.gather_rows(x_TD, rows.assignment_R, rows.row_N, rows.top_k, rows.filled_R, rows.kept_N)
     return _GatherRows.apply(x_TD, rows)
 
 
-def combine(y_RD: torch.Tensor, weight_TK: torch.Tensor, rows: RowMap) -> torch.Tensor:
-    """Weighted sum of each token's kept expert outputs: (T, D) in the experts' dtype."""
+def combine(y_RD: torch.Tensor, weight_TK: torch.Tensor, rows: RowMap, fused: bool = False) -> torch.Tensor:
+    """Weighted sum of each token's kept expert outputs: (T, D) in the experts' dtype. ``fused``: as one
+    op forward and one backward, keeping no (T, k, D) copy (``moe_engine.kernels.combine_rows``)."""
+    if fused:
+        return kernels.combine_rows(y_RD, weight_TK, rows.row_N, rows.assignment_R, rows.kept_N, rows.filled_R)
     return _Combine.apply(y_RD, weight_TK, rows)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tolerances import tolerance
 
 from moe_engine import kernels
+from moe_engine.moe.permute import RowMap, plan_routing, plan_slots, reorder_rows, sort_permutation
 
 IGNORE = -100
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -119,6 +120,73 @@ def cases(seed: int = SEED) -> list[dict]:
     ]
 
 
+def _row_map_tensors(rows: RowMap) -> dict[str, torch.Tensor]:
+    out = {"row_N": rows.row_N, "assignment_R": rows.assignment_R}
+    if rows.kept_N is not None:
+        out["kept_N"] = rows.kept_N
+    if rows.filled_R is not None:
+        out["filled_R"] = rows.filled_R
+    return out
+
+
+def _routes(g, tokens: int, top_k: int, experts: list[int]) -> torch.Tensor:
+    """(tokens, top_k) distinct experts per token, drawn from ``experts`` (the others receive no rows)."""
+    pool = torch.tensor(experts)
+    return torch.stack([pool[torch.randperm(len(experts), generator=g)[:top_k]] for _ in range(tokens)])
+
+
+def _routing_case(g, name, tokens, top_k, width, rows: RowMap, weight_dtype: str | None = None):
+    """Both routing ops on one map: ``gather_rows`` of x (T, D) and ``combine_rows`` of y (R, D). Rows of
+    y and of the gradient reaching the gathered rows that hold no assignment are NaN, as garbage
+    there would be: nothing may read them."""
+    filled_R = rows.filled_R if rows.filled_R is not None else torch.ones(rows.assignment_R.numel(), dtype=torch.bool)
+    y = torch.randn(rows.assignment_R.numel(), width, generator=g)
+    grad_rows = torch.randn(rows.assignment_R.numel(), width, generator=g)
+    y[~filled_R] = float("nan")
+    grad_rows[~filled_R] = float("nan")
+    weight = torch.rand(tokens, top_k, generator=g)
+    tensors = {
+        "x": torch.randn(tokens, width, generator=g) * 2.0,
+        "grad_rows": grad_rows,
+        "y": y,
+        "weight": weight / weight.sum(dim=1, keepdim=True),
+        "grad_out": torch.randn(tokens, width, generator=g),
+        **_row_map_tensors(rows),
+    }
+    params = {"top_k": top_k, "weight_dtype": weight_dtype}
+    return {"op": "routing", "name": name, "tensors": tensors, "params": params}
+
+
+def routing_cases(seed: int = SEED) -> list[dict]:
+    """The routing ops' cases: an expert receiving no rows, fixed-capacity slots with empty slots and
+    dropped assignments (the no-sync dispatch), one token, widths that are not multiples of the column
+    block (one of two blocks), top_k 1, 2 and 3, a permutation of single rows (a receiver's sort),
+    a chunk-major reordered map, fp32 weights on bf16 rows."""
+    g = torch.Generator().manual_seed(seed + 1)
+    local = plan_routing(_routes(g, 9, 2, [0, 1, 2, 4, 5]), 6)
+    # 4 experts on 2 ranks, capacity 5: 13 routes go to rank 0 (8 dropped), 3 to rank 1 (2 empty slots).
+    skewed_TK = torch.tensor([[0, 1]] * 5 + [[2, 1]] * 3)[torch.randperm(8, generator=g)]
+    flip_T = torch.rand(8, generator=g) < 0.5
+    skewed = plan_routing(torch.where(flip_T.unsqueeze(1), skewed_TK.flip(1), skewed_TK), 4)
+    slots = plan_slots(skewed, 2, 5).rows
+    assert slots.kept_N is not None and not slots.kept_N.all() and not slots.filled_R.all()
+    slots_k3 = plan_slots(plan_routing(_routes(g, 6, 3, [0, 1, 2, 3, 5]), 6), 3, 4).rows
+    chunked = reorder_rows(slots, torch.cat([torch.arange(0, 10, 2), torch.arange(1, 10, 2)]))
+    one = plan_routing(_routes(g, 1, 1, [2]), 3)
+    return [
+        _routing_case(g, "9 tokens, top_k 2, expert 3 gets none, width 48", 9, 2, 48, local.rows),
+        _routing_case(g, "slots: 8 tokens, top_k 2, dropped and empty, width 40", 8, 2, 40, slots),
+        _routing_case(g, "slots: top_k 2, fp32 weights, width 24", 8, 2, 24, slots, weight_dtype="fp32"),
+        _routing_case(g, "slots: chunk-major order, width 17", 8, 2, 17, chunked),
+        _routing_case(g, "slots: 6 tokens, top_k 3, width 33", 6, 3, 33, slots_k3),
+        _routing_case(g, "one token, top_k 1, width 5", 1, 1, 5, one.rows),
+        _routing_case(g, "permutation of 13 rows, width 1100 (two column blocks)", 13, 1, 1100,
+                      sort_permutation(torch.randint(0, 4, (13,), generator=g))),
+        _routing_case(g, "3 tokens, top_k 2, width 1030, fp32 weights", 3, 2, 1030,
+                      plan_routing(_routes(g, 3, 2, [0, 1, 2, 3]), 4).rows, weight_dtype="fp32"),
+    ]
+
+
 def case_id(case: dict) -> str:
     return f"{case['op']}: {case['name']}"
 
@@ -131,10 +199,11 @@ def _prepare(case: dict, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     for name, t in case["tensors"].items():
         # A copy: the case's own tensors stay untouched (and without autograd state) for the next run.
         t = t.detach().clone().to(device)
-        if t.is_floating_point() and name not in ("cos", "sin", "grad_loss"):
+        keep = ("cos", "sin", "grad_loss") + (("weight",) if case["params"].get("weight_dtype") else ())
+        if t.is_floating_point() and name not in keep:
             t = t.to(dtype)
         # The packed SwiGLU has no autograd (the experts' hand-written backward calls it).
-        if name in ("x", "residual", "weight", "gate", "up", "h") and case["op"] != "swiglu_packed":
+        if name in ("x", "residual", "weight", "gate", "up", "h", "y") and case["op"] != "swiglu_packed":
             t.requires_grad_()
         out[name] = t
     if case["op"] == "rope" and case["params"]["transposed"]:
@@ -175,7 +244,17 @@ def run_fused(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
     if op == "rope":
         y = kernels.rope(t["x"], t["cos"], t["sin"])
         return _backward({"y": y}, {"y": t["grad_y"]}, {"x": t["x"]})
+    if op == "routing":
+        maps = (t.get("kept_N"), t.get("filled_R"))
+        rows = kernels.gather_rows(t["x"], t["assignment_R"], t["row_N"], p["top_k"], maps[1], maps[0])
+        out = kernels.combine_rows(t["y"], t["weight"], t["row_N"], t["assignment_R"], *maps)
+        return _backward({"rows": rows, "out": out}, {"rows": t["grad_rows"], "out": t["grad_out"]},
+                         {k: t[k] for k in ("x", "y", "weight")})
     raise ValueError(f"unknown op {op}")
+
+
+def _eager_zero_where_not(mask, rows):
+    return rows if mask is None else torch.where(mask.unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype))
 
 
 def _eager_rms_norm(x, weight, eps):
@@ -218,6 +297,14 @@ def run_eager(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
         cos, sin = t["cos"][:seq].to(x.dtype), t["sin"][:seq].to(x.dtype)
         y = x * cos + _rotate_half(x) * sin
         return _backward({"y": y}, {"y": t["grad_y"]}, {"x": x})
+    if op == "routing":
+        # permute.py's formulas, differentiated by autograd (index_select's backward is a scatter-add).
+        top_k, kept, filled = p["top_k"], t.get("kept_N"), t.get("filled_R")
+        rows = _eager_zero_where_not(filled, t["x"].index_select(0, t["assignment_R"] // top_k))
+        y_TKD = _eager_zero_where_not(kept, t["y"].index_select(0, t["row_N"])).view(*t["weight"].shape, -1)
+        out = torch.bmm(t["weight"].to(t["y"].dtype).unsqueeze(1), y_TKD).squeeze(1)
+        return _backward({"rows": rows, "out": out}, {"rows": t["grad_rows"], "out": t["grad_out"]},
+                         {k: t[k] for k in ("x", "y", "weight")})
     raise ValueError(f"unknown op {op}")
 
 
@@ -232,7 +319,8 @@ def tolerances(case: dict, dtype: torch.dtype) -> dict[str, float]:
     (k = 1), a few roundings deep. Cross-entropy: the logits' GEMM over the width, the logsumexp over
     the vocabulary, the mean over the rows; gradients run the chain back, and the weight's gradient
     also carries one more rounding per chunk it is accumulated over (in the weight's dtype). RoPE:
-    elementwise, two products and a sum.
+    elementwise, two products and a sum. Routing: copies, and sums of top_k terms (the weighted
+    one over the width for the weights' gradient), exact where ``moe_engine.kernels.routing`` says so.
     """
     tensors, op = case["tensors"], case["op"]
     if op in ("rms_norm", "add_rms_norm"):
@@ -256,6 +344,14 @@ def tolerances(case: dict, dtype: torch.dtype) -> dict[str, float]:
                 "grad_weight": tolerance(dtype, k, depth=7 + chunks)}
     if op == "rope":
         return {"y": tolerance(dtype, 1, depth=3), "grad_x": tolerance(dtype, 1, depth=3)}
+    if op == "routing":
+        top_k, width = case["params"]["top_k"], tensors["x"].shape[1]
+        # Exact (0) where both round the same arithmetic once: copies, a sum of two, one product, and
+        # in bf16 the weighted sum of two exact products (moe_engine.kernels.routing's docstring).
+        sums = 0.0 if top_k <= 2 else tolerance(dtype, top_k)
+        weighted = 0.0 if top_k <= 2 and dtype == torch.bfloat16 else tolerance(dtype, top_k)
+        return {"rows": 0.0, "grad_x": sums, "out": weighted, "grad_y": 0.0,
+                "grad_weight": tolerance(dtype, width)}
     raise ValueError(f"unknown op {op}")
 
 

@@ -1,7 +1,8 @@
 """Run by test_triton_interpreter.py in a fresh process with TRITON_INTERPRET=1 (Triton decides between
 compiling and interpreting when a kernel is defined, at import): every fused op's case through the
-Triton kernels on CPU tensors, the storage helpers on chosen bit patterns, and a small model with fused
-kernels, as the inputs ask. Usage: interpreter_child.py INPUTS OUTPUTS (both ``torch.save`` files)."""
+Triton kernels on CPU tensors (the routing ops' cases too, when given), the storage helpers on chosen
+bit patterns, and a small model with fused kernels, as the inputs ask. Usage: interpreter_child.py
+INPUTS OUTPUTS (both ``torch.save`` files)."""
 
 import sys
 
@@ -40,6 +41,9 @@ def main(inputs_path: str, outputs_path: str) -> None:
         outputs["ops"] = {(case_id(case), dtype): run_fused(case, DTYPES[dtype])
                           for case in inputs["cases"] for dtype in DTYPES}
         outputs["storage"] = storage_round_trip(inputs["storage"])
+    if "routing_cases" in inputs:
+        outputs["routing"] = {(case_id(case), dtype): run_fused(case, DTYPES[dtype])
+                              for case in inputs["routing_cases"] for dtype in DTYPES}
     if "model_config" in inputs:
         model = build_model(ModelConfig(**inputs["model_config"]), seed=inputs["model_seed"])
         loss = model.loss(inputs["tokens"], inputs["labels"])

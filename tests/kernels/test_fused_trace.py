@@ -1,6 +1,6 @@
 """Under FakeTensorMode (how the projection traces a step) each fused op is one op forward and one op
-backward, and none of the eager ops it replaces runs: per op, in a dense model, and in the routed
-experts' hand-written backward."""
+backward, and none of the eager ops it replaces runs: per op, in a dense model, in the routed
+experts' hand-written backward, and in an MoE model's dispatch gather and combine."""
 
 from collections import Counter
 
@@ -92,3 +92,23 @@ def test_routed_experts_run_the_fused_activation():
             experts(x, groups).sum().backward()
     assert recorder.fused() == {"moe_engine::swiglu": 1, "moe_engine::swiglu_packed_backward": 1}
     assert not {"aten::silu", "aten::silu_backward"} & set(recorder.ops)
+
+
+ROUTING = {"moe_engine::gather_rows", "moe_engine::gather_rows_backward", "moe_engine::combine_rows",
+           "moe_engine::combine_rows_backward"}
+
+
+def test_moe_model_runs_the_fused_routing_ops():
+    """Each MoE layer's dispatch gather and combine, forward and backward, as the fused routing ops (no
+    eager bmm of the combine), next to the other fused ops."""
+    config = ModelConfig(**{**MODEL_CONFIG, "dtype": "bf16"})
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
+    tokens, labels = model_batch()
+    with FakeTensorMode() as mode:
+        model = build_model(config)
+        with OpRecorder() as recorder:
+            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
+    fused = recorder.fused()
+    assert {name: fused.get(name) for name in ROUTING} == dict.fromkeys(ROUTING, moe_layers)
+    assert fused["moe_engine::swiglu_packed_backward"] == moe_layers
+    assert "aten::bmm" not in recorder.ops
