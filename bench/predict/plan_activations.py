@@ -42,6 +42,10 @@ Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * i
         R = T * k rows, or cf * T * k under no-sync dispatch with ep > 1 (the capacity buffers)
     last stage:                 norm(D) + a * T * D (the LM head's input) + 4 * T * V (fp32
                                 log-probabilities of the cross-entropy)
+    with fused kernels (``model.fused_kernels``): norm(w) = a * T * w (the input as it is), SwiGLU
+                                3 * a * T * F (no silu(gate)), the combine a * R * D (the buffer
+                                it reads, capacity rows included, in place of a * T * k * D), the
+                                last stage's cross-entropy no logits (4 * T * V drops out)
     in flight (in chunk-microbatches, divided by v to count whole-rank microbatches), rank r:
         pp = 1:          1 (gradient accumulation frees a microbatch's activations after its backward)
         gpipe:           m * v (every microbatch's forward runs before any backward)
@@ -79,24 +83,26 @@ from bench.predict.plan_bytes import PrecisionBytes
 from moe_engine.config import ModelConfig, RecomputeConfig, RecomputeMode, RecomputePart
 
 
-def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes) -> float:
-    """An RMSNorm saves its input in fp32 (a copy; in fp32 the input itself) and the normalised values.
-    Its output is counted where a consumer saves it."""
-    return tokens * width * (4 + b.activation)
+def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes, fused: bool = False) -> float:
+    """An RMSNorm saves its input in fp32 (a copy; in fp32 the input itself) and the normalised values;
+    fused, its input as it is (and one fp32 statistic per row, left out). Its output is counted where
+    a consumer saves it."""
+    return tokens * width * (b.activation if fused else 4 + b.activation)
 
 
 def _mla_attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
     """What multi-head latent attention saves (the module docstring's MLA ``attn``)."""
-    mla, a, heads = model.mla, b.activation, model.n_heads
+    mla, a, heads, fused = model.mla, b.activation, model.n_heads, model.fused_kernels
     qk, v = mla.qk_head_dim, mla.v_head_dim
     width = max(qk, v)
     saved = 0.0
     if mla.q_lora_rank is not None:
-        saved += _norm_activation_bytes(mla.q_lora_rank, tokens, b) + a * tokens * mla.q_lora_rank
-    saved += _norm_activation_bytes(mla.kv_lora_rank, tokens, b) + a * tokens * mla.kv_lora_rank
-    if a == 4:
-        # The latent's norm saves its fp32 input as is: a view of kv_a's output, RoPE key included.
-        saved += 4 * tokens * mla.qk_rope_head_dim
+        saved += _norm_activation_bytes(mla.q_lora_rank, tokens, b, fused) + a * tokens * mla.q_lora_rank
+    saved += _norm_activation_bytes(mla.kv_lora_rank, tokens, b, fused) + a * tokens * mla.kv_lora_rank
+    if a == 4 or fused:
+        # The latent's norm saves its input as is (in fp32, or fused): a view of kv_a's output, RoPE
+        # key included.
+        saved += a * tokens * mla.qk_rope_head_dim
     value = width if v < width else mla.qk_nope_head_dim + v
     saved += a * tokens * heads * (2 * width + value + width) + 4 * tokens * heads
     if v < width:
@@ -123,7 +129,7 @@ def _attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> floa
     q = model.n_heads * model.head_dim
     kv = model.n_kv_heads * model.head_dim
     # q_norm and k_norm: their outputs feed RoPE, which saves only its cos/sin tables.
-    qk_norm = _norm_activation_bytes(q + kv, tokens, b) if model.qk_norm else 0
+    qk_norm = _norm_activation_bytes(q + kv, tokens, b, model.fused_kernels) if model.qk_norm else 0
     if model.qk_norm_per_head:
         # Normalised per head, the norms' fp32 statistics are one value per head and token: as many as
         # the log-sum-exp, too many to leave out.
@@ -133,9 +139,9 @@ def _attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> floa
     return qk_norm + b.activation * tokens * (2 * q + 2 * kv) + 4 * tokens * model.n_heads
 
 
-def _swiglu_activation_bytes(hidden: int, tokens: int, b: PrecisionBytes) -> float:
-    """gate, up, silu(gate) and the product (the down projection's input)."""
-    return b.activation * tokens * 4 * hidden
+def _swiglu_activation_bytes(hidden: int, tokens: int, b: PrecisionBytes, fused: bool = False) -> float:
+    """gate, up, silu(gate) and the product (the down projection's input); fused, no silu(gate)."""
+    return b.activation * tokens * (3 if fused else 4) * hidden
 
 
 def expert_rows(tokens: int, model: ModelConfig, par: dict[str, Any]) -> float:
@@ -162,8 +168,8 @@ def block_activations(
 ) -> BlockActivations:
     """A dense or MoE block's activations (the module docstring's formulas); ``recompute`` None when
     the block is not recomputed."""
-    a, d, moe = b.activation, model.d_model, model.moe
-    norm = _norm_activation_bytes(d, tokens, b)
+    a, d, moe, fused = b.activation, model.d_model, model.moe, model.fused_kernels
+    norm = _norm_activation_bytes(d, tokens, b, fused)
     # One (T, D) tensor in the model dtype: a norm's output, or the input a checkpoint of a block or
     # of a norm keeps.
     td = a * tokens * d
@@ -171,22 +177,24 @@ def block_activations(
     experts = rows = 0.0
     if dense:
         # The FFN's input (the norm's output, which gate and up save) and its SwiGLU.
-        ffn = td + _swiglu_activation_bytes(model.dense_hidden, tokens, b)
+        ffn = td + _swiglu_activation_bytes(model.dense_hidden, tokens, b, fused)
     else:
         rows = expert_rows(tokens, model, par)
         experts = rows * b.expert_input * (d + 2 * moe.expert_hidden)
         # The router computes in fp32 and saves its fp32 input (a copy of the norm's output, or the
-        # output itself in fp32), its logits and scores; the combine saves the expert outputs.
-        ffn = 4 * tokens * d + 2 * 4 * tokens * moe.num_experts + a * tokens * moe.top_k * d
+        # output itself in fp32), its logits and scores; the combine saves the expert outputs (fused:
+        # the buffer it reads them from, capacity rows included).
+        combine = a * (rows if fused else tokens * moe.top_k) * d
+        ffn = 4 * tokens * d + 2 * 4 * tokens * moe.num_experts + combine
         if moe.shared_expert_hidden:
             # Its projections save the norm's output: in bf16 nothing else does (the router copies it).
-            ffn += (td if a < 4 else 0) + _swiglu_activation_bytes(moe.shared_expert_hidden, tokens, b)
+            ffn += (td if a < 4 else 0) + _swiglu_activation_bytes(moe.shared_expert_hidden, tokens, b, fused)
     # The attention part: its norm, the norm's output (q, k and v's input) and the attention itself.
     whole = 2 * norm + td + attention + ffn + experts
     if recompute is None:
         return BlockActivations(whole)
-    # In fp32 the first norm saves the block's input itself, the tensor a checkpoint keeps anyway.
-    input_is_saved = a == 4
+    # In fp32 (or fused) the first norm saves the block's input itself, the tensor a checkpoint keeps anyway.
+    input_is_saved = a == 4 or fused
     if recompute.mode is RecomputeMode.FULL:
         back = whole - (td if input_is_saved else 0)
         return BlockActivations(td, back, 0.0 if dense else back)
@@ -208,9 +216,11 @@ def block_activations(
 
 
 def head_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
-    """The final norm, its output (the LM head's input) and the fp32 log-probabilities the cross-entropy saves."""
-    return (_norm_activation_bytes(model.d_model, tokens, b) + b.activation * tokens * model.d_model
-            + 4 * tokens * model.vocab_size)
+    """The final norm, its output (the LM head's input) and the fp32 log-probabilities the cross-entropy
+    saves; fused, the loss keeps no logits (one fp32 log-sum-exp per row, left out)."""
+    logits = 0 if model.fused_kernels else 4 * tokens * model.vocab_size
+    return (_norm_activation_bytes(model.d_model, tokens, b, model.fused_kernels)
+            + b.activation * tokens * model.d_model + logits)
 
 
 def dispatch_pad(par: dict[str, Any]) -> float:

@@ -185,6 +185,11 @@ MODELS = {
     "fp32-qk-norm-per-head": {"precision": "fp32", "kv_heads": 4, "model": {"qk_norm_per_head": True}},
     # Interleaved: MoE every second block (block 1), dense blocks 0 and 2, a shared expert.
     "bf16-interleaved": {"precision": "bf16", "shared": 96, "model": {"moe_every": 2}},
+    # Fused kernels: norms keep their inputs as they are, SwiGLU no silu(gate), the combine its input
+    # buffer, the loss no logits.
+    "bf16-gqa-fused": {"precision": "bf16", "kv_heads": 4, "model": {"fused_kernels": True}},
+    "fp32-shared-dense-fused": {"precision": "fp32", "shared": 96, "dense_layers": 1, "model": {"fused_kernels": True}},
+    "bf16-mla-fused": {"precision": "bf16", "model": {"qk_norm": False, "mla": MLA, "fused_kernels": True}},
 }
 
 
@@ -205,6 +210,9 @@ def test_plan_names_the_bytes_a_real_model_keeps(model, mode):
         # The checkpoint keeps the dispatched rows in bf16, 2D bytes a row, where the experts saved
         # (D + 2F)(1 + 1/32) in fp8: more, at this model's F = D / 4.
         assert kept - none == 3 * TOKENS * TOP_K * (2 * 256 - (256 + 2 * 64) * 33 / 32)  # 3 MoE blocks
+    elif model.endswith("-fused") and mode == "norms":
+        # A fused norm keeps only its input, which its checkpoint keeps too: recomputing it saves nothing.
+        assert kept == none
     else:
         assert kept < none
 
