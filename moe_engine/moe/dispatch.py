@@ -50,6 +50,7 @@ from moe_engine.config import DispatchKind
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import (
     ExpertGroups,
+    RowMap,
     chunk_major_order,
     chunk_rows,
     combine,
@@ -223,11 +224,15 @@ def _run_received(
     sort = sort_permutation(local_R)
     groups = ExpertGroups.from_counts(counts_L)
     y_RD = experts(gather_tokens(recv_RD, sort, experts.fused_kernels), groups)
+    back = sort.inverse()
     if padded:
-        # Grouped GEMMs leave rows after the last offset uninitialised (possibly NaN).
-        real_R = torch.arange(y_RD.shape[0], device=y_RD.device) < groups.offsets_E[-1]
-        y_RD = torch.where(real_R.unsqueeze(1), y_RD, 0)
-    return gather_tokens(y_RD, sort.inverse(), experts.fused_kernels)
+        # Grouped GEMMs leave rows after the last offset uninitialised (possibly NaN): the gather back
+        # to arrival order writes zeros there instead of reading them (filled_R), and its backward
+        # sends them no gradient (kept_N), with no pass of its own over the rows.
+        real_P = torch.arange(y_RD.shape[0], device=y_RD.device) < groups.offsets_E[-1]
+        back = RowMap(back.row_N, back.assignment_R, 1, kept_N=real_P,
+                      filled_R=real_P.index_select(0, back.assignment_R))
+    return gather_tokens(y_RD, back, experts.fused_kernels)
 
 
 class AllToAllDispatcher(Dispatcher):

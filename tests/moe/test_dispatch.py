@@ -300,3 +300,34 @@ def test_dispatcher_kinds_are_validated():
     assert DispatchKind("no-sync") is DispatchKind.NO_SYNC
     with pytest.raises(ValueError, match="capacity_factor"):
         AllToAllDispatcher(None, DispatchKind.NO_SYNC, 0.0)
+
+
+class _NanPadExperts:
+    """Rows times 2 + their expert id; rows after the last offset NaN, as a grouped GEMM may leave them."""
+
+    def __init__(self, fused: bool):
+        self.fused_kernels = fused
+
+    def __call__(self, x_RD, groups):
+        expert_R = torch.searchsorted(groups.offsets_E, torch.arange(x_RD.shape[0]), right=True)
+        y_RD = x_RD * 2 + expert_R.unsqueeze(1)
+        real_R = torch.arange(x_RD.shape[0]) < groups.offsets_E[-1]
+        return torch.where(real_R.unsqueeze(1), y_RD, float("nan"))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_received_padding_rows_come_back_zero_with_no_gradient(fused):
+    from moe_engine.moe.dispatch import _run_received
+
+    seed = 7
+    torch.manual_seed(seed)
+    local_R = torch.tensor([2, 0, 3, 1, 0, 3, 3, 2, 1, 0])  # 3 local experts; id 3 is padding
+    counts_L = torch.bincount(local_R, minlength=4)[:3]
+    recv_RD = torch.randn(10, 6, requires_grad=True)
+    y_RD = _run_received(recv_RD, local_R, counts_L, _NanPadExperts(fused), padded=True)
+    real = local_R < 3
+    expected = torch.where(real.unsqueeze(1), recv_RD.detach() * 2 + local_R.unsqueeze(1), 0.0)
+    assert torch.equal(y_RD, expected), f"seed {seed}"
+    grad = torch.randn_like(y_RD)
+    y_RD.backward(grad)
+    assert torch.equal(recv_RD.grad, torch.where(real.unsqueeze(1), grad * 2, 0.0)), f"seed {seed}"
