@@ -120,7 +120,8 @@ else
         >"$out/environment.txt" 2>&1
     cuda_tests=(tests/test_cuda.py tests/test_model.py tests/moe/test_grouped_gemm.py tests/moe/test_host_sync.py
                 tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision
-                tests/kernels)
+                tests/kernels/test_fused_ops.py tests/kernels/test_fused_model.py tests/kernels/test_fused_routing.py
+                tests/kernels/test_saved_tensors.py)
     tests=(env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tests[@]}")
     # Each fused op against its eager composition, its bytes/s set against the base profile's memory rate.
     micro=(env MOE_BENCH_DEVICE=cuda MOE_BENCH_PROFILE="$base" "$python" -m pytest)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.predict.ops import OpWork, TensorSpec, TracedOp, dtype_bytes
+from bench.predict.traced import OpWork, TensorSpec, TracedOp, dtype_bytes
 
 __all__ = ["FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
 

@@ -18,6 +18,7 @@ from bench.results import REPO_ROOT
 
 PACKAGES = ("bench", "moe_engine")
 ARITHMETIC = ("bench.predict.plan", "bench.predict.projection", "bench.predict.device", "bench.predict.ops",
+              "bench.predict.traced", "bench.predict.fused_ops",
               "bench.predict.pricing", "bench.predict.op_projection", "bench.predict.plan_bytes",
               "bench.predict.plan_activations", "bench.predict.plan_rank", "bench.gate.compare", "bench.gate.groups",
               "bench.gate.work", "bench.gate.accept", "bench.gate.verdict", "bench.gate.formatting", "bench.gate.tables",
