@@ -15,6 +15,7 @@ from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.layer import MoELayer
+from moe_engine.moe.router import Router
 
 
 class Block(nn.Module):
@@ -58,10 +59,11 @@ class Transformer(nn.Module):
             self.use_fused_kernels(True)
 
     def use_fused_kernels(self, on: bool) -> None:
-        """Run every RMSNorm (and the residual add before each block's second norm), SwiGLU, RoPE and the
-        loss as fused ops (``moe_engine.kernels``), or as their eager compositions."""
+        """Run every RMSNorm (and the residual add before each block's second norm), SwiGLU, RoPE, the
+        router's score and loss chain, the experts' row movements and the loss as fused ops
+        (``moe_engine.kernels``), or as their eager compositions."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SwiGLU, GroupedExperts, RotaryEmbedding)):
+            if isinstance(module, (RMSNorm, SwiGLU, GroupedExperts, RotaryEmbedding, Router)):
                 module.fused_kernels = on
         self.fused_kernels = on
 

@@ -7,8 +7,9 @@ fused step). The conftest's ratios ``fused_over_eager_<op>`` are then eager seco
 (above 1: the fused op is faster), and the summary prints each one's achieved GB/s, which
 ``bench/gpu-check.sh`` sets beside the device profile's memory rate.
 
-Sizes: on CUDA a 47B-like layer's rows (16,384 tokens of width 4,096, bf16; the loss over 8,192
-tokens and a 50,304-token vocabulary); on a CPU small fp32 ones, so that the suite's smoke run takes
+Sizes: on CUDA a 47B-like layer's rows (16,384 tokens of width 4,096, bf16; the router's 128 experts,
+top-8, in fp32 as it computes; the loss over 8,192 tokens and a 50,304-token vocabulary); on a CPU
+small fp32 ones, so that the suite's smoke run takes
 seconds (there both sides run the eager composition: the ratio is about 1 by construction).
 """
 
@@ -22,11 +23,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.predict.fused_ops import fused_work
 from bench.predict.ops import TensorSpec, TracedOp
 from moe_engine import kernels
+from moe_engine.config import MoEConfig
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
+from moe_engine.moe.router import Router
 
 ROUNDS = 5
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy")
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")
 
 
 def _sizes(device: torch.device) -> dict[str, int]:
@@ -54,6 +57,19 @@ def _case(op: str, fused: bool, device: torch.device):
         if op == "rms_norm":
             return [x], lambda: norm(x)
         return [x, residual], lambda: torch.cat(norm(x, residual), dim=-1)
+    if op == "router_scores":
+        # 128 experts, top-8, learned routing with the balance and z losses: the router after its GEMM.
+        router = Router(s["width"], MoEConfig(num_experts=128, top_k=8, expert_hidden=s["hidden"],
+                                              aux_loss_weight=0.01, z_loss_weight=0.001)).to(device)
+        torch.nn.init.normal_(router.weight, std=0.02)
+        router.fused_kernels = fused
+        x = leaf(s["rows"], s["width"])
+
+        def route():
+            out = router(x)
+            return out.weight_TK.sum() + out.loss
+
+        return [x], route
     if op == "swiglu":
         gate, up = leaf(s["rows"], s["hidden"]), leaf(s["rows"], s["hidden"])
         return [gate, up], (lambda: kernels.swiglu(gate, up)) if fused else (lambda: F.silu(gate) * up)
@@ -110,9 +126,7 @@ def fused_bytes(op: str, device: torch.device) -> float:
 @pytest.mark.parametrize("op", OPS)
 def test_fused_op(benchmark, bench_device, op, fused):
     inputs, fn = _case(op, fused, bench_device)
-    path = kernels.kernel_paths(bench_device, _dtype(bench_device))[
-        "rms_norm" if op == "add_rms_norm" else op
-    ]
+    path = kernels.kernel_paths(bench_device, _dtype(bench_device))["rms_norm" if op == "add_rms_norm" else op]
     benchmark.extra_info.update(bytes=fused_bytes(op, bench_device), device=str(bench_device),
                                 path=path.details if fused else "eager composition")
     benchmark.pedantic(lambda: _step(inputs, fn, bench_device), rounds=ROUNDS, warmup_rounds=2, iterations=1)

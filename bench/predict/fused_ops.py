@@ -10,13 +10,18 @@ Sizes: s the bytes of an element of the op's main input, N rows, D the hidden wi
 C the cross-entropy's rows per chunk (``chunk_rows``, recorded by the trace), c = ceil(N / C) chunks.
 
     moe_engine::rms_norm, add_rms_norm, swiglu, swiglu_backward, swiglu_packed_backward, rope,
-    rope_backward
+    rope_backward, router_scores_backward
         one memory-bound kernel that reads every input and writes every output once: the bytes of
         the op's tensors (the generic rule of ``bench.predict.ops``)
     moe_engine::rms_norm_backward
         the same kernel, plus torch's sum of its per-program fp32 partial grad_weight rows and the
         cast of that sum to the weight's dtype: 2 more kernels (1 with an fp32 weight), priced as
         launches (programs x D partials are small against the N x D rows)
+    moe_engine::router_scores
+        the same kernel (reads the fp32 logits T x E and the int64 experts T x k, writes the weights
+        T x k, the mean probabilities E and the logsumexp T), plus torch's sum of its per-program fp32
+        partial mean-probability rows: 1 more kernel, priced as a launch (its backward is one pass:
+        logits, experts and the three gradients in, grad_logits out)
     moe_engine::linear_cross_entropy (forward), per chunk of C rows
         GEMM   logits (C, V) = h (C, D) @ W^T:   2 C V D FLOPs, (C D + V D + C V) s bytes
         loss   one pass over the logits:         C V s + 8 C (labels) + 8 C (lse, loss) bytes
@@ -60,9 +65,11 @@ __all__ = ["FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
 
 NAMESPACE = "moe_engine"
 
-_ONE_PASS = ("rms_norm", "add_rms_norm", "swiglu", "swiglu_backward", "swiglu_packed_backward", "rope", "rope_backward")
+_ONE_PASS = ("rms_norm", "add_rms_norm", "swiglu", "swiglu_backward", "swiglu_packed_backward", "rope", "rope_backward",
+             "router_scores_backward")
 _ROUTING = ("gather_rows", "gather_rows_backward", "combine_rows", "combine_rows_backward")
-FUSED_OPS = (*_ONE_PASS, "rms_norm_backward", "linear_cross_entropy", "linear_cross_entropy_backward", *_ROUTING)
+FUSED_OPS = (*_ONE_PASS, "rms_norm_backward", "router_scores", "linear_cross_entropy", "linear_cross_entropy_backward",
+             *_ROUTING)
 """Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
 
 
@@ -173,6 +180,8 @@ def fused_parts(op: TracedOp) -> list[FusedPart]:
         weight = op.inputs[-2]
         casts = 0 if weight.dtype == "torch.float32" else 1
         return [_memory(1, _moved(op.inputs) + _moved(op.outputs), dtype), _memory(1 + casts, 0.0, "torch.float32")]
+    if base == "router_scores":
+        return [_memory(1, _moved(op.inputs) + _moved(op.outputs), dtype), _memory(1, 0.0, "torch.float32")]
     if base in ("linear_cross_entropy", "linear_cross_entropy_backward"):
         return _cross_entropy_parts(op)
     if base in _ROUTING:

@@ -43,7 +43,8 @@ Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * i
     last stage:                 norm(D) + a * T * D (the LM head's input) + 4 * T * V (fp32
                                 log-probabilities of the cross-entropy)
     with fused kernels (``model.fused_kernels``): norm(w) = a * T * w (the input as it is), SwiGLU
-                                3 * a * T * F (no silu(gate)), the combine a * R * D (the buffer
+                                3 * a * T * F (no silu(gate)), the router 4 * T * E (its logits,
+                                no scores), the combine a * R * D (the buffer
                                 it reads, capacity rows included, in place of a * T * k * D), the
                                 last stage's cross-entropy no logits (4 * T * V drops out)
     in flight (in chunk-microbatches, divided by v to count whole-rank microbatches), rank r:
@@ -185,7 +186,9 @@ def block_activations(
         # output itself in fp32), its logits and scores; the combine saves the expert outputs (fused:
         # the buffer it reads them from, capacity rows included).
         combine = a * (rows if fused else tokens * moe.top_k) * d
-        ffn = 4 * tokens * d + 2 * 4 * tokens * moe.num_experts + combine
+        # Fused, the router's chain keeps its logits only (the scores are recomputed in its backward).
+        router = (1 if fused else 2) * 4 * tokens * moe.num_experts
+        ffn = 4 * tokens * d + router + combine
         if moe.shared_expert_hidden:
             # Its projections save the norm's output: in bf16 nothing else does (the router copies it).
             ffn += (td if a < 4 else 0) + _swiglu_activation_bytes(moe.shared_expert_hidden, tokens, b, fused)

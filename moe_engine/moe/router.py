@@ -11,6 +11,11 @@ highest selection scores (scores plus the expert bias; its one score when a grou
 the top_groups groups of each token are kept and its top-k experts chosen among theirs. The combine
 weights are the chosen experts' scores, renormalised when ``normalize_top_k`` asks, times
 ``routed_scaling_factor``.
+
+With ``Router.fused_kernels`` set, everything after the logits' GEMM but the expert selection (the
+scores, the gathered and renormalised weights, the per-expert mean probability of the balance loss and
+each token's logsumexp for the z-loss) runs as one fused op each way (``moe_engine.kernels.router``),
+which keeps only the logits for backward; the selection is the same code on the same scores.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_engine import kernels
 from moe_engine.config import MoEConfig, RoutingMode, ScoreFunc
 
 # Offsets the per-layer generator seeds so that layers route independently.
@@ -108,6 +114,7 @@ class Router(nn.Module):
         self.layer_idx = layer_idx
         self._seed = config.routing_seed + _LAYER_SEED_STRIDE * layer_idx
         self._generator: torch.Generator | None = None
+        self.fused_kernels = False
 
     def reset_routing_generator(self) -> None:
         """Restart the random/skewed routing stream from its seed."""
@@ -138,6 +145,8 @@ class Router(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
         cfg = self.config
         logits_TE = F.linear(x_TD.float(), self.weight.float())
+        if self.fused_kernels:
+            return self._fused_forward(logits_TE)
         if cfg.score_func is ScoreFunc.SOFTMAX:
             scores_TE = torch.softmax(logits_TE, dim=-1)
             probs_TE = scores_TE
@@ -155,6 +164,26 @@ class Router(nn.Module):
         counts_E = expert_counts(expert_TK, cfg.num_experts)
         aux = load_balancing_loss(probs_TE, counts_E, cfg.top_k)
         zl = z_loss(logits_TE)
+        loss = cfg.aux_loss_weight * aux + cfg.z_loss_weight * zl
+        return RouterOutput(expert_TK, weight_TK, counts_E, aux, zl, loss)
+
+    def _fused_forward(self, logits_TE: torch.Tensor) -> RouterOutput:
+        cfg = self.config
+        sigmoid = cfg.score_func is ScoreFunc.SIGMOID
+        if cfg.routing is RoutingMode.LEARNED:
+            # The same op on the same logits as the eager path, so the same experts; nothing saved.
+            with torch.no_grad():
+                scores_TE = torch.sigmoid(logits_TE) if sigmoid else torch.softmax(logits_TE, dim=-1)
+        else:
+            scores_TE = logits_TE.detach()  # the other modes read only its shape and device
+        expert_TK = self.select_experts(scores_TE)
+        weight_TK, mean_probs_E, lse_T = kernels.router_scores(
+            logits_TE, expert_TK, sigmoid, cfg.normalize_top_k, cfg.routed_scaling_factor
+        )
+        counts_E = expert_counts(expert_TK, cfg.num_experts)
+        fraction_E = counts_E.to(torch.float32) / (logits_TE.shape[0] * cfg.top_k)
+        aux = cfg.num_experts * torch.dot(fraction_E, mean_probs_E)
+        zl = lse_T.square().mean()
         loss = cfg.aux_loss_weight * aux + cfg.z_loss_weight * zl
         return RouterOutput(expert_TK, weight_TK, counts_E, aux, zl, loss)
 

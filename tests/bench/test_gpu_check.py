@@ -104,12 +104,13 @@ def test_dry_run_runs_every_step_with_its_files(tmp_path):
     tests = ET.parse(out / "tests-cuda.xml").getroot().find("testsuite")
     assert int(tests.get("tests")) > int(tests.get("skipped")) and tests.get("failures") == "0"
     micro = json.loads((out / "micro-cuda.json").read_text())
-    fused = {f"fused_over_eager_{op}" for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "linear_cross_entropy")}
-    assert len(micro["benchmarks"]) == 14
+    fused = {f"fused_over_eager_{op}" for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores",
+                                                  "linear_cross_entropy")}
+    assert len(micro["benchmarks"]) == 16
     assert set(micro["derived"]) == {"moe_layer_vs_dense_flops", "experts_128_vs_8_tokens", "memory_rate"} | fused
     # Each fused op's benchmark and its eager twin set against the base profile's memory rate.
     rates = micro["derived"]["memory_rate"]
-    assert len(rates) == 10 and all(r["profile"] == "cpu-2core" and r["fraction"] > 0 for r in rates.values())
+    assert len(rates) == 12 and all(r["profile"] == "cpu-2core" and r["fraction"] > 0 for r in rates.values())
     (result,) = (out / "results").glob("*/*/dry-run-fp32.json")
     assert json.loads(result.read_text())["status"] == "ok"
     profile = load_profile(out / "device-profile.yaml")

@@ -371,3 +371,139 @@ def model_batch(seed: int = SEED, vocab: int = 96) -> tuple[torch.Tensor, torch.
     labels = tokens.roll(-1, dims=1)
     labels.view(-1)[::5] = IGNORE
     return tokens, labels
+
+
+# --- the router's fused scores (``moe_engine::router_scores``, fp32 only) ------------------------------
+
+
+def _router_case(g, name, tokens, width, *, op_experts=None, **moe):
+    """A router (MoEConfig fields ``moe``) on fresh inputs, and the fused op alone on random logits with
+    random experts (``op_*``) and random gradients for all three of its outputs."""
+    experts, top_k = moe["num_experts"], moe["top_k"]
+    moe = {"aux_loss_weight": 0.3, "z_loss_weight": 0.05, **moe}
+    expert_TK = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    tensors = {
+        "x": torch.randn(tokens, width, generator=g),
+        "router_weight": torch.randn(experts, width, generator=g) * (2.0 / math.sqrt(width)),
+        "expert_bias": 0.05 * torch.randn(experts, generator=g),
+        "grad_weight_TK": torch.randn(tokens, top_k, generator=g),
+        "grad_loss": torch.tensor(0.5 + torch.rand((), generator=g).item()),
+        "op_logits": 2.0 * torch.randn(tokens, experts, generator=g),
+        "op_expert_TK": expert_TK if op_experts is None else op_experts,
+        "op_grad_weight_TK": torch.randn(tokens, top_k, generator=g),
+        "op_grad_mean_probs": torch.randn(experts, generator=g),
+        "op_grad_lse": torch.randn(tokens, generator=g),
+    }
+    return {"op": "router", "name": name, "tensors": tensors, "params": {"moe": moe}}
+
+
+def router_cases(seed: int = SEED) -> list[dict]:
+    """Softmax and sigmoid scores, renormalised or not, scaled or not, every routing mode (group-limited
+    learned too), one token, E not a power of two (6, 40) and E = 256 (the kernel's widest row), top_k 1
+    to 8, several row tiles and programs (150 tokens of 40 experts, 70 of 256, 1100 of 6)."""
+    g = torch.Generator().manual_seed(seed + 2)
+    return [
+        _router_case(g, "learned softmax, E 40, top_k 8, 150 tokens", 150, 24,
+                     num_experts=40, top_k=8),
+        _router_case(g, "learned softmax normalised x2.5, E 6, top_k 2", 13, 16,
+                     num_experts=6, top_k=2, normalize_top_k=True, routed_scaling_factor=2.5),
+        _router_case(g, "learned sigmoid normalised x2.5, 8 groups of 8, top 4, top_k 8", 33, 32, num_experts=64,
+                     top_k=8, score_func="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5, n_groups=8,
+                     top_groups=4),
+        _router_case(g, "learned sigmoid, E 6, top_k 1", 17, 8,
+                     num_experts=6, top_k=1, score_func="sigmoid"),
+        _router_case(g, "random softmax, E 40, top_k 2", 21, 16, num_experts=40, top_k=2, routing="random"),
+        _router_case(g, "balanced sigmoid normalised, E 6, top_k 3", 10, 16,
+                     num_experts=6, top_k=3, routing="balanced", score_func="sigmoid", normalize_top_k=True),
+        _router_case(g, "skewed softmax normalised x1.5, E 40, top_k 4", 19, 16, num_experts=40, top_k=4,
+                     routing="skewed", normalize_top_k=True, routed_scaling_factor=1.5),
+        _router_case(g, "one token, learned softmax normalised, E 6, top_k 1", 1, 8,
+                     num_experts=6, top_k=1, normalize_top_k=True),
+        _router_case(g, "one token, random sigmoid x2, E 40, top_k 8", 1, 8,
+                     num_experts=40, top_k=8, routing="random", score_func="sigmoid", routed_scaling_factor=2.0),
+        _router_case(g, "learned sigmoid, E 256, top_k 8, 70 tokens, default loss weights", 70, 16,
+                     num_experts=256, top_k=8, score_func="sigmoid", aux_loss_weight=0.01, z_loss_weight=0.001),
+        _router_case(g, "balanced softmax, E 6, top_k 2, 1100 tokens", 1100, 8,
+                     num_experts=6, top_k=2, routing="balanced"),
+    ]
+
+
+ROUTER_OUTPUTS = ("expert_TK", "weight_TK", "counts_E", "aux_loss", "z_loss", "loss")
+
+
+def run_router(case: dict, fused: bool, device="cpu") -> dict[str, torch.Tensor]:
+    """A fresh ``Router`` with ``fused_kernels`` as asked: its ``RouterOutput`` and the gradients of
+    sum(grad_weight_TK * weight_TK) + grad_loss * loss w.r.t. the router weight and the input; with
+    ``fused``, also the fused op alone (``op_*``: its outputs and the gradient of its logits)."""
+    from moe_engine.config import MoEConfig
+    from moe_engine.moe.router import Router
+
+    t = {name: v.detach().clone().to(device) for name, v in case["tensors"].items()}
+    config = MoEConfig(**case["params"]["moe"])
+    router = Router(t["x"].shape[1], config, layer_idx=1).to(device)
+    with torch.no_grad():
+        router.weight.copy_(t["router_weight"])
+        router.expert_bias.copy_(t["expert_bias"])
+    router.fused_kernels = fused
+    x = t["x"].requires_grad_()
+    route = router(x)
+    out = {name: getattr(route, name) for name in ROUTER_OUTPUTS}
+    ((route.weight_TK * t["grad_weight_TK"]).sum() + t["grad_loss"] * route.loss).backward()
+    result = {**{n: v.detach() for n, v in out.items()}, "grad_x": x.grad, "grad_router_weight": router.weight.grad}
+    if not fused:
+        return result
+    logits = t["op_logits"].requires_grad_()
+    outs = kernels.router_scores(logits, t["op_expert_TK"], config.score_func == "sigmoid",
+                                 config.normalize_top_k, config.routed_scaling_factor)
+    grads = [t["op_grad_weight_TK"], t["op_grad_mean_probs"], t["op_grad_lse"]]
+    torch.autograd.backward(outs, grads)
+    names = ("op_weight_TK", "op_mean_probs_E", "op_lse_T")
+    return {**result, **{n: o.detach() for n, o in zip(names, outs, strict=True)}, "op_grad_logits": logits.grad}
+
+
+def router_op_eager(case: dict, device="cpu") -> dict[str, torch.Tensor]:
+    """The fused op's three outputs and its logits' gradient by the router's eager formulas, differentiated
+    by autograd (written out here, apart from ``moe_engine.kernels.router``)."""
+    t = {name: v.detach().clone().to(device) for name, v in case["tensors"].items()}
+    moe = case["params"]["moe"]
+    logits = t["op_logits"].requires_grad_()
+    if moe.get("score_func") == "sigmoid":
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        scores = probs = torch.softmax(logits, dim=-1)
+    weight = scores.gather(1, t["op_expert_TK"])
+    if moe.get("normalize_top_k"):
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    weight = weight * moe.get("routed_scaling_factor", 1.0)
+    outs = (weight, probs.mean(dim=0), torch.logsumexp(logits, dim=-1))
+    torch.autograd.backward(outs, [t["op_grad_weight_TK"], t["op_grad_mean_probs"], t["op_grad_lse"]])
+    names = ("op_weight_TK", "op_mean_probs_E", "op_lse_T")
+    return {**{n: o.detach() for n, o in zip(names, outs, strict=True)}, "op_grad_logits": logits.grad}
+
+
+def router_tolerances(case: dict) -> dict[str, float]:
+    """fp32, from the computation. Both paths compute the same logits (the same GEMM on the same inputs)
+    and select the same experts (exact: indices and counts). From there on the fused op sums each row's E
+    exponentials (and sigmoid scores) in another order, then the k chosen scores (renormalisation), and
+    the tokens' probabilities for their mean (T terms) in per-program partials: three reductions of up
+    to max(E, T) terms to the weights, the mean probabilities, the logsumexp and the z-loss (its square
+    and mean), four to the balance loss (its dot over E) and the loss. Gradients run the chain back
+    (softmax's row sum, the renormalisation's, the sigmoid probabilities') and, for the router weight
+    and the input, through the logits' GEMMs (sums over the tokens, and over E): k = max(D, E, T),
+    depth 8. The op alone starts from given logits: its gradient is three reductions back from three
+    forward, over the E columns (the mean over tokens is a scale in backward)."""
+    tensors = case["tensors"]
+    (tokens, width), experts = tensors["x"].shape, tensors["router_weight"].shape[0]
+    longest = max(experts, tokens)
+    values = tolerance(torch.float32, longest, depth=3)
+    tols = {"expert_TK": 0.0, "counts_E": 0.0, "weight_TK": values, "z_loss": values,
+            "aux_loss": tolerance(torch.float32, longest, depth=4), "loss": tolerance(torch.float32, longest, depth=4),
+            "grad_x": tolerance(torch.float32, max(width, longest), depth=8),
+            "grad_router_weight": tolerance(torch.float32, max(width, longest), depth=8)}
+    op_tokens = tensors["op_logits"].shape[0]
+    tols.update({"op_weight_TK": tolerance(torch.float32, experts, depth=3),
+                 "op_mean_probs_E": tolerance(torch.float32, max(experts, op_tokens), depth=3),
+                 "op_lse_T": tolerance(torch.float32, experts, depth=2),
+                 "op_grad_logits": tolerance(torch.float32, experts, depth=6)})
+    return tols

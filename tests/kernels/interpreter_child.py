@@ -1,15 +1,15 @@
 """Run by test_triton_interpreter.py in a fresh process with TRITON_INTERPRET=1 (Triton decides between
 compiling and interpreting when a kernel is defined, at import): every fused op's case through the
-Triton kernels on CPU tensors (the routing ops' cases too, when given), the storage helpers on chosen
-bit patterns, and a small model with fused kernels, as the inputs ask. Usage: interpreter_child.py
-INPUTS OUTPUTS (both ``torch.save`` files)."""
+Triton kernels on CPU tensors (the routing ops' and the router's cases too, when given), the storage
+helpers on chosen bit patterns, and a small model with fused kernels, as the inputs ask. Usage:
+interpreter_child.py INPUTS OUTPUTS (both ``torch.save`` files)."""
 
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from fused_cases import DTYPES, case_id, run_fused
+from fused_cases import DTYPES, case_id, run_fused, run_router
 
 from moe_engine import ModelConfig, build_model, kernels
 from moe_engine.kernels.storage import load_f32, round_f32, store_f32
@@ -44,6 +44,9 @@ def main(inputs_path: str, outputs_path: str) -> None:
     if "routing_cases" in inputs:
         outputs["routing"] = {(case_id(case), dtype): run_fused(case, DTYPES[dtype])
                               for case in inputs["routing_cases"] for dtype in DTYPES}
+    if "router_cases" in inputs:
+        outputs["router_ran"] = kernels.kernel_paths("cpu", torch.float32)["router_scores"].implementation
+        outputs["router"] = {case_id(case): run_router(case, fused=True) for case in inputs["router_cases"]}
     if "model_config" in inputs:
         model = build_model(ModelConfig(**inputs["model_config"]), seed=inputs["model_seed"])
         loss = model.loss(inputs["tokens"], inputs["labels"])

@@ -54,7 +54,7 @@ def test_switch_is_off_by_default_and_says_so(device):
 def test_switch_reaches_every_fused_module(device):
     model = build_model(GQA, device)
     switched = {type(m).__name__ for m in model.modules() if getattr(m, "fused_kernels", False)}
-    assert switched == {"Transformer", "RMSNorm", "SwiGLU", "GroupedExperts", "RotaryEmbedding"}
+    assert switched == {"Transformer", "RMSNorm", "SwiGLU", "GroupedExperts", "RotaryEmbedding", "Router"}
     assert all(layer.experts.backend.fused_swiglu for layer in model.moe_layers())
     model.use_fused_kernels(False)
     assert not any(getattr(m, "fused_kernels", False) for m in model.modules())

@@ -1,6 +1,6 @@
 """Under FakeTensorMode (how the projection traces a step) each fused op is one op forward and one op
 backward, and none of the eager ops it replaces runs: per op, in a dense model, in the routed
-experts' hand-written backward, and in an MoE model's dispatch gather and combine."""
+experts' hand-written backward, in an MoE model's dispatch gather and combine, and in its routers."""
 
 from collections import Counter
 
@@ -15,6 +15,7 @@ from moe_engine.config import Precision
 from moe_engine.model import cast_parameters
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups
+from moe_engine.moe.router import Router
 
 
 class OpRecorder(TorchDispatchMode):
@@ -112,3 +113,22 @@ def test_moe_model_runs_the_fused_routing_ops():
     assert {name: fused.get(name) for name in ROUTING} == dict.fromkeys(ROUTING, moe_layers)
     assert fused["moe_engine::swiglu_packed_backward"] == moe_layers
     assert "aten::bmm" not in recorder.ops
+
+
+def test_moe_model_runs_the_fused_router_op():
+    """With the routers' switch on (``Transformer.use_fused_kernels`` does not reach them: set here), each
+    MoE layer's scores, weights and loss statistics are one op each way: no eager logsumexp or softmax
+    backward (the learned selection still takes its top-k of an eager softmax, saving nothing)."""
+    config = ModelConfig(**{**MODEL_CONFIG, "dtype": "bf16"})
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
+    tokens, labels = model_batch()
+    with FakeTensorMode() as mode:
+        model = build_model(config)
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.fused_kernels = True
+        with OpRecorder() as recorder:
+            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
+    fused = recorder.fused()
+    assert fused["moe_engine::router_scores"] == fused["moe_engine::router_scores_backward"] == moe_layers
+    assert not {"aten::logsumexp", "aten::_softmax_backward_data", "aten::gather"} & set(recorder.ops)

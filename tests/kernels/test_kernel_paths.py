@@ -9,7 +9,7 @@ import torch
 from moe_engine import kernels
 from moe_engine.kernels import activation, cross_entropy, dispatch, norm, rotary
 
-OPS = ["rms_norm", "swiglu", "linear_cross_entropy", "rope", "gather_rows", "combine_rows"]
+OPS = ["rms_norm", "swiglu", "linear_cross_entropy", "rope", "gather_rows", "combine_rows", "router_scores"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,7 +31,10 @@ def test_cpu_runs_the_reference_and_says_so():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_unsupported_dtype_on_cuda_falls_back_naming_it(dtype):
     name = str(dtype).removeprefix("torch.")
-    for path in kernels.kernel_paths("cuda", dtype).values():
+    paths = kernels.kernel_paths("cuda", dtype)
+    # The router computes its logits in fp32 whatever the model's dtype.
+    assert paths.pop("router_scores").fused
+    for path in paths.values():
         assert path.implementation == "reference"
         assert path.details == f"reference: the Triton kernel takes float32 and bfloat16, not {name}"
 
