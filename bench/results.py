@@ -31,10 +31,11 @@ import math
 import os
 import statistics
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import jsonschema
 

@@ -24,12 +24,12 @@ def __getattr__(name: str):
 __all__ = [
     "ExpertBackendKind",
     "MLAConfig",
-    "ModelConfig",
     "MoEConfig",
+    "ModelConfig",
     "Precision",
     "RoutingMode",
     "ScoreFunc",
     "Transformer",
-    "build_model",
     "__version__",
+    "build_model",
 ]

@@ -7,9 +7,10 @@ Every field carries a one-line docstring. Validation runs in ``__post_init__`` a
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 
 class ScoreFunc(str, Enum):
@@ -403,7 +404,7 @@ class ModelConfig:
         return _plain(dataclasses.asdict(self))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         """Build from plain data (a scenario file); unknown keys are an error, not ignored."""
         data = dict(data)
         moe = data.pop("moe", {})
@@ -476,7 +477,7 @@ class RecomputeConfig:
         return _plain(dataclasses.asdict(self))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RecomputeConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> RecomputeConfig:
         _reject_unknown(cls, data, "recompute.")
         return cls(**data)
 
@@ -533,7 +534,7 @@ class ParallelConfig:
     def num_stages(self) -> int:
         return self.pp * self.virtual_stages
 
-    def validate(self, model: "ModelConfig | None" = None) -> None:
+    def validate(self, model: ModelConfig | None = None) -> None:
         for name in ("dp", "ep", "pp", "microbatches", "virtual_stages", "bucket_elements"):
             value = getattr(self, name)
             _require(value >= 1, f"parallel.{name}", f"must be >= 1, got {value}")
@@ -615,7 +616,7 @@ class ParallelConfig:
             )
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> ParallelConfig:
         """Build from plain data; ``world_size`` is accepted as a cross-check of dp * pp."""
         data = dict(data)
         world = data.pop("world_size", None)

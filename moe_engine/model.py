@@ -127,7 +127,7 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-        for name, param in self.named_parameters():
+        for param in self.parameters():
             if param.ndim >= 2:
                 nn.init.normal_(param, std=std)
 

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, RoutingMode
@@ -18,7 +20,6 @@ from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, Routing
         (dict(moe=dict(expert_hidden=0)), "moe.expert_hidden"),
         # head_dim, interleave, groups, MLA
         (dict(head_dim=7), "head_dim"),
-        (dict(d_model=100, n_heads=3), "d_model"),
         (dict(n_layers=4, n_dense_layers=1, moe_every=4, dense_hidden=8), "moe_every"),
         (dict(n_layers=4, moe_every=0), "moe_every"),
         (dict(n_layers=4, moe_every=2), "dense_hidden"),
@@ -38,15 +39,14 @@ from moe_engine.config import ExpertBackendKind, ModelConfig, MoEConfig, Routing
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}:"):
         ModelConfig.from_dict(kwargs)
-    assert str(err.value).startswith(f"{field}:"), str(err.value)
 
 
 def test_unknown_field_is_rejected():
-    with pytest.raises(ValueError, match="^moe.experts: unknown field"):
+    with pytest.raises(ValueError, match=r"^moe\.experts: unknown field"):
         ModelConfig.from_dict({"moe": {"experts": 8}})
-    with pytest.raises(ValueError, match="^layers: unknown field"):
+    with pytest.raises(ValueError, match=r"^layers: unknown field"):
         ModelConfig.from_dict({"layers": 8})
 
 
@@ -84,5 +84,5 @@ def test_tied_embeddings_refuse_pipeline_stages():
 
     tied = ModelConfig(n_layers=4, tie_embeddings=True)
     ParallelConfig(pp=1, dp=2).validate(tied)
-    with pytest.raises(ValueError, match="^model.tie_embeddings: tied embeddings need the embedding and the LM head"):
+    with pytest.raises(ValueError, match=r"^model\.tie_embeddings: tied embeddings need the embedding and the LM head"):
         ParallelConfig(pp=2).validate(tied)

@@ -49,9 +49,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from bench.gate import paired
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances

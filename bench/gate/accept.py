@@ -18,8 +18,9 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 

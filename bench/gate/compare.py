@@ -59,9 +59,10 @@ comparison measures.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from bench.gate.formatting import check_tolerance, json_number, short
 from bench.gate.groups import Group, Key, group_documents, same_scenario
@@ -224,7 +225,7 @@ class Comparison:
             out[row.verdict] += 1
         return out
 
-    def with_tolerance(self, tolerance: float) -> "Comparison":
+    def with_tolerance(self, tolerance: float) -> Comparison:
         """The same comparison with verdicts recomputed for another tolerance."""
         if tolerance == self.tolerance:
             return self

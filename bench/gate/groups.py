@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from bench.results import ResultDocument, metric
 
@@ -127,7 +127,7 @@ def _with_todays_defaults(spec: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
 
 
-def same_scenario(base: "Group", cand: "Group") -> bool:
+def same_scenario(base: Group, cand: Group) -> bool:
     """Whether two sides ran the same scenario (module docstring, scenario-level outcomes)."""
     if base.hash == cand.hash:
         return True
@@ -150,7 +150,7 @@ def group_documents(docs: Iterable[ResultDocument]) -> dict[Key, Group]:
         members = sorted(by_key[key], key=_age_key)
         newest = members[-1]
         if newest.status == "ok":
-            same = lambda d: (  # noqa: E731
+            same = lambda d: (
                 d.status == "ok"
                 and d.data["scenario"]["hash"] == newest.data["scenario"]["hash"]
                 and d.version == newest.version

@@ -12,9 +12,8 @@ Everything here is a pure function over loaded documents; the ``moe-bench`` CLI 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from bench.gate.accept import Acceptance, acceptance_of, applicable, beyond, describe_acceptances
 from bench.gate.compare import Comparison, MetricRow, is_work_metric

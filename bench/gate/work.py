@@ -15,8 +15,8 @@ them) there is no work verdict, only the note ``no work counters on one side``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import Any, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 from bench.gate.accept import Acceptance, acceptance_of, applicable, beyond, describe_acceptances
 from bench.gate.compare import WORK_METRICS, Comparison, is_work_metric, paired_ratio

@@ -84,10 +84,10 @@ class Params:
     lowp: int = 0
     fp32: int = 0
 
-    def __add__(self, other: "Params") -> "Params":
+    def __add__(self, other: Params) -> Params:
         return Params(self.lowp + other.lowp, self.fp32 + other.fp32)
 
-    def __mul__(self, n: int) -> "Params":
+    def __mul__(self, n: int) -> Params:
         return Params(self.lowp * n, self.fp32 * n)
 
     @property

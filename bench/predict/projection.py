@@ -144,18 +144,18 @@ __all__ = [
     "Projection",
     "RankTiming",
     "Schedule",
-    "SyncBucket",
     "SkewModel",
+    "SyncBucket",
     "SyncTimes",
     "chunked_exposed_s",
     "collective_seconds",
     "expected_max_normal",
     "expert_hidden_s",
-    "skew_seconds",
-    "sync_points",
     "project_step",
     "simulate_sync",
+    "skew_seconds",
     "summarize_collectives",
+    "sync_points",
 ]
 
 OPS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv")

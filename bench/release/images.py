@@ -17,8 +17,9 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, compare

@@ -137,7 +137,7 @@ def pair_figure(chart: PairChart) -> go.Figure:
     ratios = [b.ratio for b in chart.bars]
     fig.add_trace(go.Scatter(
         x=labels, y=ratios, mode="markers+text", marker={"color": _color(0), "size": 9},
-        text=[f"×{r:.2f}" for r in ratios], textposition="middle right", showlegend=False,
+        text=[f"×{r:.2f}" for r in ratios], textposition="middle right", showlegend=False,  # noqa: RUF001 (the multiplication sign is the displayed ratio marker)
         error_y={"type": "data", "symmetric": False,
                  "array": [b.interval[1] - b.ratio if b.interval else 0 for b in chart.bars],
                  "arrayminus": [b.ratio - b.interval[0] if b.interval else 0 for b in chart.bars]},
@@ -146,7 +146,7 @@ def pair_figure(chart: PairChart) -> go.Figure:
     fig.add_hline(y=1.0, line_dash="dot", line_color="#888", row=1, col=2)
     fig.update_yaxes(title_text=scale.label, tickformat=scale.tickformat, row=1, col=1)
     fig.update_xaxes(tickfont={"size": 10}, row=1, col=2)
-    title = f"{comparison.label}: measured ×ratio on each pair with its 95% interval; reference {comparison.reference}"
+    title = f"{comparison.label}: measured ×ratio on each pair with its 95% interval; reference {comparison.reference}"  # noqa: RUF001 (the multiplication sign is meant for display)
     return _layout(fig, title, height=HEIGHT + 40)
 
 

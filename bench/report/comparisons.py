@@ -20,7 +20,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +176,7 @@ def _samples(entry: Mapping[str, Any]) -> list[float]:
     return [float(v) for v in samples] if isinstance(samples, list) and samples else [float(entry["median"])]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _mann_whitney_counts(n: int, m: int) -> tuple[int, ...]:
     """How many of the C(n+m, n) orderings of two samples give each value of the Mann-Whitney U (0..n*m)."""
     if n == 0 or m == 0:

@@ -198,7 +198,7 @@ def variant_groups(results: ResultSet, variation: Variation) -> list[VariantGrou
     for machine in results.machines:
         for version in results.newest_first():
             by_rest: dict[tuple[str, str], dict[Any, Group]] = {}
-            for (scenario, m), group in sorted(results.ok_groups(version).items()):
+            for (_scenario, m), group in sorted(results.ok_groups(version).items()):
                 if m != machine:
                     continue
                 spec = spec_of(group)

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from bench.gate.formatting import format_number
 from bench.gate.groups import Group, group_documents

@@ -30,17 +30,18 @@ import math
 import re
 import statistics
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FixedLocator, NullLocator
 
-from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios  # noqa: E402
-from bench.results import ResultDocument, ResultFileError, load_results  # noqa: E402
+from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios
+from bench.results import ResultDocument, ResultFileError, load_results
 
 __all__ = [
     "HEADLINE_METRICS",

@@ -22,10 +22,11 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 FORMAT_VERSION = 1
 SIDECAR = ".moe-checkpoint.json"  # hidden: result scans of the results root skip it

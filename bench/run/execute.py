@@ -10,9 +10,10 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,9 @@ from bench.run.checkpointing import (
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.run.work import count_step_work, work_metrics
 from bench.scenario import Scenario
-from moe_engine import checkpoint
+from moe_engine import checkpoint, kernels
 from moe_engine.flops import recompute_flops_per_token, training_flops_per_token
+from moe_engine.modules.norm import RMSNorm
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
@@ -266,7 +268,7 @@ def execute(
     # The work of the whole step: every rank's counts summed (per rank in details.work).
     m.update(work_metrics([r.work for r in records], flops_per_token * tokens_per_step))
     for key, samples in checkpoint_metrics(saves, ckpt.load_s).items():
-        unit = "bytes" if key.endswith("bytes_per_rank") or key.endswith("bytes_total") else "s"
+        unit = "bytes" if key.endswith(("bytes_per_rank", "bytes_total")) else "s"
         m[key] = metric(samples, unit, "lower")
     result.details.update(
         flops_per_token=flops_per_token,
@@ -279,6 +281,7 @@ def execute(
         peak_tflops_source=peak_tflops_source if peak_tflops else None,
         expert_backend=config.moe.backend.value,
         expert_backend_path=_backend_path(rank_model),
+        fused_kernels=_fused_kernel_paths(rank_model, config),
         losses=losses,
         per_rank=[_rank_details(r, groups) for r in records],
         work={"step": WORK_STEP, "ranks": [{"rank": r.rank, **r.work} for r in records]},
@@ -382,6 +385,15 @@ def _backend_path(rank_model) -> str:
         return "none"
     backend = layers[0].experts.backend
     return getattr(backend, "path", type(backend).__name__)
+
+
+def _fused_kernel_paths(rank_model, config) -> str:
+    """Where each fused op ran (``model.fused_kernels``), a fallback with its reason: "op: path; ...",
+    or "off". The compute dtype is the norms' weights' (the model's, not the fp32 router's)."""
+    if not config.fused_kernels:
+        return "off"
+    weight = next(m.weight for m in rank_model.module.modules() if isinstance(m, RMSNorm))
+    return kernels.paths_details(kernels.kernel_paths(weight.device, weight.dtype))
 
 
 def _global_loss(loss: torch.Tensor | None, groups: ProcessGroups | None, dp: int) -> float:

@@ -649,7 +649,7 @@ class _Neighbours:
         self.processes = [context.Process(target=_neighbour, args=(threads, self.stop), daemon=True)
                           for _ in range(count)]
 
-    def __enter__(self) -> "_Neighbours":
+    def __enter__(self) -> _Neighbours:
         for process in self.processes:
             process.start()
         return self

@@ -21,9 +21,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -236,7 +237,7 @@ class SilentReporter(Reporter):
     """For the ranks of a launch other than rank 0: rank 0 reports for everyone."""
 
     def __init__(self, total: int):
-        super().__init__(total, stream=open(os.devnull, "w"))
+        super().__init__(total, stream=open(os.devnull, "w"))  # noqa: SIM115 (the stream lives as long as the reporter)
 
 
 class Runner:

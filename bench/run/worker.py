@@ -38,7 +38,7 @@ def execute_outcome(
     checkpointing: CheckpointRun | None = None, project_devices: list[str] = (), peak_source: str | None = None,
 ) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
-    progress = lambda line: print(line, flush=True)  # noqa: E731
+    progress = lambda line: print(line, flush=True)
     try:
         if scenario.mode == "proxy":
             from bench.run.proxy import run_proxy

@@ -39,7 +39,7 @@ def round_f32(x, BF16: tl.constexpr):
     if BF16:
         bits = x.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        rounded = tl.where(x != x, 0x7FC00000, rounded)  # noqa: PLR0124 (x != x: NaN)
+        rounded = tl.where(x != x, 0x7FC00000, rounded)
         return rounded.to(tl.float32, bitcast=True)
     else:
         return x

@@ -41,10 +41,9 @@ class GroupedMMError(ValueError):
 def grouped_mm_path(device: torch.device | str, dtype: torch.dtype) -> GroupedMMPath:
     """The kernel ``torch._grouped_mm`` runs for operands of ``dtype`` on ``device``."""
     device = torch.device(device)
-    if device.type == "cuda" and dtype == torch.bfloat16:
-        # torch's own test for its fast path is the major version alone (sm90, sm100, sm103 for B300).
-        if torch.cuda.get_device_capability(device)[0] in (9, 10):
-            return GroupedMMPath.CUTLASS
+    # torch's own test for its fast path is the major version alone (sm90, sm100, sm103 for B300).
+    if device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10):
+        return GroupedMMPath.CUTLASS
     return GroupedMMPath.FALLBACK
 
 

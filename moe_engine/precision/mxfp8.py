@@ -116,7 +116,7 @@ class MXTensor:
     """Elements per scale."""
 
     @classmethod
-    def from_tensor(cls, x: torch.Tensor, axis: int = -1, block: int = BLOCK) -> "MXTensor":
+    def from_tensor(cls, x: torch.Tensor, axis: int = -1, block: int = BLOCK) -> MXTensor:
         data, scales = quantize(x, axis, block)
         return cls(data, scales, axis, block)
 

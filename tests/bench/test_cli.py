@@ -200,7 +200,7 @@ def test_gate_on_the_committed_release_baseline(tmp_path, capsys):
 
 
 def test_export_and_plot_write_files(sides, tmp_path):
-    base, cand = sides
+    _base, cand = sides
     assert main(["export", str(cand), "--format", "github-action-benchmark", "--out", str(tmp_path / "e" / "gab")]) == 0
     bigger = json.loads((tmp_path / "e" / "gab-bigger.json").read_text())
     assert bigger[0]["name"] == "s/tokens_per_s_per_gpu" and bigger[0]["value"] == 700

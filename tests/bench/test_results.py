@@ -190,7 +190,7 @@ def test_load_results_raises_for_a_bad_file_or_skips_it(tmp_path):
     write_result(make_doc("good", metrics={"m": metric([1.0, 2.0], "u", "lower")}), tmp_path)
     bad = tmp_path / "bad.json"
     bad.write_text('{"timestamp": ')
-    with pytest.raises(results.ResultFileError, match="bad.json: not valid JSON"):
+    with pytest.raises(results.ResultFileError, match=re.escape("bad.json: not valid JSON")):
         load_results(tmp_path)
     skipped = []
     docs = load_results(tmp_path, on_bad_file=skipped.append)

@@ -7,12 +7,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-from interop_checks import assert_same_function, perturb_norms, rel_err  # noqa: E402
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+import torch
+from interop_checks import assert_same_function, perturb_norms, rel_err
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from moe_engine.interop import deepseek_v3  # noqa: E402
-from moe_engine.interop.deepseek_v3 import config_from_transformers, from_transformers  # noqa: E402
+from moe_engine.interop import deepseek_v3
+from moe_engine.interop.deepseek_v3 import config_from_transformers, from_transformers
 
 
 def tiny_config(**overrides) -> DeepseekV3Config:

@@ -4,12 +4,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-from interop_checks import assert_same_function, perturb_norms  # noqa: E402
-from transformers import MixtralConfig, MixtralForCausalLM  # noqa: E402
+import torch
+from interop_checks import assert_same_function, perturb_norms
+from transformers import MixtralConfig, MixtralForCausalLM
 
-from moe_engine.interop import mixtral  # noqa: E402
-from moe_engine.interop.mixtral import config_from_transformers, from_transformers  # noqa: E402
+from moe_engine.interop import mixtral
+from moe_engine.interop.mixtral import config_from_transformers, from_transformers
 
 
 def tiny_config(**overrides) -> MixtralConfig:

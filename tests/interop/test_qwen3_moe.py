@@ -6,12 +6,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-from interop_checks import assert_same_function, perturb_norms  # noqa: E402
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+import torch
+from interop_checks import assert_same_function, perturb_norms
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from moe_engine.interop import qwen3_moe  # noqa: E402
-from moe_engine.interop.qwen3_moe import config_from_transformers, from_transformers  # noqa: E402
+from moe_engine.interop import qwen3_moe
+from moe_engine.interop.qwen3_moe import config_from_transformers, from_transformers
 
 
 def tiny_config(**overrides) -> Qwen3MoeConfig:

@@ -36,7 +36,7 @@ def _rope(x_BSr):
 
 
 def reference(x_BSD, w: dict[str, torch.Tensor], heads, nope, rope_dim, v_dim, kv_rank, q_rank):
-    batch, seq, _ = x_BSD.shape
+    _batch, seq, _ = x_BSD.shape
     qk = nope + rope_dim
     if q_rank is None:
         q_all = x_BSD @ w["q_proj"].T
@@ -76,7 +76,7 @@ def test_mla_matches_a_per_head_reference(q_rank, nope, rope_dim, v_dim):
     torch.manual_seed(0)
     module = MultiHeadLatentAttention(config)
     with torch.no_grad():
-        for name, param in module.named_parameters():
+        for param in module.parameters():
             # Norm weights away from 1, so that a norm left out or misplaced shows.
             param.copy_(torch.randn_like(param) * (0.3 if param.ndim == 2 else 0.2) + (0 if param.ndim == 2 else 1))
     rope = RotaryEmbedding(rope_dim, seq, THETA)

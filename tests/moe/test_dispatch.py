@@ -293,7 +293,7 @@ def test_keep_only_copies_the_block_into_new_parameters():
     assert full.gate_up is not gate_up and full.gate_up.requires_grad
     assert torch.equal(full.gate_up, gate_up[2:4]) and torch.equal(full.down, down[2:4])
     with pytest.raises(ValueError, match="contiguous block"):
-        full.keep_only(range(0, 2))
+        full.keep_only(range(2))
 
 
 def test_dispatcher_kinds_are_validated():

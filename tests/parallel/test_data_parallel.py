@@ -145,8 +145,8 @@ def _accumulated_backward(groups, batch, rank: int) -> dict:
     tokens, labels = _rank_slice(batch, rank, 2)
     launched = []
     opt.arm_overlap(2)
-    for t, l in zip(tokens.chunk(2), labels.chunk(2)):
-        (model.loss(t, l) / 2).backward()
+    for t, target in zip(tokens.chunk(2), labels.chunk(2)):
+        (model.loss(t, target) / 2).backward()
         launched.append(opt.launched_buckets)
     opt.finish_grad_sync()
     return {"grads": _grads(model), "launched": launched, "buckets": len(opt.buckets)}
@@ -495,11 +495,12 @@ def test_microbatch_gradients_accumulate_in_the_buffer_dtype(grad_dtype):
     params = [p for p in model.parameters() if p.requires_grad]
     tokens, labels = _batches(1)[0]
     per_microbatch = [
-        torch.autograd.grad(model.loss(t, l), params) for t, l in zip(tokens.chunk(microbatches), labels.chunk(microbatches))
+        torch.autograd.grad(model.loss(t, target), params)
+        for t, target in zip(tokens.chunk(microbatches), labels.chunk(microbatches))
     ]
     opt = DataParallelOptimizer(model, None, OPT, grad_dtype=grad_dtype)
-    for t, l in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
-        model.loss(t, l).backward()
+    for t, target in zip(tokens.chunk(microbatches), labels.chunk(microbatches)):
+        model.loss(t, target).backward()
     for index, param in enumerate(params):
         dtype = torch.float32 if grad_dtype == "fp32" else param.dtype
         expected = torch.zeros(param.shape, dtype=dtype)

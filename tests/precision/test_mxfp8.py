@@ -4,6 +4,7 @@ Inputs are made on the CPU and quantized on the test device; the codes come back
 compared byte for byte with the reference (integers: no tolerance)."""
 
 import bisect
+import itertools
 import math
 
 import pytest
@@ -28,7 +29,7 @@ def _e4m3_value(code: int) -> float:
 
 # 0b1111_111 is NaN, so the finite codes are 0 .. 0b1111_110 (448); the list index is the code.
 E4M3_VALUES = [_e4m3_value(code) for code in range(0x7F)]
-assert E4M3_VALUES == sorted(E4M3_VALUES) and E4M3_VALUES[-1] == 448.0
+assert sorted(E4M3_VALUES) == E4M3_VALUES and E4M3_VALUES[-1] == 448.0
 
 
 def _e4m3_code(y: float) -> int:
@@ -178,7 +179,7 @@ def subnormal_blocks() -> torch.Tensor:
 
 def tie_blocks() -> torch.Tensor:
     """Every midpoint between consecutive positive E4M3 values, both signs, at shared exponent 0."""
-    midpoints = [(a + b) / 2 for a, b in zip(E4M3_VALUES, E4M3_VALUES[1:])]
+    midpoints = [(a + b) / 2 for a, b in itertools.pairwise(E4M3_VALUES)]
     per_block = BLOCK - 1
     rows = []
     for start in range(0, len(midpoints), per_block):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -238,7 +239,7 @@ def test_nonexistent_ref(tmp_path, tiny, capsys):
 def test_no_release_recorded(tmp_path, tiny):
     from bench.run.runner import load_all
 
-    with pytest.raises(ABError, match="no release recorded in none.json: pass --baseline-ref"):
+    with pytest.raises(ABError, match=re.escape("no release recorded in none.json: pass --baseline-ref")):
         plan_ab(None, load_all([tiny]), 0.3, releases_path=tmp_path / "none.json")
 
 

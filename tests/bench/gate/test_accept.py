@@ -14,9 +14,9 @@ from bench.gate import paired
 from bench.gate.ab import ABReport, SideRun, paired_gate
 from bench.gate.accept import Acceptance, parse_acceptance
 from bench.gate.compare import compare
+from bench.gate.resident import ResidentComparison
 from bench.gate.verdict import gate
 from bench.gate.work import work_verdicts
-from bench.gate.resident import ResidentComparison
 from bench.release import record
 from bench.results import REPO_ROOT, load_results, metric, write_result
 
@@ -70,7 +70,7 @@ def test_the_spec_names_metrics_scenarios_size_and_reason():
     ],
 )
 def test_a_malformed_spec_says_what_is_wrong(text, message):
-    with pytest.raises(ValueError, match="expected METRIC|not a percentage") as err:
+    with pytest.raises(ValueError, match=r"expected METRIC|not a percentage") as err:
         parse_acceptance(text)
     assert message in str(err.value) and "\n" not in str(err.value)
 

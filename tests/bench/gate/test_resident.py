@@ -108,7 +108,7 @@ def test_a_worker_that_cannot_start_says_why(tmp_path):
     (broken / "bench").mkdir(parents=True)
     (broken / "bench" / "__init__.py").write_text("")
     (broken / "bench" / "scenario.py").write_text("raise ImportError('this tree has no scenario loader')\n")
-    with pytest.raises(WorkerFailedToStart, match="tiny-resident: baseline worker exited .*this tree has no scenario loader"):
+    with pytest.raises(WorkerFailedToStart, match=r"tiny-resident: baseline worker exited .*this tree has no scenario loader"):
         with ResidentSide("baseline", broken, scenario(), "cpu", 60):
             pass
 

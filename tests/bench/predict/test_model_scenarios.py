@@ -21,10 +21,9 @@ import yaml
 from bench.predict.plan import plan_scenario
 from bench.run.runner import suite_files
 from bench.scenario import SCENARIOS_DIR, load_scenario
+from moe_engine.interop import deepseek_v3, mixtral, olmoe, qwen3_moe
 
 transformers = pytest.importorskip("transformers")
-
-from moe_engine.interop import deepseek_v3, mixtral, olmoe, qwen3_moe
 
 MODELS_DIR = SCENARIOS_DIR / "models"
 HEADROOM = 0.15

@@ -199,5 +199,5 @@ def test_bad_profiles_name_the_file_and_the_field(field, value, message):
 
 
 def test_unknown_device_names_the_known_ones():
-    with pytest.raises(ProfileError, match="unknown device 'h900'.*b300"):
+    with pytest.raises(ProfileError, match=r"unknown device 'h900'.*b300"):
         load_profile("h900")

@@ -126,7 +126,7 @@ def test_several_machines_need_machine_in_name(tmp_path):
 def test_measure_slug():
     assert measure_slug("tokens_per_s_per_gpu") == "tokens-per-s-per-gpu"
     assert measure_slug("MoE_fwd_bwd_time_s") == "moe-fwd-bwd-time-s"
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"Bencher measure slug 'x{65}' is longer than 64 characters"):
         measure_slug("x" * 65)
 
 

@@ -69,7 +69,7 @@ def test_profile_passes_the_validator(profile):
     assert profile["measured"]["threads"] == 1
     assert parsed.network == {"gpus_per_node": 2, "intra_node_gbps": 1.5, "inter_node_gbps": 1.5, "latency_us": 100.0}
     assert parsed.peak_tflops["fp8"] == parsed.peak_tflops["bf16"] == parsed.peak_tflops["mxfp8"]
-    assert 0 < parsed.efficiency["free_op_us"] and 0 < parsed.efficiency["launch_overhead_us"]
+    assert parsed.efficiency["free_op_us"] > 0 and parsed.efficiency["launch_overhead_us"] > 0
     smallest = profile["curves"]["memory"]["fp32"][0]
     assert parsed.efficiency["launch_overhead_us"] == pytest.approx(smallest["seconds"] * 1e6, rel=1e-3)
 

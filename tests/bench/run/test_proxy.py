@@ -385,6 +385,6 @@ def test_the_projections_price_the_buckets_instead_of_their_recorded_calls():
     # 4 ms ahead, which still hides it.
     assert breakdown["grad_sync_exposed"] == 0.0
     assert breakdown["grad_sync_hidden"] == pytest.approx(8 * (rs + ar))
+    missing = dataclasses.replace(dense, reduce=CollectiveCall("reduce_scatter", DP, 4001, "dp"))
     with pytest.raises(RuntimeError, match="missing from the recorded step"):
-        missing = dataclasses.replace(dense, reduce=CollectiveCall("reduce_scatter", DP, 4001, "dp"))
         project_run_scale(dataclasses.replace(MEASURED, buckets=[missing]), SCALE, TARGET, 1, 1.0)

@@ -286,15 +286,24 @@ def test_metric_statistics():
 
 @pytest.mark.slow
 def test_mxfp8_scenario_records_the_path_that_ran(tmp_path):
-    code, docs = run_cli(tmp_path, ("mx", variant(precision="mxfp8")), ("bf", variant(precision="bf16")))
+    code, docs = run_cli(tmp_path, ("mx", variant(precision="mxfp8")), ("bf", variant(precision="bf16")),
+                         ("fused", variant(precision="bf16", model__fused_kernels=True)))
     assert code == 0
     by_name = {d.name: d for d in docs}
-    mx, bf = by_name["mx"].data, by_name["bf"].data
+    mx, bf, fused = by_name["mx"].data, by_name["bf"].data, by_name["fused"].data
     assert mx["details"]["expert_backend"] == "mxfp8"
     assert mx["details"]["expert_backend_path"] == "torch-emulation"  # no GPU: the emulation, and it says so
     assert bf["details"]["expert_backend"] == "torch"
     # Same seed, same data: the first measured losses agree to MXFP8 accuracy.
     assert mx["details"]["losses"][0] == pytest.approx(bf["details"]["losses"][0], rel=0.02)
+    # Fused kernels on a CPU run their reference compositions and say so, op by op.
+    assert bf["details"]["fused_kernels"] == "off"
+    paths = dict(part.split(": ", 1) for part in fused["details"]["fused_kernels"].split("; "))
+    assert set(paths) >= {"rms_norm", "swiglu", "linear_cross_entropy", "rope", "router_scores", "gather_rows"}
+    assert all(path == "reference: the Triton kernel runs on CUDA devices, not cpu" for path in paths.values())
+    assert fused["details"]["losses"][0] == pytest.approx(bf["details"]["losses"][0], rel=0.02)
+
+
 def test_run_stops_when_the_results_folder_is_not_writable(tmp_path, capsys):
     """In a container running as the wrong uid, the run stops before any work with one line."""
     blocker = tmp_path / "a-file"

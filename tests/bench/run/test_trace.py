@@ -50,7 +50,7 @@ def test_fake_trace_has_the_ops_of_the_real_step(name):
 def test_learned_routes_are_unknown_to_a_fake_trace_but_the_ops_match():
     scenario = load_scenario("scenarios/smoke/e8-learned-bf16.yaml")
     real, fake = trace_step(scenario, fake=False), trace_step(scenario, fake=True)
-    strip = lambda sig: sig[:-1]  # noqa: E731 - everything but the group rows
+    strip = lambda sig: sig[:-1]
     assert [strip(s) for s in _kernels(fake)] == [strip(s) for s in _kernels(real)]
     assert all(op.group_rows is None for op in fake.ops if op.name == "aten._grouped_mm.default")
     assert all(op.group_rows is not None for op in real.ops if op.name == "aten._grouped_mm.default")
@@ -116,5 +116,5 @@ def test_fused_kernels_trace_as_they_run_and_price_the_loss_gemms(name):
     plain = trace_step(load_scenario(f"scenarios/smoke/{name}.yaml"), rank=rank, fake=True)
     model = scenario.model
     extra = 2 * scenario.run["tokens_per_step"] * model.vocab_size * model.d_model
-    flops = lambda trace: sum(op_work(op).flops for op in trace.ops)  # noqa: E731
+    flops = lambda trace: sum(op_work(op).flops for op in trace.ops)
     assert flops(fake) == pytest.approx(flops(plain) + extra, rel=1e-9)
