@@ -156,8 +156,10 @@ def result_dir(out_root: Path, version: str, machine: str) -> Path:
 def write_result(data: dict[str, Any], directory: Path) -> Path:
     """Validate, then write atomically (temp file in the same folder + rename) to a fresh file name."""
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ResultValidationError(f"result document invalid at schema_version: writes use version "
-                                    f"{SCHEMA_VERSION}, got {data.get('schema_version')!r}")
+        raise ResultValidationError(
+            f"result document invalid at schema_version: writes use version "
+            f"{SCHEMA_VERSION}, got {data.get('schema_version')!r}"
+        )
     validate(data)
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(data, indent=2, sort_keys=False) + "\n"
@@ -183,8 +185,14 @@ def write_result(data: dict[str, Any], directory: Path) -> Path:
         os.unlink(tmp)
 
 
-_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
-               type(None): "null"}
+_JSON_TYPES = {
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 
 
 def load_result(path: Path) -> ResultDocument:
@@ -199,12 +207,16 @@ def load_result(path: Path) -> ResultDocument:
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         raise ResultFileError(path, f"not valid JSON: {err}") from None
     if not isinstance(data, dict):
-        raise ResultFileError(path, f"not a result document: the JSON is {_JSON_TYPES.get(type(data), 'a value')}, "
-                                    "not an object")
+        raise ResultFileError(
+            path, f"not a result document: the JSON is {_JSON_TYPES.get(type(data), 'a value')}, not an object"
+        )
     version = data.get("schema_version")
     if isinstance(version, int) and not isinstance(version, bool) and version > max(READABLE_SCHEMA_VERSIONS):
-        raise ResultFileError(path, f"schema_version {version} is newer than this moe-bench reads "
-                                    f"({', '.join(map(str, READABLE_SCHEMA_VERSIONS))}): update moe-bench")
+        raise ResultFileError(
+            path,
+            f"schema_version {version} is newer than this moe-bench reads "
+            f"({', '.join(map(str, READABLE_SCHEMA_VERSIONS))}): update moe-bench",
+        )
     try:
         validate(data)
     except ResultValidationError as err:
@@ -215,7 +227,8 @@ def load_result(path: Path) -> ResultDocument:
 def result_files(root: Path) -> list[Path]:
     """The candidate result files under a folder: ``*.json`` but schema.json and hidden (temporary) files."""
     return [
-        p for p in sorted(Path(root).rglob("*.json"))
+        p
+        for p in sorted(Path(root).rglob("*.json"))
         if p.name != "schema.json" and not p.name.startswith(".") and not p.is_dir()
     ]
 

@@ -133,7 +133,9 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
         _fill_defaults(spec["cluster"], schema["properties"]["cluster"])
     if spec.get("checkpoint"):
         if spec["mode"] != "execute":
-            raise ScenarioError(file, "checkpoint", f"only an execute scenario saves checkpoints (mode is {spec['mode']})")
+            raise ScenarioError(
+                file, "checkpoint", f"only an execute scenario saves checkpoints (mode is {spec['mode']})"
+            )
         _fill_defaults(spec["checkpoint"], schema["properties"]["checkpoint"])
     if spec["mode"] == "proxy":
         spec.setdefault("proxy", {})
@@ -149,7 +151,11 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
     if spec["mode"] == "proxy":
         _check_proxy(spec, parallel, file)
     return Scenario(
-        name=spec["name"], file=Path(file) if file else None, spec=spec, model=model, parallel_config=parallel,
+        name=spec["name"],
+        file=Path(file) if file else None,
+        spec=spec,
+        model=model,
+        parallel_config=parallel,
         recompute=recompute,
     )
 
@@ -162,7 +168,9 @@ def _model_config(spec: dict[str, Any], file) -> ModelConfig:
         # bf16 parameters and dense compute (fp32 masters, fp32 router); the experts run MXFP8 GEMMs.
         backend = model["moe"].setdefault("backend", "mxfp8")
         if backend != "mxfp8":
-            raise ScenarioError(file, "model.moe.backend", f"precision mxfp8 runs the mxfp8 expert backend, not {backend!r}")
+            raise ScenarioError(
+                file, "model.moe.backend", f"precision mxfp8 runs the mxfp8 expert backend, not {backend!r}"
+            )
         model["dtype"] = "bf16"
     else:
         model["dtype"] = spec["precision"]
@@ -234,8 +242,9 @@ def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
     if spec["proxy"]["cpu_scale"].get("blocks") and (model.get("n_dense_layers", 0) or model.get("moe_every", 1) > 1):
         # Fewer blocks would move the boundary between the dense and the MoE blocks, or their pattern.
         raise ScenarioError(
-            file, "proxy.cpu_scale.blocks", "scaling the blocks needs a model without dense layers (n_dense_layers 0, "
-            "moe_every 1)",
+            file,
+            "proxy.cpu_scale.blocks",
+            "scaling the blocks needs a model without dense layers (n_dense_layers 0, moe_every 1)",
         )
 
 
@@ -255,7 +264,8 @@ def _apply_device(cluster: dict[str, Any], file) -> None:
     for key, value in implied.items():
         if key in cluster and not math.isclose(cluster[key], value, rel_tol=1e-3):
             raise ScenarioError(
-                file, f"cluster.{key}",
+                file,
+                f"cluster.{key}",
                 f"{cluster[key]} contradicts device {profile.name} ({profile.file}: {value:g}); give one of them",
             )
         cluster.setdefault(key, value)

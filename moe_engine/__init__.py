@@ -10,7 +10,6 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0.0.0+unknown"
 
 
-
 def __getattr__(name: str):
     # The model is imported on first use, so that arithmetic on configurations (plan, FLOPs) never
     # loads torch or the modules that run a model.

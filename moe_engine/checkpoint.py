@@ -74,15 +74,17 @@ class GlobalChunk:
         return self.global_shape
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(
-            index=MetadataIndex(fqn, self.offsets),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape),
-                properties=TensorProperties.create_from_tensor(self.local),
-                size=self.global_shape,
-            ),
-        )]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, self.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape),
+                    properties=TensorProperties.create_from_tensor(self.local),
+                    size=self.global_shape,
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=self.offsets, sizes=self.local.shape)]
@@ -284,22 +286,34 @@ def trainer_state(trainer, extra: dict[str, Any] | None = None) -> dict[str, Any
 # --------------------------------------------------------------------------------------------
 
 
-def save(trainer, path: str | Path, extra: dict[str, Any] | None = None,
-         process_group: dist.ProcessGroup | None = None) -> None:
+def save(
+    trainer, path: str | Path, extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None
+) -> None:
     """Write this rank's share of the training state into ``path`` (every rank calls it); returns when
     the checkpoint, metadata included, is complete."""
-    dcp.save(trainer_state(trainer, extra), checkpoint_id=str(path), planner=ChunkSavePlanner(),
-             process_group=process_group, no_dist=not dist.is_initialized())
+    dcp.save(
+        trainer_state(trainer, extra),
+        checkpoint_id=str(path),
+        planner=ChunkSavePlanner(),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
 
 
-def async_save(trainer, path: str | Path, extra: dict[str, Any] | None = None,
-               process_group: dist.ProcessGroup | None = None) -> Future:
+def async_save(
+    trainer, path: str | Path, extra: dict[str, Any] | None = None, process_group: dist.ProcessGroup | None = None
+) -> Future:
     """Copy the state to the host and write it in a background thread; the future completes with the
     checkpoint. ``process_group`` should be one that training does not use (a gloo group of its own):
     the background thread runs DCP's collectives on it while training runs its own."""
-    return dcp.async_save(trainer_state(trainer, extra), checkpoint_id=str(path), planner=ChunkSavePlanner(),
-                          process_group=process_group, async_stager=HostStager(),
-                          no_dist=not dist.is_initialized())
+    return dcp.async_save(
+        trainer_state(trainer, extra),
+        checkpoint_id=str(path),
+        planner=ChunkSavePlanner(),
+        process_group=process_group,
+        async_stager=HostStager(),
+        no_dist=not dist.is_initialized(),
+    )
 
 
 class CheckpointMismatch(ValueError):
@@ -315,11 +329,14 @@ def _check_fits(state: dict[str, Any], metadata) -> None:
             raise CheckpointMismatch(f"{key} is not in the checkpoint")
         size = getattr(saved[key], "size", None)
         if size is not None and tuple(size) != tuple(value.global_shape):
-            raise CheckpointMismatch(f"{key} has shape {tuple(size)} in the checkpoint, {tuple(value.global_shape)} here")
+            raise CheckpointMismatch(
+                f"{key} has shape {tuple(size)} in the checkpoint, {tuple(value.global_shape)} here"
+            )
 
 
-def load(trainer, path: str | Path, extra_keys: tuple[str, ...] = (),
-         process_group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def load(
+    trainer, path: str | Path, extra_keys: tuple[str, ...] = (), process_group: dist.ProcessGroup | None = None
+) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``trainer`` (every rank calls it), resharding as needed;
     returns the ``train/<key>`` entries named in ``extra_keys``."""
     reader = dcp.FileSystemReader(str(path))
@@ -340,8 +357,13 @@ def load(trainer, path: str | Path, extra_keys: tuple[str, ...] = (),
             state[key] = None
     for key in extra_keys:
         state[f"train/{key}"] = None
-    dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=process_group,
-             no_dist=not dist.is_initialized())
+    dcp.load(
+        state,
+        storage_reader=reader,
+        planner=ChunkLoadPlanner(),
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
     _apply_loaded(trainer, state)
     return {key: state[f"train/{key}"].value for key in extra_keys}
 
@@ -354,8 +376,12 @@ def _apply_loaded(trainer, state: dict[str, Any]) -> None:
     if trainer.fsdp:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(trainer.rank_model.module, trainer.optimizer,
-                       model_state_dict=state["fsdp/model"], optim_state_dict=state["fsdp/optim"])
+        set_state_dict(
+            trainer.rank_model.module,
+            trainer.optimizer,
+            model_state_dict=state["fsdp/model"],
+            optim_state_dict=state["fsdp/optim"],
+        )
         inner = trainer.optimizer
     else:
         inner = trainer.optimizer.inner

@@ -89,5 +89,7 @@ def graph_breaks() -> list[tuple[str, str]]:
         frames = [f for f in reason.user_stack if _PACKAGE in Path(f.filename).resolve().parents]
         frame = frames[-1] if frames else reason.user_stack[-1]
         path = Path(frame.filename).resolve()
-        found.add((f"{path.relative_to(_PACKAGE) if frames else path.name}:{frame.name}", reason.reason.splitlines()[0]))
+        found.add(
+            (f"{path.relative_to(_PACKAGE) if frames else path.name}:{frame.name}", reason.reason.splitlines()[0])
+        )
     return sorted(found)

@@ -448,7 +448,9 @@ class RecomputeConfig:
             _require(bool(self.parts), "recompute.parts", "selective recompute needs at least one part")
             _require(len(set(self.parts)) == len(self.parts), "recompute.parts", "a part is named twice")
         else:
-            _require(not self.parts, "recompute.parts", f"only selective recompute takes parts, not mode {self.mode.value}")
+            _require(
+                not self.parts, "recompute.parts", f"only selective recompute takes parts, not mode {self.mode.value}"
+            )
         _require(self.every >= 1, "recompute.every", f"must be >= 1, got {self.every}")
         _require(self.first_per_stage >= 0, "recompute.first_per_stage", f"must be >= 0, got {self.first_per_stage}")
         _require(

@@ -161,7 +161,9 @@ def _attention_projection_params(config: ModelConfig) -> int:
         return 2 * d * q_dim + 2 * d * kv_dim
     q_out = heads * mla.qk_head_dim
     q = d * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (d + q_out)
-    kv = d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+    kv = d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank * heads * (
+        mla.qk_nope_head_dim + mla.v_head_dim
+    )
     return q + kv + heads * mla.v_head_dim * d
 
 
@@ -179,7 +181,9 @@ def _attention_norm_params(config: ModelConfig) -> int:
     if mla is not None:
         return mla.kv_lora_rank + (mla.q_lora_rank or 0)
     if config.qk_norm:
-        return 2 * config.head_dim if config.qk_norm_per_head else (config.n_heads + config.n_kv_heads) * config.head_dim
+        return (
+            2 * config.head_dim if config.qk_norm_per_head else (config.n_heads + config.n_kv_heads) * config.head_dim
+        )
     return 0
 
 

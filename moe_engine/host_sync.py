@@ -186,4 +186,3 @@ def profile_host_syncs(fn: Callable[[], object]) -> list[ProfiledSync]:
             if MEASURED_REGION in stack:
                 found.append(ProfiledSync(event.name, tuple(s for s in stack if s != MEASURED_REGION)))
     return found
-

@@ -26,7 +26,13 @@ from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.train import OptimizerConfig
 
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, routing="random", routing_seed=5),
 )
 OPTIMIZER = OptimizerConfig(lr=1e-2, max_grad_norm=0.5)
@@ -70,13 +76,20 @@ def _params(trainer: ParallelTrainer) -> dict[str, tuple[torch.Size, torch.Tenso
     """This rank's parameters by whole-model name: (offsets, values)."""
     module = trainer.rank_model.module
     if trainer.fsdp:
-        return {name: (torch.Size([0] * p.ndim), p.full_tensor().detach().clone()) for name, p in module.named_parameters()}
+        return {
+            name: (torch.Size([0] * p.ndim), p.full_tensor().detach().clone()) for name, p in module.named_parameters()
+        }
     placements = checkpoint.parameter_placements(module)
     return {placements[id(p)].fqn: (placements[id(p)].offsets, p.detach().clone()) for p in module.parameters()}
 
 
-def _train(parallel: ParallelConfig, steps: range, save_to: str | None = None, load_from: str | None = None,
-           async_save: bool = False) -> dict:
+def _train(
+    parallel: ParallelConfig,
+    steps: range,
+    save_to: str | None = None,
+    load_from: str | None = None,
+    async_save: bool = False,
+) -> dict:
     trainer = _trainer(parallel)
     if load_from:
         extra = checkpoint.load(trainer, load_from, extra_keys=("step",))
@@ -151,8 +164,9 @@ def test_resume_on_the_same_layout_is_bit_identical(layout, uninterrupted, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("saved, loaded", [("ep2-no-sync", "dp2"), ("pp2-1f1b", "pp1-microbatches2"),
-                                           ("dp2-zero1", "dp2")])
+@pytest.mark.parametrize(
+    "saved, loaded", [("ep2-no-sync", "dp2"), ("pp2-1f1b", "pp1-microbatches2"), ("dp2-zero1", "dp2")]
+)
 def test_resume_on_another_layout_reshards(saved, loaded, uninterrupted, tmp_path):
     path = str(tmp_path / "step-3")
     _run(saved, range(N), save_to=path)
@@ -167,9 +181,14 @@ def test_resume_on_another_layout_reshards(saved, loaded, uninterrupted, tmp_pat
 def test_a_checkpoint_of_another_model_shape_is_refused_by_name(tmp_path):
     path = str(tmp_path / "step-1")
     _train(LAYOUTS["single"], range(1), save_to=path)
-    wider_model = build_rank_model(dataclasses.replace(CONFIG, d_model=48), ParallelConfig(), None, torch.device("cpu"), SEED)
+    wider_model = build_rank_model(
+        dataclasses.replace(CONFIG, d_model=48), ParallelConfig(), None, torch.device("cpu"), SEED
+    )
     wider = ParallelTrainer(wider_model, ParallelConfig(), None, OPTIMIZER)
-    with pytest.raises(checkpoint.CheckpointMismatch, match=r"model/embed.weight has shape \(96, 32\) in the checkpoint, \(96, 48\) here"):
+    with pytest.raises(
+        checkpoint.CheckpointMismatch,
+        match=r"model/embed.weight has shape \(96, 32\) in the checkpoint, \(96, 48\) here",
+    ):
         checkpoint.load(wider, path)
 
 

@@ -48,7 +48,13 @@ from moe_engine.recompute import is_recomputed
 from moe_engine.train import OptimizerConfig
 
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, routing="random", shared_expert_hidden=16),
 )
 # lr 1 and eps 1 make the updates nearly proportional to the gradients (as in tests/parallel/test_trainer.py):
@@ -63,8 +69,10 @@ RECOMPUTE = {
     "selective": RecomputeConfig(mode="selective", parts=list(RecomputePart)),
 }
 # Every fp32 model compiled here is CONFIG or one of its size (the widest sum: the 96-word vocabulary).
-FP32_TOLERANCE = (model_tolerance(CONFIG, SEQUENCES * CONFIG.seq_len, gradients=False),
-                  model_tolerance(CONFIG, SEQUENCES * CONFIG.seq_len))
+FP32_TOLERANCE = (
+    model_tolerance(CONFIG, SEQUENCES * CONFIG.seq_len, gradients=False),
+    model_tolerance(CONFIG, SEQUENCES * CONFIG.seq_len),
+)
 TOLERANCE = {"fp32": FP32_TOLERANCE, "bf16": (1e-3, 2**-4), "mxfp8": (1e-3, 2**-2)}
 """(loss rtol, gradient tolerance relative to the gradient's largest magnitude), see the module docstring."""
 EP_NO_SYNC = ParallelConfig(dp=2, ep=2, dispatch="no-sync", capacity_factor=2.0)
@@ -112,8 +120,7 @@ def _train(config, parallel, groups, recompute, compiled, seed=SEED, rows=slice(
         grads.append({n: trainer.optimizer.grad_view(p).float().clone() for n, p in params.items()})
         graphs.append(counters["stats"]["unique_graphs"])
         frames.append(counters["frames"]["total"])
-    return {"losses": torch.stack(losses), "grads": grads, "graphs": graphs, "frames": frames,
-            "rank_model": rank_model}
+    return {"losses": torch.stack(losses), "grads": grads, "graphs": graphs, "frames": frames, "rank_model": rank_model}
 
 
 def _assert_close(compiled, eager, precision: str) -> None:
@@ -122,14 +129,22 @@ def _assert_close(compiled, eager, precision: str) -> None:
     for step, (got, want) in enumerate(zip(compiled["grads"], eager["grads"])):
         for name, grad in want.items():
             scale = grad.abs().max().item()
-            torch.testing.assert_close(got[name], grad, rtol=0, atol=grad_tol * scale,
-                                       msg=lambda m, step=step, name=name: f"step {step}, gradient of {name}: {m}")
+            torch.testing.assert_close(
+                got[name],
+                grad,
+                rtol=0,
+                atol=grad_tol * scale,
+                msg=lambda m, step=step, name=name: f"step {step}, gradient of {name}: {m}",
+            )
 
 
 def _worst(compiled, eager) -> tuple[float, float]:
     loss = ((compiled["losses"] - eager["losses"]).abs() / eager["losses"].abs()).max().item()
-    grad = max(((c[n] - e[n]).abs().max() / e[n].abs().max()).item()
-               for c, e in zip(compiled["grads"], eager["grads"]) for n in e)
+    grad = max(
+        ((c[n] - e[n]).abs().max() / e[n].abs().max()).item()
+        for c, e in zip(compiled["grads"], eager["grads"])
+        for n in e
+    )
     return loss, grad
 
 
@@ -234,8 +249,12 @@ def _ep_rank() -> dict:
         with contextlib.nullcontext() if compiled else forbid_host_sync():
             syncs = profile_host_syncs(lambda model=model: cross_entropy(model(tokens[rows]), labels[rows]).backward())
         variants["compiled" if compiled else "eager"] = {
-            "losses": run["losses"], "grads": run["grads"], "graphs": run["graphs"], "frames": run["frames"],
-            "frames_after_profile": counters["frames"]["total"], "breaks": graph_breaks(),
+            "losses": run["losses"],
+            "grads": run["grads"],
+            "graphs": run["graphs"],
+            "frames": run["frames"],
+            "frames_after_profile": counters["frames"]["total"],
+            "breaks": graph_breaks(),
             "syncs": [(s.name, s.inside("aten::_grouped_mm"), s.stack[:4]) for s in syncs],
         }
     return variants
@@ -265,7 +284,12 @@ def test_compiled_mla_interleaved_tied_model_matches_eager():
     tied embeddings compile into the same regions, break only where the MoE blocks do, and train as
     eager does."""
     config = dataclasses.replace(
-        CONFIG, n_kv_heads=4, head_dim=None, moe_every=2, dense_hidden=40, tie_embeddings=True,
+        CONFIG,
+        n_kv_heads=4,
+        head_dim=None,
+        moe_every=2,
+        dense_hidden=40,
+        tie_embeddings=True,
         mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
     )
     eager = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=False)

@@ -57,7 +57,13 @@ def test_grouped_backend_on_cuda_matches_cpu_reference(dtype):
 
 def test_training_step_on_cuda_learns_without_host_sync():
     config = ModelConfig(
-        vocab_size=256, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=64, dtype="bf16",
+        vocab_size=256,
+        d_model=128,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=64,
+        dtype="bf16",
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128),
     )
     model = build_model(config, device="cuda")
@@ -107,4 +113,3 @@ def test_ragged_and_empty_groups_on_cuda_match_the_cpu_loop(dtype):
         assert (got - want).abs().max() / want.abs().max() < tol, name
         for e in (1, 4, 5):
             assert torch.equal(got[e], torch.zeros_like(got[e])), f"{name}[{e}] of an expert with no rows"
-

@@ -27,8 +27,12 @@ def cuda_test_modules(script: str) -> list[Path]:
 def _is_cuda_mark(node: ast.expr) -> bool:
     """pytest.mark.cuda, called or not."""
     node = node.func if isinstance(node, ast.Call) else node
-    return isinstance(node, ast.Attribute) and node.attr == "cuda" and isinstance(node.value, ast.Attribute) \
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "cuda"
+        and isinstance(node.value, ast.Attribute)
         and node.value.attr == "mark"
+    )
 
 
 def runs_on_the_device(source: str) -> bool:
@@ -61,6 +65,8 @@ def test_the_check_tells_modules_apart():
     assert runs_on_the_device(marked)
     assert not runs_on_the_device("import pytest\n@pytest.mark.slow\ndef test_a(tmp_path):\n    pass\n")
     assert not runs_on_the_device("def helper(device):\n    pass\ndef test_a():\n    pass\n")
-    script = 'x=1\ncuda_tests=(tests/test_model.py\n            tests/precision)  # comment\nrun_step a b\n'
+    script = "x=1\ncuda_tests=(tests/test_model.py\n            tests/precision)  # comment\nrun_step a b\n"
     assert [m.relative_to(REPO).as_posix() for m in cuda_test_modules(script)][:2] == [
-        "tests/test_model.py", "tests/precision/test_mxfp8.py"]
+        "tests/test_model.py",
+        "tests/precision/test_mxfp8.py",
+    ]

@@ -119,7 +119,8 @@ def test_shared_expert_counts_by_hand():
         100 * 32  # embedding 3200
         + 32 * 100  # lm_head 3200
         + 2 * 4 * 32 * 32  # attention 8192
-        + 2 * (32 + 32) + 32  # norms 160
+        + 2 * (32 + 32)
+        + 32  # norms 160
         + 2 * 6 * 32  # router 384
         + 2 * 3 * 32 * 24  # shared expert 4608
         + 2 * 6 * 3 * 32 * 16  # routed experts 18432
@@ -260,8 +261,16 @@ def recompute_config() -> ModelConfig:
     """A leading dense block, GQA, QK-norm and a shared expert: every kind of recomputed region. fp32,
     the grouped-GEMM experts, balanced routing (the same rows whatever the weights)."""
     return ModelConfig(
-        vocab_size=128, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, seq_len=32, n_dense_layers=1,
-        dense_hidden=96, qk_norm=True, dtype="fp32",
+        vocab_size=128,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=32,
+        n_dense_layers=1,
+        dense_hidden=96,
+        qk_norm=True,
+        dtype="fp32",
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=48, routing="balanced"),
     )
 
@@ -287,11 +296,18 @@ def counted_step_flops(rc: RecomputeConfig) -> dict[str, int]:
     return by_op
 
 
-@pytest.mark.parametrize("rc", [
-    recompute("full"), recompute("full", every=2), recompute("selective", ("attention",)),
-    recompute("selective", ("experts",)), recompute("selective", ("norms",)),
-    recompute("selective", ("attention", "experts", "norms")),
-], ids=lambda rc: f"{rc.mode.value}-{'+'.join(p.value for p in rc.parts) or 'blocks'}-every{rc.every}")
+@pytest.mark.parametrize(
+    "rc",
+    [
+        recompute("full"),
+        recompute("full", every=2),
+        recompute("selective", ("attention",)),
+        recompute("selective", ("experts",)),
+        recompute("selective", ("norms",)),
+        recompute("selective", ("attention", "experts", "norms")),
+    ],
+    ids=lambda rc: f"{rc.mode.value}-{'+'.join(p.value for p in rc.parts) or 'blocks'}-every{rc.every}",
+)
 def test_recompute_flops_are_what_the_recompute_runs(rc):
     """The formula against the ops the engine runs again in backward (torch's checkpoint, early stop on).
 
@@ -317,8 +333,10 @@ def test_recompute_flops_are_what_the_recompute_runs(rc):
 
 def test_flops_module_loads_no_model():
     """Plans import the formulas for trillion-parameter configs: torch and the model must stay unloaded."""
-    code = ("import sys, moe_engine.flops; "
-            "assert 'torch' not in sys.modules and 'moe_engine.model' not in sys.modules, sorted(sys.modules)")
+    code = (
+        "import sys, moe_engine.flops; "
+        "assert 'torch' not in sys.modules and 'moe_engine.model' not in sys.modules, sorted(sys.modules)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -328,7 +346,13 @@ def test_flops_module_loads_no_model():
 def mla_config(q_lora_rank: int | None = 24) -> ModelConfig:
     """MLA (D 32, H 4, Q 24 or none, C 16, n 8, r 4, v 6), two MoE blocks."""
     return ModelConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, seq_len=16, dtype="fp32",
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=4,
+        seq_len=16,
+        dtype="fp32",
         mla=dict(q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, backend="loop"),
     )
@@ -338,8 +362,18 @@ def interleaved_config() -> ModelConfig:
     """5 blocks: one leading dense block, then MoE every 2nd (blocks 2 and 4); head_dim 12 with D 32 and
     4 heads (not D / H); tied embeddings."""
     return ModelConfig(
-        vocab_size=64, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=12, seq_len=16,
-        n_dense_layers=1, moe_every=2, dense_hidden=40, tie_embeddings=True, dtype="fp32",
+        vocab_size=64,
+        d_model=32,
+        n_layers=5,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=12,
+        seq_len=16,
+        n_dense_layers=1,
+        moe_every=2,
+        dense_hidden=40,
+        tie_embeddings=True,
+        dtype="fp32",
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, backend="loop"),
     )
 
@@ -348,8 +382,11 @@ def qk_norm_per_head_config() -> ModelConfig:
     return dataclasses.replace(interleaved_config(), qk_norm=True, qk_norm_per_head=True)
 
 
-@pytest.mark.parametrize("make_config", [mla_config, lambda: mla_config(None), interleaved_config, qk_norm_per_head_config],
-                         ids=["mla", "mla-no-q-latent", "interleaved-tied", "qk-norm-per-head"])
+@pytest.mark.parametrize(
+    "make_config",
+    [mla_config, lambda: mla_config(None), interleaved_config, qk_norm_per_head_config],
+    ids=["mla", "mla-no-q-latent", "interleaved-tied", "qk-norm-per-head"],
+)
 def test_new_features_total_matches_built_model(make_config):
     config = make_config()
     assert parameter_counts(config).total == built_numel(config)
@@ -404,7 +441,11 @@ def test_interleaved_tied_counts_and_flops_by_hand():
     # Block forwards follow the pattern: dense blocks 0, 1, 3 and MoE blocks 2, 4.
     dense_block = 2 * 4608 + 16 * 96 + 2 * 3 * 32 * 40
     moe_block = 2 * 4608 + 16 * 96 + 2 * 2 * 3 * 32 * 16
-    assert [block_forward_flops_per_token(config, i) for i in range(5)] == [dense_block] * 2 + [moe_block, dense_block, moe_block]
+    assert [block_forward_flops_per_token(config, i) for i in range(5)] == [dense_block] * 2 + [
+        moe_block,
+        dense_block,
+        moe_block,
+    ]
     # Full recompute of every block: the dense blocks leave out their down projection.
     full = RecomputeConfig(mode="full")
     assert recompute_flops_per_token(config, full, [range(5)]) == 3 * (dense_block - 2 * 32 * 40) + 2 * moe_block

@@ -75,7 +75,8 @@ def random_routes_in_cuda_tests(source: str, filename: str = "<source>") -> list
     """``file:line: test`` for each CUDA-marked test that asks for random or skewed routing."""
     tree = ast.parse(source, filename)
     module_marked = any(
-        isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
+        isinstance(n, ast.Assign)
+        and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
         and _marked_cuda([n.value])
         for n in tree.body
     )
@@ -106,8 +107,12 @@ def test_no_host_to_device_copy_inside_a_guarded_block():
 
 
 def test_cuda_tests_route_the_same_on_both_devices():
-    found = [hit for name, source in _sources() if name.startswith("tests/")
-             for hit in random_routes_in_cuda_tests(source, name)]
+    found = [
+        hit
+        for name, source in _sources()
+        if name.startswith("tests/")
+        for hit in random_routes_in_cuda_tests(source, name)
+    ]
     assert found == []
 
 

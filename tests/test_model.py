@@ -13,8 +13,15 @@ from moe_engine.train import MasterWeightAdamW, OptimizerConfig, Trainer
 
 def tiny_config(**overrides) -> ModelConfig:
     fields = dict(
-        vocab_size=96, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, seq_len=32, n_dense_layers=1,
-        dense_hidden=96, dtype="fp32",
+        vocab_size=96,
+        d_model=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=32,
+        n_dense_layers=1,
+        dense_hidden=96,
+        dtype="fp32",
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, shared_expert_hidden=32),
     )
     fields.update(overrides)
@@ -32,9 +39,10 @@ def reference_attention(attn: Attention, x_BSD: torch.Tensor, theta: float) -> t
     def rope(t):  # rotate-half convention: pairs are (i, i + hd/2)
         freqs = theta ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         angle = torch.arange(seq, dtype=torch.float64)[:, None] * freqs[None]
-        z = torch.complex(t[..., : hd // 2].double(), t[..., hd // 2 :].double()) * torch.polar(
-            torch.ones_like(angle), angle
-        )[None, :, None, :]
+        z = (
+            torch.complex(t[..., : hd // 2].double(), t[..., hd // 2 :].double())
+            * torch.polar(torch.ones_like(angle), angle)[None, :, None, :]
+        )
         return torch.cat([z.real, z.imag], dim=-1).to(t.dtype)
 
     q, k = rope(q), rope(k)

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 
 from moe_engine import build_model
@@ -9,7 +10,13 @@ from moe_engine.config import ModelConfig, MoEConfig
 from moe_engine.train import OptimizerConfig, Trainer
 
 CONFIG = ModelConfig(
-    vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=32, dtype="bf16",
+    vocab_size=128,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=32,
+    dtype="bf16",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64, backend="torch"),
 )
 STEPS = 50
@@ -30,6 +37,7 @@ def _losses(config: ModelConfig, seed: int) -> torch.Tensor:
     return torch.stack(losses)
 
 
+@pytest.mark.slow
 def test_mxfp8_loss_curve_tracks_bf16():
     bf16 = _losses(CONFIG, SEED)
     mxfp8 = _losses(dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, backend="mxfp8")), SEED)

@@ -27,8 +27,7 @@ def test_the_marked_tree_is_found_and_an_unmarked_twin_is_not():
     env = owner_env()
     ours = subprocess.Popen([sys.executable, "-c", PARENT], env={**os.environ, **env}, start_new_session=True)
     # The same code under another marker: another test's processes, or another container's.
-    theirs = subprocess.Popen([sys.executable, "-c", PARENT], env={**os.environ, **owner_env()},
-                              start_new_session=True)
+    theirs = subprocess.Popen([sys.executable, "-c", PARENT], env={**os.environ, **owner_env()}, start_new_session=True)
     try:
         found = _once_running(env, 2)
         assert ours.pid in found and len(found) == 2 and theirs.pid not in found, found

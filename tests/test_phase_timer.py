@@ -327,8 +327,15 @@ def test_module_called_twice_per_forward():
 def tiny_model_config(dtype: str = "fp32") -> ModelConfig:
     # Layer 0 dense (dense_ffn), layer 1 MoE with a shared expert.
     return ModelConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, n_dense_layers=1,
-        dense_hidden=48, dtype=dtype,
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=16,
+        n_dense_layers=1,
+        dense_hidden=48,
+        dtype=dtype,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, shared_expert_hidden=16),
     )
 
@@ -397,7 +404,10 @@ def test_an_open_ended_phase_times_backward_until_the_pass_ends():
         timer.instrument(source, "source", open_ended=open_ended)
         timer.instrument(leaf, "leaf")
         leaf(source(torch.arange(3))).sum().backward()
-        totals_close(timer.totals, {
-            "source": {"forward": 1.0, "backward": expected},
-            "leaf": {"forward": 2.0, "backward": 20.0},
-        })
+        totals_close(
+            timer.totals,
+            {
+                "source": {"forward": 1.0, "backward": expected},
+                "leaf": {"forward": 2.0, "backward": 20.0},
+            },
+        )

@@ -29,8 +29,15 @@ SEQUENCES = 8
 def _config(routing: str = "random", n_layers: int = 4, **moe) -> ModelConfig:
     moe = {"num_experts": 4, "top_k": 2, "expert_hidden": 24, "shared_expert_hidden": 8, "routing": routing, **moe}
     return ModelConfig(
-        vocab_size=96, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
-        qk_norm=True, moe=MoEConfig(**moe),
+        vocab_size=96,
+        d_model=32,
+        n_layers=n_layers,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=8,
+        dtype="fp32",
+        qk_norm=True,
+        moe=MoEConfig(**moe),
     )
 
 
@@ -70,8 +77,14 @@ def _train(config: ModelConfig, parallel: ParallelConfig, recompute: RecomputeCo
             grads = {n: _full(grad_of(p)).clone() for n, p in rank_model.module.named_parameters()}
     state = {n: _full(t).detach().clone() for n, t in rank_model.module.state_dict().items()}
     recomputed = sorted(n for n, m in rank_model.module.named_modules() if is_recomputed(m))
-    return {"losses": losses, "grads": grads, "initial": initial, "state": state, "recomputed": recomputed,
-            "config": config}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "initial": initial,
+        "state": state,
+        "recomputed": recomputed,
+        "config": config,
+    }
 
 
 def _assert_same_training(got: dict, want: dict) -> None:
@@ -91,8 +104,9 @@ def _assert_same_training(got: dict, want: dict) -> None:
         # lr = 1 and eps = 1 make each update about proportional to its gradient: compare what the two
         # steps moved, each carrying its gradient's rounding.
         moved, want_moved = got["state"][name] - got["initial"][name], value - want["initial"][name]
-        assert_moves_close(moved, want_moved, in_quadrature(grad_tol, grad_tol), want["initial"][name], STEPS,
-                           msg=f"state {name}")
+        assert_moves_close(
+            moved, want_moved, in_quadrature(grad_tol, grad_tol), want["initial"][name], STEPS, msg=f"state {name}"
+        )
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -111,11 +125,29 @@ def _public_architecture_config() -> ModelConfig:
     """MLA with a query latent, a leading dense block and MoE every second block after it, tied
     embeddings, group-limited learned routing with the expert bias moving."""
     return ModelConfig(
-        vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, seq_len=8, dtype="fp32",
-        n_dense_layers=1, moe_every=2, dense_hidden=40, tie_embeddings=True,
+        vocab_size=96,
+        d_model=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,
+        seq_len=8,
+        dtype="fp32",
+        n_dense_layers=1,
+        moe_every=2,
+        dense_hidden=40,
+        tie_embeddings=True,
         mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, shared_expert_hidden=8, score_func="sigmoid",
-                      n_groups=2, top_groups=1, routed_scaling_factor=2.5, expert_bias_rate=0.01),
+        moe=MoEConfig(
+            num_experts=4,
+            top_k=2,
+            expert_hidden=24,
+            shared_expert_hidden=8,
+            score_func="sigmoid",
+            n_groups=2,
+            top_groups=1,
+            routed_scaling_factor=2.5,
+            expert_bias_rate=0.01,
+        ),
     )
 
 
@@ -197,9 +229,14 @@ LAYOUTS = {
     "dp2-pp2-ep2-gpipe": ParallelConfig(dp=2, ep=2, pp=2, schedule="gpipe", microbatches=2, capacity_factor=2.0),
 }
 CASES = [
-    ("ep2-no-sync", "full"), ("ep2-no-sync", "all-parts"), ("ep2-sync-zero1", "full"),
-    ("ep2-sync-zero1", "experts"), ("pp2-1f1b", "full-first-1-per-stage"), ("pp2-1f1b", "attention"),
-    ("fsdp-dp2", "full"), ("dp2-pp2-ep2-gpipe", "full"),
+    ("ep2-no-sync", "full"),
+    ("ep2-no-sync", "all-parts"),
+    ("ep2-sync-zero1", "full"),
+    ("ep2-sync-zero1", "experts"),
+    ("pp2-1f1b", "full-first-1-per-stage"),
+    ("pp2-1f1b", "attention"),
+    ("fsdp-dp2", "full"),
+    ("dp2-pp2-ep2-gpipe", "full"),
 ]
 
 

@@ -13,8 +13,16 @@ from bench.results import REPO_ROOT
 
 # Written by commands on every run: committing them freezes one run's output next to code that has
 # moved on (results under results/<version>/ are measurements and are committed on purpose).
-GENERATED = ["moe-bench-export*", "results/plots/*", "results/report/*", "bench/engine.json", "gpu-check-out/*", "*.egg-info/*",
-             "docs/report/*", "docs/report.png"]
+GENERATED = [
+    "moe-bench-export*",
+    "results/plots/*",
+    "results/report/*",
+    "bench/engine.json",
+    "gpu-check-out/*",
+    "*.egg-info/*",
+    "docs/report/*",
+    "docs/report.png",
+]
 
 
 def tracked_files() -> list[str]:

@@ -55,8 +55,9 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: flo
     that summed to it."""
     expected = expected.to(actual.device)
     scale = expected.detach().abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual, expected, rtol=0, atol=tol * scale,
-                               msg=None if msg is None else lambda m: f"{msg}: {m}")
+    torch.testing.assert_close(
+        actual, expected, rtol=0, atol=tol * scale, msg=None if msg is None else lambda m: f"{msg}: {m}"
+    )
 
 
 def moe_layer_tolerance(tokens: int, d_model: int, hidden: int, gradients: bool = True) -> float:
@@ -78,8 +79,15 @@ def model_tolerance(config, tokens: int, gradients: bool = True) -> float:
     over the ``tokens``). Gradients run the chain back and sum each weight's over the tokens. k is the
     longest of these sums: the widest layer, the vocabulary or the tokens.
     """
-    widths = [config.d_model, config.vocab_size, tokens, config.dense_hidden, config.moe.expert_hidden,
-              config.moe.shared_expert_hidden, config.moe.num_experts]
+    widths = [
+        config.d_model,
+        config.vocab_size,
+        tokens,
+        config.dense_hidden,
+        config.moe.expert_hidden,
+        config.moe.shared_expert_hidden,
+        config.moe.num_experts,
+    ]
     if config.mla is None:
         widths.append(config.n_heads * config.head_dim)
     else:
@@ -95,13 +103,15 @@ def in_quadrature(*tolerances: float) -> float:
     return math.sqrt(sum(t * t for t in tolerances))
 
 
-def assert_moves_close(moved: torch.Tensor, want_moved: torch.Tensor, tol: float, params: torch.Tensor, steps: int,
-                       msg: str | None = None) -> None:
+def assert_moves_close(
+    moved: torch.Tensor, want_moved: torch.Tensor, tol: float, params: torch.Tensor, steps: int, msg: str | None = None
+) -> None:
     """What ``steps`` optimizer steps moved fp32 parameters (now about ``params``): within ``tol`` of the
     largest move, plus the parameters' own rounding, for each step rounds each parameter to fp32 (up
     to u |p| on each side, however small the move)."""
     want_moved = want_moved.to(moved.device)
     rounding = 2 * steps * unit_roundoff(torch.float32) * params.detach().abs().max().item()
     atol = tol * want_moved.detach().abs().max().item() + rounding
-    torch.testing.assert_close(moved, want_moved, rtol=0, atol=atol,
-                               msg=None if msg is None else lambda m: f"{msg}: {m}")
+    torch.testing.assert_close(
+        moved, want_moved, rtol=0, atol=atol, msg=None if msg is None else lambda m: f"{msg}: {m}"
+    )

@@ -27,18 +27,30 @@ def cmd_ab(args: argparse.Namespace) -> int:
         acceptances = tuple(parse_accept_options(args.accept, with_releases=False))
         scenarios = load_all(files)
         if args.calibrate:
-            found = run_calibration(scenarios, args.budget, device=device.type, log=lambda line: print(line, flush=True))
+            found = run_calibration(
+                scenarios, args.budget, device=device.type, log=lambda line: print(line, flush=True)
+            )
             print(render_calibration(found, args.budget), end="")
             return EXIT_OK
         keep = Path(args.out) if args.out else None
         if keep is not None and keep.exists() and any(keep.iterdir()):
             return fail(f"{keep}: --out must be a new or empty folder")
-        plan = plan_ab(args.baseline_ref, scenarios, tolerance, args.budget, accept_work=accept,
-                       accept_increase=accept_increase, acceptances=acceptances)
+        plan = plan_ab(
+            args.baseline_ref,
+            scenarios,
+            tolerance,
+            args.budget,
+            accept_work=accept,
+            accept_increase=accept_increase,
+            acceptances=acceptances,
+        )
     except (ABError, ScenarioError, ValueError, WorkerDied) as err:
         return fail(str(err))
-    print(f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
-          f"resident blocks for up to {plan.budget_s:g} s each", flush=True)
+    print(
+        f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
+        f"resident blocks for up to {plan.budget_s:g} s each",
+        flush=True,
+    )
     try:
         report = run_ab(plan, device=device.type, keep=keep, log=lambda line: print(line, flush=True))
     except ABError as err:  # the baseline worktree could not be made
@@ -53,17 +65,37 @@ def register(sub) -> None:
     ab.add_argument("files", nargs="*", help="scenario files or folders (default: the --suite)")
     ab.add_argument("--baseline-ref", help="git ref of the baseline (default: the latest release in releases.json)")
     ab.add_argument("--suite", help="suite from scenarios/suites.yaml (default: ci)")
-    ab.add_argument("--budget", type=float, default=60.0,
-                    help="seconds of alternating resident blocks per scenario, at most (default 60)")
-    ab.add_argument("--calibrate", action="store_true",
-                    help="A/A on this machine: the noise floor and the smallest tolerance for --budget")
-    ab.add_argument("--accept-work", nargs="?", const="all", metavar="METRICS",
-                    help="accept an increase of these work metrics (comma-separated; none given: all)")
-    ab.add_argument("--accept-increase", metavar="METRICS",
-                    help="accept a regression of these exact metrics, e.g. peak_tensor_bytes (comma-separated): "
-                         "reported as accepted, not failed")
-    ab.add_argument("--accept", action="append", default=[], metavar="SPEC",
-                    help=ACCEPT_HELP + "; the resident blocks measure step_time_s")
+    ab.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        help="seconds of alternating resident blocks per scenario, at most (default 60)",
+    )
+    ab.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="A/A on this machine: the noise floor and the smallest tolerance for --budget",
+    )
+    ab.add_argument(
+        "--accept-work",
+        nargs="?",
+        const="all",
+        metavar="METRICS",
+        help="accept an increase of these work metrics (comma-separated; none given: all)",
+    )
+    ab.add_argument(
+        "--accept-increase",
+        metavar="METRICS",
+        help="accept a regression of these exact metrics, e.g. peak_tensor_bytes (comma-separated): "
+        "reported as accepted, not failed",
+    )
+    ab.add_argument(
+        "--accept",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=ACCEPT_HELP + "; the resident blocks measure step_time_s",
+    )
     ab.add_argument("--tolerance", default="5%")
     ab.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ab.add_argument("--out", help="keep every run's result document here (default: discarded)")

@@ -9,12 +9,16 @@ from pathlib import Path
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
-ACCEPT_WORK_HELP = ("accept an increase of these work counters (comma-separated work_* names; none given: "
-                    "every one): reported as accepted, not failed")
-ACCEPT_HELP = ("accept a change made on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: REASON, e.g. "
-               "'peak_tensor_bytes@e8-random-bf16<=6%%: fp32 gradient buffers': a regression of those metrics on "
-               "those scenarios at most N%% worse is reported as accepted with the reason (repeatable; the "
-               "releases' own, from releases.json, apply where the versions compared span them)")
+ACCEPT_WORK_HELP = (
+    "accept an increase of these work counters (comma-separated work_* names; none given: "
+    "every one): reported as accepted, not failed"
+)
+ACCEPT_HELP = (
+    "accept a change made on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: REASON, e.g. "
+    "'peak_tensor_bytes@e8-random-bf16<=6%%: fp32 gradient buffers': a regression of those metrics on "
+    "those scenarios at most N%% worse is reported as accepted with the reason (repeatable; the "
+    "releases' own, from releases.json, apply where the versions compared span them)"
+)
 
 
 def fail(message: str) -> int:

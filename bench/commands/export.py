@@ -12,8 +12,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bench.report.export import export_files
 
     try:
-        files = export_files(load_side(args.results, skip_bad=True), args.format,
-                             include_machine=args.include_machine)
+        files = export_files(load_side(args.results, skip_bad=True), args.format, include_machine=args.include_machine)
     except (FileNotFoundError, ValueError) as err:
         return fail(str(err))
     out = Path(args.out)

@@ -17,8 +17,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
     if not results_dir.is_dir():
         return fail(f"{results_dir}: no such results folder")
     try:
-        written = plot_results(results_dir, Path(args.out),
-                               on_bad_file=lambda err: print(f"moe-bench: warning: {err}; skipped", file=sys.stderr))
+        written = plot_results(
+            results_dir,
+            Path(args.out),
+            on_bad_file=lambda err: print(f"moe-bench: warning: {err}; skipped", file=sys.stderr),
+        )
     except (ResultValidationError, ValueError) as err:
         return fail(str(err))
     print(f"wrote {len(written)} files; open {Path(args.out) / 'index.html'}")

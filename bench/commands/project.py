@@ -34,8 +34,10 @@ def cmd_project(args: argparse.Namespace) -> int:
                 # A measurement that did not happen (bench/gpu-check.sh's profile step): project on the
                 # shipped profile all the same, and say so wherever the numbers go.
                 profile = load_profile(args.fallback_device)
-                note = (f"{name}: no such profile file; projected on the shipped profile {profile.name} "
-                        f"({profile.file}) in its place (--fallback-device)")
+                note = (
+                    f"{name}: no such profile file; projected on the shipped profile {profile.name} "
+                    f"({profile.file}) in its place (--fallback-device)"
+                )
                 print(f"moe-bench: warning: {note}", file=sys.stderr)
                 devices.append((profile, note))
             else:
@@ -59,8 +61,13 @@ def cmd_project(args: argparse.Namespace) -> int:
         for profile, fallback in devices or [(load_profile(scenario.cluster["device"]), None)]:
             try:
                 with trace_progress(sys.stdout) as progress:
-                    doc = project_on_device(scenario, profile, progress=progress, share_stages=not args.every_stage,
-                                            breakdown=args.breakdown)
+                    doc = project_on_device(
+                        scenario,
+                        profile,
+                        progress=progress,
+                        share_stages=not args.every_stage,
+                        breakdown=args.breakdown,
+                    )
             except DoesNotFit as err:
                 print(f"moe-bench: error: {err}", file=sys.stderr)
                 code = EXIT_BAD_INPUT
@@ -75,8 +82,10 @@ def cmd_project(args: argparse.Namespace) -> int:
                 print(f"  {fallback}")
             if args.breakdown:
                 b = doc["breakdown"]
-                print(f"  projected step of stage {b['pipeline_rank']} by op kind and module "
-                      f"({doc['step_s']:.3f} s; hidden: collectives run under compute, not in the step):")
+                print(
+                    f"  projected step of stage {b['pipeline_rank']} by op kind and module "
+                    f"({doc['step_s']:.3f} s; hidden: collectives run under compute, not in the step):"
+                )
                 print(format_breakdown(b))
             print(f"  written to {path}")
     return code
@@ -85,18 +94,31 @@ def cmd_project(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     """Add the command's parser(s) to ``sub``, the subparsers of ``moe-bench``."""
     project = sub.add_parser(
-        "project", help="a layout's step on a device kind, every op of a rank's full-size step priced on its profile")
+        "project", help="a layout's step on a device kind, every op of a rank's full-size step priced on its profile"
+    )
     project.add_argument("files", nargs="+", help="scenario files or folders (any mode)")
-    project.add_argument("--device", action="append",
-                         help="device profile name (devices/NAME.yaml) or file; repeat for several "
-                              "(default: the scenario's cluster.device)")
+    project.add_argument(
+        "--device",
+        action="append",
+        help="device profile name (devices/NAME.yaml) or file; repeat for several "
+        "(default: the scenario's cluster.device)",
+    )
     project.add_argument("--out", default="results/projections", help="folder for the projection documents")
-    project.add_argument("--fallback-device", metavar="NAME",
-                         help="a --device file that does not exist is replaced by this profile, with a warning and "
-                              "the replacement recorded in each document (device_fallback)")
-    project.add_argument("--breakdown", action="store_true",
-                         help="also print and write (the document's breakdown) the projected step by op kind and by "
-                              "engine module: time, bytes moved, FLOPs, kernels, share of the step")
-    project.add_argument("--every-stage", action="store_true",
-                         help="trace every pipeline stage, identical ones too (by default they share one trace)")
+    project.add_argument(
+        "--fallback-device",
+        metavar="NAME",
+        help="a --device file that does not exist is replaced by this profile, with a warning and "
+        "the replacement recorded in each document (device_fallback)",
+    )
+    project.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also print and write (the document's breakdown) the projected step by op kind and by "
+        "engine module: time, bytes moved, FLOPs, kernels, share of the step",
+    )
+    project.add_argument(
+        "--every-stage",
+        action="store_true",
+        help="trace every pipeline stage, identical ones too (by default they share one trace)",
+    )
     project.set_defaults(func=cmd_project)

@@ -48,8 +48,9 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
     runner = Runner(resolve_device("cpu"), Path(args.out))
     reporter = Reporter(len(scenarios) * args.runs)
     try:
-        report = check(runner, scenarios, reporter.line, runs=args.runs, profile=profile,
-                       warmup_steps=args.warmup_steps)
+        report = check(
+            runner, scenarios, reporter.line, runs=args.runs, profile=profile, warmup_steps=args.warmup_steps
+        )
     except RuntimeError as err:
         print(f"moe-bench: error: {err}", file=sys.stderr)
         return EXIT_FAILED
@@ -69,10 +70,13 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
             f"{row['error']:+.1%} ({row['error_without_skew']:+.1%} without skew){op_level}; plan vs proxy memory {gaps}"
         )
     for name, entry in report["summary"].items():
-        op_level = (f", op-level {entry['median_op_level_error']:+.1%}"
-                    if entry["median_op_level_error"] is not None else "")
-        print(f"{name}: median error over {entry['runs']} runs {entry['median_error']:+.1%} "
-              f"({entry['median_error_without_skew']:+.1%} without skew){op_level}")
+        op_level = (
+            f", op-level {entry['median_op_level_error']:+.1%}" if entry["median_op_level_error"] is not None else ""
+        )
+        print(
+            f"{name}: median error over {entry['runs']} runs {entry['median_error']:+.1%} "
+            f"({entry['median_error_without_skew']:+.1%} without skew){op_level}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report: {args.json}")
@@ -88,10 +92,17 @@ def register(sub) -> None:
     check.add_argument("--out", default="results", help="results root for the runs (default: results)")
     check.add_argument("--json", default=None, help="also write the report here")
     check.add_argument("--runs", type=int, default=1, help="real runs of each scenario (default 1)")
-    check.add_argument("--warmup-steps", type=int, default=None,
-                       help="untimed steps before the timed ones, replacing the scenarios' own (a fresh process "
-                            "runs its first steps slower; a device profile prices the steady state)")
-    check.add_argument("--device-profile", metavar="PROFILE",
-                       help="also check the op-level projection on this device profile (e.g. cpu-2core, the "
-                            "profile of the machine it runs on) against the same real runs")
+    check.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="untimed steps before the timed ones, replacing the scenarios' own (a fresh process "
+        "runs its first steps slower; a device profile prices the steady state)",
+    )
+    check.add_argument(
+        "--device-profile",
+        metavar="PROFILE",
+        help="also check the op-level projection on this device profile (e.g. cpu-2core, the "
+        "profile of the machine it runs on) against the same real runs",
+    )
     check.set_defaults(func=cmd_proxy_check)

@@ -16,8 +16,7 @@ def cmd_release(args: argparse.Namespace) -> int:
         releases = record.load_releases(record.RELEASES_PATH)
         if args.version is None:
             if accepted:
-                return fail(
-                    "--accept: name the release that makes the change: moe-bench release VERSION --accept SPEC")
+                return fail("--accept: name the release that makes the change: moe-bench release VERSION --accept SPEC")
             for release in releases[-1:] if args.latest else releases:
                 print(release.version if args.latest else f"{release.version}  {release.commit}  {release.date}")
                 for acceptance in [] if args.latest else release.accepted:
@@ -51,10 +50,15 @@ def register(sub) -> None:
     release.add_argument("version", nargs="?", help="the version to release (default: list the recorded releases)")
     release.add_argument("--latest", action="store_true", help="print only the latest release's version")
     release.add_argument("--no-tag", dest="tag", action="store_false", help="do not create the tag vVERSION")
-    release.add_argument("--accept", action="append", default=[], metavar="SPEC",
-                         help="a change the release makes on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: "
-                              "REASON, recorded with it in releases.json (repeatable; for a release recorded "
-                              "before, added to it)")
+    release.add_argument(
+        "--accept",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a change the release makes on purpose, METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%%: "
+        "REASON, recorded with it in releases.json (repeatable; for a release recorded "
+        "before, added to it)",
+    )
     release.set_defaults(func=cmd_release)
 
     version = sub.add_parser("version", help="print the engine version (the folder name under results/)")

@@ -19,13 +19,21 @@ def cmd_report(args: argparse.Namespace) -> int:
         problem = unwritable(out)
         if problem:
             return fail(problem)
-        report = build_report(Path(args.results), out, base=args.base, new=args.new, tolerance=tolerance,
-                              on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr))
+        report = build_report(
+            Path(args.results),
+            out,
+            base=args.base,
+            new=args.new,
+            tolerance=tolerance,
+            on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr),
+        )
     except (ReportError, ValueError) as err:
         return fail(str(err))
     if report.comparison is not None:
-        print(f"release comparison {report.comparison.versions.base} -> {report.comparison.versions.new}: "
-              f"{report.comparison.header}")
+        print(
+            f"release comparison {report.comparison.versions.base} -> {report.comparison.versions.new}: "
+            f"{report.comparison.header}"
+        )
     print(f"wrote {report.path} ({len(report.charts)} charts)")
     if args.screenshot:
         from bench.report.screenshot import BrowserMissing, chromium, undrawn, view_page
@@ -44,15 +52,23 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add the command's parser(s) to ``sub``, the subparsers of ``moe-bench``."""
-    report = sub.add_parser("report", help="one self-contained HTML page: problems, the release comparison, "
-                                           "trends and the reference experiments")
+    report = sub.add_parser(
+        "report",
+        help="one self-contained HTML page: problems, the release comparison, trends and the reference experiments",
+    )
     report.add_argument("results", help="results folder (results/<version>/<machine>/*.json)")
     report.add_argument("--out", help="folder for index.html (default: RESULTS/report)")
-    report.add_argument("--base", metavar="VERSION",
-                        help="baseline version of the comparison (default: the latest release older than --new)")
+    report.add_argument(
+        "--base",
+        metavar="VERSION",
+        help="baseline version of the comparison (default: the latest release older than --new)",
+    )
     report.add_argument("--new", metavar="VERSION", help="candidate version (default: the newest in RESULTS)")
     report.add_argument("--tolerance", default="5%", help="the gate's tolerance for the verdicts (default 5%%)")
-    report.add_argument("--screenshot", metavar="PNG",
-                        help="also open the page in headless Chromium and save the whole page there (needs "
-                             "selenium, chromium and chromium-driver); fails if a chart is not drawn")
+    report.add_argument(
+        "--screenshot",
+        metavar="PNG",
+        help="also open the page in headless Chromium and save the whole page there (needs "
+        "selenium, chromium and chromium-driver); fails if a chart is not drawn",
+    )
     report.set_defaults(func=cmd_report)

@@ -56,12 +56,20 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
         device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
         if launch.rank != 0:
-            Runner(device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force,
-                   resume=resume).run(scenarios)
+            Runner(
+                device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force, resume=resume
+            ).run(scenarios)
             leave_launch()
             return EXIT_OK
-    runner = Runner(device, Path(args.out), launch=launch, plan_only=plan_only, force=force, resume=resume,
-                    project_devices=project_on)
+    runner = Runner(
+        device,
+        Path(args.out),
+        launch=launch,
+        plan_only=plan_only,
+        force=force,
+        resume=resume,
+        project_devices=project_on,
+    )
     outcomes = runner.run(scenarios)
     if launch is not None:
         leave_launch()
@@ -88,8 +96,9 @@ def _checkpoint_checks(scenarios, resume: str | bool | None, out_root: Path) -> 
     executes = [s for s in scenarios if s.mode == "execute"]
     given = resume if isinstance(resume, str) else None
     if given is not None and len(executes) != 1:
-        raise ValueError(f"--resume {given}: names one checkpoint, for exactly one execute scenario "
-                         f"({len(executes)} given)")
+        raise ValueError(
+            f"--resume {given}: names one checkpoint, for exactly one execute scenario ({len(executes)} given)"
+        )
     targets: dict[str, Path] = {}
     for scenario in executes:
         policy = policy_for(scenario.spec, out_root)
@@ -108,8 +117,9 @@ def _report_after_run(out_root: Path) -> None:
     from bench.report.page import build_report
 
     try:
-        report = build_report(out_root, out_root / "report",
-                              on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr))
+        report = build_report(
+            out_root, out_root / "report", on_warning=lambda text: print(f"moe-bench: warning: {text}", file=sys.stderr)
+        )
         print(f"report: {report.path}")
     except Exception as err:  # the results are written; report and go on
         print(f"moe-bench: warning: the report page failed: {err}", file=sys.stderr)
@@ -120,7 +130,16 @@ def print_summary(outcomes) -> None:
     from rich.table import Table
 
     table = Table(title="moe-bench results")
-    for column in ("scenario", "mode", "status", "tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak memory", "params (total/active)"):
+    for column in (
+        "scenario",
+        "mode",
+        "status",
+        "tokens/s/GPU",
+        "TFLOP/s/GPU",
+        "MFU",
+        "peak memory",
+        "params (total/active)",
+    ):
         table.add_column(column, justify="left" if column in ("scenario", "mode", "status") else "right", no_wrap=True)
     for o in outcomes:
         m = o.metrics
@@ -128,7 +147,9 @@ def print_summary(outcomes) -> None:
         def med(name, fmt):
             return fmt(m[name]["median"]) if name in m else ""
 
-        memory = next((n for n in ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes") if n in m), None)
+        memory = next(
+            (n for n in ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes") if n in m), None
+        )
         params = ""
         if "total_params" in m:
             params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"
@@ -137,7 +158,11 @@ def print_summary(outcomes) -> None:
         if o.scenario.mode == "proxy":
             tokens, tflops = _proxy_figures(o)
         table.add_row(
-            o.scenario.name, o.scenario.mode, o.status, tokens, tflops,
+            o.scenario.name,
+            o.scenario.mode,
+            o.status,
+            tokens,
+            tflops,
             med("mfu", lambda v: f"{v:.1%}"),
             f"{m[memory]['median'] / 2**30:.2f} GiB" if memory else "",
             params,
@@ -168,8 +193,10 @@ def print_comparisons(outcomes, comparisons) -> None:
         return
     print("comparisons (ratio of the medians, numerator / denominator, [95% interval from the two runs' steps]):")
     for row in rows:
-        print(f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {row.describe()}"
-              f"  [published: {row.comparison.reference}; {row.comparison.mirrors}]")
+        print(
+            f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {row.describe()}"
+            f"  [published: {row.comparison.reference}; {row.comparison.mirrors}]"
+        )
 
 
 def register(sub) -> None:
@@ -180,22 +207,44 @@ def register(sub) -> None:
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument("--out", default="results", help="results root (default: results)")
     # --no-plots: the flag's name before the report page replaced the plots (older releases' A/B runs pass it).
-    run.add_argument("--no-report", "--no-plots", dest="report", action="store_false",
-                     help="skip rewriting the report page <out>/report/index.html")
-    run.add_argument("--force", action="store_true",
-                     help="start execute scenarios whose plan needs more memory than the device has (default: "
-                          "recorded oom without starting)")
-    run.add_argument("--project-on", action="append", default=[], metavar="DEVICE",
-                     help="also project each proxy result onto this device profile (repeatable), beside its "
-                          "cluster.device")
-    run.add_argument("--resume", nargs="?", const=True, default=None, metavar="PATH",
-                     help="continue each execute scenario from the latest complete checkpoint in its checkpoint "
-                          "folder, or (one scenario) from PATH: a checkpoint, or a folder of them")
+    run.add_argument(
+        "--no-report",
+        "--no-plots",
+        dest="report",
+        action="store_false",
+        help="skip rewriting the report page <out>/report/index.html",
+    )
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="start execute scenarios whose plan needs more memory than the device has (default: "
+        "recorded oom without starting)",
+    )
+    run.add_argument(
+        "--project-on",
+        action="append",
+        default=[],
+        metavar="DEVICE",
+        help="also project each proxy result onto this device profile (repeatable), beside its cluster.device",
+    )
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="PATH",
+        help="continue each execute scenario from the latest complete checkpoint in its checkpoint "
+        "folder, or (one scenario) from PATH: a checkpoint, or a folder of them",
+    )
     run.set_defaults(func=cmd_run)
 
     plan = sub.add_parser(
-        "plan", help="plan any scenario's whole layout: parameters, FLOPs, per-rank memory and traffic, and "
-                     "whether it fits the cluster's GPUs")
+        "plan",
+        help="plan any scenario's whole layout: parameters, FLOPs, per-rank memory and traffic, and "
+        "whether it fits the cluster's GPUs",
+    )
     plan.add_argument("files", nargs="+", help="scenario files or folders (plan, proxy or execute)")
     plan.add_argument("--out", default="results", help="results root (default: results)")
-    plan.set_defaults(func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", report=False), plan_only=True))
+    plan.set_defaults(
+        func=lambda a: cmd_run(argparse.Namespace(**vars(a), suite=None, device="cpu", report=False), plan_only=True)
+    )

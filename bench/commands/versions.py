@@ -12,8 +12,9 @@ def cmd_versions(args: argparse.Namespace) -> int:
     from bench.release.images import VersionsError, run_versions
 
     try:
-        code, table = run_versions(args.images, args.suite, Path(args.out), args.gpus,
-                                   log=lambda line: print(line, flush=True))
+        code, table = run_versions(
+            args.images, args.suite, Path(args.out), args.gpus, log=lambda line: print(line, flush=True)
+        )
     except VersionsError as err:
         return fail(str(err))
     print(table, end="")
@@ -26,6 +27,10 @@ def register(sub) -> None:
     versions.add_argument("images", nargs="+", metavar="IMAGE")
     versions.add_argument("--suite", default="default")
     versions.add_argument("--out", default="results", help="results root (default: results)")
-    versions.add_argument("--gpus", choices=["auto", "all", "none"], default="auto",
-                          help="request the host's GPUs (auto: when nvidia-smi lists one)")
+    versions.add_argument(
+        "--gpus",
+        choices=["auto", "all", "none"],
+        default="auto",
+        help="request the host's GPUs (auto: when nvidia-smi lists one)",
+    )
     versions.set_defaults(func=cmd_versions)

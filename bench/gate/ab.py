@@ -103,7 +103,11 @@ class SideRun:
 
 
 ACCEPTABLE_INCREASES = (
-    "peak_tensor_bytes", "rss_peak_bytes", "cuda_peak_active_bytes", "cuda_peak_reserved_bytes", "optimizer_state_bytes",
+    "peak_tensor_bytes",
+    "rss_peak_bytes",
+    "cuda_peak_active_bytes",
+    "cuda_peak_reserved_bytes",
+    "optimizer_state_bytes",
 )
 """Exact metrics whose regression ``--accept-increase`` may accept: memory a change costs on purpose.
 Timings never (the resident blocks gate them); work counters have ``--accept-work``."""
@@ -164,12 +168,16 @@ class ABReport:
 
     @property
     def exit_code(self) -> int:
-        return 1 if (
-            self.failures
-            or any(m.verdict == "regressed" for m in self.metrics)
-            or any(self.resident_verdict(r) == "regressed" for r in self.resident)
-            or any(w.startswith("REGRESSION") for w in self.work)
-        ) else 0
+        return (
+            1
+            if (
+                self.failures
+                or any(m.verdict == "regressed" for m in self.metrics)
+                or any(self.resident_verdict(r) == "regressed" for r in self.resident)
+                or any(w.startswith("REGRESSION") for w in self.work)
+            )
+            else 0
+        )
 
     def render(self) -> str:
         verdicts = [m.verdict for m in self.metrics] + [self.resident_verdict(r) for r in self.resident]
@@ -185,44 +193,68 @@ class ABReport:
         )
         columns = ("scenario", "metric", "unit", "base", "cand", "ratio", "interval / noise", "blocks", "verdict")
         rows = [
-            (r.scenario, "step_time_s", "s", format_number(statistics.median(r.baseline_s) / r.steps_per_block),
-             format_number(statistics.median(r.candidate_s) / r.steps_per_block),
-             format_ratio(1 + r.estimate.slowdown),
-             f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}]",
-             f"{len(r.baseline_s)} x {r.steps_per_block} steps, {r.seconds:.0f} s, {r.stopped_by}",
-             self.resident_verdict(r))
-            for r in self.resident if r.estimate is not None
+            (
+                r.scenario,
+                "step_time_s",
+                "s",
+                format_number(statistics.median(r.baseline_s) / r.steps_per_block),
+                format_number(statistics.median(r.candidate_s) / r.steps_per_block),
+                format_ratio(1 + r.estimate.slowdown),
+                f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}]",
+                f"{len(r.baseline_s)} x {r.steps_per_block} steps, {r.seconds:.0f} s, {r.stopped_by}",
+                self.resident_verdict(r),
+            )
+            for r in self.resident
+            if r.estimate is not None
         ] + [
-            (m.scenario, m.metric, m.unit, format_number(m.base), format_number(m.cand), format_ratio(m.ratio),
-             "exact" if m.exact and not m.noise else format_percent(m.noise, 1), f"{len(m.ratios)} run(s)", m.verdict)
+            (
+                m.scenario,
+                m.metric,
+                m.unit,
+                format_number(m.base),
+                format_number(m.cand),
+                format_ratio(m.ratio),
+                "exact" if m.exact and not m.noise else format_percent(m.noise, 1),
+                f"{len(m.ratios)} run(s)",
+                m.verdict,
+            )
             for m in self.metrics
         ]
         widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
-        findings = [
-            f"{'REGRESSION' if self.resident_verdict(r) == 'regressed' else 'ACCEPTED'} {r.scenario} step time: "
-            f"x{format_ratio(1 + r.estimate.slowdown)}, 95% interval "
-            f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] over "
-            f"{len(r.baseline_s)} block pairs (tolerance {format_percent(self.tolerance)})"
-            + _acceptance_text(self._named(r.scenario, "step_time_s"), self.resident_verdict(r) == "accepted")
-            for r in self.resident if r.verdict == "regressed"
-        ] + [
-            f"INCONCLUSIVE {r.scenario} step time: interval "
-            f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still wider than "
-            f"the tolerance after {len(r.baseline_s)} block pairs ({r.seconds:.0f} s budget): raise the budget"
-            for r in self.resident if r.verdict == "inconclusive" and r.estimate is not None
-        ] + [
-            f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
-            f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
-            + _acceptance_text(self._named(m.scenario, m.metric), False)
-            for m in self.metrics if m.verdict == "regressed"
-        ] + [
-            f"ACCEPTED {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
-            f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)}); accepted: {m.accepted}"
-            if m.accepted
-            else f"NOTE {m.scenario} {m.metric}: x{format_ratio(m.ratio)}, beyond the tolerance (accepted)"
-            for m in self.metrics if m.verdict == "accepted"
-        ]
+        findings = (
+            [
+                f"{'REGRESSION' if self.resident_verdict(r) == 'regressed' else 'ACCEPTED'} {r.scenario} step time: "
+                f"x{format_ratio(1 + r.estimate.slowdown)}, 95% interval "
+                f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] over "
+                f"{len(r.baseline_s)} block pairs (tolerance {format_percent(self.tolerance)})"
+                + _acceptance_text(self._named(r.scenario, "step_time_s"), self.resident_verdict(r) == "accepted")
+                for r in self.resident
+                if r.verdict == "regressed"
+            ]
+            + [
+                f"INCONCLUSIVE {r.scenario} step time: interval "
+                f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still wider than "
+                f"the tolerance after {len(r.baseline_s)} block pairs ({r.seconds:.0f} s budget): raise the budget"
+                for r in self.resident
+                if r.verdict == "inconclusive" and r.estimate is not None
+            ]
+            + [
+                f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
+                f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)})"
+                + _acceptance_text(self._named(m.scenario, m.metric), False)
+                for m in self.metrics
+                if m.verdict == "regressed"
+            ]
+            + [
+                f"ACCEPTED {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
+                f"(tolerance {format_percent(self.tolerance)}, {format_noise(m.noise, m.exact)}); accepted: {m.accepted}"
+                if m.accepted
+                else f"NOTE {m.scenario} {m.metric}: x{format_ratio(m.ratio)}, beyond the tolerance (accepted)"
+                for m in self.metrics
+                if m.verdict == "accepted"
+            ]
+        )
         table = lines if rows else ["(no metrics compared)"]
         return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
 
@@ -249,15 +281,29 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
     better = pairs[-1][1]["better"]
     _, verdict = classify(ratio, noise, better, tolerance)
     return PairedMetric(
-        scenario=scenario, metric=name, unit=pairs[-1][1]["unit"], better=better,
-        base=statistics.median(b["median"] for b, _ in pairs), cand=statistics.median(c["median"] for _, c in pairs),
-        ratios=ratios, ratio=ratio, noise=noise, verdict=verdict, exact=exact,
+        scenario=scenario,
+        metric=name,
+        unit=pairs[-1][1]["unit"],
+        better=better,
+        base=statistics.median(b["median"] for b, _ in pairs),
+        cand=statistics.median(c["median"] for _, c in pairs),
+        ratios=ratios,
+        ratio=ratio,
+        noise=noise,
+        verdict=verdict,
+        exact=exact,
     )
 
 
-def paired_gate(runs: dict[str, list[tuple[SideRun, SideRun]]], tolerance: float, baseline: str = "baseline",
-                candidate: str = "candidate", exact_only: bool = False,
-                accept_increase: frozenset[str] = frozenset(), acceptances: list[Acceptance] | None = None) -> ABReport:
+def paired_gate(
+    runs: dict[str, list[tuple[SideRun, SideRun]]],
+    tolerance: float,
+    baseline: str = "baseline",
+    candidate: str = "candidate",
+    exact_only: bool = False,
+    accept_increase: frozenset[str] = frozenset(),
+    acceptances: list[Acceptance] | None = None,
+) -> ABReport:
     """The report over every scenario's (baseline, candidate) runs, pair by pair.
 
     ``exact_only``: gate only the metrics without a spread; the timed ones are left to the resident
@@ -341,10 +387,17 @@ def check_budget(budget_s: float) -> None:
         )
 
 
-def plan_ab(ref: str | None, scenarios: list[Scenario], tolerance: float, budget_s: float = DEFAULT_BUDGET_S,
-            root: Path = REPO_ROOT, releases_path: Path = RELEASES_PATH,
-            accept_work: frozenset[str] | None = None, accept_increase: frozenset[str] = frozenset(),
-            acceptances: tuple[Acceptance, ...] = ()) -> ABPlan:
+def plan_ab(
+    ref: str | None,
+    scenarios: list[Scenario],
+    tolerance: float,
+    budget_s: float = DEFAULT_BUDGET_S,
+    root: Path = REPO_ROOT,
+    releases_path: Path = RELEASES_PATH,
+    accept_work: frozenset[str] | None = None,
+    accept_increase: frozenset[str] = frozenset(),
+    acceptances: tuple[Acceptance, ...] = (),
+) -> ABPlan:
     """Check everything before any work; raises ABError with a one-line reason. ``acceptances``: the
     command line's; the releases' (``releases_path``) are added, to apply where the versions say."""
     check_budget(budget_s)
@@ -363,18 +416,33 @@ def plan_ab(ref: str | None, scenarios: list[Scenario], tolerance: float, budget
             raise ABError(f"no release recorded in {releases_path.name}: pass --baseline-ref REF")
         commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{release.commit}^{{commit}}")
         if commit is None:
-            raise ABError(f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
-                          "(git fetch --unshallow)")
-        return ABPlan(f"release {release.version}", commit, scenarios, tolerance, budget_s, accept_work,
-                      accept_increase, acceptances)
+            raise ABError(
+                f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
+                "(git fetch --unshallow)"
+            )
+        return ABPlan(
+            f"release {release.version}",
+            commit,
+            scenarios,
+            tolerance,
+            budget_s,
+            accept_work,
+            accept_increase,
+            acceptances,
+        )
     commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
     if commit is None:
         raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
     return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances)
 
 
-def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: Path = REPO_ROOT,
-           log: Callable[[str], None] = print) -> ABReport:
+def run_ab(
+    plan: ABPlan,
+    device: str = "auto",
+    keep: Path | None = None,
+    root: Path = REPO_ROOT,
+    log: Callable[[str], None] = print,
+) -> ABReport:
     """Run the plan: per scenario one full run per side, then the resident blocks; the gate's report."""
     runs: dict[str, list[tuple[SideRun, SideRun]]] = {}
     versions: dict[str, str] = {}
@@ -392,8 +460,10 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
                 results[side] = run_side(sides[side], scenario, Path(work) / side / scenario.name, device)
                 if results[side].version:
                     versions[side] = results[side].version
-                log(f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {_summary(results[side])} "
-                    f"({time.perf_counter() - started:.1f} s)")
+                log(
+                    f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {_summary(results[side])} "
+                    f"({time.perf_counter() - started:.1f} s)"
+                )
             runs[scenario.name] = [(results["baseline"], results["candidate"])]
             if scenario.mode != "execute" or any(results[s].status != "ok" for s in SIDES):
                 continue
@@ -408,8 +478,10 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
                 # Two processes of identical code can differ by a few percent for their whole life
                 # (memory layout), which no number of blocks averages away: a regression stands
                 # only if fresh workers of both sides show it again.
-                log(f"ab [{index}/{len(plan.scenarios)}] {scenario.name} regressed "
-                    f"x{1 + comparison.estimate.slowdown:.3f}: confirming with fresh workers")
+                log(
+                    f"ab [{index}/{len(plan.scenarios)}] {scenario.name} regressed "
+                    f"x{1 + comparison.estimate.slowdown:.3f}: confirming with fresh workers"
+                )
                 try:
                     confirmation = _resident(sides, scenario, plan, device, log)
                 except WorkerDied as err:
@@ -423,14 +495,23 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
                 comparison = confirmation
             comparisons.append(comparison)
             lo, hi = comparison.estimate.interval
-            log(f"ab [{index}/{len(plan.scenarios)}] {scenario.name} blocks: step time "
+            log(
+                f"ab [{index}/{len(plan.scenarios)}] {scenario.name} blocks: step time "
                 f"x{1 + comparison.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
                 f"{len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps in "
-                f"{comparison.seconds:.0f} s: {comparison.verdict}")
+                f"{comparison.seconds:.0f} s: {comparison.verdict}"
+            )
     baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
     applicable = [a for a in plan.acceptances if a.applies(versions.get("baseline"), versions.get("candidate"))]
-    report = paired_gate(runs, plan.tolerance, baseline, versions.get("candidate", "this checkout"), exact_only=True,
-                         accept_increase=plan.accept_increase, acceptances=applicable)
+    report = paired_gate(
+        runs,
+        plan.tolerance,
+        baseline,
+        versions.get("candidate", "this checkout"),
+        exact_only=True,
+        accept_increase=plan.accept_increase,
+        acceptances=applicable,
+    )
     report.resident = comparisons
     report.failures += resident_failures
     report.notes += report_notes
@@ -438,23 +519,34 @@ def run_ab(plan: ABPlan, device: str = "auto", keep: Path | None = None, root: P
     return report
 
 
-def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str,
-              log: Callable[[str], None]) -> ResidentComparison:
+def _resident(
+    sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, log: Callable[[str], None]
+) -> ResidentComparison:
     timeout = scenario.run["timeout_s"] + _MARGIN_S
-    with ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base, \
-            ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand:
+    with (
+        ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base,
+        ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand,
+    ):
         return compare_resident(base, cand, plan.tolerance, plan.budget_s, log=log)
 
 
-def _work_findings(runs: dict[str, list[tuple[SideRun, SideRun]]], accept: frozenset[str] | None,
-                   acceptances: list[Acceptance] | None = None) -> list[str]:
+def _work_findings(
+    runs: dict[str, list[tuple[SideRun, SideRun]]],
+    accept: frozenset[str] | None,
+    acceptances: list[Acceptance] | None = None,
+) -> list[str]:
     """Work-counter verdicts of each scenario's two full runs (``bench.gate.work.work_verdicts``)."""
     findings = []
     for scenario, pairs in runs.items():
         base, cand = pairs[-1]
         if base.status == cand.status == "ok":
-            findings += work_verdicts(scenario, (base.metrics, base.details), (cand.metrics, cand.details), accept,
-                                      acceptances=acceptances or ())
+            findings += work_verdicts(
+                scenario,
+                (base.metrics, base.details),
+                (cand.metrics, cand.details),
+                accept,
+                acceptances=acceptances or (),
+            )
     return findings
 
 
@@ -482,42 +574,82 @@ class Calibration:
         return math.expm1(max(est.width, abs(est.estimate) + 1.645 * standard_error))
 
 
-def run_calibration(scenarios: list[Scenario], budget_s: float, device: str = "auto", root: Path = REPO_ROOT,
-                    log: Callable[[str], None] = print) -> list[Calibration]:
+def run_calibration(
+    scenarios: list[Scenario],
+    budget_s: float,
+    device: str = "auto",
+    root: Path = REPO_ROOT,
+    log: Callable[[str], None] = print,
+) -> list[Calibration]:
     """A/A: this checkout against itself, resident, for the whole budget of each execute scenario."""
     check_budget(budget_s)
     found = []
     for scenario in (s for s in scenarios if s.mode == "execute"):
         timeout = scenario.run["timeout_s"] + _MARGIN_S
-        with ResidentSide("baseline", root, scenario, device, timeout) as a, \
-                ResidentSide("candidate", root, scenario, device, timeout) as b:
+        with (
+            ResidentSide("baseline", root, scenario, device, timeout) as a,
+            ResidentSide("candidate", root, scenario, device, timeout) as b,
+        ):
             comparison = compare_resident(a, b, 0.0, budget_s, log=log, stop_early=False)
         found.append(Calibration(scenario.name, comparison))
-        log(f"calibrate {scenario.name}: {len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps, "
-            f"noise {found[-1].noise:.2%} per block pair, smallest tolerance {found[-1].tolerance:.2%}")
+        log(
+            f"calibrate {scenario.name}: {len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps, "
+            f"noise {found[-1].noise:.2%} per block pair, smallest tolerance {found[-1].tolerance:.2%}"
+        )
     return found
 
 
 def render_calibration(found: list[Calibration], budget_s: float) -> str:
-    columns = ("scenario", "pairs", "steps/block", "noise per pair", "A/A estimate", "95% interval", "smallest tolerance")
+    columns = (
+        "scenario",
+        "pairs",
+        "steps/block",
+        "noise per pair",
+        "A/A estimate",
+        "95% interval",
+        "smallest tolerance",
+    )
     rows = [
-        (c.scenario, str(len(c.comparison.baseline_s)), str(c.comparison.steps_per_block), f"{c.noise:.2%}",
-         f"x{1 + c.comparison.estimate.slowdown:.4f}",
-         f"[{1 + c.comparison.estimate.interval[0]:.4f}, {1 + c.comparison.estimate.interval[1]:.4f}]",
-         f"{c.tolerance:.2%}")
+        (
+            c.scenario,
+            str(len(c.comparison.baseline_s)),
+            str(c.comparison.steps_per_block),
+            f"{c.noise:.2%}",
+            f"x{1 + c.comparison.estimate.slowdown:.4f}",
+            f"[{1 + c.comparison.estimate.interval[0]:.4f}, {1 + c.comparison.estimate.interval[1]:.4f}]",
+            f"{c.tolerance:.2%}",
+        )
         for c in found
     ]
     widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
     worst = max((c.tolerance for c in found), default=0.0)
-    return "\n".join([f"A/A calibration, budget {budget_s:g} s per scenario:", *lines,
-                      f"smallest tolerance for every scenario at this budget: {worst:.2%}"]) + "\n"
+    return (
+        "\n".join(
+            [
+                f"A/A calibration, budget {budget_s:g} s per scenario:",
+                *lines,
+                f"smallest tolerance for every scenario at this budget: {worst:.2%}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
     """One ``moe-bench run`` of ``scenario`` with the code at ``root``; its result document, or why none."""
-    command = [sys.executable, "-m", "bench.cli", "run", str(Path(scenario.file).resolve()), "--out", str(out),
-               "--no-plots", "--device", device]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.cli",
+        "run",
+        str(Path(scenario.file).resolve()),
+        "--out",
+        str(out),
+        "--no-plots",
+        "--device",
+        device,
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     returncode, output = _run(command, root, env, scenario.run["timeout_s"] + _MARGIN_S)
     try:
@@ -526,8 +658,14 @@ def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
         return SideRun("failed", str(err), {})
     if len(docs) == 1:
         doc = docs[0]
-        return SideRun(doc.status, doc.data.get("error"), doc.metrics, doc.version, doc.data.get("mode", "execute"),
-                       doc.data.get("details", {}))
+        return SideRun(
+            doc.status,
+            doc.data.get("error"),
+            doc.metrics,
+            doc.version,
+            doc.data.get("mode", "execute"),
+            doc.data.get("details", {}),
+        )
     last = output.strip().splitlines()[-1:] or ["no output"]
     reason = "timed out" if returncode is None else f"moe-bench exited with code {returncode}: {last[0]}"
     return SideRun("failed", reason, {})
@@ -544,8 +682,9 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> 
     """Run in a new session; on timeout or interrupt kill the whole session. (exit code or None, output)."""
     from bench.run.runner import kill_process_group
 
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
         return process.returncode, output
@@ -563,8 +702,13 @@ def worktree(root: Path, commit: str) -> Iterator[Path]:
     parent = Path(tempfile.mkdtemp(prefix="moe-ab-baseline-"))
     path = parent / "baseline"
     try:
-        made = subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(path), commit], cwd=root,
-                              capture_output=True, text=True, timeout=300)
+        made = subprocess.run(
+            ["git", "worktree", "add", "--detach", "--quiet", str(path), commit],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if made.returncode != 0:
             raise ABError(f"git worktree add failed: {made.stderr.strip().splitlines()[-1:]}")
         yield path

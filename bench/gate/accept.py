@@ -33,12 +33,34 @@ if TYPE_CHECKING:  # an annotation only: compare imports nothing from here, and 
     from bench.gate.compare import Comparison
 
 GATED_METRICS = (
-    "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "rank_tokens_per_s", "dropped_tokens",
-    "peak_tensor_bytes", "rss_peak_bytes", "cuda_peak_active_bytes", "cuda_peak_reserved_bytes",
-    "optimizer_state_bytes", "checkpoint_save_s", "checkpoint_stall_s", "checkpoint_load_s",
-    "checkpoint_bytes_per_rank", "checkpoint_bytes_total",
-    *(f"memory_{part}_bytes" for part in ("params", "grads", "optimizer", "activations", "comm_buffers",
-                                          "backward_workspace", "optimizer_step", "total")),
+    "step_time_s",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "rank_tokens_per_s",
+    "dropped_tokens",
+    "peak_tensor_bytes",
+    "rss_peak_bytes",
+    "cuda_peak_active_bytes",
+    "cuda_peak_reserved_bytes",
+    "optimizer_state_bytes",
+    "checkpoint_save_s",
+    "checkpoint_stall_s",
+    "checkpoint_load_s",
+    "checkpoint_bytes_per_rank",
+    "checkpoint_bytes_total",
+    *(
+        f"memory_{part}_bytes"
+        for part in (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "comm_buffers",
+            "backward_workspace",
+            "optimizer_step",
+            "total",
+        )
+    ),
     "memory_fraction_of_gpu",
     *(f"comm_{part}_bytes" for part in ("all_to_all", "grad_reduce", "pipeline", "total")),
     *WORK_METRICS,

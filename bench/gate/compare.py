@@ -275,21 +275,35 @@ def classify(ratio: float, noise: float, better: str | None, tolerance: float) -
 def _evaluate(row: MetricRow, tolerance: float) -> MetricRow:
     """Fill in ratio, noise, threshold and verdict from the row's medians and spreads."""
     if row.base is None or row.cand is None:
-        return replace(row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing",
-                       accepted=None)
+        return replace(
+            row, ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing", accepted=None
+        )
     ratio = paired_ratio(row.base, row.cand)
     if is_work_metric(row.metric) and row.better is not None:
         # Exact counts: any change counts, whatever the tolerance.
         changed = row.cand != row.base
         worse = row.cand > row.base if row.better == "lower" else row.cand < row.base
         verdict = "unchanged" if not changed else ("regressed" if worse else "improved")
-        return replace(row, ratio=ratio, noise=0.0, threshold=0.0, outside_noise=changed, verdict=verdict, exact=True,
-                       accepted=None)
+        return replace(
+            row,
+            ratio=ratio,
+            noise=0.0,
+            threshold=0.0,
+            outside_noise=changed,
+            verdict=verdict,
+            exact=True,
+            accepted=None,
+        )
     noise = 0.0 if row.exact else (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
     noise = max(noise, NOISE_FLOORS.get(row.metric, 0.0))
     outside, verdict = classify(ratio, noise, row.better, tolerance)
     return replace(
-        row, ratio=ratio, noise=noise, threshold=max(tolerance, noise), outside_noise=outside, verdict=verdict,
+        row,
+        ratio=ratio,
+        noise=noise,
+        threshold=max(tolerance, noise),
+        outside_noise=outside,
+        verdict=verdict,
         accepted=None,
     )
 
@@ -300,14 +314,22 @@ def _row(
     ref = cand if cand is not None else base
     present = [entry for entry in (base, cand) if entry is not None]
     row = MetricRow(
-        scenario, machine, name, unit=ref["unit"], better=ref["better"],
+        scenario,
+        machine,
+        name,
+        unit=ref["unit"],
+        better=ref["better"],
         base=None if base is None else float(base["median"]),
         cand=None if cand is None else float(cand["median"]),
         base_rel_iqr=_rel_iqr(base),
         cand_rel_iqr=_rel_iqr(cand),
         base_n=0 if base is None else len(base["samples"]),
         cand_n=0 if cand is None else len(cand["samples"]),
-        ratio=None, noise=None, threshold=None, outside_noise=False, verdict="missing",
+        ratio=None,
+        noise=None,
+        threshold=None,
+        outside_noise=False,
+        verdict="missing",
         exact=all(entry["spread"] is None for entry in present),
     )
     return _evaluate(row, tolerance)
@@ -358,7 +380,9 @@ def compare(
             missing_b.append(ScenarioIssue("missing_in_baseline", **common))
             continue
         if b.status != "ok" or c.status != "ok":
-            side = "both" if b.status != "ok" and c.status != "ok" else ("baseline" if b.status != "ok" else "candidate")
+            side = (
+                "both" if b.status != "ok" and c.status != "ok" else ("baseline" if b.status != "ok" else "candidate")
+            )
             not_ok.append(ScenarioIssue("not_ok", side=side, **common))
             continue
         if not same_scenario(b, c):
@@ -384,11 +408,14 @@ def compare_paths(base: str | Path, cand: str | Path, tolerance: float = DEFAULT
     """``compare`` over two sides given as files or folders (``load_results`` on each)."""
     return compare(load_results(Path(base)), load_results(Path(cand)), tolerance)
 
+
 WORK_PREFIX = "work_"
+
 
 def is_work_metric(name: str) -> bool:
     """A work counter (``work_*``): compared exactly, see the module doc."""
     return name.startswith(WORK_PREFIX)
+
 
 WORK_METRICS = (
     "work_matmul_flops",

@@ -1,5 +1,4 @@
-"""Numbers, ratios, percentages, bytes and tolerances as the gate's reports print them.
-"""
+"""Numbers, ratios, percentages, bytes and tolerances as the gate's reports print them."""
 
 from __future__ import annotations
 
@@ -29,7 +28,9 @@ def parse_tolerance(text: str | float) -> float:
     try:
         value = float(number)
     except ValueError:
-        raise ValueError(f"invalid tolerance {text!r}: expected a percentage such as '5%' or a fraction such as '0.05'") from None
+        raise ValueError(
+            f"invalid tolerance {text!r}: expected a percentage such as '5%' or a fraction such as '0.05'"
+        ) from None
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"invalid tolerance {text!r}: must be a finite, non-negative number")
     if percent:

@@ -46,7 +46,13 @@ class ResidentSide:
     """One side's worker; a context manager that never leaves a process behind."""
 
     def __init__(self, label: str, root: Path, scenario: Scenario, device: str, timeout_s: float):
-        self.label, self.root, self.scenario, self.device, self.timeout_s = label, Path(root), scenario, device, timeout_s
+        self.label, self.root, self.scenario, self.device, self.timeout_s = (
+            label,
+            Path(root),
+            scenario,
+            device,
+            timeout_s,
+        )
         self._tmp = tempfile.TemporaryDirectory(prefix=f"moe-ab-{label}-")
         self.stderr_path = Path(self._tmp.name) / "stderr.log"
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -56,15 +62,22 @@ class ResidentSide:
 
     def __enter__(self) -> ResidentSide:
         spec_file = Path(self._tmp.name) / "scenario.json"
-        spec_file.write_text(json.dumps({"spec": self._spec_as_written(), "file": str(self.scenario.file),
-                                         "timeout_s": self.timeout_s}))
+        spec_file.write_text(
+            json.dumps({"spec": self._spec_as_written(), "file": str(self.scenario.file), "timeout_s": self.timeout_s})
+        )
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         # One side runs at a time, its ranks sharing every core, as the runner gives a launch's ranks.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.scenario.world_size)))
         self._stderr = self.stderr_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device], cwd=self.root, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, start_new_session=True,
+            [sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
+            cwd=self.root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            start_new_session=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
         try:

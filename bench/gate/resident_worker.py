@@ -68,9 +68,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(args.rank))
         if args.rank == 0:
             for rank in range(1, world):
-                children.append(subprocess.Popen(
-                    [sys.executable, __file__, args.scenario_json, "--device", args.device,
-                     "--rank", str(rank), "--port", str(port)], stdin=subprocess.DEVNULL, stdout=sys.stderr))
+                children.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            __file__,
+                            args.scenario_json,
+                            "--device",
+                            args.device,
+                            "--rank",
+                            str(rank),
+                            "--port",
+                            str(port),
+                        ],
+                        stdin=subprocess.DEVNULL,
+                        stdout=sys.stderr,
+                    )
+                )
         dist.init_process_group("gloo", timeout=timedelta(seconds=payload.get("timeout_s", 600)))
         groups = build_process_groups(Layout(scenario.parallel_config))
 

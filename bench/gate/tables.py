@@ -1,5 +1,4 @@
-"""A comparison as a plain-text table, a rich table and JSON.
-"""
+"""A comparison as a plain-text table, a rich table and JSON."""
 
 from __future__ import annotations
 
@@ -20,8 +19,13 @@ def _table_rows(comparison: Comparison) -> tuple[list[str], list[list[str]]]:
     body = []
     for r in comparison.rows:
         cells = [
-            r.scenario, r.metric, r.unit, format_number(r.base), format_number(r.cand),
-            format_ratio(r.ratio), "exact" if r.exact and r.noise == 0 else format_percent(r.noise, 1),
+            r.scenario,
+            r.metric,
+            r.unit,
+            format_number(r.base),
+            format_number(r.cand),
+            format_ratio(r.ratio),
+            "exact" if r.exact and r.noise == 0 else format_percent(r.noise, 1),
             r.verdict,
         ]
         if multi_machine:
@@ -46,8 +50,15 @@ def render_table(comparison: Comparison) -> str:
     return "\n".join([line(header), rule, *(line(r) for r in body)]) + "\n"
 
 
-_VERDICT_STYLE = {"regressed": "bold red", "accepted": "cyan", "inconclusive": "magenta", "improved": "green",
-                  "unchanged": "", "info": "dim", "missing": "yellow"}
+_VERDICT_STYLE = {
+    "regressed": "bold red",
+    "accepted": "cyan",
+    "inconclusive": "magenta",
+    "improved": "green",
+    "unchanged": "",
+    "info": "dim",
+    "missing": "yellow",
+}
 
 
 def render_rich_table(comparison: Comparison, title: str | None = None):

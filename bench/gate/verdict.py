@@ -58,7 +58,10 @@ def gate(
     # Where one side has no work counters that is said once ("no work counters on one side"), not
     # once per work metric missing.
     uncounted = {
-        key for key in comparison.compared if key in comparison.base_groups and key in comparison.cand_groups
+        key
+        for key in comparison.compared
+        if key in comparison.base_groups
+        and key in comparison.cand_groups
         and has_work_counters(comparison.base_groups[key].metrics)
         != has_work_counters(comparison.cand_groups[key].metrics)
     }
@@ -105,14 +108,18 @@ def gate(
         f"{len(comparison.mismatched)} mismatched (tolerance {format_percent(tol)})"
     )
     report = "\n".join([header, *failures, *notes]) + "\n"
-    return GateResult(exit_code=exit_code, report=report, comparison=comparison, failures=tuple(failures),
-                      work=tuple(work))
+    return GateResult(
+        exit_code=exit_code, report=report, comparison=comparison, failures=tuple(failures), work=tuple(work)
+    )
 
 
 def accepted_lines(comparison: Comparison) -> list[str]:
     """``ACCEPTED ...: accepted: <reason>`` for each accepted row (work counters have their work lines)."""
-    return [f"{_finding('ACCEPTED', row, comparison.tolerance)}; accepted: {row.accepted}"
-            for row in comparison.rows_with("accepted") if not is_work_metric(row.metric)]
+    return [
+        f"{_finding('ACCEPTED', row, comparison.tolerance)}; accepted: {row.accepted}"
+        for row in comparison.rows_with("accepted")
+        if not is_work_metric(row.metric)
+    ]
 
 
 def _finding(label: str, row: MetricRow, tolerance: float) -> str:
@@ -121,6 +128,7 @@ def _finding(label: str, row: MetricRow, tolerance: float) -> str:
         f"(x{format_ratio(row.ratio)}, tolerance {format_percent(tolerance)}, {format_noise(row.noise, row.exact)}) "
         f"{row.unit} [{row.machine}]"
     )
+
 
 def accept_changes(
     comparison: Comparison,

@@ -105,8 +105,9 @@ def work_verdicts(
         elif name in accepted:
             lines.append(f"NOTE {scenario} {name}: work increased (accepted): {text}{where}")
         elif within:
-            lines.append(f"NOTE {scenario} {name}: work increased (accepted: {describe_acceptances(named)}): "
-                         f"{text}{where}")
+            lines.append(
+                f"NOTE {scenario} {name}: work increased (accepted: {describe_acceptances(named)}): {text}{where}"
+            )
         else:
             lines.append(f"REGRESSION {scenario} {name}: work increased: {text}{where}{beyond(named)}")
     return lines
@@ -126,8 +127,14 @@ def work_findings(
         base, cand = comparison.base_groups.get(key), comparison.cand_groups.get(key)
         if base is None or cand is None:
             continue
-        lines += work_verdicts(key[0], _group_side(base), _group_side(cand), accept, machine=key[1],
-                               acceptances=applicable(comparison, key, acceptances))
+        lines += work_verdicts(
+            key[0],
+            _group_side(base),
+            _group_side(cand),
+            accept,
+            machine=key[1],
+            acceptances=applicable(comparison, key, acceptances),
+        )
     return lines
 
 
@@ -143,8 +150,11 @@ def _work_ranks(details: Mapping[str, Any]) -> dict[int, Mapping[str, Any]]:
 
 
 def describe_work_change(
-    name: str, base: float, cand: float,
-    base_ranks: Mapping[int, Mapping[str, Any]], cand_ranks: Mapping[int, Mapping[str, Any]],
+    name: str,
+    base: float,
+    cand: float,
+    base_ranks: Mapping[int, Mapping[str, Any]],
+    cand_ranks: Mapping[int, Mapping[str, Any]],
 ) -> str:
     """What changed in one work metric, per step: the total, then the census entries that moved
     (``base_ranks``, ``cand_ranks``: rank -> census, as in ``details.work.ranks``; may be empty)."""
@@ -163,8 +173,10 @@ def describe_work_change(
     if name == "work_matmul_flops":
         head = f"{relative or signed_number(delta)} matmul FLOPs per step ({totals})"
     elif name == "work_allocated_bytes":
-        head = (f"{signed_bytes(delta)} allocated per step "
-                f"({relative + ', ' if relative else ''}{format_bytes(base)} -> {format_bytes(cand)})")
+        head = (
+            f"{signed_bytes(delta)} allocated per step "
+            f"({relative + ', ' if relative else ''}{format_bytes(base)} -> {format_bytes(cand)})"
+        )
     elif name == "work_host_syncs":
         head = f"{signed_count(delta)} host sync{'s' * (abs(delta) != 1)} per step ({totals})"
     else:
@@ -184,8 +196,11 @@ def _census_changes(census_field: str, kind: str, base_ranks, cand_ranks, ranks:
             keys |= set(census.get(census_field) or {})
     moved = []
     for key in keys:
-        per_rank = {r: float((cand_ranks.get(r, {}).get(census_field) or {}).get(key, 0))
-                    - float((base_ranks.get(r, {}).get(census_field) or {}).get(key, 0)) for r in ranks}
+        per_rank = {
+            r: float((cand_ranks.get(r, {}).get(census_field) or {}).get(key, 0))
+            - float((base_ranks.get(r, {}).get(census_field) or {}).get(key, 0))
+            for r in ranks
+        }
         total = sum(per_rank.values())
         if any(per_rank.values()):
             moved.append((-abs(total), key, per_rank))

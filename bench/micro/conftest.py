@@ -21,11 +21,16 @@ import torch
 RATIOS = {
     "moe_layer_vs_dense_flops": ("test_moe_layer[E64-k8]", "test_dense_swiglu_same_flops", "flops"),
     "experts_128_vs_8_tokens": ("test_expert_count[E128-k4]", "test_expert_count[E8-k4]", "tokens"),
-    **{f"fused_over_eager_{op}": (f"test_fused_op[{op}-fused]", f"test_fused_op[{op}-eager]", "bytes")
-       for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")},
+    **{
+        f"fused_over_eager_{op}": (f"test_fused_op[{op}-fused]", f"test_fused_op[{op}-eager]", "bytes")
+        for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")
+    },
 }
-TARGETS = {"moe_layer_vs_dense_flops": 0.70, "experts_128_vs_8_tokens": 0.85,
-           **{key: 1.0 for key in RATIOS if key.startswith("fused_over_eager_")}}
+TARGETS = {
+    "moe_layer_vs_dense_flops": 0.70,
+    "experts_128_vs_8_tokens": 0.85,
+    **{key: 1.0 for key in RATIOS if key.startswith("fused_over_eager_")},
+}
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +64,16 @@ def memory_rates(benchmarks: list[dict]) -> dict[str, dict]:
 
     profile = load_profile(name)
     declared = profile.hbm_gbps * 1e9 * profile.efficiency["memory"]
-    return {b["name"]: {"achieved_gbps": _rate(b, "bytes") / 1e9, "declared_gbps": declared / 1e9,
-                        "fraction": _rate(b, "bytes") / declared, "profile": profile.name}
-            for b in benchmarks if "bytes" in b["extra_info"]}
+    return {
+        b["name"]: {
+            "achieved_gbps": _rate(b, "bytes") / 1e9,
+            "declared_gbps": declared / 1e9,
+            "fraction": _rate(b, "bytes") / declared,
+            "profile": profile.name,
+        }
+        for b in benchmarks
+        if "bytes" in b["extra_info"]
+    }
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
@@ -89,5 +101,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for key, value in derive_ratios(benchmarks).items():
         terminalreporter.write_line(f"{key}: {value['ratio']:.3f} (target >= {value['target']})")
     for key, value in memory_rates(benchmarks).items():
-        terminalreporter.write_line(f"{key}: {value['fraction']:.0%} of {value['profile']}'s declared memory rate "
-                                    f"({value['achieved_gbps']:.0f} of {value['declared_gbps']:.0f} GB/s)")
+        terminalreporter.write_line(
+            f"{key}: {value['fraction']:.0%} of {value['profile']}'s declared memory rate "
+            f"({value['achieved_gbps']:.0f} of {value['declared_gbps']:.0f} GB/s)"
+        )

@@ -59,8 +59,10 @@ def _case(op: str, fused: bool, device: torch.device):
         return [x, residual], lambda: torch.cat(norm(x, residual), dim=-1)
     if op == "router_scores":
         # 128 experts, top-8, learned routing with the balance and z losses: the router after its GEMM.
-        router = Router(s["width"], MoEConfig(num_experts=128, top_k=8, expert_hidden=s["hidden"],
-                                              aux_loss_weight=0.01, z_loss_weight=0.001)).to(device)
+        router = Router(
+            s["width"],
+            MoEConfig(num_experts=128, top_k=8, expert_hidden=s["hidden"], aux_loss_weight=0.01, z_loss_weight=0.001),
+        ).to(device)
         torch.nn.init.normal_(router.weight, std=0.02)
         router.fused_kernels = fused
         x = leaf(s["rows"], s["width"])
@@ -95,11 +97,14 @@ class _FusedOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.namespace == "moe_engine":
+
             def specs(values):
                 flat = [v for v in values if isinstance(v, torch.Tensor)]
                 return tuple(TensorSpec(tuple(t.shape), str(t.dtype)) for t in flat)
 
-            named = tuple((a.name, v) for a, v in zip(func._schema.arguments, args) if isinstance(v, (bool, int, float)))
+            named = tuple(
+                (a.name, v) for a, v in zip(func._schema.arguments, args) if isinstance(v, (bool, int, float))
+            )
             outputs = out if isinstance(out, (tuple, list)) else (out,)
             self.ops.append(TracedOp(str(func), specs(args), specs(outputs), "forward", arguments=named))
         return out
@@ -127,6 +132,9 @@ def fused_bytes(op: str, device: torch.device) -> float:
 def test_fused_op(benchmark, bench_device, op, fused):
     inputs, fn = _case(op, fused, bench_device)
     path = kernels.kernel_paths(bench_device, _dtype(bench_device))["rms_norm" if op == "add_rms_norm" else op]
-    benchmark.extra_info.update(bytes=fused_bytes(op, bench_device), device=str(bench_device),
-                                path=path.details if fused else "eager composition")
+    benchmark.extra_info.update(
+        bytes=fused_bytes(op, bench_device),
+        device=str(bench_device),
+        path=path.details if fused else "eager composition",
+    )
     benchmark.pedantic(lambda: _step(inputs, fn, bench_device), rounds=ROUNDS, warmup_rounds=2, iterations=1)

@@ -16,6 +16,9 @@ from moe_engine.model import cast_parameters
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.moe.layer import MoELayer
 
+# Full-size layers, run once as smoke tests: seconds each (the fast lane leaves them to CI).
+pytestmark = pytest.mark.slow
+
 TOKENS, D_MODEL, EXPERT_HIDDEN = 4096, 1024, 512
 ROUNDS = 5
 
@@ -55,9 +58,7 @@ def test_moe_layer(benchmark, bench_device, num_experts, top_k):
 
 def test_dense_swiglu_same_flops(benchmark, bench_device):
     hidden = 8 * EXPERT_HIDDEN
-    assert dense_ffn_training_flops_per_token(D_MODEL, hidden) == moe_ffn_training_flops_per_token(
-        D_MODEL, _moe(64, 8)
-    )
+    assert dense_ffn_training_flops_per_token(D_MODEL, hidden) == moe_ffn_training_flops_per_token(D_MODEL, _moe(64, 8))
     benchmark.extra_info.update(
         flops=TOKENS * dense_ffn_training_flops_per_token(D_MODEL, hidden), tokens=TOKENS, device=str(bench_device)
     )

@@ -208,8 +208,12 @@ def profile_from_dict(data: Any, file: str) -> DeviceProfile:
                 raise _fail(file, f"efficiency.{optional}", f"must be a number >= 0, got {value!r}")
             efficiency[optional] = float(value)
     sources = _mapping(data, "sources", file)
-    needed = (["memory_gb", "hbm_gbps"] + [f"peak_tflops.{d}" for d in RATE_DTYPES]
-              + [f"network.{k}" for k in _NETWORK] + [f"efficiency.{k}" for k in (*_EFFICIENCIES, "launch_overhead_us")])
+    needed = (
+        ["memory_gb", "hbm_gbps"]
+        + [f"peak_tflops.{d}" for d in RATE_DTYPES]
+        + [f"network.{k}" for k in _NETWORK]
+        + [f"efficiency.{k}" for k in (*_EFFICIENCIES, "launch_overhead_us")]
+    )
     needed += [f"efficiency.{k}" for k in ("free_op_us", "host_op_us") if k in eff_raw]
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
@@ -221,9 +225,18 @@ def profile_from_dict(data: Any, file: str) -> DeviceProfile:
     if curves and measured is None:
         raise _fail(file, "measured", "a profile with curves must say how they were measured")
     return DeviceProfile(
-        name=data["name"], description=data["description"], kind=data["kind"], memory_gb=memory_gb,
-        peak_tflops=peak, hbm_gbps=hbm, network=network, efficiency=efficiency, sources=dict(sources),
-        measured=measured, curves=curves, file=file,
+        name=data["name"],
+        description=data["description"],
+        kind=data["kind"],
+        memory_gb=memory_gb,
+        peak_tflops=peak,
+        hbm_gbps=hbm,
+        network=network,
+        efficiency=efficiency,
+        sources=dict(sources),
+        measured=measured,
+        curves=curves,
+        file=file,
     )
 
 

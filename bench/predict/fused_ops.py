@@ -65,11 +65,25 @@ __all__ = ["FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
 
 NAMESPACE = "moe_engine"
 
-_ONE_PASS = ("rms_norm", "add_rms_norm", "swiglu", "swiglu_backward", "swiglu_packed_backward", "rope", "rope_backward",
-             "router_scores_backward")
+_ONE_PASS = (
+    "rms_norm",
+    "add_rms_norm",
+    "swiglu",
+    "swiglu_backward",
+    "swiglu_packed_backward",
+    "rope",
+    "rope_backward",
+    "router_scores_backward",
+)
 _ROUTING = ("gather_rows", "gather_rows_backward", "combine_rows", "combine_rows_backward")
-FUSED_OPS = (*_ONE_PASS, "rms_norm_backward", "router_scores", "linear_cross_entropy", "linear_cross_entropy_backward",
-             *_ROUTING)
+FUSED_OPS = (
+    *_ONE_PASS,
+    "rms_norm_backward",
+    "router_scores",
+    "linear_cross_entropy",
+    "linear_cross_entropy_backward",
+    *_ROUTING,
+)
 """Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
 
 

@@ -60,8 +60,14 @@ from bench.predict.projection import (
 )
 
 __all__ = [
-    "ONCE_PER_STEP", "PER_MICROBATCH_ACCOUNTS", "StepPrices", "collective_account", "expert_overlap",
-    "project_priced_step", "runs_every_microbatch", "step_prices",
+    "ONCE_PER_STEP",
+    "PER_MICROBATCH_ACCOUNTS",
+    "StepPrices",
+    "collective_account",
+    "expert_overlap",
+    "project_priced_step",
+    "runs_every_microbatch",
+    "step_prices",
 ]
 
 PER_MICROBATCH_ACCOUNTS = ("expert", "pipeline", "fsdp")
@@ -178,15 +184,27 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
         optimizer_s=compute["optimizer"] + compute["other"] + once_per_step,
     )
     overlap = expert_overlap(priced, microbatches_traced, group_phases)
-    return StepPrices(timing, per_microbatch, step_entries, grad_buckets, gather_buckets, by_kind, flops,
-                      overlap, once_per_step, stand_ins)
+    return StepPrices(
+        timing,
+        per_microbatch,
+        step_entries,
+        grad_buckets,
+        gather_buckets,
+        by_kind,
+        flops,
+        overlap,
+        once_per_step,
+        stand_ins,
+    )
 
 
 def _in_experts(location: str) -> bool:
     return any(part.partition(">")[0] == "GroupedExperts" for part in location.split("/"))
 
 
-def expert_overlap(priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]) -> list[ExpertOverlap]:
+def expert_overlap(
+    priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]
+) -> list[ExpertOverlap]:
     """The chunked expert all-to-alls of one microbatch, forward and backward (module docstring)."""
     exchanges: dict[str, dict[tuple[int, ...], list[int]]] = {"forward": {}, "backward": {}}
     counts = {"forward": 0, "backward": 0}
@@ -215,8 +233,13 @@ def expert_overlap(priced: Sequence[PricedOp], microbatches_traced: int, group_p
         if not rows[stage] or rows[stage] % (2 * chunks):
             continue
         calls = tuple(
-            Collective("all_to_all", ranks, round(statistics.fmean(sizes)), "expert",
-                       max(1, round(len(sizes) / microbatches_traced)))
+            Collective(
+                "all_to_all",
+                ranks,
+                round(statistics.fmean(sizes)),
+                "expert",
+                max(1, round(len(sizes) / microbatches_traced)),
+            )
             for ranks, sizes in by_group.items()
         )
         passes = rows[stage] / (2 * chunks) / microbatches_traced
@@ -236,8 +259,19 @@ def project_priced_step(
 ) -> Projection:
     """The projected step of a priced trace (module docstring)."""
     projection = project_step(
-        rank, prices.timing, prices.per_microbatch, prices.per_step, schedule, net, tokens_per_step,
-        world_size, flops_per_token, prices.grad_buckets, prices.gather_buckets, skew, prices.expert_overlap,
+        rank,
+        prices.timing,
+        prices.per_microbatch,
+        prices.per_step,
+        schedule,
+        net,
+        tokens_per_step,
+        world_size,
+        flops_per_token,
+        prices.grad_buckets,
+        prices.gather_buckets,
+        skew,
+        prices.expert_overlap,
     )
     projection.assumptions.extend(_trace_assumptions(prices))
     return projection
@@ -245,10 +279,14 @@ def project_priced_step(
 
 def _trace_assumptions(prices: StepPrices) -> list[str]:
     return [
-        (f"the proxy's stand-ins for its simulated peers ({prices.stand_ins} traced ops: fabricated received "
-         "rows, counts and stage messages, the peers' routers replayed) cost 0: a real rank runs none of them, "
-         "it receives those tensors through the collectives priced on the network"),
-        (f"ops that run once per step inside the forward or backward (a gradient bucket's 1/dp scaling as its "
-         f"reduction launches: {prices.once_per_step_s * 1e3:.3f} ms) count once per step, with the optimizer, "
-         "not once per microbatch"),
+        (
+            f"the proxy's stand-ins for its simulated peers ({prices.stand_ins} traced ops: fabricated received "
+            "rows, counts and stage messages, the peers' routers replayed) cost 0: a real rank runs none of them, "
+            "it receives those tensors through the collectives priced on the network"
+        ),
+        (
+            f"ops that run once per step inside the forward or backward (a gradient bucket's 1/dp scaling as its "
+            f"reduction launches: {prices.once_per_step_s * 1e3:.3f} ms) count once per step, with the optimizer, "
+            "not once per microbatch"
+        ),
     ]

@@ -41,18 +41,52 @@ STAGES = ("forward", "backward", "optimizer", "other")
 
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm"}
 _ATTENTION = {
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
 }
 _FREE = {
-    "prim.device", "aten.detach", "aten.alias", "aten.lift_fresh", "aten._local_scalar_dense",
-    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
-    "aten.unsqueeze", "aten.squeeze", "aten.slice", "aten.select", "aten.split", "aten.split_with_sizes",
-    "aten.chunk", "aten.unbind", "aten.as_strided", "aten.reshape", "aten._reshape_alias", "aten.unfold",
-    "aten.diagonal", "aten.narrow", "aten.view_as_real", "aten.view_as_complex", "aten.empty",
-    "aten.empty_like", "aten.new_empty", "aten.empty_strided", "aten.new_empty_strided", "aten.set_",
-    "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.is_same_size", "aten.resize_",
+    "prim.device",
+    "aten.detach",
+    "aten.alias",
+    "aten.lift_fresh",
+    "aten._local_scalar_dense",
+    "aten.view",
+    "aten._unsafe_view",
+    "aten.t",
+    "aten.transpose",
+    "aten.permute",
+    "aten.expand",
+    "aten.unsqueeze",
+    "aten.squeeze",
+    "aten.slice",
+    "aten.select",
+    "aten.split",
+    "aten.split_with_sizes",
+    "aten.chunk",
+    "aten.unbind",
+    "aten.as_strided",
+    "aten.reshape",
+    "aten._reshape_alias",
+    "aten.unfold",
+    "aten.diagonal",
+    "aten.narrow",
+    "aten.view_as_real",
+    "aten.view_as_complex",
+    "aten.empty",
+    "aten.empty_like",
+    "aten.new_empty",
+    "aten.empty_strided",
+    "aten.new_empty_strided",
+    "aten.set_",
+    "aten.sym_size",
+    "aten.sym_stride",
+    "aten.sym_numel",
+    "aten.is_same_size",
+    "aten.resize_",
 }
 REGIONS = ("mxfp8.grouped_mm", "mxfp8.quantize", "mxfp8.dequantize")
 """Engine functions that run as one kernel on a GPU and as several ATen ops on a CPU."""
@@ -155,8 +189,15 @@ def op_work(op: TracedOp) -> OpWork:
         a, b, out = op.inputs[0], op.inputs[1], op.outputs[0]
         groups = max(len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1), 1)
         flops = grouped_gemm_flops(a, b, out, op.group_rows)
-        return OpWork(kind, flops, moved, dtype, groups, shape=grouped_shape(a, b, out, groups, flops),
-                      grouped_reduction=len(a.shape) == 2 and len(b.shape) == 2)
+        return OpWork(
+            kind,
+            flops,
+            moved,
+            dtype,
+            groups,
+            shape=grouped_shape(a, b, out, groups, flops),
+            grouped_reduction=len(a.shape) == 2 and len(b.shape) == 2,
+        )
     if kind == "attention":
         return OpWork(kind, attention_flops(op), moved, dtype, backward=op.name.split(".")[1].endswith("_backward"))
     if kind == "fused":

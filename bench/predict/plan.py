@@ -46,8 +46,14 @@ from moe_engine.flops import parameter_counts, recompute_flops_per_token, traini
 from moe_engine.parallel.layout import stage_blocks, stage_layers
 
 __all__ = [
-    "BYTES", "PrecisionBytes", "in_flight_microbatches", "kv_bytes_per_token", "plan_scenario", "precision_bytes",
-    "stage_layers", "summary_line",
+    "BYTES",
+    "PrecisionBytes",
+    "in_flight_microbatches",
+    "kv_bytes_per_token",
+    "plan_scenario",
+    "precision_bytes",
+    "stage_layers",
+    "summary_line",
 ]
 
 
@@ -76,29 +82,44 @@ def _layout(scenario, layers_per_rank: int, tokens: int) -> dict[str, Any]:
 def _gradients(scenario) -> str:
     par = scenario.parallel
     if par["dp_mode"] == "fsdp":
-        return ("fsdp keeps its own gradients whatever grad_dtype (sharded, reduce-scattered in fp32), priced "
-                "with the parameters' bytes as the same 16 bytes per parameter")
+        return (
+            "fsdp keeps its own gradients whatever grad_dtype (sharded, reduce-scattered in fp32), priced "
+            "with the parameters' bytes as the same 16 bytes per parameter"
+        )
     if par["grad_dtype"] == "fp32":
-        return ("gradient buffers in fp32 (grad_dtype fp32): each backward's gradient is added into them, and the "
-                "data-parallel reduction sends fp32")
+        return (
+            "gradient buffers in fp32 (grad_dtype fp32): each backward's gradient is added into them, and the "
+            "data-parallel reduction sends fp32"
+        )
     return "gradient buffers in the parameters' dtype (grad_dtype param), reduced in it"
 
 
 def _recompute_assumption(scenario) -> str:
     recompute = scenario.recompute
     if not recompute.enabled:
-        return ("activations: tensors saved for backward with flash attention and no recomputation "
-                "(see bench/predict/plan.py); routing indices, norms' statistics and other small tensors are ignored")
-    subset = (f"the first {recompute.first_per_stage} blocks of each pipeline chunk" if recompute.first_per_stage
-              else "every block" if recompute.every == 1 else f"every block whose index is a multiple of {recompute.every}")
-    what = ("each block keeps only its input; its forward (all-to-alls included) runs again in backward"
-            if recompute.mode is RecomputeMode.FULL else
-            "the named parts (" + ", ".join(p.value for p in recompute.parts) + ") keep only their inputs and run "
-            "again in backward")
-    return (f"activations: recompute {recompute.mode.value} on {subset}: {what}; one block's (or part's) "
-            "recomputed activations are counted in the backward workspace; recompute FLOPs are reported apart "
-            "(recompute_flops_per_token), model FLOPs leave them out; routing indices, norms' statistics and "
-            "other small tensors are ignored")
+        return (
+            "activations: tensors saved for backward with flash attention and no recomputation "
+            "(see bench/predict/plan.py); routing indices, norms' statistics and other small tensors are ignored"
+        )
+    subset = (
+        f"the first {recompute.first_per_stage} blocks of each pipeline chunk"
+        if recompute.first_per_stage
+        else "every block"
+        if recompute.every == 1
+        else f"every block whose index is a multiple of {recompute.every}"
+    )
+    what = (
+        "each block keeps only its input; its forward (all-to-alls included) runs again in backward"
+        if recompute.mode is RecomputeMode.FULL
+        else "the named parts (" + ", ".join(p.value for p in recompute.parts) + ") keep only their inputs and run "
+        "again in backward"
+    )
+    return (
+        f"activations: recompute {recompute.mode.value} on {subset}: {what}; one block's (or part's) "
+        "recomputed activations are counted in the backward workspace; recompute FLOPs are reported apart "
+        "(recompute_flops_per_token), model FLOPs leave them out; routing indices, norms' statistics and "
+        "other small tensors are ignored"
+    )
 
 
 def _assumptions(scenario) -> list[str]:
@@ -124,33 +145,51 @@ def _assumptions(scenario) -> list[str]:
         "all-reduce; gradients are reduced once per step (no overlap, no compression)",
         "pipeline: one activation tensor forward and one gradient backward of tokens x d_model per chunk boundary",
         "fits compares the total with the GPU's memory, leaving nothing for the CUDA context or fragmentation"
-        if scenario.cluster else
-        "no cluster section: the per-rank memory is not compared with a GPU's (moe-bench run compares it with "
+        if scenario.cluster
+        else "no cluster section: the per-rank memory is not compared with a GPU's (moe-bench run compares it with "
         "the device it runs on before starting)",
     ]
     if precision == "mxfp8":
-        out.append("mxfp8: saved expert-GEMM inputs (gathered tokens, SwiGLU product) take 1 byte + 1/32 scale "
-                   "byte per element; weights, gradients and other activations stay bf16; quantised weight "
-                   "copies are transient and not counted")
+        out.append(
+            "mxfp8: saved expert-GEMM inputs (gathered tokens, SwiGLU product) take 1 byte + 1/32 scale "
+            "byte per element; weights, gradients and other activations stay bf16; quantised weight "
+            "copies are transient and not counted"
+        )
     if par["dispatch"] == "no-sync":
-        out.append(f"no-sync dispatch: send and receive buffers are capacity_factor ({par['capacity_factor']}) x the "
-                   "balanced load and travel whole; comm buffers count one MoE block's send + receive buffers")
+        out.append(
+            f"no-sync dispatch: send and receive buffers are capacity_factor ({par['capacity_factor']}) x the "
+            "balanced load and travel whole; comm buffers count one MoE block's send + receive buffers"
+        )
     else:
-        out.append("sync dispatch: exact (balanced) counts are sent; comm buffers count one MoE block's send + "
-                   "receive buffers")
+        out.append(
+            "sync dispatch: exact (balanced) counts are sent; comm buffers count one MoE block's send + receive buffers"
+        )
     if par["dp_mode"] == "fsdp":
-        out.append("fsdp: params, grads and optimizer state sharded over dp (experts over edp inside their ep "
-                   "group, i.e. the stage's experts over dp); one gathered unit (largest block with its local "
-                   "experts, embedding or head) counted in params and grads; params all-gathered in forward and "
-                   "backward of every microbatch, grads reduce-scattered once per step")
+        out.append(
+            "fsdp: params, grads and optimizer state sharded over dp (experts over edp inside their ep "
+            "group, i.e. the stage's experts over dp); one gathered unit (largest block with its local "
+            "experts, embedding or head) counted in params and grads; params all-gathered in forward and "
+            "backward of every microbatch, grads reduce-scattered once per step"
+        )
     elif par["optimizer_sharding"] == "zero1":
-        out.append("zero1: optimizer state sharded over dp (dense) and edp (experts); gradients reduce-scattered "
-                   "and updated parameters all-gathered, the same bytes as an all-reduce when params and grads "
-                   "share a dtype")
+        out.append(
+            "zero1: optimizer state sharded over dp (dense) and edp (experts); gradients reduce-scattered "
+            "and updated parameters all-gathered, the same bytes as an all-reduce when params and grads "
+            "share a dtype"
+        )
     return out
 
 
-_MEMORY = ("params", "grads", "optimizer", "activations", "comm_buffers", "backward_workspace", "optimizer_step", "total")
+_MEMORY = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "comm_buffers",
+    "backward_workspace",
+    "optimizer_step",
+    "total",
+)
 
 
 _COMM = ("all_to_all", "grad_reduce", "pipeline", "total")
@@ -196,20 +235,29 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     if gpu_bytes:
         metrics["memory_fraction_of_gpu"] = metric([total / gpu_bytes], "ratio", "lower")
     metrics["checkpoint_bytes_per_rank"] = metric(
-        [max(ceil_div(c, par["dp"]) for c in checkpoint_stages)], "bytes", "lower")
+        [max(ceil_div(c, par["dp"]) for c in checkpoint_stages)], "bytes", "lower"
+    )
     metrics["checkpoint_bytes_total"] = metric([sum(checkpoint_stages)], "bytes", "lower")
 
     details = {
         "layout": _layout(scenario, len(by_memory["layers"]), tokens),
-        "recompute": {**recompute.to_dict(), "blocks": len(recomputed),
-                      "flops_fraction_of_model": recompute_flops / model_flops},
+        "recompute": {
+            **recompute.to_dict(),
+            "blocks": len(recomputed),
+            "flops_fraction_of_model": recompute_flops / model_flops,
+        },
         "per_rank": by_memory,
         "most_loaded": {"memory": by_memory["pipeline_rank"], "comm": by_comm["pipeline_rank"]},
         "stages": [
-            {"pipeline_rank": r["pipeline_rank"], "layers": len(r["layers"]), "dense_params": r["dense_params"],
-             "local_expert_params": r["local_expert_params"], "memory_total_bytes": r["memory_bytes"]["total"],
-             "memory_bytes": r["memory_bytes"],
-             "comm_total_bytes": r["comm_bytes"]["total"]}
+            {
+                "pipeline_rank": r["pipeline_rank"],
+                "layers": len(r["layers"]),
+                "dense_params": r["dense_params"],
+                "local_expert_params": r["local_expert_params"],
+                "memory_total_bytes": r["memory_bytes"]["total"],
+                "memory_bytes": r["memory_bytes"],
+                "comm_total_bytes": r["comm_bytes"]["total"],
+            }
             for r in ranks
         ],
         "checkpoint": {"counted": checkpoint_counted(par), "stage_bytes": checkpoint_stages},
@@ -243,8 +291,11 @@ def _count(n: float) -> str:
 def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -> str:
     """One line per plan: the counts, the most loaded rank's memory against the GPU's, the traffic, the checkpoint."""
     med = {k: v["median"] for k, v in metrics.items()}
-    what = {"plan": name, "execute": f"{name} (of an execute scenario)",
-            "proxy": f"{name} (of a proxy scenario: the whole layout at its own sizes)"}[details["scenario_mode"]]
+    what = {
+        "plan": name,
+        "execute": f"{name} (of an execute scenario)",
+        "proxy": f"{name} (of a proxy scenario: the whole layout at its own sizes)",
+    }[details["scenario_mode"]]
     memory = f"{_bytes(med['memory_total_bytes'])} per rank"
     if details["layout"]["pp"] > 1:
         memory += f" (pipeline rank {details['most_loaded']['memory']})"
@@ -252,16 +303,21 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
         against = "no cluster section: not compared with a GPU's memory (moe-bench run checks the device it runs on)"
     else:
         cluster = details["cluster"]
-        against = (f"{med['memory_fraction_of_gpu']:.0%} of {cluster['gpu_memory_gib']:g} GiB per GPU: "
-                   + ("fits" if details["fits"] else "DOES NOT FIT"))
-    line = (f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
-            f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
-            f"{_bytes(med['checkpoint_bytes_total'])} ({_bytes(med['checkpoint_bytes_per_rank'])} per rank)")
+        against = f"{med['memory_fraction_of_gpu']:.0%} of {cluster['gpu_memory_gib']:g} GiB per GPU: " + (
+            "fits" if details["fits"] else "DOES NOT FIT"
+        )
+    line = (
+        f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
+        f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
+        f"{_bytes(med['checkpoint_bytes_total'])} ({_bytes(med['checkpoint_bytes_per_rank'])} per rank)"
+    )
     recompute = details["recompute"]
     if recompute["mode"] != "none":
         mode = recompute["mode"] + (f" ({', '.join(recompute['parts'])})" if recompute["parts"] else "")
-        line += (f"; recompute {mode} of {recompute['blocks']} blocks: "
-                 f"+{recompute['flops_fraction_of_model']:.1%} FLOPs over the model's")
+        line += (
+            f"; recompute {mode} of {recompute['blocks']} blocks: "
+            f"+{recompute['flops_fraction_of_model']:.1%} FLOPs over the model's"
+        )
     runs = details["engine_runs_layout"]
     if not runs["ok"]:
         line += f"; the engine does not execute this layout ({runs['reason']})"
@@ -274,7 +330,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     from bench.scenario import load_scenario
 
-    for path in (sys.argv[1:] if argv is None else argv):
+    for path in sys.argv[1:] if argv is None else argv:
         s = load_scenario(path)
         print(summary_line(s.name, *plan_scenario(s)))
     return 0

@@ -164,7 +164,11 @@ class BlockActivations:
 
 
 def block_activations(
-    model: ModelConfig, dense: bool, tokens: int, b: PrecisionBytes, par: dict[str, Any],
+    model: ModelConfig,
+    dense: bool,
+    tokens: int,
+    b: PrecisionBytes,
+    par: dict[str, Any],
     recompute: RecomputeConfig | None,
 ) -> BlockActivations:
     """A dense or MoE block's activations (the module docstring's formulas); ``recompute`` None when
@@ -222,8 +226,11 @@ def head_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) ->
     """The final norm, its output (the LM head's input) and the fp32 log-probabilities the cross-entropy
     saves; fused, the loss keeps no logits (one fp32 log-sum-exp per row, left out)."""
     logits = 0 if model.fused_kernels else 4 * tokens * model.vocab_size
-    return (_norm_activation_bytes(model.d_model, tokens, b, model.fused_kernels)
-            + b.activation * tokens * model.d_model + logits)
+    return (
+        _norm_activation_bytes(model.d_model, tokens, b, model.fused_kernels)
+        + b.activation * tokens * model.d_model
+        + logits
+    )
 
 
 def dispatch_pad(par: dict[str, Any]) -> float:

@@ -115,7 +115,11 @@ def ceil_div(a: int, n: int) -> int:
 
 
 def _backward_workspace_bytes(
-    model: ModelConfig, h: _Rank, tokens: int, b: PrecisionBytes, par: dict[str, Any],
+    model: ModelConfig,
+    h: _Rank,
+    tokens: int,
+    b: PrecisionBytes,
+    par: dict[str, Any],
     blocks: list[BlockActivations],
 ) -> float:
     """The most the rank's backward holds on top of the activations (the module docstring's candidates).
@@ -175,8 +179,15 @@ def rank_holdings(model: ModelConfig, pieces: Pieces, layers: list[int], rank: i
     if rank == pp - 1:
         dense, units = dense + pieces.head, units + [pieces.head]
     return _Rank(
-        rank=rank, layers=layers, n_dense=n_dense, n_moe=n_moe, embedding=rank == 0, head=rank == pp - 1,
-        dense=dense, experts=local_experts * n_moe, units=tuple(units),
+        rank=rank,
+        layers=layers,
+        n_dense=n_dense,
+        n_moe=n_moe,
+        embedding=rank == 0,
+        head=rank == pp - 1,
+        dense=dense,
+        experts=local_experts * n_moe,
+        units=tuple(units),
     )
 
 
@@ -220,14 +231,17 @@ def checkpoint_bytes(model: ModelConfig, h: _Rank, precision: str, par: dict[str
 
 def checkpoint_counted(par: dict[str, Any]) -> str:
     if par["dp_mode"] == "fsdp":
-        what = ("fsdp2 format: fp32 parameter shards (FSDP's masters) and fp32 Adam m and v, no separate "
-                "master")
+        what = "fsdp2 format: fp32 parameter shards (FSDP's masters) and fp32 Adam m and v, no separate master"
     else:
-        what = ("buffers format: parameters in their dtype (routers fp32), an fp32 master of each non-fp32 "
-                "parameter, fp32 Adam m and v")
-    return (what + ", plus the routers' fp32 expert_bias buffers; each replicated tensor written once, a stage's "
-            "bytes spread evenly over its dp ranks (DCP's dedup); step, lr, routing and run-progress entries "
-            "counted as 0")
+        what = (
+            "buffers format: parameters in their dtype (routers fp32), an fp32 master of each non-fp32 "
+            "parameter, fp32 Adam m and v"
+        )
+    return (
+        what + ", plus the routers' fp32 expert_bias buffers; each replicated tensor written once, a stage's "
+        "bytes spread evenly over its dp ranks (DCP's dedup); step, lr, routing and run-progress entries "
+        "counted as 0"
+    )
 
 
 def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> int:
@@ -256,7 +270,10 @@ def _attention_matrices(model: ModelConfig) -> list[int]:
         return [d * q, d * kv, d * kv, q * d]
     q_out = heads * mla.qk_head_dim
     q = [d * q_out] if mla.q_lora_rank is None else [d * mla.q_lora_rank, mla.q_lora_rank * q_out]
-    kv = [d * (mla.kv_lora_rank + mla.qk_rope_head_dim), mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)]
+    kv = [
+        d * (mla.kv_lora_rank + mla.qk_rope_head_dim),
+        mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+    ]
     return q + kv + [heads * mla.v_head_dim * d]
 
 
@@ -291,8 +308,13 @@ def _pipeline_sends(rank: int, pp: int, v: int) -> int:
 
 
 def plan_rank(
-    model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any], tokens: int,
-    recompute: RecomputeConfig, recomputed: set[int],
+    model: ModelConfig,
+    h: _Rank,
+    b: PrecisionBytes,
+    par: dict[str, Any],
+    tokens: int,
+    recompute: RecomputeConfig,
+    recomputed: set[int],
 ) -> dict[str, Any]:
     pp, v, m, ep = par["pp"], par["virtual_stages"], par["microbatches"], par["ep"]
     blocks = [
@@ -320,8 +342,11 @@ def plan_rank(
     )
     memory["total"] = sum(memory[k] for k in ("params", "grads", "optimizer")) + transient
     comm = {
-        "all_to_all": m * ((h.n_moe - n_moe_full) * _all_to_all_bytes(model, tokens, b, par, full=False)
-                           + n_moe_full * _all_to_all_bytes(model, tokens, b, par, full=True)),
+        "all_to_all": m
+        * (
+            (h.n_moe - n_moe_full) * _all_to_all_bytes(model, tokens, b, par, full=False)
+            + n_moe_full * _all_to_all_bytes(model, tokens, b, par, full=True)
+        ),
         "grad_reduce": _grad_reduce_bytes(h, b, par),
         "pipeline": _pipeline_sends(h.rank, pp, v) * m * tokens * model.d_model * b.activation,
     }

@@ -50,8 +50,13 @@ STAND_IN_LOCATIONS = ("@proxy_peers",)
 """Where a traced op runs as the proxy's stand-in for its simulated peers (``TracedOp.location``)."""
 
 _RATE_DTYPE = {
-    "torch.float32": "fp32", "torch.float64": "fp32", "torch.bfloat16": "bf16", "torch.float16": "bf16",
-    "torch.float8_e4m3fn": "fp8", "torch.float8_e5m2": "fp8", "mxfp8": "mxfp8",
+    "torch.float32": "fp32",
+    "torch.float64": "fp32",
+    "torch.bfloat16": "bf16",
+    "torch.float16": "bf16",
+    "torch.float8_e4m3fn": "fp8",
+    "torch.float8_e5m2": "fp8",
+    "mxfp8": "mxfp8",
 }
 
 
@@ -152,6 +157,6 @@ def price_ops(ops: Sequence[TracedOp], profile: DeviceProfile) -> list[PricedOp]
         work = region_op(ops[i:j], op.region)
         priced.append(PricedOp(op, work, op_seconds(work, profile)))
         none = OpWork("free", 0.0, 0.0, work.dtype)
-        priced.extend(PricedOp(o, none, 0.0) for o in ops[i + 1:j])
+        priced.extend(PricedOp(o, none, 0.0) for o in ops[i + 1 : j])
         i = j
     return priced

@@ -164,13 +164,26 @@ PER_MICROBATCH_PHASES = ("expert", "pipeline", "fsdp")
 PER_STEP_PHASES = ("grad", "other")
 KINDS = ("gpipe", "1f1b", "interleaved1f1b")
 STEP_KEYS = (
-    "compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed", "optimizer", "param_gather_exposed",
-    "other_comm", "skew",
+    "compute",
+    "expert_comm",
+    "pipeline_comm",
+    "fsdp_gather_exposed",
+    "bubble",
+    "grad_sync_exposed",
+    "optimizer",
+    "param_gather_exposed",
+    "other_comm",
+    "skew",
 )
 """Keys of ``Projection.breakdown_s`` that add up to the step."""
 BESIDE_KEYS = (
-    "grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total",
-    "expert_comm_hidden", "expert_comm_total",
+    "grad_sync_hidden",
+    "grad_sync_total",
+    "param_gather_hidden",
+    "param_gather_total",
+    "fsdp_gather_total",
+    "expert_comm_hidden",
+    "expert_comm_total",
 )
 """Keys of ``Projection.breakdown_s`` reported beside the sum (hidden time overlaps the compute)."""
 BREAKDOWN_KEYS = STEP_KEYS + BESIDE_KEYS
@@ -333,8 +346,7 @@ def summarize_collectives(items: list[Collective]) -> list[dict[str, Any]]:
         key = (c.op, len(c.ranks), c.nbytes, c.phase)
         counts[key] = counts.get(key, 0) + c.count
     rows = [
-        {"op": op, "group_size": size, "nbytes": nbytes, "phase": phase, "count": count,
-         "total_bytes": nbytes * count}
+        {"op": op, "group_size": size, "nbytes": nbytes, "phase": phase, "count": count, "total_bytes": nbytes * count}
         for (op, size, nbytes, phase), count in counts.items()
     ]
     # Ties are ordered by the key so the table does not depend on the order collectives were recorded in.
@@ -517,7 +529,9 @@ class SkewModel:
             raise ValueError(f"skew.cv: must be a number >= 0, got {self.cv!r}")
 
 
-def sync_points(collectives: Iterable[Collective], per_step: Iterable[Collective], microbatches: int) -> tuple[int, int]:
+def sync_points(
+    collectives: Iterable[Collective], per_step: Iterable[Collective], microbatches: int
+) -> tuple[int, int]:
     """(S, n): the blocking collectives of a step and the largest group among them (module docstring).
 
     ``collectives`` are one microbatch's, ``per_step`` the step's others (gradient buckets included)."""
@@ -567,8 +581,9 @@ def _check_entries(name: str, items: list[Collective], phases: tuple[str, ...], 
         if not isinstance(c, Collective):
             raise ValueError(f"{name}[{i}]: expected a Collective, got {type(c).__name__}")
         if c.phase not in phases:
-            raise ValueError(f"{name}[{i}]: phase {c.phase!r} belongs in {elsewhere}; {name} takes "
-                             f"{' and '.join(phases)}")
+            raise ValueError(
+                f"{name}[{i}]: phase {c.phase!r} belongs in {elsewhere}; {name} takes {' and '.join(phases)}"
+            )
         if max(c.ranks) >= world_size:
             raise ValueError(f"{name}[{i}]: {c.op} group {c.ranks!r} names a rank >= world_size={world_size}")
         if rank not in c.ranks:
@@ -592,15 +607,19 @@ def _bubble(schedule: Schedule, t_mb: float) -> float:
 def _overlap_assumption(overlaps: list[ExpertOverlap]) -> str:
     chunked = [o for o in overlaps if o.chunks > 1]
     if not chunked:
-        return ("expert all-to-alls (where the layout has them): each layer's rows out and back whole, on the "
-                "critical path, not overlapped with compute")
-    return (f"expert all-to-alls in {chunked[0].chunks} chunks per MoE layer pass (parallel.a2a_chunks): chunk "
-            "k+1's dispatch moves while chunk k's experts compute, chunk k's combine while chunk k+1's do; per "
-            "pass, its dispatches and combines (half of its all-to-all time each) queue on one link in the "
-            "engine's order d0, d1, c0, d2, c1, ..., c(C-1), each chunk's experts (the experts' traced seconds / "
-            "(passes * C)) start when its dispatch arrived and the chunk before is done, its combine when they "
-            "are done; exposed = the pass's end - its expert compute, at least the first dispatch and the last "
-            "combine; the backward by the same rule; no contention between the all-to-alls and compute")
+        return (
+            "expert all-to-alls (where the layout has them): each layer's rows out and back whole, on the "
+            "critical path, not overlapped with compute"
+        )
+    return (
+        f"expert all-to-alls in {chunked[0].chunks} chunks per MoE layer pass (parallel.a2a_chunks): chunk "
+        "k+1's dispatch moves while chunk k's experts compute, chunk k's combine while chunk k+1's do; per "
+        "pass, its dispatches and combines (half of its all-to-all time each) queue on one link in the "
+        "engine's order d0, d1, c0, d2, c1, ..., c(C-1), each chunk's experts (the experts' traced seconds / "
+        "(passes * C)) start when its dispatch arrived and the chunk before is done, its combine when they "
+        "are done; exposed = the pass's end - its expert compute, at least the first dispatch and the last "
+        "combine; the backward by the same rule; no contention between the all-to-alls and compute"
+    )
 
 
 def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buckets: int) -> list[str]:
@@ -608,21 +627,29 @@ def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buc
     if pp == 1:
         pipeline = "no pipeline (pp = 1): the step runs m microbatches back to back, m * t_mb, no bubble"
     elif schedule.kind == "interleaved1f1b":
-        pipeline = (f"interleaved 1F1B over pp = {pp} stages with v = {v} chunks per rank: pipeline time "
-                    "m * t_mb + (pp - 1) * t_mb / v; every stage is as slow as the measured rank")
+        pipeline = (
+            f"interleaved 1F1B over pp = {pp} stages with v = {v} chunks per rank: pipeline time "
+            "m * t_mb + (pp - 1) * t_mb / v; every stage is as slow as the measured rank"
+        )
     else:
-        pipeline = (f"{schedule.kind} over pp = {pp} stages: pipeline time (m + pp - 1) * t_mb; every stage is "
-                    "as slow as the measured rank")
+        pipeline = (
+            f"{schedule.kind} over pp = {pp} stages: pipeline time (m + pp - 1) * t_mb; every stage is "
+            "as slow as the measured rank"
+        )
     if grad_buckets:
-        grad = (f"gradient sync: {grad_buckets} bucket reductions launch during the last microbatch's backward, "
-                "each w_i seconds of compute before it ends; they queue on one link in launch order, "
-                "s_i = max(-w_i, e_(i-1)), e_i = s_i + c_i, exposed = max(0, e_N), hidden = sum c_i - exposed; "
-                "gradient collectives without a launch time start when the backward ends")
+        grad = (
+            f"gradient sync: {grad_buckets} bucket reductions launch during the last microbatch's backward, "
+            "each w_i seconds of compute before it ends; they queue on one link in launch order, "
+            "s_i = max(-w_i, e_(i-1)), e_i = s_i + c_i, exposed = max(0, e_N), hidden = sum c_i - exposed; "
+            "gradient collectives without a launch time start when the backward ends"
+        )
     else:
         grad = "gradient sync: no bucket launch times given, every gradient collective starts when the backward ends"
     if gather_buckets:
-        gather = (f"ZeRO-1 parameter gathers: {gather_buckets} buckets launch as their update is written, w_i "
-                  "seconds of updates before the optimizer ends; same queue on one link")
+        gather = (
+            f"ZeRO-1 parameter gathers: {gather_buckets} buckets launch as their update is written, w_i "
+            "seconds of updates before the optimizer ends; same queue on one link"
+        )
     else:
         gather = "no overlapped parameter gathers"
     return [
@@ -656,9 +683,11 @@ def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buc
 def _skew_assumption(skew: SkewModel | None) -> str:
     if skew is None:
         return "rank skew: not modelled (no measured step-time spread given): ranks reach each collective together"
-    return (f"rank skew: each blocking collective waits for the slowest rank; skew = z_n * sqrt(S) * cv * compute "
-            f"with cv = {skew.cv:.4g} ({skew.source}), S = the step's blocking collectives, n = their largest group; "
-            "independent noise between segments and ranks assumed")
+    return (
+        f"rank skew: each blocking collective waits for the slowest rank; skew = z_n * sqrt(S) * cv * compute "
+        f"with cv = {skew.cv:.4g} ({skew.source}), S = the step's blocking collectives, n = their largest group; "
+        "independent noise between segments and ranks assumed"
+    )
 
 
 def project_step(
@@ -732,7 +761,8 @@ def project_step(
         "param_gather_exposed": gather.exposed_s,
         "other_comm": _seconds(per_step, "other", rank, net),
         "skew": skew_seconds(
-            skew, *sync_points(per_microbatch, [*per_step, *(b.collective for b in grad_buckets)], m),
+            skew,
+            *sync_points(per_microbatch, [*per_step, *(b.collective for b in grad_buckets)], m),
             m * timing.microbatch_s,
         ),
         "grad_sync_hidden": grad.hidden_s,

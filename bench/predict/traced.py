@@ -13,11 +13,22 @@ from typing import Any
 __all__ = ["OpWork", "TensorSpec", "TracedOp", "dtype_bytes"]
 
 _DTYPE_BYTES = {
-    "torch.float64": 8, "torch.int64": 8, "torch.complex64": 8,
-    "torch.float32": 4, "torch.int32": 4, "torch.uint32": 4,
-    "torch.bfloat16": 2, "torch.float16": 2, "torch.int16": 2, "torch.uint16": 2,
-    "torch.float8_e4m3fn": 1, "torch.float8_e5m2": 1, "torch.float8_e8m0fnu": 1, "torch.int8": 1,
-    "torch.uint8": 1, "torch.bool": 1,
+    "torch.float64": 8,
+    "torch.int64": 8,
+    "torch.complex64": 8,
+    "torch.float32": 4,
+    "torch.int32": 4,
+    "torch.uint32": 4,
+    "torch.bfloat16": 2,
+    "torch.float16": 2,
+    "torch.int16": 2,
+    "torch.uint16": 2,
+    "torch.float8_e4m3fn": 1,
+    "torch.float8_e5m2": 1,
+    "torch.float8_e8m0fnu": 1,
+    "torch.int8": 1,
+    "torch.uint8": 1,
+    "torch.bool": 1,
 }
 
 
@@ -72,8 +83,13 @@ class TracedOp:
 
     def signature(self) -> tuple:
         """What must match between a traced and an executed step: the op and its tensors."""
-        return (self.name, tuple((s.shape, s.dtype) for s in self.inputs),
-                tuple((s.shape, s.dtype) for s in self.outputs), self.stage, self.group_rows)
+        return (
+            self.name,
+            tuple((s.shape, s.dtype) for s in self.inputs),
+            tuple((s.shape, s.dtype) for s in self.outputs),
+            self.stage,
+            self.group_rows,
+        )
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -109,14 +109,19 @@ def run_image(client: Any, image: str, command: list[str], out: Path, gpus: bool
         container.remove(force=True)
 
 
-def compare_versions(docs_by_image: dict[str, list[ResultDocument]], tolerance: float = DEFAULT_TOLERANCE,
-                     acceptances: list[Acceptance] | None = None) -> str:
+def compare_versions(
+    docs_by_image: dict[str, list[ResultDocument]],
+    tolerance: float = DEFAULT_TOLERANCE,
+    acceptances: list[Acceptance] | None = None,
+) -> str:
     """A Markdown table: per scenario and gated metric, each image's median, and later images' ratio to the first
     (a change a release between them accepts, ``acceptances``, says accepted)."""
     images = list(docs_by_image)
     first = docs_by_image[images[0]]
-    comparisons = {image: accept_changes(compare(first, docs_by_image[image], tolerance), None, acceptances or ())
-                   for image in images[1:]}
+    comparisons = {
+        image: accept_changes(compare(first, docs_by_image[image], tolerance), None, acceptances or ())
+        for image in images[1:]
+    }
     labels = [f"{image} ({_version(docs_by_image[image])})" for image in images]
     keys: list[tuple[str, str, str]] = []
     cells: dict[tuple[str, str, str], dict[str, str]] = {}
@@ -148,8 +153,9 @@ def _first_line(err: BaseException) -> str:
     return (errno[1] or errno[2]).strip() if errno else text.splitlines()[0][:300]
 
 
-def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto",
-                 log: Callable[[str], None] = print) -> tuple[int, str]:
+def run_versions(
+    images: list[str], suite: str, out: Path, gpus: str = "auto", log: Callable[[str], None] = print
+) -> tuple[int, str]:
     """Check, run every image, compare, write the report. Returns (exit code, the table). Raises VersionsError first."""
     from bench.report.page import build_report
 

@@ -112,8 +112,15 @@ def latest_release(path: Path = RELEASES_PATH) -> Release | None:
 def write_releases(releases: list[Release], path: Path = RELEASES_PATH) -> None:
     """Replace the record atomically (oldest version first)."""
     ordered = sorted(releases, key=lambda r: Version(r.version))
-    entries = [{"version": r.version, "commit": r.commit, "date": r.date,
-                **({"accepted": [a.spec for a in r.accepted]} if r.accepted else {})} for r in ordered]
+    entries = [
+        {
+            "version": r.version,
+            "commit": r.commit,
+            "date": r.date,
+            **({"accepted": [a.spec for a in r.accepted]} if r.accepted else {}),
+        }
+        for r in ordered
+    ]
     text = json.dumps({"releases": entries}, indent=2) + "\n"
     fd, tmp = tempfile.mkstemp(dir=Path(path).parent, prefix=".tmp-releases-")
     try:
@@ -125,8 +132,9 @@ def write_releases(releases: list[Release], path: Path = RELEASES_PATH) -> None:
         raise
 
 
-def cut_release(version: str, root: Path = REPO_ROOT, tag: bool = True,
-                accepted: tuple[Acceptance, ...] = ()) -> Release:
+def cut_release(
+    version: str, root: Path = REPO_ROOT, tag: bool = True, accepted: tuple[Acceptance, ...] = ()
+) -> Release:
     """Record HEAD of the checkout at ``root`` as release ``version`` (see the module doc), with the
     changes it makes on purpose."""
     from moe_engine import __version__
@@ -154,8 +162,12 @@ def cut_release(version: str, root: Path = REPO_ROOT, tag: bool = True,
     tagged = try_git(root, "rev-parse", "--verify", "--quiet", f"{tag_name}^{{commit}}")
     if tag and tagged and tagged != commit:
         raise ReleaseError(f"tag {tag_name} already exists at {tagged[:12]}, not at HEAD")
-    release = Release(version, commit, datetime.now(timezone.utc).date().isoformat(),
-                      tuple(replace(a, release=version) for a in accepted))
+    release = Release(
+        version,
+        commit,
+        datetime.now(timezone.utc).date().isoformat(),
+        tuple(replace(a, release=version) for a in accepted),
+    )
     write_releases([*releases, release], path)
     if tag and not tagged:
         try:
@@ -170,8 +182,9 @@ def record_acceptances(version: str, accepted: tuple[Acceptance, ...], path: Pat
     releases = load_releases(path)
     release = next((r for r in releases if r.version == version), None)
     if release is None:
-        raise ReleaseError(f"{version} is not a recorded release (recorded: "
-                           f"{', '.join(r.version for r in releases) or 'none'})")
+        raise ReleaseError(
+            f"{version} is not a recorded release (recorded: {', '.join(r.version for r in releases) or 'none'})"
+        )
     added = [replace(a, release=version) for a in accepted]
     new = [a for a in dict.fromkeys(added) if a not in release.accepted]
     updated = replace(release, accepted=(*release.accepted, *new))

@@ -64,10 +64,16 @@ def engine_version(root: Path | None = None) -> EngineVersion:
     baked_path = Path(root) / BAKED_ENGINE_FILE
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         baked = json.loads(baked_path.read_text())
-        return EngineVersion(baked["version"], baked["git_commit"], baked["git_dirty"],
-                             f"recorded by the image build in {BAKED_ENGINE_FILE}")
+        return EngineVersion(
+            baked["version"],
+            baked["git_commit"],
+            baked["git_dirty"],
+            f"recorded by the image build in {BAKED_ENGINE_FILE}",
+        )
     return EngineVersion(
-        f"{__version__}+{UNKNOWN}", None, None,
+        f"{__version__}+{UNKNOWN}",
+        None,
+        None,
         f"no provenance: {no_checkout}, and no {BAKED_ENGINE_FILE} was recorded by an image build "
         f"(build the image from a git clone, not a worktree or a source tree, with git in the base image)",
     )
@@ -83,7 +89,9 @@ def checkout_version(root: Path, package_version: str) -> EngineVersion:
     commit, dirty = checkout_head(root)
     release = nearest_release(root, commit)
     version = format_version(package_version, release, commit, dirty)
-    return EngineVersion(version, commit, dirty, f"git checkout {root} at {commit[:12]}" + (" (dirty)" if dirty else ""))
+    return EngineVersion(
+        version, commit, dirty, f"git checkout {root} at {commit[:12]}" + (" (dirty)" if dirty else "")
+    )
 
 
 def format_version(package_version: str, release: tuple[str, int] | None, commit: str, dirty: bool) -> str:

@@ -17,13 +17,16 @@ from bench.report.trends import Trend
 from bench.report.units import axis_scale, format_value, gib, percent
 
 HEIGHT = 400
-PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC",
-           "#EECA3B")
+PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC", "#EECA3B")
 _METRIC_NAMES = {
-    "tokens_per_s_per_gpu": "tokens/s per GPU", "projected_tokens_per_s_per_gpu": "projected tokens/s per GPU",
-    "rank_tokens_per_s": "tokens/s of the proxied rank", "cuda_peak_active_bytes": "peak active memory",
-    "peak_tensor_bytes": "peak tensor memory", "memory_total_bytes": "plan memory per rank",
-    "projected_memory_total_bytes": "projected memory per rank", "tflops_per_gpu": "TFLOP/s per GPU",
+    "tokens_per_s_per_gpu": "tokens/s per GPU",
+    "projected_tokens_per_s_per_gpu": "projected tokens/s per GPU",
+    "rank_tokens_per_s": "tokens/s of the proxied rank",
+    "cuda_peak_active_bytes": "peak active memory",
+    "peak_tensor_bytes": "peak tensor memory",
+    "memory_total_bytes": "plan memory per rank",
+    "projected_memory_total_bytes": "projected memory per rank",
+    "tflops_per_gpu": "TFLOP/s per GPU",
     "step_time_s": "step time",
 }
 
@@ -35,8 +38,11 @@ def metric_title(name: str) -> str:
 
 def _layout(fig: go.Figure, title: str, height: int = HEIGHT) -> go.Figure:
     fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": 15}}, height=height, template="plotly_white",
-        margin={"l": 70, "r": 30, "t": 70, "b": 60}, hoverlabel={"align": "left"},
+        title={"text": title, "x": 0.01, "font": {"size": 15}},
+        height=height,
+        template="plotly_white",
+        margin={"l": 70, "r": 30, "t": 70, "b": 60},
+        hoverlabel={"align": "left"},
         legend={"orientation": "h", "y": -0.2, "traceorder": "normal"},
     )
     return fig
@@ -56,8 +62,12 @@ def trend_figure(trend: Trend, releases: tuple[str, ...]) -> go.Figure:
     marked with a dotted line and a diamond."""
     versions = list(trend.versions)
     position = {v: i for i, v in enumerate(versions)}
-    fig = make_subplots(rows=1, cols=len(trend.series), horizontal_spacing=0.12,
-                        subplot_titles=[f"{metric_title(s.metric)} ({_direction(s.better)})" for s in trend.series])
+    fig = make_subplots(
+        rows=1,
+        cols=len(trend.series),
+        horizontal_spacing=0.12,
+        subplot_titles=[f"{metric_title(s.metric)} ({_direction(s.better)})" for s in trend.series],
+    )
     for col, series in enumerate(trend.series, start=1):
         values = [p.median for p in series.points] + [p.high for p in series.points if p.high is not None]
         scale = axis_scale(series.unit, values)
@@ -65,34 +75,78 @@ def trend_figure(trend: Trend, releases: tuple[str, ...]) -> go.Figure:
         spread = [p for p in series.points if p.q1 is not None]
         if len(spread) >= 2:
             band_x = [position[p.version] for p in spread]
-            fig.add_trace(go.Scatter(x=band_x, y=[p.q3 / scale.factor for p in spread], mode="lines",
-                                     line={"width": 0}, hoverinfo="skip", showlegend=False), row=1, col=col)
-            fig.add_trace(go.Scatter(x=band_x, y=[p.q1 / scale.factor for p in spread], mode="lines",
-                                     line={"width": 0}, fill="tonexty", fillcolor="rgba(76,120,168,0.2)",
-                                     name="interquartile range", hoverinfo="skip", showlegend=col == 1),
-                          row=1, col=col)
+            fig.add_trace(
+                go.Scatter(
+                    x=band_x,
+                    y=[p.q3 / scale.factor for p in spread],
+                    mode="lines",
+                    line={"width": 0},
+                    hoverinfo="skip",
+                    showlegend=False,
+                ),
+                row=1,
+                col=col,
+            )
+            fig.add_trace(
+                go.Scatter(
+                    x=band_x,
+                    y=[p.q1 / scale.factor for p in spread],
+                    mode="lines",
+                    line={"width": 0},
+                    fill="tonexty",
+                    fillcolor="rgba(76,120,168,0.2)",
+                    name="interquartile range",
+                    hoverinfo="skip",
+                    showlegend=col == 1,
+                ),
+                row=1,
+                col=col,
+            )
         hover = []
         for p in series.points:
-            lines = [f"<b>{trend.scenario}</b> on {trend.machine}, version {p.version}",
-                     f"median {format_value(p.median, series.unit)} over {p.samples} sample{'s' * (p.samples != 1)}"]
+            lines = [
+                f"<b>{trend.scenario}</b> on {trend.machine}, version {p.version}",
+                f"median {format_value(p.median, series.unit)} over {p.samples} sample{'s' * (p.samples != 1)}",
+            ]
             if p.q1 is not None:
-                lines.append(f"IQR {format_value(p.q1, series.unit)} - {format_value(p.q3, series.unit)}, "
-                             f"min {format_value(p.low, series.unit)}, max {format_value(p.high, series.unit)}")
+                lines.append(
+                    f"IQR {format_value(p.q1, series.unit)} - {format_value(p.q3, series.unit)}, "
+                    f"min {format_value(p.low, series.unit)}, max {format_value(p.high, series.unit)}"
+                )
             else:
                 lines.append("one sample: no spread")
             hover.append("<br>".join(lines))
-        error = {"type": "data", "symmetric": False, "color": "#4C78A8", "thickness": 1,
-                 "array": [(p.high - p.median) / scale.factor if p.high is not None else 0 for p in series.points],
-                 "arrayminus": [(p.median - p.low) / scale.factor if p.low is not None else 0 for p in series.points]}
-        fig.add_trace(go.Scatter(
-            x=xs, y=[p.median / scale.factor for p in series.points], mode="lines+markers", name="median",
-            line={"color": "#4C78A8"}, error_y=error, hovertext=hover, hoverinfo="text", showlegend=col == 1,
-            marker={"size": [11 if p.version in releases else 7 for p in series.points],
-                    "symbol": ["diamond" if p.version in releases else "circle" for p in series.points]},
-        ), row=1, col=col)
+        error = {
+            "type": "data",
+            "symmetric": False,
+            "color": "#4C78A8",
+            "thickness": 1,
+            "array": [(p.high - p.median) / scale.factor if p.high is not None else 0 for p in series.points],
+            "arrayminus": [(p.median - p.low) / scale.factor if p.low is not None else 0 for p in series.points],
+        }
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=[p.median / scale.factor for p in series.points],
+                mode="lines+markers",
+                name="median",
+                line={"color": "#4C78A8"},
+                error_y=error,
+                hovertext=hover,
+                hoverinfo="text",
+                showlegend=col == 1,
+                marker={
+                    "size": [11 if p.version in releases else 7 for p in series.points],
+                    "symbol": ["diamond" if p.version in releases else "circle" for p in series.points],
+                },
+            ),
+            row=1,
+            col=col,
+        )
         fig.update_yaxes(title_text=scale.label, tickformat=scale.tickformat, row=1, col=col)
-        fig.update_xaxes(tickvals=list(range(len(versions))), ticktext=versions, range=[-0.5, len(versions) - 0.5],
-                         row=1, col=col)
+        fig.update_xaxes(
+            tickvals=list(range(len(versions))), ticktext=versions, range=[-0.5, len(versions) - 0.5], row=1, col=col
+        )
         for version in versions:
             if version in releases:
                 fig.add_vline(x=position[version], line={"dash": "dot", "color": "#888", "width": 1}, row=1, col=col)
@@ -123,26 +177,60 @@ def pair_figure(chart: PairChart) -> go.Figure:
             group = f"{group} #{i + 1}"
         used |= {(group, bar.numerator), (group, bar.denominator)}
         groups.append(group)
-    fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.1,
-                        subplot_titles=[metric_title(chart.bars[0].metric), "ratio, numerator / denominator"])
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.62, 0.38],
+        horizontal_spacing=0.1,
+        subplot_titles=[metric_title(chart.bars[0].metric), "ratio, numerator / denominator"],
+    )
     for side, color in (("numerator", _color(0)), ("denominator", _color(1))):
         names = [getattr(b, side) for b in chart.bars]
         values = [getattr(b, f"{side}_value") for b in chart.bars]
-        hover = [f"<b>{name}</b> on {b.machine}, version {b.version}<br>{metric_title(b.metric)}: "
-                 f"{format_value(v, unit)}<br>{b.numerator} / {b.denominator} = {b.described}"
-                 for name, v, b in zip(names, values, chart.bars)]
-        fig.add_trace(go.Bar(x=[groups, names], y=[v / scale.factor for v in values], name=side,
-                             marker_color=color, hovertext=hover, hoverinfo="text", showlegend=False), row=1, col=1)
+        hover = [
+            f"<b>{name}</b> on {b.machine}, version {b.version}<br>{metric_title(b.metric)}: "
+            f"{format_value(v, unit)}<br>{b.numerator} / {b.denominator} = {b.described}"
+            for name, v, b in zip(names, values, chart.bars)
+        ]
+        fig.add_trace(
+            go.Bar(
+                x=[groups, names],
+                y=[v / scale.factor for v in values],
+                name=side,
+                marker_color=color,
+                hovertext=hover,
+                hoverinfo="text",
+                showlegend=False,
+            ),
+            row=1,
+            col=1,
+        )
     labels = [f"{b.numerator} / {b.denominator}<br>{g}" for b, g in zip(chart.bars, groups)]
     ratios = [b.ratio for b in chart.bars]
-    fig.add_trace(go.Scatter(
-        x=labels, y=ratios, mode="markers+text", marker={"color": _color(0), "size": 9},
-        text=[f"×{r:.2f}" for r in ratios], textposition="middle right", showlegend=False,  # noqa: RUF001 (the multiplication sign is the displayed ratio marker)
-        error_y={"type": "data", "symmetric": False,
-                 "array": [b.interval[1] - b.ratio if b.interval else 0 for b in chart.bars],
-                 "arrayminus": [b.ratio - b.interval[0] if b.interval else 0 for b in chart.bars]},
-        hovertext=[f"{b.numerator} / {b.denominator} on {b.machine}, version {b.version}: {b.described}"
-                   for b in chart.bars], hoverinfo="text"), row=1, col=2)
+    fig.add_trace(
+        go.Scatter(
+            x=labels,
+            y=ratios,
+            mode="markers+text",
+            marker={"color": _color(0), "size": 9},
+            text=[f"×{r:.2f}" for r in ratios],  # noqa: RUF001 (the multiplication sign is the displayed ratio marker)
+            textposition="middle right",
+            showlegend=False,
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [b.interval[1] - b.ratio if b.interval else 0 for b in chart.bars],
+                "arrayminus": [b.ratio - b.interval[0] if b.interval else 0 for b in chart.bars],
+            },
+            hovertext=[
+                f"{b.numerator} / {b.denominator} on {b.machine}, version {b.version}: {b.described}"
+                for b in chart.bars
+            ],
+            hoverinfo="text",
+        ),
+        row=1,
+        col=2,
+    )
     fig.add_hline(y=1.0, line_dash="dot", line_color="#888", row=1, col=2)
     fig.update_yaxes(title_text=scale.label, tickformat=scale.tickformat, row=1, col=1)
     fig.update_xaxes(tickfont={"size": 10}, row=1, col=2)
@@ -170,25 +258,47 @@ def sweep_figure(groups: list[VariantGroup]) -> go.Figure:
             if not name:
                 continue
             medians = [float(v.metrics[name]["median"]) for v in group.variants]
-            hover = [f"<b>{v.scenario}</b> on {group.machine}, version {group.version}<br>{v.value} experts: "
-                     f"{metric_title(name)} {format_value(m, unit)}" for v, m in zip(group.variants, medians)]
-            fig.add_trace(go.Scatter(
-                x=[v.value for v in group.variants], y=[m / scale.factor for m in medians], mode="lines+markers",
-                name=f"{group.label} ({group.machine}, {group.version})", line={"color": _color(i)},
-                hovertext=hover, hoverinfo="text", showlegend=col == 1, legendgroup=str(i),
-            ), row=1, col=col)
-        fig.update_yaxes(title_text=f"{metric_title(getattr(drawn[0], attr))} ({scale.label})",
-                         tickformat=scale.tickformat, rangemode="tozero", row=1, col=col)
-        fig.update_xaxes(type="log", tickvals=counts, ticktext=[str(c) for c in counts], title_text="experts",
-                         row=1, col=col)
+            hover = [
+                f"<b>{v.scenario}</b> on {group.machine}, version {group.version}<br>{v.value} experts: "
+                f"{metric_title(name)} {format_value(m, unit)}"
+                for v, m in zip(group.variants, medians)
+            ]
+            fig.add_trace(
+                go.Scatter(
+                    x=[v.value for v in group.variants],
+                    y=[m / scale.factor for m in medians],
+                    mode="lines+markers",
+                    name=f"{group.label} ({group.machine}, {group.version})",
+                    line={"color": _color(i)},
+                    hovertext=hover,
+                    hoverinfo="text",
+                    showlegend=col == 1,
+                    legendgroup=str(i),
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_yaxes(
+            title_text=f"{metric_title(getattr(drawn[0], attr))} ({scale.label})",
+            tickformat=scale.tickformat,
+            rangemode="tozero",
+            row=1,
+            col=col,
+        )
+        fig.update_xaxes(
+            type="log", tickvals=counts, ticktext=[str(c) for c in counts], title_text="experts", row=1, col=col
+        )
     mode = {"execute": "runs", "plan": "plans", "proxy": "proxies"}.get(groups[0].mode, groups[0].mode)
     return _layout(fig, f"Expert-count sweep ({mode}): the same active size, more experts", height=HEIGHT + 60)
 
 
 def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
     """Throughput and memory of each activation-recompute mode, grouped by scenario."""
-    panels = [(title, attr) for title, attr in (("throughput", "throughput_metric"), ("memory", "memory_metric"))
-              if any(getattr(g, attr) for g in groups)]
+    panels = [
+        (title, attr)
+        for title, attr in (("throughput", "throughput_metric"), ("memory", "memory_metric"))
+        if any(getattr(g, attr) for g in groups)
+    ]
     fig = make_subplots(rows=1, cols=len(panels), horizontal_spacing=0.12, subplot_titles=[t for t, _ in panels])
     modes = [str(m) for m in sorted({v.value for g in groups for v in g.variants}, key=variant_order)]
     for col, (_, attr) in enumerate(panels, start=1):
@@ -206,12 +316,30 @@ def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
                     xs[0].append(f"{group.variants[0].scenario} ({group.machine}, {group.version})")
                     xs[1].append(mode)
                     ys.append(value / scale.factor)
-                    hover.append(f"<b>{v.scenario}</b> on {group.machine}, version {group.version}<br>"
-                                 f"recompute {mode}: {metric_title(name)} {format_value(value, unit)}")
-            fig.add_trace(go.Bar(x=xs, y=ys, name=f"recompute {mode}", marker_color=_color(i), hovertext=hover,
-                                 hoverinfo="text", showlegend=col == 1, legendgroup=mode), row=1, col=col)
-        fig.update_yaxes(title_text=f"{metric_title(getattr(drawn[0], attr))} ({scale.label})",
-                         tickformat=scale.tickformat, row=1, col=col)
+                    hover.append(
+                        f"<b>{v.scenario}</b> on {group.machine}, version {group.version}<br>"
+                        f"recompute {mode}: {metric_title(name)} {format_value(value, unit)}"
+                    )
+            fig.add_trace(
+                go.Bar(
+                    x=xs,
+                    y=ys,
+                    name=f"recompute {mode}",
+                    marker_color=_color(i),
+                    hovertext=hover,
+                    hoverinfo="text",
+                    showlegend=col == 1,
+                    legendgroup=mode,
+                ),
+                row=1,
+                col=col,
+            )
+        fig.update_yaxes(
+            title_text=f"{metric_title(getattr(drawn[0], attr))} ({scale.label})",
+            tickformat=scale.tickformat,
+            row=1,
+            col=col,
+        )
     fig.update_layout(barmode="stack")
     return _layout(fig, "Activation recompute: what each mode costs and saves", height=HEIGHT + 80)
 
@@ -228,29 +356,53 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
     xs = list(range(len(stacks)))
     for i, label in enumerate(labels):
         values = [dict(s.segments).get(label, 0.0) for s in stacks]
-        hover = [f"<b>{s.scenario}</b> (plan, version {s.version}, on {machine})<br>{label}: {gib(v)}, "
-                 f"{percent(v / s.total)} of {gib(s.total)}" for s, v in zip(stacks, values)]
-        fig.add_trace(go.Bar(x=xs, y=[v / 2**30 for v in values], name=label, marker_color=_color(i),
-                             hovertext=hover, hoverinfo="text"))
+        hover = [
+            f"<b>{s.scenario}</b> (plan, version {s.version}, on {machine})<br>{label}: {gib(v)}, "
+            f"{percent(v / s.total)} of {gib(s.total)}"
+            for s, v in zip(stacks, values)
+        ]
+        fig.add_trace(
+            go.Bar(
+                x=xs,
+                y=[v / 2**30 for v in values],
+                name=label,
+                marker_color=_color(i),
+                hovertext=hover,
+                hoverinfo="text",
+            )
+        )
     line_x, line_y = [], []
     for x, s in zip(xs, stacks):
         line_x += [x - 0.45, x + 0.45, None]
         line_y += [s.capacity / 2**30, s.capacity / 2**30, None]
-    fig.add_trace(go.Scatter(x=line_x, y=line_y, mode="lines", name="GPU memory", line={"color": "black", "width": 3,
-                                                                                       "dash": "dash"},
-                             hoverinfo="skip"))
+    fig.add_trace(
+        go.Scatter(
+            x=line_x,
+            y=line_y,
+            mode="lines",
+            name="GPU memory",
+            line={"color": "black", "width": 3, "dash": "dash"},
+            hoverinfo="skip",
+        )
+    )
     for x, s in zip(xs, stacks):
         fits = "fits" if s.total <= s.capacity else "does not fit"
-        fig.add_annotation(x=x, y=max(s.total, s.capacity) / 2**30, yshift=14, showarrow=False, font={"size": 11},
-                           text=f"{gib(s.total)}: {percent(s.total / s.capacity, 0)} of {gib(s.capacity)} "
-                                f"({fits})")
+        fig.add_annotation(
+            x=x,
+            y=max(s.total, s.capacity) / 2**30,
+            yshift=14,
+            showarrow=False,
+            font={"size": 11},
+            text=f"{gib(s.total)}: {percent(s.total / s.capacity, 0)} of {gib(s.capacity)} ({fits})",
+        )
     fig.update_layout(barmode="stack")
     fig.update_xaxes(tickvals=xs, ticktext=[f"{s.scenario}<br>{s.version}" for s in stacks])
     fig.update_yaxes(title_text="memory per GPU (GiB)", tickformat=",.0f")
     top = max(max(s.total, s.capacity) for s in stacks) / 2**30
     fig.update_yaxes(range=[0, top * 1.15])
-    return _layout(fig, f"Plan memory per rank (most loaded rank) against the GPU's memory: plans on {machine}",
-                   height=HEIGHT + 80)
+    return _layout(
+        fig, f"Plan memory per rank (most loaded rank) against the GPU's memory: plans on {machine}", height=HEIGHT + 80
+    )
 
 
 def projection_figure(stacks: list[ProjectionStack]) -> go.Figure:
@@ -261,16 +413,30 @@ def projection_figure(stacks: list[ProjectionStack]) -> go.Figure:
     for i, label in enumerate(labels):
         seconds = [dict(s.segments).get(label, 0.0) for s in stacks]
         shares = [t / s.step_s * 100 if s.step_s else 0.0 for s, t in zip(stacks, seconds)]
-        hover = [f"<b>{s.scenario}</b> on {s.target} (measured on {s.machine}, version {s.version})<br>{label}: "
-                 f"{format_value(t, 's')} per step, {share:.1f}% of {format_value(s.step_s, 's')}"
-                 for s, t, share in zip(stacks, seconds, shares)]
-        fig.add_trace(go.Bar(y=rows, x=shares, orientation="h", name=label, marker_color=_color(i),
-                             hovertext=hover, hoverinfo="text"))
+        hover = [
+            f"<b>{s.scenario}</b> on {s.target} (measured on {s.machine}, version {s.version})<br>{label}: "
+            f"{format_value(t, 's')} per step, {share:.1f}% of {format_value(s.step_s, 's')}"
+            for s, t, share in zip(stacks, seconds, shares)
+        ]
+        fig.add_trace(
+            go.Bar(
+                y=rows, x=shares, orientation="h", name=label, marker_color=_color(i), hovertext=hover, hoverinfo="text"
+            )
+        )
     for row, s in zip(rows, stacks):
-        speed = (f", {format_value(s.tokens_per_s_per_gpu, 'tokens/s')} per GPU"
-                 if s.tokens_per_s_per_gpu is not None and math.isfinite(s.tokens_per_s_per_gpu) else "")
-        fig.add_annotation(y=row, x=100, xanchor="left", showarrow=False, font={"size": 11},
-                           text=f" step {format_value(s.step_s, 's')}{speed}")
+        speed = (
+            f", {format_value(s.tokens_per_s_per_gpu, 'tokens/s')} per GPU"
+            if s.tokens_per_s_per_gpu is not None and math.isfinite(s.tokens_per_s_per_gpu)
+            else ""
+        )
+        fig.add_annotation(
+            y=row,
+            x=100,
+            xanchor="left",
+            showarrow=False,
+            font={"size": 11},
+            text=f" step {format_value(s.step_s, 's')}{speed}",
+        )
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="share of the projected step (%)", range=[0, 100], ticksuffix="%")
     _layout(fig, "Projected step, part by part", height=max(HEIGHT, 160 + 70 * len(stacks)))

@@ -112,15 +112,17 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
     versions = results.versions
     for flag, value in (("--base", base), ("--new", new)):
         if value is not None and value not in versions:
-            raise ReportError(f"{flag} {value}: no results of that version in {results.root} "
-                              f"(versions there: {', '.join(versions)})")
+            raise ReportError(
+                f"{flag} {value}: no results of that version in {results.root} (versions there: {', '.join(versions)})"
+            )
     if base is not None and base == new:
         raise ReportError(f"--base and --new are both {base}: a comparison needs two versions")
     chosen_new = new if new is not None else versions[-1]
     if base is not None:
         if base == chosen_new:
-            raise ReportError(f"--base {base}: the newest version in {results.root}; name an older one, "
-                              "or --new as well")
+            raise ReportError(
+                f"--base {base}: the newest version in {results.root}; name an older one, or --new as well"
+            )
         return VersionPair(base, chosen_new, "chosen with --base" + (" and --new" if new else ""))
     older = [v for v in versions if version_sort_key(v) < version_sort_key(chosen_new)]
     if not older:
@@ -128,13 +130,22 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
     released = [v for v in older if v in results.releases]
     if released:
         # "The latest release" only where it is: the newest version may be a later release itself.
-        base_text = (f"the latest release ({released[-1]})" if released[-1] == results.releases[-1]
-                     else f"release {released[-1]}, the last release before {chosen_new},")
+        base_text = (
+            f"the latest release ({released[-1]})"
+            if released[-1] == results.releases[-1]
+            else f"release {released[-1]}, the last release before {chosen_new},"
+        )
         new_text = f"release {chosen_new}" if chosen_new in results.releases else chosen_new
-        return VersionPair(released[-1], chosen_new,
-                           f"{base_text} against {new_text}" + (" (--new)" if new else ", the newest results"))
-    return VersionPair(older[-1], chosen_new, "no release among the results: the version before "
-                       + (f"{chosen_new} (--new)" if new else "the newest"))
+        return VersionPair(
+            released[-1],
+            chosen_new,
+            f"{base_text} against {new_text}" + (" (--new)" if new else ", the newest results"),
+        )
+    return VersionPair(
+        older[-1],
+        chosen_new,
+        "no release among the results: the version before " + (f"{chosen_new} (--new)" if new else "the newest"),
+    )
 
 
 @dataclass(frozen=True)

@@ -125,16 +125,20 @@ def load_comparisons(path: Path | None = None) -> list[Comparison]:
         if entry["name"] in names:
             raise ComparisonError(f"{where}.name: duplicate comparison {entry['name']!r}")
         names.add(entry["name"])
-        comparisons.append(Comparison(
-            name=str(entry["name"]), label=str(entry["label"]), metrics=metrics, mirrors=str(entry["mirrors"]),
-            reference=str(entry["reference"]), pairs=tuple((a, b) for a, b in pairs),
-        ))
+        comparisons.append(
+            Comparison(
+                name=str(entry["name"]),
+                label=str(entry["label"]),
+                metrics=metrics,
+                mirrors=str(entry["mirrors"]),
+                reference=str(entry["reference"]),
+                pairs=tuple((a, b) for a, b in pairs),
+            )
+        )
     return comparisons
 
 
-def pair_ratios(
-    comparisons: list[Comparison], results: Mapping[str, tuple[str, Mapping[str, Any]]]
-) -> list[PairRatio]:
+def pair_ratios(comparisons: list[Comparison], results: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[PairRatio]:
     """Every pair with a result on at least one side that ran, in the section's order.
 
     ``results`` maps a scenario name to its (status, metrics). A pair with a side missing from the
@@ -149,15 +153,26 @@ def pair_ratios(
             (num_status, num_metrics), (den_status, den_metrics) = results[numerator], results[denominator]
             if num_status != "ok" and den_status != "ok":
                 continue
-            bad = [f"{name} {status}" for name, status in ((numerator, num_status), (denominator, den_status))
-                   if status != "ok"]
+            bad = [
+                f"{name} {status}"
+                for name, status in ((numerator, num_status), (denominator, den_status))
+                if status != "ok"
+            ]
             if bad:
                 rows.append(PairRatio(comparison, numerator, denominator, None, None, ", ".join(bad)))
                 continue
             metric = next((m for m in comparison.metrics if m in num_metrics and m in den_metrics), None)
             if metric is None:
-                rows.append(PairRatio(comparison, numerator, denominator, None, None,
-                                      f"no {' or '.join(comparison.metrics)} on both sides"))
+                rows.append(
+                    PairRatio(
+                        comparison,
+                        numerator,
+                        denominator,
+                        None,
+                        None,
+                        f"no {' or '.join(comparison.metrics)} on both sides",
+                    )
+                )
                 continue
             num, den = num_metrics[metric]["median"], den_metrics[metric]["median"]
             if not den:

@@ -87,23 +87,38 @@ def pair_charts(results: ResultSet, comparisons: list[Comparison] | None = None)
                 seen.add(key)
                 num, den = groups[row.numerator], groups[row.denominator]
                 unit = num.metrics[row.metric]["unit"] if row.metric in num.metrics else None
-                found[row.comparison.name].append(PairBar(
-                    version, machine, row.numerator, row.denominator, row.metric, unit,
-                    median(num, row.metric) if row.metric else None, median(den, row.metric) if row.metric else None,
-                    row.ratio, row.note, row.interval, row.describe(),
-                ))
+                found[row.comparison.name].append(
+                    PairBar(
+                        version,
+                        machine,
+                        row.numerator,
+                        row.denominator,
+                        row.metric,
+                        unit,
+                        median(num, row.metric) if row.metric else None,
+                        median(den, row.metric) if row.metric else None,
+                        row.ratio,
+                        row.note,
+                        row.interval,
+                        row.describe(),
+                    )
+                )
     charts = []
     for comparison in comparisons:
         bars = found[comparison.name]
         if bars:
-            charts.append(PairChart(comparison, tuple(b for b in bars if b.ratio is not None),
-                                    tuple(b for b in bars if b.ratio is None)))
+            charts.append(
+                PairChart(
+                    comparison, tuple(b for b in bars if b.ratio is not None), tuple(b for b in bars if b.ratio is None)
+                )
+            )
     return charts
 
 
 # --------------------------------------------------------------------------------------------
 # Scenarios that differ in one field
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Variation:
@@ -213,11 +228,16 @@ def variant_groups(results: ResultSet, variation: Variation) -> list[VariantGrou
                 seen.add((machine, mode, rest))
                 ordered = sorted(members.items(), key=lambda kv: variant_order(kv[0]))
                 groups = [g for _, g in ordered]
-                found.append(VariantGroup(
-                    version, machine, mode,
-                    tuple(Variant(value, g.scenario, g.metrics) for value, g in ordered),
-                    first_metric(groups, THROUGHPUT_METRICS), first_metric(groups, MEMORY_METRICS),
-                ))
+                found.append(
+                    VariantGroup(
+                        version,
+                        machine,
+                        mode,
+                        tuple(Variant(value, g.scenario, g.metrics) for value, g in ordered),
+                        first_metric(groups, THROUGHPUT_METRICS),
+                        first_metric(groups, MEMORY_METRICS),
+                    )
+                )
     return found
 
 
@@ -226,8 +246,11 @@ def variant_groups(results: ResultSet, variation: Variation) -> list[VariantGrou
 # --------------------------------------------------------------------------------------------
 
 STATE_PARTS = (("params", "parameters"), ("grads", "gradients"), ("optimizer", "optimizer state"))
-TRANSIENT_PARTS = (("activations", "activations"), ("comm_buffers", "communication buffers"),
-                   ("backward_workspace", "backward workspace"))
+TRANSIENT_PARTS = (
+    ("activations", "activations"),
+    ("comm_buffers", "communication buffers"),
+    ("backward_workspace", "backward workspace"),
+)
 OPTIMIZER_STEP = ("optimizer_step", "optimizer step temporaries")
 
 
@@ -270,8 +293,15 @@ def memory_stack(group: Group, version: str) -> MemoryStack | None:
     details = group.newest.data.get("details") or {}
     cluster = details.get("cluster") or spec_of(group).get("cluster") or {}
     capacity = cluster.get("gpu_memory_gib")
-    return MemoryStack(version, group.machine, group.scenario, tuple((k, b) for k, b in segments if b > 0), total,
-                       float(capacity) * 2**30 if capacity else None, cluster.get("name"))
+    return MemoryStack(
+        version,
+        group.machine,
+        group.scenario,
+        tuple((k, b) for k, b in segments if b > 0),
+        total,
+        float(capacity) * 2**30 if capacity else None,
+        cluster.get("name"),
+    )
 
 
 def plan_memory(results: ResultSet) -> dict[str, list[MemoryStack]]:
@@ -292,10 +322,15 @@ def plan_memory(results: ResultSet) -> dict[str, list[MemoryStack]]:
 # --------------------------------------------------------------------------------------------
 
 STEP_LABELS = {
-    "compute": "compute", "expert_comm": "expert communication", "pipeline_comm": "pipeline communication",
-    "fsdp_gather_exposed": "FSDP gathers (exposed)", "bubble": "pipeline bubble",
-    "grad_sync_exposed": "gradient sync (exposed)", "optimizer": "optimizer",
-    "param_gather_exposed": "parameter gathers (exposed)", "other_comm": "other communication",
+    "compute": "compute",
+    "expert_comm": "expert communication",
+    "pipeline_comm": "pipeline communication",
+    "fsdp_gather_exposed": "FSDP gathers (exposed)",
+    "bubble": "pipeline bubble",
+    "grad_sync_exposed": "gradient sync (exposed)",
+    "optimizer": "optimizer",
+    "param_gather_exposed": "parameter gathers (exposed)",
+    "other_comm": "other communication",
     "skew": "rank skew",
 }
 """A label for each of STEP_KEYS."""
@@ -319,8 +354,15 @@ def _stack(version, group: Group, target: str, projection: dict[str, Any]) -> Pr
     if not isinstance(breakdown, dict) or "step_s" not in projection:
         return None
     segments = tuple((STEP_LABELS.get(k, k), float(breakdown[k])) for k in STEP_KEYS if breakdown.get(k))
-    return ProjectionStack(version, group.machine, group.scenario, target, segments, float(projection["step_s"]),
-                           projection.get("tokens_per_s_per_gpu"))
+    return ProjectionStack(
+        version,
+        group.machine,
+        group.scenario,
+        target,
+        segments,
+        float(projection["step_s"]),
+        projection.get("tokens_per_s_per_gpu"),
+    )
 
 
 def projection_stacks(results: ResultSet) -> list[ProjectionStack]:

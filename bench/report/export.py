@@ -82,8 +82,10 @@ def export_github_action_benchmark(
                 continue
             full = f"{prefix}/{name}"
             if full in seen:
-                raise ValueError(f"duplicate benchmark name {full!r}: the documents span several machines; "
-                                 "use include_machine=True or export one machine at a time")
+                raise ValueError(
+                    f"duplicate benchmark name {full!r}: the documents span several machines; "
+                    "use include_machine=True or export one machine at a time"
+                )
             seen.add(full)
             item = {"name": full, "unit": entry["unit"], "value": entry["median"]}
             if entry["spread"] is not None:
@@ -103,14 +105,18 @@ def measure_slug(metric_name: str) -> str:
     return slug
 
 
-def export_bencher(docs: Iterable[ResultDocument], include_machine: bool = False) -> dict[str, dict[str, dict[str, float]]]:
+def export_bencher(
+    docs: Iterable[ResultDocument], include_machine: bool = False
+) -> dict[str, dict[str, dict[str, float]]]:
     """Bencher Metric Format: ``{scenario: {measure_slug: {value, lower_value, upper_value}}}``."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for group in _ok_groups(docs):
         bench_name = _benchmark_name(group, include_machine)
         if bench_name in out:
-            raise ValueError(f"duplicate benchmark name {bench_name!r}: the documents span several machines; "
-                             "use include_machine=True or export one machine at a time")
+            raise ValueError(
+                f"duplicate benchmark name {bench_name!r}: the documents span several machines; "
+                "use include_machine=True or export one machine at a time"
+            )
         measures: dict[str, dict[str, float]] = {}
         for name, entry in sorted(group.metrics.items()):
             slug = measure_slug(name)

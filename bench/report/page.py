@@ -79,8 +79,13 @@ class _Page:
         self.parts.append(text)
 
     def chart(self, kind: str, figure, caption: str) -> None:
-        div = pio.to_html(figure, include_plotlyjs=False, full_html=False, div_id=f"chart-{len(self.charts) + 1}",
-                          config={"displaylogo": False, "responsive": True})
+        div = pio.to_html(
+            figure,
+            include_plotlyjs=False,
+            full_html=False,
+            div_id=f"chart-{len(self.charts) + 1}",
+            config={"displaylogo": False, "responsive": True},
+        )
         self.charts.append(kind)
         self.figures.append(figure)
         self.add(f'<figure class="chart" data-chart="{kind}">{div}<figcaption>{_e(caption)}</figcaption></figure>')
@@ -132,8 +137,9 @@ def build_report(
     def skipped(err: ResultFileError) -> None:
         warn(f"{err}; skipped")
 
-    results = load_result_set(Path(results_dir), [r.version if isinstance(r, Release) else r for r in releases],
-                              on_bad_file=skipped)
+    results = load_result_set(
+        Path(results_dir), [r.version if isinstance(r, Release) else r for r in releases], on_bad_file=skipped
+    )
     versions = choose_versions(results, base, new)
     comparison = release_comparison(results, versions, tolerance, acceptances) if versions else None
 
@@ -165,14 +171,23 @@ def _machine_text(machine: dict) -> str:
 def _header(page: _Page, results: ResultSet, warnings: list[str]) -> None:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     releases = [v for v in results.versions if v in results.releases]
-    page.add(f"<h1>moe-bench results</h1><p class='lead'>{len(results.docs)} result documents from "
-             f"<code>{_e(results.root)}</code>: versions {_e(', '.join(results.versions))}"
-             f" (releases among them: {_e(', '.join(releases) or 'none')}); generated {stamp}.</p>")
+    page.add(
+        f"<h1>moe-bench results</h1><p class='lead'>{len(results.docs)} result documents from "
+        f"<code>{_e(results.root)}</code>: versions {_e(', '.join(results.versions))}"
+        f" (releases among them: {_e(', '.join(releases) or 'none')}); generated {stamp}.</p>"
+    )
     machines = {d.machine: d.data["machine"] for d in results.docs}
-    page.add(_table(["machine", "what it is"], [[_e(n), _e(_machine_text(m))] for n, m in sorted(machines.items())],
-                    "class='machines'"))
-    page.add("<nav><a href='#problems'>Problems</a> · <a href='#comparison'>Release comparison</a> · "
-             "<a href='#trends'>Trends</a> · <a href='#experiments'>Reference experiments</a></nav>")
+    page.add(
+        _table(
+            ["machine", "what it is"],
+            [[_e(n), _e(_machine_text(m))] for n, m in sorted(machines.items())],
+            "class='machines'",
+        )
+    )
+    page.add(
+        "<nav><a href='#problems'>Problems</a> · <a href='#comparison'>Release comparison</a> · "
+        "<a href='#trends'>Trends</a> · <a href='#experiments'>Reference experiments</a></nav>"
+    )
     if warnings:
         items = "".join(f"<li>{_e(w)}</li>" for w in warnings)
         page.add(f"<div class='warnings' id='warnings'><b>Not read:</b><ul>{items}</ul></div>")
@@ -184,10 +199,21 @@ def _problems(page: _Page, results: ResultSet) -> None:
     if not found:
         page.add("<p class='ok'>Every scenario's newest run in every version finished ok.</p>")
         return
-    rows = [[f"<span class='status status-{_e(p.status)}'>{_e(p.status)}</span>", _e(p.scenario), _e(p.machine),
-             _e(p.version), f"<pre>{_e(p.error or '')}</pre>", f"<code>{_e(p.path or '')}</code>"] for p in found]
-    page.add(f"<p>{len(found)} scenario run{'s' * (len(found) != 1)} did not finish ok (the newest run of each "
-             "scenario in each version):</p>")
+    rows = [
+        [
+            f"<span class='status status-{_e(p.status)}'>{_e(p.status)}</span>",
+            _e(p.scenario),
+            _e(p.machine),
+            _e(p.version),
+            f"<pre>{_e(p.error or '')}</pre>",
+            f"<code>{_e(p.path or '')}</code>",
+        ]
+        for p in found
+    ]
+    page.add(
+        f"<p>{len(found)} scenario run{'s' * (len(found) != 1)} did not finish ok (the newest run of each "
+        "scenario in each version):</p>"
+    )
     page.add(_table(["status", "scenario", "machine", "version", "error", "file"], rows, "class='problems'"))
 
 
@@ -196,8 +222,11 @@ def _noise(row: MetricRow) -> str:
         return "-"
     if row.exact and not row.noise:
         return "exact value"
-    sides = [f"{side} IQR {format_percent(v, 1)}" for side, v in (("base", row.base_rel_iqr), ("new", row.cand_rel_iqr))
-             if v is not None]
+    sides = [
+        f"{side} IQR {format_percent(v, 1)}"
+        for side, v in (("base", row.base_rel_iqr), ("new", row.cand_rel_iqr))
+        if v is not None
+    ]
     return f"{format_percent(row.noise, 1)}" + (f" ({', '.join(sides)})" if sides else "")
 
 
@@ -208,14 +237,18 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
         return
     v = comparison.versions
     gate = comparison.gate
-    page.add(f"<p><b>{_e(v.base)} → {_e(v.new)}</b>: {_e(v.why)}. Verdicts of <code>moe-bench gate --baseline "
-             f"&lt;{_e(v.base)} results&gt; --candidate &lt;{_e(v.new)} results&gt;</code> at tolerance "
-             f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
-             "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>")
+    page.add(
+        f"<p><b>{_e(v.base)} → {_e(v.new)}</b>: {_e(v.why)}. Verdicts of <code>moe-bench gate --baseline "
+        f"&lt;{_e(v.base)} results&gt; --candidate &lt;{_e(v.new)} results&gt;</code> at tolerance "
+        f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
+        "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>"
+    )
     if comparison.one_version_machines:
         alone = "; ".join(f"{m} ({version} only)" for m, version in comparison.one_version_machines)
-        page.add(f"<p class='small one-version-machines'>Compared on the machines that ran both versions; measured "
-                 f"in one version only, so not compared: {_e(alone)}.</p>")
+        page.add(
+            f"<p class='small one-version-machines'>Compared on the machines that ran both versions; measured "
+            f"in one version only, so not compared: {_e(alone)}.</p>"
+        )
     _banner(page, comparison)
     if gate.failures:
         page.add("<ul class='failures'>" + "".join(f"<li>{_e(line)}</li>" for line in gate.failures) + "</ul>")
@@ -228,33 +261,67 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
         page.add("<ul class='notes'>" + "".join(f"<li>{_e(line)}</li>" for line in notes) + "</ul>")
     if not comparison.tables:
         changed = len(comparison.comparison.mismatched)
-        why = (f" {changed} scenario{'s' * (changed != 1)} ran in both, with specs that differ (the scenario hash "
-               "covers the spec with every default filled in): not like for like, so not compared."
-               if changed else "")
-        page.add(f"<p>No scenario to compare metric by metric: none finished ok in both {_e(v.base)} and "
-                 f"{_e(v.new)} on the same machine with the same spec.{_e(why)}</p>")
+        why = (
+            f" {changed} scenario{'s' * (changed != 1)} ran in both, with specs that differ (the scenario hash "
+            "covers the spec with every default filled in): not like for like, so not compared."
+            if changed
+            else ""
+        )
+        page.add(
+            f"<p>No scenario to compare metric by metric: none finished ok in both {_e(v.base)} and "
+            f"{_e(v.new)} on the same machine with the same spec.{_e(why)}</p>"
+        )
     for table in comparison.tables:
         rows = []
         for row in table.rows:
             change = signed_percent(row.change) if row.change is not None and abs(row.change) != float("inf") else "-"
-            rows.append([
-                _e(row.metric), _e(format_value(row.base, row.unit)), _e(format_value(row.cand, row.unit)),
-                _e(f"{row.ratio:.3f}" if row.ratio is not None else "-"), _e(change), _e(_noise(row)),
-                _e(format_percent(row.threshold, 1) if row.threshold is not None else "-"),
-                f"<span class='verdict verdict-{row.verdict}'>{row.verdict}</span>"
-                + (f"<span class='reason'>: {_e(row.accepted)}</span>" if row.accepted else ""),
-            ])
+            rows.append(
+                [
+                    _e(row.metric),
+                    _e(format_value(row.base, row.unit)),
+                    _e(format_value(row.cand, row.unit)),
+                    _e(f"{row.ratio:.3f}" if row.ratio is not None else "-"),
+                    _e(change),
+                    _e(_noise(row)),
+                    _e(format_percent(row.threshold, 1) if row.threshold is not None else "-"),
+                    f"<span class='verdict verdict-{row.verdict}'>{row.verdict}</span>"
+                    + (f"<span class='reason'>: {_e(row.accepted)}</span>" if row.accepted else ""),
+                ]
+            )
         hidden = f"; {table.info_metrics} reported, never gated, not listed" if table.info_metrics else ""
-        page.add(f"<h3>{_e(table.scenario)} <small>on {_e(table.machine)}: {_e(v.base)} → {_e(v.new)}{hidden}"
-                 "</small></h3>")
-        attrs = (f"class='comparison' data-scenario='{_e(table.scenario)}' data-machine='{_e(table.machine)}' "
-                 f"data-base='{_e(v.base)}' data-new='{_e(v.new)}'")
-        page.add(_table(["metric", f"base ({_e(v.base)})", f"new ({_e(v.new)})", "ratio", "change",
-                         "noise", "threshold", "verdict"], rows, attrs))
+        page.add(
+            f"<h3>{_e(table.scenario)} <small>on {_e(table.machine)}: {_e(v.base)} → {_e(v.new)}{hidden}</small></h3>"
+        )
+        attrs = (
+            f"class='comparison' data-scenario='{_e(table.scenario)}' data-machine='{_e(table.machine)}' "
+            f"data-base='{_e(v.base)}' data-new='{_e(v.new)}'"
+        )
+        page.add(
+            _table(
+                [
+                    "metric",
+                    f"base ({_e(v.base)})",
+                    f"new ({_e(v.new)})",
+                    "ratio",
+                    "change",
+                    "noise",
+                    "threshold",
+                    "verdict",
+                ],
+                rows,
+                attrs,
+            )
+        )
 
 
-_BANNER_WORDS = {"regressed": "Regressed", "missing": "Missing", "not-ok": "Not ok", "inconclusive": "Inconclusive",
-                 "accepted": "Passed with accepted changes", "pass": "Passed"}
+_BANNER_WORDS = {
+    "regressed": "Regressed",
+    "missing": "Missing",
+    "not-ok": "Not ok",
+    "inconclusive": "Inconclusive",
+    "accepted": "Passed with accepted changes",
+    "pass": "Passed",
+}
 
 
 def _banner(page: _Page, comparison: ReleaseComparison) -> None:
@@ -274,8 +341,10 @@ def _banner(page: _Page, comparison: ReleaseComparison) -> None:
     ]
     spans = " · ".join(f"<span class='count' data-count='{kind}'>{_e(text)}</span>" for kind, text in parts)
     outcome = comparison.outcome
-    page.add(f"<div class='gate gate-{outcome}' data-gate='{outcome}'><b>{_BANNER_WORDS[outcome]}</b>: {spans}"
-             f"<div class='gate-line'>{_e(comparison.header)}</div></div>")
+    page.add(
+        f"<div class='gate gate-{outcome}' data-gate='{outcome}'><b>{_BANNER_WORDS[outcome]}</b>: {spans}"
+        f"<div class='gate-line'>{_e(comparison.header)}</div></div>"
+    )
 
 
 def _trends(page: _Page, results: ResultSet) -> None:
@@ -284,82 +353,125 @@ def _trends(page: _Page, results: ResultSet) -> None:
     if not found:
         page.add("<p>No scenario finished ok in two versions yet.</p>")
     for trend in found:
-        page.chart("trend", charts.trend_figure(trend, results.releases),
-                   f"{trend.scenario} on {trend.machine}: the pooled median of each version (as the gate pools its "
-                   "runs), the interquartile range as a band, min..max as bars; a metric with one sample has no "
-                   "spread.")
+        page.chart(
+            "trend",
+            charts.trend_figure(trend, results.releases),
+            f"{trend.scenario} on {trend.machine}: the pooled median of each version (as the gate pools its "
+            "runs), the interquartile range as a band, min..max as bars; a metric with one sample has no "
+            "spread.",
+        )
     single = single_version_scenarios(results)
     if single:
         items = "".join(f"<li>{_e(s)} <small>({_e(v)}, {_e(m)})</small></li>" for s, m, v in single)
-        page.add(f"<details class='single-version'><summary>{len(single)} scenario{'s' * (len(single) != 1)} in one "
-                 f"version only, so no trend</summary><ul>{items}</ul></details>")
+        page.add(
+            f"<details class='single-version'><summary>{len(single)} scenario{'s' * (len(single) != 1)} in one "
+            f"version only, so no trend</summary><ul>{items}</ul></details>"
+        )
 
 
 def _experiments(page: _Page, results: ResultSet, comparisons: list[Comparison] | None) -> None:
     """Each experiment the results can draw gets its section; the others are named once, at the end, with
     what they would need (so a page never shows an empty section)."""
-    page.add("<h2 id='experiments'>Reference experiments</h2><p>The comparisons the reference release published, "
-             "drawn from whatever results this folder holds (each at the newest version that has it).</p>")
+    page.add(
+        "<h2 id='experiments'>Reference experiments</h2><p>The comparisons the reference release published, "
+        "drawn from whatever results this folder holds (each at the newest version that has it).</p>"
+    )
     undrawn: list[tuple[str, str]] = []
     sweep = [g for g in variant_groups(results, EXPERTS) if g.throughput_metric or g.memory_metric]
     if sweep:
         page.add("<h3>Expert-count sweep</h3>")
     else:
-        undrawn.append(("Expert-count sweep", "scenarios identical except model.moe.num_experts (e.g. "
-                        "smoke/e8-random-bf16 and e64-random-bf16)"))
+        undrawn.append(
+            (
+                "Expert-count sweep",
+                "scenarios identical except model.moe.num_experts (e.g. smoke/e8-random-bf16 and e64-random-bf16)",
+            )
+        )
     for mode in dict.fromkeys(g.mode for g in sweep):  # a plan's GiB and a CPU run's MiB never share an axis
-        page.chart("sweep", charts.sweep_figure([g for g in sweep if g.mode == mode]),
-                   f"{_MODE_TEXT.get(mode, mode)} identical except for the number of experts (top-k and the expert "
-                   "size stay, so the active parameters per token do).")
+        page.chart(
+            "sweep",
+            charts.sweep_figure([g for g in sweep if g.mode == mode]),
+            f"{_MODE_TEXT.get(mode, mode)} identical except for the number of experts (top-k and the expert "
+            "size stay, so the active parameters per token do).",
+        )
     pairs = pair_charts(results, comparisons)
     if pairs:
-        page.add("<h3>Pair comparisons</h3><p class='small'>Each ratio's interval is the 95% interval from the two "
-                 "runs' own step samples: it shows what step-to-step noise could do, not the difference between two "
-                 "processes of the same code, which only repeated runs measure (<code>moe-bench ab</code>).</p>")
+        page.add(
+            "<h3>Pair comparisons</h3><p class='small'>Each ratio's interval is the 95% interval from the two "
+            "runs' own step samples: it shows what step-to-step noise could do, not the difference between two "
+            "processes of the same code, which only repeated runs measure (<code>moe-bench ab</code>).</p>"
+        )
     else:
-        undrawn.append(("Pair comparisons", "both scenarios of a pair in scenarios/suites.yaml's comparisons (the "
-                        "default suite runs them; e.g. e8-ep2-nosync-bf16 and e8-dp2-fsdp-bf16)"))
+        undrawn.append(
+            (
+                "Pair comparisons",
+                "both scenarios of a pair in scenarios/suites.yaml's comparisons (the "
+                "default suite runs them; e.g. e8-ep2-nosync-bf16 and e8-dp2-fsdp-bf16)",
+            )
+        )
     for chart in pairs:
         if chart.bars:
-            page.chart("pair", charts.pair_figure(chart),
-                       f"{chart.comparison.label}, mirrors {chart.comparison.mirrors}. Left, each pair's two "
-                       "scenarios in one version on one machine; right, the ratio with its 95% interval: "
-                       + "; ".join(f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}) = {b.described}"
-                                   for b in chart.bars) + ".")
+            page.chart(
+                "pair",
+                charts.pair_figure(chart),
+                f"{chart.comparison.label}, mirrors {chart.comparison.mirrors}. Left, each pair's two "
+                "scenarios in one version on one machine; right, the ratio with its 95% interval: "
+                + "; ".join(
+                    f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}) = {b.described}" for b in chart.bars
+                )
+                + ".",
+            )
         if chart.unmeasured:
-            notes = "; ".join(f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}): {b.note}"
-                              for b in chart.unmeasured)
+            notes = "; ".join(
+                f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}): {b.note}" for b in chart.unmeasured
+            )
             page.add(f"<p class='small'>{_e(chart.comparison.label)}, no ratio: {_e(notes)}.</p>")
     recompute = [g for g in variant_groups(results, RECOMPUTE) if g.throughput_metric or g.memory_metric]
     if recompute:
         page.add("<h3>Activation recompute</h3>")
-        page.chart("recompute", charts.recompute_figure(recompute),
-                   "Scenarios identical except their recompute section (mode none when absent).")
+        page.chart(
+            "recompute",
+            charts.recompute_figure(recompute),
+            "Scenarios identical except their recompute section (mode none when absent).",
+        )
     else:
-        undrawn.append(("Activation recompute", "scenarios identical except their recompute section (the "
-                        "default suite plans them; e.g. olmo-core3/moe-128e-47b-zero1 and moe-128e-47b-zero1-recompute-full)"))
+        undrawn.append(
+            (
+                "Activation recompute",
+                "scenarios identical except their recompute section (the "
+                "default suite plans them; e.g. olmo-core3/moe-128e-47b-zero1 and moe-128e-47b-zero1-recompute-full)",
+            )
+        )
     plans = plan_memory(results)
     if plans:
         page.add("<h3>Plan memory per rank</h3>")
     else:
         undrawn.append(("Plan memory per rank", "plan results of scenarios with a cluster (scenarios/olmo-core3)"))
     for machine, stacks in plans.items():
-        page.chart("plan-memory", charts.plan_memory_figure(machine, stacks),
-                   "The plan's memory of the most loaded rank, part by part as the plan adds it up (the larger of "
-                   "the backward's transient memory and the optimizer step's), against the cluster's GPU memory.")
+        page.chart(
+            "plan-memory",
+            charts.plan_memory_figure(machine, stacks),
+            "The plan's memory of the most loaded rank, part by part as the plan adds it up (the larger of "
+            "the backward's transient memory and the optimizer step's), against the cluster's GPU memory.",
+        )
     stacks = projection_stacks(results)
     if stacks:
         page.add("<h3>Projection breakdowns</h3>")
-        page.chart("projection", charts.projection_figure(stacks),
-                   "Each proxy's projected step split into its parts (they add up to the step): on the scenario's "
-                   "cluster with the measuring machine's compute, and op by op on each device profile it was "
-                   "projected on.")
+        page.chart(
+            "projection",
+            charts.projection_figure(stacks),
+            "Each proxy's projected step split into its parts (they add up to the step): on the scenario's "
+            "cluster with the measuring machine's compute, and op by op on each device profile it was "
+            "projected on.",
+        )
     else:
         undrawn.append(("Projection breakdowns", "proxy results (the proxy suite)"))
     if undrawn:
         items = "".join(f"<li><b>{_e(name)}</b>: needs {_e(need)}</li>" for name, need in undrawn)
-        page.add(f"<details class='undrawn'><summary>Not drawn from these results: "
-                 f"{_e(', '.join(name for name, _ in undrawn))}</summary><ul>{items}</ul></details>")
+        page.add(
+            f"<details class='undrawn'><summary>Not drawn from these results: "
+            f"{_e(', '.join(name for name, _ in undrawn))}</summary><ul>{items}</ul></details>"
+        )
 
 
 _MODE_TEXT = {"execute": "Runs of scenarios", "plan": "Plans of layouts", "proxy": "Proxies of layouts"}

@@ -240,16 +240,18 @@ def _plot_scenario(
             q1s.append(q1)
             q3s.append(q3)
             # Samples as faint dots just right of the bar, so the error bar does not hide them.
-            ax.scatter([x + 0.07] * len(samples), samples, s=12, alpha=0.45, color="tab:gray", linewidths=0,
-                       zorder=4)
+            ax.scatter([x + 0.07] * len(samples), samples, s=12, alpha=0.45, color="tab:gray", linewidths=0, zorder=4)
         if len(bar_xs) >= 2:  # NaN quartiles (points without a spread) leave gaps in the band
             ax.fill_between(xs, q1s, q3s, color="tab:blue", alpha=0.15, linewidth=0, label="IQR")
         ax.plot(xs, medians, "o-", color="tab:blue", markersize=4, zorder=3, label="median")
         if bar_xs:
-            yerr = [[max(0.0, m - lo) for m, lo in zip(bar_medians, lows)],
-                    [max(0.0, hi - m) for m, hi in zip(bar_medians, highs)]]
-            ax.errorbar(bar_xs, bar_medians, yerr=yerr, fmt="none", ecolor="tab:blue", capsize=3, zorder=3,
-                        label="min..max")
+            yerr = [
+                [max(0.0, m - lo) for m, lo in zip(bar_medians, lows)],
+                [max(0.0, hi - m) for m, hi in zip(bar_medians, highs)],
+            ]
+            ax.errorbar(
+                bar_xs, bar_medians, yerr=yerr, fmt="none", ecolor="tab:blue", capsize=3, zorder=3, label="min..max"
+            )
         arrow = {"higher": " ↑ better", "lower": " ↓ better"}.get(better or "", "")
         ax.set_title(f"{name}{arrow}", fontsize=10)
         ax.set_ylabel(unit or name, fontsize=9)
@@ -270,9 +272,7 @@ def _plot_scenario(
 # --------------------------------------------------------------------------------------------
 
 
-def _plot_summary(
-    versions: list[str], groups: dict[tuple[str, str], dict[str, ResultDocument]], path: Path
-) -> Path:
+def _plot_summary(versions: list[str], groups: dict[tuple[str, str], dict[str, ResultDocument]], path: Path) -> Path:
     machines = {m for m, _ in groups}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(versions) + 4), 4.5))
     positions = {v: i for i, v in enumerate(versions)}
@@ -296,8 +296,14 @@ def _plot_summary(
             ys.append(value / base)
         if not xs:
             continue
-        better = next((by_version[v].metrics[name].get("better") for v in versions
-                       if v in by_version and name in by_version[v].metrics), None)
+        better = next(
+            (
+                by_version[v].metrics[name].get("better")
+                for v in versions
+                if v in by_version and name in by_version[v].metrics
+            ),
+            None,
+        )
         arrow = {"higher": ", ↑ better", "lower": ", ↓ better"}.get(better or "", "")
         where = scenario if len(machines) == 1 else f"{scenario} @ {machine}"
         label = f"{where} ({name}{arrow})"
@@ -374,21 +380,25 @@ def sweep_groups(docs: Iterable[ResultDocument]) -> list[dict[str, Any]]:
         for n in sorted(members):
             doc = members[n]
             active = doc.metrics.get(ACTIVE_PARAMS_METRIC)
-            points.append({
-                "num_experts": n,
-                "throughput": float(doc.metrics[THROUGHPUT_METRIC]["median"]),
-                "unit": doc.metrics[THROUGHPUT_METRIC].get("unit", ""),
-                "active_params": float(active["median"]) if active else None,
-                "scenario": doc.name,
-            })
+            points.append(
+                {
+                    "num_experts": n,
+                    "throughput": float(doc.metrics[THROUGHPUT_METRIC]["median"]),
+                    "unit": doc.metrics[THROUGHPUT_METRIC].get("unit", ""),
+                    "active_params": float(active["median"]) if active else None,
+                    "scenario": doc.name,
+                }
+            )
         spec = members[min(members)].data["scenario"]["spec"]
-        result.append({
-            "machine": machine,
-            "version": newest[machine],
-            "spec": spec,
-            "top_k": spec["model"]["moe"].get("top_k"),
-            "points": points,
-        })
+        result.append(
+            {
+                "machine": machine,
+                "version": newest[machine],
+                "spec": spec,
+                "top_k": spec["model"]["moe"].get("top_k"),
+                "points": points,
+            }
+        )
     return result
 
 
@@ -407,8 +417,14 @@ def _plot_sweep(groups: list[dict[str, Any]], path: Path) -> Path:
         (line,) = ax.plot(xs, ys, "o-", label=label)
         for p in group["points"]:
             if p["active_params"] is not None:
-                ax.annotate(f"{_fmt_count(p['active_params'])} active", (p["num_experts"], p["throughput"]),
-                            textcoords="offset points", xytext=(4, 6), fontsize=7, color=line.get_color())
+                ax.annotate(
+                    f"{_fmt_count(p['active_params'])} active",
+                    (p["num_experts"], p["throughput"]),
+                    textcoords="offset points",
+                    xytext=(4, 6),
+                    fontsize=7,
+                    color=line.get_color(),
+                )
     ax.set_xscale("log", base=2)
     ticks = sorted(all_n)
     ax.xaxis.set_major_locator(FixedLocator(ticks))
@@ -456,13 +472,19 @@ def comparison_rows(latest: dict[tuple[str, str, str], ResultDocument]) -> list[
 
 def _comparisons_html(rows: list[tuple[str, str, PairRatio]]) -> list[str]:
     e = html.escape
-    parts = ["<h2>Comparisons</h2>",
-             ("<p>The reference release's comparisons: each pair's ratio of the medians, numerator / denominator, "
-              "with its 95% interval from the two runs' own samples (\"within noise\" when it holds 1; "
-              "<code>bench.report.comparisons</code>). Pairs defined in <code>scenarios/suites.yaml</code>, "
-              "<code>comparisons</code>.</p>"),
-             ("<table><thead><tr><th>version</th><th>machine</th><th>comparison</th><th>numerator</th>"
-              "<th>denominator</th><th>metric</th><th>ratio</th><th>published</th><th>mirrors</th></tr></thead><tbody>")]
+    parts = [
+        "<h2>Comparisons</h2>",
+        (
+            "<p>The reference release's comparisons: each pair's ratio of the medians, numerator / denominator, "
+            'with its 95% interval from the two runs\' own samples ("within noise" when it holds 1; '
+            "<code>bench.report.comparisons</code>). Pairs defined in <code>scenarios/suites.yaml</code>, "
+            "<code>comparisons</code>.</p>"
+        ),
+        (
+            "<table><thead><tr><th>version</th><th>machine</th><th>comparison</th><th>numerator</th>"
+            "<th>denominator</th><th>metric</th><th>ratio</th><th>published</th><th>mirrors</th></tr></thead><tbody>"
+        ),
+    ]
     for version, machine, r in rows:
         parts.append(
             f"<tr><td>{e(version)}</td><td>{e(machine)}</td><td>{e(r.comparison.label)}</td><td>{e(r.numerator)}</td>"
@@ -474,8 +496,12 @@ def _comparisons_html(rows: list[tuple[str, str, PairRatio]]) -> list[str]:
 
 
 def _write_index(
-    out_dir: Path, figures: list[tuple[Path, str]], docs: list[ResultDocument], results_dir: Path,
-    skipped: Iterable[ResultFileError] = (), comparisons: list[tuple[str, str, PairRatio]] = (),
+    out_dir: Path,
+    figures: list[tuple[Path, str]],
+    docs: list[ResultDocument],
+    results_dir: Path,
+    skipped: Iterable[ResultFileError] = (),
+    comparisons: list[tuple[str, str, PairRatio]] = (),
 ) -> Path:
     e = html.escape
     skipped = list(skipped)
@@ -506,8 +532,11 @@ def _write_index(
     if bad:
         parts.append(f"<h2>Not ok ({len(bad)})</h2><ul>")
         for d in sorted(bad, key=lambda d: (version_sort_key(d.version), d.machine, d.name)):
-            parts.append(f"<li>{e(d.name)} — {e(d.machine)}, {e(d.version)}: <b>{e(d.status)}</b>"
-                         + (f" — {e(str(d.data.get('error')))}" if d.data.get("error") else "") + "</li>")
+            parts.append(
+                f"<li>{e(d.name)} — {e(d.machine)}, {e(d.version)}: <b>{e(d.status)}</b>"
+                + (f" — {e(str(d.data.get('error')))}" if d.data.get("error") else "")
+                + "</li>"
+            )
         parts.append("</ul>")
     if skipped:
         parts.append(f"<h2>Skipped files ({len(skipped)})</h2><ul>")
@@ -515,8 +544,10 @@ def _write_index(
             parts.append(f"<li><code>{e(str(err.path))}</code>: {e(err.reason)}</li>")
         parts.append("</ul>")
     parts.append("<h2>Documents</h2>")
-    parts.append("<table><thead><tr><th>version</th><th>machine</th><th>scenario</th><th>mode</th>"
-                 "<th>status</th><th>error</th><th>file</th></tr></thead><tbody>")
+    parts.append(
+        "<table><thead><tr><th>version</th><th>machine</th><th>scenario</th><th>mode</th>"
+        "<th>status</th><th>error</th><th>file</th></tr></thead><tbody>"
+    )
     for d in rows_sorted:
         ok = d.status == "ok"
         try:
@@ -584,9 +615,14 @@ def plot_results(
             if path is not None:
                 used_names.add(name)
                 written.append(path)
-                figures.append((path, f"{scenario} on {machine}: metrics across engine versions "
-                                      "(median, min..max bars, IQR band, samples as dots; "
-                                      "single-sample metrics as plain points)"))
+                figures.append(
+                    (
+                        path,
+                        f"{scenario} on {machine}: metrics across engine versions "
+                        "(median, min..max bars, IQR band, samples as dots; "
+                        "single-sample metrics as plain points)",
+                    )
+                )
 
         ok_versions = sort_versions(v for v, _, _ in latest)
         summary = _plot_summary(ok_versions or all_versions, groups, out_dir / SUMMARY_NAME)
@@ -597,8 +633,14 @@ def plot_results(
         if sweeps:
             sweep = _plot_sweep(sweeps, out_dir / SWEEP_NAME)
             written.append(sweep)
-            figures.insert(1, (sweep, "Throughput (tokens/s per GPU, median) vs number of experts, newest version "
-                                      "per machine; scenarios identical except model.moe.num_experts"))
+            figures.insert(
+                1,
+                (
+                    sweep,
+                    "Throughput (tokens/s per GPU, median) vs number of experts, newest version "
+                    "per machine; scenarios identical except model.moe.num_experts",
+                ),
+            )
 
     written.append(_write_index(out_dir, figures, docs, results_dir, skipped, comparison_rows(latest)))
     return written

@@ -20,8 +20,15 @@ from bench.gate.verdict import GateResult, gate
 from bench.report.collect import ResultSet, VersionPair
 
 HEADLINE_ORDER = (
-    "tokens_per_s_per_gpu", "projected_tokens_per_s_per_gpu", "rank_tokens_per_s", "tflops_per_gpu",
-    "step_time_s", "cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes", "rss_peak_bytes",
+    "tokens_per_s_per_gpu",
+    "projected_tokens_per_s_per_gpu",
+    "rank_tokens_per_s",
+    "tflops_per_gpu",
+    "step_time_s",
+    "cuda_peak_active_bytes",
+    "peak_tensor_bytes",
+    "memory_total_bytes",
+    "rss_peak_bytes",
 )
 """Rows shown first, in this order; the other gated metrics follow alphabetically, work counters last."""
 
@@ -80,7 +87,9 @@ def _row_order(row: MetricRow) -> tuple:
 
 
 def release_comparison(
-    results: ResultSet, versions: VersionPair, tolerance: float = DEFAULT_TOLERANCE,
+    results: ResultSet,
+    versions: VersionPair,
+    tolerance: float = DEFAULT_TOLERANCE,
     acceptances: Sequence[Acceptance] = (),
 ) -> ReleaseComparison:
     """``moe-bench gate`` of the two versions' documents on the machines that ran both (module docstring);
@@ -88,9 +97,12 @@ def release_comparison(
     base_docs, new_docs = results.docs_of(versions.base), results.docs_of(versions.new)
     base_machines, new_machines = {d.machine for d in base_docs}, {d.machine for d in new_docs}
     both = base_machines & new_machines
-    alone = tuple(sorted([(m, versions.base) for m in base_machines - both] + [(m, versions.new) for m in new_machines - both]))
-    comparison = compare([d for d in base_docs if d.machine in both], [d for d in new_docs if d.machine in both],
-                         tolerance)
+    alone = tuple(
+        sorted([(m, versions.base) for m in base_machines - both] + [(m, versions.new) for m in new_machines - both])
+    )
+    comparison = compare(
+        [d for d in base_docs if d.machine in both], [d for d in new_docs if d.machine in both], tolerance
+    )
     verdict = gate(comparison, tolerance, None, acceptances)
     tables = []
     for scenario, machine in comparison.compared:

@@ -58,12 +58,19 @@ def chromium() -> Iterator[Any]:
     binary = next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
     driver = shutil.which("chromedriver")
     if binary is None or driver is None:
-        raise BrowserMissing("no headless browser: needs Chromium and its driver "
-                             "(apt-get install chromium chromium-driver)")
+        raise BrowserMissing(
+            "no headless browser: needs Chromium and its driver (apt-get install chromium chromium-driver)"
+        )
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-                 f"--window-size={WIDTH},1000"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--window-size={WIDTH},1000",
+    ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     browser = webdriver.Chrome(service=webdriver.ChromeService(executable_path=driver), options=options)
@@ -101,7 +108,9 @@ def view_page(browser: Any, page: Path, screenshot: Path | None = None) -> PageV
 
 def undrawn(view: PageView) -> list[str]:
     """The charts the browser did not draw completely, for people."""
-    return [f"chart {i + 1} ({c['kind']}): " + ("not rendered" if not c["rendered"] else
-                                                f"{c['drawn']} of {c['traces']} traces drawn, {c['marks']} marks")
-            for i, c in enumerate(view.charts)
-            if not c["rendered"] or c["drawn"] != c["traces"] or not c["traces"] or not c["marks"]]
+    return [
+        f"chart {i + 1} ({c['kind']}): "
+        + ("not rendered" if not c["rendered"] else f"{c['drawn']} of {c['traces']} traces drawn, {c['marks']} marks")
+        for i, c in enumerate(view.charts)
+        if not c["rendered"] or c["drawn"] != c["traces"] or not c["traces"] or not c["marks"]
+    ]

@@ -60,8 +60,11 @@ def _point(version: str, entry: dict) -> TrendPoint:
 def headline_metrics(metric_sets: list[dict[str, dict]]) -> list[str]:
     """Throughput and peak memory (the first name of each list present), else the first gated metric."""
     present = set().union(*(m.keys() for m in metric_sets)) if metric_sets else set()
-    chosen = [next(n for n in names if n in present)
-              for names in (THROUGHPUT_METRICS, MEMORY_METRICS) if any(n in present for n in names)]
+    chosen = [
+        next(n for n in names if n in present)
+        for names in (THROUGHPUT_METRICS, MEMORY_METRICS)
+        if any(n in present for n in names)
+    ]
     if chosen:
         return chosen
     gated = sorted({n for m in metric_sets for n, e in m.items() if e["better"] is not None})

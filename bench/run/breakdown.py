@@ -85,12 +85,21 @@ IDLE = {"bubble": "pipeline bubble (idle)", "skew": "rank skew (waits for the sl
 """Rows of time that belongs to no op."""
 
 _SCOPES = {
-    "@optimizer": "optimizer", "@grad_sync": "grad_sync", "@accumulate_grad": "grad_sync",
-    "@expert_bias": "router", "@proxy_peers": "proxy_peers", "@fsdp": "fsdp",
+    "@optimizer": "optimizer",
+    "@grad_sync": "grad_sync",
+    "@accumulate_grad": "grad_sync",
+    "@expert_bias": "router",
+    "@proxy_peers": "proxy_peers",
+    "@fsdp": "fsdp",
 }
 _CLASSES = {
-    "Router": "router", "GroupedExperts": "experts", "RMSNorm": "norms", "Embedding": "embedding",
-    "Attention": "attention", "MultiHeadLatentAttention": "attention", "RotaryEmbedding": "attention",
+    "Router": "router",
+    "GroupedExperts": "experts",
+    "RMSNorm": "norms",
+    "Embedding": "embedding",
+    "Attention": "attention",
+    "MultiHeadLatentAttention": "attention",
+    "RotaryEmbedding": "attention",
     "Block": "residual",
 }
 
@@ -140,53 +149,226 @@ def _module_in_chain(location: str) -> str:
 # ---- op kinds ----------------------------------------------------------------------------------
 
 _ELEMENTWISE = {
-    "add", "sub", "rsub", "mul", "div", "neg", "exp", "exp2", "log", "log2", "log10", "log1p", "expm1",
-    "sqrt", "rsqrt", "pow", "silu", "silu_backward", "sigmoid", "sigmoid_backward", "tanh", "tanh_backward",
-    "relu", "threshold_backward", "gelu", "gelu_backward", "where", "masked_fill", "clamp", "clamp_min",
-    "clamp_max", "lerp", "addcmul", "addcdiv", "maximum", "minimum", "abs", "sign", "sgn", "reciprocal",
-    "square", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or", "logical_xor",
-    "bitwise_not", "bitwise_and", "bitwise_or", "bitwise_xor", "remainder", "fmod", "floor_divide", "floor",
-    "ceil", "round", "trunc", "sin", "cos", "erf", "nan_to_num", "isnan", "isinf", "softplus", "hardtanh",
-    "tril", "triu",
+    "add",
+    "sub",
+    "rsub",
+    "mul",
+    "div",
+    "neg",
+    "exp",
+    "exp2",
+    "log",
+    "log2",
+    "log10",
+    "log1p",
+    "expm1",
+    "sqrt",
+    "rsqrt",
+    "pow",
+    "silu",
+    "silu_backward",
+    "sigmoid",
+    "sigmoid_backward",
+    "tanh",
+    "tanh_backward",
+    "relu",
+    "threshold_backward",
+    "gelu",
+    "gelu_backward",
+    "where",
+    "masked_fill",
+    "clamp",
+    "clamp_min",
+    "clamp_max",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "maximum",
+    "minimum",
+    "abs",
+    "sign",
+    "sgn",
+    "reciprocal",
+    "square",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "logical_not",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "bitwise_not",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_xor",
+    "remainder",
+    "fmod",
+    "floor_divide",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "sin",
+    "cos",
+    "erf",
+    "nan_to_num",
+    "isnan",
+    "isinf",
+    "softplus",
+    "hardtanh",
+    "tril",
+    "triu",
 }
 _REDUCTION = {
-    "sum", "mean", "amax", "amin", "argmax", "argmin", "norm", "linalg_vector_norm", "prod", "var", "std",
-    "var_mean", "std_mean", "cumsum", "cumprod", "logsumexp", "softmax", "_softmax", "log_softmax",
-    "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data", "nll_loss_forward",
-    "nll_loss_backward", "nll_loss", "dot", "vdot", "all", "any", "count_nonzero", "native_layer_norm",
-    "native_layer_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward", "mse_loss",
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "argmax",
+    "argmin",
+    "norm",
+    "linalg_vector_norm",
+    "prod",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "cumsum",
+    "cumprod",
+    "logsumexp",
+    "softmax",
+    "_softmax",
+    "log_softmax",
+    "_log_softmax",
+    "_softmax_backward_data",
+    "_log_softmax_backward_data",
+    "nll_loss_forward",
+    "nll_loss_backward",
+    "nll_loss",
+    "dot",
+    "vdot",
+    "all",
+    "any",
+    "count_nonzero",
+    "native_layer_norm",
+    "native_layer_norm_backward",
+    "_fused_rms_norm",
+    "_fused_rms_norm_backward",
+    "mse_loss",
 }
 _COPY_CAST = {
-    "_to_copy", "copy", "clone", "contiguous", "cat", "stack", "_copy_from", "_copy_from_and_resize",
-    "lift_fresh_copy", "slice_backward", "select_backward", "repeat", "roll", "flip", "constant_pad_nd",
-    "expand_copy", "view_copy", "_unsafe_index_put",
+    "_to_copy",
+    "copy",
+    "clone",
+    "contiguous",
+    "cat",
+    "stack",
+    "_copy_from",
+    "_copy_from_and_resize",
+    "lift_fresh_copy",
+    "slice_backward",
+    "select_backward",
+    "repeat",
+    "roll",
+    "flip",
+    "constant_pad_nd",
+    "expand_copy",
+    "view_copy",
+    "_unsafe_index_put",
 }
 _FILL = {
-    "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full",
-    "fill", "zero", "arange", "scalar_tensor", "linspace", "eye",
+    "zeros",
+    "zeros_like",
+    "new_zeros",
+    "ones",
+    "ones_like",
+    "new_ones",
+    "full",
+    "full_like",
+    "new_full",
+    "fill",
+    "zero",
+    "arange",
+    "scalar_tensor",
+    "linspace",
+    "eye",
 }
 _INDEX_SORT = {
-    "index_select", "index", "index_put", "_index_put_impl", "index_add", "index_copy", "index_fill",
-    "gather", "scatter", "scatter_add", "scatter_reduce", "embedding", "embedding_dense_backward",
-    "embedding_backward", "masked_select", "masked_scatter", "nonzero", "searchsorted", "bucketize",
-    "repeat_interleave", "take", "sort", "argsort", "topk", "kthvalue", "bincount", "histc", "unique",
+    "index_select",
+    "index",
+    "index_put",
+    "_index_put_impl",
+    "index_add",
+    "index_copy",
+    "index_fill",
+    "gather",
+    "scatter",
+    "scatter_add",
+    "scatter_reduce",
+    "embedding",
+    "embedding_dense_backward",
+    "embedding_backward",
+    "masked_select",
+    "masked_scatter",
+    "nonzero",
+    "searchsorted",
+    "bucketize",
+    "repeat_interleave",
+    "take",
+    "sort",
+    "argsort",
+    "topk",
+    "kthvalue",
+    "bincount",
+    "histc",
+    "unique",
     "_unique2",
 }
 _RANDOM = {
-    "normal", "uniform", "rand", "randn", "randint", "random", "bernoulli", "randperm", "exponential",
-    "multinomial", "rand_like", "randn_like", "randint_like", "native_dropout",
+    "normal",
+    "uniform",
+    "rand",
+    "randn",
+    "randint",
+    "random",
+    "bernoulli",
+    "randperm",
+    "exponential",
+    "multinomial",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "native_dropout",
 }
 _BY_NAME = {
-    **dict.fromkeys(_ELEMENTWISE, "elementwise"), **dict.fromkeys(_REDUCTION, "reduction"),
-    **dict.fromkeys(_COPY_CAST, "copy_cast"), **dict.fromkeys(_FILL, "fill"),
-    **dict.fromkeys(_INDEX_SORT, "index_sort"), **dict.fromkeys(_RANDOM, "random"),
+    **dict.fromkeys(_ELEMENTWISE, "elementwise"),
+    **dict.fromkeys(_REDUCTION, "reduction"),
+    **dict.fromkeys(_COPY_CAST, "copy_cast"),
+    **dict.fromkeys(_FILL, "fill"),
+    **dict.fromkeys(_INDEX_SORT, "index_sort"),
+    **dict.fromkeys(_RANDOM, "random"),
 }
 # max and min reduce, except their two-tensor overloads.
-_OVERLOADS = {"aten.max.other": "elementwise", "aten.min.other": "elementwise",
-              "aten.max.default": "reduction", "aten.min.default": "reduction",
-              "aten.max.dim": "reduction", "aten.min.dim": "reduction"}
-_PRICED = {"gemm": "gemm", "grouped_gemm": "grouped_gemm", "mx_gemm": "grouped_gemm",
-           "attention": "attention", "collective": "collective", "free": "free", "fused": "fused"}
+_OVERLOADS = {
+    "aten.max.other": "elementwise",
+    "aten.min.other": "elementwise",
+    "aten.max.default": "reduction",
+    "aten.min.default": "reduction",
+    "aten.max.dim": "reduction",
+    "aten.min.dim": "reduction",
+}
+_PRICED = {
+    "gemm": "gemm",
+    "grouped_gemm": "grouped_gemm",
+    "mx_gemm": "grouped_gemm",
+    "attention": "attention",
+    "collective": "collective",
+    "free": "free",
+    "fused": "fused",
+}
 
 
 def op_kind_of(priced: PricedOp) -> str:
@@ -254,13 +436,23 @@ class _Row:
         return not (self.time_s or self.hidden_s or self.bytes or self.flops or self.kernels)
 
     def to_dict(self, step_s: float) -> dict[str, float]:
-        return {"time_s": self.time_s, "share": self.time_s / step_s, "hidden_s": self.hidden_s,
-                "bytes": self.bytes, "flops": self.flops, "kernels": self.kernels}
+        return {
+            "time_s": self.time_s,
+            "share": self.time_s / step_s,
+            "hidden_s": self.hidden_s,
+            "bytes": self.bytes,
+            "flops": self.flops,
+            "kernels": self.kernels,
+        }
 
 
 ACCOUNTS = {
-    "expert": "expert_comm", "pipeline": "pipeline_comm", "fsdp": "fsdp_gather_exposed",
-    "grad_sync": "grad_sync_exposed", "param_gather": "param_gather_exposed", "other": "other_comm",
+    "expert": "expert_comm",
+    "pipeline": "pipeline_comm",
+    "fsdp": "fsdp_gather_exposed",
+    "grad_sync": "grad_sync_exposed",
+    "param_gather": "param_gather_exposed",
+    "other": "other_comm",
 }
 """Accounts of collectives (``bench.predict.op_projection.collective_account``) -> the projection's
 counted seconds of each (``Projection.breakdown_s``)."""
@@ -296,7 +488,9 @@ def step_breakdown(
         phase, account = collective_account(p.op, group_phases)
         c = p.op.collective
         weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0
-        seconds = weight * collective_seconds(Collective(c["op"], tuple(c["ranks"]), int(c["nbytes"]), phase), rank, net)
+        seconds = weight * collective_seconds(
+            Collective(c["op"], tuple(c["ranks"]), int(c["nbytes"]), phase), rank, net
+        )
         accounts.append(account)
         alone.append(seconds)
         priced_by_account[account] += seconds
@@ -349,15 +543,21 @@ def step_breakdown(
         "step_s": step_s,
         "by_kind": {k: by_kind[k].to_dict(step_s) for k in kinds},
         "by_module": {
-            m: by_module[m].to_dict(step_s) | (
+            m: by_module[m].to_dict(step_s)
+            | (
                 {"time_by_kind_s": {k: s for k, s in sorted(module_kinds[m].items(), key=lambda kv: -kv[1]) if s > 0}}
-                if m in module_kinds else {}
+                if m in module_kinds
+                else {}
             )
             for m in modules
         },
         "top_ops": [
-            {"op": name, "kind": op_kinds[name], **by_op[name].to_dict(step_s),
-             "time_by_module_s": {m: s for m, s in sorted(op_modules[name].items(), key=lambda kv: -kv[1]) if s > 0}}
+            {
+                "op": name,
+                "kind": op_kinds[name],
+                **by_op[name].to_dict(step_s),
+                "time_by_module_s": {m: s for m, s in sorted(op_modules[name].items(), key=lambda kv: -kv[1]) if s > 0},
+            }
             for name in top
         ],
         "total": total.to_dict(step_s),
@@ -384,8 +584,9 @@ def format_breakdown(breakdown: dict[str, Any], top: int = 10) -> str:
     lines = []
 
     def table(title: str, rows: dict[str, dict[str, float]]) -> None:
-        lines.append(f"  {title:<16}{'time ms':>11}{'share':>8}{'hidden ms':>11}{'GB moved':>11}"
-                     f"{'TFLOP':>10}{'kernels':>10}")
+        lines.append(
+            f"  {title:<16}{'time ms':>11}{'share':>8}{'hidden ms':>11}{'GB moved':>11}{'TFLOP':>10}{'kernels':>10}"
+        )
         for name, row in rows.items():
             lines.append(_row_text(name, row))
         t = breakdown["total"]
@@ -398,12 +599,16 @@ def format_breakdown(breakdown: dict[str, Any], top: int = 10) -> str:
     lines.append(f"  top ops{'':<35}{'time ms':>11}{'share':>8}{'GB moved':>11}{'kernels':>10}  modules")
     for row in breakdown["top_ops"][:top]:
         modules = ", ".join(m for m in list(row["time_by_module_s"])[:3])
-        lines.append(f"  {row['op']:<42}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}"
-                     f"{row['bytes'] / 1e9:>11.1f}{row['kernels']:>10,.0f}  {modules}")
+        lines.append(
+            f"  {row['op']:<42}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}"
+            f"{row['bytes'] / 1e9:>11.1f}{row['kernels']:>10,.0f}  {modules}"
+        )
     return "\n".join(lines)
 
 
 def _row_text(name: str, row: dict[str, float]) -> str:
     hidden = f"{row['hidden_s'] * 1e3:.1f}" if row["hidden_s"] else ""
-    return (f"  {name:<16}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}{hidden:>11}"
-            f"{row['bytes'] / 1e9:>11.1f}{row['flops'] / 1e12:>10.1f}{row['kernels']:>10,.0f}")
+    return (
+        f"  {name:<16}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}{hidden:>11}"
+        f"{row['bytes'] / 1e9:>11.1f}{row['flops'] / 1e12:>10.1f}{row['kernels']:>10,.0f}"
+    )

@@ -68,7 +68,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    return (not path.name.endswith(_PARTIAL) and (path / ".metadata").is_file() and (path / SIDECAR).is_file())
+    return not path.name.endswith(_PARTIAL) and (path / ".metadata").is_file() and (path / SIDECAR).is_file()
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -89,8 +89,18 @@ def sidecar(path: Path) -> dict[str, Any]:
 
 
 # Fields of the model config that do not shape a tensor: a checkpoint loads whatever they are.
-_NOT_SHAPE = {"routing", "routing_seed", "zipf_exponent", "aux_loss_weight", "z_loss_weight", "expert_bias_rate",
-              "backend", "init_std", "rope_theta", "norm_eps"}
+_NOT_SHAPE = {
+    "routing",
+    "routing_seed",
+    "zipf_exponent",
+    "aux_loss_weight",
+    "z_loss_weight",
+    "expert_bias_rate",
+    "backend",
+    "init_std",
+    "rope_theta",
+    "norm_eps",
+}
 
 
 def _shape_fields(model: dict[str, Any], prefix: str = "model.") -> dict[str, Any]:
@@ -103,8 +113,9 @@ def _shape_fields(model: dict[str, Any], prefix: str = "model.") -> dict[str, An
     return fields
 
 
-def resolve_resume(spec: dict[str, Any], model: dict[str, Any], policy: CheckpointPolicy | None,
-                   given: str | None) -> Path:
+def resolve_resume(
+    spec: dict[str, Any], model: dict[str, Any], policy: CheckpointPolicy | None, given: str | None
+) -> Path:
     """The checkpoint ``--resume`` loads (``given``: a checkpoint, or a folder of them; None: the
     scenario's folder): complete, of this model's shapes. Raises ``CheckpointError``."""
     if given is None and policy is None:
@@ -126,8 +137,10 @@ def resolve_resume(spec: dict[str, Any], model: dict[str, Any], policy: Checkpoi
     theirs, ours = _shape_fields(saved.get("model", {})), _shape_fields(model)
     for key in sorted(set(theirs) | set(ours)):
         if theirs.get(key) != ours.get(key):
-            raise CheckpointError(f"{path}: a checkpoint of another model ({key} is {theirs.get(key)!r} there, "
-                                  f"{ours.get(key)!r} in {spec['name']})")
+            raise CheckpointError(
+                f"{path}: a checkpoint of another model ({key} is {theirs.get(key)!r} there, "
+                f"{ours.get(key)!r} in {spec['name']})"
+            )
     return path
 
 
@@ -142,8 +155,10 @@ def check_writable(policy: CheckpointPolicy, resuming: bool) -> None:
         raise CheckpointError(f"{policy.root}: cannot write checkpoints ({err.strerror or err})") from None
     existing = complete_checkpoints(policy.root)
     if existing and not resuming:
-        raise CheckpointError(f"{policy.root}: holds checkpoints of an earlier run (latest {existing[-1].name}); "
-                              "pass --resume to continue it, or choose another checkpoint.dir")
+        raise CheckpointError(
+            f"{policy.root}: holds checkpoints of an earlier run (latest {existing[-1].name}); "
+            "pass --resume to continue it, or choose another checkpoint.dir"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,8 +257,16 @@ def rank_bytes(path: Path, world: int) -> list[int]:
 class Checkpointer:
     """Takes the policy's checkpoints during a run; every rank makes one and calls it at every step."""
 
-    def __init__(self, policy: CheckpointPolicy, save: Callable, async_save: Callable, rank: int, world: int,
-                 barrier: Callable[[], None], sidecar_fields: dict[str, Any]):
+    def __init__(
+        self,
+        policy: CheckpointPolicy,
+        save: Callable,
+        async_save: Callable,
+        rank: int,
+        world: int,
+        barrier: Callable[[], None],
+        sidecar_fields: dict[str, Any],
+    ):
         self.policy, self._save, self._async_save = policy, save, async_save
         self.rank, self.world, self._barrier = rank, world, barrier
         self._fields = sidecar_fields
@@ -304,8 +327,13 @@ class Checkpointer:
         self.records.append(SaveRecord(step, save_s, stall_s, sizes))
         if self.rank != 0:
             return
-        document = {"format_version": FORMAT_VERSION, "step": step, "bytes_per_rank": sizes,
-                    "async": self.policy.asynchronous, **self._fields}
+        document = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "bytes_per_rank": sizes,
+            "async": self.policy.asynchronous,
+            **self._fields,
+        }
         (partial / SIDECAR).write_text(json.dumps(document, indent=1) + "\n")
         if final.exists():
             raise CheckpointError(f"{final}: exists already; a checkpoint is never written over")

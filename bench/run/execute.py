@@ -105,7 +105,11 @@ class TokenBatches:
 
     def __init__(self, scenario: Scenario, device: torch.device, dp_rank: int = 0):
         model, dp = scenario.model, scenario.parallel_config.dp
-        self.sequences, self.seq_len, self.vocab = scenario.run["tokens_per_step"] // model.seq_len, model.seq_len, model.vocab_size
+        self.sequences, self.seq_len, self.vocab = (
+            scenario.run["tokens_per_step"] // model.seq_len,
+            model.seq_len,
+            model.vocab_size,
+        )
         self.rows = slice(dp_rank * (self.sequences // dp), (dp_rank + 1) * (self.sequences // dp))
         self.device = device
         self.generator = torch.Generator().manual_seed(scenario.spec["routing"]["seed"] + 12345)
@@ -236,7 +240,9 @@ def execute(
 
     # A step takes as long as its slowest rank; a resumed run's earlier steps come from the journal.
     prior = [e for e in ckpt.prior_steps if e["measured"]]
-    step_times = [e["time_s"] for e in prior] + [max(r.step_times[i] for r in records) for i in range(len(record.step_times))]
+    step_times = [e["time_s"] for e in prior] + [
+        max(r.step_times[i] for r in records) for i in range(len(record.step_times))
+    ]
     losses = [e["loss"] for e in prior] + losses
     grad_norms = [e["grad_norm"] for e in prior if e.get("grad_norm") is not None] + grad_norms
     result = ExecuteResult()
@@ -259,8 +265,12 @@ def execute(
     if grad_norms:
         m["grad_norm"] = metric(grad_norms, "norm", None)
     m.update(_routing_metrics(records))
-    for key, unit in (("peak_tensor_bytes", "bytes"), ("rss_peak_bytes", "bytes"),
-                      ("cuda_peak_active_bytes", "bytes"), ("cuda_peak_reserved_bytes", "bytes")):
+    for key, unit in (
+        ("peak_tensor_bytes", "bytes"),
+        ("rss_peak_bytes", "bytes"),
+        ("cuda_peak_active_bytes", "bytes"),
+        ("cuda_peak_reserved_bytes", "bytes"),
+    ):
         if key in record.memory:
             # Per rank, the most loaded rank's figure: what has to fit on one device.
             m[key] = metric([max(r.memory[key] for r in records)], unit, "lower")
@@ -294,8 +304,15 @@ def execute(
 class _CheckpointSession:
     """One run's checkpoints: the load it starts from, the saves it takes, its journal lines (rank 0)."""
 
-    def __init__(self, scenario: Scenario, trainer: ParallelTrainer, groups, batches: TokenBatches,
-                 run: CheckpointRun | None, progress: Callable[[str], None]):
+    def __init__(
+        self,
+        scenario: Scenario,
+        trainer: ParallelTrainer,
+        groups,
+        batches: TokenBatches,
+        run: CheckpointRun | None,
+        progress: Callable[[str], None],
+    ):
         self.run, self.trainer, self.batches, self.progress = run, trainer, batches, progress
         self.rank = groups.coords.rank if groups else 0
         self.active = run is not None and (run.policy is not None or run.resume is not None)
@@ -324,14 +341,25 @@ class _CheckpointSession:
                 run.policy,
                 save=lambda path, extra: checkpoint.save(trainer, path, extra, self.group),
                 async_save=lambda path, extra: checkpoint.async_save(trainer, path, extra, self.group),
-                rank=self.rank, world=scenario.world_size, barrier=barrier,
-                sidecar_fields={"scenario": scenario.name, "model": model_dict(scenario.model),
-                                "layout": scenario.parallel_config.to_dict(),
-                                "format": checkpoint.checkpoint_format(trainer)},
+                rank=self.rank,
+                world=scenario.world_size,
+                barrier=barrier,
+                sidecar_fields={
+                    "scenario": scenario.name,
+                    "model": model_dict(scenario.model),
+                    "layout": scenario.parallel_config.to_dict(),
+                    "format": checkpoint.checkpoint_format(trainer),
+                },
             )
         if self.journal_root is not None:
-            append_journal(self.journal_root, {"event": "start", "attempt": run.attempt,
-                                               "resumed_from_step": self.start_step if run.resume else None})
+            append_journal(
+                self.journal_root,
+                {
+                    "event": "start",
+                    "attempt": run.attempt,
+                    "resumed_from_step": self.start_step if run.resume else None,
+                },
+            )
         self.groups = groups
 
     def step_done(self, step: int, measured: bool, loss: float, elapsed: float, grad_norm: float | None) -> None:
@@ -343,15 +371,26 @@ class _CheckpointSession:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             elapsed = slowest.item()
         if self.journal_root is not None:
-            append_journal(self.journal_root, {"event": "step", "attempt": self.run.attempt, "step": step,
-                                               "measured": measured, "loss": loss, "time_s": elapsed,
-                                               "grad_norm": grad_norm})
+            append_journal(
+                self.journal_root,
+                {
+                    "event": "step",
+                    "attempt": self.run.attempt,
+                    "step": step,
+                    "measured": measured,
+                    "loss": loss,
+                    "time_s": elapsed,
+                    "grad_norm": grad_norm,
+                },
+            )
         self.checkpointer.poll()
         if self.checkpointer.due(step + 1):
             stall = self.checkpointer.save(step + 1, {"step": step + 1, "data": self.batches.state()})
             self.stalls.append(stall)
             if self.journal_root is not None:
-                append_journal(self.journal_root, {"event": "checkpoint", "attempt": self.run.attempt, "step": step + 1})
+                append_journal(
+                    self.journal_root, {"event": "checkpoint", "attempt": self.run.attempt, "step": step + 1}
+                )
                 self.progress(f"checkpoint after step {step + 1}: training stalled {stall:.3f}s")
 
     def finish(self):
@@ -372,8 +411,13 @@ class _CheckpointSession:
 def build_trainer(scenario: Scenario, groups: ProcessGroups | None, device: torch.device):
     """This rank's model share and its trainer, as the scenario asks: layout, recompute, compile, clipping."""
     rank_model = build_rank_model(
-        scenario.model, scenario.parallel_config, groups, device, seed=scenario.spec["routing"]["seed"],
-        recompute=scenario.recompute, compile=scenario.run["compile"],
+        scenario.model,
+        scenario.parallel_config,
+        groups,
+        device,
+        seed=scenario.spec["routing"]["seed"],
+        recompute=scenario.recompute,
+        compile=scenario.run["compile"],
     )
     return rank_model, ParallelTrainer(rank_model, scenario.parallel_config, groups, scenario.optimizer)
 

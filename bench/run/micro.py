@@ -38,8 +38,18 @@ def run_micro(device: str, out_root: Path) -> int:
     with tempfile.TemporaryDirectory(prefix="moe-micro-") as tmp:
         report_path = Path(tmp) / "micro.json"
         env = dict(os.environ, MOE_BENCH_DEVICE=device)
-        command = [sys.executable, "-m", "pytest", str(MICRO_DIR), "-q", "-p", "no:cacheprovider",
-                   "--benchmark-enable", f"--benchmark-json={report_path}", "--benchmark-save-data"]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(MICRO_DIR),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--benchmark-enable",
+            f"--benchmark-json={report_path}",
+            "--benchmark-save-data",
+        ]
         completed = subprocess.run(command, env=env, cwd=MICRO_DIR.parent.parent)
         status = "ok" if completed.returncode == 0 and report_path.exists() else "failed"
         report = json.loads(report_path.read_text()) if report_path.exists() else {"benchmarks": []}

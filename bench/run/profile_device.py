@@ -139,12 +139,16 @@ def cpu_sweep() -> Sweep:
     squares = tuple((n, n, n) for n in _pow2(4, 11))  # 16 .. 2048
     # A grid of rectangles: a training step's GEMMs are skinny (a router's N = E, a head's N = V,
     # weight gradients' K = tokens), and pricing takes the throughput of the nearest shape.
-    grid = tuple((m, n, k) for m in (8, 64, 256, 1024, 4096) for n in (8, 64, 256, 1024, 4096)
-                 for k in (64, 256, 1024, 4096))
+    grid = tuple(
+        (m, n, k) for m in (8, 64, 256, 1024, 4096) for n in (8, 64, 256, 1024, 4096) for k in (64, 256, 1024, 4096)
+    )
     # The combine's batched products: per token, its k expert outputs weighted (1 x k @ k x D), and
     # the two products of its backward.
-    batched = tuple((b, m, n, k) for b in (1024, 4096, 16384)
-                    for m, n, k in ((1, 256, 2), (1, 2, 256), (2, 256, 1), (1, 1024, 8), (1, 8, 1024), (8, 1024, 1)))
+    batched = tuple(
+        (b, m, n, k)
+        for b in (1024, 4096, 16384)
+        for m, n, k in ((1, 256, 2), (1, 2, 256), (2, 256, 1), (1, 1024, 8), (1, 8, 1024), (8, 1024, 1))
+    )
     return Sweep(
         gemm_shapes=squares + tuple(s for s in grid if s not in squares),
         bmm_shapes=batched,
@@ -163,10 +167,18 @@ def cuda_sweep() -> Sweep:
     """The default sweep for a datacenter GPU."""
     squares = tuple((n, n, n) for n in _pow2(5, 14))  # 32 .. 16384
     return Sweep(
-        gemm_shapes=squares + tuple((m, n, k) for m in (128, 1024, 8192, 32768) for n in (8, 128, 1024, 4096, 16384)
-                                    for k in (128, 1024, 4096, 16384)),
-        bmm_shapes=tuple((b, m, n, k) for b in (16384, 65536)
-                         for m, n, k in ((1, 4096, 4), (1, 4, 4096), (4, 4096, 1), (1, 8192, 8), (1, 8, 8192), (8, 8192, 1))),
+        gemm_shapes=squares
+        + tuple(
+            (m, n, k)
+            for m in (128, 1024, 8192, 32768)
+            for n in (8, 128, 1024, 4096, 16384)
+            for k in (128, 1024, 4096, 16384)
+        ),
+        bmm_shapes=tuple(
+            (b, m, n, k)
+            for b in (16384, 65536)
+            for m, n, k in ((1, 4096, 4), (1, 4, 4096), (4, 4096, 1), (1, 8192, 8), (1, 8, 8192), (8, 8192, 1))
+        ),
         grouped_rows=_pow2(3, 14),  # 8 .. 16384
         grouped_nk=((2048, 7168), (7168, 2048), (1024, 1024)),
         grouped_experts=(8, 32, 128),
@@ -212,7 +224,7 @@ def cuda_quick_sweep() -> Sweep:
         attention_batch_heads=(4, 16),
         memory_numel=_pow2(8, 28),  # 1 KB .. 1 GB per fp32 operand
         free_op_calls=5000,
-        fp32_max_flops=2.0 ** 36,
+        fp32_max_flops=2.0**36,
         **QUICK,
     )
 
@@ -245,8 +257,13 @@ def _timed_fp32(sweep: Sweep, dtype: str, flops: float) -> bool:
 
 def _grouped_shapes(sweep: Sweep) -> list[tuple[int, int, int, int]]:
     """(E, rows, N, K) of the grouped GEMM points, in the order they are timed."""
-    return [(e, rows, n, k) for n, k in sweep.grouped_nk for e in sweep.grouped_experts for rows in sweep.grouped_rows
-            if e * rows <= sweep.grouped_max_rows]
+    return [
+        (e, rows, n, k)
+        for n, k in sweep.grouped_nk
+        for e in sweep.grouped_experts
+        for rows in sweep.grouped_rows
+        if e * rows <= sweep.grouped_max_rows
+    ]
 
 
 def timed_points(sweep: Sweep) -> list[tuple[str, str, tuple[int, ...], float, float]]:
@@ -265,8 +282,15 @@ def timed_points(sweep: Sweep) -> list[tuple[str, str, tuple[int, ...], float, f
         size = _DTYPES[dtype].itemsize
         for e, rows, n, k in _grouped_shapes(sweep):
             if _timed_fp32(sweep, dtype, 2 * e * rows * n * k):
-                out.append(("grouped_gemm", dtype, (e, rows, n, k), 2 * e * rows * n * k,
-                            e * (rows * k + n * k + rows * n) * size))
+                out.append(
+                    (
+                        "grouped_gemm",
+                        dtype,
+                        (e, rows, n, k),
+                        2 * e * rows * n * k,
+                        e * (rows * k + n * k + rows * n) * size,
+                    )
+                )
     b, h = sweep.attention_batch_heads
     d = sweep.attention_head_dim
     for dtype in sweep.dtypes:
@@ -372,8 +396,13 @@ def gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> l
     for m, n, k in timer.sweep.gemm_shapes:
         if not _timed_fp32(timer.sweep, dtype, 2 * m * n * k):
             continue
-        operands = _cold(timer, lambda: (torch.randn(m, k, dtype=_DTYPES[dtype], device=timer.device),
-                                         torch.randn(k, n, dtype=_DTYPES[dtype], device=timer.device)))
+        operands = _cold(
+            timer,
+            lambda: (
+                torch.randn(m, k, dtype=_DTYPES[dtype], device=timer.device),
+                torch.randn(k, n, dtype=_DTYPES[dtype], device=timer.device),
+            ),
+        )
         seconds = timer.median(lambda ab: torch.mm(*ab), setup=operands)
         work = 2 * m * n * k
         points.append(_point(work, seconds, (m, n, k)))
@@ -381,8 +410,13 @@ def gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) -> l
     for batch, m, n, k in timer.sweep.bmm_shapes:
         if not _timed_fp32(timer.sweep, dtype, 2 * batch * m * n * k):
             continue
-        operands = _cold(timer, lambda: (torch.randn(batch, m, k, dtype=_DTYPES[dtype], device=timer.device),
-                                         torch.randn(batch, k, n, dtype=_DTYPES[dtype], device=timer.device)))
+        operands = _cold(
+            timer,
+            lambda: (
+                torch.randn(batch, m, k, dtype=_DTYPES[dtype], device=timer.device),
+                torch.randn(batch, k, n, dtype=_DTYPES[dtype], device=timer.device),
+            ),
+        )
         seconds = timer.median(lambda ab: torch.bmm(*ab), setup=operands)
         work = 2 * batch * m * n * k
         points.append(_point(work, seconds, (batch, m, n, k)))
@@ -399,14 +433,20 @@ def grouped_gemm_points(timer: _Timer, dtype: str, progress: Callable[[str], Non
         if not _timed_fp32(sweep, dtype, 2 * experts * rows * n * k):
             continue
         offsets = torch.arange(1, experts + 1, dtype=torch.int32, device=timer.device) * rows
-        operands = _cold(timer, lambda: (
-            torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device),
-            torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device).transpose(1, 2)))
+        operands = _cold(
+            timer,
+            lambda: (
+                torch.randn(experts * rows, k, dtype=_DTYPES[dtype], device=timer.device),
+                torch.randn(experts, n, k, dtype=_DTYPES[dtype], device=timer.device).transpose(1, 2),
+            ),
+        )
         seconds = timer.median(lambda xw, o=offsets: grouped_mm(*xw, o), setup=operands) / experts
         work = 2 * rows * n * k
         points.append(_point(work, seconds, (experts, rows, n, k)))
-        progress(f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
-                 f"{seconds * 1e6:.1f} us/group, {work / seconds / 1e12:.3f} TFLOP/s")
+        progress(
+            f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
+            f"{seconds * 1e6:.1f} us/group, {work / seconds / 1e12:.3f} TFLOP/s"
+        )
     return _sorted(points)
 
 
@@ -422,8 +462,9 @@ def attention_points(
         if not _timed_fp32(sweep, dtype, 3.5 * 2 * b * h * s * s * d):
             continue
         grad = torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
-        qkv = _cold(timer, lambda: tuple(torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device)
-                                         for _ in range(3)))
+        qkv = _cold(
+            timer, lambda: tuple(torch.randn(b, h, s, d, dtype=_DTYPES[dtype], device=timer.device) for _ in range(3))
+        )
 
         def leaves():
             return [t.detach().requires_grad_() for t in qkv()]
@@ -438,9 +479,11 @@ def attention_points(
         bwd_work = 5 * fwd_work // 2  # 2.5 x the forward
         forward_points.append(_point(fwd_work, fwd_s, (b, h, s, d)))
         backward_points.append(_point(bwd_work, bwd_s, (b, h, s, d)))
-        progress(f"  attention {dtype} B={b} H={h} S={s} d={d}: fwd {fwd_s * 1e6:.1f} us "
-                 f"({fwd_work / fwd_s / 1e12:.3f} TFLOP/s), bwd {bwd_s * 1e6:.1f} us "
-                 f"({bwd_work / bwd_s / 1e12:.3f} TFLOP/s)")
+        progress(
+            f"  attention {dtype} B={b} H={h} S={s} d={d}: fwd {fwd_s * 1e6:.1f} us "
+            f"({fwd_work / fwd_s / 1e12:.3f} TFLOP/s), bwd {bwd_s * 1e6:.1f} us "
+            f"({bwd_work / bwd_s / 1e12:.3f} TFLOP/s)"
+        )
     return _sorted(forward_points), _sorted(backward_points)
 
 
@@ -448,13 +491,20 @@ def memory_points(timer: _Timer, dtype: str, progress: Callable[[str], None]) ->
     """Out-of-place ``torch.mul`` of two operands of each size, cold (``_cold``), in ``dtype``."""
     points = []
     for numel in timer.sweep.memory_numel:
-        operands = _cold(timer, lambda: (torch.randn(numel, dtype=_DTYPES[dtype], device=timer.device),
-                                         torch.randn(numel, dtype=_DTYPES[dtype], device=timer.device)))
+        operands = _cold(
+            timer,
+            lambda: (
+                torch.randn(numel, dtype=_DTYPES[dtype], device=timer.device),
+                torch.randn(numel, dtype=_DTYPES[dtype], device=timer.device),
+            ),
+        )
         seconds = timer.median(lambda ab: torch.mul(*ab), setup=operands)
         work = 3 * numel * _DTYPES[dtype].itemsize
         points.append(_point(work, seconds, (numel,)))
-        progress(f"  memory mul {dtype} {numel} elements ({work} bytes): {seconds * 1e6:.2f} us, "
-                 f"{work / seconds / 1e9:.2f} GB/s")
+        progress(
+            f"  memory mul {dtype} {numel} elements ({work} bytes): {seconds * 1e6:.2f} us, "
+            f"{work / seconds / 1e9:.2f} GB/s"
+        )
     return _sorted(points)
 
 
@@ -503,8 +553,15 @@ def host_op_seconds(timer: _Timer, steps: int = 30) -> tuple[float, int]:
             self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, seq_len=16,
-                         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16))
+    config = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=2,
+        seq_len=16,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16),
+    )
     parallel = ParallelConfig()
     trainer = ParallelTrainer(build_rank_model(config, parallel, None, timer.device, 0), parallel, None)
     tokens = torch.randint(0, 64, (2, 16), device=timer.device)
@@ -528,8 +585,9 @@ def host_op_seconds(timer: _Timer, steps: int = 30) -> tuple[float, int]:
 
 def _lscpu() -> dict[str, str]:
     try:
-        text = subprocess.run(["lscpu"], check=False, capture_output=True, text=True, env=dict(os.environ, LC_ALL="C"),
-                              timeout=30).stdout
+        text = subprocess.run(
+            ["lscpu"], check=False, capture_output=True, text=True, env=dict(os.environ, LC_ALL="C"), timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     out = {}
@@ -576,12 +634,13 @@ def cpu_spec() -> CpuSpec:
     flags = set((info.get("Flags") or proc.get("flags") or "").split())
     if info.get("CPU max MHz"):
         ghz, ghz_source = float(info["CPU max MHz"]) / 1000, f"lscpu 'CPU max MHz' {info['CPU max MHz']}"
-    elif (m := re.search(r"@\s*([\d.]+)\s*GHz", model)):
+    elif m := re.search(r"@\s*([\d.]+)\s*GHz", model):
         ghz, ghz_source = float(m.group(1)), f"the model name's '@ {m.group(1)}GHz' (lscpu shows no 'CPU max MHz')"
     elif proc.get("cpu MHz"):
         ghz = float(proc["cpu MHz"]) / 1000
-        ghz_source = (f"/proc/cpuinfo 'cpu MHz' {proc['cpu MHz']} (lscpu shows no 'CPU max MHz'; likely the "
-                      "nominal/TSC clock)")
+        ghz_source = (
+            f"/proc/cpuinfo 'cpu MHz' {proc['cpu MHz']} (lscpu shows no 'CPU max MHz'; likely the nominal/TSC clock)"
+        )
     else:
         ghz, ghz_source = 1.0, "no clock found (lscpu, /proc/cpuinfo); 1 GHz assumed"
     if "avx512f" in flags:
@@ -607,8 +666,9 @@ def cpu_spec() -> CpuSpec:
         memory_gb = 0.0  # no /proc/meminfo: sysconf below
     if memory_gb <= 0:
         memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    return CpuSpec(model, cores, ghz, ghz_source, {"fp32": fp32, "bf16": bf16},
-                   {"fp32": fp32_unit, "bf16": bf16_unit}, memory_gb)
+    return CpuSpec(
+        model, cores, ghz, ghz_source, {"fp32": fp32, "bf16": bf16}, {"fp32": fp32_unit, "bf16": bf16_unit}, memory_gb
+    )
 
 
 # ---------------------------------------------------------------------------------------- profile
@@ -629,8 +689,16 @@ def _neighbour(threads: int, stop) -> None:
     from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision
     from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
-    config = ModelConfig(vocab_size=1024, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=256,
-                         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128), dtype=Precision.BF16)
+    config = ModelConfig(
+        vocab_size=1024,
+        d_model=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=256,
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=128),
+        dtype=Precision.BF16,
+    )
     parallel = ParallelConfig()
     trainer = ParallelTrainer(build_rank_model(config, parallel, None, torch.device("cpu"), 1), parallel, None)
     tokens = torch.randint(0, 1024, (4, 256))
@@ -646,8 +714,9 @@ class _Neighbours:
 
         context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
-        self.processes = [context.Process(target=_neighbour, args=(threads, self.stop), daemon=True)
-                          for _ in range(count)]
+        self.processes = [
+            context.Process(target=_neighbour, args=(threads, self.stop), daemon=True) for _ in range(count)
+        ]
 
     def __enter__(self) -> _Neighbours:
         for process in self.processes:
@@ -724,9 +793,15 @@ def profile_device(
     neighbours = _Neighbours(ranks - 1 if dev.type == "cpu" and load else 0, threads)
     try:
         neighbours.__enter__()
-        progress(f"profile-device: {dev}, {threads} thread(s), {len(neighbours.processes)} neighbour rank(s) loading the host")
+        progress(
+            f"profile-device: {dev}, {threads} thread(s), {len(neighbours.processes)} neighbour rank(s) loading the host"
+        )
         curves: dict[str, dict[str, list]] = {
-            "gemm": {}, "grouped_gemm": {}, "attention": {}, "attention_backward": {}, "memory": {},
+            "gemm": {},
+            "grouped_gemm": {},
+            "attention": {},
+            "attention_backward": {},
+            "memory": {},
         }
         for dtype in sweep.dtypes:
             progress(f"gemm {dtype}")
@@ -772,51 +847,74 @@ def profile_device(
         used = min(threads, spec.cores)
         # The clock: lscpu's, unless the measured GEMMs need a faster one (a guest that shows only its
         # nominal clock); then the lowest clock that explains them.
-        best = {d: max((p for k in ("gemm", "grouped_gemm") for p in curves[k].get(d, [])), key=_rate)
-                for d in sweep.dtypes}
+        best = {
+            d: max((p for k in ("gemm", "grouped_gemm") for p in curves[k].get(d, [])), key=_rate) for d in sweep.dtypes
+        }
         needed = {d: _rate(best[d]) / (used * spec.flops_per_cycle[d] * 1e9) for d in sweep.dtypes}
         ghz, ghz_note = spec.ghz, spec.ghz_source
         fastest = max(needed, key=needed.get)
         if needed[fastest] > ghz:
             ghz = needed[fastest]
-            ghz_note = (f"{spec.ghz_source}, raised to {ghz:.3f} GHz: the fastest measured {fastest} GEMM point "
-                        f"(shape {best[fastest]['shape']}, {_rate(best[fastest]) / 1e12:.4f} TFLOP/s on {used} "
-                        f"thread(s)) needs at least that clock at {spec.flops_per_cycle[fastest]} FLOPs/cycle/core, "
-                        f"so this is a lower bound of the running (turbo) clock")
+            ghz_note = (
+                f"{spec.ghz_source}, raised to {ghz:.3f} GHz: the fastest measured {fastest} GEMM point "
+                f"(shape {best[fastest]['shape']}, {_rate(best[fastest]) / 1e12:.4f} TFLOP/s on {used} "
+                f"thread(s)) needs at least that clock at {spec.flops_per_cycle[fastest]} FLOPs/cycle/core, "
+                f"so this is a lower bound of the running (turbo) clock"
+            )
         peak = {d: spec.cores * ghz * spec.flops_per_cycle[d] / 1e3 for d in ("fp32", "bf16")}
-        peak_tflops = {"fp32": _sig(peak["fp32"]), "bf16": _sig(peak["bf16"]),
-                       "fp8": _sig(peak["bf16"]), "mxfp8": _sig(peak["bf16"])}
+        peak_tflops = {
+            "fp32": _sig(peak["fp32"]),
+            "bf16": _sig(peak["bf16"]),
+            "fp8": _sig(peak["bf16"]),
+            "mxfp8": _sig(peak["bf16"]),
+        }
         for d in ("fp32", "bf16"):
             sources[f"peak_tflops.{d}"] = (
                 f"lscpu: {spec.cores} cores x {ghz:.3f} GHz x {spec.flops_per_cycle[d]} {d} FLOPs/cycle/core "
-                f"({spec.units[d]}); clock: {ghz_note}" + (
+                f"({spec.units[d]}); clock: {ghz_note}"
+                + (
                     ". The FMA-unit count is not in the flags; 2 is assumed (server Xeon/EPYC cores)"
-                    if spec.flops_per_cycle[d] == spec.flops_per_cycle["fp32"] else ""))
+                    if spec.flops_per_cycle[d] == spec.flops_per_cycle["fp32"]
+                    else ""
+                )
+            )
         for d in ("fp8", "mxfp8"):
-            sources[f"peak_tflops.{d}"] = ("lscpu: this CPU has no FP8 units (no FP8 AMX/AVX flags); FP8/MXFP8 "
-                                           "GEMMs run dequantized, so the bf16 figure is given")
+            sources[f"peak_tflops.{d}"] = (
+                "lscpu: this CPU has no FP8 units (no FP8 AMX/AVX flags); FP8/MXFP8 "
+                "GEMMs run dequantized, so the bf16 figure is given"
+            )
         scale = used / spec.cores  # the measurement ran on `used` of the cores
         memory_gb = _sig(spec.memory_gb)
-        sources["memory_gb"] = (f"/proc/meminfo: MemTotal {spec.memory_gb * 1e9 / 1024:.0f} kB x 1024 bytes / 1e9, the "
-                               "physical RAM the kernel sees")
+        sources["memory_gb"] = (
+            f"/proc/meminfo: MemTotal {spec.memory_gb * 1e9 / 1024:.0f} kB x 1024 bytes / 1e9, the "
+            "physical RAM the kernel sees"
+        )
         hbm = _sig(stream)
-        sources["hbm_gbps"] = (f"{stamp}: DRAM bandwidth of torch.add(a, b, out=c) into a preallocated fp32 "
-                               f"output, {stream_numel} elements per operand (the best of the two largest memory "
-                               f"sizes), 3 x numel x 4 bytes / median seconds, {threads} thread(s)")
+        sources["hbm_gbps"] = (
+            f"{stamp}: DRAM bandwidth of torch.add(a, b, out=c) into a preallocated fp32 "
+            f"output, {stream_numel} elements per operand (the best of the two largest memory "
+            f"sizes), 3 x numel x 4 bytes / median seconds, {threads} thread(s)"
+        )
         if network is None:  # a base was given and no calibration: its network, as on a GPU
             net = _base_network(base_profile, sources)
         else:
-            net = {"gpus_per_node": int(ranks), "intra_node_gbps": _sig(network["gbps"]),
-                   "inter_node_gbps": _sig(network["gbps"]), "latency_us": _sig(network["latency_us"])}
+            net = {
+                "gpus_per_node": int(ranks),
+                "intra_node_gbps": _sig(network["gbps"]),
+                "inter_node_gbps": _sig(network["gbps"]),
+                "latency_us": _sig(network["latency_us"]),
+            }
             sources["network.gpus_per_node"] = f"the ranks one host runs here ({ranks}, one process per rank)"
-            sources["network.intra_node_gbps"] = (f"{stamp}: {network_source}: bandwidth from the slope between "
-                                                  "1 KB and 16 MB all-reduces and all-to-alls")
-            sources["network.inter_node_gbps"] = ("no second host: the same gloo figure as intra_node_gbps "
-                                                  f"({stamp})")
-            sources["network.latency_us"] = (f"{stamp}: {network_source}: alpha from 1 KB all-reduces and "
-                                             "all-to-alls")
-        description = (f"{spec.model}, {spec.cores} cores, {memory_gb} GB RAM (measured with {threads} "
-                       f"thread(s) per rank, {ranks} ranks per host)")
+            sources["network.intra_node_gbps"] = (
+                f"{stamp}: {network_source}: bandwidth from the slope between "
+                "1 KB and 16 MB all-reduces and all-to-alls"
+            )
+            sources["network.inter_node_gbps"] = f"no second host: the same gloo figure as intra_node_gbps ({stamp})"
+            sources["network.latency_us"] = f"{stamp}: {network_source}: alpha from 1 KB all-reduces and all-to-alls"
+        description = (
+            f"{spec.model}, {spec.cores} cores, {memory_gb} GB RAM (measured with {threads} "
+            f"thread(s) per rank, {ranks} ranks per host)"
+        )
         machine = {"cpu": spec.model, "cores": spec.cores, "torch": torch_version, "platform": platform.platform()}
         kind = "cpu"
         default_name = f"cpu-{spec.cores}core"
@@ -831,12 +929,19 @@ def profile_device(
         memory_gb = _sig(props.total_memory / 1e9)
         sources["memory_gb"] = f"{stamp}: torch.cuda.get_device_properties({dev}).total_memory / 1e9"
         hbm = base_profile.hbm_gbps
-        sources["hbm_gbps"] = (f"copied from {base_profile.name}: {base_profile.sources['hbm_gbps']} (measured here: "
-                               f"{stream:.0f} GB/s by torch.add out= at {stream_numel} elements)")
+        sources["hbm_gbps"] = (
+            f"copied from {base_profile.name}: {base_profile.sources['hbm_gbps']} (measured here: "
+            f"{stream:.0f} GB/s by torch.add out= at {stream_numel} elements)"
+        )
         net = _base_network(base_profile, sources)
         description = f"{props.name}, {memory_gb} GB (curves measured; peaks and network from {base_profile.name})"
-        machine = {"gpu": props.name, "cpu": cpu_spec().model, "cores": os.cpu_count(), "torch": torch_version,
-                   "cuda": torch.version.cuda}
+        machine = {
+            "gpu": props.name,
+            "cpu": cpu_spec().model,
+            "cores": os.cpu_count(),
+            "torch": torch_version,
+            "cuda": torch.version.cuda,
+        }
         kind = "gpu"
         default_name = f"{base_profile.name}-measured"
 
@@ -846,50 +951,67 @@ def profile_device(
         reference = peak_tflops[main_dtype] * 1e12 * scale
         fraction = _rate(top) / reference
         efficiency[curve_kind] = _fraction(fraction)
-        others = ", ".join(f"{d} {_rate(_largest(curves[curve_kind][d])) / (peak_tflops[d] * 1e12 * scale):.3f}"
-                           for d in sweep.dtypes if d != main_dtype and d in curves[curve_kind])
+        others = ", ".join(
+            f"{d} {_rate(_largest(curves[curve_kind][d])) / (peak_tflops[d] * 1e12 * scale):.3f}"
+            for d in sweep.dtypes
+            if d != main_dtype and d in curves[curve_kind]
+        )
         capped = " (capped at 1)" if fraction > 1 else ""
         sources[f"efficiency.{curve_kind}"] = (
             f"{stamp}: the {main_dtype} {curve_kind} curve's largest point, shape {top['shape']}, "
             f"{_rate(top) / 1e12:.4f} TFLOP/s against peak_tflops.{main_dtype} x {scale:g} (the cores the "
-            f"{threads} thread(s) ran on) = {fraction:.3f}{capped}" + (f"; other dtypes: {others}" if others else ""))
+            f"{threads} thread(s) ran on) = {fraction:.3f}{capped}" + (f"; other dtypes: {others}" if others else "")
+        )
     top_mem = _largest(curves["memory"]["fp32"])
     mem_fraction = _rate(top_mem) / (hbm * 1e9)
     efficiency["memory"] = _fraction(mem_fraction)
     sources["efficiency.memory"] = (
         f"{stamp}: out-of-place torch.mul at the fp32 memory curve's largest point ({top_mem['shape'][0]} fp32 elements "
         f"per operand, {_rate(top_mem) / 1e9:.2f} GB/s, including the first touch of its fresh output) against "
-        f"hbm_gbps = {mem_fraction:.3f}" + (" (capped at 1)" if mem_fraction > 1 else ""))
+        f"hbm_gbps = {mem_fraction:.3f}" + (" (capped at 1)" if mem_fraction > 1 else "")
+    )
     smallest_mem = min(curves["memory"]["fp32"], key=lambda p: p["work"])
     efficiency["launch_overhead_us"] = _sig(smallest_mem["seconds"] * 1e6)
     sources["efficiency.launch_overhead_us"] = (
         f"{stamp}: the smallest memory op, out-of-place torch.mul of {smallest_mem['shape'][0]} fp32 elements "
-        f"per operand ({smallest_mem['work']} bytes moved), median over batches of calls")
+        f"per operand ({smallest_mem['work']} bytes moved), median over batches of calls"
+    )
     if kind == "cpu":
         efficiency["free_op_us"] = _sig(free_us)
-        sources["efficiency.free_op_us"] = (f"{stamp}: x.view(-1) (no kernel) dispatched from Python, median "
-                                            f"over batches of {max(1, sweep.free_op_calls // 10)} calls")
+        sources["efficiency.free_op_us"] = (
+            f"{stamp}: x.view(-1) (no kernel) dispatched from Python, median "
+            f"over batches of {max(1, sweep.free_op_calls // 10)} calls"
+        )
         efficiency["host_op_us"] = _sig(host_s * 1e6)
         sources["efficiency.host_op_us"] = (
             f"{stamp}: median wall time of a training step of a tiny model of the engine (d_model 32, 2 MoE "
-            f"layers of 8 experts, 32 tokens, one process) divided by the {host_ops} ops it dispatches")
+            f"layers of 8 experts, 32 tokens, one process) divided by the {host_ops} ops it dispatches"
+        )
     sources["curves"] = (
         f"{stamp} on {dev}, {threads} thread(s): medians of time.perf_counter around batches of calls after 2 "
-        "warm-up calls (bench/run/profile_device.py docstring: what each kind's work and seconds are)")
+        "warm-up calls (bench/run/profile_device.py docstring: what each kind's work and seconds are)"
+    )
     if dev.type == "cuda":
-        sources["curves"] += (f"; fp32 GEMMs with torch.backends.cuda.matmul.allow_tf32 = "
-                              f"{torch.backends.cuda.matmul.allow_tf32}, as the engine runs them (it leaves torch's "
-                              "default, off)")
+        sources["curves"] += (
+            f"; fp32 GEMMs with torch.backends.cuda.matmul.allow_tf32 = "
+            f"{torch.backends.cuda.matmul.allow_tf32}, as the engine runs them (it leaves torch's "
+            "default, off)"
+        )
     if math.isfinite(sweep.fp32_max_flops):
-        sources["curves"] += (f"; fp32 gemm, grouped_gemm and attention points above {sweep.fp32_max_flops:.4g} "
-                              "FLOPs a call not timed (a larger fp32 op is priced at the throughput of the nearest "
-                              "measured one)")
+        sources["curves"] += (
+            f"; fp32 gemm, grouped_gemm and attention points above {sweep.fp32_max_flops:.4g} "
+            "FLOPs a call not timed (a larger fp32 op is priced at the throughput of the nearest "
+            "measured one)"
+        )
 
     name = name or default_name
     threads_flag = f" --threads {threads}" if kind == "cpu" else ""
-    command = command or (f"moe-bench profile-device --device {device}{threads_flag} --name {name}"
-                          + (f" --base {base}" if base else "") + (f" --ranks {ranks}" if kind == "cpu" else "")
-                          + (" --quick" if quick else ""))
+    command = command or (
+        f"moe-bench profile-device --device {device}{threads_flag} --name {name}"
+        + (f" --base {base}" if base else "")
+        + (f" --ranks {ranks}" if kind == "cpu" else "")
+        + (" --quick" if quick else "")
+    )
     return {
         "schema_version": 1,
         "name": name,
@@ -908,12 +1030,14 @@ def profile_device(
             "neighbours": len(neighbours.processes),
             "device": str(dev),
             "seconds": round(elapsed, 1),
-            "method": ("median seconds over repeated batches of calls (time.perf_counter, device synchronized "
-                       "around each batch), after 2 warm-up calls; per-point budget "
-                       f"{sweep.point_seconds} s, {sweep.min_repeats}-{sweep.max_repeats} repeats; operands cold "
-                       f"(rotating copies of {sweep.pool_bytes >> 20} MiB); {len(neighbours.processes)} neighbour "
-                       "process(es) loading the host meanwhile with training steps of the engine's CPU-sized "
-                       "8-expert model, as the other ranks of a CPU run do"),
+            "method": (
+                "median seconds over repeated batches of calls (time.perf_counter, device synchronized "
+                "around each batch), after 2 warm-up calls; per-point budget "
+                f"{sweep.point_seconds} s, {sweep.min_repeats}-{sweep.max_repeats} repeats; operands cold "
+                f"(rotating copies of {sweep.pool_bytes >> 20} MiB); {len(neighbours.processes)} neighbour "
+                "process(es) loading the host meanwhile with training steps of the engine's CPU-sized "
+                "8-expert model, as the other ranks of a CPU run do"
+            ),
         },
         "sources": sources,
         "curves": curves,
@@ -928,8 +1052,9 @@ class _Dumper(yaml.SafeDumper):
     """A SafeDumper of its own, so that the one-line representer below does not change PyYAML's."""
 
 
-_Dumper.add_representer(_FlowMap, lambda dumper, data: dumper.represent_mapping(
-    "tag:yaml.org,2002:map", dict(data), flow_style=True))
+_Dumper.add_representer(
+    _FlowMap, lambda dumper, data: dumper.represent_mapping("tag:yaml.org,2002:map", dict(data), flow_style=True)
+)
 
 
 def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
@@ -938,8 +1063,10 @@ def write_profile(profile: dict[str, Any], path: str | Path) -> Path:
     profile_from_dict(profile, str(path))
     data = dict(profile)
     if data.get("curves"):
-        data["curves"] = {kind: {dtype: [_FlowMap(p) for p in points] for dtype, points in by_dtype.items()}
-                          for kind, by_dtype in data["curves"].items()}
+        data["curves"] = {
+            kind: {dtype: [_FlowMap(p) for p in points] for dtype, points in by_dtype.items()}
+            for kind, by_dtype in data["curves"].items()
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
     header = f"# Written by moe-bench profile-device ({profile.get('measured', {}).get('command', '')}).\n"
     path.write_text(header + yaml.dump(data, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True))
@@ -959,11 +1086,18 @@ def profile_device_command(
 ) -> Path:
     """What ``moe-bench profile-device`` runs: measure, then write ``out`` (default ``devices/<name>.yaml``).
     ``tiny``: time ``tiny_sweep`` (seconds on a CPU: bench/gpu-check.sh --dry-run)."""
-    profile = profile_device(device=device, threads=threads, name=name, progress=progress, base=base, ranks=ranks,
-                             quick=quick, sweep=tiny_sweep() if tiny else None)
+    profile = profile_device(
+        device=device,
+        threads=threads,
+        name=name,
+        progress=progress,
+        base=base,
+        ranks=ranks,
+        quick=quick,
+        sweep=tiny_sweep() if tiny else None,
+    )
     if tiny:
         profile["measured"]["command"] += " --tiny"
     path = write_profile(profile, out or DEVICES_DIR / f"{profile['name']}.yaml")
     progress(f"profile-device: wrote {path} in {profile['measured']['seconds']} s")
     return path
-

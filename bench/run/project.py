@@ -78,8 +78,9 @@ def check_traceable(scenario: Scenario) -> None:
     parallel = scenario.parallel_config
     if parallel.dp_mode is DataParallelMode.FSDP:
         if parallel.pp > 1:
-            raise NotTraceable(f"{scenario.file}: parallel.pp: an FSDP layout traces without pipeline stages, "
-                               f"got pp {parallel.pp}")
+            raise NotTraceable(
+                f"{scenario.file}: parallel.pp: an FSDP layout traces without pipeline stages, got pp {parallel.pp}"
+            )
         return
     try:
         check_proxy_layout(parallel)
@@ -130,7 +131,8 @@ def shared_traces(traced: Scenario) -> list[int]:
     the first identical one (module docstring), itself when it is the first."""
     parallel = traced.parallel_config
     fixed_shapes = (
-        parallel.ep == 1 or parallel.dispatch is DispatchKind.NO_SYNC
+        parallel.ep == 1
+        or parallel.dispatch is DispatchKind.NO_SYNC
         or traced.model.moe.routing is RoutingMode.BALANCED
     )
     if parallel.pp == 1 or not fixed_shapes:
@@ -223,8 +225,13 @@ class LiveTraceProgress(TraceProgress):
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         self._progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
-            TimeElapsedColumn(), console=Console(file=stream), transient=True,
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(),
+            console=Console(file=stream),
+            transient=True,
         )
         self._progress.start()
         self._overall = None
@@ -241,7 +248,8 @@ class LiveTraceProgress(TraceProgress):
         source = self._sources[stage]
         what = "tracing" if source == stage else f"taking stage {source}'s trace"
         self._tasks[stage] = self._progress.add_task(
-            f"  stage {stage} of {self._stages} (rank {rank})", total=None, detail=what)
+            f"  stage {stage} of {self._stages} (rank {rank})", total=None, detail=what
+        )
 
     def note(self, stage: int, text: str) -> None:
         self._progress.update(self._tasks[stage], detail=text)
@@ -258,7 +266,10 @@ class LiveTraceProgress(TraceProgress):
         else:
             what = f"shared: stage {staged.shared_with}'s trace (identical stage)"
         self._progress.console.print(
-            f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed", highlight=False, soft_wrap=True)
+            f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed",
+            highlight=False,
+            soft_wrap=True,
+        )
 
     def close(self) -> None:
         self._progress.stop()
@@ -284,11 +295,17 @@ def sharing_text(sources: list[int], done: bool = False) -> str:
             shared.setdefault(source, []).append(stage)
     if not shared:
         return text + " (every stage)"
+
     def verb(twins: list[int]) -> str:
         return "took" if done else ("takes" if len(twins) == 1 else "take")
 
-    return text + "; " + "; ".join(f"{_stages(twins)} {verb(twins)} stage {source}'s trace (identical)"
-                                    for source, twins in shared.items())
+    return (
+        text
+        + "; "
+        + "; ".join(
+            f"{_stages(twins)} {verb(twins)} stage {source}'s trace (identical)" for source, twins in shared.items()
+        )
+    )
 
 
 def stage_traces(
@@ -312,7 +329,10 @@ def stage_traces(
         reporter.stage(stage, rank, parallel.microbatches)
         if source == stage:
             trace = trace_step(
-                traced, rank=rank, fake=True, progress=functools.partial(reporter.note, stage),
+                traced,
+                rank=rank,
+                fake=True,
+                progress=functools.partial(reporter.note, stage),
                 on_ops=functools.partial(reporter.ops, stage),
             )
             priced = price_ops(trace.ops, profile)
@@ -387,35 +407,51 @@ def projection_document(
             prices, rank, schedule, net, scenario.run["tokens_per_step"], scenario.world_size, flops_per_token, skew
         )
         projections.append(projection)
-        stages.append({
-            "pipeline_rank": staged.pipeline_rank,
-            "rank": rank,
-            "trace_shared_with": staged.shared_with,
-            "ops_traced": len(staged.trace.ops),
-            "trace_s": staged.seconds,
-            "microbatch_s": prices.timing.microbatch_s,
-            "optimizer_s": prices.timing.optimizer_s,
-            "seconds_by_kind_per_step_traced": prices.seconds_by_kind,
-            "traced_matmul_flops_per_microbatch": prices.flops_traced / m_traced,
-            "projection": projection.to_dict(),
-        })
+        stages.append(
+            {
+                "pipeline_rank": staged.pipeline_rank,
+                "rank": rank,
+                "trace_shared_with": staged.shared_with,
+                "ops_traced": len(staged.trace.ops),
+                "trace_s": staged.seconds,
+                "microbatch_s": prices.timing.microbatch_s,
+                "optimizer_s": prices.timing.optimizer_s,
+                "seconds_by_kind_per_step_traced": prices.seconds_by_kind,
+                "traced_matmul_flops_per_microbatch": prices.flops_traced / m_traced,
+                "projection": projection.to_dict(),
+            }
+        )
     slowest = max(stages, key=lambda s: s["projection"]["step_s"])
     projection = slowest["projection"]
     shared = [s["pipeline_rank"] for s in stages if s["trace_shared_with"] is not None]
-    sharing = [(
-        f"{_stages(shared)}: the trace of an identical stage (trace_shared_with: same blocks, "
-        "ends and microbatch order, routes that fix no shape): its ops and their prices, at the stage's own "
-        "ranks, with its twin's rows per expert (bench/run/project.py)"
-    )] if shared else []
+    sharing = (
+        [
+            (
+                f"{_stages(shared)}: the trace of an identical stage (trace_shared_with: same blocks, "
+                "ends and microbatch order, routes that fix no shape): its ops and their prices, at the stage's own "
+                "ranks, with its twin's rows per expert (bench/run/project.py)"
+            )
+        ]
+        if shared
+        else []
+    )
     peak = profile.peak_tflops[_peak_dtype(scenario.precision)]
     extra = {}
     if breakdown:
         i = stages.index(slowest)
         staged = staged_steps[i]
-        extra["breakdown"] = {"pipeline_rank": slowest["pipeline_rank"], **step_breakdown(
-            staged.priced, staged.trace.group_phases, m_traced, parallel.microbatches, projections[i],
-            staged.rank, net,
-        )}
+        extra["breakdown"] = {
+            "pipeline_rank": slowest["pipeline_rank"],
+            **step_breakdown(
+                staged.priced,
+                staged.trace.group_phases,
+                m_traced,
+                parallel.microbatches,
+                projections[i],
+                staged.rank,
+                net,
+            ),
+        }
     return {
         "scenario": scenario.name,
         "device": profile.name,
@@ -435,7 +471,8 @@ def projection_document(
         "stages": stages,
         "network": dataclasses.asdict(net),
         "traced_microbatches": m_traced,
-        "assumptions": projection["assumptions"] + [
+        "assumptions": projection["assumptions"]
+        + [
             f"compute priced op by op on {profile.name} ({'measured curves' if profile.curves else 'declared efficiencies'}"
             f", {profile.file}); network from the profile",
             f"traced {m_traced} of the {parallel.microbatches} microbatches at full size: every microbatch runs the "
@@ -458,9 +495,24 @@ def _peak_dtype(precision: str) -> str:
 def summary(doc: dict[str, Any]) -> str:
     """The projection in a few lines."""
     b = doc["breakdown_s"]
-    parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in b.items() if v and k in (
-        "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
-        "param_gather_exposed", "other_comm", "skew", "fsdp_gather_exposed"))
+    parts = ", ".join(
+        f"{k} {v * 1e3:.1f} ms"
+        for k, v in b.items()
+        if v
+        and k
+        in (
+            "compute",
+            "expert_comm",
+            "pipeline_comm",
+            "bubble",
+            "grad_sync_exposed",
+            "optimizer",
+            "param_gather_exposed",
+            "other_comm",
+            "skew",
+            "fsdp_gather_exposed",
+        )
+    )
     mem = doc["memory"]
     text = (
         f"{doc['scenario']} on {doc['world_size']} x {doc['device']}: step {doc['step_s']:.3f} s, "
@@ -469,6 +521,8 @@ def summary(doc: dict[str, Any]) -> str:
         f"  step: {parts}"
     )
     if len(doc["stages"]) > 1:
-        sources = [s["pipeline_rank"] if s["trace_shared_with"] is None else s["trace_shared_with"] for s in doc["stages"]]
+        sources = [
+            s["pipeline_rank"] if s["trace_shared_with"] is None else s["trace_shared_with"] for s in doc["stages"]
+        ]
         text += f"\n  stages: {sharing_text(sources, done=True)}; the step is stage {doc['slowest_stage']}'s"
     return text

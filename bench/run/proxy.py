@@ -115,18 +115,30 @@ def run_proxy(
     table = phase_table(measured)
     sync_rows = sync_table(measured)
     measurement = StepMeasurement(
-        statistics.median(measured.compute_s), table, measured.calls, phases, family_groups,
+        statistics.median(measured.compute_s),
+        table,
+        measured.calls,
+        phases,
+        family_groups,
         bucket_measurements(measured, sync_rows),
     )
     parallel = run_scenario.parallel_config
     target = ProjectionTarget(scale.rank, scenario.world_size, parallel.pp, parallel.schedule.value, net)
     run_projection = project_run_scale(
-        measurement, scale, target,
-        run_scenario.run["tokens_per_step"], training_flops_per_token(run_scenario.model, scale.seq_len_run),
+        measurement,
+        scale,
+        target,
+        run_scenario.run["tokens_per_step"],
+        training_flops_per_token(run_scenario.model, scale.seq_len_run),
     ).projection
     full_projection = project_full_scale(
-        measurement, scale, StageSize.from_plan(plan_run, scale.pp_rank), StageSize.from_plan(plan_full, scale.pp_rank),
-        target, scenario.run["tokens_per_step"], training_flops_per_token(scenario.model),
+        measurement,
+        scale,
+        StageSize.from_plan(plan_run, scale.pp_rank),
+        StageSize.from_plan(plan_full, scale.pp_rank),
+        target,
+        scenario.run["tokens_per_step"],
+        training_flops_per_token(scenario.model),
     ).projection
 
     peak_key = "cuda_peak_active_bytes" if device.type == "cuda" else "peak_tensor_bytes"
@@ -146,7 +158,9 @@ def run_proxy(
         m[f"{prefix}_step_time_s"] = metric([projection.step_s], "s", None)
         m[f"{prefix}_tokens_per_s_per_gpu"] = metric([projection.tokens_per_s_per_gpu], "tokens/s", None)
         m[f"{prefix}_tflops_per_gpu"] = metric([projection.tflops_per_gpu], "TFLOP/s", None)
-    m["projected_memory_total_bytes"] = metric([plan_full["stages"][scale.pp_rank]["memory_total_bytes"]], "bytes", None)
+    m["projected_memory_total_bytes"] = metric(
+        [plan_full["stages"][scale.pp_rank]["memory_total_bytes"]], "bytes", None
+    )
 
     calls_per_step = [Collective(c.op, c.ranks, c.nbytes, phases.get(c.group_name, "other")) for c in measured.calls]
     result.details.update(
@@ -158,10 +172,10 @@ def run_proxy(
             "buckets": sync_rows,
             "blocks_backward_per_microbatch_s": measurement.blocks_backward_s(scale.microbatches_run),
             "note": "per gradient bucket in launch order, medians over the measured steps: reduce_window_s = the "
-                    "backward time left after its reduction launched (SyncTimeline), reduce_window_compute_s = "
-                    "the compute of it left after the collective was issued, by how it scales (fabrication left "
-                    "out), update_s = its share's optimizer update, gather_window_s = the updates left after its "
-                    "ZeRO-1 gather launched; collectives take no time on the fake world",
+            "backward time left after its reduction launched (SyncTimeline), reduce_window_compute_s = "
+            "the compute of it left after the collective was issued, by how it scales (fabrication left "
+            "out), update_s = its share's optimizer update, gather_window_s = the updates left after its "
+            "ZeRO-1 gather launched; collectives take no time on the fake world",
         },
         memory=measured.memory,
         collectives_per_step=summarize_collectives(calls_per_step),
@@ -185,8 +199,10 @@ def run_proxy(
         ],
         plan_vs_proxy=_plan_vs_proxy(plan_stage, plan_run, measured.memory, peak_key, device),
         device_projections=_device_projections(scenario, project_devices, progress),
-        plan_full_scale={"memory_total_bytes": plan_full["stages"][scale.pp_rank]["memory_total_bytes"],
-                         "memory_bytes": plan_full["stages"][scale.pp_rank].get("memory_bytes")},
+        plan_full_scale={
+            "memory_total_bytes": plan_full["stages"][scale.pp_rank]["memory_total_bytes"],
+            "memory_bytes": plan_full["stages"][scale.pp_rank].get("memory_bytes"),
+        },
         network=asdict(net),
         flops_per_token=training_flops_per_token(scenario.model),
         tokens_per_step=scenario.run["tokens_per_step"],
@@ -243,11 +259,13 @@ def _plan_vs_proxy(plan_stage, plan_run, memory, peak_key, device) -> dict[str, 
         backward = state + sum(planned.get(k, 0) for k in ("activations", "comm_buffers", "backward_workspace"))
         step = state + planned.get("optimizer_step", 0)
         out["forward_backward"] = {
-            "measured_peak_bytes": memory["peak_forward_backward_bytes"], "plan_bytes": backward,
+            "measured_peak_bytes": memory["peak_forward_backward_bytes"],
+            "plan_bytes": backward,
             "gap": memory["peak_forward_backward_bytes"] / backward - 1,
         }
         out["optimizer_step"] = {
-            "measured_peak_bytes": memory["peak_optimizer_step_bytes"], "plan_bytes": step,
+            "measured_peak_bytes": memory["peak_optimizer_step_bytes"],
+            "plan_bytes": step,
             "gap": memory["peak_optimizer_step_bytes"] / step - 1,
         }
     out["measured_on"] = "CUDA allocator peak" if device.type == "cuda" else "tracked tensor bytes (CPU)"

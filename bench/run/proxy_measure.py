@@ -1,6 +1,7 @@
 """Measuring one rank of a proxy: build its share in a fake world, run warm-up and measured steps with
 the phase timer and the collective recorder, and read each gradient bucket's overlap window as its
 reduction launches (``bench.run.proxy``'s docstring, "What is measured")."""
+
 from __future__ import annotations
 
 import functools
@@ -137,12 +138,14 @@ class _SyncProbe:
             issued_s, totals = self.issued[index]
             classes = _window_classes(end_s - issued_s, totals, end_totals) if issued_s < end_s else {}
             launch = timeline.gather_launch_s[index]
-            rows.append({
-                "reduce_window_s": reduce_windows[index],
-                "reduce_window_compute_s": {name: classes.get(name, 0.0) for name in WINDOW_CLASSES},
-                "update_s": launch - previous,
-                "gather_window_s": gather_windows[index],
-            })
+            rows.append(
+                {
+                    "reduce_window_s": reduce_windows[index],
+                    "reduce_window_compute_s": {name: classes.get(name, 0.0) for name in WINDOW_CLASSES},
+                    "update_s": launch - previous,
+                    "gather_window_s": gather_windows[index],
+                }
+            )
             previous = launch
         return rows
 
@@ -165,11 +168,15 @@ def _bucket_layout(
                 gather = CollectiveCall("all_gather", ranks, param_bytes, name)
         elements = sum(p.numel() for p in bucket.params)
         block_elements = sum(p.numel() for p in bucket.params if id(p) in in_blocks)
-        layout.append({
-            "family": bucket.family.value, "reduce": reduce, "gather": gather,
-            "block_share": block_elements / elements if elements else 0.0,
-            "filled": elements >= bucket_elements,
-        })
+        layout.append(
+            {
+                "family": bucket.family.value,
+                "reduce": reduce,
+                "gather": gather,
+                "block_share": block_elements / elements if elements else 0.0,
+                "filled": elements >= bucket_elements,
+            }
+        )
     return layout
 
 
@@ -186,11 +193,15 @@ class RankMeasurement:
     """Per measured step, per bucket: ``_SyncProbe.record``."""
 
 
-def measure_rank(scenario: Scenario, scale: ProxyScale, device: torch.device, progress) -> tuple[RankMeasurement, ProcessGroups]:
+def measure_rank(
+    scenario: Scenario, scale: ProxyScale, device: torch.device, progress
+) -> tuple[RankMeasurement, ProcessGroups]:
     parallel, config, run = scenario.parallel_config, scenario.model, scenario.run
     groups = build_process_groups(Layout(parallel))
     seed = scenario.spec["routing"]["seed"]
-    progress(f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})")
+    progress(
+        f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})"
+    )
     rank_model = build_proxy_rank(
         config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run["compile"]
     )
@@ -277,7 +288,10 @@ def phase_table(measured: RankMeasurement) -> dict[str, dict[str, float]]:
     """Median seconds per phase and direction over the measured steps, plus other and optimizer."""
     names = sorted({name for totals in measured.phases for name in totals})
     table = {
-        name: {d: statistics.median([t.get(name, {}).get(d, 0.0) for t in measured.phases]) for d in ("forward", "backward")}
+        name: {
+            d: statistics.median([t.get(name, {}).get(d, 0.0) for t in measured.phases])
+            for d in ("forward", "backward")
+        }
         for name in names
     }
     compute = statistics.median(measured.compute_s)
@@ -292,27 +306,36 @@ def sync_table(measured: RankMeasurement) -> list[dict[str, Any]]:
     for index, layout in enumerate(measured.buckets):
         steps = [step[index] for step in measured.syncs]
         reduce, gather = layout["reduce"], layout["gather"]
-        rows.append({
-            "family": layout["family"],
-            "reduce_op": reduce.op if reduce else None,
-            "group_size": len(reduce.ranks) if reduce else 1,
-            "grad_bytes": reduce.nbytes if reduce else 0,
-            "param_gather_bytes": gather.nbytes if gather else 0,
-            "block_share": layout["block_share"],
-            "filled": layout["filled"],
-            "reduce_window_s": statistics.median([s["reduce_window_s"] for s in steps]),
-            "reduce_window_compute_s": {
-                name: statistics.median([s["reduce_window_compute_s"][name] for s in steps]) for name in WINDOW_CLASSES
-            },
-            "update_s": statistics.median([s["update_s"] for s in steps]),
-            "gather_window_s": statistics.median([s["gather_window_s"] for s in steps]),
-        })
+        rows.append(
+            {
+                "family": layout["family"],
+                "reduce_op": reduce.op if reduce else None,
+                "group_size": len(reduce.ranks) if reduce else 1,
+                "grad_bytes": reduce.nbytes if reduce else 0,
+                "param_gather_bytes": gather.nbytes if gather else 0,
+                "block_share": layout["block_share"],
+                "filled": layout["filled"],
+                "reduce_window_s": statistics.median([s["reduce_window_s"] for s in steps]),
+                "reduce_window_compute_s": {
+                    name: statistics.median([s["reduce_window_compute_s"][name] for s in steps])
+                    for name in WINDOW_CLASSES
+                },
+                "update_s": statistics.median([s["update_s"] for s in steps]),
+                "gather_window_s": statistics.median([s["gather_window_s"] for s in steps]),
+            }
+        )
     return rows
 
 
 def bucket_measurements(measured: RankMeasurement, table: list[dict[str, Any]]) -> list[BucketMeasurement]:
     return [
-        BucketMeasurement(layout["reduce"], layout["gather"], layout["block_share"], layout["filled"],
-                          row["reduce_window_compute_s"], row["update_s"])
+        BucketMeasurement(
+            layout["reduce"],
+            layout["gather"],
+            layout["block_share"],
+            layout["filled"],
+            row["reduce_window_compute_s"],
+            row["update_s"],
+        )
         for layout, row in zip(measured.buckets, table)
     ]

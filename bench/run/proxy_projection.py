@@ -3,6 +3,7 @@ step at the run's scale and at the scenario's (``project_run_scale``, ``project_
 collectives' scaling (``CallScaling``, ``classify_calls``) and the gradient buckets' overlap windows
 (``scaled_sync_buckets``). Rules in ``bench.run.proxy``'s docstring ("Projection", "Overlap windows at
 the scenario's scale"). Arithmetic only: nothing here runs a model."""
+
 from __future__ import annotations
 
 import math
@@ -284,13 +285,27 @@ def project_run_scale(
         microbatch_s=(measured.compute_s - optimizer - grad_buffers) / m, optimizer_s=optimizer + grad_buffers
     )
     projection = project_step(
-        target.rank, timing, per_microbatch, per_step, target.schedule_of(m), target.net,
-        tokens_per_step, target.world_size, flops_per_token, grad_buckets, gather_buckets,
+        target.rank,
+        timing,
+        per_microbatch,
+        per_step,
+        target.schedule_of(m),
+        target.net,
+        tokens_per_step,
+        target.world_size,
+        flops_per_token,
+        grad_buckets,
+        gather_buckets,
     )
     return ScaledStep(
         {k: parts[k] / m for k in ("blocks", "rest", "embedding")},
         {"optimizer": optimizer, "grad_buffers": grad_buffers},
-        timing, per_microbatch, per_step, grad_buckets, gather_buckets, projection,
+        timing,
+        per_microbatch,
+        per_step,
+        grad_buckets,
+        gather_buckets,
+        projection,
     )
 
 
@@ -317,8 +332,10 @@ def project_full_scale(
     scaling = CallScaling(
         scale.token_ratio,
         scale.block_ratio,
-        {name: params[family][1] / params[family][0] if params[family][0] else 1.0
-         for family, name in measured.family_groups.items()},
+        {
+            name: params[family][1] / params[family][0] if params[family][0] else 1.0
+            for family, name in measured.family_groups.items()
+        },
     )
     calls = unbucketed_calls(measured.calls, measured.buckets)
     per_microbatch, per_step = classify_calls(calls, measured.group_phases, m, scaling)
@@ -330,15 +347,25 @@ def project_full_scale(
     grad_ratio = full.grad_bytes / run.grad_bytes
     blocks, rest, embedding = parts["blocks"], parts["rest"], parts["embedding"]
     step_phases = {
-        "optimizer": parts["optimizer"] * optimizer_ratio, "grad_buffers": parts["grad_buffers"] * grad_ratio,
+        "optimizer": parts["optimizer"] * optimizer_ratio,
+        "grad_buffers": parts["grad_buffers"] * grad_ratio,
     }
     timing = RankTiming(
         microbatch_s=((blocks * scale.block_ratio + rest) * scale.token_ratio + embedding) / m,
         optimizer_s=step_phases["optimizer"] + step_phases["grad_buffers"],
     )
     projection = project_step(
-        target.rank, timing, per_microbatch, per_step, target.schedule_of(scale.microbatches_full), target.net,
-        tokens_per_step, target.world_size, flops_per_token, grad_buckets, gather_buckets,
+        target.rank,
+        timing,
+        per_microbatch,
+        per_step,
+        target.schedule_of(scale.microbatches_full),
+        target.net,
+        tokens_per_step,
+        target.world_size,
+        flops_per_token,
+        grad_buckets,
+        gather_buckets,
     )
     microbatch_phases = {
         "blocks": blocks * scale.block_ratio * scale.token_ratio / m,

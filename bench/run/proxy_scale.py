@@ -1,5 +1,6 @@
 """How a proxy runs one rank at CPU scale: the scenario as the proxy runs it (``run_spec``) and its
 ``ProxyScale`` against the scenario's own sizes (rules in ``bench.run.proxy``'s docstring, "What runs")."""
+
 from __future__ import annotations
 
 import copy
@@ -76,8 +77,14 @@ def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], 
     if scale.get("precision"):
         spec["precision"] = scale["precision"]
     scale_record = ProxyScale(
-        rank=proxy["rank"], pp_rank=pp_rank, blocks_run=blocks, blocks_full=blocks_full,
-        seq_len_run=seq_len_run, tokens_per_microbatch_run=sequences * seq_len_run,
-        tokens_per_microbatch_full=sequences_full * seq_len, microbatches_run=m_run, microbatches_full=m_full,
+        rank=proxy["rank"],
+        pp_rank=pp_rank,
+        blocks_run=blocks,
+        blocks_full=blocks_full,
+        seq_len_run=seq_len_run,
+        tokens_per_microbatch_run=sequences * seq_len_run,
+        tokens_per_microbatch_full=sequences_full * seq_len,
+        microbatches_run=m_run,
+        microbatches_full=m_full,
     )
     return spec, scale_record

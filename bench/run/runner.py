@@ -125,8 +125,7 @@ class RankMemory:
 # the runner would create a CUDA context on every GPU (about 0.5 GB each) and hold it for the whole
 # suite, memory the workers then lack. Inside a launch each rank asks for its own GPU, which it uses anyway.
 _CUDA_FREE_QUERY = (
-    "import json, sys, torch; "
-    "print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1]))]))"
+    "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1]))]))"
 )
 CUDA_FREE_SOURCE = "free memory of the GPU, torch.cuda.mem_get_info in a short-lived process"
 
@@ -163,8 +162,15 @@ def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> 
     rows, worst = [], None
     for label, members in pools.items():
         planned, available = sum(m.planned for m in members), min(m.available for m in members)
-        rows.append({"pool": label, "ranks": len(members), "planned_bytes": planned, "available_bytes": available,
-                     "source": members[0].source})
+        rows.append(
+            {
+                "pool": label,
+                "ranks": len(members),
+                "planned_bytes": planned,
+                "available_bytes": available,
+                "source": members[0].source,
+            }
+        )
         if planned > available * (1 + margin) and (worst is None or planned / available > worst[0]):
             worst = (planned / max(available, 1), label, members, planned, available)
     if worst is None:
@@ -173,8 +179,10 @@ def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> 
     if len(members) == 1:
         reason = f"planned {_gib(planned)} per rank, {_gib(available)} available"
     else:
-        reason = (f"planned {_gib(planned)} for the {len(members)} ranks sharing {label} "
-                  f"({_gib(max(m.planned for m in members))} on the most loaded), {_gib(available)} available")
+        reason = (
+            f"planned {_gib(planned)} for the {len(members)} ranks sharing {label} "
+            f"({_gib(max(m.planned for m in members))} on the most loaded), {_gib(available)} available"
+        )
     return f"{reason} ({members[0].source}); not started", rows
 
 
@@ -190,8 +198,11 @@ class Reporter:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
             self._progress = Progress(
-                TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(), transient=True,
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                transient=True,
             )
             self._progress.start()
             self._suite = self._progress.add_task("suite", total=total)
@@ -360,8 +371,11 @@ class Runner:
             else:
                 if mxfp8 and peak.fp8 is None:
                     missing["mfu_fp8"] = f"{peak.source} gives no FP8 peak: the GPU has no FP8 tensor cores"
-                out = {"peak_tflops": peak.bf16, "peak_tflops_fp8": peak.fp8 if mxfp8 else None,
-                       "peak_tflops_source": note}
+                out = {
+                    "peak_tflops": peak.bf16,
+                    "peak_tflops_fp8": peak.fp8 if mxfp8 else None,
+                    "peak_tflops_source": note,
+                }
         else:
             key = scenario.model.dtype.value
             if key not in self._peaks:
@@ -370,8 +384,11 @@ class Runner:
                 self._peaks[key] = measure_peak_tflops(self.device, scenario.model.dtype.torch_dtype)
             # The ranks of a CPU layout share the cores the peak was measured on.
             ranks_here = 1 if self.launch is not None else scenario.world_size
-            out = {"peak_tflops": self._peaks[key] / ranks_here, "peak_tflops_fp8": None,
-                   "peak_tflops_source": f"{key} dense matmul measured on all cores, divided by the ranks sharing them"}
+            out = {
+                "peak_tflops": self._peaks[key] / ranks_here,
+                "peak_tflops_fp8": None,
+                "peak_tflops_source": f"{key} dense matmul measured on all cores, divided by the ranks sharing them",
+            }
             if mxfp8:
                 missing["mfu_fp8"] = "no FP8 peak on a CPU (the MXFP8 GEMMs are emulated)"
         if missing:
@@ -402,11 +419,15 @@ class Runner:
         if self.device.type == "cuda":
             # The runner starts one rank per GPU, rank r on GPU r.
             free = cuda_free_bytes(scenario.world_size)
-            return [RankMemory(r, host, f"cuda:{r}", stage_bytes[layout.coords(r).pp_rank], free[r], CUDA_FREE_SOURCE)
-                    for r in range(scenario.world_size)]
+            return [
+                RankMemory(r, host, f"cuda:{r}", stage_bytes[layout.coords(r).pp_rank], free[r], CUDA_FREE_SOURCE)
+                for r in range(scenario.world_size)
+            ]
         available, source = available_memory_bytes(self.device)
-        return [RankMemory(r, host, "cpu", stage_bytes[layout.coords(r).pp_rank], available, source)
-                for r in range(scenario.world_size)]
+        return [
+            RankMemory(r, host, "cpu", stage_bytes[layout.coords(r).pp_rank], available, source)
+            for r in range(scenario.world_size)
+        ]
 
     def _memory_check(self, scenario: Scenario) -> tuple[str | None, dict[str, Any]]:
         """Why the scenario cannot fit the memory here (None when it can, or when forced) and the figures."""
@@ -447,8 +468,16 @@ class Runner:
         request = self._checkpoint_request(scenario)
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
-            spec_path.write_text(json.dumps({"spec": scenario.spec, "file": str(scenario.file) if scenario.file else None,
-                                             "checkpoint": request, "project_devices": self.project_devices}))
+            spec_path.write_text(
+                json.dumps(
+                    {
+                        "spec": scenario.spec,
+                        "file": str(scenario.file) if scenario.file else None,
+                        "checkpoint": request,
+                        "project_devices": self.project_devices,
+                    }
+                )
+            )
             processes = 1 if scenario.mode == "proxy" else scenario.world_size
             command = worker_command(processes) + [str(spec_path), str(out_path), "--device", str(self.device)]
             if peak:
@@ -485,8 +514,15 @@ class Runner:
         """The attempt's end in the journal: written here, since a killed worker cannot write it."""
         policy = policy_for(scenario.spec, self.out_root) if request else None
         if policy is not None and policy.root.is_dir():
-            append_journal(policy.root, {"event": "end", "attempt": request["attempt"], "status": outcome["status"],
-                                         "error": outcome.get("error")})
+            append_journal(
+                policy.root,
+                {
+                    "event": "end",
+                    "attempt": request["attempt"],
+                    "status": outcome["status"],
+                    "error": outcome.get("error"),
+                },
+            )
 
     def _execute_in_launch(
         self, scenario: Scenario, peak: float | None, peak_fp8: float | None, peak_source: str | None
@@ -503,8 +539,9 @@ class Runner:
             shared = [request]
             dist.broadcast_object_list(shared, src=0)
             request = shared[0]
-        outcome = execute_outcome(scenario, self.device, peak, groups, peak_fp8, checkpoint_run(request, scenario),
-                                  peak_source=peak_source)
+        outcome = execute_outcome(
+            scenario, self.device, peak, groups, peak_fp8, checkpoint_run(request, scenario), peak_source=peak_source
+        )
         if self.writes_results:
             self._end_attempt(scenario, request, outcome)
         return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]
@@ -515,8 +552,14 @@ def worker_command(world_size: int) -> list[str]:
     if world_size == 1:
         return [sys.executable, "-m", "bench.run.worker"]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-        "--max-restarts=0", "-m", "bench.run.worker",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world_size}",
+        "--max-restarts=0",
+        "-m",
+        "bench.run.worker",
     ]
 
 
@@ -550,8 +593,13 @@ def run_with_timeout(
     Returns (exit code or None on timeout, the last output lines).
     """
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        cwd=Path(__file__).resolve().parent.parent, env=env,
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
     )
     lines: queue.Queue[str | None] = queue.Queue()
 

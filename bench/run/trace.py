@@ -333,24 +333,31 @@ class StepTracer(TorchDispatchMode):
             if len(self._collectives.calls) == before:
                 return
             call = self._collectives.calls[-1]
-            collective = {"op": call.op, "ranks": list(call.ranks), "nbytes": call.nbytes, "group_name": call.group_name}
+            collective = {
+                "op": call.op,
+                "ranks": list(call.ranks),
+                "nbytes": call.nbytes,
+                "group_name": call.group_name,
+            }
         node = torch._C._current_autograd_node()
         stage = "backward" if node is not None else self.stage
         group_rows = self._group_rows(func, args, kwargs)
         region, region_call = next(((r, c) for r, c in reversed(self._regions) if r in REGIONS), (None, None))
         in_fsdp = bool(self._regions) and any(r.startswith("FSDP::") for r, _ in self._regions)
-        self.ops.append(TracedOp(
-            name=str(func),
-            inputs=tuple(_spec(t) for t in _tensors((args, kwargs))),
-            outputs=tuple(_spec(t) for t in _tensors(out)),
-            stage=stage,
-            region=region,
-            region_call=region_call,
-            group_rows=group_rows,
-            arguments=_scalar_arguments(func, args, kwargs) if func.namespace in ("aten", "moe_engine") else (),
-            collective=collective,
-            location=self.locator.locate(node, in_fsdp),
-        ))
+        self.ops.append(
+            TracedOp(
+                name=str(func),
+                inputs=tuple(_spec(t) for t in _tensors((args, kwargs))),
+                outputs=tuple(_spec(t) for t in _tensors(out)),
+                stage=stage,
+                region=region,
+                region_call=region_call,
+                group_rows=group_rows,
+                arguments=_scalar_arguments(func, args, kwargs) if func.namespace in ("aten", "moe_engine") else (),
+                collective=collective,
+                location=self.locator.locate(node, in_fsdp),
+            )
+        )
         if len(self.ops) % OPS_REPORT_EVERY == 0:
             self._on_ops(len(self.ops), stage)
 
@@ -404,8 +411,11 @@ class StepTrace:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "rank": self.rank, "world_size": self.world_size, "microbatches": self.microbatches,
-            "tokens_per_step": self.tokens_per_step, "ops": len(self.ops),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "microbatches": self.microbatches,
+            "tokens_per_step": self.tokens_per_step,
+            "ops": len(self.ops),
         }
 
 
@@ -470,7 +480,9 @@ def _build_rank(scenario: Scenario, groups: ProcessGroups, seed: int):
     if parallel.dp_mode is DataParallelMode.FSDP:
         # FSDP needs no peers simulated (the engine's FSDP mode has no expert parallelism): the real
         # build path, whose gathers and reduce-scatters move nothing on the fake world.
-        return build_rank_model(scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute)
+        return build_rank_model(
+            scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute
+        )
     return build_proxy_rank(scenario.model, parallel, groups, torch.device("cpu"), seed, recompute=scenario.recompute)
 
 
@@ -573,8 +585,12 @@ def trace_step(
             with tracer.in_stage("forward"), tracer.locator:
                 trainer.step(tokens, labels)
         return StepTrace(
-            ops=tracer.ops, rank=rank, world_size=world, microbatches=parallel.microbatches,
-            tokens_per_step=scenario.run["tokens_per_step"], group_phases=group_phases(groups),
+            ops=tracer.ops,
+            rank=rank,
+            world_size=world,
+            microbatches=parallel.microbatches,
+            tokens_per_step=scenario.run["tokens_per_step"],
+            group_phases=group_phases(groups),
             family_groups={"dense": groups.dp.group_name, "expert": groups.edp.group_name},
             groups=rank_groups(groups),
         )
@@ -614,6 +630,10 @@ def retarget(trace: StepTrace, scenario: Scenario, rank: int) -> StepTrace:
         return dataclasses.replace(op, collective={**call, "ranks": list(ranks), "group_name": name})
 
     return dataclasses.replace(
-        trace, ops=[moved(op) if op.collective is not None else op for op in trace.ops], rank=rank,
-        group_phases=phases, family_groups=family, groups=mine,
+        trace,
+        ops=[moved(op) if op.collective is not None else op for op in trace.ops],
+        rank=rank,
+        group_phases=phases,
+        family_groups=family,
+        groups=mine,
     )

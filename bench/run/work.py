@@ -176,18 +176,22 @@ def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_s
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
-def _cpu_flash_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args,
-                                        out_shape=None, **kwargs) -> int:
+def _cpu_flash_attention_backward_flops(
+    grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs
+) -> int:
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
 def flop_counter(grouped: GroupedMMFlops) -> FlopCounterMode:
     """torch's FLOP counter with the formulas torch 2.13 lacks (the grouped GEMM, CPU attention)."""
-    return FlopCounterMode(display=False, custom_mapping={
-        aten._grouped_mm: grouped,
-        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
-        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
-    })
+    return FlopCounterMode(
+        display=False,
+        custom_mapping={
+            aten._grouped_mm: grouped,
+            aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+        },
+    )
 
 
 def _sync_sites(syncs) -> Counter[str]:
@@ -214,8 +218,10 @@ def _collective_census(calls, group_labels: dict[str, str]) -> list[dict[str, An
         entry = census.setdefault((call.op, group), [0, 0])
         entry[0] += 1
         entry[1] += call.nbytes
-    return [{"op": op, "group": group, "calls": calls, "bytes": nbytes}
-            for (op, group), (calls, nbytes) in sorted(census.items())]
+    return [
+        {"op": op, "group": group, "calls": calls, "bytes": nbytes}
+        for (op, group), (calls, nbytes) in sorted(census.items())
+    ]
 
 
 def count_step_work(
@@ -294,8 +300,17 @@ def work_metrics(ranks: list[dict[str, Any]], formula_flops: int) -> dict[str, d
     where the formula counts work that did not run (tokens dropped at a no-sync dispatch's
     capacity, kernels outside the dispatcher). Reported, not gated: the FLOPs are.
     """
-    total = {name: sum(r[name] for r in ranks) for name in
-             ("matmul_flops", "allocated_bytes", "aten_ops", "host_syncs", "collective_calls", "collective_bytes")}
+    total = {
+        name: sum(r[name] for r in ranks)
+        for name in (
+            "matmul_flops",
+            "allocated_bytes",
+            "aten_ops",
+            "host_syncs",
+            "collective_calls",
+            "collective_bytes",
+        )
+    }
     values = {f"work_{name}": value for name, value in total.items()}
     values["work_flops_ratio"] = total["matmul_flops"] / formula_flops if formula_flops else 0.0
     return {name: metric([values[name]], *WORK_METRICS[name]) for name in WORK_METRICS}

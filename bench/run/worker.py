@@ -34,8 +34,14 @@ from moe_engine.parallel.layout import Layout
 
 
 def execute_outcome(
-    scenario: Scenario, device: torch.device, peak: float | None, groups, peak_fp8: float | None = None,
-    checkpointing: CheckpointRun | None = None, project_devices: list[str] = (), peak_source: str | None = None,
+    scenario: Scenario,
+    device: torch.device,
+    peak: float | None,
+    groups,
+    peak_fp8: float | None = None,
+    checkpointing: CheckpointRun | None = None,
+    project_devices: list[str] = (),
+    peak_source: str | None = None,
 ) -> dict:
     outcome = {"status": "ok", "error": None, "metrics": {}, "details": {}}
     progress = lambda line: print(line, flush=True)
@@ -45,14 +51,24 @@ def execute_outcome(
 
             result = run_proxy(scenario, device, progress, project_devices)
         else:
-            result = execute(scenario, device, peak, progress=progress, groups=groups, peak_tflops_fp8=peak_fp8,
-                             checkpointing=checkpointing, peak_tflops_source=peak_source)
+            result = execute(
+                scenario,
+                device,
+                peak,
+                progress=progress,
+                groups=groups,
+                peak_tflops_fp8=peak_fp8,
+                checkpointing=checkpointing,
+                peak_tflops_source=peak_source,
+            )
         if result is not None:
             outcome["metrics"], outcome["details"] = result.metrics, result.details
     except NonFiniteLoss as err:
         outcome.update(status="failed", error=str(err))
     except (torch.OutOfMemoryError, MemoryError) as err:
-        outcome.update(status="oom", error=f"out of memory: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+        outcome.update(
+            status="oom", error=f"out of memory: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        )
     except Exception as err:  # recorded in the result; the suite goes on
         outcome.update(status="failed", error=f"{type(err).__name__}: {err}")
         traceback.print_exc(file=sys.stdout)
@@ -87,9 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         device = join_launch(launch, device, scenario.run["timeout_s"])
         groups = build_process_groups(Layout(scenario.parallel_config))
     rank = groups.coords.rank if groups else 0
-    outcome = execute_outcome(scenario, device, args.peak_tflops, groups, args.peak_tflops_fp8,
-                              checkpoint_run(payload.get("checkpoint"), scenario), payload.get("project_devices", []),
-                              peak_source=args.peak_tflops_source)
+    outcome = execute_outcome(
+        scenario,
+        device,
+        args.peak_tflops,
+        groups,
+        args.peak_tflops_fp8,
+        checkpoint_run(payload.get("checkpoint"), scenario),
+        payload.get("project_devices", []),
+        peak_source=args.peak_tflops_source,
+    )
     if rank == 0:
         with open(args.out_json, "w") as handle:
             json.dump(outcome, handle)

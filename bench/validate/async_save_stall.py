@@ -31,7 +31,13 @@ from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.train import OptimizerConfig
 
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, routing="random", routing_seed=5),
 )
 
@@ -68,15 +74,21 @@ def measure(write_delay_s: float, repeats: int, folder: Path) -> dict[str, Any]:
     finally:
         FileSystemWriter.write_data = original
     sync_median, stall_median = statistics.median(sync_s), statistics.median(stall_s)
-    return {"write_delay_s": write_delay_s, "sync_save_s": sync_s, "async_stall_s": stall_s,
-            "sync_save_median_s": sync_median, "async_stall_median_s": stall_median,
-            "stall_ratio": stall_median / sync_median}
+    return {
+        "write_delay_s": write_delay_s,
+        "sync_save_s": sync_s,
+        "async_stall_s": stall_s,
+        "sync_save_median_s": sync_median,
+        "async_stall_median_s": stall_median,
+        "stall_ratio": stall_median / sync_median,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m bench.validate.async_save_stall",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.validate.async_save_stall", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--write-delay-s", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the measurement document here")
@@ -86,14 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="moe-async-stall-") as folder:
         report = measure(args.write_delay_s, args.repeats, Path(folder))
-    print(f"writes delayed {args.write_delay_s:g} s: sync save {report['sync_save_median_s']:.3f} s, async stall "
-          f"{report['async_stall_median_s']:.3f} s (medians of {args.repeats}); stall / sync = "
-          f"{report['stall_ratio']:.3f}")
+    print(
+        f"writes delayed {args.write_delay_s:g} s: sync save {report['sync_save_median_s']:.3f} s, async stall "
+        f"{report['async_stall_median_s']:.3f} s (medians of {args.repeats}); stall / sync = "
+        f"{report['stall_ratio']:.3f}"
+    )
     if args.out:
         from bench.machine import machine_info
 
-        document = {"command": " ".join(["python -m bench.validate.async_save_stall", *argv]),
-                    "machine": machine_info(), **report}
+        document = {
+            "command": " ".join(["python -m bench.validate.async_save_stall", *argv]),
+            "machine": machine_info(),
+            **report,
+        }
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
     return 0
 

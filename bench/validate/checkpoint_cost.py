@@ -26,8 +26,13 @@ from bench.results import load_results
 from bench.run.runner import expand_paths, load_all, suite_files
 from bench.validate.variants import merge, spec_as_written
 
-_METRICS = ("checkpoint_save_s", "checkpoint_stall_s", "checkpoint_load_s", "checkpoint_bytes_per_rank",
-            "checkpoint_bytes_total")
+_METRICS = (
+    "checkpoint_save_s",
+    "checkpoint_stall_s",
+    "checkpoint_load_s",
+    "checkpoint_bytes_per_rank",
+    "checkpoint_bytes_total",
+)
 
 
 def _run(spec: dict[str, Any], folder: Path, device: str, *extra: str) -> dict[str, Any]:
@@ -42,15 +47,15 @@ def _run(spec: dict[str, Any], folder: Path, device: str, *extra: str) -> dict[s
     if code != 0 or not docs:
         return {"status": "failed", "exit_code": code}
     metrics = docs[0].data["metrics"]
-    return {"status": docs[0].data["status"],
-            **{k: metrics[k]["samples"] for k in _METRICS if k in metrics}}
+    return {"status": docs[0].data["status"], **{k: metrics[k]["samples"] for k in _METRICS if k in metrics}}
 
 
 def measure(scenario, every_steps: int, device: str, scratch: Path) -> dict[str, Any]:
     spec = spec_as_written(scenario)
     planned, _ = plan_scenario(scenario)
     row: dict[str, Any] = {
-        "scenario": scenario.name, "layout": scenario.parallel_config.to_dict(),
+        "scenario": scenario.name,
+        "layout": scenario.parallel_config.to_dict(),
         "planned_bytes_per_rank": planned["checkpoint_bytes_per_rank"]["median"],
         "planned_bytes_total": planned["checkpoint_bytes_total"]["median"],
     }
@@ -64,7 +69,9 @@ def measure(scenario, every_steps: int, device: str, scratch: Path) -> dict[str,
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m bench.validate.checkpoint_cost", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.validate.checkpoint_cost", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("files", nargs="*", help="scenario files (default: the --suite)")
     parser.add_argument("--suite", default="ci")
     parser.add_argument("--every-steps", type=int, default=2)
@@ -79,17 +86,25 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(s, args.every_steps, args.device, Path(scratch)) for s in scenarios]
     for row in rows:
         sync, asy, res = row["sync"], row["async"], row["resume"]
-        print(f"{row['scenario']}: bytes/rank {sync.get('checkpoint_bytes_per_rank')} (plan "
-              f"{row['planned_bytes_per_rank']:.0f}), total {sync.get('checkpoint_bytes_total')} (plan "
-              f"{row['planned_bytes_total']:.0f}); sync save {sync.get('checkpoint_save_s')} stall "
-              f"{sync.get('checkpoint_stall_s')}; async save {asy.get('checkpoint_save_s')} stall "
-              f"{asy.get('checkpoint_stall_s')}; load {res.get('checkpoint_load_s')}")
+        print(
+            f"{row['scenario']}: bytes/rank {sync.get('checkpoint_bytes_per_rank')} (plan "
+            f"{row['planned_bytes_per_rank']:.0f}), total {sync.get('checkpoint_bytes_total')} (plan "
+            f"{row['planned_bytes_total']:.0f}); sync save {sync.get('checkpoint_save_s')} stall "
+            f"{sync.get('checkpoint_stall_s')}; async save {asy.get('checkpoint_save_s')} stall "
+            f"{asy.get('checkpoint_stall_s')}; load {res.get('checkpoint_load_s')}"
+        )
     if args.out:
         from bench.machine import machine_info
         from bench.release.version import engine_info
 
-        document = {"what": __doc__.split("\n")[0], "command": " ".join(["python -m bench.validate.checkpoint_cost", *argv]),
-                    "machine": machine_info(), "engine": engine_info(), "every_steps": args.every_steps, "scenarios": rows}
+        document = {
+            "what": __doc__.split("\n")[0],
+            "command": " ".join(["python -m bench.validate.checkpoint_cost", *argv]),
+            "machine": machine_info(),
+            "engine": engine_info(),
+            "every_steps": args.every_steps,
+            "scenarios": rows,
+        }
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
     return 0 if all(r[k]["status"] == "ok" for r in rows for k in ("sync", "async", "resume")) else 1
 

@@ -53,8 +53,15 @@ def speedup_summary(eager_s: list[float], compiled_s: list[float]) -> dict[str, 
     return variants.ratio_summary(eager_s, compiled_s)
 
 
-def measure(scenario: Scenario, device: str, pairs: int, block_s: float, timeout_s: float,
-            log: Callable[[str], None], side_factory: Callable[..., Any] = ResidentSide) -> dict[str, Any]:
+def measure(
+    scenario: Scenario,
+    device: str,
+    pairs: int,
+    block_s: float,
+    timeout_s: float,
+    log: Callable[[str], None],
+    side_factory: Callable[..., Any] = ResidentSide,
+) -> dict[str, Any]:
     """One scenario's paired blocks, compiled against eager (see the module docstring)."""
     row = variants.measure(scenario, EAGER, [COMPILED], device, pairs, block_s, timeout_s, log, side_factory)
     common = {key: row[key] for key in ("scenario", "file", "mode", "world_size", "status") if key in row}
@@ -64,17 +71,27 @@ def measure(scenario: Scenario, device: str, pairs: int, block_s: float, timeout
         return {**common, "error": row["error"], "ready_s": row["ready_s"]}
     ready_s = row["ready_s"]
     compile_s = ready_s["compiled"] - ready_s["eager"]
-    log(f"{scenario.name}: compile {compile_s:.1f} s; probe step losses "
-        f"{row['probe_loss_rel_diff']['compiled']:.1e} apart")
+    log(
+        f"{scenario.name}: compile {compile_s:.1f} s; probe step losses "
+        f"{row['probe_loss_rel_diff']['compiled']:.1e} apart"
+    )
     return {
-        **common, "steps_per_block": row["steps_per_block"], "tokens_per_step": row["tokens_per_step"],
-        "eager_block_s": row["base_block_s"]["compiled"], "compiled_block_s": row["block_s"]["compiled"],
-        "speedup": row["ratios"]["compiled"], "tokens_per_s_median": row["tokens_per_s_median"],
-        "ready_s": ready_s, "compile_s": compile_s,
-        "probe_losses": row["probe_losses"], "probe_loss_rel_diff": row["probe_loss_rel_diff"]["compiled"],
+        **common,
+        "steps_per_block": row["steps_per_block"],
+        "tokens_per_step": row["tokens_per_step"],
+        "eager_block_s": row["base_block_s"]["compiled"],
+        "compiled_block_s": row["block_s"]["compiled"],
+        "speedup": row["ratios"]["compiled"],
+        "tokens_per_s_median": row["tokens_per_s_median"],
+        "ready_s": ready_s,
+        "compile_s": compile_s,
+        "probe_losses": row["probe_losses"],
+        "probe_loss_rel_diff": row["probe_loss_rel_diff"]["compiled"],
         "last_block_losses": row["last_block_losses"],
         "last_block_loss_max_rel_diff": row["last_block_loss_max_rel_diff"]["compiled"],
-        "peak_rss_mib": row["peak_rss_mib"], "peak_rss_since": row["peak_rss_since"], "order": row["order"],
+        "peak_rss_mib": row["peak_rss_mib"],
+        "peak_rss_since": row["peak_rss_since"],
+        "order": row["order"],
     }
 
 
@@ -84,30 +101,39 @@ def loss_gap(losses: dict[str, list[float]]) -> float:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = ["| scenario | ranks | speed-up (median) | range | quartiles | HL 95% interval | compile s |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| scenario | ranks | speed-up (median) | range | quartiles | HL 95% interval | compile s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"| {row['scenario']} | {row.get('world_size', '-')} | {row['status']}: "
-                         f"{row.get('reason') or row.get('error')} | | | | |")
+            lines.append(
+                f"| {row['scenario']} | {row.get('world_size', '-')} | {row['status']}: "
+                f"{row.get('reason') or row.get('error')} | | | | |"
+            )
             continue
         s = row["speedup"]
         quartiles = f"{s['quartiles'][0]:.3f} to {s['quartiles'][1]:.3f}" if "quartiles" in s else "-"
         interval = f"{s['interval_95'][0]:.3f} to {s['interval_95'][1]:.3f}" if "interval_95" in s else "-"
-        lines.append(f"| {row['scenario']} | {row['world_size']} | x{s['median']:.3f} | {s['min']:.3f} to "
-                     f"{s['max']:.3f} | {quartiles} | {interval} | {row['compile_s']:.1f} |")
+        lines.append(
+            f"| {row['scenario']} | {row['world_size']} | x{s['median']:.3f} | {s['min']:.3f} to "
+            f"{s['max']:.3f} | {quartiles} | {interval} | {row['compile_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m bench.validate.compile_speedup", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.validate.compile_speedup", description=__doc__.split("\n")[0]
+    )
     variants.add_run_arguments(
         parser, "seconds a worker may take to answer (its start, with the compilation, included)"
     )
     args = parser.parse_args(argv)
     rows = variants.run_suite(
-        parser, args,
+        parser,
+        args,
         lambda scenario, log: measure(scenario, args.device, args.pairs, args.block_s, args.timeout_s, log),
     )
     table = render(rows)

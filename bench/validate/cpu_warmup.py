@@ -90,11 +90,16 @@ def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> li
             new_shapes.append(len(mode.shapes - seen))
             seen |= mode.shapes
             if (step + 1) % block == 0:
-                progress(f"  steps {step + 2 - block}-{step + 1}: {statistics.median(times[-block:]) * 1e3:.1f} ms, "
-                         f"{statistics.fmean(new_shapes[-block:]):.1f} new expert GEMM shapes a step")
+                progress(
+                    f"  steps {step + 2 - block}-{step + 1}: {statistics.median(times[-block:]) * 1e3:.1f} ms, "
+                    f"{statistics.fmean(new_shapes[-block:]):.1f} new expert GEMM shapes a step"
+                )
     return [
-        {"steps": [i + 1, min(i + block, steps)], "median_step_ms": statistics.median(times[i:i + block]) * 1e3,
-         "new_expert_gemm_shapes_per_step": statistics.fmean(new_shapes[i:i + block])}
+        {
+            "steps": [i + 1, min(i + block, steps)],
+            "median_step_ms": statistics.median(times[i : i + block]) * 1e3,
+            "new_expert_gemm_shapes_per_step": statistics.fmean(new_shapes[i : i + block]),
+        }
         for i in range(0, steps, block)
     ]
 
@@ -113,15 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     fresh = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         fresh[name] = fresh_shape_us(dtype)
-        print(f"{name} GEMM (M, 256) @ (256, 256) at a new M: first call {fresh[name]['first_call_us']:.0f} us, "
-              f"repeat {fresh[name]['repeat_us']:.0f} us")
+        print(
+            f"{name} GEMM (M, 256) @ (256, 256) at a new M: first call {fresh[name]['first_call_us']:.0f} us, "
+            f"repeat {fresh[name]['repeat_us']:.0f} us"
+        )
     print(f"{args.scenario}: rank 0, {args.steps} steps")
     blocks = step_decay(args.scenario, args.steps, args.block)
     report = {
         "command": "python -m bench.validate.cpu_warmup " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
-        "machine": machine_info(), "threads": 1, "fresh_shape_us": fresh,
-        "scenario": args.scenario, "blocks": blocks,
+        "machine": machine_info(),
+        "threads": 1,
+        "fresh_shape_us": fresh,
+        "scenario": args.scenario,
+        "blocks": blocks,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

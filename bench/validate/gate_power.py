@@ -37,7 +37,7 @@ from bench.scenario import load_scenario
 
 SLOWDOWNS = (0.05, 0.10, 0.20)
 
-_SLOW_STEP = '''
+_SLOW_STEP = """
 
 # --- planted by bench/validate/gate_power.py: a compute slowdown of {fraction} of every step ---
 import time as _planted_time
@@ -55,7 +55,7 @@ def _planted_slow_step(self, *args, **kwargs):
 
 
 ParallelTrainer.step = _planted_slow_step
-'''
+"""
 
 _LAYER_FORWARD = "        route = self.router(x_TD)\n"
 """The line of ``MoELayer.forward`` after which the planted work goes."""
@@ -67,8 +67,11 @@ WORK_PLANTS = {
     "extra copy": "        x_TD = x_TD.clone()  # planted\n",
     "extra host sync": "        route.counts_E.sum().item()  # planted\n",
 }
-EXPECTED_COUNTER = {"extra all_reduce": "work_collective_calls", "extra copy": "work_allocated_bytes",
-                    "extra host sync": "work_host_syncs"}
+EXPECTED_COUNTER = {
+    "extra all_reduce": "work_collective_calls",
+    "extra copy": "work_allocated_bytes",
+    "extra host sync": "work_host_syncs",
+}
 """The counter each planted change must move (others may move too: a copy is also an op)."""
 
 
@@ -77,8 +80,12 @@ def candidate_copy(patch: dict[str, tuple[str, str]] | None) -> Iterator[Path]:
     """A clone of HEAD with ``patch`` applied: {path: (anchor, text inserted after it)}."""
     with tempfile.TemporaryDirectory(prefix="moe-power-") as tmp:
         clone = Path(tmp) / "candidate"
-        subprocess.run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO_ROOT), str(clone)], check=True,
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            ["git", "clone", "--quiet", "--no-hardlinks", str(REPO_ROOT), str(clone)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
         for relative, (anchor, text) in (patch or {}).items():
             path = clone / relative
             source = path.read_text()
@@ -106,10 +113,16 @@ def timing_run(scenario, fraction: float, tolerance: float, budget_s: float, dev
         cand = stack.enter_context(ResidentSide("candidate", cand_root, scenario, device, timeout))
         started = time.monotonic()
         result = compare_resident(base, cand, tolerance, budget_s, log=lambda line: None)
-    return {"planted": fraction, "verdict": result.verdict, "estimate": result.estimate.slowdown,
-            "interval": list(result.estimate.interval), "pairs": len(result.baseline_s),
-            "steps_per_block": result.steps_per_block, "seconds": time.monotonic() - started,
-            "stopped_by": result.stopped_by}
+    return {
+        "planted": fraction,
+        "verdict": result.verdict,
+        "estimate": result.estimate.slowdown,
+        "interval": list(result.estimate.interval),
+        "pairs": len(result.baseline_s),
+        "steps_per_block": result.steps_per_block,
+        "seconds": time.monotonic() - started,
+        "stopped_by": result.stopped_by,
+    }
 
 
 def work_run(scenario_file: Path, plant: str, tolerance: str, budget_s: float, device: str) -> dict:
@@ -118,15 +131,36 @@ def work_run(scenario_file: Path, plant: str, tolerance: str, budget_s: float, d
     with candidate_copy(patch) as clone:
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "bench.cli", "ab", str(Path(scenario_file).resolve()), "--baseline-ref", "HEAD",
-             "--tolerance", tolerance, "--budget", str(budget_s), "--device", device],
-            cwd=clone, env={**_env(), "PYTHONPATH": str(clone)}, capture_output=True, text=True, timeout=1800,
+            [
+                sys.executable,
+                "-m",
+                "bench.cli",
+                "ab",
+                str(Path(scenario_file).resolve()),
+                "--baseline-ref",
+                "HEAD",
+                "--tolerance",
+                tolerance,
+                "--budget",
+                str(budget_s),
+                "--device",
+                device,
+            ],
+            cwd=clone,
+            env={**_env(), "PYTHONPATH": str(clone)},
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
     work = [line for line in done.stdout.splitlines() if "work increased" in line or "work decreased" in line]
     expected = [line for line in work if line.startswith("REGRESSION") and f" {EXPECTED_COUNTER[plant]}:" in line]
-    return {"plant": plant, "exit_code": done.returncode, "detected": done.returncode == 1 and bool(expected),
-            "findings": expected + [line for line in work if line not in expected],
-            "seconds": time.monotonic() - started}
+    return {
+        "plant": plant,
+        "exit_code": done.returncode,
+        "detected": done.returncode == 1 and bool(expected),
+        "findings": expected + [line for line in work if line not in expected],
+        "seconds": time.monotonic() - started,
+    }
 
 
 def _env() -> dict[str, str]:
@@ -154,14 +188,20 @@ def main(argv: list[str] | None = None) -> int:
     for index, fraction in enumerate(plan, 1):
         record = timing_run(scenario, fraction, tolerance, args.budget, args.device)
         records["timing"].append(record)
-        print(f"[{index}/{len(plan)}] planted +{fraction:.0%}: {record['verdict']} x{1 + record['estimate']:.3f} "
-              f"({record['pairs']} pairs, {record['seconds']:.0f} s)", flush=True)
+        print(
+            f"[{index}/{len(plan)}] planted +{fraction:.0%}: {record['verdict']} x{1 + record['estimate']:.3f} "
+            f"({record['pairs']} pairs, {record['seconds']:.0f} s)",
+            flush=True,
+        )
     for plant in WORK_PLANTS:
         for run in range(args.work_runs):
             record = work_run(Path(args.work_scenario), plant, args.tolerance, args.budget, args.device)
             records["work"].append(record)
-            print(f"work {plant} [{run + 1}/{args.work_runs}]: detected={record['detected']} "
-                  f"({record['seconds']:.0f} s) {record['findings'][:1]}", flush=True)
+            print(
+                f"work {plant} [{run + 1}/{args.work_runs}]: detected={record['detected']} "
+                f"({record['seconds']:.0f} s) {record['findings'][:1]}",
+                flush=True,
+            )
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "records": records}, indent=1) + "\n")
     print(render(records, args))
@@ -179,15 +219,19 @@ def render(records: dict[str, list[dict]], args) -> str:
         regressed = sum(r["verdict"] == "regressed" for r in runs)
         inconclusive = sum(r["verdict"] == "inconclusive" for r in runs)
         label = "A/A (same code): false positives" if fraction == 0 else f"planted +{fraction:.0%} step time: detected"
-        rows.append(f"| {label} | {len(runs)} | {regressed} of {len(runs)} ({regressed / len(runs):.0%}); "
-                    f"{inconclusive} inconclusive | {wall:.0f} s |")
+        rows.append(
+            f"| {label} | {len(runs)} | {regressed} of {len(runs)} ({regressed / len(runs):.0%}); "
+            f"{inconclusive} inconclusive | {wall:.0f} s |"
+        )
     for plant in WORK_PLANTS:
         runs = [r for r in records["work"] if r["plant"] == plant]
         if runs:
             found = sum(r["detected"] for r in runs)
             wall = statistics.median(r["seconds"] for r in runs)
-            rows.append(f"| planted {plant}: detected by the work counters | {len(runs)} | {found} of {len(runs)} | "
-                        f"{wall:.0f} s |")
+            rows.append(
+                f"| planted {plant}: detected by the work counters | {len(runs)} | {found} of {len(runs)} | "
+                f"{wall:.0f} s |"
+            )
     return "\n".join(rows)
 
 

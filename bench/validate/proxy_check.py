@@ -45,8 +45,15 @@ def calibrate_network(world_size: int, progress: Callable[[str], None], timeout:
     with tempfile.TemporaryDirectory(prefix="moe-netcal-") as tmp:
         out = Path(tmp) / "netcal.json"
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-            "--max-restarts=0", "-m", "bench.validate.netcal", str(out),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world_size}",
+            "--max-restarts=0",
+            "-m",
+            "bench.validate.netcal",
+            str(out),
         ]
         code, tail = run_with_timeout(command, timeout, progress)
         if code != 0 or not out.exists():
@@ -62,8 +69,13 @@ def proxy_spec(scenario: Scenario, rank: int, network: dict[str, Any]) -> dict[s
     spec["name"] = f"{scenario.name}-proxy-rank{rank}"
     spec["proxy"] = {"rank": rank, "threads": 1, "microbatches": spec["parallel"]["microbatches"]}
     spec["cluster"] = {
-        "name": "this-machine-gloo", "gpus": world, "gpus_per_node": world, "gpu_memory_gib": 1,
-        "peak_tflops": 1, "intra_node_gbps": network["gbps"], "inter_node_gbps": network["gbps"],
+        "name": "this-machine-gloo",
+        "gpus": world,
+        "gpus_per_node": world,
+        "gpu_memory_gib": 1,
+        "peak_tflops": 1,
+        "intra_node_gbps": network["gbps"],
+        "inter_node_gbps": network["gbps"],
         "latency_us": network["latency_us"],
     }
     return spec
@@ -89,8 +101,11 @@ def proxy_skew_s(details: dict[str, Any], skew: SkewModel) -> float:
     rows = details["collectives_per_step"]
 
     def entries(phases):
-        return [Collective(r["op"], tuple(range(r["group_size"])), r["nbytes"], r["phase"], r["count"])
-                for r in rows if r["phase"] in phases]
+        return [
+            Collective(r["op"], tuple(range(r["group_size"])), r["nbytes"], r["phase"], r["count"])
+            for r in rows
+            if r["phase"] in phases
+        ]
 
     # The proxy ran the scenario's own microbatches: its per-step counts are the step's.
     count, group = sync_points(entries(("expert", "pipeline")), entries(("grad", "other")), 1)
@@ -160,11 +175,18 @@ def check(
             }
             if profile is not None:
                 op_level = project_on_device(scenario, profile, skew=skew)
-                row.update(op_level_step_s=op_level["step_s"], op_level_error=op_level["step_s"] / measured - 1,
-                           op_level_breakdown_s=op_level["breakdown_s"])
+                row.update(
+                    op_level_step_s=op_level["step_s"],
+                    op_level_error=op_level["step_s"] / measured - 1,
+                    op_level_breakdown_s=op_level["breakdown_s"],
+                )
             rows.append(row)
-    return {"networks": {str(k): v for k, v in networks.items()}, "warmup_steps": warmup_steps, "rows": rows,
-            "summary": summarize(rows)}
+    return {
+        "networks": {str(k): v for k, v in networks.items()},
+        "warmup_steps": warmup_steps,
+        "rows": rows,
+        "summary": summarize(rows),
+    }
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -173,14 +195,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for row in rows:
         if row["status"] != "ok":
             continue
-        entry = out.setdefault(row["scenario"], {"runs": 0, "errors": [], "errors_without_skew": [], "op_level_errors": []})
+        entry = out.setdefault(
+            row["scenario"], {"runs": 0, "errors": [], "errors_without_skew": [], "op_level_errors": []}
+        )
         entry["runs"] += 1
         entry["errors"].append(row["error"])
         entry["errors_without_skew"].append(row["error_without_skew"])
         if "op_level_error" in row:
             entry["op_level_errors"].append(row["op_level_error"])
-    medians = {"errors": "median_error", "errors_without_skew": "median_error_without_skew",
-               "op_level_errors": "median_op_level_error"}
+    medians = {
+        "errors": "median_error",
+        "errors_without_skew": "median_error_without_skew",
+        "op_level_errors": "median_op_level_error",
+    }
     for entry in out.values():
         for key, median_key in medians.items():
             entry[median_key] = statistics.median(entry[key]) if entry[key] else None

@@ -41,8 +41,15 @@ DEFAULT_OUT = Path("docs/measurements/reference-release-b300.json")
 LEAN = {"model": {"fused_kernels": True}}
 """The lean engine's patch of every scenario; ``parallel.a2a_chunks: 2`` is added where ep > 1."""
 QWEN_ON_H100 = {
-    "parallel": {"dp": 16, "ep": 16, "pp": 1, "microbatches": 64, "dp_mode": "ddp", "optimizer_sharding": "zero1",
-                 "dispatch": "sync"},
+    "parallel": {
+        "dp": 16,
+        "ep": 16,
+        "pp": 1,
+        "microbatches": 64,
+        "dp_mode": "ddp",
+        "optimizer_sharding": "zero1",
+        "dispatch": "sync",
+    },
     "run": {"tokens_per_step": 1024 * 4096},
     "cluster": {"name": "h100-2node", "gpus": 16, "device": "h100-sxm"},
 }
@@ -61,10 +68,12 @@ def lean(scenario: Scenario) -> Scenario:
 def _assumed(scenario) -> str:
     p, m = scenario.parallel_config, scenario.model
     sequences = scenario.run["tokens_per_step"] // m.seq_len
-    return (f"seq_len {m.seq_len}, {sequences} sequences ({scenario.run['tokens_per_step']:,} tokens) per step, "
-            f"{p.microbatches} microbatches, {scenario.precision}, recompute {scenario.recompute.mode.value}, "
-            f"dp {p.dp} ep {p.ep} pp {p.pp} {p.dp_mode.value}"
-            + (f" + {p.optimizer_sharding.value}" if p.optimizer_sharding.value != "none" else ""))
+    return (
+        f"seq_len {m.seq_len}, {sequences} sequences ({scenario.run['tokens_per_step']:,} tokens) per step, "
+        f"{p.microbatches} microbatches, {scenario.precision}, recompute {scenario.recompute.mode.value}, "
+        f"dp {p.dp} ep {p.ep} pp {p.pp} {p.dp_mode.value}"
+        + (f" + {p.optimizer_sharding.value}" if p.optimizer_sharding.value != "none" else "")
+    )
 
 
 ENGINES = ("eager", "lean")
@@ -115,36 +124,77 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
         return project(name, engine)["memory"]["memory_need_bytes"] / gib
 
     rows = [
-        {"comparison": "47B MoE on 8 GPUs, DDP + EP 8", "metric": "tokens/s/GPU", "published": 52_000,
-         "projected": figures("moe-128e-47b", "tokens_per_s_per_gpu"), "scenarios": ["moe-128e-47b"]},
-        {"comparison": "the same model under FSDP", "metric": "tokens/s/GPU", "published": 19_400,
-         "projected": figures("moe-128e-47b-fsdp", "tokens_per_s_per_gpu"), "scenarios": ["moe-128e-47b-fsdp"]},
-        {"comparison": "DDP + EP over FSDP", "metric": "ratio", "published": 52_000 / 19_400,
-         "projected": ratio("moe-128e-47b", "moe-128e-47b-fsdp"), "scenarios": ["moe-128e-47b", "moe-128e-47b-fsdp"]},
-        {"comparison": "8 -> 128 experts (top-4, EP 8)", "metric": "throughput loss", "published": "< 5%",
-         "projected": tuple(1 - r for r in ratio("moe-128e-47b", "moe-8e-4.6b")),
-         "scenarios": ["moe-8e-4.6b", "moe-128e-47b"]},
-        {"comparison": "1.2T on 512 GPUs (PP 8 x DP 64, EP 64, ZeRO-1)", "metric": "TFLOP/s/GPU", "published": 858,
-         "projected": figures("moe-1.2t-512gpu", "tflops_per_gpu"), "scenarios": ["moe-1.2t-512gpu"]},
-        {"comparison": "MXFP8 over BF16 on 4 GPUs", "metric": "throughput ratio", "published": 1.21,
-         "projected": ratio("moe-mxfp8-4gpu", "moe-bf16-4gpu"), "scenarios": ["moe-bf16-4gpu", "moe-mxfp8-4gpu"]},
-        {"comparison": "peak memory, BF16 -> MXFP8 (4 GPUs)", "metric": "GiB per GPU", "published": "103 -> 95",
-         "projected": tuple(f"{memory('moe-bf16-4gpu', e):.1f} -> {memory('moe-mxfp8-4gpu', e):.1f}"
-                            for e in ("eager", "lean")),
-         "scenarios": ["moe-bf16-4gpu", "moe-mxfp8-4gpu"]},
+        {
+            "comparison": "47B MoE on 8 GPUs, DDP + EP 8",
+            "metric": "tokens/s/GPU",
+            "published": 52_000,
+            "projected": figures("moe-128e-47b", "tokens_per_s_per_gpu"),
+            "scenarios": ["moe-128e-47b"],
+        },
+        {
+            "comparison": "the same model under FSDP",
+            "metric": "tokens/s/GPU",
+            "published": 19_400,
+            "projected": figures("moe-128e-47b-fsdp", "tokens_per_s_per_gpu"),
+            "scenarios": ["moe-128e-47b-fsdp"],
+        },
+        {
+            "comparison": "DDP + EP over FSDP",
+            "metric": "ratio",
+            "published": 52_000 / 19_400,
+            "projected": ratio("moe-128e-47b", "moe-128e-47b-fsdp"),
+            "scenarios": ["moe-128e-47b", "moe-128e-47b-fsdp"],
+        },
+        {
+            "comparison": "8 -> 128 experts (top-4, EP 8)",
+            "metric": "throughput loss",
+            "published": "< 5%",
+            "projected": tuple(1 - r for r in ratio("moe-128e-47b", "moe-8e-4.6b")),
+            "scenarios": ["moe-8e-4.6b", "moe-128e-47b"],
+        },
+        {
+            "comparison": "1.2T on 512 GPUs (PP 8 x DP 64, EP 64, ZeRO-1)",
+            "metric": "TFLOP/s/GPU",
+            "published": 858,
+            "projected": figures("moe-1.2t-512gpu", "tflops_per_gpu"),
+            "scenarios": ["moe-1.2t-512gpu"],
+        },
+        {
+            "comparison": "MXFP8 over BF16 on 4 GPUs",
+            "metric": "throughput ratio",
+            "published": 1.21,
+            "projected": ratio("moe-mxfp8-4gpu", "moe-bf16-4gpu"),
+            "scenarios": ["moe-bf16-4gpu", "moe-mxfp8-4gpu"],
+        },
+        {
+            "comparison": "peak memory, BF16 -> MXFP8 (4 GPUs)",
+            "metric": "GiB per GPU",
+            "published": "103 -> 95",
+            "projected": tuple(
+                f"{memory('moe-bf16-4gpu', e):.1f} -> {memory('moe-mxfp8-4gpu', e):.1f}" for e in ("eager", "lean")
+            ),
+            "scenarios": ["moe-bf16-4gpu", "moe-mxfp8-4gpu"],
+        },
     ]
     qwen = patched(load_scenario(SCENARIOS / "models" / "qwen3-30b-a3b.yaml"), QWEN_ON_H100)
     h100 = load_profile("h100-sxm")
     qwen_docs = [project("qwen3-30b-a3b-h100x16", e, qwen, h100) for e in ("eager", "lean")]
     rows += [
-        {"comparison": "Qwen3-30B-A3B on 16 H100, EP 16, microbatch 1, no recompute: memory per rank "
-                       "(Megatron-Bridge trains it on 80 GB)", "metric": "GiB per GPU", "published": "fits 74.5",
-         "projected": tuple(f"{_plan_gib(s):.1f}" for s in (qwen, lean(qwen))),
-         "scenarios": ["qwen3-30b-a3b-h100x16"]},
-        {"comparison": "Qwen3-30B-A3B on 16 H100 (Megatron-Bridge, measured, all-to-all overlap)",
-         "metric": "tokens/s/GPU", "published": MEGATRON_BRIDGE_TOKENS_PER_S,
-         "projected": tuple(d.get("tokens_per_s_per_gpu", "does not fit") for d in qwen_docs),
-         "scenarios": ["qwen3-30b-a3b-h100x16"]},
+        {
+            "comparison": "Qwen3-30B-A3B on 16 H100, EP 16, microbatch 1, no recompute: memory per rank "
+            "(Megatron-Bridge trains it on 80 GB)",
+            "metric": "GiB per GPU",
+            "published": "fits 74.5",
+            "projected": tuple(f"{_plan_gib(s):.1f}" for s in (qwen, lean(qwen))),
+            "scenarios": ["qwen3-30b-a3b-h100x16"],
+        },
+        {
+            "comparison": "Qwen3-30B-A3B on 16 H100 (Megatron-Bridge, measured, all-to-all overlap)",
+            "metric": "tokens/s/GPU",
+            "published": MEGATRON_BRIDGE_TOKENS_PER_S,
+            "projected": tuple(d.get("tokens_per_s_per_gpu", "does not fit") for d in qwen_docs),
+            "scenarios": ["qwen3-30b-a3b-h100x16"],
+        },
     ]
     for row in rows:
         row["projected_eager"], row["projected_lean"] = row.pop("projected")
@@ -157,11 +207,27 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
         "device_file": profile.file,
         "device_measured": profile.measured is not None,
         "rows": rows,
-        "engines": {"eager": "the scenario files as they are",
-                    "lean": f"patched with {LEAN}, and parallel.a2a_chunks 2 where ep > 1"},
-        "projections": {name: {k: doc[k] for k in ("step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                                                   "breakdown_s", "memory", "assumed", "does_not_fit") if k in doc}
-                        for name, doc in docs.items()},
+        "engines": {
+            "eager": "the scenario files as they are",
+            "lean": f"patched with {LEAN}, and parallel.a2a_chunks 2 where ep > 1",
+        },
+        "projections": {
+            name: {
+                k: doc[k]
+                for k in (
+                    "step_s",
+                    "tokens_per_s_per_gpu",
+                    "tflops_per_gpu",
+                    "mfu",
+                    "breakdown_s",
+                    "memory",
+                    "assumed",
+                    "does_not_fit",
+                )
+                if k in doc
+            }
+            for name, doc in docs.items()
+        },
         "unknown_in_the_release": [
             "sequence length, global batch, microbatch size, activation recompute, the EP and PP degrees, and the "
             "precision of the 52k / 19.4k / 858 runs are not stated in the material found; the scenario files' "
@@ -187,18 +253,24 @@ def table(report: dict[str, Any]) -> str:
     def err(value: Any) -> str:
         return f"{value:+.0%}" if isinstance(value, float) else (value or "")
 
-    lines = ["| comparison | metric | published | projected, eager | error | projected, lean | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| comparison | metric | published | projected, eager | error | projected, lean | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in report["rows"]:
         m = row["metric"]
-        lines.append(f"| {row['comparison']} | {m} | {fmt(row['published'], m)} | "
-                     f"{fmt(row['projected_eager'], m)} | {err(row['error']['eager'])} | "
-                     f"{fmt(row['projected_lean'], m)} | {err(row['error']['lean'])} |")
+        lines.append(
+            f"| {row['comparison']} | {m} | {fmt(row['published'], m)} | "
+            f"{fmt(row['projected_eager'], m)} | {err(row['error']['eager'])} | "
+            f"{fmt(row['projected_lean'], m)} | {err(row['error']['lean'])} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.validate.reference_release", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.validate.reference_release", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--device", default="b300")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)

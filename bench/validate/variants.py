@@ -104,14 +104,21 @@ def ratio_summary(base_s: list[float], variant_s: list[float]) -> dict[str, Any]
     if len(base_s) != len(variant_s) or not base_s:
         raise ValueError("paired block times need as many base as variant blocks, at least one")
     ratios = [b / v for b, v in zip(base_s, variant_s)]
-    summary: dict[str, Any] = {"per_pair": ratios, "median": statistics.median(ratios), "min": min(ratios),
-                               "max": max(ratios)}
+    summary: dict[str, Any] = {
+        "per_pair": ratios,
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+    }
     if len(ratios) >= 2:
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
         # log_ratios(baseline, candidate) is log(candidate / baseline): here log(base / variant).
         estimate = paired.hodges_lehmann(paired.log_ratios(variant_s, base_s))
-        summary.update(quartiles=[q1, q3], hodges_lehmann=math.exp(estimate.estimate),
-                       interval_95=[math.exp(estimate.low), math.exp(estimate.high)])
+        summary.update(
+            quartiles=[q1, q3],
+            hodges_lehmann=math.exp(estimate.estimate),
+            interval_95=[math.exp(estimate.low), math.exp(estimate.high)],
+        )
     return summary
 
 
@@ -163,9 +170,18 @@ def peak_memory_mib(side: Any) -> float | None:
     return max(peaks) if peaks else None
 
 
-def measure(scenario: Scenario, base: Variant, variants: list[Variant], device: str, pairs: int, block_s: float,
-            timeout_s: float, log: Callable[[str], None], side_factory: Callable[..., Any] = ResidentSide,
-            root: Path = REPO_ROOT) -> dict[str, Any]:
+def measure(
+    scenario: Scenario,
+    base: Variant,
+    variants: list[Variant],
+    device: str,
+    pairs: int,
+    block_s: float,
+    timeout_s: float,
+    log: Callable[[str], None],
+    side_factory: Callable[..., Any] = ResidentSide,
+    root: Path = REPO_ROOT,
+) -> dict[str, Any]:
     """One scenario's rounds of paired blocks, every variant against the base (see the module docstring).
 
     ``side_factory(label, root, scenario, device, timeout_s)``: a context manager with ``block(steps)
@@ -176,8 +192,13 @@ def measure(scenario: Scenario, base: Variant, variants: list[Variant], device: 
         raise ValueError("at least one variant is measured against the base")
     if len(set(names + [base.name])) != len(names) + 1:
         raise ValueError(f"variant names must be distinct: {[base.name, *names]}")
-    row: dict[str, Any] = {"scenario": scenario.name, "file": str(scenario.file), "mode": scenario.mode,
-                           "base": base.name, "variants": names}
+    row: dict[str, Any] = {
+        "scenario": scenario.name,
+        "file": str(scenario.file),
+        "mode": scenario.mode,
+        "base": base.name,
+        "variants": names,
+    }
     if scenario.mode != "execute":
         log(f"{scenario.name}: skipped, a {scenario.mode} scenario has no execution")
         return {**row, "status": "skipped", "reason": f"a {scenario.mode} scenario has no execution"}
@@ -218,8 +239,10 @@ def measure(scenario: Scenario, base: Variant, variants: list[Variant], device: 
                     base_s[variant].append(seconds[base.name])
                     if len(times[base.name]) == pairs:  # the base has trained as many steps as a variant at its end
                         base_matched = sides[base.name].last_losses
-                log(f"{scenario.name}: round {index + 1}/{pairs} ({steps} steps a block): " + ", ".join(
-                    f"{n} x{base_s[n][-1] / times[n][-1]:.3f}" for n in names))
+                log(
+                    f"{scenario.name}: round {index + 1}/{pairs} ({steps} steps a block): "
+                    + ", ".join(f"{n} x{base_s[n][-1] / times[n][-1]:.3f}" for n in names)
+                )
             last_losses = {name: side.last_losses for name, side in sides.items()}
             last_losses[base.name] = base_matched
             peak_mib = {name: peak_memory_mib(side) for name, side in sides.items()}
@@ -229,9 +252,15 @@ def measure(scenario: Scenario, base: Variant, variants: list[Variant], device: 
     tokens_per_step = scenario.run["tokens_per_step"]
     ratios = {name: ratio_summary(base_s[name], times[name]) for name in names}
     result = {
-        **row, "status": "ok", "patches": {v.name: dict(v.patch) for v in (base, *variants)},
-        "steps_per_block": steps, "tokens_per_step": tokens_per_step, "order": order,
-        "block_s": times, "base_block_s": base_s, "ratios": ratios,
+        **row,
+        "status": "ok",
+        "patches": {v.name: dict(v.patch) for v in (base, *variants)},
+        "steps_per_block": steps,
+        "tokens_per_step": tokens_per_step,
+        "order": order,
+        "block_s": times,
+        "base_block_s": base_s,
+        "ratios": ratios,
         "tokens_per_s_median": {name: steps * tokens_per_step / statistics.median(t) for name, t in times.items()},
         "ready_s": ready_s,
         "peak_rss_mib": peak_mib if any(v is not None for v in peak_mib.values()) else None,
@@ -241,9 +270,11 @@ def measure(scenario: Scenario, base: Variant, variants: list[Variant], device: 
         "last_block_losses": last_losses,
         "last_block_loss_max_rel_diff": {n: loss_gap(last_losses[base.name], last_losses[n]) for n in names},
     }
-    log(f"{scenario.name}: " + "; ".join(
-        f"{n} x{ratios[n]['median']:.3f} ({ratios[n]['min']:.3f} to {ratios[n]['max']:.3f})" for n in names)
-        + f" (median of {pairs} pairs, throughput over {base.name})")
+    log(
+        f"{scenario.name}: "
+        + "; ".join(f"{n} x{ratios[n]['median']:.3f} ({ratios[n]['min']:.3f} to {ratios[n]['max']:.3f})" for n in names)
+        + f" (median of {pairs} pairs, throughput over {base.name})"
+    )
     return result
 
 
@@ -254,13 +285,19 @@ def _interval(summary: Mapping[str, Any], key: str) -> str:
 def render(rows: list[dict[str, Any]], control: str | None = None) -> str:
     """A markdown table: a line per scenario and variant, its throughput ratio to the base; peak
     memory as MiB and the difference from the base's; ``control`` (an A/A variant) marked."""
-    lines = [("| scenario | ranks | variant | throughput vs base (median) | range | quartiles | HL 95% interval "
-              "| peak RSS MiB (vs base) |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        (
+            "| scenario | ranks | variant | throughput vs base (median) | range | quartiles | HL 95% interval "
+            "| peak RSS MiB (vs base) |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
         if row["status"] != "ok":
-            lines.append(f"| {row['scenario']} | {row.get('world_size', '-')} | - | {row['status']}: "
-                         f"{row.get('reason') or row.get('error')} | | | | |")
+            lines.append(
+                f"| {row['scenario']} | {row.get('world_size', '-')} | - | {row['status']}: "
+                f"{row.get('reason') or row.get('error')} | | | | |"
+            )
             continue
         peaks = row.get("peak_rss_mib") or {}
         base_peak = peaks.get(row["base"])
@@ -268,11 +305,14 @@ def render(rows: list[dict[str, Any]], control: str | None = None) -> str:
             s = row["ratios"][name]
             label = f"{name} (A/A control)" if name == control else name
             peak = peaks.get(name)
-            memory = "-" if peak is None else (
-                f"{peak:.0f}" + ("" if base_peak is None else f" ({peak - base_peak:+.0f})"))
-            lines.append(f"| {row['scenario']} | {row['world_size']} | {label} vs {row['base']} | x{s['median']:.3f} "
-                         f"| {s['min']:.3f} to {s['max']:.3f} | {_interval(s, 'quartiles')} "
-                         f"| {_interval(s, 'interval_95')} | {memory} |")
+            memory = (
+                "-" if peak is None else (f"{peak:.0f}" + ("" if base_peak is None else f" ({peak - base_peak:+.0f})"))
+            )
+            lines.append(
+                f"| {row['scenario']} | {row['world_size']} | {label} vs {row['base']} | x{s['median']:.3f} "
+                f"| {s['min']:.3f} to {s['max']:.3f} | {_interval(s, 'quartiles')} "
+                f"| {_interval(s, 'interval_95')} | {memory} |"
+            )
     return "\n".join(lines)
 
 
@@ -323,10 +363,20 @@ def write_measurement(args, command: str, rows: list[dict], settings: Mapping[st
 
     if args.out:
         document = {
-            "command": command, "measured_at": utc_now(), "machine": machine_info(), "engine": engine_info(),
-            "settings": {"suite": None if args.scenarios else args.suite, "pairs": args.pairs,
-                         "block_s": args.block_s, "timeout_s": args.timeout_s, "device": args.device, **settings},
-            **extra, "scenarios": rows,
+            "command": command,
+            "measured_at": utc_now(),
+            "machine": machine_info(),
+            "engine": engine_info(),
+            "settings": {
+                "suite": None if args.scenarios else args.suite,
+                "pairs": args.pairs,
+                "block_s": args.block_s,
+                "timeout_s": args.timeout_s,
+                "device": args.device,
+                **settings,
+            },
+            **extra,
+            "scenarios": rows,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")

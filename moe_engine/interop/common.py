@@ -13,7 +13,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Pair", "converted_model", "copy_weights", "dense_pattern", "rope_parameters", "shared_unsupported", "tied_parameters"]
+__all__ = [
+    "Pair",
+    "converted_model",
+    "copy_weights",
+    "dense_pattern",
+    "rope_parameters",
+    "shared_unsupported",
+    "tied_parameters",
+]
 
 Pair = tuple[str, str] | tuple[str, str, Callable[[torch.Tensor], torch.Tensor]]
 """(engine name, transformers name[, transform of the source before the copy])."""
@@ -28,8 +36,9 @@ def rope_parameters(hf_config: Any) -> tuple[float, str]:
     return float(hf_config.rope_theta), scaling.get("rope_type", scaling.get("type", "default"))
 
 
-def copy_weights(model: nn.Module, theirs: dict[str, torch.Tensor], pairs: Iterable[Pair],
-                 buffers: Iterable[str] = ()) -> None:
+def copy_weights(
+    model: nn.Module, theirs: dict[str, torch.Tensor], pairs: Iterable[Pair], buffers: Iterable[str] = ()
+) -> None:
     """Copy ``theirs[their_name]`` into each engine tensor named by ``pairs`` (its parameters, and the
     buffers named in ``buffers``); every engine parameter and every tensor of ``theirs`` must be used
     exactly once."""
@@ -66,8 +75,10 @@ def shared_unsupported(hf_config: Any) -> list[str]:
         (getattr(hf_config, "attention_dropout", 0.0) != 0, "attention_dropout != 0 (no dropout)"),
         (rope_type != "default", f"rope type {rope_type!r} (only the default RoPE, no YaRN or other scaling)"),
         (hf_config.hidden_act != "silu", f"hidden_act={hf_config.hidden_act!r} (experts are SwiGLU)"),
-        (getattr(hf_config, "sliding_window", None) is not None,
-         f"sliding_window={getattr(hf_config, 'sliding_window', None)} (attention is over the whole causal context)"),
+        (
+            getattr(hf_config, "sliding_window", None) is not None,
+            f"sliding_window={getattr(hf_config, 'sliding_window', None)} (attention is over the whole causal context)",
+        ),
     ]
     return [reason for bad, reason in checks if bad]
 
@@ -95,8 +106,14 @@ def tied_parameters(hf_model: nn.Module, tied: bool) -> dict[str, torch.Tensor]:
     return theirs
 
 
-def converted_model(hf_model: nn.Module, config, pairs: Iterable[Pair], device: torch.device | str | None,
-                    their_buffers: dict[str, torch.Tensor] | None = None, buffers: Iterable[str] = ()):
+def converted_model(
+    hf_model: nn.Module,
+    config,
+    pairs: Iterable[Pair],
+    device: torch.device | str | None,
+    their_buffers: dict[str, torch.Tensor] | None = None,
+    buffers: Iterable[str] = (),
+):
     """An engine ``Transformer`` of ``config`` with ``hf_model``'s weights copied by ``pairs`` (and
     ``their_buffers`` into the engine buffers named in ``buffers``), on ``hf_model``'s device unless
     ``device`` says otherwise, cast to ``config.dtype``."""

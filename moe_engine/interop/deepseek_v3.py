@@ -57,8 +57,10 @@ def config_from_transformers(
     """The engine config of a DeepSeek-V3 model; raises ValueError for anything the engine would compute differently."""
     problems = shared_unsupported(hf_config)
     if hf_config.rms_norm_eps != _LATENT_NORM_EPS:
-        problems.append(f"rms_norm_eps={hf_config.rms_norm_eps} (transformers' latent norms use {_LATENT_NORM_EPS}, "
-                        "the engine one epsilon)")
+        problems.append(
+            f"rms_norm_eps={hf_config.rms_norm_eps} (transformers' latent norms use {_LATENT_NORM_EPS}, "
+            "the engine one epsilon)"
+        )
     if hf_config.num_key_value_heads != hf_config.num_attention_heads:
         problems.append(f"num_key_value_heads={hf_config.num_key_value_heads} (MLA has one key and value per head)")
     if problems:
@@ -108,7 +110,7 @@ def _halves_from_pairs(rows: int, rope_dim: int, rope_start: int, period: int):
     [rope_start, rope_start + rope_dim) of each) from interleaved pairs to halves: evens, then odds."""
     order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
     index = torch.arange(rows).view(-1, period)
-    index[:, rope_start:rope_start + rope_dim] = index[:, rope_start:rope_start + rope_dim][:, order]
+    index[:, rope_start : rope_start + rope_dim] = index[:, rope_start : rope_start + rope_dim][:, order]
 
     def transform(weight: torch.Tensor) -> torch.Tensor:
         return weight.index_select(0, index.flatten().to(weight.device))

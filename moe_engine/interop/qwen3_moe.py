@@ -62,7 +62,8 @@ def config_from_transformers(
         problems.append(
             f"MoE blocks at {[i for i, m in enumerate(_moe_blocks(hf_config)) if m]} (decoder_sparse_step="
             f"{hf_config.decoder_sparse_step}, mlp_only_layers={hf_config.mlp_only_layers}): the engine places MoE "
-            "blocks every n-th block after leading dense ones")
+            "blocks every n-th block after leading dense ones"
+        )
     if problems:
         raise ValueError("Qwen3-MoE config not supported by moe_engine: " + "; ".join(problems))
     n_dense, every = pattern

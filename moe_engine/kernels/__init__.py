@@ -34,8 +34,19 @@ from moe_engine.kernels.router import router_scores
 from moe_engine.kernels.routing import combine_rows, gather_rows
 
 __all__ = [
-    "KernelPath", "add_rms_norm", "combine_rows", "gather_rows", "kernel_paths", "linear_cross_entropy",
-    "paths_details", "rms_norm", "rope", "router_scores", "swiglu", "swiglu_packed", "swiglu_packed_backward",
+    "KernelPath",
+    "add_rms_norm",
+    "combine_rows",
+    "gather_rows",
+    "kernel_paths",
+    "linear_cross_entropy",
+    "paths_details",
+    "rms_norm",
+    "rope",
+    "router_scores",
+    "swiglu",
+    "swiglu_packed",
+    "swiglu_packed_backward",
 ]
 
 

@@ -60,8 +60,17 @@ def _tile(n_rows, width, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
 
 @triton.jit
 def _forward_kernel(
-    gate_ptr, up_ptr, a_ptr, n_rows, width, gate_stride, up_stride, a_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BF16: tl.constexpr,
+    gate_ptr,
+    up_ptr,
+    a_ptr,
+    n_rows,
+    width,
+    gate_stride,
+    up_stride,
+    a_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, width, BLOCK_ROWS, BLOCK_COLS)
     gate = load_f32(gate_ptr, rows * gate_stride + cols, mask, BF16)
@@ -72,9 +81,24 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    gate_ptr, up_ptr, grad_a_ptr, grad_gate_ptr, grad_up_ptr, a_ptr, n_rows, width,
-    gate_stride, up_stride, grad_a_stride, grad_gate_stride, grad_up_stride, a_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BF16: tl.constexpr, STORE_A: tl.constexpr,
+    gate_ptr,
+    up_ptr,
+    grad_a_ptr,
+    grad_gate_ptr,
+    grad_up_ptr,
+    a_ptr,
+    n_rows,
+    width,
+    gate_stride,
+    up_stride,
+    grad_a_stride,
+    grad_gate_stride,
+    grad_up_stride,
+    a_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BF16: tl.constexpr,
+    STORE_A: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, width, BLOCK_ROWS, BLOCK_COLS)
     gate = load_f32(gate_ptr, rows * gate_stride + cols, mask, BF16)
@@ -126,9 +150,17 @@ def _triton_forward(gate: Tensor, up: Tensor) -> Tensor:
         grid, block_rows, block_cols = _grid(rows, width)
         with on_device(gate_NF):
             _forward_kernel[grid](
-                as_bits(gate_NF), as_bits(up_NF), as_bits(a_NF), rows, width,
-                gate_NF.stride(0), up_NF.stride(0), a_NF.stride(0),
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16=gate.dtype == torch.bfloat16,
+                as_bits(gate_NF),
+                as_bits(up_NF),
+                as_bits(a_NF),
+                rows,
+                width,
+                gate_NF.stride(0),
+                up_NF.stride(0),
+                a_NF.stride(0),
+                BLOCK_ROWS=block_rows,
+                BLOCK_COLS=block_cols,
+                BF16=gate.dtype == torch.bfloat16,
             )
     return a_NF.view(gate.shape)
 
@@ -142,10 +174,24 @@ def _triton_backward(gate: Tensor, up: Tensor, grad_a: Tensor, grad_gate: Tensor
     out_a = a if a is not None else grad_up
     with on_device(gate):
         _backward_kernel[grid](
-            as_bits(gate), as_bits(up), as_bits(grad_a), as_bits(grad_gate), as_bits(grad_up), as_bits(out_a),
-            rows, width,
-            gate.stride(0), up.stride(0), grad_a.stride(0), grad_gate.stride(0), grad_up.stride(0), out_a.stride(0),
-            BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16=gate.dtype == torch.bfloat16, STORE_A=a is not None,
+            as_bits(gate),
+            as_bits(up),
+            as_bits(grad_a),
+            as_bits(grad_gate),
+            as_bits(grad_up),
+            as_bits(out_a),
+            rows,
+            width,
+            gate.stride(0),
+            up.stride(0),
+            grad_a.stride(0),
+            grad_gate.stride(0),
+            grad_up.stride(0),
+            out_a.stride(0),
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+            BF16=gate.dtype == torch.bfloat16,
+            STORE_A=a is not None,
         )
 
 

@@ -118,8 +118,15 @@ def triton_chunk_loss(logits_CV: Tensor, labels_C: Tensor, ignore_index: int) ->
     if rows:
         with on_device(logits_CV):
             _loss_kernel[(rows,)](
-                as_bits(logits_CV), labels_C, lse_C, loss_C, vocab, ignore_index,
-                BLOCK=_block(vocab), BF16=logits_CV.dtype == torch.bfloat16, num_warps=8,
+                as_bits(logits_CV),
+                labels_C,
+                lse_C,
+                loss_C,
+                vocab,
+                ignore_index,
+                BLOCK=_block(vocab),
+                BF16=logits_CV.dtype == torch.bfloat16,
+                num_warps=8,
             )
     return lse_C, loss_C
 
@@ -130,8 +137,15 @@ def triton_chunk_grad(logits_CV: Tensor, labels_C: Tensor, lse_C: Tensor, scale:
     if rows:
         with on_device(logits_CV):
             _grad_kernel[(rows,)](
-                as_bits(logits_CV), labels_C, lse_C, scale, vocab, ignore_index,
-                BLOCK=_block(vocab), BF16=logits_CV.dtype == torch.bfloat16, num_warps=8,
+                as_bits(logits_CV),
+                labels_C,
+                lse_C,
+                scale,
+                vocab,
+                ignore_index,
+                BLOCK=_block(vocab),
+                BF16=logits_CV.dtype == torch.bfloat16,
+                num_warps=8,
             )
     return logits_CV
 

@@ -64,9 +64,20 @@ def reference_backward(
 
 @triton.jit
 def _forward_kernel(
-    x_ptr, residual_ptr, h_ptr, weight_ptr, y_ptr, rstd_ptr,
-    n_rows, width, eps, tiles_per_program,
-    BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, RESIDUAL: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    h_ptr,
+    weight_ptr,
+    y_ptr,
+    rstd_ptr,
+    n_rows,
+    width,
+    eps,
+    tiles_per_program,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+    RESIDUAL: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK)
     in_row = cols < width
@@ -89,9 +100,20 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    grad_y_ptr, grad_h_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, grad_weight_partial_ptr,
-    n_rows, width, tiles_per_program,
-    BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, GRAD_H: tl.constexpr,
+    grad_y_ptr,
+    grad_h_ptr,
+    x_ptr,
+    weight_ptr,
+    rstd_ptr,
+    grad_x_ptr,
+    grad_weight_partial_ptr,
+    n_rows,
+    width,
+    tiles_per_program,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+    GRAD_H: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK)
     in_row = cols < width
@@ -150,9 +172,20 @@ def _triton_forward(x: Tensor, residual: Tensor | None, weight: Tensor, eps: flo
         programs, per_program, rows_per_tile = _launch_shape(rows, block, x.device)
         with on_device(x_NW):
             _forward_kernel[(programs,)](
-                as_bits(x_NW), as_bits(residual_NW), as_bits(h_NW if h_NW is not None else y_NW), as_bits(weight),
-                as_bits(y_NW), rstd_N, rows, width, eps, per_program,
-                BLOCK_ROWS=rows_per_tile, BLOCK=block, BF16=x.dtype == torch.bfloat16, RESIDUAL=residual is not None,
+                as_bits(x_NW),
+                as_bits(residual_NW),
+                as_bits(h_NW if h_NW is not None else y_NW),
+                as_bits(weight),
+                as_bits(y_NW),
+                rstd_N,
+                rows,
+                width,
+                eps,
+                per_program,
+                BLOCK_ROWS=rows_per_tile,
+                BLOCK=block,
+                BF16=x.dtype == torch.bfloat16,
+                RESIDUAL=residual is not None,
                 num_warps=warps_for(rows_per_tile * block),
             )
     h = h_NW.view(x.shape) if h_NW is not None else None
@@ -173,9 +206,20 @@ def _triton_backward(grad_y: Tensor, grad_h: Tensor | None, x: Tensor, weight: T
     partial_PW = torch.empty(programs, width, dtype=torch.float32, device=x.device)
     with on_device(x_NW):
         _backward_kernel[(programs,)](
-            as_bits(grad_y_NW), as_bits(grad_h_NW), as_bits(x_NW), as_bits(weight), rstd.reshape(-1).contiguous(),
-            as_bits(grad_x_NW), partial_PW, rows, width, per_program,
-            BLOCK_ROWS=rows_per_tile, BLOCK=block, BF16=x.dtype == torch.bfloat16, GRAD_H=grad_h is not None,
+            as_bits(grad_y_NW),
+            as_bits(grad_h_NW),
+            as_bits(x_NW),
+            as_bits(weight),
+            rstd.reshape(-1).contiguous(),
+            as_bits(grad_x_NW),
+            partial_PW,
+            rows,
+            width,
+            per_program,
+            BLOCK_ROWS=rows_per_tile,
+            BLOCK=block,
+            BF16=x.dtype == torch.bfloat16,
+            GRAD_H=grad_h is not None,
             num_warps=warps_for(rows_per_tile * block),
         )
     return grad_x_NW.view(x.shape), partial_PW.sum(0).to(weight.dtype)

@@ -55,9 +55,25 @@ def reference_backward(grad_y: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor
 
 @triton.jit
 def _rope_kernel(
-    x_ptr, cos_ptr, sin_ptr, y_ptr, n_rows, heads, seq, half,
-    x_stride_b, x_stride_h, x_stride_s, y_stride_b, y_stride_h, y_stride_s, table_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr, TABLE_BF16: tl.constexpr,
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    n_rows,
+    heads,
+    seq,
+    half,
+    x_stride_b,
+    x_stride_h,
+    x_stride_s,
+    y_stride_b,
+    y_stride_h,
+    y_stride_s,
+    table_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+    TABLE_BF16: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
     # Row r of the tile is (batch, head, position) of x's (B, H, S) leading dims; columns are the half-dim.
@@ -109,10 +125,26 @@ def _triton_rotate(x: Tensor, cos_SD: Tensor, sin_SD: Tensor, backward: bool) ->
         block_rows = max(1, min(triton.next_power_of_2(rows), TILE_ELEMENTS // block))
         with on_device(x):
             _rope_kernel[(triton.cdiv(rows, block_rows),)](
-                as_bits(x), as_bits(cos_SD), as_bits(sin_SD), as_bits(y), rows, heads, seq, half,
-                x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2), cos_SD.stride(0),
-                BLOCK_ROWS=block_rows, BLOCK=block, BF16=x.dtype == torch.bfloat16,
-                TABLE_BF16=cos_SD.dtype == torch.bfloat16, BACKWARD=backward,
+                as_bits(x),
+                as_bits(cos_SD),
+                as_bits(sin_SD),
+                as_bits(y),
+                rows,
+                heads,
+                seq,
+                half,
+                x.stride(0),
+                x.stride(1),
+                x.stride(2),
+                y.stride(0),
+                y.stride(1),
+                y.stride(2),
+                cos_SD.stride(0),
+                BLOCK_ROWS=block_rows,
+                BLOCK=block,
+                BF16=x.dtype == torch.bfloat16,
+                TABLE_BF16=cos_SD.dtype == torch.bfloat16,
+                BACKWARD=backward,
             )
     return y
 

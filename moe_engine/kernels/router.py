@@ -71,8 +71,14 @@ def reference_forward(
 
 
 def reference_backward(
-    grad_weight: Tensor, grad_mean_probs: Tensor, grad_lse: Tensor, logits: Tensor, expert: Tensor,
-    sigmoid: bool, normalize: bool, scale: float,
+    grad_weight: Tensor,
+    grad_mean_probs: Tensor,
+    grad_lse: Tensor,
+    logits: Tensor,
+    expert: Tensor,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
 ) -> Tensor:
     """grad_logits (the module docstring's formulas)."""
     softmax = torch.softmax(logits, dim=-1)
@@ -133,10 +139,22 @@ def _gathered(scores, expert_ptr, rows, live, cols, slots, top_k, BLOCK_ROWS: tl
 
 @triton.jit
 def _forward_kernel(
-    logits_ptr, expert_ptr, weight_ptr, lse_ptr, partial_ptr,
-    n_rows, n_experts, top_k, inv_rows, scale, tiles_per_program,
-    BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr,
+    logits_ptr,
+    expert_ptr,
+    weight_ptr,
+    lse_ptr,
+    partial_ptr,
+    n_rows,
+    n_experts,
+    top_k,
+    inv_rows,
+    scale,
+    tiles_per_program,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_E)
     in_row = cols < n_experts
@@ -166,10 +184,23 @@ def _forward_kernel(
 
 @triton.jit
 def _backward_kernel(
-    logits_ptr, expert_ptr, grad_weight_ptr, grad_mean_ptr, grad_lse_ptr, grad_logits_ptr,
-    n_rows, n_experts, top_k, inv_rows, scale, tiles_per_program,
-    BLOCK_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr,
+    logits_ptr,
+    expert_ptr,
+    grad_weight_ptr,
+    grad_mean_ptr,
+    grad_lse_ptr,
+    grad_logits_ptr,
+    n_rows,
+    n_experts,
+    top_k,
+    inv_rows,
+    scale,
+    tiles_per_program,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    NORMALIZE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_E)
     in_row = cols < n_experts
@@ -214,7 +245,9 @@ def path(device: torch.device | str, dtype: torch.dtype = torch.float32, num_exp
     """``dispatch.KernelPath`` of the router's scores for logits of ``dtype`` over ``num_experts``."""
     limit = None
     if dtype != torch.float32:
-        limit = f"the kernel takes float32 logits (the router computes in fp32), not {str(dtype).removeprefix('torch.')}"
+        limit = (
+            f"the kernel takes float32 logits (the router computes in fp32), not {str(dtype).removeprefix('torch.')}"
+        )
     elif num_experts > MAX_EXPERTS:
         limit = f"rows of {num_experts} experts exceed the kernel's {MAX_EXPERTS}"
     return dispatch.choose("router_scores", device, dtype, _forward_kernel, limit)
@@ -237,8 +270,14 @@ def _launch_shape(rows: int, block: int, device: torch.device) -> tuple[int, int
 def _meta(rows: int, experts: int, top_k: int, device: torch.device, sigmoid: bool, normalize: bool):
     block = triton.next_power_of_2(experts)
     programs, per_program, rows_per_tile = _launch_shape(rows, block, device)
-    meta = {"BLOCK_ROWS": rows_per_tile, "BLOCK_E": block, "BLOCK_K": triton.next_power_of_2(top_k),
-            "SIGMOID": sigmoid, "NORMALIZE": normalize, "num_warps": warps_for(rows_per_tile * block)}
+    meta = {
+        "BLOCK_ROWS": rows_per_tile,
+        "BLOCK_E": block,
+        "BLOCK_K": triton.next_power_of_2(top_k),
+        "SIGMOID": sigmoid,
+        "NORMALIZE": normalize,
+        "num_warps": warps_for(rows_per_tile * block),
+    }
     return programs, per_program, meta
 
 
@@ -253,14 +292,31 @@ def _triton_forward(logits: Tensor, expert: Tensor, sigmoid: bool, normalize: bo
     partial = torch.empty(programs, experts, dtype=torch.float32, device=logits.device)
     with on_device(logits):
         _forward_kernel[(programs,)](
-            logits, expert, weight, lse, partial, rows, experts, top_k, 1.0 / rows, scale, per_program, **meta,
+            logits,
+            expert,
+            weight,
+            lse,
+            partial,
+            rows,
+            experts,
+            top_k,
+            1.0 / rows,
+            scale,
+            per_program,
+            **meta,
         )
     return weight, partial.sum(0), lse
 
 
 def _triton_backward(
-    grad_weight: Tensor, grad_mean_probs: Tensor, grad_lse: Tensor, logits: Tensor, expert: Tensor,
-    sigmoid: bool, normalize: bool, scale: float,
+    grad_weight: Tensor,
+    grad_mean_probs: Tensor,
+    grad_lse: Tensor,
+    logits: Tensor,
+    expert: Tensor,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
 ) -> Tensor:
     logits, expert = logits.contiguous(), expert.contiguous()
     (rows, experts), top_k = logits.shape, expert.shape[1]
@@ -270,8 +326,19 @@ def _triton_backward(
     programs, per_program, meta = _meta(rows, experts, top_k, logits.device, sigmoid, normalize)
     with on_device(logits):
         _backward_kernel[(programs,)](
-            logits, expert, grad_weight.contiguous(), grad_mean_probs.contiguous(), grad_lse.contiguous(),
-            grad_logits, rows, experts, top_k, 1.0 / rows, scale, per_program, **meta,
+            logits,
+            expert,
+            grad_weight.contiguous(),
+            grad_mean_probs.contiguous(),
+            grad_lse.contiguous(),
+            grad_logits,
+            rows,
+            experts,
+            top_k,
+            1.0 / rows,
+            scale,
+            per_program,
+            **meta,
         )
     return grad_logits
 
@@ -297,8 +364,14 @@ def _(logits, expert, sigmoid, normalize, scale):
 
 @torch.library.custom_op("moe_engine::router_scores_backward", mutates_args=())
 def router_scores_backward_op(
-    grad_weight: Tensor, grad_mean_probs: Tensor, grad_lse: Tensor, logits: Tensor, expert: Tensor,
-    sigmoid: bool, normalize: bool, scale: float,
+    grad_weight: Tensor,
+    grad_mean_probs: Tensor,
+    grad_lse: Tensor,
+    logits: Tensor,
+    expert: Tensor,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
 ) -> Tensor:
     """grad_logits."""
     args = (grad_weight, grad_mean_probs, grad_lse, logits, expert, sigmoid, normalize, scale)

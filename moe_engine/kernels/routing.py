@@ -77,8 +77,13 @@ def reference_combine(y_RD: Tensor, weight_TK: Tensor, row_N: Tensor, kept_N: Te
 
 
 def reference_combine_backward(
-    grad_TD: Tensor, y_RD: Tensor, weight_TK: Tensor, row_N: Tensor, assignment_R: Tensor,
-    kept_N: Tensor | None, filled_R: Tensor | None,
+    grad_TD: Tensor,
+    y_RD: Tensor,
+    weight_TK: Tensor,
+    row_N: Tensor,
+    assignment_R: Tensor,
+    kept_N: Tensor | None,
+    filled_R: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """(grad_y_RD, grad_weight_TK)."""
     num_tokens, top_k = weight_TK.shape
@@ -96,8 +101,19 @@ def reference_combine_backward(
 
 @triton.jit
 def _gather_kernel(
-    x_ptr, assignment_ptr, filled_ptr, out_ptr, n_rows, width, top_k, x_stride, out_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BF16: tl.constexpr, FILLED: tl.constexpr,
+    x_ptr,
+    assignment_ptr,
+    filled_ptr,
+    out_ptr,
+    n_rows,
+    width,
+    top_k,
+    x_stride,
+    out_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BF16: tl.constexpr,
+    FILLED: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -113,8 +129,19 @@ def _gather_kernel(
 
 @triton.jit
 def _sum_copies_kernel(
-    grad_ptr, row_ptr, kept_ptr, out_ptr, n_tokens, width, top_k, grad_stride, out_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BF16: tl.constexpr, KEPT: tl.constexpr,
+    grad_ptr,
+    row_ptr,
+    kept_ptr,
+    out_ptr,
+    n_tokens,
+    width,
+    top_k,
+    grad_stride,
+    out_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BF16: tl.constexpr,
+    KEPT: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
@@ -133,8 +160,20 @@ def _sum_copies_kernel(
 
 @triton.jit
 def _combine_kernel(
-    y_ptr, weight_ptr, row_ptr, kept_ptr, out_ptr, n_tokens, width, top_k, y_stride, out_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BF16: tl.constexpr, W_BF16: tl.constexpr,
+    y_ptr,
+    weight_ptr,
+    row_ptr,
+    kept_ptr,
+    out_ptr,
+    n_tokens,
+    width,
+    top_k,
+    y_stride,
+    out_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BF16: tl.constexpr,
+    W_BF16: tl.constexpr,
     KEPT: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -156,10 +195,29 @@ def _combine_kernel(
 
 @triton.jit
 def _combine_backward_kernel(
-    grad_ptr, y_ptr, weight_ptr, row_ptr, kept_ptr, filled_ptr, grad_y_ptr, grad_weight_ptr,
-    n_tokens, n_rows, width, top_k, token_programs, grad_stride, y_stride, grad_y_stride,
-    BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
-    W_BF16: tl.constexpr, KEPT: tl.constexpr, FILLED: tl.constexpr,
+    grad_ptr,
+    y_ptr,
+    weight_ptr,
+    row_ptr,
+    kept_ptr,
+    filled_ptr,
+    grad_y_ptr,
+    grad_weight_ptr,
+    n_tokens,
+    n_rows,
+    width,
+    top_k,
+    token_programs,
+    grad_stride,
+    y_stride,
+    grad_y_stride,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BF16: tl.constexpr,
+    W_BF16: tl.constexpr,
+    KEPT: tl.constexpr,
+    FILLED: tl.constexpr,
 ):
     # The first token_programs programs walk tokens; the rest zero the empty rows of grad_y.
     pid = tl.program_id(0)
@@ -171,8 +229,9 @@ def _combine_backward_kernel(
         for start in range(0, width, BLOCK_COLS):
             cols = start + tl.arange(0, BLOCK_COLS)
             in_row = (cols < width)[None, :]
-            grad = load_f32(grad_ptr, tokens.to(tl.int64)[:, None] * grad_stride + cols[None, :],
-                            live[:, None] & in_row, BF16)
+            grad = load_f32(
+                grad_ptr, tokens.to(tl.int64)[:, None] * grad_stride + cols[None, :], live[:, None] & in_row, BF16
+            )
             for j in range(top_k):
                 n = tokens.to(tl.int64) * top_k + j
                 row = tl.load(row_ptr + n, mask=live, other=0)
@@ -183,12 +242,18 @@ def _combine_backward_kernel(
                 y = load_f32(y_ptr, offsets, take[:, None] & in_row, BF16)
                 grad_weight += tl.where(slots[None, :] == j, tl.sum(grad * y, axis=1)[:, None], 0.0)
                 w = round_f32(load_f32(weight_ptr, n, live, W_BF16), BF16)
-                store_f32(grad_y_ptr, row[:, None] * grad_y_stride + cols[None, :], w[:, None] * grad,
-                          take[:, None] & in_row, BF16)
+                store_f32(
+                    grad_y_ptr,
+                    row[:, None] * grad_y_stride + cols[None, :],
+                    w[:, None] * grad,
+                    take[:, None] & in_row,
+                    BF16,
+                )
         # bmm stores the sum in y's dtype, then .to() the weight's.
         offsets_TK = tokens.to(tl.int64)[:, None] * top_k + slots[None, :]
-        store_f32(grad_weight_ptr, offsets_TK, round_f32(grad_weight, BF16),
-                  live[:, None] & (slots < top_k)[None, :], W_BF16)
+        store_f32(
+            grad_weight_ptr, offsets_TK, round_f32(grad_weight, BF16), live[:, None] & (slots < top_k)[None, :], W_BF16
+        )
     else:
         if FILLED:
             rows = (pid - token_programs) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -197,13 +262,21 @@ def _combine_backward_kernel(
             zeros = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
             for start in range(0, width, BLOCK_COLS):
                 cols = start + tl.arange(0, BLOCK_COLS)
-                store_f32(grad_y_ptr, rows.to(tl.int64)[:, None] * grad_y_stride + cols[None, :], zeros,
-                          empty[:, None] & (cols < width)[None, :], BF16)
+                store_f32(
+                    grad_y_ptr,
+                    rows.to(tl.int64)[:, None] * grad_y_stride + cols[None, :],
+                    zeros,
+                    empty[:, None] & (cols < width)[None, :],
+                    BF16,
+                )
 
 
 def path(
-    device: torch.device | str, dtype: torch.dtype, *other_dtypes: torch.dtype,
-    weight_dtype: torch.dtype | None = None, op: str = "gather_rows",
+    device: torch.device | str,
+    dtype: torch.dtype,
+    *other_dtypes: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
+    op: str = "gather_rows",
 ) -> dispatch.KernelPath:
     """``dispatch.KernelPath`` of ``op`` (``gather_rows`` or ``combine_rows``) for rows of ``dtype``
     (the gradient's in ``other_dtypes``), and the combine's weights in ``weight_dtype`` (fp32 or bf16,
@@ -219,8 +292,13 @@ def path(
 
 
 def _chosen(op: str, rows: Tensor, *others: Tensor, weight: Tensor | None = None) -> dispatch.KernelPath:
-    chosen = path(rows.device, rows.dtype, *(t.dtype for t in others),
-                  weight_dtype=None if weight is None else weight.dtype, op=op)
+    chosen = path(
+        rows.device,
+        rows.dtype,
+        *(t.dtype for t in others),
+        weight_dtype=None if weight is None else weight.dtype,
+        op=op,
+    )
     dispatch.note_fallback(chosen, rows.device)
     return chosen
 
@@ -251,10 +329,20 @@ def _triton_gather(x_TD: Tensor, assignment_R: Tensor, top_k: int, filled_R: Ten
         assignment_R = assignment_R.contiguous()
         with on_device(x_TD):
             _gather_kernel[grid](
-                as_bits(x_TD), assignment_R, _mask(filled_R, assignment_R), as_bits(out_RD), rows, width, top_k,
-                x_TD.stride(0), out_RD.stride(0),
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16=x_TD.dtype == torch.bfloat16,
-                FILLED=filled_R is not None, num_warps=warps_for(block_rows * block_cols),
+                as_bits(x_TD),
+                assignment_R,
+                _mask(filled_R, assignment_R),
+                as_bits(out_RD),
+                rows,
+                width,
+                top_k,
+                x_TD.stride(0),
+                out_RD.stride(0),
+                BLOCK_ROWS=block_rows,
+                BLOCK_COLS=block_cols,
+                BF16=x_TD.dtype == torch.bfloat16,
+                FILLED=filled_R is not None,
+                num_warps=warps_for(block_rows * block_cols),
             )
     return out_RD
 
@@ -269,10 +357,20 @@ def _triton_sum_copies(grad_RD: Tensor, row_N: Tensor, top_k: int, kept_N: Tenso
         row_N = row_N.contiguous()
         with on_device(grad_RD):
             _sum_copies_kernel[grid](
-                as_bits(grad_RD), row_N, _mask(kept_N, row_N), as_bits(out_TD), tokens, width, top_k,
-                grad_RD.stride(0), out_TD.stride(0),
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16=grad_RD.dtype == torch.bfloat16,
-                KEPT=kept_N is not None, num_warps=warps_for(block_rows * block_cols),
+                as_bits(grad_RD),
+                row_N,
+                _mask(kept_N, row_N),
+                as_bits(out_TD),
+                tokens,
+                width,
+                top_k,
+                grad_RD.stride(0),
+                out_TD.stride(0),
+                BLOCK_ROWS=block_rows,
+                BLOCK_COLS=block_cols,
+                BF16=grad_RD.dtype == torch.bfloat16,
+                KEPT=kept_N is not None,
+                num_warps=warps_for(block_rows * block_cols),
             )
     return out_TD
 
@@ -287,10 +385,21 @@ def _triton_combine(y_RD: Tensor, weight_TK: Tensor, row_N: Tensor, kept_N: Tens
         row_N = row_N.contiguous()
         with on_device(y_RD):
             _combine_kernel[grid](
-                as_bits(y_RD), as_bits(weight_TK), row_N, _mask(kept_N, row_N), as_bits(out_TD), tokens, width,
-                top_k, y_RD.stride(0), out_TD.stride(0),
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BF16=y_RD.dtype == torch.bfloat16,
-                W_BF16=weight_TK.dtype == torch.bfloat16, KEPT=kept_N is not None,
+                as_bits(y_RD),
+                as_bits(weight_TK),
+                row_N,
+                _mask(kept_N, row_N),
+                as_bits(out_TD),
+                tokens,
+                width,
+                top_k,
+                y_RD.stride(0),
+                out_TD.stride(0),
+                BLOCK_ROWS=block_rows,
+                BLOCK_COLS=block_cols,
+                BF16=y_RD.dtype == torch.bfloat16,
+                W_BF16=weight_TK.dtype == torch.bfloat16,
+                KEPT=kept_N is not None,
                 num_warps=warps_for(block_rows * block_cols),
             )
     return out_TD
@@ -312,12 +421,30 @@ def _triton_combine_backward(
         row_N = row_N.contiguous()
         with on_device(y_RD):
             _combine_backward_kernel[(token_programs + zero_programs,)](
-                as_bits(grad_TD), as_bits(y_RD), as_bits(weight_TK), row_N, _mask(kept_N, row_N),
-                _mask(filled_R, row_N), as_bits(grad_y_RD), as_bits(grad_weight_TK),
-                tokens, rows, width, top_k, token_programs, grad_TD.stride(0), y_RD.stride(0), grad_y_RD.stride(0),
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, BLOCK_K=triton.next_power_of_2(top_k),
-                BF16=y_RD.dtype == torch.bfloat16, W_BF16=weight_TK.dtype == torch.bfloat16,
-                KEPT=kept_N is not None, FILLED=filled_R is not None, num_warps=warps_for(block_rows * block_cols),
+                as_bits(grad_TD),
+                as_bits(y_RD),
+                as_bits(weight_TK),
+                row_N,
+                _mask(kept_N, row_N),
+                _mask(filled_R, row_N),
+                as_bits(grad_y_RD),
+                as_bits(grad_weight_TK),
+                tokens,
+                rows,
+                width,
+                top_k,
+                token_programs,
+                grad_TD.stride(0),
+                y_RD.stride(0),
+                grad_y_RD.stride(0),
+                BLOCK_ROWS=block_rows,
+                BLOCK_COLS=block_cols,
+                BLOCK_K=triton.next_power_of_2(top_k),
+                BF16=y_RD.dtype == torch.bfloat16,
+                W_BF16=weight_TK.dtype == torch.bfloat16,
+                KEPT=kept_N is not None,
+                FILLED=filled_R is not None,
+                num_warps=warps_for(block_rows * block_cols),
             )
     return grad_y_RD, grad_weight_TK
 
@@ -384,7 +511,12 @@ def _(y, weight, row, assignment, kept, filled):
 
 @torch.library.custom_op("moe_engine::combine_rows_backward", mutates_args=())
 def combine_rows_backward_op(
-    grad: Tensor, y: Tensor, weight: Tensor, row: Tensor, assignment: Tensor, kept: Tensor | None,
+    grad: Tensor,
+    y: Tensor,
+    weight: Tensor,
+    row: Tensor,
+    assignment: Tensor,
+    kept: Tensor | None,
     filled: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """(grad_y_RD, grad_weight_TK)."""
@@ -405,16 +537,26 @@ def _setup_combine_rows(ctx, inputs, output):
 def _backward_combine_rows(ctx, grad):
     y, weight, row, assignment, kept, filled = ctx.saved_tensors
     grad_y, grad_weight = combine_rows_backward_op(grad, y, weight, row, assignment, kept, filled)
-    return (grad_y if ctx.needs_input_grad[0] else None, grad_weight if ctx.needs_input_grad[1] else None,
-            None, None, None, None)
+    return (
+        grad_y if ctx.needs_input_grad[0] else None,
+        grad_weight if ctx.needs_input_grad[1] else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 combine_rows_op.register_autograd(_backward_combine_rows, setup_context=_setup_combine_rows)
 
 
 def gather_rows(
-    x_TD: Tensor, assignment_R: Tensor, row_N: Tensor, top_k: int,
-    filled_R: Tensor | None = None, kept_N: Tensor | None = None,
+    x_TD: Tensor,
+    assignment_R: Tensor,
+    row_N: Tensor,
+    top_k: int,
+    filled_R: Tensor | None = None,
+    kept_N: Tensor | None = None,
 ) -> Tensor:
     """rows_RD[r] = x_TD[assignment_R[r] // top_k] (zero where not ``filled_R``), one op forward and one
     backward (each token's kept rows, found by ``row_N``, summed)."""
@@ -422,8 +564,12 @@ def gather_rows(
 
 
 def combine_rows(
-    y_RD: Tensor, weight_TK: Tensor, row_N: Tensor, assignment_R: Tensor,
-    kept_N: Tensor | None = None, filled_R: Tensor | None = None,
+    y_RD: Tensor,
+    weight_TK: Tensor,
+    row_N: Tensor,
+    assignment_R: Tensor,
+    kept_N: Tensor | None = None,
+    filled_R: Tensor | None = None,
 ) -> Tensor:
     """y_TD[t] = sum_j weight_TK[t, j] * y_RD[row_N[t*k + j]] over the kept assignments, in y's dtype,
     one op forward and one backward, saving no gathered copy of the rows."""

@@ -71,7 +71,10 @@ class MultiHeadLatentAttention(nn.Module):
         elif qk_dim < v_dim:
             q_BSHq, k_BSHq = (F.pad(t, (0, v_dim - qk_dim)) for t in (q_BSHq, k_BSHq))
         o_BHSw = F.scaled_dot_product_attention(
-            q_BSHq.transpose(1, 2), k_BSHq.transpose(1, 2), v_BSHv.transpose(1, 2), is_causal=True,
+            q_BSHq.transpose(1, 2),
+            k_BSHq.transpose(1, 2),
+            v_BSHv.transpose(1, 2),
+            is_causal=True,
             scale=self.softmax_scale,
         )
         o_BSHv = o_BHSw.transpose(1, 2)[..., :v_dim]

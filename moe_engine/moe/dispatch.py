@@ -93,7 +93,9 @@ class LocalDispatcher(Dispatcher):
         return combine(y_ND, route.weight_TK, plan.rows, fused), _no_drops(x_TD.device)
 
 
-def all_to_all_rows(x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group) -> torch.Tensor:
+def all_to_all_rows(
+    x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group
+) -> torch.Tensor:
     rows = x.shape[0] if recv_splits is None else sum(recv_splits)
     out = x.new_empty(rows, *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
@@ -230,8 +232,9 @@ def _run_received(
         # to arrival order writes zeros there instead of reading them (filled_R), and its backward
         # sends them no gradient (kept_N), with no pass of its own over the rows.
         real_P = torch.arange(y_RD.shape[0], device=y_RD.device) < groups.offsets_E[-1]
-        back = RowMap(back.row_N, back.assignment_R, 1, kept_N=real_P,
-                      filled_R=real_P.index_select(0, back.assignment_R))
+        back = RowMap(
+            back.row_N, back.assignment_R, 1, kept_N=real_P, filled_R=real_P.index_select(0, back.assignment_R)
+        )
     return gather_tokens(y_RD, back, experts.fused_kernels)
 
 
@@ -306,8 +309,12 @@ class AllToAllDispatcher(Dispatcher):
             local_M = _received_local_experts_sync(recv_counts_SL, sum(recv_splits))
             local_M = local_M.index_select(0, self._chunk_major(recv_counts_SL.sum(dim=1), sum(recv_splits)))
             y_ND = self._chunked(
-                gather_tokens(x_TD, rows, fused), local_M, experts, chunk_rows(send_splits, self.chunks),
-                chunk_rows(recv_splits, self.chunks), padded=False,
+                gather_tokens(x_TD, rows, fused),
+                local_M,
+                experts,
+                chunk_rows(send_splits, self.chunks),
+                chunk_rows(recv_splits, self.chunks),
+                padded=False,
             )
             return combine(y_ND, route.weight_TK, rows, fused), _no_drops(x_TD.device)
 

@@ -46,9 +46,7 @@ class MoELayer(nn.Module):
         self.config = config
         self.router = Router(d_model, config, layer_idx)
         self.experts = GroupedExperts(d_model, config.expert_hidden, config.num_experts, config.backend)
-        self.shared_expert = (
-            SwiGLU(d_model, config.shared_expert_hidden) if config.shared_expert_hidden > 0 else None
-        )
+        self.shared_expert = SwiGLU(d_model, config.shared_expert_hidden) if config.shared_expert_hidden > 0 else None
         # Assignments per expert since the last expert-bias update (device tensor, no sync).
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
         self.dispatcher: Dispatcher = LocalDispatcher()

@@ -68,9 +68,7 @@ def z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
 def expert_counts(expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Assignments per expert, computed on the device (bincount would sync on CUDA)."""
     flat = expert_TK.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def limit_to_top_groups(choice_TE: torch.Tensor, n_groups: int, top_groups: int) -> torch.Tensor:

@@ -140,7 +140,10 @@ def _family_comms(groups: ProcessGroups | None) -> dict[ParamFamily, _FamilyComm
         # A group of one has nothing to reduce: no collective, and no separate ZeRO-1 output buffer.
         return None if dist.get_world_size(group) == 1 else group
 
-    return {ParamFamily.DENSE: _FamilyComm(alone(groups.dp), dp), ParamFamily.EXPERT: _FamilyComm(alone(groups.edp), dp)}
+    return {
+        ParamFamily.DENSE: _FamilyComm(alone(groups.dp), dp),
+        ParamFamily.EXPERT: _FamilyComm(alone(groups.edp), dp),
+    }
 
 
 @dataclass(eq=False)
@@ -289,13 +292,17 @@ def _build_buckets(
     totals: dict[tuple, int] = {}
     for (key, _), size in zip(plan, sizes):
         totals[key] = totals.get(key, 0) + size
+
     def grad_buffer_dtype(param_dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if grad_dtype is GradDtype.FP32 else param_dtype
 
     # Offsets are aligned for the parameter's dtype, whose alignment (in elements) is a multiple of
     # fp32's, so the fp32 gradient views are aligned too.
     flat = {
-        key: (torch.zeros(n, dtype=key[1], device=key[2]), torch.zeros(n, dtype=grad_buffer_dtype(key[1]), device=key[2]))
+        key: (
+            torch.zeros(n, dtype=key[1], device=key[2]),
+            torch.zeros(n, dtype=grad_buffer_dtype(key[1]), device=key[2]),
+        )
         for key, n in totals.items()
     }
     cursor = dict.fromkeys(totals, 0)

@@ -120,8 +120,7 @@ class Pipeline:
         bounds = stage_blocks(len(model.blocks), config.num_stages)
         self.modules = [StageModule(model, bounds[s]) for s in stage_indices]
         self.stages = [
-            _Stage(module, s, config.num_stages, device, group=group)
-            for module, s in zip(self.modules, stage_indices)
+            _Stage(module, s, config.num_stages, device, group=group) for module, s in zip(self.modules, stage_indices)
         ]
         self.parameters_module = StageParameters(self.modules)
         self.is_first = any(m.is_first for m in self.modules)

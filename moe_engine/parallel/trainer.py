@@ -59,7 +59,9 @@ def rank_config(config: ModelConfig, groups: ProcessGroups | None) -> ModelConfi
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, routing_seed=seed))
 
 
-def prepare_blocks(model: Transformer, parallel: ParallelConfig, recompute: RecomputeConfig | None, compile: bool) -> None:
+def prepare_blocks(
+    model: Transformer, parallel: ParallelConfig, recompute: RecomputeConfig | None, compile: bool
+) -> None:
     """How the blocks run: which recompute in backward (``moe_engine.recompute``), and compiled or eager."""
     recompute = recompute or RecomputeConfig()
     stages = stage_blocks(len(model.blocks), parallel.num_stages)
@@ -95,7 +97,11 @@ def build_rank_model(
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
-                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor,
+                groups.ep,
+                groups.coords.ep_rank,
+                parallel.ep,
+                parallel.dispatch,
+                parallel.capacity_factor,
                 parallel.a2a_chunks,
             )
     if fsdp:
@@ -130,7 +136,9 @@ class ParallelTrainer:
         if self.fsdp:
             self.optimizer = torch.optim.AdamW(
                 adamw_param_groups(list(rank_model.module.parameters()), config),
-                lr=config.lr, betas=config.betas, eps=config.eps,
+                lr=config.lr,
+                betas=config.betas,
+                eps=config.eps,
             )
         else:
             self.optimizer = build_data_parallel_optimizer(rank_model.module, groups, config, parallel)

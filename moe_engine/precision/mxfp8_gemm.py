@@ -191,12 +191,24 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, blo
     b_scales = b_ENK.scales.view(torch.uint8)
     grid = (triton.cdiv(m, block_m) + num_experts, triton.cdiv(n, block_n))
     _mx_grouped_mm_kernel[grid](
-        a_MK.data, a_scales, b_ENK.data, b_scales, out_MN, offsets_E,
-        m, n, k, num_experts,
-        *a_MK.data.stride(), *a_scales.stride(),
-        *b_ENK.data.stride(), *b_scales.stride(),
+        a_MK.data,
+        a_scales,
+        b_ENK.data,
+        b_scales,
+        out_MN,
+        offsets_E,
+        m,
+        n,
+        k,
+        num_experts,
+        *a_MK.data.stride(),
+        *a_scales.stride(),
+        *b_ENK.data.stride(),
+        *b_scales.stride(),
         *out_MN.stride(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=_block_k(k),
         BLOCK_E=max(triton.next_power_of_2(num_experts), 2),
     )
     return out_MN
@@ -222,12 +234,32 @@ if triton is not None:
 
     @triton.jit
     def _mx_grouped_mm_kernel(
-        a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, offsets_ptr,
-        M, N, K, num_experts,
-        stride_am, stride_ak, stride_asm, stride_ask,
-        stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
-        stride_cm, stride_cn,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+        a_ptr,
+        a_scale_ptr,
+        b_ptr,
+        b_scale_ptr,
+        c_ptr,
+        offsets_ptr,
+        M,
+        N,
+        K,
+        num_experts,
+        stride_am,
+        stride_ak,
+        stride_asm,
+        stride_ask,
+        stride_be,
+        stride_bn,
+        stride_bk,
+        stride_bse,
+        stride_bsn,
+        stride_bsk,
+        stride_cm,
+        stride_cn,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr,
     ):
         """C[rows of e, n-tile] = A[rows of e] @ B[e]^T with A (M, K), B (E, N, K) in e4m3 + e8m0 scales."""
         SCALES_K: tl.constexpr = BLOCK_K // 32
@@ -250,20 +282,24 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 a = tl.load(
                     a_ptr + rows64[:, None] * stride_am + (k0 + ks)[None, :] * stride_ak,
-                    mask=row_ok[:, None], other=0.0,
+                    mask=row_ok[:, None],
+                    other=0.0,
                 )
                 # Scale byte 127 is 2^0: masked rows hold zeros times one, never NaN.
                 a_scale = tl.load(
                     a_scale_ptr + rows64[:, None] * stride_asm + (k0 // 32 + ss)[None, :] * stride_ask,
-                    mask=row_ok[:, None], other=127,
+                    mask=row_ok[:, None],
+                    other=127,
                 )
                 b = tl.load(
                     b_base + cols64[None, :] * stride_bn + (k0 + ks)[:, None] * stride_bk,
-                    mask=col_ok[None, :], other=0.0,
+                    mask=col_ok[None, :],
+                    other=0.0,
                 )
                 b_scale = tl.load(
                     bs_base + cols64[:, None] * stride_bsn + (k0 // 32 + ss)[None, :] * stride_bsk,
-                    mask=col_ok[:, None], other=127,
+                    mask=col_ok[:, None],
+                    other=127,
                 )
                 acc = tl.dot_scaled(a, a_scale, "e4m3", b, b_scale, "e4m3", acc)
             c = c_ptr + rows64[:, None] * stride_cm + cols64[None, :] * stride_cn

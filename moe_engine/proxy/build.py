@@ -78,7 +78,11 @@ def build_proxy_rank(
     if parallel.ep > 1:
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
-                groups.ep, groups.coords.ep_rank, parallel.ep, parallel.dispatch, parallel.capacity_factor,
+                groups.ep,
+                groups.coords.ep_rank,
+                parallel.ep,
+                parallel.dispatch,
+                parallel.capacity_factor,
                 parallel.a2a_chunks,
             )
             layer_peers = SimulatedPeers(config.moe, layer.router.layer_idx, seeds, config.d_model)

@@ -42,7 +42,9 @@ def repeat_rows(rows_RD: torch.Tensor, num_rows: int) -> torch.Tensor:
 class PeerTraffic:
     """What the ep group sends this rank; the default reuses this rank's own traffic."""
 
-    def counts(self, dispatcher: AllToAllDispatcher, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
+    def counts(
+        self, dispatcher: AllToAllDispatcher, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor
+    ) -> torch.Tensor:
         """(ep, L): rows each source rank sends this rank's local experts (here: what this rank sends)."""
         return send_counts_SL.clone()
 

@@ -36,7 +36,9 @@ def stage_order(schedule: PipelineSchedule, pp: int, stage: int, microbatches: i
 class ProxyPipeline:
     """One stage of a pipeline on a fake world; same interface as ``parallel.pipeline.Pipeline``."""
 
-    def __init__(self, module: StageModule, config: ParallelConfig, stage: int, group, d_model: int, dtype: torch.dtype):
+    def __init__(
+        self, module: StageModule, config: ParallelConfig, stage: int, group, d_model: int, dtype: torch.dtype
+    ):
         if config.virtual_stages != 1:
             raise ValueError("a proxy rank runs one pipeline stage per rank (virtual_stages 1)")
         self.module = module
@@ -53,7 +55,9 @@ class ProxyPipeline:
         # Filling neighbours' messages is proxy overhead, not the stage's work: a timer can leave it out.
         self.fabrication = contextlib.nullcontext
 
-    def _message(self, shape: torch.Size, device: torch.device, peer_stage: int, send: torch.Tensor | None = None) -> torch.Tensor:
+    def _message(
+        self, shape: torch.Size, device: torch.device, peer_stage: int, send: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Send ``send`` to, or receive a tensor of ``shape`` from, the rank of stage ``peer_stage``
         (received activations are N(0, 1), received gradients N(0, 1e-3))."""
         if send is not None:

@@ -68,7 +68,7 @@ INVALID = json.dumps(make_doc("t", status="exploded"))
 BAD_FILES = {
     "truncated": "not valid JSON: Expecting value: line 1 column 15 (char 14)",
     "schema": "result document invalid at status: 'exploded' is not one of "
-              "['ok', 'failed', 'oom', 'timeout', 'skipped']",
+    "['ok', 'failed', 'oom', 'timeout', 'skipped']",
     "unreadable": "cannot read: Permission denied",
 }
 
@@ -88,8 +88,11 @@ def bad_file(request, sides, monkeypatch):
 def test_gate_and_compare_stop_on_a_bad_result_file(sides, bad_file, command, capsys):
     base, cand = sides
     path, reason = bad_file
-    argv = ["gate", "--baseline", str(base), "--candidate", str(cand)] if command == "gate" else \
-        ["compare", str(base), str(cand)]
+    argv = (
+        ["gate", "--baseline", str(base), "--candidate", str(cand)]
+        if command == "gate"
+        else ["compare", str(base), str(cand)]
+    )
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.err == f"moe-bench: error: {path}: {reason}\n"
@@ -122,8 +125,9 @@ def test_run_rewrites_the_report_past_a_bad_old_result_file(tmp_path, capsys):
     old = out / "0.0.1" / "cpu-box" / "old.json"
     old.parent.mkdir(parents=True)
     old.write_text(TRUNCATED)
-    assert main(["run", str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"), "--device", "cpu",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["run", str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"), "--device", "cpu", "--out", str(out)]) == 0
+    )
     captured = capsys.readouterr()
     assert f"moe-bench: warning: {old}: {BAD_FILES['truncated']}; skipped" in captured.err.splitlines()
     assert "Traceback" not in captured.err and "report page failed" not in captured.err
@@ -138,8 +142,20 @@ def test_no_report_and_its_old_name_skip_the_page(tmp_path):
 
     for flag in ("--no-report", "--no-plots"):
         out = tmp_path / flag
-        assert main(["run", str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"), "--device", "cpu",
-                     "--out", str(out), flag]) == 0
+        assert (
+            main(
+                [
+                    "run",
+                    str(SCENARIOS_DIR / "olmo-core3" / "moe-8e-4.6b.yaml"),
+                    "--device",
+                    "cpu",
+                    "--out",
+                    str(out),
+                    flag,
+                ]
+            )
+            == 0
+        )
         assert not (out / "report").exists()
 
 
@@ -159,8 +175,10 @@ def test_a_folder_without_result_documents_is_bad_input(sides, tmp_path, command
     assert main(argv) == 2
     err = capsys.readouterr().err.splitlines()
     if command == "export":  # skipped with a warning, then nothing is left
-        assert err == [f"moe-bench: warning: {empty / 'old.json'}: {BAD_FILES['truncated']}; skipped",
-                       f"moe-bench: error: {empty}: no result documents (1 unreadable file skipped)"]
+        assert err == [
+            f"moe-bench: warning: {empty / 'old.json'}: {BAD_FILES['truncated']}; skipped",
+            f"moe-bench: error: {empty}: no result documents (1 unreadable file skipped)",
+        ]
     else:
         assert err == [f"moe-bench: error: {empty / 'old.json'}: {BAD_FILES['truncated']}"]
 
@@ -211,10 +229,16 @@ def test_export_and_plot_write_files(sides, tmp_path):
 def test_micro_benchmark_report_folds_into_metrics():
     report = {
         "benchmarks": [
-            {"name": "test_moe_layer[E64-k8]", "stats": {"median": 2.0, "data": [2.0, 2.2, 1.9]},
-             "extra_info": {"flops": 4e9, "tokens": 4096}},
-            {"name": "test_dense_swiglu_same_flops", "stats": {"median": 1.0, "data": [1.0, 1.1]},
-             "extra_info": {"flops": 4e9}},
+            {
+                "name": "test_moe_layer[E64-k8]",
+                "stats": {"median": 2.0, "data": [2.0, 2.2, 1.9]},
+                "extra_info": {"flops": 4e9, "tokens": 4096},
+            },
+            {
+                "name": "test_dense_swiglu_same_flops",
+                "stats": {"median": 1.0, "data": [1.0, 1.1]},
+                "extra_info": {"flops": 4e9},
+            },
         ],
         "derived": {"moe_layer_vs_dense_flops": {"ratio": 0.5, "target": 0.7}},
     }
@@ -231,8 +255,10 @@ def test_the_run_summary_shows_a_proxy_at_its_gpu_projection_not_at_cpu_compute(
     from bench.scenario import load_scenario
 
     scenario = load_scenario("scenarios/olmo-core3/moe-1.2t-512gpu-proxy.yaml")
-    metrics = {"projected_tokens_per_s_per_gpu": metric([0.195], "tokens/s", None),
-               "projected_tflops_per_gpu": metric([0.069], "TFLOP/s", None)}
+    metrics = {
+        "projected_tokens_per_s_per_gpu": metric([0.195], "tokens/s", None),
+        "projected_tflops_per_gpu": metric([0.069], "TFLOP/s", None),
+    }
     details = {"device_projections": {"b300": {"tokens_per_s_per_gpu": 1012.99, "tflops_per_gpu": 358.32}}}
     print_summary([Outcome(scenario, "ok", None, tmp_path / "r.json", metrics, 1.0, details=details)])
     out = capsys.readouterr().out

@@ -36,8 +36,10 @@ def _header() -> str:
 
 def _limits() -> dict[str, int]:
     """Each step's limit as the script passes it to run_step (the suite's without node scenarios)."""
-    return {name: int(limit) for name, limit in
-            re.findall(r"^run_step ([\w-]+) \$?\(?\(?(\d+)", SCRIPT.read_text(), re.MULTILINE)}
+    return {
+        name: int(limit)
+        for name, limit in re.findall(r"^run_step ([\w-]+) \$?\(?\(?(\d+)", SCRIPT.read_text(), re.MULTILINE)
+    }
 
 
 def test_header_states_each_steps_limit_and_their_sum():
@@ -59,13 +61,26 @@ def test_quick_cuda_sweep_fits_the_profile_step():
     # The only fp32 GEMMs the gpu suite prices, the router's (tokens x experts x d_model and its two
     # gradients, at 32,768 tokens a microbatch, 8 or 128 experts, d_model 2,048), stay measured.
     fp32 = {shape for kind, dtype, shape, _, _ in timed_points(sweep) if (kind, dtype) == ("gemm", "fp32")}
-    assert {(32768, 128, 2048), (32768, 2048, 128), (128, 2048, 32768), (32768, 8, 2048), (8, 2048, 32768),
-            (32768, 2048, 8)} <= fp32
+    assert {
+        (32768, 128, 2048),
+        (32768, 2048, 128),
+        (128, 2048, 32768),
+        (32768, 8, 2048),
+        (8, 2048, 32768),
+        (32768, 2048, 8),
+    } <= fp32
 
 
 def _run(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
-    process = subprocess.Popen(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        ["bash", str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -78,16 +93,19 @@ def _run(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, str
 def _env(**extra: str) -> dict[str, str]:
     """This environment for the script, its python this one's; ``PATH`` is put in front of it."""
     env = dict(os.environ, PYTHON=sys.executable, **extra)
-    env["PATH"] = os.pathsep.join(p for p in (extra.get("PATH"), str(Path(sys.executable).parent), os.environ["PATH"])
-                                  if p)
+    env["PATH"] = os.pathsep.join(
+        p for p in (extra.get("PATH"), str(Path(sys.executable).parent), os.environ["PATH"]) if p
+    )
     env.pop("GPU_CHECK_BASE", None)
     env.pop("MOE_TEST_DEVICE", None)
     return env
 
 
 def _steps(out: Path) -> dict[str, tuple[int, int]]:
-    rows = [re.fullmatch(r"([\w-]+) rc=(\d+) seconds=\d+ limit=(\d+)", line).groups()
-            for line in (out / "steps.txt").read_text().splitlines()]
+    rows = [
+        re.fullmatch(r"([\w-]+) rc=(\d+) seconds=\d+ limit=(\d+)", line).groups()
+        for line in (out / "steps.txt").read_text().splitlines()
+    ]
     return {name: (int(rc), int(limit)) for name, rc, limit in rows}
 
 
@@ -104,8 +122,10 @@ def test_dry_run_runs_every_step_with_its_files(tmp_path):
     tests = ET.parse(out / "tests-cuda.xml").getroot().find("testsuite")
     assert int(tests.get("tests")) > int(tests.get("skipped")) and tests.get("failures") == "0"
     micro = json.loads((out / "micro-cuda.json").read_text())
-    fused = {f"fused_over_eager_{op}" for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores",
-                                                  "linear_cross_entropy")}
+    fused = {
+        f"fused_over_eager_{op}"
+        for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")
+    }
     assert len(micro["benchmarks"]) == 16
     assert set(micro["derived"]) == {"moe_layer_vs_dense_flops", "experts_128_vs_8_tokens", "memory_rate"} | fused
     # Each fused op's benchmark and its eager twin set against the base profile's memory rate.
@@ -140,7 +160,12 @@ def test_a_broken_step_fails_the_check_by_name_and_the_projection_falls_back(tmp
     assert code == 1, output
     assert output.splitlines()[-1] == f"gpu-check: FAILED: profile (of 5 steps; logs and results in {out})"
     assert {name: rc for name, (rc, _) in _steps(out).items()} == {
-        "tests-cuda": 0, "micro-cuda": 0, "suite-gpu": 0, "profile": 3, "project": 0}
+        "tests-cuda": 0,
+        "micro-cuda": 0,
+        "suite-gpu": 0,
+        "profile": 3,
+        "project": 0,
+    }
     assert "planted failure" in (out / "profile.log").read_text()
     said = f"gpu-check: {out}/device-profile.yaml: no such profile file; projected on the shipped profile cpu-2core"
     assert said in output
@@ -155,8 +180,10 @@ def test_another_checkout_on_the_import_path_stops_the_check(tmp_path):
         (elsewhere / package / "__init__.py").write_text("")
     code, output = _run(["--dry-run", str(tmp_path / "check")], _env(PYTHONPATH=str(elsewhere)), timeout=120)
     assert code == 2
-    assert output.strip() == (f"gpu-check: bench and moe_engine do not import from {ROOT} outside it (found: "
-                              f"{elsewhere} {elsewhere}); run pip install -e . there")
+    assert output.strip() == (
+        f"gpu-check: bench and moe_engine do not import from {ROOT} outside it (found: "
+        f"{elsewhere} {elsewhere}); run pip install -e . there"
+    )
     assert not (tmp_path / "check" / "steps.txt").exists()
 
 
@@ -167,8 +194,9 @@ def test_a_moe_bench_of_another_install_stops_the_check(tmp_path):
     other.chmod(0o755)
     code, output = _run(["--dry-run", str(tmp_path / "check")], _env(PATH=str(tmp_path / "bin")), timeout=120)
     assert code == 2
-    assert output.strip() == (f"gpu-check: moe-bench ({other}) does not run {ROOT}/bench/cli.py; run pip install "
-                              "-e . there")
+    assert output.strip() == (
+        f"gpu-check: moe-bench ({other}) does not run {ROOT}/bench/cli.py; run pip install -e . there"
+    )
 
 
 RECORDING = """#!/usr/bin/env bash
@@ -190,10 +218,18 @@ def test_the_gpu_steps_hand_the_measured_profile_to_the_projection(tmp_path):
     steps = [(test, bench, args) for test, bench, args in calls if args.startswith("-m ")]
     gpu = " ".join(f"scenarios/gpu/{name}" for name in sorted(p.name for p in (ROOT / "scenarios/gpu").glob("*.yaml")))
     assert [(test, bench, args.split()[:2]) for test, bench, args in steps] == [
-        ("cuda", "", ["-m", "pytest"]), ("", "cuda", ["-m", "pytest"]), ("", "", ["-m", "bench.cli"]),
-        ("", "", ["-m", "bench.cli"]), ("", "", ["-m", "bench.cli"])]
+        ("cuda", "", ["-m", "pytest"]),
+        ("", "cuda", ["-m", "pytest"]),
+        ("", "", ["-m", "bench.cli"]),
+        ("", "", ["-m", "bench.cli"]),
+        ("", "", ["-m", "bench.cli"]),
+    ]
     assert steps[2][2] == f"-m bench.cli run --suite gpu --device cuda --out {out}/results --no-plots"
-    assert steps[3][2] == (f"-m bench.cli profile-device --device cuda --quick --name measured-gpu --base h200-sxm "
-                           f"--out {out}/device-profile.yaml")
-    assert steps[4][2] == (f"-m bench.cli project {gpu} --device {out}/device-profile.yaml --fallback-device h200-sxm "
-                           f"--out {out}/projections")
+    assert steps[3][2] == (
+        f"-m bench.cli profile-device --device cuda --quick --name measured-gpu --base h200-sxm "
+        f"--out {out}/device-profile.yaml"
+    )
+    assert steps[4][2] == (
+        f"-m bench.cli project {gpu} --device {out}/device-profile.yaml --fallback-device h200-sxm "
+        f"--out {out}/projections"
+    )

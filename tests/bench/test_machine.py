@@ -56,8 +56,11 @@ def test_the_table_holds_dense_figures():
 
 def test_available_memory_of_this_host():
     free, source = machine.available_memory_bytes(torch.device("cpu"))
-    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-                 if line.startswith("MemTotal:"))
+    total = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
     assert 0 < free <= total and "MemAvailable" in source
 
 
@@ -67,7 +70,12 @@ TINY = {
     "schema_version": 1,
     "mode": "execute",
     "model": {
-        "vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+        "vocab_size": 128,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
     },
     "routing": {"mode": "random", "seed": 0},
@@ -153,12 +161,18 @@ def test_execute_reports_mfu_against_both_peaks():
     from bench.run.execute import execute
     from bench.scenario import scenario_from_dict
 
-    result = execute(scenario_from_dict(copy.deepcopy(TINY)), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0,
-                     peak_tflops_source="given by the test")
+    result = execute(
+        scenario_from_dict(copy.deepcopy(TINY)),
+        torch.device("cpu"),
+        2.0,
+        peak_tflops_fp8=4.0,
+        peak_tflops_source="given by the test",
+    )
     m = result.metrics
     for mfu, mfu_fp8, tflops in zip(m["mfu"]["samples"], m["mfu_fp8"]["samples"], m["tflops_per_gpu"]["samples"]):
         assert mfu == pytest.approx(tflops / 2.0) and mfu_fp8 == pytest.approx(tflops / 4.0)
     assert result.details["peak_tflops_fp8"] == 4.0 and result.details["peak_tflops_source"] == "given by the test"
-    bf16 = execute(scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), 2.0,
-                   peak_tflops_fp8=4.0)
+    bf16 = execute(
+        scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0
+    )
     assert "mfu" in bf16.metrics and "mfu_fp8" not in bf16.metrics  # the FP8 peak bounds MXFP8 runs only

@@ -17,16 +17,39 @@ import pytest
 from bench.results import REPO_ROOT
 
 PACKAGES = ("bench", "moe_engine")
-ARITHMETIC = ("bench.predict.plan", "bench.predict.projection", "bench.predict.device", "bench.predict.ops",
-              "bench.predict.traced", "bench.predict.fused_ops",
-              "bench.predict.pricing", "bench.predict.op_projection", "bench.predict.plan_bytes",
-              "bench.predict.plan_activations", "bench.predict.plan_rank", "bench.gate.compare", "bench.gate.groups",
-              "bench.gate.work", "bench.gate.accept", "bench.gate.verdict", "bench.gate.formatting", "bench.gate.tables",
-              "bench.report.comparisons", "bench.run.proxy_projection")
+ARITHMETIC = (
+    "bench.predict.plan",
+    "bench.predict.projection",
+    "bench.predict.device",
+    "bench.predict.ops",
+    "bench.predict.traced",
+    "bench.predict.fused_ops",
+    "bench.predict.pricing",
+    "bench.predict.op_projection",
+    "bench.predict.plan_bytes",
+    "bench.predict.plan_activations",
+    "bench.predict.plan_rank",
+    "bench.gate.compare",
+    "bench.gate.groups",
+    "bench.gate.work",
+    "bench.gate.accept",
+    "bench.gate.verdict",
+    "bench.gate.formatting",
+    "bench.gate.tables",
+    "bench.report.comparisons",
+    "bench.run.proxy_projection",
+)
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
 # and the result/scenario documents. Everything else in the engine builds or runs a model.
-ARITHMETIC_MAY_IMPORT = ("bench.results", "bench.scenario", "moe_engine", "moe_engine.config", "moe_engine.flops",
-                         "moe_engine.parallel.layout", "moe_engine.parallel")
+ARITHMETIC_MAY_IMPORT = (
+    "bench.results",
+    "bench.scenario",
+    "moe_engine",
+    "moe_engine.config",
+    "moe_engine.flops",
+    "moe_engine.parallel.layout",
+    "moe_engine.parallel",
+)
 
 
 def module_files() -> dict[str, Path]:
@@ -75,8 +98,9 @@ def _runtime_nodes(tree: ast.AST):
 
 
 def _lazy_home(attribute: str) -> str:
-    return {"Transformer": "moe_engine.model", "build_model": "moe_engine.model",
-            "__version__": "moe_engine"}.get(attribute, "moe_engine.config")
+    return {"Transformer": "moe_engine.model", "build_model": "moe_engine.model", "__version__": "moe_engine"}.get(
+        attribute, "moe_engine.config"
+    )
 
 
 def graph() -> dict[str, set[str]]:
@@ -84,8 +108,13 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_the_engine_never_imports_bench():
-    offenders = [(name, m) for name in MODULES if name.startswith("moe_engine")
-                 for m, _ in imports_of(name) if m.split(".")[0] == "bench"]
+    offenders = [
+        (name, m)
+        for name in MODULES
+        if name.startswith("moe_engine")
+        for m, _ in imports_of(name)
+        if m.split(".")[0] == "bench"
+    ]
     assert offenders == []
 
 
@@ -98,7 +127,7 @@ def test_no_import_circle():
         state[node] = 1
         for nxt in sorted(edges[node]):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, [*path, nxt])
         state[node] = 2
@@ -110,8 +139,13 @@ def test_no_import_circle():
 
 
 def test_no_module_imports_a_private_name():
-    offenders = [f"{name}: from {m} import {n}" for name in MODULES for m, names in imports_of(name)
-                 for n in names if n.startswith("_") and not n.startswith("__")]
+    offenders = [
+        f"{name}: from {m} import {n}"
+        for name in MODULES
+        for m, names in imports_of(name)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert offenders == []
 
 

@@ -26,7 +26,11 @@ RELEASE_BASELINE = COMMITTED / "0.1.0" / "cpu-2c-amd-epyc"
 def test_a_single_sample_metric_has_no_spread():
     """One value (a peak, a byte count, an estimate) measures nothing about its noise: no IQR of 0."""
     assert metric([4096], "bytes", "lower") == {
-        "unit": "bytes", "better": "lower", "samples": [4096.0], "median": 4096.0, "spread": None,
+        "unit": "bytes",
+        "better": "lower",
+        "samples": [4096.0],
+        "median": 4096.0,
+        "spread": None,
     }
 
 
@@ -37,8 +41,12 @@ def test_two_or_more_samples_have_a_spread():
 
 
 def test_documents_with_single_sample_metrics_validate_and_round_trip(tmp_path):
-    doc = make_doc(metrics={"peak_tensor_bytes": metric([4096], "bytes", "lower"),
-                            "step_time_s": metric([1.0, 1.1, 0.9], "s", "lower")})
+    doc = make_doc(
+        metrics={
+            "peak_tensor_bytes": metric([4096], "bytes", "lower"),
+            "step_time_s": metric([1.0, 1.1, 0.9], "s", "lower"),
+        }
+    )
     path = write_result(doc, tmp_path)
     stored = json.loads(path.read_text())
     assert stored["schema_version"] == SCHEMA_VERSION == 2
@@ -55,8 +63,9 @@ def test_documents_with_single_sample_metrics_validate_and_round_trip(tmp_path):
     ],
 )
 def test_version_2_spread_is_null_exactly_for_one_sample(samples, spread, where):
-    doc = make_doc(metrics={"m": {"unit": "u", "better": "lower", "samples": samples, "median": samples[0],
-                                  "spread": spread}})
+    doc = make_doc(
+        metrics={"m": {"unit": "u", "better": "lower", "samples": samples, "median": samples[0], "spread": spread}}
+    )
     with pytest.raises(results.ResultValidationError, match=f"invalid at {where}"):
         validate(doc)
 
@@ -76,22 +85,35 @@ def test_writes_use_the_current_version(tmp_path):
 
 def test_version_1_documents_are_migrated_on_load(tmp_path):
     """Version 1 wrote a spread object on every metric, an IQR of 0 for one sample."""
-    old = make_doc(metrics={
-        "peak_tensor_bytes": {"unit": "bytes", "better": "lower", "samples": [4096.0], "median": 4096.0,
-                              "spread": {"min": 4096.0, "max": 4096.0, "iqr": 0.0, "rel_iqr": 0.0}},
-        "step_time_s": metric([1.0, 2.0, 3.0], "s", "lower"),
-    })
+    old = make_doc(
+        metrics={
+            "peak_tensor_bytes": {
+                "unit": "bytes",
+                "better": "lower",
+                "samples": [4096.0],
+                "median": 4096.0,
+                "spread": {"min": 4096.0, "max": 4096.0, "iqr": 0.0, "rel_iqr": 0.0},
+            },
+            "step_time_s": metric([1.0, 2.0, 3.0], "s", "lower"),
+        }
+    )
     old["schema_version"] = 1
     validate(old)  # results/schema.json still describes version 1
     path = tmp_path / "smoke-e8.json"
     path.write_text(json.dumps(old))
     loaded = load_result(path).data
     assert loaded["schema_version"] == 2
-    assert loaded["metrics"]["peak_tensor_bytes"] == {"unit": "bytes", "better": "lower", "samples": [4096.0],
-                                                      "median": 4096.0, "spread": None}
+    assert loaded["metrics"]["peak_tensor_bytes"] == {
+        "unit": "bytes",
+        "better": "lower",
+        "samples": [4096.0],
+        "median": 4096.0,
+        "spread": None,
+    }
     assert loaded["metrics"]["step_time_s"] == old["metrics"]["step_time_s"]
-    assert {k: v for k, v in loaded.items() if k not in ("schema_version", "metrics")} == \
-        {k: v for k, v in old.items() if k not in ("schema_version", "metrics")}
+    assert {k: v for k, v in loaded.items() if k not in ("schema_version", "metrics")} == {
+        k: v for k, v in old.items() if k not in ("schema_version", "metrics")
+    }
     assert json.loads(path.read_text()) == old  # the file is left as it is
     broken = json.loads(json.dumps(old))
     broken["metrics"]["step_time_s"]["spread"] = None
@@ -162,10 +184,14 @@ VALID = json.dumps(make_doc(metrics={"m": metric([1.0, 2.0], "u", "lower")}))
         ('{"timestamp": ', "not valid JSON: Expecting value: line 1 column 15 (char 14)"),
         ("", "not valid JSON: Expecting value: line 1 column 1 (char 0)"),
         ("[1, 2]", "not a result document: the JSON is an array, not an object"),
-        (VALID.replace('"status": "ok"', '"status": "exploded"'),
-         "result document invalid at status: 'exploded' is not one of ['ok', 'failed', 'oom', 'timeout', 'skipped']"),
-        (VALID.replace('"schema_version": 2', '"schema_version": 3'),
-         "schema_version 3 is newer than this moe-bench reads (1, 2): update moe-bench"),
+        (
+            VALID.replace('"status": "ok"', '"status": "exploded"'),
+            "result document invalid at status: 'exploded' is not one of ['ok', 'failed', 'oom', 'timeout', 'skipped']",
+        ),
+        (
+            VALID.replace('"schema_version": 2', '"schema_version": 3'),
+            "schema_version 3 is newer than this moe-bench reads (1, 2): update moe-bench",
+        ),
     ],
     ids=["truncated", "empty", "array", "schema", "newer"],
 )

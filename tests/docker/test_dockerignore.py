@@ -16,8 +16,9 @@ def _release_pattern() -> str:
 
 
 def test_every_committed_release_folder_goes_into_the_image():
-    tracked = subprocess.run(["git", "ls-files", "results"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "results"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     folders = {"/".join(path.split("/")[:2]) for path in tracked if path.count("/") >= 2}
     assert folders, "no committed release results"
     pattern = _release_pattern()

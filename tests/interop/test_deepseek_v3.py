@@ -17,11 +17,31 @@ from moe_engine.interop.deepseek_v3 import config_from_transformers, from_transf
 
 def tiny_config(**overrides) -> DeepseekV3Config:
     fields = dict(
-        hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=3, n_group=4,
-        topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=24,
-        qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, vocab_size=128, max_position_embeddings=64,
-        initializer_range=0.05, rms_norm_eps=1e-6, norm_topk_prob=True, eos_token_id=None, bos_token_id=None,
+        hidden_size=64,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=12,
+        qk_rope_head_dim=8,
+        v_head_dim=10,
+        vocab_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.05,
+        rms_norm_eps=1e-6,
+        norm_topk_prob=True,
+        eos_token_id=None,
+        bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     )
     fields.update(overrides)
@@ -84,9 +104,21 @@ def test_the_rope_reordering_is_needed():
     "overrides, reason",
     [
         (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 1e4, "mscale": 1.0,
-                               "mscale_all_dim": 1.0, "original_max_position_embeddings": 16, "beta_fast": 32,
-                               "beta_slow": 1}), "rope type 'yarn'"),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 40.0,
+                    "rope_theta": 1e4,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 16,
+                    "beta_fast": 32,
+                    "beta_slow": 1,
+                }
+            ),
+            "rope type 'yarn'",
+        ),
         (dict(num_key_value_heads=2), "num_key_value_heads=2"),
         (dict(attention_bias=True), "attention_bias"),
     ],

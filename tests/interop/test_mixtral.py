@@ -14,9 +14,20 @@ from moe_engine.interop.mixtral import config_from_transformers, from_transforme
 
 def tiny_config(**overrides) -> MixtralConfig:
     fields = dict(
-        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        num_local_experts=8, num_experts_per_tok=2, vocab_size=128, max_position_embeddings=64,
-        initializer_range=0.05, router_aux_loss_coef=0.02, rms_norm_eps=1e-5, eos_token_id=None, bos_token_id=None,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.05,
+        router_aux_loss_coef=0.02,
+        rms_norm_eps=1e-5,
+        eos_token_id=None,
+        bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     fields.update(overrides)
@@ -31,8 +42,9 @@ def tiny_model(seed: int = 0, **overrides) -> MixtralForCausalLM:
 
 
 @pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
-@pytest.mark.parametrize("overrides", [{}, {"head_dim": 12}, {"tie_word_embeddings": True}],
-                         ids=["plain", "head-dim-12", "tied"])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"head_dim": 12}, {"tie_word_embeddings": True}], ids=["plain", "head-dim-12", "tied"]
+)
 def test_model_matches_logits_and_gradients(overrides, attn_impl):
     hf_model = tiny_model(attn_implementation=attn_impl, **overrides)
     model = from_transformers(hf_model)
@@ -61,6 +73,8 @@ def test_engine_imports_without_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, moe_engine.interop.mixtral, moe_engine.interop.qwen3_moe, moe_engine.interop.deepseek_v3; "
-            "assert 'transformers' not in sys.modules")
+    code = (
+        "import sys, moe_engine.interop.mixtral, moe_engine.interop.qwen3_moe, moe_engine.interop.deepseek_v3; "
+        "assert 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

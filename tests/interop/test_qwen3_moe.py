@@ -16,10 +16,23 @@ from moe_engine.interop.qwen3_moe import config_from_transformers, from_transfor
 
 def tiny_config(**overrides) -> Qwen3MoeConfig:
     fields = dict(
-        hidden_size=64, intermediate_size=48, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2, vocab_size=128,
-        max_position_embeddings=64, initializer_range=0.05, router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
-        norm_topk_prob=True, eos_token_id=None, bos_token_id=None,
+        hidden_size=64,
+        intermediate_size=48,
+        moe_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.05,
+        router_aux_loss_coef=0.001,
+        rms_norm_eps=1e-6,
+        norm_topk_prob=True,
+        eos_token_id=None,
+        bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     )
     fields.update(overrides)
@@ -59,8 +72,17 @@ def test_model_matches_logits_and_gradients(case, attn_impl):
         (dict(mlp_only_layers=[1]), r"MoE blocks at \[0, 2, 3\]"),
         (dict(use_sliding_window=True, sliding_window=8), "sliding"),
         (dict(attention_bias=True), "attention_bias"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
-                               "original_max_position_embeddings": 16}), "rope type 'yarn'"),
+        (
+            dict(
+                rope_parameters={
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "rope_theta": 1e6,
+                    "original_max_position_embeddings": 16,
+                }
+            ),
+            "rope type 'yarn'",
+        ),
     ],
 )
 def test_unsupported_config_is_rejected(overrides, reason):

@@ -111,8 +111,16 @@ def cases(seed: int = SEED) -> list[dict]:
         _swiglu_case(g, "packed: one row, width 1100", 1, 1100, packed=True),
         _cross_entropy_case(g, "45 rows in chunks of 16, vocab 101, every 7th ignored", 45, 24, 101, 16, 7),
         _cross_entropy_case(g, "one row, vocab 37", 1, 16, 37, 0),
-        _cross_entropy_case(g, "12 rows in chunks of 5, vocab 5000 (two vocab blocks), 6 maxima in the second",
-                            12, 16, 5000, 5, 4, late_maxima=6),
+        _cross_entropy_case(
+            g,
+            "12 rows in chunks of 5, vocab 5000 (two vocab blocks), 6 maxima in the second",
+            12,
+            16,
+            5000,
+            5,
+            4,
+            late_maxima=6,
+        ),
         _cross_entropy_case(g, "20 rows, default chunks", 20, 32, 64, 0, 3),
         _rope_case(g, "(2, 3, 9, 16)", 2, 3, 9, 16, transposed=False),
         _rope_case(g, "(1, 4, 7, 24) from a (B, S, H, d) layout", 1, 4, 7, 24, transposed=True),
@@ -180,10 +188,23 @@ def routing_cases(seed: int = SEED) -> list[dict]:
         _routing_case(g, "slots: chunk-major order, width 17", 8, 2, 17, chunked),
         _routing_case(g, "slots: 6 tokens, top_k 3, width 33", 6, 3, 33, slots_k3),
         _routing_case(g, "one token, top_k 1, width 5", 1, 1, 5, one.rows),
-        _routing_case(g, "permutation of 13 rows, width 1100 (two column blocks)", 13, 1, 1100,
-                      sort_permutation(torch.randint(0, 4, (13,), generator=g))),
-        _routing_case(g, "3 tokens, top_k 2, width 1030, fp32 weights", 3, 2, 1030,
-                      plan_routing(_routes(g, 3, 2, [0, 1, 2, 3]), 4).rows, weight_dtype="fp32"),
+        _routing_case(
+            g,
+            "permutation of 13 rows, width 1100 (two column blocks)",
+            13,
+            1,
+            1100,
+            sort_permutation(torch.randint(0, 4, (13,), generator=g)),
+        ),
+        _routing_case(
+            g,
+            "3 tokens, top_k 2, width 1030, fp32 weights",
+            3,
+            2,
+            1030,
+            plan_routing(_routes(g, 3, 2, [0, 1, 2, 3]), 4).rows,
+            weight_dtype="fp32",
+        ),
     ]
 
 
@@ -216,8 +237,10 @@ def _prepare(case: dict, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
 def _backward(outputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]):
     names = [n for n in outputs if n in grads]
     torch.autograd.backward([outputs[n] for n in names], [grads[n] for n in names])
-    return {**{n: t.detach() for n, t in outputs.items()},
-            **{f"grad_{n}": t.grad for n, t in inputs.items() if t.requires_grad}}
+    return {
+        **{n: t.detach() for n, t in outputs.items()},
+        **{f"grad_{n}": t.grad for n, t in inputs.items() if t.requires_grad},
+    }
 
 
 def run_fused(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
@@ -229,8 +252,9 @@ def run_fused(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
         return _backward({"y": y}, {"y": t["grad_y"]}, {k: t[k] for k in ("x", "weight")})
     if op == "add_rms_norm":
         h, y = kernels.add_rms_norm(t["x"], t["residual"], t["weight"], p["eps"])
-        return _backward({"h": h, "y": y}, {"h": t["grad_h"], "y": t["grad_y"]},
-                         {k: t[k] for k in ("x", "residual", "weight")})
+        return _backward(
+            {"h": h, "y": y}, {"h": t["grad_h"], "y": t["grad_y"]}, {k: t[k] for k in ("x", "residual", "weight")}
+        )
     if op == "swiglu":
         a = kernels.swiglu(t["gate"], t["up"])
         return _backward({"a": a}, {"a": t["grad_a"]}, {k: t[k] for k in ("gate", "up")})
@@ -248,8 +272,11 @@ def run_fused(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
         maps = (t.get("kept_N"), t.get("filled_R"))
         rows = kernels.gather_rows(t["x"], t["assignment_R"], t["row_N"], p["top_k"], maps[1], maps[0])
         out = kernels.combine_rows(t["y"], t["weight"], t["row_N"], t["assignment_R"], *maps)
-        return _backward({"rows": rows, "out": out}, {"rows": t["grad_rows"], "out": t["grad_out"]},
-                         {k: t[k] for k in ("x", "y", "weight")})
+        return _backward(
+            {"rows": rows, "out": out},
+            {"rows": t["grad_rows"], "out": t["grad_out"]},
+            {k: t[k] for k in ("x", "y", "weight")},
+        )
     raise ValueError(f"unknown op {op}")
 
 
@@ -277,8 +304,9 @@ def run_eager(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
     if op == "add_rms_norm":
         h = t["residual"] + t["x"]
         y = _eager_rms_norm(h, t["weight"], p["eps"])
-        return _backward({"h": h, "y": y}, {"h": t["grad_h"], "y": t["grad_y"]},
-                         {k: t[k] for k in ("x", "residual", "weight")})
+        return _backward(
+            {"h": h, "y": y}, {"h": t["grad_h"], "y": t["grad_y"]}, {k: t[k] for k in ("x", "residual", "weight")}
+        )
     if op == "swiglu":
         a = F.silu(t["gate"]) * t["up"]
         return _backward({"a": a}, {"a": t["grad_a"]}, {k: t[k] for k in ("gate", "up")})
@@ -303,8 +331,11 @@ def run_eager(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
         rows = _eager_zero_where_not(filled, t["x"].index_select(0, t["assignment_R"] // top_k))
         y_TKD = _eager_zero_where_not(kept, t["y"].index_select(0, t["row_N"])).view(*t["weight"].shape, -1)
         out = torch.bmm(t["weight"].to(t["y"].dtype).unsqueeze(1), y_TKD).squeeze(1)
-        return _backward({"rows": rows, "out": out}, {"rows": t["grad_rows"], "out": t["grad_out"]},
-                         {k: t[k] for k in ("x", "y", "weight")})
+        return _backward(
+            {"rows": rows, "out": out},
+            {"rows": t["grad_rows"], "out": t["grad_out"]},
+            {k: t[k] for k in ("x", "y", "weight")},
+        )
     raise ValueError(f"unknown op {op}")
 
 
@@ -326,22 +357,33 @@ def tolerances(case: dict, dtype: torch.dtype) -> dict[str, float]:
     if op in ("rms_norm", "add_rms_norm"):
         width = tensors["x"].shape[-1]
         rows = tensors["x"].numel() // width
-        tol = {"y": tolerance(dtype, width, depth=2), "h": tolerance(dtype, 1),
-               "grad_x": tolerance(dtype, width, depth=4), "grad_weight": tolerance(dtype, max(width, rows), depth=4)}
+        tol = {
+            "y": tolerance(dtype, width, depth=2),
+            "h": tolerance(dtype, 1),
+            "grad_x": tolerance(dtype, width, depth=4),
+            "grad_weight": tolerance(dtype, max(width, rows), depth=4),
+        }
         tol["grad_residual"] = tol["grad_x"]
         return tol
     if op in ("swiglu", "swiglu_packed"):
-        return {"a": tolerance(dtype, 1, depth=2), "a_again": tolerance(dtype, 1, depth=2),
-                "grad_gate": tolerance(dtype, 1, depth=4), "grad_up": tolerance(dtype, 1, depth=3),
-                "grad_h": tolerance(dtype, 1, depth=4)}
+        return {
+            "a": tolerance(dtype, 1, depth=2),
+            "a_again": tolerance(dtype, 1, depth=2),
+            "grad_gate": tolerance(dtype, 1, depth=4),
+            "grad_up": tolerance(dtype, 1, depth=3),
+            "grad_h": tolerance(dtype, 1, depth=4),
+        }
     if op == "linear_cross_entropy":
         rows, width = tensors["h"].shape
         vocab = tensors["weight"].shape[0]
         k = max(rows, width, vocab)
         chunk_rows = case["params"]["chunk_rows"] or kernels.cross_entropy.default_chunk_rows(rows, width, vocab)
         chunks = math.ceil(rows / chunk_rows)
-        return {"loss": tolerance(dtype, k, depth=3), "grad_h": tolerance(dtype, k, depth=7),
-                "grad_weight": tolerance(dtype, k, depth=7 + chunks)}
+        return {
+            "loss": tolerance(dtype, k, depth=3),
+            "grad_h": tolerance(dtype, k, depth=7),
+            "grad_weight": tolerance(dtype, k, depth=7 + chunks),
+        }
     if op == "rope":
         return {"y": tolerance(dtype, 1, depth=3), "grad_x": tolerance(dtype, 1, depth=3)}
     if op == "routing":
@@ -350,16 +392,24 @@ def tolerances(case: dict, dtype: torch.dtype) -> dict[str, float]:
         # in bf16 the weighted sum of two exact products (moe_engine.kernels.routing's docstring).
         sums = 0.0 if top_k <= 2 else tolerance(dtype, top_k)
         weighted = 0.0 if top_k <= 2 and dtype == torch.bfloat16 else tolerance(dtype, top_k)
-        return {"rows": 0.0, "grad_x": sums, "out": weighted, "grad_y": 0.0,
-                "grad_weight": tolerance(dtype, width)}
+        return {"rows": 0.0, "grad_x": sums, "out": weighted, "grad_y": 0.0, "grad_weight": tolerance(dtype, width)}
     raise ValueError(f"unknown op {op}")
 
 
 # --- a small model -------------------------------------------------------------------------------------
 
 MODEL_CONFIG = {
-    "vocab_size": 96, "d_model": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32, "n_dense_layers": 1,
-    "dense_hidden": 96, "qk_norm": True, "dtype": "fp32", "fused_kernels": True,
+    "vocab_size": 96,
+    "d_model": 64,
+    "n_layers": 3,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "seq_len": 32,
+    "n_dense_layers": 1,
+    "dense_hidden": 96,
+    "qk_norm": True,
+    "dtype": "fp32",
+    "fused_kernels": True,
     "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32, "shared_expert_hidden": 32},
 }
 """Every fused op in one model: dense and MoE blocks, a shared expert, QK-norm, an untied LM head."""
@@ -403,28 +453,82 @@ def router_cases(seed: int = SEED) -> list[dict]:
     to 8, several row tiles and programs (150 tokens of 40 experts, 70 of 256, 1100 of 6)."""
     g = torch.Generator().manual_seed(seed + 2)
     return [
-        _router_case(g, "learned softmax, E 40, top_k 8, 150 tokens", 150, 24,
-                     num_experts=40, top_k=8),
-        _router_case(g, "learned softmax normalised x2.5, E 6, top_k 2", 13, 16,
-                     num_experts=6, top_k=2, normalize_top_k=True, routed_scaling_factor=2.5),
-        _router_case(g, "learned sigmoid normalised x2.5, 8 groups of 8, top 4, top_k 8", 33, 32, num_experts=64,
-                     top_k=8, score_func="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5, n_groups=8,
-                     top_groups=4),
-        _router_case(g, "learned sigmoid, E 6, top_k 1", 17, 8,
-                     num_experts=6, top_k=1, score_func="sigmoid"),
+        _router_case(g, "learned softmax, E 40, top_k 8, 150 tokens", 150, 24, num_experts=40, top_k=8),
+        _router_case(
+            g,
+            "learned softmax normalised x2.5, E 6, top_k 2",
+            13,
+            16,
+            num_experts=6,
+            top_k=2,
+            normalize_top_k=True,
+            routed_scaling_factor=2.5,
+        ),
+        _router_case(
+            g,
+            "learned sigmoid normalised x2.5, 8 groups of 8, top 4, top_k 8",
+            33,
+            32,
+            num_experts=64,
+            top_k=8,
+            score_func="sigmoid",
+            normalize_top_k=True,
+            routed_scaling_factor=2.5,
+            n_groups=8,
+            top_groups=4,
+        ),
+        _router_case(g, "learned sigmoid, E 6, top_k 1", 17, 8, num_experts=6, top_k=1, score_func="sigmoid"),
         _router_case(g, "random softmax, E 40, top_k 2", 21, 16, num_experts=40, top_k=2, routing="random"),
-        _router_case(g, "balanced sigmoid normalised, E 6, top_k 3", 10, 16,
-                     num_experts=6, top_k=3, routing="balanced", score_func="sigmoid", normalize_top_k=True),
-        _router_case(g, "skewed softmax normalised x1.5, E 40, top_k 4", 19, 16, num_experts=40, top_k=4,
-                     routing="skewed", normalize_top_k=True, routed_scaling_factor=1.5),
-        _router_case(g, "one token, learned softmax normalised, E 6, top_k 1", 1, 8,
-                     num_experts=6, top_k=1, normalize_top_k=True),
-        _router_case(g, "one token, random sigmoid x2, E 40, top_k 8", 1, 8,
-                     num_experts=40, top_k=8, routing="random", score_func="sigmoid", routed_scaling_factor=2.0),
-        _router_case(g, "learned sigmoid, E 256, top_k 8, 70 tokens, default loss weights", 70, 16,
-                     num_experts=256, top_k=8, score_func="sigmoid", aux_loss_weight=0.01, z_loss_weight=0.001),
-        _router_case(g, "balanced softmax, E 6, top_k 2, 1100 tokens", 1100, 8,
-                     num_experts=6, top_k=2, routing="balanced"),
+        _router_case(
+            g,
+            "balanced sigmoid normalised, E 6, top_k 3",
+            10,
+            16,
+            num_experts=6,
+            top_k=3,
+            routing="balanced",
+            score_func="sigmoid",
+            normalize_top_k=True,
+        ),
+        _router_case(
+            g,
+            "skewed softmax normalised x1.5, E 40, top_k 4",
+            19,
+            16,
+            num_experts=40,
+            top_k=4,
+            routing="skewed",
+            normalize_top_k=True,
+            routed_scaling_factor=1.5,
+        ),
+        _router_case(
+            g, "one token, learned softmax normalised, E 6, top_k 1", 1, 8, num_experts=6, top_k=1, normalize_top_k=True
+        ),
+        _router_case(
+            g,
+            "one token, random sigmoid x2, E 40, top_k 8",
+            1,
+            8,
+            num_experts=40,
+            top_k=8,
+            routing="random",
+            score_func="sigmoid",
+            routed_scaling_factor=2.0,
+        ),
+        _router_case(
+            g,
+            "learned sigmoid, E 256, top_k 8, 70 tokens, default loss weights",
+            70,
+            16,
+            num_experts=256,
+            top_k=8,
+            score_func="sigmoid",
+            aux_loss_weight=0.01,
+            z_loss_weight=0.001,
+        ),
+        _router_case(
+            g, "balanced softmax, E 6, top_k 2, 1100 tokens", 1100, 8, num_experts=6, top_k=2, routing="balanced"
+        ),
     ]
 
 
@@ -453,8 +557,9 @@ def run_router(case: dict, fused: bool, device="cpu") -> dict[str, torch.Tensor]
     if not fused:
         return result
     logits = t["op_logits"].requires_grad_()
-    outs = kernels.router_scores(logits, t["op_expert_TK"], config.score_func == "sigmoid",
-                                 config.normalize_top_k, config.routed_scaling_factor)
+    outs = kernels.router_scores(
+        logits, t["op_expert_TK"], config.score_func == "sigmoid", config.normalize_top_k, config.routed_scaling_factor
+    )
     grads = [t["op_grad_weight_TK"], t["op_grad_mean_probs"], t["op_grad_lse"]]
     torch.autograd.backward(outs, grads)
     names = ("op_weight_TK", "op_mean_probs_E", "op_lse_T")
@@ -497,13 +602,23 @@ def router_tolerances(case: dict) -> dict[str, float]:
     (tokens, width), experts = tensors["x"].shape, tensors["router_weight"].shape[0]
     longest = max(experts, tokens)
     values = tolerance(torch.float32, longest, depth=3)
-    tols = {"expert_TK": 0.0, "counts_E": 0.0, "weight_TK": values, "z_loss": values,
-            "aux_loss": tolerance(torch.float32, longest, depth=4), "loss": tolerance(torch.float32, longest, depth=4),
-            "grad_x": tolerance(torch.float32, max(width, longest), depth=8),
-            "grad_router_weight": tolerance(torch.float32, max(width, longest), depth=8)}
+    tols = {
+        "expert_TK": 0.0,
+        "counts_E": 0.0,
+        "weight_TK": values,
+        "z_loss": values,
+        "aux_loss": tolerance(torch.float32, longest, depth=4),
+        "loss": tolerance(torch.float32, longest, depth=4),
+        "grad_x": tolerance(torch.float32, max(width, longest), depth=8),
+        "grad_router_weight": tolerance(torch.float32, max(width, longest), depth=8),
+    }
     op_tokens = tensors["op_logits"].shape[0]
-    tols.update({"op_weight_TK": tolerance(torch.float32, experts, depth=3),
-                 "op_mean_probs_E": tolerance(torch.float32, max(experts, op_tokens), depth=3),
-                 "op_lse_T": tolerance(torch.float32, experts, depth=2),
-                 "op_grad_logits": tolerance(torch.float32, experts, depth=6)})
+    tols.update(
+        {
+            "op_weight_TK": tolerance(torch.float32, experts, depth=3),
+            "op_mean_probs_E": tolerance(torch.float32, max(experts, op_tokens), depth=3),
+            "op_lse_T": tolerance(torch.float32, experts, depth=2),
+            "op_grad_logits": tolerance(torch.float32, experts, depth=6),
+        }
+    )
     return tols

@@ -35,15 +35,23 @@ def storage_round_trip(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def main(inputs_path: str, outputs_path: str) -> None:
     inputs = torch.load(inputs_path)
-    outputs = {"paths": {dtype: {op: p.implementation for op, p in kernels.kernel_paths("cpu", DTYPES[dtype]).items()}
-                         for dtype in DTYPES}}
+    outputs = {
+        "paths": {
+            dtype: {op: p.implementation for op, p in kernels.kernel_paths("cpu", DTYPES[dtype]).items()}
+            for dtype in DTYPES
+        }
+    }
     if "cases" in inputs:
-        outputs["ops"] = {(case_id(case), dtype): run_fused(case, DTYPES[dtype])
-                          for case in inputs["cases"] for dtype in DTYPES}
+        outputs["ops"] = {
+            (case_id(case), dtype): run_fused(case, DTYPES[dtype]) for case in inputs["cases"] for dtype in DTYPES
+        }
         outputs["storage"] = storage_round_trip(inputs["storage"])
     if "routing_cases" in inputs:
-        outputs["routing"] = {(case_id(case), dtype): run_fused(case, DTYPES[dtype])
-                              for case in inputs["routing_cases"] for dtype in DTYPES}
+        outputs["routing"] = {
+            (case_id(case), dtype): run_fused(case, DTYPES[dtype])
+            for case in inputs["routing_cases"]
+            for dtype in DTYPES
+        }
     if "router_cases" in inputs:
         outputs["router_ran"] = kernels.kernel_paths("cpu", torch.float32)["router_scores"].implementation
         outputs["router"] = {case_id(case): run_router(case, fused=True) for case in inputs["router_cases"]}

@@ -15,7 +15,13 @@ from moe_engine.config import MLAConfig
 
 GQA = ModelConfig(**MODEL_CONFIG)
 MLA_TIED = dataclasses.replace(
-    GQA, head_dim=None, qk_norm=False, n_kv_heads=4, tie_embeddings=True, n_layers=4, moe_every=2,
+    GQA,
+    head_dim=None,
+    qk_norm=False,
+    n_kv_heads=4,
+    tie_embeddings=True,
+    n_layers=4,
+    moe_every=2,
     mla=MLAConfig(kv_lora_rank=24, q_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=12),
 )
 

@@ -10,16 +10,23 @@ from tolerances import assert_close_to_scale
 
 from moe_engine import kernels
 
-OP_FAMILY = {"rms_norm": "rms_norm", "add_rms_norm": "rms_norm", "swiglu": "swiglu", "swiglu_packed": "swiglu",
-             "linear_cross_entropy": "linear_cross_entropy", "rope": "rope"}
+OP_FAMILY = {
+    "rms_norm": "rms_norm",
+    "add_rms_norm": "rms_norm",
+    "swiglu": "swiglu",
+    "swiglu_packed": "swiglu",
+    "linear_cross_entropy": "linear_cross_entropy",
+    "rope": "rope",
+}
 
 
 def assert_matches_eager(got: dict, want: dict, case: dict, dtype: torch.dtype, where: str) -> None:
     assert set(got) == set(want), (sorted(got), sorted(want))
     tols = tolerances(case, dtype)
     for name, expected in want.items():
-        assert_close_to_scale(got[name], expected, tols[name],
-                              msg=f"{where}, {case_id(case)}, {dtype}, {name}, seed {SEED}")
+        assert_close_to_scale(
+            got[name], expected, tols[name], msg=f"{where}, {case_id(case)}, {dtype}, {name}, seed {SEED}"
+        )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -40,5 +47,10 @@ def test_unsupported_dtype_runs_the_reference(device):
         path = kernels.kernel_paths(device, torch.float64)[OP_FAMILY[case["op"]]]
         assert path.implementation == "reference"
         assert ("float64" if device.type == "cuda" else device.type) in path.details, path
-        assert_matches_eager(run_fused(case, torch.float64, device), run_eager(case, torch.float64, device), case,
-                             torch.float32, path.details)
+        assert_matches_eager(
+            run_fused(case, torch.float64, device),
+            run_eager(case, torch.float64, device),
+            case,
+            torch.float32,
+            path.details,
+        )

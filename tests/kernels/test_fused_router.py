@@ -99,8 +99,15 @@ def test_flag_off_is_the_eager_router_bit_for_bit(device):
         aux, zl = load_balancing_loss(probs, counts, moe["top_k"]), z_loss(logits)
         loss = moe["aux_loss_weight"] * aux + moe["z_loss_weight"] * zl
         ((w * t["grad_weight_TK"]).sum() + t["grad_loss"] * loss).backward()
-        want = {"weight_TK": w, "counts_E": counts, "aux_loss": aux, "z_loss": zl, "loss": loss, "grad_x": x.grad,
-                "grad_router_weight": weight.grad}
+        want = {
+            "weight_TK": w,
+            "counts_E": counts,
+            "aux_loss": aux,
+            "z_loss": zl,
+            "loss": loss,
+            "grad_x": x.grad,
+            "grad_router_weight": weight.grad,
+        }
         for name, value in want.items():
             assert torch.equal(got[name], value.detach()), (case_id(case), name, SEED)
 
@@ -125,7 +132,9 @@ def test_router_path_rules():
     assert router_kernels.path("cuda").details == "triton (CUDA)"
     assert router_kernels.path("cuda", torch.float32, router_kernels.MAX_EXPERTS).fused
     wide = router_kernels.path("cuda", torch.float32, router_kernels.MAX_EXPERTS + 1)
-    assert not wide.fused and f"rows of {router_kernels.MAX_EXPERTS + 1} experts exceed the kernel's 256" in wide.details
+    assert (
+        not wide.fused and f"rows of {router_kernels.MAX_EXPERTS + 1} experts exceed the kernel's 256" in wide.details
+    )
     half = router_kernels.path("cuda", torch.bfloat16)
     assert not half.fused and "float32 logits (the router computes in fp32), not bfloat16" in half.details
     assert router_kernels.path("cpu").details == "reference: the Triton kernel runs on CUDA devices, not cpu"
@@ -138,9 +147,20 @@ def _moe_config(**moe) -> ModelConfig:
     return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe))
 
 
-@pytest.mark.parametrize("moe", [{}, {"score_func": "sigmoid", "normalize_top_k": True, "routed_scaling_factor": 2.5,
-                                      "routing": "skewed", "z_loss_weight": 0.01}],
-                         ids=["softmax-learned", "sigmoid-normalised-scaled-skewed"])
+@pytest.mark.parametrize(
+    "moe",
+    [
+        {},
+        {
+            "score_func": "sigmoid",
+            "normalize_top_k": True,
+            "routed_scaling_factor": 2.5,
+            "routing": "skewed",
+            "z_loss_weight": 0.01,
+        },
+    ],
+    ids=["softmax-learned", "sigmoid-normalised-scaled-skewed"],
+)
 def test_fused_moe_model_runs_the_router_op_and_equals_unfused(moe, device):
     """fp32, on the run's device: with every router's switch on (``Transformer.use_fused_kernels`` does
     not reach the routers: set here) the step runs the router op once per MoE layer each way, and no
@@ -164,8 +184,9 @@ def test_fused_moe_model_runs_the_router_op_and_equals_unfused(moe, device):
             assert not {"aten::logsumexp", "aten::_softmax_backward_data", "aten::sigmoid_backward"} & set(recorder.ops)
         results[fused] = (loss.detach(), {name: p.grad for name, p in model.named_parameters()})
     (fused_loss, fused_grads), (loss, grads) = results[True], results[False]
-    assert_close_to_scale(fused_loss, loss, model_tolerance(config, tokens.numel(), gradients=False),
-                          msg=f"loss, seed {SEED}")
+    assert_close_to_scale(
+        fused_loss, loss, model_tolerance(config, tokens.numel(), gradients=False), msg=f"loss, seed {SEED}"
+    )
     tol = model_tolerance(config, tokens.numel())
     for name, grad in grads.items():
         assert fused_grads[name] is not None, name
@@ -181,12 +202,19 @@ def test_router_ops_are_priced_as_one_pass_each():
 
     logits, expert = spec(10, 40), spec(10, 4, dtype="torch.int64")
     weight, mean_probs, lse = spec(10, 4), spec(40), spec(10)
-    forward = op_work(TracedOp("moe_engine.router_scores.default", (logits, expert), (weight, mean_probs, lse),
-                               "forward"))
+    forward = op_work(
+        TracedOp("moe_engine.router_scores.default", (logits, expert), (weight, mean_probs, lse), "forward")
+    )
     # One pass, and torch's sum of the per-program partial rows (a launch).
     assert (forward.kind, forward.kernels, forward.flops) == ("fused", 2, 0.0)
     assert forward.nbytes == 10 * 40 * 4 + 10 * 4 * 8 + 10 * 4 * 4 + 40 * 4 + 10 * 4
-    backward = op_work(TracedOp("moe_engine.router_scores_backward.default",
-                                (weight, mean_probs, lse, logits, expert), (logits,), "backward"))
+    backward = op_work(
+        TracedOp(
+            "moe_engine.router_scores_backward.default",
+            (weight, mean_probs, lse, logits, expert),
+            (logits,),
+            "backward",
+        )
+    )
     assert (backward.kind, backward.kernels) == ("fused", 1)
     assert backward.nbytes == 10 * 4 * 4 + 40 * 4 + 10 * 4 + 10 * 40 * 4 + 10 * 4 * 8 + 10 * 40 * 4

@@ -21,8 +21,9 @@ from moe_engine.kernels import routing
 from moe_engine.moe.permute import combine, gather_tokens, plan_routing, plan_slots
 
 ROUTING_OPS = ("gather_rows", "combine_rows")
-ROUTING_OP_NAMES = {f"moe_engine::{name}" for name in
-                    ("gather_rows", "gather_rows_backward", "combine_rows", "combine_rows_backward")}
+ROUTING_OP_NAMES = {
+    f"moe_engine::{name}" for name in ("gather_rows", "gather_rows_backward", "combine_rows", "combine_rows_backward")
+}
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -60,8 +61,14 @@ def test_combine_keeps_no_gathered_copy(device):
     g = torch.Generator().manual_seed(SEED)
     expert_TK = torch.stack([torch.randperm(4, generator=g)[:top_k] for _ in range(tokens)])
     rows = plan_slots(plan_routing(expert_TK, 4), 2, 10).rows
-    rows = dataclasses.replace(rows, **{f.name: getattr(rows, f.name).to(device) for f in dataclasses.fields(rows)
-                                        if isinstance(getattr(rows, f.name), torch.Tensor)})
+    rows = dataclasses.replace(
+        rows,
+        **{
+            f.name: getattr(rows, f.name).to(device)
+            for f in dataclasses.fields(rows)
+            if isinstance(getattr(rows, f.name), torch.Tensor)
+        },
+    )
     y = torch.randn(rows.assignment_R.numel(), width, device=device, requires_grad=True)
     weight = torch.rand(tokens, top_k, device=device, requires_grad=True)
     saved = saved_while(lambda: combine(y, weight, rows, fused=True))
@@ -119,8 +126,9 @@ def test_fused_moe_model_runs_the_routing_ops_and_equals_unfused(device):
             assert "aten::bmm" not in recorder.ops
         results[fused] = (loss.detach(), {name: p.grad for name, p in model.named_parameters()})
     (fused_loss, fused_grads), (loss, grads) = results[True], results[False]
-    assert_close_to_scale(fused_loss, loss, model_tolerance(config, tokens.numel(), gradients=False),
-                          msg=f"loss, seed {SEED}")
+    assert_close_to_scale(
+        fused_loss, loss, model_tolerance(config, tokens.numel(), gradients=False), msg=f"loss, seed {SEED}"
+    )
     tol = model_tolerance(config, tokens.numel())
     for name, grad in grads.items():
         assert_close_to_scale(fused_grads[name], grad, tol, msg=f"{name}, seed {SEED}")
@@ -141,15 +149,25 @@ def test_routing_ops_are_priced_by_the_rows_they_move():
     cases = {
         "gather_rows": ((x, assignment, row, filled, kept), (rows,), 2 * 10 * 32 * 2, 0),
         "gather_rows_backward": ((rows, row, kept), (x,), (12 + 6) * 32 * 2, 0),
-        "combine_rows": ((rows, weight, row, assignment, kept, filled), (x,), (12 + 6) * 32 * 2 + 6 * 2 * 4,
-                         2 * 12 * 32),
-        "combine_rows_backward": ((x, rows, weight, row, assignment, kept, filled), (rows, weight),
-                                  (6 + 12 + 10) * 32 * 2 + 2 * 6 * 2 * 4, 4 * 12 * 32),
+        "combine_rows": (
+            (rows, weight, row, assignment, kept, filled),
+            (x,),
+            (12 + 6) * 32 * 2 + 6 * 2 * 4,
+            2 * 12 * 32,
+        ),
+        "combine_rows_backward": (
+            (x, rows, weight, row, assignment, kept, filled),
+            (rows, weight),
+            (6 + 12 + 10) * 32 * 2 + 2 * 6 * 2 * 4,
+            4 * 12 * 32,
+        ),
     }
     for name, (inputs, outputs, moved, flops) in cases.items():
         work = op_work(TracedOp(f"moe_engine.{name}.default", inputs, outputs, "forward"))
         ops_index = sum(t.nbytes for t in inputs if t.dtype in ("torch.int64", "torch.bool"))
         assert (work.kind, work.kernels, work.flops) == ("fused", 1, flops), name
         assert work.nbytes == moved + ops_index, name
-    assert sum(t.nbytes for t in cases["combine_rows"][0] if t.dtype != "torch.bfloat16"
-               and t.dtype != "torch.float32") == index
+    assert (
+        sum(t.nbytes for t in cases["combine_rows"][0] if t.dtype != "torch.bfloat16" and t.dtype != "torch.float32")
+        == index
+    )

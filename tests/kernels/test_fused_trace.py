@@ -36,11 +36,15 @@ class OpRecorder(TorchDispatchMode):
 
 EXPECTED = {
     "rms_norm": ({"moe_engine::rms_norm": 1, "moe_engine::rms_norm_backward": 1}, {"aten::rsqrt", "aten::mean"}),
-    "add_rms_norm": ({"moe_engine::add_rms_norm": 1, "moe_engine::rms_norm_backward": 1},
-                     {"aten::rsqrt", "aten::mean"}),
+    "add_rms_norm": (
+        {"moe_engine::add_rms_norm": 1, "moe_engine::rms_norm_backward": 1},
+        {"aten::rsqrt", "aten::mean"},
+    ),
     "swiglu": ({"moe_engine::swiglu": 1, "moe_engine::swiglu_backward": 1}, {"aten::silu", "aten::silu_backward"}),
-    "swiglu_packed": ({"moe_engine::swiglu": 1, "moe_engine::swiglu_packed_backward": 1},
-                      {"aten::silu", "aten::silu_backward"}),
+    "swiglu_packed": (
+        {"moe_engine::swiglu": 1, "moe_engine::swiglu_packed_backward": 1},
+        {"aten::silu", "aten::silu_backward"},
+    ),
     "linear_cross_entropy": (
         {"moe_engine::linear_cross_entropy": 1, "moe_engine::linear_cross_entropy_backward": 1},
         {"aten::mm", "aten::addmm", "aten::_log_softmax", "aten::logsumexp", "aten::nll_loss_forward"},
@@ -72,11 +76,15 @@ def test_dense_model_runs_fused_ops_only():
             model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
     norms = layers + 2 * layers + 1  # attention norms, q and k norms, the final norm
     assert recorder.fused() == {
-        "moe_engine::rms_norm": norms, "moe_engine::add_rms_norm": layers,
+        "moe_engine::rms_norm": norms,
+        "moe_engine::add_rms_norm": layers,
         "moe_engine::rms_norm_backward": norms + layers,
-        "moe_engine::swiglu": layers, "moe_engine::swiglu_backward": layers,
-        "moe_engine::rope": 2 * layers, "moe_engine::rope_backward": 2 * layers,
-        "moe_engine::linear_cross_entropy": 1, "moe_engine::linear_cross_entropy_backward": 1,
+        "moe_engine::swiglu": layers,
+        "moe_engine::swiglu_backward": layers,
+        "moe_engine::rope": 2 * layers,
+        "moe_engine::rope_backward": 2 * layers,
+        "moe_engine::linear_cross_entropy": 1,
+        "moe_engine::linear_cross_entropy_backward": 1,
     }
     # GEMMs remain (the projections'; the LM head's runs inside the fused loss), none of the rest.
     leftover = (COMPOSITION - {"aten::mm"}) & set(recorder.ops)
@@ -95,8 +103,12 @@ def test_routed_experts_run_the_fused_activation():
     assert not {"aten::silu", "aten::silu_backward"} & set(recorder.ops)
 
 
-ROUTING = {"moe_engine::gather_rows", "moe_engine::gather_rows_backward", "moe_engine::combine_rows",
-           "moe_engine::combine_rows_backward"}
+ROUTING = {
+    "moe_engine::gather_rows",
+    "moe_engine::gather_rows_backward",
+    "moe_engine::combine_rows",
+    "moe_engine::combine_rows_backward",
+}
 
 
 def test_moe_model_runs_the_fused_routing_ops():

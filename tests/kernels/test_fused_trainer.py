@@ -29,8 +29,9 @@ class _Ops(TorchDispatchMode):
 
 def one_step(fused: bool):
     parallel = ParallelConfig(microbatches=2)
-    rank_model = build_rank_model(dataclasses.replace(CONFIG, fused_kernels=fused), parallel, None,
-                                  torch.device("cpu"), SEED)
+    rank_model = build_rank_model(
+        dataclasses.replace(CONFIG, fused_kernels=fused), parallel, None, torch.device("cpu"), SEED
+    )
     trainer = ParallelTrainer(rank_model, parallel, None, OptimizerConfig(lr=0.0))
     grad_of = getattr(trainer.optimizer, "grad_view", lambda param: param.grad)
     tokens, labels = model_batch(vocab=CONFIG.vocab_size)

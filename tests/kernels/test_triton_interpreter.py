@@ -27,11 +27,28 @@ MODEL_SEED = 3
 
 def storage_inputs() -> torch.Tensor:
     """fp32 values whose bf16 rounding is delicate, then random bit patterns of every kind."""
-    special = torch.tensor([
-        0.0, -0.0, 1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1.0 + 2**-8 + 2**-20,  # ties and near-ties
-        3.389e38, 3.4e38, -3.4e38, float("inf"), float("-inf"), float("nan"), -float("nan"),  # overflow to inf
-        1e-40, -1e-40, 2**-126, 2**-133 * 3,  # subnormals
-    ])
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 2**-8,
+            1.0 + 3 * 2**-8,
+            -(1.0 + 2**-8),
+            1.0 + 2**-8 + 2**-20,  # ties and near-ties
+            3.389e38,
+            3.4e38,
+            -3.4e38,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            -float("nan"),  # overflow to inf
+            1e-40,
+            -1e-40,
+            2**-126,
+            2**-133 * 3,  # subnormals
+        ]
+    )
     bits = torch.randint(-(2**31), 2**31, (4096,), generator=torch.Generator().manual_seed(SEED), dtype=torch.int64)
     return torch.cat([special, bits.to(torch.int32).view(torch.float32)])
 
@@ -85,16 +102,18 @@ def test_interpreted_fused_model_equals_unfused_model(tmp_path):
     """A model with every fused op on its Triton kernels (loss, every parameter's gradient) against the
     same model unfused, in fp32, within the model's error-analysis tolerance."""
     tokens, labels = model_batch()
-    interpreted = run_interpreted(tmp_path, {"model_config": MODEL_CONFIG, "model_seed": MODEL_SEED,
-                                             "tokens": tokens, "labels": labels})
+    interpreted = run_interpreted(
+        tmp_path, {"model_config": MODEL_CONFIG, "model_seed": MODEL_SEED, "tokens": tokens, "labels": labels}
+    )
     assert set(interpreted["paths"]["fp32"].values()) == {"triton"}
     config = ModelConfig(**{**MODEL_CONFIG, "fused_kernels": False})
     model = build_model(config, seed=MODEL_SEED)
     loss = model.loss(tokens, labels)
     loss.backward()
     got = interpreted["model"]
-    assert_close_to_scale(got["loss"], loss.detach(), model_tolerance(config, tokens.numel(), gradients=False),
-                          msg=f"loss, seed {SEED}")
+    assert_close_to_scale(
+        got["loss"], loss.detach(), model_tolerance(config, tokens.numel(), gradients=False), msg=f"loss, seed {SEED}"
+    )
     tol = model_tolerance(config, tokens.numel())
     for name, param in model.named_parameters():
         assert_close_to_scale(got[name], param.grad, tol, msg=f"{name}, seed {SEED}")

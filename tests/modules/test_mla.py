@@ -49,9 +49,9 @@ def reference(x_BSD, w: dict[str, torch.Tensor], heads, nope, rope_dim, v_dim, k
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     outputs = []
     for h in range(heads):
-        q_h = q_all[..., h * qk:(h + 1) * qk]
+        q_h = q_all[..., h * qk : (h + 1) * qk]
         q_h = torch.cat([q_h[..., :nope], _rope(q_h[..., nope:])], dim=-1)
-        kv_h = kv_all[..., h * (nope + v_dim):(h + 1) * (nope + v_dim)]
+        kv_h = kv_all[..., h * (nope + v_dim) : (h + 1) * (nope + v_dim)]
         k_h = torch.cat([kv_h[..., :nope], k_rope], dim=-1)
         v_h = kv_h[..., nope:]
         scores = torch.einsum("bsd,btd->bst", q_h, k_h) / math.sqrt(qk)
@@ -68,10 +68,18 @@ def reference(x_BSD, w: dict[str, torch.Tensor], heads, nope, rope_dim, v_dim, k
 def test_mla_matches_a_per_head_reference(q_rank, nope, rope_dim, v_dim):
     heads, d_model, kv_rank, seq = 4, 32, 16, 12
     config = ModelConfig(
-        vocab_size=16, d_model=d_model, n_layers=1, n_heads=heads, n_kv_heads=heads, seq_len=seq, dtype="fp32",
-        norm_eps=EPS, rope_theta=THETA,
-        mla=dict(q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
-                 v_head_dim=v_dim),
+        vocab_size=16,
+        d_model=d_model,
+        n_layers=1,
+        n_heads=heads,
+        n_kv_heads=heads,
+        seq_len=seq,
+        dtype="fp32",
+        norm_eps=EPS,
+        rope_theta=THETA,
+        mla=dict(
+            q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim, v_head_dim=v_dim
+        ),
     )
     torch.manual_seed(0)
     module = MultiHeadLatentAttention(config)
@@ -83,7 +91,9 @@ def test_mla_matches_a_per_head_reference(q_rank, nope, rope_dim, v_dim):
     x_BSD = torch.randn(2, seq, d_model, requires_grad=True)
     out = module(x_BSD, rope)
 
-    weights = {name.removesuffix(".weight"): p.detach().clone().requires_grad_() for name, p in module.named_parameters()}
+    weights = {
+        name.removesuffix(".weight"): p.detach().clone().requires_grad_() for name, p in module.named_parameters()
+    }
     x_ref = x_BSD.detach().clone().requires_grad_()
     expected = reference(x_ref, weights, heads, nope, rope_dim, v_dim, kv_rank, q_rank)
     # Seven reductions from input to output (query latent, its norm, query, scores, softmax, values,
@@ -103,7 +113,13 @@ def test_mla_matches_a_per_head_reference(q_rank, nope, rope_dim, v_dim):
 def test_mla_is_causal_and_uses_the_shared_rope_key():
     """A later token never changes an earlier output; the RoPE key is one per token, shared by heads."""
     config = ModelConfig(
-        vocab_size=16, d_model=32, n_layers=1, n_heads=4, n_kv_heads=4, seq_len=8, dtype="fp32",
+        vocab_size=16,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=4,
+        seq_len=8,
+        dtype="fp32",
         mla=dict(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
     )
     torch.manual_seed(1)

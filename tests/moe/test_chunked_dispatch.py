@@ -141,8 +141,10 @@ def _layer_job(cases: list[dict], checks: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def layers() -> dict:
-    return {"ep2": run_ranks(_layer_job, 2, EP2, True, timeout=180),
-            "ep4": run_ranks(_layer_job, 4, EP4, False, timeout=180)}
+    return {
+        "ep2": run_ranks(_layer_job, 2, EP2, True, timeout=180),
+        "ep4": run_ranks(_layer_job, 4, EP4, False, timeout=180),
+    }
 
 
 @pytest.mark.slow
@@ -265,7 +267,13 @@ def test_the_chunked_no_sync_layer_never_syncs_with_the_host(layers):
 # ---- whole training steps ----------------------------------------------------------------------
 
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.01, shared_expert_hidden=16),
 )
 # lr 1 and eps 1: the first updates are about proportional to the (clipped) gradient.
@@ -274,14 +282,16 @@ SEQUENCES, STEPS, TRAIN_CHUNKS = 8, 2, 3
 TRAIN_LAYOUTS = {
     2: {
         # Capacity 1.0 with learned routes: some assignments are dropped, the same with chunks.
-        "ep2-no-sync-zero1": ParallelConfig(dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0,
-                                            optimizer_sharding="zero1", microbatches=2),
+        "ep2-no-sync-zero1": ParallelConfig(
+            dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0, optimizer_sharding="zero1", microbatches=2
+        ),
         "ep2-sync-zero1": ParallelConfig(dp=2, ep=2, dispatch="sync", optimizer_sharding="zero1", microbatches=2),
     },
     4: {
         "pp2-ep2-1f1b-no-sync": ParallelConfig(dp=2, ep=2, pp=2, schedule="1f1b", microbatches=2, capacity_factor=2.0),
-        "pp2-ep2-1f1b-sync-zero1": ParallelConfig(dp=2, ep=2, pp=2, schedule="1f1b", microbatches=2, dispatch="sync",
-                                                  optimizer_sharding="zero1"),
+        "pp2-ep2-1f1b-sync-zero1": ParallelConfig(
+            dp=2, ep=2, pp=2, schedule="1f1b", microbatches=2, dispatch="sync", optimizer_sharding="zero1"
+        ),
         "dp4-ep4-sync-zero1": ParallelConfig(dp=4, ep=4, dispatch="sync", optimizer_sharding="zero1"),
     },
 }
@@ -309,8 +319,14 @@ def _train(parallel: ParallelConfig, groups) -> dict:
         norms.append(trainer.last_grad_norm.clone())
         dropped.append([int(layer.last_dropped) for layer in rank_model.moe_layers()])
     updates = {n: p.detach() - before[n] for n, p in params.items()}
-    return {"losses": losses, "norms": norms, "updates": updates, "before": before, "dropped": dropped,
-            "last_stage": groups.coords.pp_rank == parallel.pp - 1}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "updates": updates,
+        "before": before,
+        "dropped": dropped,
+        "last_stage": groups.coords.pp_rank == parallel.pp - 1,
+    }
 
 
 def _train_job(layouts: dict[str, ParallelConfig]) -> dict:
@@ -337,11 +353,24 @@ def test_chunked_training_steps_match_one_chunk(world):
             plain, chunked = results[name, 1], results[name, TRAIN_CHUNKS]
             assert chunked["dropped"] == plain["dropped"], (name, rank)
             if plain["last_stage"]:
-                torch.testing.assert_close(torch.stack(chunked["losses"]), torch.stack(plain["losses"]),
-                                           rtol=loss_tol, atol=0, msg=f"{name} rank {rank}: losses")
-            torch.testing.assert_close(torch.stack(chunked["norms"]), torch.stack(plain["norms"]), rtol=norm_tol, atol=0)
+                torch.testing.assert_close(
+                    torch.stack(chunked["losses"]),
+                    torch.stack(plain["losses"]),
+                    rtol=loss_tol,
+                    atol=0,
+                    msg=f"{name} rank {rank}: losses",
+                )
+            torch.testing.assert_close(
+                torch.stack(chunked["norms"]), torch.stack(plain["norms"]), rtol=norm_tol, atol=0
+            )
             for param, update in chunked["updates"].items():
-                assert_moves_close(update, plain["updates"][param], update_tol, plain["before"][param], STEPS,
-                                   msg=f"{name} rank {rank}: update of {param}")
+                assert_moves_close(
+                    update,
+                    plain["updates"][param],
+                    update_tol,
+                    plain["before"][param],
+                    STEPS,
+                    msg=f"{name} rank {rank}: update of {param}",
+                )
     if world == 2:
         assert any(sum(d) for r in ranks for d in r["ep2-no-sync-zero1", 1]["dropped"]), "the no-sync layout drops"

@@ -31,8 +31,13 @@ def make_layer(seed: int, routing: str, backend: str = "torch", routing_seed: in
     """Same parameters for every ``routing_seed``: it only seeds random and skewed expert choices."""
     torch.manual_seed(seed)
     moe = MoEConfig(
-        num_experts=EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN, routing=routing, zipf_exponent=2.0,
-        backend=backend, routing_seed=routing_seed,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        expert_hidden=HIDDEN,
+        routing=routing,
+        zipf_exponent=2.0,
+        backend=backend,
+        routing_seed=routing_seed,
     )
     layer = MoELayer(D_MODEL, moe)
     for p in layer.parameters():
@@ -46,8 +51,17 @@ def make_case(name, ep, kind, capacity_factor, routing, backend="torch", tokens=
     tokens = tokens or [TOKENS] * ep
     x = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
     grad = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
-    return dict(name=name, ep=ep, kind=kind, capacity_factor=capacity_factor, routing=routing, backend=backend,
-                seed=seed, x=x, grad=grad)
+    return dict(
+        name=name,
+        ep=ep,
+        kind=kind,
+        capacity_factor=capacity_factor,
+        routing=routing,
+        backend=backend,
+        seed=seed,
+        x=x,
+        grad=grad,
+    )
 
 
 def _step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
@@ -57,9 +71,14 @@ def _step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
     y = layer(x)
     (y * grad_TD).sum().backward()
     return dict(
-        y=y.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad,
-        grad_gate_up=layer.experts.gate_up.grad, grad_down=layer.experts.down.grad,
-        dropped=layer.last_dropped, counts=layer.last_counts_E, experts=layer.experts.global_experts,
+        y=y.detach(),
+        grad_x=x.grad,
+        grad_router=layer.router.weight.grad,
+        grad_gate_up=layer.experts.gate_up.grad,
+        grad_down=layer.experts.down.grad,
+        dropped=layer.last_dropped,
+        counts=layer.last_counts_E,
+        experts=layer.experts.global_experts,
     )
 
 
@@ -114,11 +133,7 @@ def results() -> dict:
     """Every case's per-rank results: one spawned job per world size."""
     ep2 = run_ranks(_rank_job, 2, EP2_CASES, True, timeout=120)
     ep4 = run_ranks(_rank_job, 4, EP4_CASES, False, timeout=120)
-    return {
-        name: [rank_results[name] for rank_results in job]
-        for job in (ep2, ep4)
-        for name in job[0]
-    }
+    return {name: [rank_results[name] for rank_results in job] for job in (ep2, ep4) for name in job[0]}
 
 
 def expected_kept(expert_TK: torch.Tensor, ep: int, slot_capacity: int) -> torch.Tensor:
@@ -152,8 +167,11 @@ def kept_reference(layer: MoELayer, x_TD, grad_TD, kept_TK) -> dict:
     y_TD = torch.stack(rows)
     ((y_TD * grad_TD).sum() + route.loss).backward()
     return dict(
-        y=y_TD.detach(), grad_x=x.grad, grad_router=layer.router.weight.grad.clone(),
-        grad_gate_up=layer.experts.gate_up.grad.clone(), grad_down=layer.experts.down.grad.clone(),
+        y=y_TD.detach(),
+        grad_x=x.grad,
+        grad_router=layer.router.weight.grad.clone(),
+        grad_gate_up=layer.experts.gate_up.grad.clone(),
+        grad_down=layer.experts.down.grad.clone(),
         expert_TK=route.expert_TK,
     )
 
@@ -201,17 +219,20 @@ def assert_matches_reference(case: dict, ranks: list[dict]) -> None:
 @pytest.mark.parametrize(
     "name", ["sync-learned", "no-sync-learned", "sync-skewed", "no-sync-random", "ep4-sync-random"]
 )
+@pytest.mark.slow
 def test_dropless_matches_single_process_layer(results, name):
     assert_matches_reference(CASES[name], results[name])
     assert all(r["dropped"].item() == 0 for r in results[name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["no-sync-drops", "no-sync-drops-loop", "ep4-no-sync-drops"])
 def test_over_capacity_drops_are_counted_and_removed(results, name):
     assert sum(r["dropped"].item() for r in results[name]) > 0, "this case should drop assignments"
     assert_matches_reference(CASES[name], results[name])
 
 
+@pytest.mark.slow
 def test_no_sync_has_no_host_sync_and_sync_is_caught(results):
     for outcome in results["guard"]:
         assert outcome["no-sync"] == "ok"
@@ -254,9 +275,9 @@ def test_slot_plan_maps_both_ways_and_drops_the_tail(ep, slot_capacity):
     scale_R1 = torch.arange(1.0, rows.assignment_R.numel() + 1, dtype=torch.float64).unsqueeze(1)
     buffer_RD = gather_tokens(x_TD, rows)
     assert (buffer_RD[~rows.filled_R] == 0).all()
-    expected_TD = (w_TK * kept_TK).unsqueeze(2).mul(x_TD.unsqueeze(1)).mul(
-        scale_R1[rows.row_N].view(tokens, TOP_K, 1)
-    ).sum(1)
+    expected_TD = (
+        (w_TK * kept_TK).unsqueeze(2).mul(x_TD.unsqueeze(1)).mul(scale_R1[rows.row_N].view(tokens, TOP_K, 1)).sum(1)
+    )
     assert torch.allclose(combine(buffer_RD * scale_R1, w_TK, rows), expected_TD)
     torch.autograd.gradcheck(lambda x, w: combine(gather_tokens(x, rows) * scale_R1, w, rows), (x_TD, w_TK))
 

@@ -50,14 +50,18 @@ def _offsets(device, counts=(4, 4)):
     [
         # A view that starts one element into a flat buffer: what a parameter re-homed into a
         # gradient bucket at an unaligned offset looks like.
-        (lambda d: (torch.zeros(8 * 16 + 1, device=d)[1:].view(8, 16), torch.zeros(2, 16, 8, device=d)),
-         "a: data pointer is not 16-byte aligned"),
+        (
+            lambda d: (torch.zeros(8 * 16 + 1, device=d)[1:].view(8, 16), torch.zeros(2, 16, 8, device=d)),
+            "a: data pointer is not 16-byte aligned",
+        ),
         # fp32 rows of 6 elements: a 24-byte leading stride.
         (lambda d: (torch.zeros(8, 6, device=d), torch.zeros(2, 6, 8, device=d)), "a: leading stride 6 x 4 bytes"),
         (lambda d: (torch.zeros(8, 32, device=d)[:, ::2], torch.zeros(2, 16, 8, device=d)), "a: needs unit stride"),
         (lambda d: (torch.zeros(8, 16, device=d), torch.zeros(2, 16, 6, device=d)), "b: leading stride 6 x 4 bytes"),
-        (lambda d: (torch.zeros(8, 16, device=d, dtype=torch.bfloat16), torch.zeros(2, 16, 8, device=d)),
-         "one dtype expected"),
+        (
+            lambda d: (torch.zeros(8, 16, device=d, dtype=torch.bfloat16), torch.zeros(2, 16, 8, device=d)),
+            "one dtype expected",
+        ),
     ],
 )
 def test_operands_the_cuda_kernel_refuses_are_refused_here(make, message, device):
@@ -87,14 +91,23 @@ def test_gradient_buckets_keep_every_parameter_16_byte_aligned(grad_dtype):
     """Re-homed parameter and gradient views start on 16-byte boundaries, whatever the sizes before
     them (q/k norms of head_dim 6 in bf16 are 12 bytes), in bf16 and in fp32 gradient buffers, and a
     step still trains."""
-    config = ModelConfig(vocab_size=64, d_model=24, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, qk_norm=True,
-                         n_dense_layers=1, dense_hidden=40, dtype="bf16",
-                         moe=MoEConfig(num_experts=3, top_k=2, expert_hidden=8, routing="random"))
+    config = ModelConfig(
+        vocab_size=64,
+        d_model=24,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=8,
+        qk_norm=True,
+        n_dense_layers=1,
+        dense_hidden=40,
+        dtype="bf16",
+        moe=MoEConfig(num_experts=3, top_k=2, expert_hidden=8, routing="random"),
+    )
     torch.manual_seed(SEED)
     model = build_model(config)
     opt = DataParallelOptimizer(model, None, OptimizerConfig(), shard=False, grad_dtype=grad_dtype)
-    misaligned = [name for name, p in model.named_parameters()
-                  if p.data_ptr() % 16 or opt.grad_view(p).data_ptr() % 16]
+    misaligned = [name for name, p in model.named_parameters() if p.data_ptr() % 16 or opt.grad_view(p).data_ptr() % 16]
     assert misaligned == []
     tokens = torch.randint(0, 64, (2, 8))
     opt.zero_grad()

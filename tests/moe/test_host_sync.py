@@ -62,8 +62,16 @@ def test_moe_layer_has_no_host_sync(routing, dtype, device):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_model_training_step_has_no_host_sync(dtype, device):
     config = ModelConfig(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, n_dense_layers=1,
-        dense_hidden=48, qk_norm=True, dtype=dtype,
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=16,
+        n_dense_layers=1,
+        dense_hidden=48,
+        qk_norm=True,
+        dtype=dtype,
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, routing="random", expert_bias_rate=0.01),
     )
     torch.manual_seed(0)

@@ -151,7 +151,9 @@ def test_layer_cast_with_module_to_bf16(backend, device):
     # The bf16 layer rounds each GEMM's output and each activation (2^-8 each, a handful in a row):
     # measured up to 0.009 over four seeds; 0.02 is about five roundings.
     y, grad_x, grads = run_layer(layer, x_TD, grad_TD)
-    y_ref, grad_x_ref, grads_ref = run_layer(copy.deepcopy(layer).float(), x_TD.float(), grad_TD.float(), reference=True)
+    y_ref, grad_x_ref, grads_ref = run_layer(
+        copy.deepcopy(layer).float(), x_TD.float(), grad_TD.float(), reference=True
+    )
     assert y.dtype == grad_x.dtype == torch.bfloat16
     assert relative_error(y.float(), y_ref) <= 0.02
     assert relative_error(grad_x.float(), grad_x_ref) <= 0.02

@@ -68,7 +68,9 @@ CONFIGS = [
 @pytest.mark.parametrize("d_model, hidden, experts, top_k, routing, tokens", CONFIGS)
 def test_layer_matches_bf16_layer(d_model, hidden, experts, top_k, routing, tokens):
     config = ModelConfig(
-        d_model=d_model, dtype="bf16", init_std=0.05,
+        d_model=d_model,
+        dtype="bf16",
+        init_std=0.05,
         moe=MoEConfig(num_experts=experts, top_k=top_k, expert_hidden=hidden, routing=routing),
     )
     generator = torch.Generator().manual_seed(1)
@@ -257,9 +259,7 @@ def test_saved_expert_activations_shrink_in_mxfp8():
     """The experts' saved activations (x and h, plus the int32 offsets) are >= 40% smaller in MXFP8:
     1 + 1/32 bytes per element instead of 2, a ratio of 0.516."""
     d_model, hidden, tokens, top_k = 128, 128, 256, 2
-    config = ModelConfig(
-        d_model=d_model, dtype="bf16", moe=MoEConfig(num_experts=8, top_k=top_k, expert_hidden=hidden)
-    )
+    config = ModelConfig(d_model=d_model, dtype="bf16", moe=MoEConfig(num_experts=8, top_k=top_k, expert_hidden=hidden))
     x = torch.randn(tokens, d_model, dtype=torch.bfloat16, requires_grad=True)
     measured = {}
     for backend in ("torch", "mxfp8"):
@@ -275,8 +275,10 @@ def test_saved_expert_activations_shrink_in_mxfp8():
     assert measured["mxfp8"][0] == x_and_h + x_and_h // 32 + offsets
     expert_ratio = measured["mxfp8"][0] / measured["torch"][0]
     layer_ratio = measured["mxfp8"][1] / measured["torch"][1]
-    print(f"saved bytes mxfp8/bf16: experts {measured['mxfp8'][0]}/{measured['torch'][0]} = {expert_ratio:.3f}, "
-          f"whole layer {measured['mxfp8'][1]}/{measured['torch'][1]} = {layer_ratio:.3f}")
+    print(
+        f"saved bytes mxfp8/bf16: experts {measured['mxfp8'][0]}/{measured['torch'][0]} = {expert_ratio:.3f}, "
+        f"whole layer {measured['mxfp8'][1]}/{measured['torch'][1]} = {layer_ratio:.3f}"
+    )
     assert expert_ratio <= 0.6
     assert measured["torch"][1] - measured["mxfp8"][1] == measured["torch"][0] - measured["mxfp8"][0]
 
@@ -284,7 +286,9 @@ def test_saved_expert_activations_shrink_in_mxfp8():
 @pytest.mark.cuda
 def test_layer_on_cuda_runs_the_triton_kernel_without_host_sync():
     config = ModelConfig(
-        d_model=256, dtype="bf16", init_std=0.05,
+        d_model=256,
+        dtype="bf16",
+        init_std=0.05,
         # Balanced routing is the same function on both devices; "random" draws from Philox on CUDA and
         # from mt19937 on the CPU, so one seed would route the two runs to other experts.
         moe=MoEConfig(num_experts=16, top_k=4, expert_hidden=128, routing="balanced"),

@@ -118,8 +118,9 @@ def test_skewed_routing_draws_all_picks_without_replacement(experts, k, exponent
     """The joint law of a token's k picks, not only the first: sampling without replacement with the
     Zipf weights, checked on each expert's inclusion, on the second pick and on the ordered k-tuples."""
     tokens = 40000
-    router = make_router(device=device, num_experts=experts, top_k=k, routing="skewed", zipf_exponent=exponent,
-                         routing_seed=5)
+    router = make_router(
+        device=device, num_experts=experts, top_k=k, routing="skewed", zipf_exponent=exponent, routing_seed=5
+    )
     expert_TK = router(randn(tokens, 16, device=device, seed=0)).expert_TK.cpu()
     zipf = [1 / (e + 1) ** exponent for e in range(experts)]
     p = [z / sum(zipf) for z in zipf]
@@ -233,7 +234,7 @@ def _group_limited_reference(scores_TE, bias_E, n_groups, top_groups, top_k):
     per_group = num_experts // n_groups
     chosen = []
     for row in (scores_TE + bias_E).tolist():
-        groups = [sorted(row[g * per_group:(g + 1) * per_group], reverse=True) for g in range(n_groups)]
+        groups = [sorted(row[g * per_group : (g + 1) * per_group], reverse=True) for g in range(n_groups)]
         group_score = [sum(values[:2]) for values in groups]
         kept = sorted(range(n_groups), key=lambda g: -group_score[g])[:top_groups]
         candidates = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
@@ -245,8 +246,16 @@ def _group_limited_reference(scores_TE, bias_E, n_groups, top_groups, top_k):
 @pytest.mark.parametrize("experts, groups, top_groups, k", [(16, 4, 2, 3), (12, 6, 3, 4), (8, 8, 3, 2)])
 def test_group_limited_routing_matches_a_per_token_loop(score_func, experts, groups, top_groups, k, device):
     torch.manual_seed(0)
-    router = make_router(device=device, num_experts=experts, top_k=k, n_groups=groups, top_groups=top_groups,
-                         score_func=score_func, normalize_top_k=True, routed_scaling_factor=2.5)
+    router = make_router(
+        device=device,
+        num_experts=experts,
+        top_k=k,
+        n_groups=groups,
+        top_groups=top_groups,
+        score_func=score_func,
+        normalize_top_k=True,
+        routed_scaling_factor=2.5,
+    )
     # A bias that reorders the groups: selection must use it, the weights must not.
     router.expert_bias.copy_(torch.randn(experts) * 0.3)
     x_TD = torch.randn(256, 16).to(device)
@@ -282,7 +291,8 @@ def test_group_limit_changes_the_choice_and_spares_benchmark_modes(device):
     assert not torch.equal(limited_TK.sort(1).values, free_TK.sort(1).values)
     # Every token's experts come from its one chosen group of four.
     assert ((limited_TK // 4) == (limited_TK[:, :1] // 4)).all()
-    random_limited = make_router(device=device, num_experts=16, top_k=2, n_groups=8, top_groups=1, routing="random",
-                                 routing_seed=5)
+    random_limited = make_router(
+        device=device, num_experts=16, top_k=2, n_groups=8, top_groups=1, routing="random", routing_seed=5
+    )
     random_free = make_router(device=device, num_experts=16, top_k=2, routing="random", routing_seed=5)
     assert torch.equal(random_limited(x_TD).expert_TK, random_free(x_TD).expert_TK)

@@ -18,6 +18,9 @@ from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.train import MasterWeightAdamW, OptimizerConfig
 
+# Multi-rank jobs behind the module's fixtures: seconds each (the fast lane leaves them to CI).
+pytestmark = pytest.mark.slow
+
 SEED = 3
 BATCH = 4
 STEPS = 3
@@ -97,8 +100,12 @@ def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict
     timeline = opt.timeline
     # How many gathers were issued while later buckets' updates were still to come.
     early_gathers = sum(t < timeline.updates_end_s for t in timeline.gather_launch_s.values())
-    return {"params": history, "state_bytes": opt.state_bytes(), "buckets": len(opt.buckets),
-            "early_gathers": early_gathers}
+    return {
+        "params": history,
+        "state_bytes": opt.state_bytes(),
+        "buckets": len(opt.buckets),
+        "early_gathers": early_gathers,
+    }
 
 
 def _plain_one_step(groups, batch, rank: int) -> dict:
@@ -252,8 +259,9 @@ def _assert_params_match(got: dict, want: dict) -> None:
     # parameter by about lr whatever its gradient's size, so the gradients' rounding (a few 1e-5 of
     # them) moves it by far less than lr / 1000; a wrong update is off by a good part of lr.
     for name, param in want.items():
-        torch.testing.assert_close(got[name], param, rtol=tolerance(torch.float32, 1, depth=4), atol=OPT.lr / 1000,
-                                   msg=name)
+        torch.testing.assert_close(
+            got[name], param, rtol=tolerance(torch.float32, 1, depth=4), atol=OPT.lr / 1000, msg=name
+        )
 
 
 # ---- dp=2 on the model ----
@@ -512,7 +520,9 @@ def test_microbatch_gradients_accumulate_in_the_buffer_dtype(grad_dtype):
     if grad_dtype == "fp32":
         # The sums differ from bf16 accumulation somewhere (else the test could not tell them apart).
         bf16_sums = [sum(g[i] for g in per_microbatch[1:]) + per_microbatch[0][i] for i in range(len(params))]
-        assert any(not torch.equal(opt.grad_view(p), s.float()) for p, s in zip(params, bf16_sums) if s.dtype == torch.bfloat16)
+        assert any(
+            not torch.equal(opt.grad_view(p), s.float()) for p, s in zip(params, bf16_sums) if s.dtype == torch.bfloat16
+        )
 
 
 def test_clipping_equals_clip_grad_norm_in_one_process():

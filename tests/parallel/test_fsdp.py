@@ -1,5 +1,6 @@
 """FSDP2 mode computes the single-process loss, gradients and AdamW update."""
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
@@ -10,8 +11,17 @@ from moe_engine.config import ModelConfig, MoEConfig
 from moe_engine.parallel.fsdp import apply_fsdp
 from moe_engine.train import MasterWeightAdamW, OptimizerConfig, adamw_param_groups
 
+# FSDP2 on gloo ranks: seconds (the fast lane leaves it to CI).
+pytestmark = pytest.mark.slow
+
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0),
 )
 # eps = 1 keeps Adam's update proportional to the gradient: with the usual eps, gradients of 1e-8
@@ -32,8 +42,12 @@ def _batches(seed: int):
 def _fsdp_rank(seed: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = apply_fsdp(build_model(CONFIG, seed=seed), dist.group.WORLD, torch.float32)
-    optimizer = torch.optim.AdamW(adamw_param_groups(list(model.parameters()), OPTIMIZER), lr=OPTIMIZER.lr,
-                                  betas=OPTIMIZER.betas, eps=OPTIMIZER.eps)
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(list(model.parameters()), OPTIMIZER),
+        lr=OPTIMIZER.lr,
+        betas=OPTIMIZER.betas,
+        eps=OPTIMIZER.eps,
+    )
     losses, first_grads = [], None
     for tokens, labels in _batches(seed):
         share = tokens.shape[0] // world
@@ -82,8 +96,14 @@ def test_fsdp_matches_single_process_and_shards_parameters():
         # With eps = 1 each step moves a parameter about in proportion to its gradient: compare the
         # moves of the two steps, each carrying its gradient's rounding.
         for name, param in params.items():
-            assert_moves_close(rank["params"][name] - initial[name], param.detach() - initial[name],
-                               in_quadrature(grad_tol, grad_tol), initial[name], STEPS, msg=name)
+            assert_moves_close(
+                rank["params"][name] - initial[name],
+                param.detach() - initial[name],
+                in_quadrature(grad_tol, grad_tol),
+                initial[name],
+                STEPS,
+                msg=name,
+            )
         # Each rank holds about half of every parameter (dim-0 shards, uneven ones padded).
         assert total / 2 <= rank["local_elements"] <= total / 2 + 64
     assert ranks[0]["local_elements"] + ranks[1]["local_elements"] == total

@@ -56,7 +56,10 @@ def test_stages_cover_every_block_once():
     "kwargs,message",
     [
         (dict(dp=3, ep=2), "parallel.ep: ep=2 does not divide dp=3"),
-        (dict(dp=2, virtual_stages=2), "parallel.virtual_stages: more than one stage per rank needs schedule interleaved1f1b"),
+        (
+            dict(dp=2, virtual_stages=2),
+            "parallel.virtual_stages: more than one stage per rank needs schedule interleaved1f1b",
+        ),
         (dict(dp=2, dp_mode="fsdp", optimizer_sharding="zero1"), "parallel.optimizer_sharding: fsdp already shards"),
         (dict(dispatch="maybe"), "parallel.dispatch: 'maybe' is not one of sync, no-sync"),
         (dict(capacity_factor=0), "parallel.capacity_factor: must be > 0"),
@@ -88,6 +91,7 @@ def _group_members(dp, ep, pp):
     return {kind: dist.get_process_group_ranks(getattr(groups, kind)) for kind in ("dp", "ep", "edp", "pp")}
 
 
+@pytest.mark.slow
 def test_process_groups_match_the_layout_on_real_ranks():
     layout = Layout(ParallelConfig(dp=2, ep=2, pp=2))
     members = run_ranks(_group_members, 4, 2, 2, 2, timeout=90)
@@ -120,16 +124,24 @@ def test_microbatches_default_to_one_per_stage():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(pp=2, schedule="1f1b", microbatches=1),
-         "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=2; got 1"),
-        (dict(pp=4, schedule="1f1b", microbatches=3),
-         "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=4; got 3"),
-        (dict(pp=4, schedule="interleaved1f1b", virtual_stages=2, microbatches=9),
-         "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=4: 9 microbatches "
-         "make 2 rounds and do not split into them (the nearest counts that do: 8, 10)"),
-        (dict(pp=2, schedule="interleaved1f1b", microbatches=5),
-         "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=2: 5 microbatches "
-         "make 2 rounds"),
+        (
+            dict(pp=2, schedule="1f1b", microbatches=1),
+            "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=2; got 1",
+        ),
+        (
+            dict(pp=4, schedule="1f1b", microbatches=3),
+            "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=4; got 3",
+        ),
+        (
+            dict(pp=4, schedule="interleaved1f1b", virtual_stages=2, microbatches=9),
+            "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=4: 9 microbatches "
+            "make 2 rounds and do not split into them (the nearest counts that do: 8, 10)",
+        ),
+        (
+            dict(pp=2, schedule="interleaved1f1b", microbatches=5),
+            "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=2: 5 microbatches "
+            "make 2 rounds",
+        ),
     ],
 )
 def test_schedules_refuse_what_torch_refuses_before_any_rank_starts(kwargs, message):
@@ -160,10 +172,15 @@ def _torch_schedule_accepts(schedule: str, pp: int, virtual_stages: int, microba
     stages_total = pp * virtual_stages
     join_fake_world(0, pp)
     try:
-        stages = [PipelineStage(nn.Linear(2, 2), s, stages_total, torch.device("cpu"), group=dist.group.WORLD)
-                  for s in range(0, stages_total, pp)]
-        schedule_class(stages if len(stages) > 1 or schedule == "interleaved1f1b" else stages[0], microbatches,
-                       loss_fn=lambda out, target: out.sum())
+        stages = [
+            PipelineStage(nn.Linear(2, 2), s, stages_total, torch.device("cpu"), group=dist.group.WORLD)
+            for s in range(0, stages_total, pp)
+        ]
+        schedule_class(
+            stages if len(stages) > 1 or schedule == "interleaved1f1b" else stages[0],
+            microbatches,
+            loss_fn=lambda out, target: out.sum(),
+        )
         return True
     except ValueError:
         return False
@@ -173,9 +190,18 @@ def _torch_schedule_accepts(schedule: str, pp: int, virtual_stages: int, microba
 
 @pytest.mark.parametrize(
     "schedule,pp,virtual_stages",
-    [("gpipe", 2, 1), ("gpipe", 4, 1), ("1f1b", 2, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
-     ("interleaved1f1b", 2, 1), ("interleaved1f1b", 2, 2), ("interleaved1f1b", 3, 2), ("interleaved1f1b", 4, 2),
-     ("interleaved1f1b", 4, 3)],
+    [
+        ("gpipe", 2, 1),
+        ("gpipe", 4, 1),
+        ("1f1b", 2, 1),
+        ("1f1b", 3, 1),
+        ("1f1b", 4, 1),
+        ("interleaved1f1b", 2, 1),
+        ("interleaved1f1b", 2, 2),
+        ("interleaved1f1b", 3, 2),
+        ("interleaved1f1b", 4, 2),
+        ("interleaved1f1b", 4, 3),
+    ],
 )
 def test_validation_matches_the_torch_schedules(schedule, pp, virtual_stages):
     """For every microbatch count up to 4 * pp + 1, the config accepts exactly what torch's schedule
@@ -195,7 +221,13 @@ def test_validation_matches_the_torch_schedules(schedule, pp, virtual_stages):
 
 
 _BOUNDARY_MODEL = dict(
-    vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=2, seq_len=4, dtype="fp32",
+    vocab_size=64,
+    d_model=16,
+    n_layers=4,
+    n_heads=2,
+    n_kv_heads=2,
+    seq_len=4,
+    dtype="fp32",
     moe=dict(num_experts=2, top_k=1, expert_hidden=8),
 )
 
@@ -214,14 +246,20 @@ def _step_smallest_layouts(layouts):
         parallel = ParallelConfig(**kwargs)
         parallel.validate(config)
         parallel.validate_executable()
-        pipeline = Pipeline(build_model(config, seed=0), parallel, Layout(parallel).stage_indices(dist.get_rank()),
-                            dist.group.WORLD, torch.device("cpu"))
+        pipeline = Pipeline(
+            build_model(config, seed=0),
+            parallel,
+            Layout(parallel).stage_indices(dist.get_rank()),
+            dist.group.WORLD,
+            torch.device("cpu"),
+        )
         tokens = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(0))
         loss = pipeline.step(tokens[:, :-1], tokens[:, 1:])
         losses.append(None if loss is None else float(loss))
     return losses
 
 
+@pytest.mark.slow
 def test_the_smallest_accepted_microbatch_counts_run_on_two_ranks():
     """The boundary on real ranks: gpipe and interleaved 1F1B with one microbatch, 1F1B with pp of them."""
     smallest = []

@@ -12,8 +12,17 @@ from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.pipeline import Pipeline
 
+# Each schedule on its own gloo ranks: seconds each (the fast lane leaves them to CI).
+pytestmark = pytest.mark.slow
+
 CONFIG = dict(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=dict(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16),
 )
 # Fixed, so that a failure replays exactly (the model's init and the batches derive from it).
@@ -22,8 +31,9 @@ SEED = 1234
 
 def _config(fused_kernels: bool = False) -> ModelConfig:
     data = dict(CONFIG)
-    return ModelConfig(**{k: v for k, v in data.items() if k != "moe"}, moe=MoEConfig(**data["moe"]),
-                       fused_kernels=fused_kernels)
+    return ModelConfig(
+        **{k: v for k, v in data.items() if k != "moe"}, moe=MoEConfig(**data["moe"]), fused_kernels=fused_kernels
+    )
 
 
 class _OpNames(TorchDispatchMode):
@@ -37,7 +47,9 @@ class _OpNames(TorchDispatchMode):
 
 
 def _batch(seed: int):
-    tokens = torch.randint(0, CONFIG["vocab_size"], (8, CONFIG["seq_len"] + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, CONFIG["vocab_size"], (8, CONFIG["seq_len"] + 1), generator=torch.Generator().manual_seed(seed)
+    )
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -49,7 +61,10 @@ def _pipeline_rank(parallel: ParallelConfig, seed: int, fused_kernels: bool = Fa
     with _OpNames() as ops:
         loss = pipeline.step(tokens, labels)
     grads = {
-        name: p.grad.clone() for module in pipeline.modules for name, p in module.named_parameters() if p.grad is not None
+        name: p.grad.clone()
+        for module in pipeline.modules
+        for name, p in module.named_parameters()
+        if p.grad is not None
     }
     return {"loss": loss, "grads": grads, "ops": ops.names}
 

@@ -25,23 +25,57 @@ from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.train import OptimizerConfig, Trainer
 
+# Every layout trains on its own gloo ranks: seconds each (the fast lane leaves them to CI).
+pytestmark = pytest.mark.slow
+
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16),
 )
 # Multi-head latent attention with a query latent (values narrower than queries), and group-limited
 # learned routing with sigmoid scores, renormalised and scaled weights (DeepSeek-V3's router).
 MLA_CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=4, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=4,
+    seq_len=8,
+    dtype="fp32",
     mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
-    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0, shared_expert_hidden=16,
-                  score_func="sigmoid", normalize_top_k=True, n_groups=2, top_groups=1, routed_scaling_factor=2.5),
+    moe=MoEConfig(
+        num_experts=4,
+        top_k=2,
+        expert_hidden=24,
+        aux_loss_weight=0.0,
+        shared_expert_hidden=16,
+        score_func="sigmoid",
+        normalize_top_k=True,
+        n_groups=2,
+        top_groups=1,
+        routed_scaling_factor=2.5,
+    ),
 )
 # Blocks 0, 1 and 3 dense, 2 and 4 MoE (a leading dense block, then MoE every second block); a head
 # width (12) that is not d_model / n_heads.
 INTERLEAVED_CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=12, seq_len=8, dtype="fp32",
-    n_dense_layers=1, moe_every=2, dense_hidden=40,
+    vocab_size=96,
+    d_model=32,
+    n_layers=5,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=12,
+    seq_len=8,
+    dtype="fp32",
+    n_dense_layers=1,
+    moe_every=2,
+    dense_hidden=40,
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.0),
 )
 TIED_CONFIG = dataclasses.replace(INTERLEAVED_CONFIG, tie_embeddings=True)
@@ -86,8 +120,14 @@ def _layout_rank(parallel: ParallelConfig, seed: int, config: ModelConfig = CONF
             timeline = trainer.optimizer.timeline
             overlapped.append(all(t < timeline.backward_end_s for t in timeline.reduce_launch_s.values()))
     updates = {n: _full(p).detach() - before[n] for n, p in params.items()}
-    return {"coords": groups.coords, "losses": losses, "grads": grads, "updates": updates, "norms": norms,
-            "overlapped": overlapped}
+    return {
+        "coords": groups.coords,
+        "losses": losses,
+        "grads": grads,
+        "updates": updates,
+        "norms": norms,
+        "overlapped": overlapped,
+    }
 
 
 def _reference(seed: int, config: ModelConfig = CONFIG):
@@ -132,8 +172,11 @@ LAYOUTS = {
 CASES = [pytest.param("gqa", name, id=name) for name in LAYOUTS] + [
     pytest.param(model, name, id=f"{model}-{name}", marks=pytest.mark.slow)
     for model, name in [
-        ("mla", "ep2-zero1"), ("mla", "pp2-ep2"), ("interleaved", "pp2-interleaved-zero1"),
-        ("interleaved-tied", "dp2-microbatches2"), ("interleaved-tied", "fsdp-dp2"),
+        ("mla", "ep2-zero1"),
+        ("mla", "pp2-ep2"),
+        ("interleaved", "pp2-interleaved-zero1"),
+        ("interleaved-tied", "dp2-microbatches2"),
+        ("interleaved-tied", "fsdp-dp2"),
     ]
 ]
 

@@ -319,8 +319,10 @@ def test_sizes_must_be_block_multiples(device):
     with pytest.raises(ValueError, match="axis 0"):
         quantize(torch.randn(40, 64, device=device), axis=0)
     with pytest.raises(ValueError, match="multiple of 32"):
-        dequantize(torch.zeros(4, 40, dtype=torch.float8_e4m3fn, device=device),
-                   torch.zeros(4, 1, dtype=torch.float8_e8m0fnu, device=device))
+        dequantize(
+            torch.zeros(4, 40, dtype=torch.float8_e4m3fn, device=device),
+            torch.zeros(4, 1, dtype=torch.float8_e8m0fnu, device=device),
+        )
 
 
 @pytest.mark.parametrize("rounding", list(ScaleRounding), ids=lambda r: r.value)

@@ -68,8 +68,9 @@ def max_relative(actual, expected):
 @pytest.mark.parametrize("counts, padding, k, n", CASES)
 def test_emulation_matches_per_expert_reference(counts, padding, k, n, transposed):
     a_MK, w, offsets_E = _operands(counts, padding, k, n, transposed)
-    out = mx.grouped_mm(mx.quantize_rows(a_MK), mx.quantize_weight(w, transposed), offsets_E, torch.float32,
-                        path=mx.GemmPath.EMULATION)
+    out = mx.grouped_mm(
+        mx.quantize_rows(a_MK), mx.quantize_weight(w, transposed), offsets_E, torch.float32, path=mx.GemmPath.EMULATION
+    )
     expected = reference(a_MK, w, counts, transposed)
     m = sum(counts)
     assert out.shape == expected.shape
@@ -92,8 +93,9 @@ def test_padding_k_is_exact():
     """Zero-padding K to a multiple of 32 adds nothing: the product equals the one on padded inputs."""
     a_MK, w, offsets_E = _operands((7, 5), 0, 40, 24, transposed=False)
     out = mx.grouped_mm(mx.quantize_rows(a_MK), mx.quantize_weight(w), offsets_E, torch.float32)
-    padded = mx.grouped_mm(mx.quantize_rows(F.pad(a_MK, (0, 24))), mx.quantize_weight(F.pad(w, (0, 24))),
-                           offsets_E, torch.float32)
+    padded = mx.grouped_mm(
+        mx.quantize_rows(F.pad(a_MK, (0, 24))), mx.quantize_weight(F.pad(w, (0, 24))), offsets_E, torch.float32
+    )
     assert torch.equal(out, padded)
 
 
@@ -146,7 +148,11 @@ def test_triton_kernel_in_interpreter_matches_emulation():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     result = subprocess.run(
         [sys.executable, "-c", INTERPRETER_SCRIPT, json.dumps(INTERPRETER_CASES)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
@@ -176,8 +182,12 @@ def test_compiled_triton_kernel_matches_emulation(transposed):
 
 @pytest.mark.parametrize(
     "capability, expected",
-    [((9, 0), "triton-dot-scaled-emulated-sm90"), ((10, 0), "triton-dot-scaled-native-sm100"),
-     ((10, 3), "triton-dot-scaled-native-sm103"), ((8, 0), "triton-dot-scaled-emulated-sm80")],
+    [
+        ((9, 0), "triton-dot-scaled-emulated-sm90"),
+        ((10, 0), "triton-dot-scaled-native-sm100"),
+        ((10, 3), "triton-dot-scaled-native-sm103"),
+        ((8, 0), "triton-dot-scaled-emulated-sm80"),
+    ],
 )
 def test_path_label_says_native_or_emulated(capability, expected, monkeypatch):
     """Hopper has no MX tensor cores: its MXFP8 results are labelled as Triton's emulation."""

@@ -21,7 +21,13 @@ from moe_engine.proxy.build import build_proxy_rank
 from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 CONFIG = ModelConfig(
-    vocab_size=96, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, seq_len=8, dtype="fp32",
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
     moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=24, shared_expert_hidden=16, routing="random"),
 )
 FULL = RecomputeConfig(mode="full")

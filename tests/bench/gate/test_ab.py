@@ -136,8 +136,11 @@ def test_an_accepted_increase_of_an_exact_metric_passes_and_is_reported():
     assert "NOTE a peak_tensor_bytes: x1.050, beyond the tolerance (accepted)" in accepted.render()
     assert "1 accepted" in accepted.render().splitlines()[0]
     # Only the named metric, and never a timed one (the timed metric is left to the resident blocks).
-    slow = paired_gate({"a": [(peak(100.0, 1.0), peak(100.0, 2.0)) for _ in range(3)]}, 0.03,
-                       accept_increase=frozenset({"peak_tensor_bytes"}))
+    slow = paired_gate(
+        {"a": [(peak(100.0, 1.0), peak(100.0, 2.0)) for _ in range(3)]},
+        0.03,
+        accept_increase=frozenset({"peak_tensor_bytes"}),
+    )
     assert slow.exit_code == 1
 
 
@@ -159,6 +162,7 @@ def test_single_sample_metric_is_gated_as_an_exact_value():
     Exact value: noise 0, 1.06 > 1.05 -> regressed. The same medians as timings (three samples each)
     have the IQR of the ratios as noise, inclusive quartiles 1.03 and 1.105: 7.5% > 6% -> inconclusive.
     """
+
     def single(value: float) -> dict:
         return metric([value], "bytes", "lower")
 
@@ -184,6 +188,7 @@ def test_single_sample_metric_is_gated_as_an_exact_value():
 def test_rss_is_gated_above_its_measured_noise_floor():
     """One RSS sample per run, at tolerance 3%: +5.4% (an A/A spread seen on a 2-core CPU machine) is
     within the 10% floor (inconclusive, not failed), +15% regresses; peak_tensor_bytes at +5.4% still regresses."""
+
     def side(name: str, value: float) -> SideRun:
         return SideRun("ok", None, {name: metric([value], "bytes", "lower")}, "0.1.0")
 
@@ -263,7 +268,10 @@ def test_latest_release_is_the_default_baseline(tmp_path, tiny):
     [
         (["--budget", "5"], "--budget 5 s is too small: it must hold 8 block pairs"),
         (["--accept-work", "work_nope"], "--accept-work: unknown work metric work_nope"),
-        (["--accept-increase", "step_time_s"], "--accept-increase: step_time_s is not an exact metric the gate can accept"),
+        (
+            ["--accept-increase", "step_time_s"],
+            "--accept-increase: step_time_s is not an exact metric the gate can accept",
+        ),
         (["--tolerance", "lots"], "tolerance"),
         (["--suite", "nope"], "no such suite"),
     ],
@@ -286,8 +294,22 @@ def test_ab_against_head(tmp_path, tiny, capsys):
     verdict on a shared machine would test the machine's load (the gate's power is a benchmark)."""
     before = worktrees()
     keep = tmp_path / "kept"
-    code = main(["ab", str(tiny), "--baseline-ref", "HEAD", "--budget", "10", "--tolerance", "95%", "--device", "cpu",
-                 "--out", str(keep)])
+    code = main(
+        [
+            "ab",
+            str(tiny),
+            "--baseline-ref",
+            "HEAD",
+            "--budget",
+            "10",
+            "--tolerance",
+            "95%",
+            "--device",
+            "cpu",
+            "--out",
+            str(keep),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "PASS: A/B HEAD" in out
@@ -316,8 +338,9 @@ def test_a_regression_stands_only_if_fresh_workers_confirm_it(tmp_path, tiny, mo
 
     def comparison(slowdown: float) -> ResidentComparison:
         est = paired.PairedEstimate(10, math.log1p(slowdown), math.log1p(slowdown) - 0.01, math.log1p(slowdown) + 0.01)
-        return ResidentComparison("tiny-ab", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est,
-                                  paired.verdict(est, 0.03), "decided")
+        return ResidentComparison(
+            "tiny-ab", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est, paired.verdict(est, 0.03), "decided"
+        )
 
     ok_doc = SideRun("ok", None, {}, "0.1.0")
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
@@ -328,7 +351,9 @@ def test_a_regression_stands_only_if_fresh_workers_confirm_it(tmp_path, tiny, mo
     monkeypatch.setattr(ab, "_resident", lambda *a, **k: next(seen))
     report = ab.run_ab(plan, device="cpu", log=lambda line: None)
     assert report.exit_code == 0 and [r.verdict for r in report.resident] == ["unchanged"]
-    assert "NOTE tiny-ab: a first comparison regressed x1.080, fresh workers did not (x1.000, unchanged)" in report.notes
+    assert (
+        "NOTE tiny-ab: a first comparison regressed x1.080, fresh workers did not (x1.000, unchanged)" in report.notes
+    )
 
     seen = iter([comparison(0.08), comparison(0.07)])
     report = ab.run_ab(plan, device="cpu", log=lambda line: None)

@@ -47,8 +47,9 @@ def verdicts(result) -> dict[str, str]:
 
 def test_the_spec_names_metrics_scenarios_size_and_reason():
     a = accept("tokens_per_s_per_gpu,step_time_s@e8-skewed-fp32, moe-1.2t-512gpu-proxy <= 6.5%: fp32: on purpose")
-    assert a == Acceptance(("tokens_per_s_per_gpu", "step_time_s"), ("e8-skewed-fp32", "moe-1.2t-512gpu-proxy"),
-                           0.065, "fp32: on purpose")
+    assert a == Acceptance(
+        ("tokens_per_s_per_gpu", "step_time_s"), ("e8-skewed-fp32", "moe-1.2t-512gpu-proxy"), 0.065, "fp32: on purpose"
+    )
     assert a.spec == "tokens_per_s_per_gpu,step_time_s@e8-skewed-fp32,moe-1.2t-512gpu-proxy<=6.5%: fp32: on purpose"
     assert parse_acceptance(a.spec) == a
 
@@ -87,15 +88,19 @@ def test_a_regression_within_the_accepted_size_passes_as_accepted_and_beyond_it_
     assert within.exit_code == 0 and verdicts(within) == {"tokens_per_s_per_gpu": "accepted"}
     (row,) = within.comparison.rows
     assert row.accepted == f"{REASON} (--accept, up to 7%)"
-    assert ("ACCEPTED smoke-e8 tokens_per_s_per_gpu: 1000 -> 940 (x0.940, tolerance 5%, noise 0.0%) tokens/s "
-            f"[1xnvidia-h200]; accepted: {REASON} (--accept, up to 7%)") in within.report.splitlines()
+    assert (
+        "ACCEPTED smoke-e8 tokens_per_s_per_gpu: 1000 -> 940 (x0.940, tolerance 5%, noise 0.0%) tokens/s "
+        f"[1xnvidia-h200]; accepted: {REASON} (--accept, up to 7%)"
+    ) in within.report.splitlines()
     assert within.report.startswith("PASS: 1 scenario(s) compared, 1 metric(s): 0 regressed, 1 accepted, ")
 
     beyond = gate(compare(base, docs(tmp_path, "beyond", tokens_per_s_per_gpu=flat(920))), 0.05, None, allowed)
     assert beyond.exit_code == 1 and verdicts(beyond) == {"tokens_per_s_per_gpu": "regressed"}
     assert beyond.failures == (
-        ("REGRESSION smoke-e8 tokens_per_s_per_gpu: 1000 -> 920 (x0.920, tolerance 5%, noise 0.0%) tokens/s "
-         f"[1xnvidia-h200]; beyond the accepted change: {REASON} (--accept, up to 7%)"),
+        (
+            "REGRESSION smoke-e8 tokens_per_s_per_gpu: 1000 -> 920 (x0.920, tolerance 5%, noise 0.0%) tokens/s "
+            f"[1xnvidia-h200]; beyond the accepted change: {REASON} (--accept, up to 7%)"
+        ),
     )
     # Without the acceptance the 6% drop regresses: it was the acceptance that passed it.
     assert gate(compare(base, docs(tmp_path, "plain", tokens_per_s_per_gpu=flat(940))), 0.05).exit_code == 1
@@ -164,15 +169,20 @@ def test_a_work_increase_within_an_acceptance_is_noted_and_beyond_it_fails():
         return {"work_aten_ops": metric([ops], "ops", "lower")}, {}
 
     assert work_verdicts("s", side(800), side(801), acceptances=allowed) == [
-        (f"NOTE s work_aten_ops: work increased (accepted: {REASON} (--accept, up to 1%)): "
-         "+1 op per step (+0.1%, 800 -> 801)")
+        (
+            f"NOTE s work_aten_ops: work increased (accepted: {REASON} (--accept, up to 1%)): "
+            "+1 op per step (+0.1%, 800 -> 801)"
+        )
     ]
     assert work_verdicts("s", side(800), side(820), acceptances=allowed) == [
-        ("REGRESSION s work_aten_ops: work increased: +20 ops per step (+2.5%, 800 -> 820); "
-         f"beyond the accepted change: {REASON} (--accept, up to 1%)")
+        (
+            "REGRESSION s work_aten_ops: work increased: +20 ops per step (+2.5%, 800 -> 820); "
+            f"beyond the accepted change: {REASON} (--accept, up to 1%)"
+        )
     ]
-    assert work_verdicts("s", side(800), side(801), acceptances=[accept(f"work_host_syncs@s<=1%: {REASON}")])[0] \
-        .startswith("REGRESSION s work_aten_ops")
+    assert work_verdicts("s", side(800), side(801), acceptances=[accept(f"work_host_syncs@s<=1%: {REASON}")])[
+        0
+    ].startswith("REGRESSION s work_aten_ops")
 
 
 # ---- moe-bench ab ---------------------------------------------------------------------------------
@@ -185,14 +195,16 @@ def test_the_ab_gate_accepts_an_exact_metric_and_the_step_time_by_name():
     allowed = [accept(f"peak_tensor_bytes@a<=6%: {REASON}"), accept("step_time_s@a<=8%: slower on purpose")]
     report = paired_gate({"a": [(run(100.0), run(105.0))]}, 0.03, exact_only=True, acceptances=allowed)
     assert report.exit_code == 0 and [m.verdict for m in report.metrics] == ["accepted"]
-    assert (f"ACCEPTED a peak_tensor_bytes: x1.050 (tolerance 3%, exact value); accepted: {REASON} "
-            "(--accept, up to 6%)") in report.render()
+    assert (
+        f"ACCEPTED a peak_tensor_bytes: x1.050 (tolerance 3%, exact value); accepted: {REASON} (--accept, up to 6%)"
+    ) in report.render()
     assert paired_gate({"a": [(run(100.0), run(107.0))]}, 0.03, acceptances=allowed).exit_code == 1
 
     def blocks(slowdown: float) -> ResidentComparison:
         est = paired.PairedEstimate(10, math.log1p(slowdown), math.log1p(slowdown) - 0.01, math.log1p(slowdown) + 0.01)
-        return ResidentComparison("a", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est, paired.verdict(est, 0.03),
-                                  "decided")
+        return ResidentComparison(
+            "a", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est, paired.verdict(est, 0.03), "decided"
+        )
 
     slower = ABReport("base", "cand", 0.03, 1, resident=[blocks(0.07)], acceptances=allowed)
     assert slower.exit_code == 0 and slower.resident_verdict(slower.resident[0]) == "accepted"
@@ -243,10 +255,13 @@ def test_gate_and_compare_accept_on_the_command_line(tmp_path, no_releases, caps
 
 def test_gate_applies_the_releases_recorded_acceptances(tmp_path, no_releases, capsys):
     sha = "0123456789abcdef0123456789abcdef01234567"
-    record.write_releases([
-        record.Release("0.1.0", sha, "2026-01-01"),
-        record.Release("0.2.0", sha[::-1], "2026-02-01", (accept(f"tokens_per_s_per_gpu@s<=7%: {REASON}"),)),
-    ], no_releases)
+    record.write_releases(
+        [
+            record.Release("0.1.0", sha, "2026-01-01"),
+            record.Release("0.2.0", sha[::-1], "2026-02-01", (accept(f"tokens_per_s_per_gpu@s<=7%: {REASON}"),)),
+        ],
+        no_releases,
+    )
     base, cand = write_sides(tmp_path / "a", "0.1.0", "0.2.0")
     assert main(["gate", "--baseline", base, "--candidate", cand]) == 0
     assert f"accepted: {REASON} (release 0.2.0, up to 7%)" in capsys.readouterr().out
@@ -259,17 +274,31 @@ def test_gate_applies_the_releases_recorded_acceptances(tmp_path, no_releases, c
     "spec, message",
     [
         ("tokens_per_s_per_gpu@s: no size", "--accept 'tokens_per_s_per_gpu@s: no size': no accepted size"),
-        ("peak_tensor_byte@s<=5%: typo", ("--accept 'peak_tensor_byte@s<=5%: typo': unknown metric peak_tensor_byte "
-                                          "(did you mean peak_tensor_bytes?)")),
-        ("bogus_metric@s<=5%: r", ("--accept 'bogus_metric@s<=5%: r': unknown metric bogus_metric (gated metrics: "
-                                   "step_time_s, tokens_per_s_per_gpu, ")),
+        (
+            "peak_tensor_byte@s<=5%: typo",
+            (
+                "--accept 'peak_tensor_byte@s<=5%: typo': unknown metric peak_tensor_byte "
+                "(did you mean peak_tensor_bytes?)"
+            ),
+        ),
+        (
+            "bogus_metric@s<=5%: r",
+            (
+                "--accept 'bogus_metric@s<=5%: r': unknown metric bogus_metric (gated metrics: "
+                "step_time_s, tokens_per_s_per_gpu, "
+            ),
+        ),
     ],
 )
 @pytest.mark.parametrize("command", ["gate", "compare", "ab", "release"])
 def test_bad_accept_is_one_line_and_exit_2(tmp_path, no_releases, capsys, command, spec, message):
     base, cand = write_sides(tmp_path)
-    argv = {"gate": ["gate", "--baseline", base, "--candidate", cand], "compare": ["compare", base, cand],
-            "ab": ["ab", "--baseline-ref", "HEAD"], "release": ["release", "9.9.9"]}[command]
+    argv = {
+        "gate": ["gate", "--baseline", base, "--candidate", cand],
+        "compare": ["compare", base, cand],
+        "ab": ["ab", "--baseline-ref", "HEAD"],
+        "release": ["release", "9.9.9"],
+    }[command]
     assert main([*argv, "--accept", spec]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"moe-bench: error: {message}") and captured.err.count("\n") == 1
@@ -306,8 +335,9 @@ def test_release_0_2_0_accepts_its_fp32_gradient_peak_and_nothing_else():
         pytest.skip("no committed results here (the image leaves results/ out: .dockerignore)")
     acceptances = [a for r in record.load_releases() for a in r.accepted]
     result = gate(compare(load_results(base), load_results(cand)), 0.05, None, acceptances)
-    changed = {(r.scenario, r.metric): r.verdict for r in result.comparison.rows
-               if r.verdict in ("accepted", "regressed")}
+    changed = {
+        (r.scenario, r.metric): r.verdict for r in result.comparison.rows if r.verdict in ("accepted", "regressed")
+    }
     assert changed == {
         ("e8-ep2-nosync-bf16", "peak_tensor_bytes"): "accepted",
         ("e8-skewed-fp32", "step_time_s"): "accepted",

@@ -156,8 +156,10 @@ def test_higher_is_better_improvement(tmp_path):
 def test_missing_scenario_in_candidate_fails(tmp_path):
     result = run_gate(
         tmp_path,
-        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
-         make_doc("smoke-e128", metrics={"tokens_per_s_per_gpu": tput(500)})],
+        [
+            make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+            make_doc("smoke-e128", metrics={"tokens_per_s_per_gpu": tput(500)}),
+        ],
         [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
     )
     assert result.exit_code == 1
@@ -171,8 +173,10 @@ def test_scenario_only_in_candidate_reported_not_failed(tmp_path):
     result = run_gate(
         tmp_path,
         [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
-        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
-         make_doc("smoke-new", metrics={"tokens_per_s_per_gpu": tput(1)})],
+        [
+            make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+            make_doc("smoke-new", metrics={"tokens_per_s_per_gpu": tput(1)}),
+        ],
     )
     assert result.exit_code == 0
     (issue,) = result.comparison.missing_in_baseline
@@ -262,8 +266,10 @@ def test_repeated_runs_pooled_newest_decides(tmp_path):
         tmp_path,
         "base",
         make_doc(metrics={"tokens_per_s_per_gpu": metric([1000, 1010], "tokens/s", "higher")}),
-        make_doc(metrics={"tokens_per_s_per_gpu": metric([990, 1000], "tokens/s", "higher")},
-                 timestamp="2025-01-02T00:00:00Z"),
+        make_doc(
+            metrics={"tokens_per_s_per_gpu": metric([990, 1000], "tokens/s", "higher")},
+            timestamp="2025-01-02T00:00:00Z",
+        ),
     )
     assert sorted(p.path.name for p in base) == ["smoke-e8.2.json", "smoke-e8.json"]
     (group,) = group_documents(base).values()
@@ -329,17 +335,25 @@ def test_zero_baseline():
 
 
 def test_render_table_and_json(tmp_path):
-    base = side(tmp_path, "base", make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.02),
-                                                    "peak_memory_gib": metric([10.0], "GiB", "lower")}))
-    cand = side(tmp_path, "cand", make_doc(metrics={"tokens_per_s_per_gpu": tput(800, 0.011),
-                                                    "peak_memory_gib": metric([10.1], "GiB", "lower")}))
+    base = side(
+        tmp_path,
+        "base",
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(1000, 0.02), "peak_memory_gib": metric([10.0], "GiB", "lower")}),
+    )
+    cand = side(
+        tmp_path,
+        "cand",
+        make_doc(metrics={"tokens_per_s_per_gpu": tput(800, 0.011), "peak_memory_gib": metric([10.1], "GiB", "lower")}),
+    )
     comparison = compare(base, cand)
     text = render_table(comparison)
     lines = text.splitlines()
     assert lines[0].split() == ["scenario", "metric", "unit", "base", "cand", "ratio", "noise", "verdict"]
     assert len(lines) == 4
-    assert any(line.split() == ["smoke-e8", "tokens_per_s_per_gpu", "tokens/s", "1000", "800", "0.800", "3.1%",
-                                "regressed"] for line in lines)
+    assert any(
+        line.split() == ["smoke-e8", "tokens_per_s_per_gpu", "tokens/s", "1000", "800", "0.800", "3.1%", "regressed"]
+        for line in lines
+    )
     assert any(line.split()[-1] == "unchanged" and "peak_memory_gib" in line for line in lines)
     assert "noise 3.1%" in gate(comparison).report
 
@@ -411,19 +425,24 @@ def test_single_sample_metrics_are_compared_as_exact_values(tmp_path):
         assert (row.exact, row.noise, row.threshold) == (True, 0.0, 0.05)
         assert (row.base_rel_iqr, row.cand_rel_iqr) == (None, None)
     assert result.exit_code == 1
-    assert ("REGRESSION smoke-e8 up_6_percent: 100 -> 106 (x1.060, tolerance 5%, exact value) bytes [1xnvidia-h200]"
-            in result.report)
+    assert (
+        "REGRESSION smoke-e8 up_6_percent: 100 -> 106 (x1.060, tolerance 5%, exact value) bytes [1xnvidia-h200]"
+        in result.report
+    )
     exact_zero = gate(result.comparison, 0.0)
     assert row_of(exact_zero, "equal").verdict == "unchanged"  # equal is unchanged even at tolerance 0
     assert row_of(exact_zero, "up_5_percent").verdict == "regressed"
     table = render_table(result.comparison)
-    assert any(line.split() == ["smoke-e8", "up_6_percent", "bytes", "100", "106", "1.060", "exact", "regressed"]
-               for line in table.splitlines())
+    assert any(
+        line.split() == ["smoke-e8", "up_6_percent", "bytes", "100", "106", "1.060", "exact", "regressed"]
+        for line in table.splitlines()
+    )
 
 
 def test_rss_has_a_noise_floor_in_the_result_gate(tmp_path):
     """``moe-bench gate`` on one-sample RSS: +6% at tolerance 5% is inside the 10% floor (inconclusive, not
     failed), +12% is not."""
+
     def runs(value):
         return [make_doc(metrics={"rss_peak_bytes": metric([value], "bytes", "lower")})]
 
@@ -440,9 +459,14 @@ def test_pooled_single_sample_runs_stay_exact(tmp_path):
     106, ratio 1.06, noise 0 -> regressed. The same values as the samples of a timing: rel_iqr
     4/100 (quartiles 98, 102) + 6/106 (quartiles 103, 109) = 9.7% noise > 6% -> inconclusive.
     """
+
     def runs(*values):
-        return [make_doc(metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")},
-                         timestamp=f"2025-01-0{i + 1}T00:00:00Z") for i, v in enumerate(values)]
+        return [
+            make_doc(
+                metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")}, timestamp=f"2025-01-0{i + 1}T00:00:00Z"
+            )
+            for i, v in enumerate(values)
+        ]
 
     result = run_gate(tmp_path / "exact", runs(96.0, 104.0), runs(100.0, 112.0), tolerance=0.05)
     row = row_of(result, "peak_tensor_bytes")
@@ -452,8 +476,12 @@ def test_pooled_single_sample_runs_stay_exact(tmp_path):
     pooled = result.comparison.base_groups[("smoke-e8", "1xnvidia-h200")].metrics["peak_tensor_bytes"]
     assert pooled["samples"] == [96.0, 104.0] and pooled["spread"] is None
 
-    timing = run_gate(tmp_path / "timing", [make_doc(metrics={"step_time_s": metric([96.0, 104.0], "s", "lower")})],
-                      [make_doc(metrics={"step_time_s": metric([100.0, 112.0], "s", "lower")})], tolerance=0.05)
+    timing = run_gate(
+        tmp_path / "timing",
+        [make_doc(metrics={"step_time_s": metric([96.0, 104.0], "s", "lower")})],
+        [make_doc(metrics={"step_time_s": metric([100.0, 112.0], "s", "lower")})],
+        tolerance=0.05,
+    )
     row = row_of(timing, "step_time_s")
     assert not row.exact and row.noise == pytest.approx(0.04 + 6 / 106) and row.ratio == pytest.approx(1.06)
     assert row.verdict == "inconclusive" and timing.exit_code == 0
@@ -464,12 +492,22 @@ def test_versions_table_compares_single_sample_metrics_exactly(tmp_path):
     from bench.release.images import compare_versions
 
     def runs(label, version, *values):
-        return side(tmp_path, label, *(
-            make_doc(metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")}, version=version,
-                     timestamp=f"2025-01-0{i + 1}T00:00:00Z") for i, v in enumerate(values)))
+        return side(
+            tmp_path,
+            label,
+            *(
+                make_doc(
+                    metrics={"peak_tensor_bytes": metric([v], "bytes", "lower")},
+                    version=version,
+                    timestamp=f"2025-01-0{i + 1}T00:00:00Z",
+                )
+                for i, v in enumerate(values)
+            ),
+        )
 
-    table = compare_versions({"moe-engine:0.1.0": runs("a", "0.1.0", 96.0, 104.0),
-                              "moe-engine:0.2.0": runs("b", "0.2.0", 100.0, 112.0)})
+    table = compare_versions(
+        {"moe-engine:0.1.0": runs("a", "0.1.0", 96.0, 104.0), "moe-engine:0.2.0": runs("b", "0.2.0", 100.0, 112.0)}
+    )
     assert "| smoke-e8 | peak_tensor_bytes | bytes | 100 | 106 (x1.060, regressed) |" in table.splitlines()
 
 
@@ -481,15 +519,27 @@ MiB = 1 << 20
 def work_doc(flops=1_000_000_000, ops=800, collectives=None, ranks=1, timestamp="2025-01-01T00:00:00Z", **extra):
     """A document with work counters and their census: ``ranks`` ranks alike, ``collectives`` per rank."""
     collectives = collectives if collectives is not None else {("all_reduce", "dp"): (2, 4 * MiB)}
-    census = [{
-        "rank": r, "matmul_flops": flops, "flops_by_op": {"aten.mm": flops}, "aten_ops": ops,
-        "ops_by_name": {"aten.mm.default": ops}, "allocated_bytes": 0, "allocated_by_op": {}, "host_syncs": 0,
-        "syncs_by_site": {},
-        "collectives": [{"op": op, "group": group, "calls": calls, "bytes": nbytes}
-                        for (op, group), (calls, nbytes) in sorted(collectives.items())],
-    } for r in range(ranks)]
+    census = [
+        {
+            "rank": r,
+            "matmul_flops": flops,
+            "flops_by_op": {"aten.mm": flops},
+            "aten_ops": ops,
+            "ops_by_name": {"aten.mm.default": ops},
+            "allocated_bytes": 0,
+            "allocated_by_op": {},
+            "host_syncs": 0,
+            "syncs_by_site": {},
+            "collectives": [
+                {"op": op, "group": group, "calls": calls, "bytes": nbytes}
+                for (op, group), (calls, nbytes) in sorted(collectives.items())
+            ],
+        }
+        for r in range(ranks)
+    ]
     totals = {
-        "work_matmul_flops": flops * ranks, "work_aten_ops": ops * ranks,
+        "work_matmul_flops": flops * ranks,
+        "work_aten_ops": ops * ranks,
         "work_collective_calls": ranks * sum(c for c, _ in collectives.values()),
         "work_collective_bytes": ranks * sum(b for _, b in collectives.values()),
         **extra,
@@ -506,8 +556,10 @@ def test_any_work_increase_regresses_whatever_the_tolerance(tmp_path):
     row = row_of(result, "work_aten_ops")
     assert (row.verdict, row.exact, row.threshold, row.outside_noise) == ("regressed", True, 0.0, True)
     assert result.exit_code == 1
-    assert ("REGRESSION smoke-e8 work_aten_ops: work increased: +1 op per step (+0.1%, 800 -> 801): "
-            "aten.mm.default +1 [1xnvidia-h200]") in result.failures
+    assert (
+        "REGRESSION smoke-e8 work_aten_ops: work increased: +1 op per step (+0.1%, 800 -> 801): "
+        "aten.mm.default +1 [1xnvidia-h200]"
+    ) in result.failures
     # Not also as the generic exact-value regression line.
     assert not any(line.startswith("REGRESSION smoke-e8 work_aten_ops: 800") for line in result.report.splitlines())
     assert row_of(run_gate(tmp_path / "same", [work_doc()], [work_doc()]), "work_aten_ops").verdict == "unchanged"
@@ -516,8 +568,10 @@ def test_any_work_increase_regresses_whatever_the_tolerance(tmp_path):
 def test_work_decrease_is_reported_not_failed(tmp_path):
     result = run_gate(tmp_path, [work_doc(flops=1_000_000_000)], [work_doc(flops=969_000_000)])
     assert result.exit_code == 0 and row_of(result, "work_matmul_flops").verdict == "improved"
-    assert ("NOTE smoke-e8 work_matmul_flops: work decreased: -3.1% matmul FLOPs per step (1e+09 -> 9.69e+08): "
-            "aten.mm -3.1e+07 [1xnvidia-h200]") in result.report
+    assert (
+        "NOTE smoke-e8 work_matmul_flops: work decreased: -3.1% matmul FLOPs per step (1e+09 -> 9.69e+08): "
+        "aten.mm -3.1e+07 [1xnvidia-h200]"
+    ) in result.report
     assert row_of(result, "work_flops_ratio").verdict == "info"  # reported, never gated
 
 
@@ -540,20 +594,25 @@ def test_collective_verdicts_name_the_op_group_and_ranks():
     lines = work_verdicts("s", base, extra)
     assert lines == [
         "REGRESSION s work_collective_calls: work increased: +1 all_reduce of 4 MiB per step (dp) on each of 2 ranks",
-        ("REGRESSION s work_collective_bytes: work increased: +8 MiB of collectives per step (8 MiB -> 16 MiB): "
-         "+1 all_reduce of 4 MiB per step (dp) on each of 2 ranks"),
+        (
+            "REGRESSION s work_collective_bytes: work increased: +8 MiB of collectives per step (8 MiB -> 16 MiB): "
+            "+1 all_reduce of 4 MiB per step (dp) on each of 2 ranks"
+        ),
     ]
     single = work_verdicts("s", work_doc(), work_doc(collectives={("all_reduce", "dp"): (3, 8 * MiB)}), machine="m")
     assert single[0] == "REGRESSION s work_collective_calls: work increased: +1 all_reduce of 4 MiB per step (dp) [m]"
     # Bigger messages in the same calls; a new kind on one rank only.
     bigger = work_doc(collectives={("all_reduce", "dp"): (2, 6 * MiB)})
     assert work_verdicts("s", work_doc(), bigger) == [
-        ("REGRESSION s work_collective_bytes: work increased: +2 MiB of collectives per step (4 MiB -> 6 MiB): "
-         "all_reduce (dp) +2 MiB per step over the same 2 calls"),
+        (
+            "REGRESSION s work_collective_bytes: work increased: +2 MiB of collectives per step (4 MiB -> 6 MiB): "
+            "all_reduce (dp) +2 MiB per step over the same 2 calls"
+        ),
     ]
     one_rank = work_doc(ranks=2)
-    one_rank["details"]["work"]["ranks"][1]["collectives"].append({"op": "broadcast", "group": "ep", "calls": 1,
-                                                                    "bytes": MiB})
+    one_rank["details"]["work"]["ranks"][1]["collectives"].append(
+        {"op": "broadcast", "group": "ep", "calls": 1, "bytes": MiB}
+    )
     one_rank["metrics"]["work_collective_calls"] = metric([5], "count", "lower")
     (calls,) = [line for line in work_verdicts("s", base, one_rank) if "work_collective_calls" in line]
     assert calls.endswith(": +1 broadcast of 1 MiB per step (ep) on rank 1")
@@ -564,8 +623,9 @@ def test_work_verdicts_take_documents_or_metrics_and_details(tmp_path):
     as_pairs = work_verdicts("s", (base["metrics"], base["details"]), (cand["metrics"], cand["details"]))
     (loaded_base,), (loaded_cand,) = side(tmp_path, "b", base), side(tmp_path, "c", cand)
     assert as_pairs == work_verdicts("s", base, cand) == work_verdicts("s", loaded_base, loaded_cand)
-    assert as_pairs == [("REGRESSION s work_aten_ops: work increased: +2 ops per step (+0.2%, 800 -> 802): "
-                         "aten.mm.default +2")]
+    assert as_pairs == [
+        ("REGRESSION s work_aten_ops: work increased: +2 ops per step (+0.2%, 800 -> 802): aten.mm.default +2")
+    ]
     # Without a census the totals still say what changed.
     assert work_verdicts("s", (base["metrics"], None), (cand["metrics"], {})) == [
         "REGRESSION s work_aten_ops: work increased: +2 ops per step (+0.2%, 800 -> 802)"

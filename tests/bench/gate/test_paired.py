@@ -21,8 +21,13 @@ def test_signed_rank_critical_values_match_the_tables(n, critical):
 
 def test_the_normal_approximation_continues_the_exact_values():
     exact = paired.signed_rank_k(paired.EXACT_UP_TO)
-    approx = max(1, math.floor(paired.EXACT_UP_TO * (paired.EXACT_UP_TO + 1) / 4 - paired.Z_95 * math.sqrt(
-        paired.EXACT_UP_TO * (paired.EXACT_UP_TO + 1) * (2 * paired.EXACT_UP_TO + 1) / 24)))
+    approx = max(
+        1,
+        math.floor(
+            paired.EXACT_UP_TO * (paired.EXACT_UP_TO + 1) / 4
+            - paired.Z_95 * math.sqrt(paired.EXACT_UP_TO * (paired.EXACT_UP_TO + 1) * (2 * paired.EXACT_UP_TO + 1) / 24)
+        ),
+    )
     assert abs(exact - approx) <= 2
 
 
@@ -53,13 +58,13 @@ def test_an_outlier_moves_the_estimate_little():
 @pytest.mark.parametrize(
     "estimate, low, high, expected",
     [
-        (0.08, 0.06, 0.10, "regressed"),       # interval excludes 0, estimate beyond log(1.05)
-        (0.03, 0.01, 0.045, "unchanged"),      # excludes 0 but within tolerance, interval narrow
-        (0.06, -0.01, 0.13, "inconclusive"),   # wide: a 5% change could hide in it
+        (0.08, 0.06, 0.10, "regressed"),  # interval excludes 0, estimate beyond log(1.05)
+        (0.03, 0.01, 0.045, "unchanged"),  # excludes 0 but within tolerance, interval narrow
+        (0.06, -0.01, 0.13, "inconclusive"),  # wide: a 5% change could hide in it
         (-0.08, -0.10, -0.06, "improved"),
         (0.0, -0.02, 0.02, "unchanged"),
-        (0.047, 0.03, 0.06, "unchanged"),      # log(1.05) = 0.0488: the estimate is just inside
-        (0.050, 0.03, 0.06, "regressed"),      # and just beyond
+        (0.047, 0.03, 0.06, "unchanged"),  # log(1.05) = 0.0488: the estimate is just inside
+        (0.050, 0.03, 0.06, "regressed"),  # and just beyond
     ],
 )
 def test_verdicts(estimate, low, high, expected):

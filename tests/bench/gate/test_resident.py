@@ -13,10 +13,20 @@ from bench.results import REPO_ROOT
 from bench.scenario import scenario_from_dict
 
 TINY = {
-    "schema_version": 1, "description": "A tiny MoE for the resident-worker tests.", "mode": "execute",
-    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
-              "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}},
-    "routing": {"mode": "random", "seed": 3}, "precision": "fp32",
+    "schema_version": 1,
+    "description": "A tiny MoE for the resident-worker tests.",
+    "mode": "execute",
+    "model": {
+        "vocab_size": 256,
+        "d_model": 64,
+        "n_layers": 1,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "seq_len": 32,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+    },
+    "routing": {"mode": "random", "seed": 3},
+    "precision": "fp32",
     "run": {"warmup_steps": 1, "steps": 2, "tokens_per_step": 128, "timeout_s": 120},
 }
 
@@ -35,6 +45,7 @@ def scenario(**parallel):
     return scenario_from_dict(spec, "tiny-resident.yaml")
 
 
+@pytest.mark.slow
 def test_both_sides_replay_the_same_steps_block_after_block():
     tiny = scenario()
     with ResidentSide("a", REPO_ROOT, tiny, "cpu", 120) as a, ResidentSide("b", REPO_ROOT, tiny, "cpu", 120) as b:
@@ -63,8 +74,9 @@ class FakeSide:
 def run_fake(base_step: float, cand_step: float, tolerance: float, budget_s: float, stop_early: bool = True):
     order, clock = [], [0.0]
     base, cand = FakeSide("baseline", base_step, order, clock), FakeSide("candidate", cand_step, order, clock)
-    result = compare_resident(base, cand, tolerance, budget_s, log=lambda line: None, clock=lambda: clock[0],
-                              stop_early=stop_early)
+    result = compare_resident(
+        base, cand, tolerance, budget_s, log=lambda line: None, clock=lambda: clock[0], stop_early=stop_early
+    )
     return result, order
 
 
@@ -108,7 +120,9 @@ def test_a_worker_that_cannot_start_says_why(tmp_path):
     (broken / "bench").mkdir(parents=True)
     (broken / "bench" / "__init__.py").write_text("")
     (broken / "bench" / "scenario.py").write_text("raise ImportError('this tree has no scenario loader')\n")
-    with pytest.raises(WorkerFailedToStart, match=r"tiny-resident: baseline worker exited .*this tree has no scenario loader"):
+    with pytest.raises(
+        WorkerFailedToStart, match=r"tiny-resident: baseline worker exited .*this tree has no scenario loader"
+    ):
         with ResidentSide("baseline", broken, scenario(), "cpu", 60):
             pass
 

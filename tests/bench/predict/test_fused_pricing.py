@@ -24,23 +24,35 @@ def spec(*shape, dtype="torch.bfloat16"):
 
 
 def ce_forward(n, d, v, chunk_rows, dtype="torch.bfloat16"):
-    return TracedOp("moe_engine.linear_cross_entropy.default",
-                    (spec(n, d, dtype=dtype), spec(v, d, dtype=dtype), spec(n, dtype="torch.int64")),
-                    (spec(dtype="torch.float32"), spec(n, dtype="torch.float32")), "forward",
-                    arguments=(("ignore_index", -100), ("chunk_rows", chunk_rows)))
+    return TracedOp(
+        "moe_engine.linear_cross_entropy.default",
+        (spec(n, d, dtype=dtype), spec(v, d, dtype=dtype), spec(n, dtype="torch.int64")),
+        (spec(dtype="torch.float32"), spec(n, dtype="torch.float32")),
+        "forward",
+        arguments=(("ignore_index", -100), ("chunk_rows", chunk_rows)),
+    )
 
 
 def ce_backward(n, d, v, chunk_rows, dtype="torch.bfloat16"):
-    return TracedOp("moe_engine.linear_cross_entropy_backward.default",
-                    (spec(dtype="torch.float32"), spec(n, d, dtype=dtype), spec(v, d, dtype=dtype),
-                     spec(n, dtype="torch.int64"), spec(n, dtype="torch.float32")),
-                    (spec(n, d, dtype=dtype), spec(v, d, dtype=dtype)), "backward",
-                    arguments=(("ignore_index", -100), ("chunk_rows", chunk_rows)))
+    return TracedOp(
+        "moe_engine.linear_cross_entropy_backward.default",
+        (
+            spec(dtype="torch.float32"),
+            spec(n, d, dtype=dtype),
+            spec(v, d, dtype=dtype),
+            spec(n, dtype="torch.int64"),
+            spec(n, dtype="torch.float32"),
+        ),
+        (spec(n, d, dtype=dtype), spec(v, d, dtype=dtype)),
+        "backward",
+        arguments=(("ignore_index", -100), ("chunk_rows", chunk_rows)),
+    )
 
 
 def test_every_registered_fused_op_has_a_rule():
-    registered = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith("moe_engine::")}
+    registered = {
+        name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("moe_engine::")
+    }
     assert registered == set(FUSED_OPS)
 
 
@@ -64,8 +76,9 @@ def test_cross_entropy_backward_by_hand():
     assert work.flops == 6 * 10 * 50 * 8
     # Per chunk: logits GEMM (8C + 400 + 50C) * 2, grad pass 2 * 50C * 2 + 12C + 4, grad_h GEMM
     # (50C + 400 + 8C) * 2, grad_W GEMM (50C + 8C + 800) * 2; once: count 10N + 20, scale 12, zeros 400 * 2.
-    per_chunk = sum((58 * c + 400) * 2 + 200 * c + 12 * c + 4 + (58 * c + 400) * 2 + (58 * c + 800) * 2
-                    for c in (4, 4, 2))
+    per_chunk = sum(
+        (58 * c + 400) * 2 + 200 * c + 12 * c + 4 + (58 * c + 400) * 2 + (58 * c + 800) * 2 for c in (4, 4, 2)
+    )
     assert work.nbytes == per_chunk + 100 + 20 + 12 + 800
     assert work.nbytes == 3 * 10 * 8 * 2 + (4 * 3 + 1) * 50 * 8 * 2 + 5 * 10 * 50 * 2 + 22 * 10 + 4 * 3 + 32
     assert work.kernels == 4 * 3 + 5
@@ -79,16 +92,23 @@ def test_one_chunk_when_chunk_rows_covers_the_rows():
 
 def test_one_pass_ops_move_their_tensors_once():
     x, w = spec(6, 32), spec(32)
-    norm = TracedOp("moe_engine.rms_norm.default", (x, w), (x, spec(6, dtype="torch.float32")), "forward",
-                    arguments=(("eps", 1e-6),))
+    norm = TracedOp(
+        "moe_engine.rms_norm.default",
+        (x, w),
+        (x, spec(6, dtype="torch.float32")),
+        "forward",
+        arguments=(("eps", 1e-6),),
+    )
     work = op_work(norm)
     assert (work.kind, work.flops, work.kernels) == ("fused", 0.0, 1)
     assert work.nbytes == 6 * 32 * 2 + 32 * 2 + 6 * 32 * 2 + 6 * 4
-    swiglu = TracedOp("moe_engine.swiglu_packed_backward.default", (spec(6, 64), spec(6, 32)),
-                      (spec(6, 32), spec(6, 64)), "backward")
+    swiglu = TracedOp(
+        "moe_engine.swiglu_packed_backward.default", (spec(6, 64), spec(6, 32)), (spec(6, 32), spec(6, 64)), "backward"
+    )
     assert op_work(swiglu).nbytes == 2 * (6 * 64 + 6 * 32) * 2
-    backward = TracedOp("moe_engine.rms_norm_backward.default",
-                        (x, x, x, w, spec(6, dtype="torch.float32")), (x, w), "backward")
+    backward = TracedOp(
+        "moe_engine.rms_norm_backward.default", (x, x, x, w, spec(6, dtype="torch.float32")), (x, w), "backward"
+    )
     # The row kernel, the partial sums' reduction and their cast to bf16.
     assert op_work(backward).kernels == 3
 
@@ -110,8 +130,15 @@ def _profile(**overrides):
 
 
 def test_cross_entropy_price_is_its_gemms_plus_its_passes_by_hand():
-    p = _profile(**{"peak_tflops.bf16": 1000.0, "hbm_gbps": 2000.0, "efficiency.gemm": 0.5,
-                    "efficiency.memory": 0.8, "efficiency.launch_overhead_us": 5.0})
+    p = _profile(
+        **{
+            "peak_tflops.bf16": 1000.0,
+            "hbm_gbps": 2000.0,
+            "efficiency.gemm": 0.5,
+            "efficiency.memory": 0.8,
+            "efficiency.launch_overhead_us": 5.0,
+        }
+    )
     # One chunk of 4096 rows, D 4096, V 131072: the logits GEMM is compute-bound.
     n, d, v = 4096, 4096, 131072
     work = op_work(ce_forward(n, d, v, n))
@@ -121,8 +148,11 @@ def test_cross_entropy_price_is_its_gemms_plus_its_passes_by_hand():
     assert op_seconds(work, p) == pytest.approx(gemm + loss_pass + small + 9 * 5e-6)
     # Twice the rows at the same chunk: two chunks, twice the seconds but for the once-only kernels.
     two = op_work(ce_forward(2 * n, d, v, n))
-    assert op_seconds(two, p) == pytest.approx(2 * (gemm + loss_pass + 16 * n / 1600e9 + 4 * 5e-6)
-                                               + (9 * 2 * n + 2 * n + 8 + 12 + 8 * n + 4 + 12) / 1600e9 + 5 * 5e-6)
+    assert op_seconds(two, p) == pytest.approx(
+        2 * (gemm + loss_pass + 16 * n / 1600e9 + 4 * 5e-6)
+        + (9 * 2 * n + 2 * n + 8 + 12 + 8 * n + 4 + 12) / 1600e9
+        + 5 * 5e-6
+    )
 
 
 def test_trace_records_the_chunking_the_loss_runs():

@@ -30,57 +30,166 @@ HEADROOM = 0.15
 """A plan must leave this fraction of the GPU's memory free (as the gpu suite's scenarios do)."""
 
 _QWEN3_SHARED = {
-    "vocab_size": 151936, "head_dim": 128, "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
-    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
-    "sliding_window": None, "router_aux_loss_coef": 0.001, "hidden_act": "silu", "attention_bias": False,
-    "attention_dropout": 0.0, "initializer_range": 0.02, "bos_token_id": 151643, "eos_token_id": 151645,
+    "vocab_size": 151936,
+    "head_dim": 128,
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "router_aux_loss_coef": 0.001,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
 }
 
 # transformers' config class and model class, the published config.json's fields, the engine's conversion.
 PUBLISHED_CONFIGS = {
     # mistralai/Mixtral-8x7B-v0.1 config.json (sliding_window null in the current revision).
-    "mixtral-8x7b": ("MixtralConfig", "MixtralForCausalLM", mixtral, {
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
-        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5, "sliding_window": None,
-        "tie_word_embeddings": False, "router_aux_loss_coef": 0.02, "hidden_act": "silu", "attention_dropout": 0.0,
-        "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2,
-    }),
+    "mixtral-8x7b": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        mixtral,
+        {
+            "vocab_size": 32000,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "router_aux_loss_coef": 0.02,
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
     # allenai/OLMoE-1B-7B-0924 config.json @c1b31da; it has no rms_norm_eps (the class default, 1e-5, applies).
-    "olmoe-1b-7b": ("OlmoeConfig", "OlmoeForCausalLM", olmoe, {
-        "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
-        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
-        "max_position_embeddings": 4096, "rope_theta": 10000.0, "norm_topk_prob": False, "tie_word_embeddings": False,
-        "router_aux_loss_coef": 0.01, "clip_qkv": None, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "pad_token_id": 1, "bos_token_id": None,
-        "eos_token_id": 50279,
-    }),
+    "olmoe-1b-7b": (
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        olmoe,
+        {
+            "vocab_size": 50304,
+            "hidden_size": 2048,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "max_position_embeddings": 4096,
+            "rope_theta": 10000.0,
+            "norm_topk_prob": False,
+            "tie_word_embeddings": False,
+            "router_aux_loss_coef": 0.01,
+            "clip_qkv": None,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "pad_token_id": 1,
+            "bos_token_id": None,
+            "eos_token_id": 50279,
+        },
+    ),
     # Qwen/Qwen3-30B-A3B config.json (the original release, not -2507).
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", qwen3_moe, {
-        **_QWEN3_SHARED, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-        "num_hidden_layers": 48, "num_attention_heads": 32, "max_window_layers": 48,
-    }),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        qwen3_moe,
+        {
+            **_QWEN3_SHARED,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "moe_intermediate_size": 768,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 32,
+            "max_window_layers": 48,
+        },
+    ),
     # Qwen/Qwen3-235B-A22B config.json (the original release, not -2507).
-    "qwen3-235b-a22b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", qwen3_moe, {
-        **_QWEN3_SHARED, "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
-        "num_hidden_layers": 94, "num_attention_heads": 64, "max_window_layers": 94,
-    }),
+    "qwen3-235b-a22b": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        qwen3_moe,
+        {
+            **_QWEN3_SHARED,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "moe_intermediate_size": 1536,
+            "num_hidden_layers": 94,
+            "num_attention_heads": 64,
+            "max_window_layers": 94,
+        },
+    ),
     # deepseek-ai/DeepSeek-V3 config.json. transformers builds the main model only: the multi-token
     # prediction layer (num_nextn_predict_layers 1) is not part of the class, nor of the scenario.
-    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", deepseek_v3, {
-        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
-        "n_routed_experts": 256, "num_experts_per_tok": 8, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
-        "first_k_dense_replace": 3, "norm_topk_prob": True, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
-        "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                         "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "initializer_range": 0.02, "bos_token_id": 0, "eos_token_id": 1,
-        "num_nextn_predict_layers": 1,
-    }),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        deepseek_v3,
+        {
+            "vocab_size": 129280,
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "n_shared_experts": 1,
+            "n_routed_experts": 256,
+            "num_experts_per_tok": 8,
+            "routed_scaling_factor": 2.5,
+            "n_group": 8,
+            "topk_group": 4,
+            "first_k_dense_replace": 3,
+            "norm_topk_prob": True,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "max_position_embeddings": 163840,
+            "rope_theta": 10000,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 40,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "num_nextn_predict_layers": 1,
+        },
+    ),
 }
 
 
@@ -169,7 +278,8 @@ def plan_counts(name: str) -> tuple[int, int]:
 
 def test_every_model_has_a_plan_and_a_proxy():
     assert sorted(p.stem for p in MODELS_DIR.glob("*.yaml")) == sorted(
-        [*PUBLISHED_CONFIGS, *(f"{name}-proxy" for name in PUBLISHED_CONFIGS)])
+        [*PUBLISHED_CONFIGS, *(f"{name}-proxy" for name in PUBLISHED_CONFIGS)]
+    )
 
 
 @pytest.mark.parametrize("name", PUBLISHED_CONFIGS)
@@ -178,8 +288,15 @@ def test_plan_counts_equal_transformers_model_class(name, hf_counts):
 
 
 _NOT_ARCHITECTURE = {"seq_len", "dtype", "init_std"}
-_NOT_ARCHITECTURE_MOE = {"routing", "routing_seed", "zipf_exponent", "aux_loss_weight", "z_loss_weight",
-                         "expert_bias_rate", "backend"}
+_NOT_ARCHITECTURE_MOE = {
+    "routing",
+    "routing_seed",
+    "zipf_exponent",
+    "aux_loss_weight",
+    "z_loss_weight",
+    "expert_bias_rate",
+    "backend",
+}
 
 
 def architecture(config) -> dict:
@@ -198,8 +315,9 @@ def test_scenarios_encode_the_published_config(name):
     if name == "deepseek-v3":
         # The scenario models pre-training at 4K tokens, before the YaRN context extension (which the
         # engine's conversion refuses); rope_theta is the base of both.
-        config = transformers.DeepseekV3Config(**{k: v for k, v in PUBLISHED_CONFIGS[name][3].items()
-                                                  if k != "rope_scaling"})
+        config = transformers.DeepseekV3Config(
+            **{k: v for k, v in PUBLISHED_CONFIGS[name][3].items() if k != "rope_scaling"}
+        )
     expected = architecture(PUBLISHED_CONFIGS[name][2].config_from_transformers(config))
     for file in (f"{name}.yaml", f"{name}-proxy.yaml"):
         assert architecture(load_scenario(MODELS_DIR / file).model) == expected, file
@@ -242,7 +360,8 @@ def test_model_scenario_plans_and_fits_its_cluster_with_headroom(path):
     assert scenario.cluster["gpus"] == scenario.world_size
     assert details["fits"], path.name
     assert metrics["memory_fraction_of_gpu"]["median"] <= 1 - HEADROOM, (
-        f"{path.name}: {details['memory_total_gib']:.1f} GiB of {scenario.cluster['gpu_memory_gib']:.1f} GiB")
+        f"{path.name}: {details['memory_total_gib']:.1f} GiB of {scenario.cluster['gpu_memory_gib']:.1f} GiB"
+    )
 
 
 # Proxies of another layout on the same GPUs, and why (in the proxy's description): DeepSeek-V3's 4-block

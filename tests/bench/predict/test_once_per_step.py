@@ -40,9 +40,11 @@ def test_the_bucket_scaling_counts_once_by_hand():
     # (2 (n-1)/n B / beta = 1 s), issued with 0.75 s of backward still to run.
     reduce = {"op": "all_reduce", "ranks": [0, 1], "nbytes": 10**9, "group_name": "dp"}
     trace = [
-        priced("aten.mm.default", "forward", 1.0), priced("aten.mm.default", "backward", 2.0),
+        priced("aten.mm.default", "forward", 1.0),
+        priced("aten.mm.default", "backward", 2.0),
         priced("aten.add_.Tensor", "backward", 0.25, "@accumulate_grad"),
-        priced("aten.mm.default", "forward", 1.0), priced("aten.mm.default", "backward", 1.25),
+        priced("aten.mm.default", "forward", 1.0),
+        priced("aten.mm.default", "backward", 1.25),
         priced("aten.add_.Tensor", "backward", 0.25, "@accumulate_grad"),
         priced("aten.div_.Tensor", "backward", 0.5, "@accumulate_grad"),
         priced("c10d.allreduce_.default", "backward", 0.0, "@accumulate_grad", reduce),
@@ -72,7 +74,12 @@ SCENARIO = {
     "name": "buckets",
     "mode": "proxy",
     "model": {
-        "vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "seq_len": 32,
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96},
     },
     "routing": {"mode": "balanced", "seed": 0},
@@ -98,9 +105,16 @@ def test_the_projection_does_not_depend_on_the_microbatches_traced(sharding):
         prices[traced] = step_prices(priced_ops, traced, trace.group_phases)
         # The trainer's mean of the step's losses (a stack of the m_t losses, then its mean, outside
         # the model) also runs once per step, and is still counted per microbatch: take it out here.
-        average = [p for p in priced_ops if p.op.location == "" and p.op.stage == "forward" and (
-            (p.op.packet == "aten.stack" and [s.shape for s in p.op.inputs] == [()] * traced)
-            or (p.op.packet == "aten.mean" and [s.shape for s in p.op.inputs] == [(traced,)]))]
+        average = [
+            p
+            for p in priced_ops
+            if p.op.location == ""
+            and p.op.stage == "forward"
+            and (
+                (p.op.packet == "aten.stack" and [s.shape for s in p.op.inputs] == [()] * traced)
+                or (p.op.packet == "aten.mean" and [s.shape for s in p.op.inputs] == [(traced,)])
+            )
+        ]
         assert len(average) == 2
         per_microbatch_s[traced] = prices[traced].timing.microbatch_s - sum(p.seconds for p in average) / traced
         # The trace draws its own batch of tokens and labels (m_t microbatches' worth) before the step.

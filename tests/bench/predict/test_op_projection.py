@@ -20,22 +20,34 @@ def compute(stage, seconds):
 
 
 def collective(stage, group, op="all_reduce", nbytes=1000, ranks=(0, 1)):
-    traced = TracedOp("c10d.x.default", X, X, stage,
-                      collective={"op": op, "ranks": list(ranks), "nbytes": nbytes, "group_name": group})
+    traced = TracedOp(
+        "c10d.x.default",
+        X,
+        X,
+        stage,
+        collective={"op": op, "ranks": list(ranks), "nbytes": nbytes, "group_name": group},
+    )
     return PricedOp(traced, OpWork("collective", 0.0, nbytes, "torch.float32"), 0.0)
 
 
 def trace():
     # Two microbatches; microbatch 2's backward launches two buckets; the optimizer one gather.
     return [
-        compute("other", 0.5),                                   # zeroing buffers
-        compute("forward", 1.0), collective("forward", "ep", "all_to_all", 4000),
-        compute("backward", 2.0), collective("backward", "ep", "all_to_all", 4000),
-        compute("forward", 1.0), collective("forward", "ep", "all_to_all", 6000),
-        compute("backward", 1.5), collective("backward", "dp", "all_reduce", 800),
-        compute("backward", 0.5), collective("backward", "dp", "all_reduce", 200),
+        compute("other", 0.5),  # zeroing buffers
+        compute("forward", 1.0),
+        collective("forward", "ep", "all_to_all", 4000),
+        compute("backward", 2.0),
+        collective("backward", "ep", "all_to_all", 4000),
+        compute("forward", 1.0),
+        collective("forward", "ep", "all_to_all", 6000),
+        compute("backward", 1.5),
+        collective("backward", "dp", "all_reduce", 800),
+        compute("backward", 0.5),
+        collective("backward", "dp", "all_reduce", 200),
         compute("backward", 0.25),
-        compute("optimizer", 0.4), collective("optimizer", "dp", "all_gather", 100), compute("optimizer", 0.1),
+        compute("optimizer", 0.4),
+        collective("optimizer", "dp", "all_gather", 100),
+        compute("optimizer", 0.1),
         collective("other", "world", "all_reduce", 4),
     ]
 

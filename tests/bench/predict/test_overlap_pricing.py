@@ -27,22 +27,25 @@ from bench.scenario import scenario_from_dict
 SEED = 29
 
 
-@pytest.mark.parametrize("alltoall_s, compute_s, chunks, exposed", [
-    # One chunk: nothing overlaps.
-    (8.0, 6.0, 1, 8.0),
-    # No compute: nothing to hide under.
-    (8.0, 0.0, 4, 8.0),
-    # Compute to spare: the first dispatch and the last combine, 8 / 4.
-    (8.0, 100.0, 4, 2.0),
-    # Link 1 s per message, experts 1.5 s per chunk: d0 0-1, d1 1-2, e0 1-2.5, c0 2.5-3.5, d2 3.5-4.5,
-    # e1 2.5-4, c1 4.5-5.5, d3 5.5-6.5, e2 4.5-6, c2 6.5-7.5, e3 6.5-8, c3 8-9: 9 - 6 = 3 (the
-    # combines wait for the experts, the next dispatch queues behind them).
-    (8.0, 6.0, 4, 3.0),
-    # 1 s per message, 2 s per chunk: d0 0-1, d1 1-2, e0 1-3, c0 3-4, e1 3-5, c1 5-6: 6 - 4 = 2.
-    (4.0, 4.0, 2, 2.0),
-    # 1 s per message, 0.5 s per chunk: d0 0-1, d1 1-2, e0 1-1.5, c0 2-3, e1 2-2.5, c1 3-4: 4 - 1 = 3.
-    (4.0, 1.0, 2, 3.0),
-])
+@pytest.mark.parametrize(
+    "alltoall_s, compute_s, chunks, exposed",
+    [
+        # One chunk: nothing overlaps.
+        (8.0, 6.0, 1, 8.0),
+        # No compute: nothing to hide under.
+        (8.0, 0.0, 4, 8.0),
+        # Compute to spare: the first dispatch and the last combine, 8 / 4.
+        (8.0, 100.0, 4, 2.0),
+        # Link 1 s per message, experts 1.5 s per chunk: d0 0-1, d1 1-2, e0 1-2.5, c0 2.5-3.5, d2 3.5-4.5,
+        # e1 2.5-4, c1 4.5-5.5, d3 5.5-6.5, e2 4.5-6, c2 6.5-7.5, e3 6.5-8, c3 8-9: 9 - 6 = 3 (the
+        # combines wait for the experts, the next dispatch queues behind them).
+        (8.0, 6.0, 4, 3.0),
+        # 1 s per message, 2 s per chunk: d0 0-1, d1 1-2, e0 1-3, c0 3-4, e1 3-5, c1 5-6: 6 - 4 = 2.
+        (4.0, 4.0, 2, 2.0),
+        # 1 s per message, 0.5 s per chunk: d0 0-1, d1 1-2, e0 1-1.5, c0 2-3, e1 2-2.5, c1 3-4: 4 - 1 = 3.
+        (4.0, 1.0, 2, 3.0),
+    ],
+)
 def test_one_pass_by_hand(alltoall_s, compute_s, chunks, exposed):
     assert chunked_exposed_s(alltoall_s, compute_s, chunks) == pytest.approx(exposed, rel=1e-12)
 
@@ -92,12 +95,20 @@ COUNTS = (TensorSpec((2, 4), "torch.int64"),)
 
 
 def _compute(stage, seconds, location):
-    return PricedOp(TracedOp("aten.mm.default", X, X, stage, location=location), OpWork("gemm", 1.0, 1.0, "torch.bfloat16"), seconds)
+    return PricedOp(
+        TracedOp("aten.mm.default", X, X, stage, location=location), OpWork("gemm", 1.0, 1.0, "torch.bfloat16"), seconds
+    )
 
 
 def _a2a(stage, nbytes, tensors=X):
-    op = TracedOp("c10d.alltoall_base_.default", tensors, tensors, stage, location="Transformer/Block/MoELayer",
-                  collective={"op": "all_to_all", "ranks": list(PAIR), "nbytes": nbytes, "group_name": "ep"})
+    op = TracedOp(
+        "c10d.alltoall_base_.default",
+        tensors,
+        tensors,
+        stage,
+        location="Transformer/Block/MoELayer",
+        collective={"op": "all_to_all", "ranks": list(PAIR), "nbytes": nbytes, "group_name": "ep"},
+    )
     return PricedOp(op, OpWork("collective", 0.0, nbytes, "torch.bfloat16"), 0.0)
 
 
@@ -119,7 +130,10 @@ def test_what_a_trace_says_of_its_chunks():
         for _ in range(2):
             trace += [_compute("forward", 1.0, "Transformer/Block/Attention"), *_layer_pass("forward", 3)]
         for _ in range(2):
-            trace += [*_layer_pass("backward", 3, forward=False), _compute("backward", 2.0, "Transformer/Block/Attention")]
+            trace += [
+                *_layer_pass("backward", 3, forward=False),
+                _compute("backward", 2.0, "Transformer/Block/Attention"),
+            ]
     forward, backward = expert_overlap(trace, 2, {"ep": "expert"})
     for o, passes in ((forward, 2.0), (backward, 2.0)):
         assert (o.chunks, o.passes, o.compute_s) == (3, passes, pytest.approx(1.5))
@@ -129,8 +143,9 @@ def test_what_a_trace_says_of_its_chunks():
     prices = step_prices(trace, 2, {"ep": "expert"})
     assert prices.expert_overlap == [forward, backward]
     # Unchunked, the experts run between one dispatch and one combine: C = 1, nothing hidden.
-    (one, _) = expert_overlap([*_layer_pass("forward", 1), *_layer_pass("backward", 1, forward=False)], 1,
-                              {"ep": "expert"})
+    (one, _) = expert_overlap(
+        [*_layer_pass("forward", 1), *_layer_pass("backward", 1, forward=False)], 1, {"ep": "expert"}
+    )
     assert one.chunks == 1
     # No count exchange in the forward (no expert parallelism traced there): nothing to read.
     assert expert_overlap(_layer_pass("backward", 2, forward=False), 1, {"ep": "expert"}) == []
@@ -141,7 +156,12 @@ SCENARIO = {
     "name": "chunked",
     "mode": "proxy",
     "model": {
-        "vocab_size": 512, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "seq_len": 32,
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96},
     },
     "routing": {"mode": "balanced", "seed": 0},

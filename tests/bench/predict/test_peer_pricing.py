@@ -49,8 +49,12 @@ def test_a_step_by_hand_leaves_the_stand_ins_out():
     memory_s = lambda nbytes: nbytes / (8000e9 * 0.75) + 4e-6
     trace = []
     for _ in range(2):
-        trace += [op(*GATHER), op(*COPY, location="@proxy_peers"),
-                  op(*GATHER, stage="backward"), op(*COPY, stage="backward", location="@proxy_peers")]
+        trace += [
+            op(*GATHER),
+            op(*COPY, location="@proxy_peers"),
+            op(*GATHER, stage="backward"),
+            op(*COPY, stage="backward", location="@proxy_peers"),
+        ]
     trace.append(op(*COPY, stage="optimizer", location="@optimizer"))
     prices = step_prices(price_ops(trace, b300), 2, {})
     assert prices.timing.microbatch_s == pytest.approx(2 * memory_s(GATHER_BYTES), rel=1e-12)
@@ -71,13 +75,25 @@ STAGE = {
     "name": "peers-stage",
     "mode": "proxy",
     "model": {
-        "vocab_size": 512, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "seq_len": 32,
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96},
     },
     "routing": {"mode": "random", "seed": 0},
     "precision": "bf16",
-    "parallel": {"dp": 2, "ep": 2, "pp": 4, "schedule": "1f1b", "microbatches": 2, "dispatch": "no-sync",
-                 "capacity_factor": 1.25},
+    "parallel": {
+        "dp": 2,
+        "ep": 2,
+        "pp": 4,
+        "schedule": "1f1b",
+        "microbatches": 2,
+        "dispatch": "no-sync",
+        "capacity_factor": 1.25,
+    },
     "run": {"tokens_per_step": 2 * 2 * 32, "warmup_steps": 1, "steps": 2, "timeout_s": 120},
     "proxy": {"rank": 0, "threads": 1},
     "cluster": {"gpus": 8, "gpus_per_node": 4, "gpu_memory_gib": 1, "peak_tflops": 1},

@@ -30,11 +30,25 @@ PUBLISHED = {
 }
 
 METRICS = {
-    "total_params", "active_params", "flops_per_token", "recompute_flops_per_token", "hardware_flops_per_token",
-    "memory_params_bytes", "memory_grads_bytes", "checkpoint_bytes_per_rank", "checkpoint_bytes_total",
-    "memory_optimizer_bytes", "memory_activations_bytes", "memory_comm_buffers_bytes", "memory_total_bytes",
-    "memory_backward_workspace_bytes", "memory_optimizer_step_bytes",
-    "comm_all_to_all_bytes", "comm_grad_reduce_bytes", "comm_pipeline_bytes", "comm_total_bytes",
+    "total_params",
+    "active_params",
+    "flops_per_token",
+    "recompute_flops_per_token",
+    "hardware_flops_per_token",
+    "memory_params_bytes",
+    "memory_grads_bytes",
+    "checkpoint_bytes_per_rank",
+    "checkpoint_bytes_total",
+    "memory_optimizer_bytes",
+    "memory_activations_bytes",
+    "memory_comm_buffers_bytes",
+    "memory_total_bytes",
+    "memory_backward_workspace_bytes",
+    "memory_optimizer_step_bytes",
+    "comm_all_to_all_bytes",
+    "comm_grad_reduce_bytes",
+    "comm_pipeline_bytes",
+    "comm_total_bytes",
     "memory_fraction_of_gpu",
 }
 
@@ -219,7 +233,12 @@ def small_spec(**parallel) -> dict:
         "name": "small",
         "mode": "plan",
         "model": {
-            "vocab_size": 1000, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "seq_len": 16,
+            "vocab_size": 1000,
+            "d_model": 64,
+            "n_layers": 2,
+            "n_heads": 4,
+            "n_kv_heads": 4,
+            "seq_len": 16,
             "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
         },
         "routing": {"mode": "random", "seed": 0},
@@ -412,19 +431,33 @@ RECOMPUTE_BY_HAND = {
     # its experts' backward runs.
     "full": ({"mode": "full"}, 2 * 2048 + 14592, 42240, 59392 + 42240 - 14592, 2 * (34816 + 24576)),
     # Only block 0 (index a multiple of 2).
-    "full-every-2": ({"mode": "full", "every": 2}, 2048 + 42240 + 14592, 42240, 59392 + 42240 - 14592,
-                     34816 + 24576),
+    "full-every-2": ({"mode": "full", "every": 2}, 2048 + 42240 + 14592, 42240, 59392 + 42240 - 14592, 34816 + 24576),
     # The attention's 8448 go; they come back on their own, after the experts' backward.
-    "attention": ({"mode": "selective", "parts": ["attention"]}, 2 * (42240 - 8448) + 14592, 8448, 59392 - 14592,
-                  2 * 26624),
+    "attention": (
+        {"mode": "selective", "parts": ["attention"]},
+        2 * (42240 - 8448) + 14592,
+        8448,
+        59392 - 14592,
+        2 * 26624,
+    ),
     # The experts keep their input rows 40*2*64 = 5120 instead of 10240; the pre-activations
     # 40*2*2*32 = 5120 come back during the experts' backward.
-    "experts": ({"mode": "selective", "parts": ["experts"]}, 2 * (42240 - 5120) + 14592, 5120,
-                59392 + 5120 - 14592, 2 * 24576),
+    "experts": (
+        {"mode": "selective", "parts": ["experts"]},
+        2 * (42240 - 5120) + 14592,
+        5120,
+        59392 + 5120 - 14592,
+        2 * 24576,
+    ),
     # Each norm keeps its bf16 input 2048 instead of 6144; one norm's 6144 comes back at a time.
     "norms": ({"mode": "selective", "parts": ["norms"]}, 2 * (42240 - 2 * 4096) + 14592, 6144, 59392 - 14592, 0),
-    "all-parts": ({"mode": "selective", "parts": ["attention", "experts", "norms"]},
-                  2 * (42240 - 8448 - 5120 - 2 * 4096) + 14592, 8448, 59392 + 5120 - 14592, 2 * (26624 + 24576)),
+    "all-parts": (
+        {"mode": "selective", "parts": ["attention", "experts", "norms"]},
+        2 * (42240 - 8448 - 5120 - 2 * 4096) + 14592,
+        8448,
+        59392 + 5120 - 14592,
+        2 * (26624 + 24576),
+    ),
 }
 
 
@@ -449,8 +482,11 @@ def test_small_recompute_by_hand(mode):
 def test_full_recompute_runs_the_all_to_alls_again():
     # Per MoE block and microbatch 4 messages of T 16 * k 2 * D 64 * 2 bytes * 1/2 (ep 2) * cf 1.25 = 10240;
     # a fully recomputed block sends its forward dispatch and combine again: 6 messages.
-    for recompute, messages in (({}, 4), ({"mode": "selective", "parts": ["attention", "experts", "norms"]}, 4),
-                                ({"mode": "full"}, 6)):
+    for recompute, messages in (
+        ({}, 4),
+        ({"mode": "selective", "parts": ["attention", "experts", "norms"]}, 4),
+        ({"mode": "full"}, 6),
+    ):
         metrics, _ = recompute_plan(recompute)
         assert median(metrics, "comm_all_to_all_bytes") == messages * 2560 * 2 * 2  # 2 blocks x 2 microbatches
     metrics, _ = recompute_plan({"mode": "full", "every": 2})  # block 0 only
@@ -575,8 +611,13 @@ def test_small_mla_activation_and_kv_bytes():
     #   q, k, v at W: 3 * 2*16*4*16 = 6144; output 2048 + log-sum-exp 4*16*4 = 256; o_proj's copy 2*16*4*12 = 1536
     #   -> 17152, in place of GQA's q, k, v, o + lse 8192 + 256 = 8448.
     spec = small_spec()
-    spec["model"]["mla"] = {"q_lora_rank": 32, "kv_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-                            "v_head_dim": 12}
+    spec["model"]["mla"] = {
+        "q_lora_rank": 32,
+        "kv_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+    }
     metrics, details = plan_scenario(scenario_from_dict(spec))
     assert median(metrics, "memory_activations_bytes") == 2 * (16640 - 8448 + 17152 + 25600) + 72192
     rank = details["per_rank"]

@@ -20,13 +20,37 @@ from bench.scenario import SCENARIOS_DIR, load_scenario, scenario_from_dict
 ALL_SCENARIOS = sorted(p for p in SCENARIOS_DIR.rglob("*.yaml") if p.name != "suites.yaml")
 
 PLAN_METRICS = {
-    "total_params", "active_params", "flops_per_token", "recompute_flops_per_token", "hardware_flops_per_token",
-    "memory_params_bytes", "memory_grads_bytes", "checkpoint_bytes_per_rank", "checkpoint_bytes_total",
-    "memory_optimizer_bytes", "memory_activations_bytes", "memory_comm_buffers_bytes", "memory_total_bytes",
-    "memory_backward_workspace_bytes", "memory_optimizer_step_bytes",
-    "comm_all_to_all_bytes", "comm_grad_reduce_bytes", "comm_pipeline_bytes", "comm_total_bytes",
+    "total_params",
+    "active_params",
+    "flops_per_token",
+    "recompute_flops_per_token",
+    "hardware_flops_per_token",
+    "memory_params_bytes",
+    "memory_grads_bytes",
+    "checkpoint_bytes_per_rank",
+    "checkpoint_bytes_total",
+    "memory_optimizer_bytes",
+    "memory_activations_bytes",
+    "memory_comm_buffers_bytes",
+    "memory_total_bytes",
+    "memory_backward_workspace_bytes",
+    "memory_optimizer_step_bytes",
+    "comm_all_to_all_bytes",
+    "comm_grad_reduce_bytes",
+    "comm_pipeline_bytes",
+    "comm_total_bytes",
 }
-PLAN_DETAILS = {"layout", "recompute", "per_rank", "most_loaded", "stages", "assumptions", "fits", "memory_total_gib", "cluster"}
+PLAN_DETAILS = {
+    "layout",
+    "recompute",
+    "per_rank",
+    "most_loaded",
+    "stages",
+    "assumptions",
+    "fits",
+    "memory_total_gib",
+    "cluster",
+}
 
 
 @pytest.fixture(scope="module")

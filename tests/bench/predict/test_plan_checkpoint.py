@@ -90,8 +90,9 @@ def test_reference_counts_what_the_checkpoint_holds():
     assert dtypes["blocks.0.attn.q_proj.weight"] == torch.bfloat16
     biases = [t for fqn, t, is_param in tensors if not is_param]
     assert len(biases) == 4 and all(t.dtype == torch.float32 and t.numel() == 4 for t in biases)
-    assert {fqn for fqn, _, is_param in tensors if not is_param} == {f"blocks.{i}.ffn.router.expert_bias"
-                                                                     for i in range(4)}
+    assert {fqn for fqn, _, is_param in tensors if not is_param} == {
+        f"blocks.{i}.ffn.router.expert_bias" for i in range(4)
+    }
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32", "mxfp8"])
@@ -114,9 +115,15 @@ def test_fp32_has_no_masters_bf16_does():
     assert plan("bf16")[1] == 14 * (n - router) + 12 * router + 4 * 16
 
 
-@pytest.mark.parametrize("parallel", [
-    dict(dp=2), dict(dp=2, optimizer_sharding="zero1"), dict(dp=2, ep=2), dict(dp=4, ep=2, optimizer_sharding="zero1"),
-])
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        dict(dp=2),
+        dict(dp=2, optimizer_sharding="zero1"),
+        dict(dp=2, ep=2),
+        dict(dp=4, ep=2, optimizer_sharding="zero1"),
+    ],
+)
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_data_parallel_ranks_share_the_checkpoint(precision, parallel):
     expected = reference_bytes(model_tensors(precision))

@@ -81,23 +81,40 @@ def _ignored(shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     numel = 1
     for n in shape:
         numel *= n
-    return (dtype in (torch.int64, torch.int32, torch.bool) or numel <= TOP_K * TOKENS
-            or shape in ((SEQ, HEAD_DIM), (SEQ, ROPE_DIM)))
+    return (
+        dtype in (torch.int64, torch.int32, torch.bool)
+        or numel <= TOP_K * TOKENS
+        or shape in ((SEQ, HEAD_DIM), (SEQ, ROPE_DIM))
+    )
 
 
 def _bytes(storages: dict[int, tuple]) -> int:
     return sum(nbytes for _, nbytes, shape, dtype in storages.values() if not _ignored(shape, dtype))
 
 
-def spec(precision: str, recompute: dict, *, shared: int = 0, dense_layers: int = 0, kv_heads: int = 8,
-         model: dict | None = None) -> dict:
+def spec(
+    precision: str,
+    recompute: dict,
+    *,
+    shared: int = 0,
+    dense_layers: int = 0,
+    kv_heads: int = 8,
+    model: dict | None = None,
+) -> dict:
     return {
         "schema_version": 1,
         "name": "saved",
         "mode": "plan",
         "model": {
-            "vocab_size": 128, "d_model": 256, "n_layers": 3, "n_heads": 8, "n_kv_heads": kv_heads, "seq_len": SEQ,
-            "qk_norm": True, "n_dense_layers": dense_layers, "dense_hidden": 192,
+            "vocab_size": 128,
+            "d_model": 256,
+            "n_layers": 3,
+            "n_heads": 8,
+            "n_kv_heads": kv_heads,
+            "seq_len": SEQ,
+            "qk_norm": True,
+            "n_dense_layers": dense_layers,
+            "dense_hidden": 192,
             "moe": {"num_experts": 16, "top_k": TOP_K, "expert_hidden": 64, "shared_expert_hidden": shared},
             **(model or {}),
         },
@@ -125,7 +142,9 @@ def measure(scenario, device: str = "cpu") -> tuple[int, int]:
                 return forward(*args, **kwargs)
             before = set(live.alive())
             out = forward(*args, **kwargs)
-            again = live.alive(since=before, excluding=tuple(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+            again = live.alive(
+                since=before, excluding=tuple(t for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+            )
             brought_back[0] = max(brought_back[0], _bytes(again))
             return out
 
@@ -178,8 +197,10 @@ MODELS = {
     "bf16-mla": {"precision": "bf16", "model": {"qk_norm": False, "mla": MLA}},
     # fp32 MLA without a query latent, values as wide as queries (no padding: v is a view of kv_b's
     # output); the latent's norm saves its input, a view that holds the RoPE key too.
-    "fp32-mla-no-q-latent": {"precision": "fp32", "model": {"qk_norm": False, "mla": {
-        **MLA, "q_lora_rank": None, "qk_nope_head_dim": 16, "v_head_dim": 32}}},
+    "fp32-mla-no-q-latent": {
+        "precision": "fp32",
+        "model": {"qk_norm": False, "mla": {**MLA, "q_lora_rank": None, "qk_nope_head_dim": 16, "v_head_dim": 32}},
+    },
     # Per-head QK-norm (Qwen3): the norms save as many bytes as over the whole projections; fp32,
     # where they save their input, a view of the projection, itself.
     "fp32-qk-norm-per-head": {"precision": "fp32", "kv_heads": 4, "model": {"qk_norm_per_head": True}},

@@ -33,43 +33,72 @@ def test_gemm_flops_and_bytes_by_hand():
 
 def test_grouped_gemm_counts_only_rows_inside_groups():
     # Forward: x (M=100 rows, 8 of them padding) @ w (4 experts, K=32, N=48).
-    fwd = op("aten._grouped_mm.default", [spec(100, 32), spec(4, 32, 48), spec(4, dtype="torch.int32")],
-             [spec(100, 48)], group_rows=(20, 30, 40, 2))
+    fwd = op(
+        "aten._grouped_mm.default",
+        [spec(100, 32), spec(4, 32, 48), spec(4, dtype="torch.int32")],
+        [spec(100, 48)],
+        group_rows=(20, 30, 40, 2),
+    )
     assert op_work(fwd).flops == 2 * 92 * 32 * 48
     assert op_work(fwd).groups == 4
     # Weight gradient: grad_y^T (N=48, M=100) @ x (M=100, K=32) -> (4, 48, 32), groups along M.
-    wgrad = op("aten._grouped_mm.default", [spec(48, 100), spec(100, 32), spec(4, dtype="torch.int32")],
-               [spec(4, 48, 32)], group_rows=(20, 30, 40, 2))
+    wgrad = op(
+        "aten._grouped_mm.default",
+        [spec(48, 100), spec(100, 32), spec(4, dtype="torch.int32")],
+        [spec(4, 48, 32)],
+        group_rows=(20, 30, 40, 2),
+    )
     assert op_work(wgrad).flops == 2 * 48 * 32 * 92
     # Routes unknown (learned routing): the buffer's rows.
-    unknown = op("aten._grouped_mm.default", [spec(100, 32), spec(4, 32, 48), spec(4, dtype="torch.int32")],
-                 [spec(100, 48)])
+    unknown = op(
+        "aten._grouped_mm.default", [spec(100, 32), spec(4, 32, 48), spec(4, dtype="torch.int32")], [spec(100, 48)]
+    )
     assert op_work(unknown).flops == 2 * 100 * 32 * 48
 
 
 def test_attention_flops_causal_forward_and_backward():
     q = spec(2, 4, 128, 64)
-    fwd = op("aten._scaled_dot_product_flash_attention_for_cpu.default", [q, q, q], [q, spec(2, 4, 128, dtype="torch.float32")],
-             arguments=(("dropout_p", 0.0), ("is_causal", True)))
+    fwd = op(
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        [q, q, q],
+        [q, spec(2, 4, 128, dtype="torch.float32")],
+        arguments=(("dropout_p", 0.0), ("is_causal", True)),
+    )
     assert op_kind(fwd) == "attention"
     assert op_work(fwd).flops == 4 * 2 * 4 * 128 * 128 * 64 / 2
-    bwd = op("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", [q, q, q, q, q],
-             [q, q, q], stage="backward", arguments=(("is_causal", True),))
+    bwd = op(
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+        [q, q, q, q, q],
+        [q, q, q],
+        stage="backward",
+        arguments=(("is_causal", True),),
+    )
     assert op_work(bwd).flops == 2.5 * 4 * 2 * 4 * 128 * 128 * 64 / 2
-    full = op("aten._scaled_dot_product_flash_attention.default", [q, q, q], [q],
-              arguments=(("dropout_p", 0.0), ("is_causal", False), ("return_debug_mask", False)))
+    full = op(
+        "aten._scaled_dot_product_flash_attention.default",
+        [q, q, q],
+        [q],
+        arguments=(("dropout_p", 0.0), ("is_causal", False), ("return_debug_mask", False)),
+    )
     assert op_work(full).flops == 4 * 2 * 4 * 128 * 128 * 64
 
 
 def test_memory_and_free_ops():
-    add_ = op("aten.add_.Tensor", [spec(10, 10, dtype="torch.float32"), spec(10, 10, dtype="torch.float32")],
-              [spec(10, 10, dtype="torch.float32")])
+    add_ = op(
+        "aten.add_.Tensor",
+        [spec(10, 10, dtype="torch.float32"), spec(10, 10, dtype="torch.float32")],
+        [spec(10, 10, dtype="torch.float32")],
+    )
     # Reads both, writes the destination: 3 tensors of 400 bytes.
     assert op_work(add_).kind == "memory" and op_work(add_).nbytes == 1200
     view = op("aten.view.default", [spec(10, 10)], [spec(100)])
     assert op_work(view).kind == "free" and op_work(view).nbytes == 0
-    coll = op("c10d.allreduce_.default", [spec(100)], [spec(100)],
-              collective={"op": "all_reduce", "ranks": [0, 1], "nbytes": 200, "group_name": "0"})
+    coll = op(
+        "c10d.allreduce_.default",
+        [spec(100)],
+        [spec(100)],
+        collective={"op": "all_reduce", "ranks": [0, 1], "nbytes": 200, "group_name": "0"},
+    )
     assert op_kind(coll) == "collective"
 
 
@@ -77,9 +106,21 @@ def test_mx_region_is_one_gemm_at_the_mx_rate():
     a = spec(256, 64, dtype="torch.float32")
     b = spec(4, 64, 128, dtype="torch.float32")
     ops = [
-        op("aten.mul.Tensor", [spec(256, 64, dtype="torch.float8_e4m3fn")], [a], region="mxfp8.grouped_mm", region_call=1),
-        op("aten._grouped_mm.default", [a, b, spec(4, dtype="torch.int32")], [spec(256, 128, dtype="torch.float32")],
-           region="mxfp8.grouped_mm", region_call=1, group_rows=(64, 64, 64, 64)),
+        op(
+            "aten.mul.Tensor",
+            [spec(256, 64, dtype="torch.float8_e4m3fn")],
+            [a],
+            region="mxfp8.grouped_mm",
+            region_call=1,
+        ),
+        op(
+            "aten._grouped_mm.default",
+            [a, b, spec(4, dtype="torch.int32")],
+            [spec(256, 128, dtype="torch.float32")],
+            region="mxfp8.grouped_mm",
+            region_call=1,
+            group_rows=(64, 64, 64, 64),
+        ),
     ]
     work = region_op(ops, "mxfp8.grouped_mm")
     assert work.kind == "mx_gemm" and work.dtype == "mxfp8"
@@ -103,8 +144,16 @@ def _profile(**overrides):
 
 
 def test_declared_roofline_by_hand():
-    p = _profile(**{"peak_tflops.bf16": 1000.0, "hbm_gbps": 2000.0, "efficiency.gemm": 0.5,
-                    "efficiency.memory": 0.8, "efficiency.launch_overhead_us": 5.0, "efficiency.attention": 0.25})
+    p = _profile(
+        **{
+            "peak_tflops.bf16": 1000.0,
+            "hbm_gbps": 2000.0,
+            "efficiency.gemm": 0.5,
+            "efficiency.memory": 0.8,
+            "efficiency.launch_overhead_us": 5.0,
+            "efficiency.attention": 0.25,
+        }
+    )
     big = op_work(op("aten.mm.default", [spec(4096, 4096), spec(4096, 4096)], [spec(4096, 4096)]))
     # Compute-bound: 2 * 4096^3 FLOPs at 500 TFLOP/s, plus 5 us.
     assert op_seconds(big, p) == pytest.approx(2 * 4096**3 / 500e12 + 5e-6)
@@ -115,7 +164,9 @@ def test_declared_roofline_by_hand():
     add = op_work(op("aten.add.Tensor", [spec(1000), spec(1000)], [spec(1000)]))
     assert op_seconds(add, p) == pytest.approx(6000 / 1600e9 + 5e-6)
     q = spec(1, 8, 1024, 128)
-    attn = op_work(op("aten._scaled_dot_product_flash_attention.default", [q, q, q], [q], arguments=(("is_causal", True),)))
+    attn = op_work(
+        op("aten._scaled_dot_product_flash_attention.default", [q, q, q], [q], arguments=(("is_causal", True),))
+    )
     assert op_seconds(attn, p) == pytest.approx(4 * 8 * 1024 * 1024 * 128 / 2 / 250e12 + 5e-6)
     view = op_work(op("aten.view.default", [spec(10)], [spec(10)]))
     assert op_seconds(view, p) == 0.0
@@ -135,22 +186,34 @@ def test_curves_interpolate_in_log_log_and_extrapolate_at_the_last_throughput():
     p = profile_from_dict(data, "cpu.yaml")
     curve = p.curve("gemm", "bf16")
     assert curve.seconds(1e7) == pytest.approx(math.sqrt(1e-5 * 1e-4))  # the log-log midpoint
-    assert curve.seconds(1e3) == pytest.approx(1e-5)                   # overhead-bound below the first point
-    assert curve.seconds(1e9) == pytest.approx(1e-4 * 10)               # the last point's throughput
-    g = op_work(op("aten._grouped_mm.default", [spec(400, 50), spec(4, 50, 100), spec(4, dtype="torch.int32")],
-                   [spec(400, 100)], group_rows=(100, 100, 100, 100)))
+    assert curve.seconds(1e3) == pytest.approx(1e-5)  # overhead-bound below the first point
+    assert curve.seconds(1e9) == pytest.approx(1e-4 * 10)  # the last point's throughput
+    g = op_work(
+        op(
+            "aten._grouped_mm.default",
+            [spec(400, 50), spec(4, 50, 100), spec(4, dtype="torch.int32")],
+            [spec(400, 100)],
+            group_rows=(100, 100, 100, 100),
+        )
+    )
     # Per group: 1e6 FLOPs -> 2e-5 s; four groups.
     assert op_seconds(g, p) == pytest.approx(4 * 2e-5)
     view = op_work(op("aten.view.default", [spec(10)], [spec(10)]))
-    assert op_seconds(view, p) == pytest.approx(2e-6)                  # a CPU's host pays for every op
+    assert op_seconds(view, p) == pytest.approx(2e-6)  # a CPU's host pays for every op
 
 
 def test_regions_priced_as_one_kernel_on_a_gpu_and_op_by_op_on_a_cpu():
     a = spec(256, 64, dtype="torch.float32")
     region = [
         op("aten.mul.Tensor", [a, a], [a], region="mxfp8.grouped_mm", region_call=7),
-        op("aten._grouped_mm.default", [a, spec(4, 64, 128, dtype="torch.float32"), spec(4, dtype="torch.int32")],
-           [spec(256, 128, dtype="torch.float32")], region="mxfp8.grouped_mm", region_call=7, group_rows=(64,) * 4),
+        op(
+            "aten._grouped_mm.default",
+            [a, spec(4, 64, 128, dtype="torch.float32"), spec(4, dtype="torch.int32")],
+            [spec(256, 128, dtype="torch.float32")],
+            region="mxfp8.grouped_mm",
+            region_call=7,
+            group_rows=(64,) * 4,
+        ),
     ]
     after = op("aten.add.Tensor", [a, a], [a])
     gpu = _profile()
@@ -159,8 +222,12 @@ def test_regions_priced_as_one_kernel_on_a_gpu_and_op_by_op_on_a_cpu():
     assert priced[1].seconds == 0.0
     mx = priced[0].work
     assert priced[0].seconds == pytest.approx(
-        max(mx.flops / (gpu.peak_tflops["mxfp8"] * 1e12 * gpu.efficiency["grouped_gemm"]),
-            mx.nbytes / (gpu.hbm_gbps * 1e9 * gpu.efficiency["memory"])) + gpu.efficiency["launch_overhead_us"] * 1e-6)
+        max(
+            mx.flops / (gpu.peak_tflops["mxfp8"] * 1e12 * gpu.efficiency["grouped_gemm"]),
+            mx.nbytes / (gpu.hbm_gbps * 1e9 * gpu.efficiency["memory"]),
+        )
+        + gpu.efficiency["launch_overhead_us"] * 1e-6
+    )
     cpu = _profile(kind="cpu")
     assert [p.work.kind for p in price_ops([*region, after], cpu)] == ["memory", "grouped_gemm", "memory"]
 
@@ -176,14 +243,17 @@ def test_shipped_profiles_load_with_a_source_for_every_number(name):
         assert profile.sources[key].strip()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("hbm_gbps", None, "hbm_gbps: missing"),
-    ("peak_tflops.bf16", 0, "peak_tflops.bf16: must be a number > 0"),
-    ("peak_tflops.fp8", -5, "peak_tflops.fp8: must be a number > 0"),
-    ("network.inter_node_gbps", "fast", "network.inter_node_gbps: must be a number > 0"),
-    ("efficiency.gemm", 1.5, "efficiency.gemm: is a fraction of peak"),
-    ("sources.hbm_gbps", None, "sources.hbm_gbps: missing"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("hbm_gbps", None, "hbm_gbps: missing"),
+        ("peak_tflops.bf16", 0, "peak_tflops.bf16: must be a number > 0"),
+        ("peak_tflops.fp8", -5, "peak_tflops.fp8: must be a number > 0"),
+        ("network.inter_node_gbps", "fast", "network.inter_node_gbps: must be a number > 0"),
+        ("efficiency.gemm", 1.5, "efficiency.gemm: is a fraction of peak"),
+        ("sources.hbm_gbps", None, "sources.hbm_gbps: missing"),
+    ],
+)
 def test_bad_profiles_name_the_file_and_the_field(field, value, message):
     data = yaml.safe_load((DEVICES_DIR / "h100-sxm.yaml").read_text())
     target = data

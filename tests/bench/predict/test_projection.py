@@ -28,10 +28,27 @@ from bench.predict.projection import (
 NET = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_us=10.0)
 NODE0 = tuple(range(8))
 TWO_NODES = tuple(range(16))
-SUM_KEYS = ("compute", "expert_comm", "pipeline_comm", "fsdp_gather_exposed", "bubble", "grad_sync_exposed",
-            "optimizer", "param_gather_exposed", "other_comm", "skew")
-BESIDE = ("grad_sync_hidden", "grad_sync_total", "param_gather_hidden", "param_gather_total", "fsdp_gather_total",
-          "expert_comm_hidden", "expert_comm_total")
+SUM_KEYS = (
+    "compute",
+    "expert_comm",
+    "pipeline_comm",
+    "fsdp_gather_exposed",
+    "bubble",
+    "grad_sync_exposed",
+    "optimizer",
+    "param_gather_exposed",
+    "other_comm",
+    "skew",
+)
+BESIDE = (
+    "grad_sync_hidden",
+    "grad_sync_total",
+    "param_gather_hidden",
+    "param_gather_total",
+    "fsdp_gather_total",
+    "expert_comm_hidden",
+    "expert_comm_total",
+)
 
 
 def approx(x: float):
@@ -46,24 +63,35 @@ def seconds(op: str, ranks, nbytes: int, rank: int = 0, net: Network = NET, coun
 
 
 def test_from_cluster_defaults():
-    assert Network.from_cluster({}) == Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50,
-                                               latency_us=10.0)
+    assert Network.from_cluster({}) == Network(
+        gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_us=10.0
+    )
 
 
 def test_from_cluster_takes_given_keys_and_ignores_the_rest():
-    cluster = {"name": "x", "gpus": 64, "gpu_memory_gib": 80, "peak_tflops": 989, "gpus_per_node": 4,
-               "inter_node_gbps": 400}
-    assert Network.from_cluster(cluster) == Network(gpus_per_node=4, intra_node_gbps=900, inter_node_gbps=400,
-                                                    latency_us=10.0)
+    cluster = {
+        "name": "x",
+        "gpus": 64,
+        "gpu_memory_gib": 80,
+        "peak_tflops": 989,
+        "gpus_per_node": 4,
+        "inter_node_gbps": 400,
+    }
+    assert Network.from_cluster(cluster) == Network(
+        gpus_per_node=4, intra_node_gbps=900, inter_node_gbps=400, latency_us=10.0
+    )
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"gpus_per_node": 0}, "gpus_per_node"),
-    ({"gpus_per_node": 8.0}, "gpus_per_node"),
-    ({"intra_node_gbps": 0}, "intra_node_gbps"),
-    ({"inter_node_gbps": -1}, "inter_node_gbps"),
-    ({"latency_us": -0.5}, "latency_us"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"gpus_per_node": 0}, "gpus_per_node"),
+        ({"gpus_per_node": 8.0}, "gpus_per_node"),
+        ({"intra_node_gbps": 0}, "intra_node_gbps"),
+        ({"inter_node_gbps": -1}, "inter_node_gbps"),
+        ({"latency_us": -0.5}, "latency_us"),
+    ],
+)
 def test_network_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"network.{field}"):
         Network.from_cluster(kwargs)
@@ -126,10 +154,17 @@ def test_send_and_recv():
     assert seconds("send", (8, 7), 4_000_000, rank=8) == approx(10e-6 + 4e6 / 50e9)
 
 
-@pytest.mark.parametrize("op, nbytes", [
-    ("all_to_all", 1000), ("all_reduce", 1000), ("reduce_scatter", 1000), ("all_gather", 1000),
-    ("broadcast", 1000), ("barrier", 0),
-])
+@pytest.mark.parametrize(
+    "op, nbytes",
+    [
+        ("all_to_all", 1000),
+        ("all_reduce", 1000),
+        ("reduce_scatter", 1000),
+        ("all_gather", 1000),
+        ("broadcast", 1000),
+        ("barrier", 0),
+    ],
+)
 def test_single_rank_group_is_free(op, nbytes):
     assert seconds(op, (5,), nbytes, rank=5) == 0.0
 
@@ -143,18 +178,21 @@ def test_ranks_given_as_a_list_become_a_tuple():
     assert Collective("all_reduce", [0, 1], 8, "grad").ranks == (0, 1)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"op": "allreduce"}, "unknown op 'allreduce'"),
-    ({"phase": "backward"}, "unknown phase 'backward'"),
-    ({"ranks": ()}, "at least one rank"),
-    ({"ranks": (0, 0)}, "twice"),
-    ({"ranks": (0, -1)}, "integers >= 0"),
-    ({"op": "send", "ranks": (0, 1, 2)}, "this rank, peer"),
-    ({"op": "recv", "ranks": (0,)}, "this rank, peer"),
-    ({"nbytes": -1}, "collective.nbytes"),
-    ({"op": "barrier", "nbytes": 4}, "no payload"),
-    ({"count": 0}, "collective.count"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"op": "allreduce"}, "unknown op 'allreduce'"),
+        ({"phase": "backward"}, "unknown phase 'backward'"),
+        ({"ranks": ()}, "at least one rank"),
+        ({"ranks": (0, 0)}, "twice"),
+        ({"ranks": (0, -1)}, "integers >= 0"),
+        ({"op": "send", "ranks": (0, 1, 2)}, "this rank, peer"),
+        ({"op": "recv", "ranks": (0,)}, "this rank, peer"),
+        ({"nbytes": -1}, "collective.nbytes"),
+        ({"op": "barrier", "nbytes": 4}, "no payload"),
+        ({"count": 0}, "collective.count"),
+    ],
+)
 def test_collective_rejects_bad_fields(kwargs, match):
     fields = {"op": "all_reduce", "ranks": (0, 1), "nbytes": 8, "phase": "grad"} | kwargs
     with pytest.raises(ValueError, match=match):
@@ -187,23 +225,29 @@ def test_summarize_collectives():
 # ---- schedule and timing ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"kind": "zigzag"}, "unknown schedule 'zigzag'"),
-    ({"microbatches": 0}, "schedule.microbatches"),
-    ({"pp": 0}, "schedule.pp"),
-    ({"virtual_stages": 0}, "schedule.virtual_stages"),
-    ({"virtual_stages": 2, "kind": "1f1b"}, "needs kind interleaved1f1b"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kind": "zigzag"}, "unknown schedule 'zigzag'"),
+        ({"microbatches": 0}, "schedule.microbatches"),
+        ({"pp": 0}, "schedule.pp"),
+        ({"virtual_stages": 0}, "schedule.virtual_stages"),
+        ({"virtual_stages": 2, "kind": "1f1b"}, "needs kind interleaved1f1b"),
+    ],
+)
 def test_schedule_rejects_bad_fields(kwargs, match):
     fields = {"pp": 2, "virtual_stages": 1, "microbatches": 4, "kind": "1f1b"} | kwargs
     with pytest.raises(ValueError, match=match):
         Schedule(**fields)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"microbatch_s": -1.0}, "timing.microbatch_s"),
-    ({"optimizer_s": -1.0}, "timing.optimizer_s"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"microbatch_s": -1.0}, "timing.microbatch_s"),
+        ({"optimizer_s": -1.0}, "timing.optimizer_s"),
+    ],
+)
 def test_timing_rejects_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RankTiming(**({"microbatch_s": 0.1, "optimizer_s": 0.01} | kwargs))
@@ -217,9 +261,11 @@ def check_breakdown(p: Projection) -> None:
     assert sum(p.breakdown_s[k] for k in SUM_KEYS) == approx(p.step_s)
     for sync in ("grad_sync", "param_gather"):
         assert p.breakdown_s[f"{sync}_hidden"] + p.breakdown_s[f"{sync}_exposed"] == approx(
-            p.breakdown_s[f"{sync}_total"])
+            p.breakdown_s[f"{sync}_total"]
+        )
     assert p.breakdown_s["expert_comm_hidden"] + p.breakdown_s["expert_comm"] == approx(
-        p.breakdown_s["expert_comm_total"])
+        p.breakdown_s["expert_comm_total"]
+    )
 
 
 def pp1() -> Schedule:
@@ -283,18 +329,39 @@ def test_sync_bucket_rejects_bad_fields():
 
 def test_pp1_gradient_sync_hidden_under_backward():
     grad = Collective("all_reduce", NODE0, 9_000_000_000, "grad")
-    p = project_step(0, TIMING, [EXPERT_A2A], [BARRIER], pp1(), NET, tokens_per_step=8192,
-                     world_size=8, flops_per_token=6e9, grad_buckets=[SyncBucket(grad, 0.2)])
+    p = project_step(
+        0,
+        TIMING,
+        [EXPERT_A2A],
+        [BARRIER],
+        pp1(),
+        NET,
+        tokens_per_step=8192,
+        world_size=8,
+        flops_per_token=6e9,
+        grad_buckets=[SyncBucket(grad, 0.2)],
+    )
     g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9  # 0.01764 s < 0.2 s of backward left
     step = 0.3 + EXPERT_S + 0.01 + 6 * 10e-6
     assert p.step_s == approx(step)
     assert p.breakdown_s == {
-        "compute": approx(0.3), "expert_comm": approx(EXPERT_S), "pipeline_comm": 0.0, "bubble": 0.0,
-        "grad_sync_exposed": 0.0, "grad_sync_hidden": approx(g), "grad_sync_total": approx(g),
-        "optimizer": approx(0.01), "param_gather_exposed": 0.0, "param_gather_hidden": 0.0,
-        "param_gather_total": 0.0, "other_comm": approx(6 * 10e-6),
-        "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0, "skew": 0.0,
-        "expert_comm_hidden": 0.0, "expert_comm_total": approx(EXPERT_S),
+        "compute": approx(0.3),
+        "expert_comm": approx(EXPERT_S),
+        "pipeline_comm": 0.0,
+        "bubble": 0.0,
+        "grad_sync_exposed": 0.0,
+        "grad_sync_hidden": approx(g),
+        "grad_sync_total": approx(g),
+        "optimizer": approx(0.01),
+        "param_gather_exposed": 0.0,
+        "param_gather_hidden": 0.0,
+        "param_gather_total": 0.0,
+        "other_comm": approx(6 * 10e-6),
+        "fsdp_gather_exposed": 0.0,
+        "fsdp_gather_total": 0.0,
+        "skew": 0.0,
+        "expert_comm_hidden": 0.0,
+        "expert_comm_total": approx(EXPERT_S),
     }
     assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
     assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)
@@ -305,8 +372,18 @@ def test_pp1_gradient_sync_partly_exposed():
     grad = Collective("all_reduce", TWO_NODES, 20_000_000_000, "grad")
     g = 2 * 15 * 10e-6 + 2 * 15 / 16 * 20e9 / 50e9  # 0.7503 s
     exposed = g - 0.2
-    p = project_step(0, TIMING, [EXPERT_A2A], [], pp1(), NET, tokens_per_step=4096,
-                     world_size=16, flops_per_token=1e9, grad_buckets=[SyncBucket(grad, 0.2)])
+    p = project_step(
+        0,
+        TIMING,
+        [EXPERT_A2A],
+        [],
+        pp1(),
+        NET,
+        tokens_per_step=4096,
+        world_size=16,
+        flops_per_token=1e9,
+        grad_buckets=[SyncBucket(grad, 0.2)],
+    )
     assert p.breakdown_s["grad_sync_total"] == approx(g)
     assert p.breakdown_s["grad_sync_exposed"] == approx(exposed)
     step = 0.3 + EXPERT_S + exposed + 0.01
@@ -318,8 +395,7 @@ def test_pp1_gradient_sync_partly_exposed():
 
 def test_gradient_collectives_without_a_launch_time_are_exposed():
     grad = Collective("all_reduce", NODE0, 9_000_000_000, "grad")
-    p = project_step(0, TIMING, [], [grad], pp1(), NET, tokens_per_step=8192, world_size=8,
-                     flops_per_token=6e9)
+    p = project_step(0, TIMING, [], [grad], pp1(), NET, tokens_per_step=8192, world_size=8, flops_per_token=6e9)
     g = 2 * 7 * 10e-6 + 2 * 7 / 8 * 9e9 / 900e9
     assert p.breakdown_s["grad_sync_exposed"] == approx(g)
     assert p.breakdown_s["grad_sync_hidden"] == 0.0
@@ -334,17 +410,35 @@ def test_buckets_and_unbucketed_entries_and_gathers_by_hand():
     # [-4, -3], [-2, 1]: exposed 1 of 4. Pipeline of pp = 2 stages (the overlap holds whatever pp and m).
     timing = RankTiming(microbatch_s=5.0, optimizer_s=4.5)
     extra = Collective("all_reduce", PAIR, 500_000_000, "grad")
-    gathers = [SyncBucket(Collective("all_gather", PAIR, 2_000_000_000, "grad"), 4),
-               SyncBucket(Collective("all_gather", PAIR, 6_000_000_000, "grad"), 2)]
+    gathers = [
+        SyncBucket(Collective("all_gather", PAIR, 2_000_000_000, "grad"), 4),
+        SyncBucket(Collective("all_gather", PAIR, 6_000_000_000, "grad"), 2),
+    ]
     schedule = Schedule(pp=2, virtual_stages=1, microbatches=4, kind="1f1b")
-    p = project_step(0, timing, [], [extra], schedule, SLOW, tokens_per_step=1000, world_size=16,
-                     flops_per_token=1.0, grad_buckets=[pair_bucket(2, 3), pair_bucket(2, 1)],
-                     gather_buckets=gathers)
+    p = project_step(
+        0,
+        timing,
+        [],
+        [extra],
+        schedule,
+        SLOW,
+        tokens_per_step=1000,
+        world_size=16,
+        flops_per_token=1.0,
+        grad_buckets=[pair_bucket(2, 3), pair_bucket(2, 1)],
+        gather_buckets=gathers,
+    )
     b = p.breakdown_s
-    assert (b["grad_sync_total"], b["grad_sync_exposed"], b["grad_sync_hidden"]) == (approx(4.5), approx(1.5),
-                                                                                      approx(3))
-    assert (b["param_gather_total"], b["param_gather_exposed"], b["param_gather_hidden"]) == (approx(4), approx(1),
-                                                                                              approx(3))
+    assert (b["grad_sync_total"], b["grad_sync_exposed"], b["grad_sync_hidden"]) == (
+        approx(4.5),
+        approx(1.5),
+        approx(3),
+    )
+    assert (b["param_gather_total"], b["param_gather_exposed"], b["param_gather_hidden"]) == (
+        approx(4),
+        approx(1),
+        approx(3),
+    )
     # (4 + 1) * 5 s of pipeline, the exposed syncs, the optimizer.
     assert p.step_s == approx(25 + 1.5 + 4.5 + 1)
     check_breakdown(p)
@@ -352,8 +446,9 @@ def test_buckets_and_unbucketed_entries_and_gathers_by_hand():
 
 def test_pp1_runs_microbatches_back_to_back_whatever_the_kind():
     schedule = Schedule(pp=1, virtual_stages=1, microbatches=4, kind="gpipe")
-    p = project_step(0, TIMING, [EXPERT_A2A], [], schedule, NET, tokens_per_step=8192, world_size=8,
-                     flops_per_token=6e9)
+    p = project_step(
+        0, TIMING, [EXPERT_A2A], [], schedule, NET, tokens_per_step=8192, world_size=8, flops_per_token=6e9
+    )
     assert p.breakdown_s["bubble"] == 0.0
     assert p.breakdown_s["compute"] == approx(4 * 0.3)
     assert p.breakdown_s["expert_comm"] == approx(4 * EXPERT_S)
@@ -380,9 +475,17 @@ BARRIER_STAGE = Collective("barrier", tuple(range(32)), 0, "other")  # 2 * 5 * a
 
 def pipelined(kind: str, v: int) -> Projection:
     schedule = Schedule(pp=4, virtual_stages=v, microbatches=8, kind=kind)
-    return project_step(8, PIPE_TIMING, [STAGE_A2A, *STAGE_MESSAGES], [DP_GRAD, BARRIER_STAGE], schedule, NET,
-                        tokens_per_step=65536, world_size=32, flops_per_token=2e10)
-
+    return project_step(
+        8,
+        PIPE_TIMING,
+        [STAGE_A2A, *STAGE_MESSAGES],
+        [DP_GRAD, BARRIER_STAGE],
+        schedule,
+        NET,
+        tokens_per_step=65536,
+        world_size=32,
+        flops_per_token=2e10,
+    )
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -417,12 +520,28 @@ def test_projection_to_dict_is_json_ready_and_states_its_assumptions():
     assert d["step_s"] == p.step_s
     assert d["breakdown_s"] == p.breakdown_s
     text = "\n".join(p.assumptions)
-    for formula in ("2 * (n-1) * alpha", "2 * ceil(log2 n) * alpha", "m * t_mb + (pp - 1) * t_mb / v",
-                    "alpha + B / beta", "no contention"):
+    for formula in (
+        "2 * (n-1) * alpha",
+        "2 * ceil(log2 n) * alpha",
+        "m * t_mb + (pp - 1) * t_mb / v",
+        "alpha + B / beta",
+        "no contention",
+    ):
         assert formula in text
-    bucketed = "\n".join(project_step(
-        0, TIMING, [], [], pp1(), NET, tokens_per_step=1, world_size=1, flops_per_token=0,
-        grad_buckets=[SyncBucket(Collective("all_reduce", (0,), 8, "grad"), 0.1)]).assumptions)
+    bucketed = "\n".join(
+        project_step(
+            0,
+            TIMING,
+            [],
+            [],
+            pp1(),
+            NET,
+            tokens_per_step=1,
+            world_size=1,
+            flops_per_token=0,
+            grad_buckets=[SyncBucket(Collective("all_reduce", (0,), 8, "grad"), 0.1)],
+        ).assumptions
+    )
     assert "s_i = max(-w_i, e_(i-1)), e_i = s_i + c_i, exposed = max(0, e_N)" in bucketed
 
 
@@ -431,33 +550,48 @@ def test_projection_to_dict_is_json_ready_and_states_its_assumptions():
 
 def call(**overrides):
     args = {
-        "rank": 0, "timing": TIMING, "per_microbatch": [EXPERT_A2A], "per_step": [BARRIER], "schedule": pp1(),
-        "net": NET, "tokens_per_step": 8192, "world_size": 8, "flops_per_token": 6e9,
+        "rank": 0,
+        "timing": TIMING,
+        "per_microbatch": [EXPERT_A2A],
+        "per_step": [BARRIER],
+        "schedule": pp1(),
+        "net": NET,
+        "tokens_per_step": 8192,
+        "world_size": 8,
+        "flops_per_token": 6e9,
     } | overrides
     return project_step(**args)
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ({"per_microbatch": [Collective("all_reduce", NODE0, 8, "grad")]}, r"per_microbatch\[0\]: phase 'grad'"),
-    ({"per_step": [BARRIER, Collective("all_to_all", NODE0, 8, "expert")]}, r"per_step\[1\]: phase 'expert'"),
-    ({"per_step": [Collective("send", (0, 1), 8, "pipeline")]}, r"per_step\[0\]: phase 'pipeline'"),
-    ({"per_step": [Collective("all_reduce", (0, 8), 8, "grad")]}, "rank >= world_size=8"),
-    ({"rank": 1, "per_step": [Collective("send", (0, 2), 8, "other")], "per_microbatch": []},
-     "rank 1 is not in the send group"),
-    ({"rank": 8}, r"rank: must be an integer in \[0, 8\)"),
-    ({"world_size": 0}, "world_size"),
-    ({"tokens_per_step": 0}, "tokens_per_step"),
-    ({"flops_per_token": -1.0}, "flops_per_token"),
-    ({"per_microbatch": ["all_to_all"]}, "expected a Collective"),
-    ({"schedule": Schedule(pp=16, virtual_stages=1, microbatches=4, kind="1f1b")},
-     "exceed world_size=8"),
-    ({"timing": RankTiming(0.0, 0.0), "per_microbatch": [], "per_step": []}, "projected step time is 0"),
-    ({"grad_buckets": [SyncBucket(Collective("all_to_all", NODE0, 8, "expert"), 0.1)]},
-     r"grad_buckets\[0\]: phase 'expert'"),
-    ({"gather_buckets": [SyncBucket(Collective("all_gather", (1, 2), 8, "grad"), 0.1)]},
-     "rank 0 is not in the all_gather group"),
-    ({"grad_buckets": [Collective("all_reduce", NODE0, 8, "grad")]}, r"grad_buckets\[0\]: expected a SyncBucket"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"per_microbatch": [Collective("all_reduce", NODE0, 8, "grad")]}, r"per_microbatch\[0\]: phase 'grad'"),
+        ({"per_step": [BARRIER, Collective("all_to_all", NODE0, 8, "expert")]}, r"per_step\[1\]: phase 'expert'"),
+        ({"per_step": [Collective("send", (0, 1), 8, "pipeline")]}, r"per_step\[0\]: phase 'pipeline'"),
+        ({"per_step": [Collective("all_reduce", (0, 8), 8, "grad")]}, "rank >= world_size=8"),
+        (
+            {"rank": 1, "per_step": [Collective("send", (0, 2), 8, "other")], "per_microbatch": []},
+            "rank 1 is not in the send group",
+        ),
+        ({"rank": 8}, r"rank: must be an integer in \[0, 8\)"),
+        ({"world_size": 0}, "world_size"),
+        ({"tokens_per_step": 0}, "tokens_per_step"),
+        ({"flops_per_token": -1.0}, "flops_per_token"),
+        ({"per_microbatch": ["all_to_all"]}, "expected a Collective"),
+        ({"schedule": Schedule(pp=16, virtual_stages=1, microbatches=4, kind="1f1b")}, "exceed world_size=8"),
+        ({"timing": RankTiming(0.0, 0.0), "per_microbatch": [], "per_step": []}, "projected step time is 0"),
+        (
+            {"grad_buckets": [SyncBucket(Collective("all_to_all", NODE0, 8, "expert"), 0.1)]},
+            r"grad_buckets\[0\]: phase 'expert'",
+        ),
+        (
+            {"gather_buckets": [SyncBucket(Collective("all_gather", (1, 2), 8, "grad"), 0.1)]},
+            "rank 0 is not in the all_gather group",
+        ),
+        ({"grad_buckets": [Collective("all_reduce", NODE0, 8, "grad")]}, r"grad_buckets\[0\]: expected a SyncBucket"),
+    ],
+)
 def test_project_step_rejects_bad_inputs(overrides, match):
     with pytest.raises(ValueError, match=match):
         call(**overrides)

@@ -75,8 +75,10 @@ def test_compare_versions_table():
     from bench.results import ResultDocument, metric
 
     def docs(version, tput):
-        m = {"tokens_per_s_per_gpu": metric([tput, tput + 1, tput - 1], "tokens/s", "higher"),
-             "loss": metric([1.0], "nats", None)}
+        m = {
+            "tokens_per_s_per_gpu": metric([tput, tput + 1, tput - 1], "tokens/s", "higher"),
+            "loss": metric([1.0], "nats", None),
+        }
         return [ResultDocument(make_doc("s", m, version=version))]
 
     table = compare_versions({"img:a": docs("0.1.0", 1000), "img:b": docs("0.2.0", 500), "img:c": docs("0.3.0", 1000)})
@@ -96,8 +98,9 @@ def test_the_versions_table_says_accepted_for_a_change_a_release_between_the_ima
     from bench.results import load_results, metric, write_result
 
     def docs(version: str, peak: float):
-        write_result(make_doc("s", {"peak_tensor_bytes": metric([peak], "bytes", "lower")}, version=version),
-                     tmp_path / version)
+        write_result(
+            make_doc("s", {"peak_tensor_bytes": metric([peak], "bytes", "lower")}, version=version), tmp_path / version
+        )
         return load_results(tmp_path / version)
 
     images = {"moe-engine:0.1.0": docs("0.1.0", 100.0), "moe-engine:0.2.0": docs("0.2.0", 105.5)}

@@ -36,10 +36,14 @@ def test_release_record_round_trip(tmp_path):
         (f'{{"releases": [{{"version": "zero", "commit": "{SHA}", "date": "d"}}]}}', "not a PEP 440 version"),
         (f'{{"releases": [{{"version": "0.1.0+local", "commit": "{SHA}", "date": "d"}}]}}', "not a release version"),
         (f'{{"releases": [{{"version": "0.1.0", "commit": "{SHA}"}}]}}', "version, commit and date"),
-        (f'{{"releases": [{{"version": "0.1.0", "commit": "{SHA}", "date": "d", "accepted": "x"}}]}}',
-         r"releases\[0\]\.accepted: expected a list"),
-        (f'{{"releases": [{{"version": "0.1.0", "commit": "{SHA}", "date": "d", "accepted": ["step_time_s@s: r"]}}]}}',
-         r"releases\[0\]\.accepted\[0\]: 'step_time_s@s: r': no accepted size"),
+        (
+            f'{{"releases": [{{"version": "0.1.0", "commit": "{SHA}", "date": "d", "accepted": "x"}}]}}',
+            r"releases\[0\]\.accepted: expected a list",
+        ),
+        (
+            f'{{"releases": [{{"version": "0.1.0", "commit": "{SHA}", "date": "d", "accepted": ["step_time_s@s: r"]}}]}}',
+            r"releases\[0\]\.accepted\[0\]: 'step_time_s@s: r': no accepted size",
+        ),
     ],
 )
 def test_release_record_errors(tmp_path, content, message):
@@ -54,8 +58,13 @@ ACCEPTED = "peak_tensor_bytes@e8-random-bf16,e8-ep2-nosync-bf16<=6%: fp32 gradie
 
 def test_accepted_changes_are_kept_with_their_release(tmp_path):
     path = tmp_path / "releases.json"
-    write_releases([Release("0.1.0", SHA, "2025-01-01"),
-                    Release("0.2.0", SHA[::-1], "2025-02-01", (parse_acceptance(ACCEPTED, "0.2.0"),))], path)
+    write_releases(
+        [
+            Release("0.1.0", SHA, "2025-01-01"),
+            Release("0.2.0", SHA[::-1], "2025-02-01", (parse_acceptance(ACCEPTED, "0.2.0"),)),
+        ],
+        path,
+    )
     first, second = load_releases(path)
     assert first.accepted == () and "accepted" not in path.read_text().split('"0.2.0"')[0]
     assert [a.spec for a in second.accepted] == [ACCEPTED] and second.accepted[0].release == "0.2.0"

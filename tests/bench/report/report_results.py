@@ -36,19 +36,31 @@ MACHINE = "cpu-box"
 MIB = 2**20
 
 TOKENS = {  # (scenario, version) -> tokens/s median; the samples spread 1% of it around it
-    ("e8-random-bf16", BASE): 1000, ("e8-random-bf16", NEW): 800,
-    ("e64-random-bf16", BASE): 500, ("e64-random-bf16", NEW): 600,
-    ("e8-ep2-nosync-bf16", BASE): 700, ("e8-ep2-nosync-bf16", NEW): 707,
+    ("e8-random-bf16", BASE): 1000,
+    ("e8-random-bf16", NEW): 800,
+    ("e64-random-bf16", BASE): 500,
+    ("e64-random-bf16", NEW): 600,
+    ("e8-ep2-nosync-bf16", BASE): 700,
+    ("e8-ep2-nosync-bf16", NEW): 707,
     ("e8-dp2-fsdp-bf16", BASE): 300,
     ("e8-ep2-sync-bf16", NEW): 350,
     ("e8-random-mxfp8", NEW): 960,
     ("e8-ep2-nosync-bf16-recompute-full", NEW): 560,
 }
-PEAK_MIB = {"e8-random-bf16": 100, "e64-random-bf16": 300, "e8-ep2-nosync-bf16": 80, "e8-dp2-fsdp-bf16": 60,
-            "e8-ep2-sync-bf16": 80, "e8-random-mxfp8": 90, "e8-ep2-nosync-bf16-recompute-full": 50}
+PEAK_MIB = {
+    "e8-random-bf16": 100,
+    "e64-random-bf16": 300,
+    "e8-ep2-nosync-bf16": 80,
+    "e8-dp2-fsdp-bf16": 60,
+    "e8-ep2-sync-bf16": 80,
+    "e8-random-mxfp8": 90,
+    "e8-ep2-nosync-bf16-recompute-full": 50,
+}
 HOST_SYNCS = {("e8-ep2-nosync-bf16", BASE): 0, ("e8-ep2-nosync-bf16", NEW): 1}
-FAILED = {("e8-dp2-fsdp-bf16", NEW): ("failed", "RuntimeError: all_gather timed out on rank 1"),
-          ("e8-skewed-fp32", NEW): ("oom", "planned 30.0 GiB per rank; the device has 24.0 GiB")}
+FAILED = {
+    ("e8-dp2-fsdp-bf16", NEW): ("failed", "RuntimeError: all_gather timed out on rank 1"),
+    ("e8-skewed-fp32", NEW): ("oom", "planned 30.0 GiB per rank; the device has 24.0 GiB"),
+}
 PLANS = {BASE: ["moe-128e-47b"], NEW: ["moe-128e-47b", "moe-8e-4.6b"]}
 
 EXPECTED_VERDICTS = {
@@ -116,12 +128,26 @@ def spread_samples(median: float) -> list[float]:
     return [median * f for f in (1.0, 1.01, 0.99, 1.005, 0.995)]
 
 
-def _document(version: str, name: str, mode: str, metrics: dict, details: dict | None = None,
-              status: str = "ok", error: str | None = None) -> dict:
+def _document(
+    version: str,
+    name: str,
+    mode: str,
+    metrics: dict,
+    details: dict | None = None,
+    status: str = "ok",
+    error: str | None = None,
+) -> dict:
     scenario = load_scenario(scenario_file(name))
-    doc = make_doc(name, metrics if status == "ok" else {}, status=status, error=error,
-                   spec=copy.deepcopy(scenario.spec), version=version, machine=MACHINE,
-                   timestamp=f"2026-0{1 if version == BASE else 6}-01T00:00:00Z")
+    doc = make_doc(
+        name,
+        metrics if status == "ok" else {},
+        status=status,
+        error=error,
+        spec=copy.deepcopy(scenario.spec),
+        version=version,
+        machine=MACHINE,
+        timestamp=f"2026-0{1 if version == BASE else 6}-01T00:00:00Z",
+    )
     doc["scenario"]["file"] = str(scenario_file(name).relative_to(REPO_ROOT))
     doc["mode"] = mode
     if details is not None:
@@ -156,13 +182,18 @@ def proxy_doc(version: str) -> dict:
     details = {
         "projection": {"step_s": step, "tokens_per_s_per_gpu": 4096 / step, "breakdown_s": dict(PROJECTION)},
         "device_projections": {
-            "b300": {"step_s": device_step, "tokens_per_s_per_gpu": 4096 / device_step,
-                     "breakdown_s": dict(DEVICE_PROJECTION)},
+            "b300": {
+                "step_s": device_step,
+                "tokens_per_s_per_gpu": 4096 / device_step,
+                "breakdown_s": dict(DEVICE_PROJECTION),
+            },
             "h100-sxm": {"device": "h100-sxm", "fits": False, "error": "does not fit"},
         },
     }
-    metrics = {"projected_tokens_per_s_per_gpu": metric([4096 / step], "tokens/s", None),
-               "rank_tokens_per_s": metric([100.0, 101.0], "tokens/s", "higher")}
+    metrics = {
+        "projected_tokens_per_s_per_gpu": metric([4096 / step], "tokens/s", None),
+        "rank_tokens_per_s": metric([100.0, 101.0], "tokens/s", "higher"),
+    }
     return _document(version, "moe-128e-47b-proxy", "proxy", metrics, details)
 
 

@@ -21,9 +21,18 @@ COMPARISONS = load_comparisons()
 SHIPPED = {p.stem: p for p in SCENARIOS_DIR.rglob("*.yaml") if p.name != "suites.yaml"}
 PAIRS = [(c.name, a, b) for c in COMPARISONS for a, b in c.pairs]
 TINY = {
-    "schema_version": 1, "mode": "execute", "precision": "fp32",
-    "model": {"vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
-              "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32}},
+    "schema_version": 1,
+    "mode": "execute",
+    "precision": "fp32",
+    "model": {
+        "vocab_size": 128,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "seq_len": 32,
+        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
+    },
     "run": {"warmup_steps": 1, "steps": 3, "tokens_per_step": 128, "timeout_s": 120},
 }
 
@@ -36,7 +45,11 @@ def write_scenario(folder: Path, name: str, data: dict) -> Path:
 
 def test_the_published_comparisons_are_defined():
     assert {c.name for c in COMPARISONS} >= {
-        "ddp-ep-over-fsdp", "sync-over-no-sync", "mxfp8-over-bf16", "experts-128-over-8", "zero1-over-none",
+        "ddp-ep-over-fsdp",
+        "sync-over-no-sync",
+        "mxfp8-over-bf16",
+        "experts-128-over-8",
+        "zero1-over-none",
         "pp-over-ep",
     }
 
@@ -53,8 +66,11 @@ def test_a_pair_names_shipped_scenarios_of_one_size(comparison, numerator, denom
     active_a, active_b = (plan_scenario(s)[0]["active_params"]["median"] for s in (a, b))
     # Top-k alike, more experts add active parameters through the router's rows alone (E x d_model a layer).
     assert a.model.moe.top_k == b.model.moe.top_k
-    router_rows = (a.model.moe.num_experts - b.model.moe.num_experts) * a.model.d_model * (
-        a.model.n_layers - a.model.n_dense_layers)
+    router_rows = (
+        (a.model.moe.num_experts - b.model.moe.num_experts)
+        * a.model.d_model
+        * (a.model.n_layers - a.model.n_dense_layers)
+    )
     assert active_a - active_b == router_rows
 
 
@@ -64,13 +80,23 @@ def side(status: str = "ok", **medians: float):
 
 def test_ratios_are_the_medians_divided():
     fsdp = Comparison("a", "A / B", ("tokens_per_s_per_gpu",), "m", "2.68", (("ddp", "fsdp"), ("ddp2", "fsdp2")))
-    memory = Comparison("m", "M", ("cuda_peak_active_bytes", "peak_tensor_bytes"), "m", "0.92",
-                        (("mx", "bf"), ("mx-failed", "bf"), ("gone", "bf"), ("skip-a", "skip-b")))
+    memory = Comparison(
+        "m",
+        "M",
+        ("cuda_peak_active_bytes", "peak_tensor_bytes"),
+        "m",
+        "0.92",
+        (("mx", "bf"), ("mx-failed", "bf"), ("gone", "bf"), ("skip-a", "skip-b")),
+    )
     results = {
-        "ddp": side(tokens_per_s_per_gpu=52000.0), "fsdp": side(tokens_per_s_per_gpu=19400.0),
+        "ddp": side(tokens_per_s_per_gpu=52000.0),
+        "fsdp": side(tokens_per_s_per_gpu=19400.0),
         # the numerator has both memory metrics, the denominator only the CPU one: the CPU one is compared
-        "mx": side(cuda_peak_active_bytes=7.0, peak_tensor_bytes=95.0), "bf": side(peak_tensor_bytes=103.0),
-        "mx-failed": side("failed"), "skip-a": side("skipped"), "skip-b": side("skipped"),
+        "mx": side(cuda_peak_active_bytes=7.0, peak_tensor_bytes=95.0),
+        "bf": side(peak_tensor_bytes=103.0),
+        "mx-failed": side("failed"),
+        "skip-a": side("skipped"),
+        "skip-b": side("skipped"),
     }
     rows = pair_ratios([fsdp, memory], results)
     got = [(r.comparison.name, r.numerator, r.denominator, r.metric, r.ratio, r.note) for r in rows]
@@ -90,14 +116,25 @@ def test_a_side_without_the_metric_has_no_ratio():
 BAD_SECTIONS = [
     ("comparisons: {a: 1}", "comparisons: must be a list"),
     ("comparisons: [{name: a, label: A, metric: m, mirrors: x, reference: y}]", "comparisons.0.pairs: missing"),
-    ("comparisons: [{name: a, label: A, metric: [], mirrors: x, reference: y, pairs: [[p, q]]}]",
-     "comparisons.0.metric: a metric name or a list of them"),
-    ("comparisons: [{name: a, label: A, metric: m, mirrors: x, reference: y, pairs: [[p]]}]",
-     "comparisons.0.pairs.0: must be [numerator, denominator] scenario names"),
-    ("comparisons: [{name: a, label: A, metric: m, mirrors: x, reference: y, pairs: [[p, p]]}]",
-     "comparisons.0.pairs.0: compares p with itself"),
-    (("comparisons:\n- {name: a, label: A, metric: m, mirrors: x, reference: y, pairs: [[p, q]]}\n"
-      "- {name: a, label: B, metric: m, mirrors: x, reference: y, pairs: [[p, q]]}"), "comparisons.1.name: duplicate"),
+    (
+        "comparisons: [{name: a, label: A, metric: [], mirrors: x, reference: y, pairs: [[p, q]]}]",
+        "comparisons.0.metric: a metric name or a list of them",
+    ),
+    (
+        "comparisons: [{name: a, label: A, metric: m, mirrors: x, reference: y, pairs: [[p]]}]",
+        "comparisons.0.pairs.0: must be [numerator, denominator] scenario names",
+    ),
+    (
+        "comparisons: [{name: a, label: A, metric: m, mirrors: x, reference: y, pairs: [[p, p]]}]",
+        "comparisons.0.pairs.0: compares p with itself",
+    ),
+    (
+        (
+            "comparisons:\n- {name: a, label: A, metric: m, mirrors: x, reference: y, pairs: [[p, q]]}\n"
+            "- {name: a, label: B, metric: m, mirrors: x, reference: y, pairs: [[p, q]]}"
+        ),
+        "comparisons.1.name: duplicate",
+    ),
 ]
 
 
@@ -116,20 +153,25 @@ def test_the_run_summary_prints_each_pair_that_ran(tmp_path, monkeypatch, capsys
 
     monkeypatch.setattr(runner, "available_memory_bytes", lambda device: (20 * 2**30, "MemAvailable"))
     monkeypatch.setattr(execute, "measure_peak_tflops", lambda device, dtype, seconds=1.0: 1.0)
-    throughput = {"e8-ep2-sync-bf16": [300.0, 310.0, 290.0, 305.0, 295.0],
-                  "e8-ep2-nosync-bf16": [400.0, 380.0, 420.0, 390.0, 410.0],
-                  "e8-dp2-fsdp-bf16": [100.0] * 5, "lonely": [7.0]}
+    throughput = {
+        "e8-ep2-sync-bf16": [300.0, 310.0, 290.0, 305.0, 295.0],
+        "e8-ep2-nosync-bf16": [400.0, 380.0, 420.0, 390.0, 410.0],
+        "e8-dp2-fsdp-bf16": [100.0] * 5,
+        "lonely": [7.0],
+    }
 
     def fake_worker(command, timeout, on_line, env=None):
         spec = json.loads(Path(command[command.index("--device") - 2]).read_text())["spec"]
         metrics = {"tokens_per_s_per_gpu": metric(throughput[spec["name"]], "tokens/s", "higher")}
         Path(command[command.index("--device") - 1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": metrics, "details": {}}))
+            json.dumps({"status": "ok", "error": None, "metrics": metrics, "details": {}})
+        )
         return 0, []
 
     monkeypatch.setattr(runner, "run_with_timeout", fake_worker)
-    files = [str(write_scenario(tmp_path, name, {**TINY, "parallel": {"dp": 2}})) for name in throughput
-             if name != "lonely"]
+    files = [
+        str(write_scenario(tmp_path, name, {**TINY, "parallel": {"dp": 2}})) for name in throughput if name != "lonely"
+    ]
     files.append(str(write_scenario(tmp_path, "lonely", TINY)))
     assert main(["run", *files, "--out", str(tmp_path / "r"), "--device", "cpu", "--no-plots"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if " / " in line and " = " in line]
@@ -137,10 +179,14 @@ def test_the_run_summary_prints_each_pair_that_ran(tmp_path, monkeypatch, capsys
     # (Mann-Whitney's critical U for 5 and 5 is 2): sync / no-sync's third smallest is 290 / 410, its
     # third largest 310 / 390; no-sync / FSDP's are 380 / 100 and 420 / 100.
     assert lines == [
-        ("  DDP+EP / FSDP tokens/s: e8-ep2-nosync-bf16 / e8-dp2-fsdp-bf16 = 4.000 [3.800, 4.200]  [published: 2.68 (52,000 / "
-         "19,400 tokens/s per GPU); OLMo-core 3: 47B MoE on 8 B300, DDP with resident experts and EP against FSDP]"),
-        ("  sync / no-sync dispatch tokens/s: e8-ep2-sync-bf16 / e8-ep2-nosync-bf16 = 0.750 [0.707, 0.795]  [published: none "
-         "published; OLMo-core 3: routing metadata kept on the GPU, no host synchronisation in dispatch]"),
+        (
+            "  DDP+EP / FSDP tokens/s: e8-ep2-nosync-bf16 / e8-dp2-fsdp-bf16 = 4.000 [3.800, 4.200]  [published: 2.68 (52,000 / "
+            "19,400 tokens/s per GPU); OLMo-core 3: 47B MoE on 8 B300, DDP with resident experts and EP against FSDP]"
+        ),
+        (
+            "  sync / no-sync dispatch tokens/s: e8-ep2-sync-bf16 / e8-ep2-nosync-bf16 = 0.750 [0.707, 0.795]  [published: none "
+            "published; OLMo-core 3: routing metadata kept on the GPU, no host synchronisation in dispatch]"
+        ),
     ]
 
 
@@ -161,8 +207,10 @@ def test_the_report_index_shows_each_pair_per_version_and_machine(tmp_path):
 
     def put(version, machine, name, tokens, status="ok"):
         metrics = {"tokens_per_s_per_gpu": metric([tokens, tokens], "tokens/s", "higher")} if status == "ok" else {}
-        write_result(make_doc(version, machine, spec_for(name), status=status, metrics=metrics),
-                     result_dir(results, version, machine))
+        write_result(
+            make_doc(version, machine, spec_for(name), status=status, metrics=metrics),
+            result_dir(results, version, machine),
+        )
 
     put("0.1.0", "gpu-box", "node8-e128-ddp-ep8-nosync-bf16", 52000.0)
     put("0.1.0", "gpu-box", "node8-e128-fsdp-bf16", 20000.0)
@@ -172,14 +220,31 @@ def test_the_report_index_shows_each_pair_per_version_and_machine(tmp_path):
     put("0.2.0", "cpu-box", "e8-ep2-nosync-bf16", 900.0)  # its pair is missing on this machine: no row
     plot_results(results, tmp_path / "plots")
     page = (tmp_path / "plots" / "index.html").read_text()
-    section = page[page.index("<h2>Comparisons</h2>"):page.index("<h2>Not ok")]
-    rows = re.findall(r"<tr><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>"
-                      r"<td>([^<]*)</td><td>([^<]*)</td>", section)
+    section = page[page.index("<h2>Comparisons</h2>") : page.index("<h2>Not ok")]
+    rows = re.findall(
+        r"<tr><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>"
+        r"<td>([^<]*)</td><td>([^<]*)</td>",
+        section,
+    )
     assert rows == [
-        ("0.1.0", "gpu-box", "DDP+EP / FSDP tokens/s", "node8-e128-ddp-ep8-nosync-bf16", "node8-e128-fsdp-bf16",
-         "tokens_per_s_per_gpu", f"{52000 / 20000:.3f} (too few samples for an interval)"),
-        ("0.2.0", "gpu-box", "DDP+EP / FSDP tokens/s", "node8-e128-ddp-ep8-nosync-bf16", "node8-e128-fsdp-bf16",
-         "tokens_per_s_per_gpu", f"{48000 / 24000:.3f} (too few samples for an interval)"),
+        (
+            "0.1.0",
+            "gpu-box",
+            "DDP+EP / FSDP tokens/s",
+            "node8-e128-ddp-ep8-nosync-bf16",
+            "node8-e128-fsdp-bf16",
+            "tokens_per_s_per_gpu",
+            f"{52000 / 20000:.3f} (too few samples for an interval)",
+        ),
+        (
+            "0.2.0",
+            "gpu-box",
+            "DDP+EP / FSDP tokens/s",
+            "node8-e128-ddp-ep8-nosync-bf16",
+            "node8-e128-fsdp-bf16",
+            "tokens_per_s_per_gpu",
+            f"{48000 / 24000:.3f} (too few samples for an interval)",
+        ),
     ]
 
 
@@ -205,8 +270,16 @@ def test_the_null_distribution_counts_every_ordering(n, m):
 
 # Two-sided 5% critical values of the Mann-Whitney U from the published tables: the interval steps over
 # that many of the n*m sorted ratios at each end, plus none: k = U_crit + 1.
-CRITICAL_U = [((4, 4), 0), ((5, 5), 2), ((6, 6), 5), ((7, 7), 8), ((8, 8), 13), ((10, 10), 23), ((5, 10), 8),
-              ((20, 20), 127)]
+CRITICAL_U = [
+    ((4, 4), 0),
+    ((5, 5), 2),
+    ((6, 6), 5),
+    ((7, 7), 8),
+    ((8, 8), 13),
+    ((10, 10), 23),
+    ((5, 10), 8),
+    ((20, 20), 127),
+]
 
 
 @pytest.mark.parametrize("sizes, critical", CRITICAL_U, ids=[f"{a}x{b}" for (a, b), _ in CRITICAL_U])
@@ -247,11 +320,15 @@ def test_the_interval_covers_a_known_ratio_as_often_as_it_says():
 
 def test_a_ratio_says_when_it_is_within_noise():
     c = Comparison("a", "A", ("tokens_per_s_per_gpu", "peak_tensor_bytes"), "m", "r", (("x", "y"),))
-    noisy = {"x": ("ok", {"tokens_per_s_per_gpu": metric([101.0, 99.0, 103.0, 98.0, 100.0], "t", "higher")}),
-             "y": ("ok", {"tokens_per_s_per_gpu": metric([100.0, 102.0, 97.0, 99.0, 101.0], "t", "higher")})}
+    noisy = {
+        "x": ("ok", {"tokens_per_s_per_gpu": metric([101.0, 99.0, 103.0, 98.0, 100.0], "t", "higher")}),
+        "y": ("ok", {"tokens_per_s_per_gpu": metric([100.0, 102.0, 97.0, 99.0, 101.0], "t", "higher")}),
+    }
     (row,) = pair_ratios([c], noisy)
     assert row.within_noise and row.describe().endswith(", within noise")
-    exact = {"x": ("ok", {"peak_tensor_bytes": metric([150.0], "bytes", "lower")}),
-             "y": ("ok", {"peak_tensor_bytes": metric([100.0], "bytes", "lower")})}
+    exact = {
+        "x": ("ok", {"peak_tensor_bytes": metric([150.0], "bytes", "lower")}),
+        "y": ("ok", {"peak_tensor_bytes": metric([100.0], "bytes", "lower")}),
+    }
     (row,) = pair_ratios([c], exact)
     assert row.exact and row.interval is None and row.describe() == "1.500 (exact values)"

@@ -88,8 +88,12 @@ def test_bencher_bmf(docs):
 def test_repeated_runs_are_pooled(tmp_path):
     folder = tmp_path / "r"
     write_result(make_doc(metrics={"tokens_per_s_per_gpu": metric([100, 200], "tokens/s", "higher")}), folder)
-    write_result(make_doc(metrics={"tokens_per_s_per_gpu": metric([300], "tokens/s", "higher")},
-                          timestamp="2025-01-02T00:00:00Z"), folder)
+    write_result(
+        make_doc(
+            metrics={"tokens_per_s_per_gpu": metric([300], "tokens/s", "higher")}, timestamp="2025-01-02T00:00:00Z"
+        ),
+        folder,
+    )
     bmf = export_bencher(load_results(folder))
     assert bmf == {"smoke-e8": {"tokens-per-s-per-gpu": {"value": 200, "lower_value": 100, "upper_value": 300}}}
 
@@ -99,10 +103,18 @@ def test_single_sample_metrics_are_exported_without_a_spread(tmp_path):
     folder = tmp_path / "r"
     write_result(make_doc(metrics={"peak_tensor_bytes": metric([2048], "bytes", "lower")}), folder)
     gab = export_github_action_benchmark(load_results(folder))
-    assert gab[SMALLER_TOOL] == [{"name": "smoke-e8/peak_tensor_bytes", "unit": "bytes", "value": 2048,
-                                  "extra": "machine: 1xnvidia-h200\nengine: 0.1.0 (0123456789ab)\nsamples: 1"}]
-    write_result(make_doc(metrics={"peak_tensor_bytes": metric([4096], "bytes", "lower")},
-                          timestamp="2025-01-02T00:00:00Z"), folder)
+    assert gab[SMALLER_TOOL] == [
+        {
+            "name": "smoke-e8/peak_tensor_bytes",
+            "unit": "bytes",
+            "value": 2048,
+            "extra": "machine: 1xnvidia-h200\nengine: 0.1.0 (0123456789ab)\nsamples: 1",
+        }
+    ]
+    write_result(
+        make_doc(metrics={"peak_tensor_bytes": metric([4096], "bytes", "lower")}, timestamp="2025-01-02T00:00:00Z"),
+        folder,
+    )
     docs = load_results(folder)
     assert export_bencher(docs) == {"smoke-e8": {"peak-tensor-bytes": {"value": 3072}}}
     (entry,) = export_github_action_benchmark(docs)[SMALLER_TOOL]
@@ -111,8 +123,10 @@ def test_single_sample_metrics_are_exported_without_a_spread(tmp_path):
 
 def test_several_machines_need_machine_in_name(tmp_path):
     for machine in ("1xnvidia-h200", "cpu-16c-test"):
-        write_result(make_doc(metrics={"tokens_per_s_per_gpu": metric([1.0], "tokens/s", "higher")}, machine=machine),
-                     tmp_path / machine)
+        write_result(
+            make_doc(metrics={"tokens_per_s_per_gpu": metric([1.0], "tokens/s", "higher")}, machine=machine),
+            tmp_path / machine,
+        )
     docs = load_results(tmp_path)
     with pytest.raises(ValueError, match="include_machine"):
         export(docs, "bencher")

@@ -16,12 +16,25 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 MACHINES = {
     "gpu-box": {
-        "name": "gpu-box", "cpu_model": "Test CPU", "cpu_cores": 16, "gpu_name": "Test GPU", "gpu_count": 8,
-        "torch": "2.8.0", "triton": "3.4.0", "python": "3.12.0", "platform": "Linux",
+        "name": "gpu-box",
+        "cpu_model": "Test CPU",
+        "cpu_cores": 16,
+        "gpu_name": "Test GPU",
+        "gpu_count": 8,
+        "torch": "2.8.0",
+        "triton": "3.4.0",
+        "python": "3.12.0",
+        "platform": "Linux",
     },
     "cpu-box": {
-        "name": "cpu-box", "cpu_model": "Test CPU", "cpu_cores": 2, "gpu_name": None, "gpu_count": 0,
-        "torch": "2.8.0", "triton": None, "python": "3.12.0",
+        "name": "cpu-box",
+        "cpu_model": "Test CPU",
+        "cpu_cores": 2,
+        "gpu_name": None,
+        "gpu_count": 0,
+        "torch": "2.8.0",
+        "triton": None,
+        "python": "3.12.0",
     },
 }
 
@@ -29,8 +42,14 @@ BASE_SPEC = {
     "schema_version": 1,
     "name": "smoke",
     "mode": "execute",
-    "model": {"vocab_size": 1024, "d_model": 256, "n_layers": 2, "n_heads": 4, "seq_len": 256,
-              "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 256}},
+    "model": {
+        "vocab_size": 1024,
+        "d_model": 256,
+        "n_layers": 2,
+        "n_heads": 4,
+        "seq_len": 256,
+        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 256},
+    },
     "routing": {"mode": "random", "seed": 0, "zipf_exponent": 1.0},
     "precision": "bf16",
     "parallel": {"dp": 1, "ep": 1, "pp": 1},
@@ -49,8 +68,16 @@ def spec_for(name: str, num_experts: int = 8, top_k: int = 2, d_model: int = 256
     return spec
 
 
-def make_doc(version: str, machine: str, spec: dict, *, status: str = "ok", error: str | None = None,
-             metrics: dict | None = None, mode: str = "execute") -> dict:
+def make_doc(
+    version: str,
+    machine: str,
+    spec: dict,
+    *,
+    status: str = "ok",
+    error: str | None = None,
+    metrics: dict | None = None,
+    mode: str = "execute",
+) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "engine": {"version": version, "git_commit": None, "git_dirty": None},
@@ -90,17 +117,35 @@ def results(tmp_path: Path) -> Path:
             write(root, make_doc(version, machine, spec_for("smoke"), metrics=execute_metrics(scale)))
         plan = spec_for("plan-big", d_model=1024)
         plan["mode"] = "plan"
-        write(root, make_doc(version, "gpu-box", plan, mode="plan",
-                             metrics={"est_step_time_s": metric([1.5 / scale], "s", "lower"),
-                                      "est_memory_gib": metric([60.0], "GiB", None)}))
+        write(
+            root,
+            make_doc(
+                version,
+                "gpu-box",
+                plan,
+                mode="plan",
+                metrics={
+                    "est_step_time_s": metric([1.5 / scale], "s", "lower"),
+                    "est_memory_gib": metric([60.0], "GiB", None),
+                },
+            ),
+        )
     # An expert-count sweep on gpu-box: identical specs but num_experts (and the name labels).
     for n in (8, 32, 128):
-        doc = make_doc("0.10.0", "gpu-box", spec_for(f"sweep-e{n}", num_experts=n, top_k=4),
-                       metrics=execute_metrics(8 / n, active=1e6 * (1 + n / 64)))
+        doc = make_doc(
+            "0.10.0",
+            "gpu-box",
+            spec_for(f"sweep-e{n}", num_experts=n, top_k=4),
+            metrics=execute_metrics(8 / n, active=1e6 * (1 + n / 64)),
+        )
         write(root, doc)
     # A failed doc (no metrics) and a second run of smoke that failed: figures use the ok run.
-    write(root, make_doc("0.2.0", "cpu-box", spec_for("broken-scenario"), status="failed",
-                         error="RuntimeError: <boom> & friends"))
+    write(
+        root,
+        make_doc(
+            "0.2.0", "cpu-box", spec_for("broken-scenario"), status="failed", error="RuntimeError: <boom> & friends"
+        ),
+    )
     write(root, make_doc("0.10.0", "cpu-box", spec_for("smoke"), status="oom", error="CUDA out of memory"))
     # A skipped doc.
     write(root, make_doc("0.1.0", "gpu-box", spec_for("skipped-one"), status="skipped", error="needs 8 GPUs"))
@@ -117,7 +162,12 @@ def assert_png(path: Path) -> None:
 def test_version_ordering_is_semantic():
     assert sort_versions(["0.10.0", "0.2.0", "0.1.0"]) == ["0.1.0", "0.2.0", "0.10.0"]
     assert sort_versions(["0.1.0", "0.1.0+g1234.dirty", "0.1.0.dev3", "0.1.1", "0.1.0rc1"]) == [
-        "0.1.0.dev3", "0.1.0rc1", "0.1.0", "0.1.0+g1234.dirty", "0.1.1"]
+        "0.1.0.dev3",
+        "0.1.0rc1",
+        "0.1.0",
+        "0.1.0+g1234.dirty",
+        "0.1.1",
+    ]
     assert sort_versions(["zzz", "1.0.0", "not-a-version", "0.9"]) == ["0.9", "1.0.0", "not-a-version", "zzz"]
     assert sort_versions(["0.2.0", "0.2.0"]) == ["0.2.0"]
     assert version_sort_key("1.2.3") < version_sort_key("1.10.0") < version_sort_key("unknown")
@@ -127,7 +177,13 @@ def test_fallback_version_parser_orders_like_packaging(monkeypatch):
     monkeypatch.setattr(plot, "_Version", None)
     assert sort_versions(["0.10.0", "0.2.0", "0.1.0", "garbage"]) == ["0.1.0", "0.2.0", "0.10.0", "garbage"]
     assert sort_versions(["0.1.0", "0.1.0+g1234.dirty", "0.1.0.dev3", "0.1.1", "0.1.0rc1", "0.1.0.post1"]) == [
-        "0.1.0.dev3", "0.1.0rc1", "0.1.0", "0.1.0+g1234.dirty", "0.1.0.post1", "0.1.1"]
+        "0.1.0.dev3",
+        "0.1.0rc1",
+        "0.1.0",
+        "0.1.0+g1234.dirty",
+        "0.1.0.post1",
+        "0.1.1",
+    ]
 
 
 def test_plot_results_writes_figures_and_index(results: Path, tmp_path: Path):
@@ -138,8 +194,14 @@ def test_plot_results_writes_figures_and_index(results: Path, tmp_path: Path):
     assert all(p.parent == out and p.exists() for p in written)
     pngs = [p for p in written if p.suffix == ".png"]
     names = {p.name for p in pngs}
-    assert {"summary.png", "expert_sweep.png", "gpu-box--smoke.png", "cpu-box--smoke.png",
-            "gpu-box--plan-big.png", "gpu-box--sweep-e8.png"} <= names
+    assert {
+        "summary.png",
+        "expert_sweep.png",
+        "gpu-box--smoke.png",
+        "cpu-box--smoke.png",
+        "gpu-box--plan-big.png",
+        "gpu-box--sweep-e8.png",
+    } <= names
     # No figure for scenarios that never produced an ok result.
     assert not any("broken-scenario" in n or "skipped-one" in n for n in names)
     for p in pngs:
@@ -175,8 +237,7 @@ def test_sweep_skipped_without_group(tmp_path: Path):
     root = tmp_path / "results"
     # Different num_experts but also a different d_model: not a sweep. Only one version here.
     write(root, make_doc("0.3.0", "gpu-box", spec_for("a", num_experts=8), metrics=execute_metrics(1.0)))
-    write(root, make_doc("0.3.0", "gpu-box", spec_for("b", num_experts=32, d_model=512),
-                         metrics=execute_metrics(0.5)))
+    write(root, make_doc("0.3.0", "gpu-box", spec_for("b", num_experts=32, d_model=512), metrics=execute_metrics(0.5)))
     # The same pair split over two machines is not a sweep either.
     write(root, make_doc("0.3.0", "cpu-box", spec_for("c", num_experts=64), metrics=execute_metrics(0.4)))
     assert sweep_groups(load_results(root)) == []
@@ -184,8 +245,13 @@ def test_sweep_skipped_without_group(tmp_path: Path):
     written = plot_results(root, out)
     assert not (out / "expert_sweep.png").exists()
     assert "expert_sweep.png" not in (out / "index.html").read_text()
-    assert {p.name for p in written} == {"summary.png", "gpu-box--a.png", "gpu-box--b.png", "cpu-box--c.png",
-                                         "index.html"}
+    assert {p.name for p in written} == {
+        "summary.png",
+        "gpu-box--a.png",
+        "gpu-box--b.png",
+        "cpu-box--c.png",
+        "index.html",
+    }
     for p in written[:-1]:
         assert_png(p)
 
@@ -211,8 +277,15 @@ def test_edge_cases_do_not_crash(tmp_path: Path):
     assert "failed" in index and "skipped" in index
 
     # Add a single ok doc with single-sample metrics and no better-direction headline.
-    write(root, make_doc("0.1.0", "cpu-box", spec_for("one"),
-                         metrics={"x": metric([1.0], "u", None), "y": metric([2.0], "v", "lower")}))
+    write(
+        root,
+        make_doc(
+            "0.1.0",
+            "cpu-box",
+            spec_for("one"),
+            metrics={"x": metric([1.0], "u", None), "y": metric([2.0], "v", "lower")},
+        ),
+    )
     written = plot_results(root, tmp_path / "plots2")
     assert {p.name for p in written} == {"summary.png", "cpu-box--one.png", "index.html"}
     assert_png(tmp_path / "plots2" / "cpu-box--one.png")
@@ -242,18 +315,29 @@ def test_single_sample_metrics_are_drawn_without_a_spread(tmp_path: Path, monkey
 
     root = tmp_path / "results"
     for i, version in enumerate(["0.1.0", "0.2.0"]):
-        write(root, make_doc(version, "cpu-box", spec_for("smoke"), metrics={
-            "step_time_s": metric([0.5, 0.52, 0.49], "s", "lower"),
-            "peak_memory_gib": metric([3.2 + i], "GiB", "lower"),
-        }))
+        write(
+            root,
+            make_doc(
+                version,
+                "cpu-box",
+                spec_for("smoke"),
+                metrics={
+                    "step_time_s": metric([0.5, 0.52, 0.49], "s", "lower"),
+                    "peak_memory_gib": metric([3.2 + i], "GiB", "lower"),
+                },
+            ),
+        )
     drawn = {}
     save = plot._save
 
     def capture(fig, path):
         drawn[path.name] = {
-            ax.get_title(): (any(isinstance(c, ErrorbarContainer) for c in ax.containers),
-                             any(isinstance(c, PolyCollection) for c in ax.collections))
-            for ax in fig.axes if ax.get_visible()
+            ax.get_title(): (
+                any(isinstance(c, ErrorbarContainer) for c in ax.containers),
+                any(isinstance(c, PolyCollection) for c in ax.collections),
+            )
+            for ax in fig.axes
+            if ax.get_visible()
         }
         return save(fig, path)
 

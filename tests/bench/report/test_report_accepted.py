@@ -38,12 +38,17 @@ def verdict_cell(text: str, scenario: str, name: str) -> str:
 def test_the_page_shows_an_accepted_change_with_its_reason_and_no_more(page):
     assert verdict_cell(page, "e8-random-bf16", "tokens_per_s_per_gpu") == (
         f"<span class='verdict verdict-accepted'>accepted</span><span class='reason'>: {REASON} "
-        f"(release {NEW}, up to 21%)</span>")
+        f"(release {NEW}, up to 21%)</span>"
+    )
     # The step time of the same scenario is another metric: still regressed, and the page still fails.
     assert verdict_cell(page, "e8-random-bf16", "step_time_s") == (
-        "<span class='verdict verdict-regressed'>regressed</span>")
-    assert re.search(r"<ul class='accepted'><li>ACCEPTED e8-random-bf16 tokens_per_s_per_gpu: 1000 -&gt; 800 "
-                     rf"\(x0\.800, [^<]*; accepted: {REASON} \(release {NEW}, up to 21%\)</li></ul>", page)
+        "<span class='verdict verdict-regressed'>regressed</span>"
+    )
+    assert re.search(
+        r"<ul class='accepted'><li>ACCEPTED e8-random-bf16 tokens_per_s_per_gpu: 1000 -&gt; 800 "
+        rf"\(x0\.800, [^<]*; accepted: {REASON} \(release {NEW}, up to 21%\)</li></ul>",
+        page,
+    )
     assert "data-gate='regressed'><b>Regressed</b>: " in page
     assert "<span class='count' data-count='regressed'>2 regressed</span>" in page  # step time, host syncs
     assert "<span class='count' data-count='accepted'>1 accepted</span>" in page
@@ -51,8 +56,7 @@ def test_the_page_shows_an_accepted_change_with_its_reason_and_no_more(page):
 
 def test_the_page_calls_only_the_latest_release_the_latest(page):
     """0.2.0 is a release: the comparison is release 0.1.0 against it, and 0.1.0 is not "the latest"."""
-    assert (f"release {BASE}, the last release before {NEW}, against release {NEW}, the newest results"
-            in page)
+    assert f"release {BASE}, the last release before {NEW}, against release {NEW}, the newest results" in page
     named = re.findall(r"latest release\W+(\d[\w.+]*)", page)
     assert all(version == NEW for version in named), named
 
@@ -106,7 +110,8 @@ def test_the_banner_tells_regressed_missing_not_ok_inconclusive_accepted_and_pas
     elif "b missing" not in extra:
         write_result(make_doc("b", {"tokens_per_s_per_gpu": flat(1000)}, version=NEW), new)
     accepted = parse_acceptance(f"tokens_per_s_per_gpu@a<=7%: {REASON}", release=NEW)
-    comparison = release_comparison(load_result_set(tmp_path, releases=[BASE, NEW]), VersionPair(BASE, NEW, ""),
-                                    acceptances=[accepted])
+    comparison = release_comparison(
+        load_result_set(tmp_path, releases=[BASE, NEW]), VersionPair(BASE, NEW, ""), acceptances=[accepted]
+    )
     assert comparison.outcome == outcome
     assert comparison.gate.passed == (outcome in ("pass", "accepted", "inconclusive"))

@@ -61,10 +61,15 @@ def test_the_latest_release_older_than_the_newest_results_is_the_base(folder):
 
 
 def test_versions_asked_for_must_be_in_the_folder(results):
-    assert (choose_versions(results, base=NEW, new=BASE).base, choose_versions(results, base=NEW, new=BASE).new) \
-        == (NEW, BASE)
-    with pytest.raises(ReportError, match=r"--base 9\.9\.9: no results of that version in .* \(versions there: "
-                                          r"0\.1\.0, 0\.2\.0\)"):
+    assert (choose_versions(results, base=NEW, new=BASE).base, choose_versions(results, base=NEW, new=BASE).new) == (
+        NEW,
+        BASE,
+    )
+    with pytest.raises(
+        ReportError,
+        match=r"--base 9\.9\.9: no results of that version in .* \(versions there: "
+        r"0\.1\.0, 0\.2\.0\)",
+    ):
         choose_versions(results, base="9.9.9")
     with pytest.raises(ReportError, match=r"--new 0\.3\.0: no results"):
         choose_versions(results, new="0.3.0")
@@ -114,8 +119,9 @@ def test_release_comparison_verdicts_are_the_hand_worked_ones_and_the_gates(resu
     code = main(["gate", "--baseline", str(folder / BASE), "--candidate", str(folder / NEW)])
     report = capsys.readouterr().out
     assert code == 1
-    assert [line for line in report.splitlines() if line.startswith(("REGRESSION", "NOT-OK"))] \
-        == list(comparison.gate.failures)
+    assert [line for line in report.splitlines() if line.startswith(("REGRESSION", "NOT-OK"))] == list(
+        comparison.gate.failures
+    )
     assert report.splitlines()[0] == comparison.header
 
 
@@ -141,9 +147,15 @@ def test_pooled_runs_of_one_version_make_one_trend_point(tmp_path):
 
     for version, runs in (("0.1.0", [[10.0, 12.0], [14.0, 16.0]]), ("0.2.0", [[20.0, 22.0]])):
         for i, samples in enumerate(runs):
-            write_result(make_doc("s", {"tokens_per_s_per_gpu": metric(samples, "tokens/s", "higher")},
-                                  version=version, timestamp=f"2026-01-0{i + 1}T00:00:00Z"),
-                         result_dir(tmp_path, version, "m"))
+            write_result(
+                make_doc(
+                    "s",
+                    {"tokens_per_s_per_gpu": metric(samples, "tokens/s", "higher")},
+                    version=version,
+                    timestamp=f"2026-01-0{i + 1}T00:00:00Z",
+                ),
+                result_dir(tmp_path, version, "m"),
+            )
     (trend,) = trends(load_result_set(tmp_path))
     first = trend.series[0].points[0]
     assert first.samples == 4 and first.median == statistics.median([10, 12, 14, 16])
@@ -154,17 +166,25 @@ def test_expert_sweep_and_recompute_groups_differ_in_that_field_only(results):
     assert sorted(sweeps) == ["execute", "plan"]
     runs = sweeps["execute"]
     assert [(v.value, v.scenario) for v in runs.variants] == [(8, "e8-random-bf16"), (64, "e64-random-bf16")]
-    assert (runs.version, runs.machine, runs.throughput_metric, runs.memory_metric) \
-        == (NEW, MACHINE, "tokens_per_s_per_gpu", "peak_tensor_bytes")
+    assert (runs.version, runs.machine, runs.throughput_metric, runs.memory_metric) == (
+        NEW,
+        MACHINE,
+        "tokens_per_s_per_gpu",
+        "peak_tensor_bytes",
+    )
     assert [v.metrics["tokens_per_s_per_gpu"]["median"] for v in runs.variants] == pytest.approx([800, 600])
     plans = sweeps["plan"]
     assert [v.value for v in plans.variants] == [8, 128] and plans.memory_metric == "memory_total_bytes"
     assert plans.throughput_metric is None
     (recompute,) = variant_groups(results, RECOMPUTE)
-    assert [(v.value, v.scenario) for v in recompute.variants] \
-        == [("none", "e8-ep2-nosync-bf16"), ("full", "e8-ep2-nosync-bf16-recompute-full")]
-    assert recompute_mode({"recompute": {"mode": "selective", "parts": ["attention", "norms"]}}) \
+    assert [(v.value, v.scenario) for v in recompute.variants] == [
+        ("none", "e8-ep2-nosync-bf16"),
+        ("full", "e8-ep2-nosync-bf16-recompute-full"),
+    ]
+    assert (
+        recompute_mode({"recompute": {"mode": "selective", "parts": ["attention", "norms"]}})
         == "selective (attention, norms)"
+    )
     assert recompute_mode({}) == "none"
 
 
@@ -184,7 +204,7 @@ def test_pairs_take_the_ratio_of_the_newest_version_and_say_why_not(results, tmp
 
 
 def test_plan_memory_stacks_add_up_to_the_plans_total(results):
-    (machine, stacks), = plan_memory(results).items()
+    ((machine, stacks),) = plan_memory(results).items()
     assert machine == MACHINE and [s.scenario for s in stacks] == ["moe-128e-47b", "moe-8e-4.6b"]
     for stack in stacks:
         group = results.groups(NEW)[(stack.scenario, MACHINE)]
@@ -206,16 +226,21 @@ def test_a_plan_whose_parts_fall_short_of_its_total_shows_the_rest(results):
     from dataclasses import replace
 
     stack = memory_stack(replace(group, metrics=metrics), NEW)
-    assert dict(stack.segments)["not broken down"] == pytest.approx(group.metrics["memory_backward_workspace_bytes"]
-                                                                    ["median"])
+    assert dict(stack.segments)["not broken down"] == pytest.approx(
+        group.metrics["memory_backward_workspace_bytes"]["median"]
+    )
 
 
 def test_projection_stacks_are_the_step_parts_of_each_target(results):
     stacks = projection_stacks(results)
     assert [s.target for s in stacks] == ["b300-1node, cpu-box's compute", "b300 (op-level)"]
     cluster, device = stacks
-    assert dict(cluster.segments) == {"compute": 3.0, "expert communication": 0.5, "gradient sync (exposed)": 0.25,
-                                      "optimizer": 0.25}
+    assert dict(cluster.segments) == {
+        "compute": 3.0,
+        "expert communication": 0.5,
+        "gradient sync (exposed)": 0.25,
+        "optimizer": 0.25,
+    }
     assert cluster.step_s == sum(PROJECTION.values()) == sum(dict(cluster.segments).values())
     assert device.step_s == pytest.approx(sum(DEVICE_PROJECTION.values()))
     assert cluster.version == NEW and cluster.machine == MACHINE

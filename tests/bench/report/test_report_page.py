@@ -39,13 +39,16 @@ def test_the_page_holds_every_chart_and_needs_no_network(report):
 
 def test_problems_come_first_then_the_comparison_trends_and_experiments(report):
     text = report.path.read_text()
-    body = text[text.index("<body>"):]
+    body = text[text.index("<body>") :]
     order = [body.index(f"id='{section}'") for section in ("problems", "comparison", "trends", "experiments")]
     assert order == sorted(order)
-    problems = body[order[0]:order[1]]
+    problems = body[order[0] : order[1]]
     for (name, version), (status, error) in FAILED.items():
-        assert re.search(rf"status-{status}'>{status}</span></td><td>{name}</td><td>{MACHINE}</td><td>{version}</td>"
-                         rf"<td><pre>{re.escape(error)}</pre>", problems)
+        assert re.search(
+            rf"status-{status}'>{status}</span></td><td>{name}</td><td>{MACHINE}</td><td>{version}</td>"
+            rf"<td><pre>{re.escape(error)}</pre>",
+            problems,
+        )
 
 
 def test_the_comparison_table_names_its_versions_and_machine_and_the_gates_verdict(report):
@@ -55,15 +58,25 @@ def test_the_comparison_table_names_its_versions_and_machine_and_the_gates_verdi
     assert "data-gate='regressed'><b>Regressed</b>: " in text
     banner = dict(re.findall(r"<span class='count' data-count='([a-z-]+)'>([^<]+)</span>", text))
     assert banner.pop("unchanged").endswith(" unchanged")  # the plan's figures among them
-    assert banner == {"regressed": "3 regressed", "accepted": "0 accepted", "inconclusive": "0 inconclusive",
-                      "missing": f"0 scenarios missing in {NEW}", "not-ok": "1 not ok or changed",
-                      "improved": "2 improved", "one-side": "0 metrics on one side only"}
-    tables = re.findall(r"<table class='comparison' data-scenario='([^']+)' data-machine='([^']+)' "
-                        r"data-base='([^']+)' data-new='([^']+)'>", text)
+    assert banner == {
+        "regressed": "3 regressed",
+        "accepted": "0 accepted",
+        "inconclusive": "0 inconclusive",
+        "missing": f"0 scenarios missing in {NEW}",
+        "not-ok": "1 not ok or changed",
+        "improved": "2 improved",
+        "one-side": "0 metrics on one side only",
+    }
+    tables = re.findall(
+        r"<table class='comparison' data-scenario='([^']+)' data-machine='([^']+)' "
+        r"data-base='([^']+)' data-new='([^']+)'>",
+        text,
+    )
     assert {t[0] for t in tables} == {"e8-random-bf16", "e64-random-bf16", "e8-ep2-nosync-bf16", "moe-128e-47b"}
     assert {t[1:] for t in tables} == {(MACHINE, BASE, NEW)}
-    assert "<td>tokens_per_s_per_gpu</td><td>1,000 tokens/s</td><td>800 tokens/s</td><td>0.800</td>" \
-           "<td>-20.0%</td>" in text
+    assert (
+        "<td>tokens_per_s_per_gpu</td><td>1,000 tokens/s</td><td>800 tokens/s</td><td>0.800</td><td>-20.0%</td>" in text
+    )
 
 
 def test_every_hover_label_names_its_machine_and_version(report):
@@ -107,17 +120,24 @@ def test_bad_input_is_one_line_and_exit_2(folder, tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     out = ["--out", str(tmp_path / "page")]
-    assert _bad(["report", str(empty), *out], capsys) \
+    assert (
+        _bad(["report", str(empty), *out], capsys)
         == f"moe-bench: error: {empty}: no result documents; nothing to draw\n"
-    assert _bad(["report", str(tmp_path / "nowhere"), *out], capsys) \
+    )
+    assert (
+        _bad(["report", str(tmp_path / "nowhere"), *out], capsys)
         == f"moe-bench: error: {tmp_path / 'nowhere'}: no such results folder\n"
+    )
     assert _bad(["report", str(folder), "--base", "0.0.7", *out], capsys) == (
-        f"moe-bench: error: --base 0.0.7: no results of that version in {folder} (versions there: {BASE}, {NEW})\n")
+        f"moe-bench: error: --base 0.0.7: no results of that version in {folder} (versions there: {BASE}, {NEW})\n"
+    )
     assert _bad(["report", str(folder), "--new", "1.0.0", *out], capsys).startswith(
-        "moe-bench: error: --new 1.0.0: no results of that version")
+        "moe-bench: error: --new 1.0.0: no results of that version"
+    )
     assert _bad(["report", str(folder), "--base", BASE, "--new", BASE, *out], capsys).count("\n") == 1
     assert _bad(["report", str(folder), "--tolerance", "5", *out], capsys).startswith(
-        "moe-bench: error: invalid tolerance '5'")
+        "moe-bench: error: invalid tolerance '5'"
+    )
     assert not (tmp_path / "page").exists()
 
 
@@ -129,8 +149,10 @@ def test_unreadable_documents_are_named_and_skipped(tmp_path, capsys):
     (folder / "list.json").write_text("[1, 2]")
     out = ["--out", str(tmp_path / "page")]
     err = _bad(["report", str(root), *out], capsys).splitlines()
-    assert err[0] == (f"moe-bench: warning: {folder / 'list.json'}: not a result document: the JSON is an array, "
-                      "not an object; skipped")
+    assert err[0] == (
+        f"moe-bench: warning: {folder / 'list.json'}: not a result document: the JSON is an array, "
+        "not an object; skipped"
+    )
     assert err[1].startswith(f"moe-bench: warning: {folder / 'old.json'}: not valid JSON: ")
     assert err[1].endswith("; skipped")
     assert err[2:] == [f"moe-bench: error: {root}: no result documents (2 unreadable files skipped); nothing to draw"]
@@ -147,10 +169,13 @@ def test_a_screenshot_without_a_browser_is_one_line_and_exit_2(folder, tmp_path,
     from bench.report import screenshot
 
     monkeypatch.setattr(screenshot.shutil, "which", lambda name: None)
-    err = _bad(["report", str(folder), "--out", str(tmp_path / "page"), "--screenshot", str(tmp_path / "p.png")],
-               capsys)
-    assert err.strip() == ("moe-bench: error: --screenshot: no headless browser: needs Chromium and its driver "
-                           "(apt-get install chromium chromium-driver)")
+    err = _bad(
+        ["report", str(folder), "--out", str(tmp_path / "page"), "--screenshot", str(tmp_path / "p.png")], capsys
+    )
+    assert err.strip() == (
+        "moe-bench: error: --screenshot: no headless browser: needs Chromium and its driver "
+        "(apt-get install chromium chromium-driver)"
+    )
     assert (tmp_path / "page" / "index.html").exists() and not (tmp_path / "p.png").exists()
 
 
@@ -175,9 +200,11 @@ def test_every_section_is_filled_after_the_default_suite(tmp_path):
             metrics, details = plan_scenario(scenario)
         else:
             tokens = [1000.0 + 10 * i + d for d in (0, 5, -5, 10, -10)]
-            metrics = {"tokens_per_s_per_gpu": metric(tokens, "tokens/s", "higher"),
-                       "step_time_s": metric([1000 / t for t in tokens], "s", "lower"),
-                       "peak_tensor_bytes": metric([(100 + i) * 2**20], "bytes", "lower")}
+            metrics = {
+                "tokens_per_s_per_gpu": metric(tokens, "tokens/s", "higher"),
+                "step_time_s": metric([1000 / t for t in tokens], "s", "lower"),
+                "peak_tensor_bytes": metric([(100 + i) * 2**20], "bytes", "lower"),
+            }
             details = None
         doc = make_doc(scenario.name, metrics, spec=copy.deepcopy(scenario.spec), version=NEW, machine=MACHINE)
         doc["mode"] = scenario.mode
@@ -187,7 +214,7 @@ def test_every_section_is_filled_after_the_default_suite(tmp_path):
         write_result(doc, folder)
     report = build_report(tmp_path / "results", tmp_path / "page", releases=[])
     page = report.path.read_text()
-    experiments = page[page.index("id='experiments'"):]
+    experiments = page[page.index("id='experiments'") :]
     headings = re.findall(r"<h3>([^<]+)</h3>", experiments)
     assert headings == ["Expert-count sweep", "Pair comparisons", "Activation recompute", "Plan memory per rank"]
     assert re.findall(r"<summary>Not drawn from these results: ([^<]+)</summary>", page) == ["Projection breakdowns"]

@@ -7,30 +7,33 @@ import pytest
 from bench.report.units import GIB, MIB, axis_scale, format_value, significant
 
 
-@pytest.mark.parametrize("value, unit, text", [
-    (171_917_901_824, "bytes", "160.11 GiB"),          # 171917901824 / 2**30 = 160.111...
-    (2 * GIB, "bytes", "2.00 GiB"),
-    (52_428_800, "bytes", "50.0 MiB"),
-    (1536, "bytes", "1.5 KiB"),
-    (12_815.39, "tokens/s", "12,815 tokens/s"),
-    (52_000, "tokens/s", "52,000 tokens/s"),
-    (12.8154, "tokens/s", "12.8 tokens/s"),
-    (0.23024, "TFLOP/s", "0.230 TFLOP/s"),
-    (858.2, "TFLOP/s", "858 TFLOP/s"),
-    (1234.5, "TFLOP/s", "1,234 TFLOP/s"),
-    (0.0042317, "TFLOP/s", "0.00423 TFLOP/s"),
-    (0.0123, "s", "12.3 ms"),
-    (2.048, "s", "2.05 s"),
-    (40_910.8, "s", "11.4 h"),
-    (0.4217, "ratio", "42.2%"),
-    (46_865_731_584, "params", "46.87 B params"),
-    (3_177_861_120, "params", "3.18 B params"),
-    (19.07e9, "FLOP", "19.1 GFLOP"),
-    (2048, "tokens", "2,048 tokens"),
-    (3, "count", "3"),
-    (6.9312, "nats", "6.931 nats"),
-    (None, "bytes", "-"),
-])
+@pytest.mark.parametrize(
+    "value, unit, text",
+    [
+        (171_917_901_824, "bytes", "160.11 GiB"),  # 171917901824 / 2**30 = 160.111...
+        (2 * GIB, "bytes", "2.00 GiB"),
+        (52_428_800, "bytes", "50.0 MiB"),
+        (1536, "bytes", "1.5 KiB"),
+        (12_815.39, "tokens/s", "12,815 tokens/s"),
+        (52_000, "tokens/s", "52,000 tokens/s"),
+        (12.8154, "tokens/s", "12.8 tokens/s"),
+        (0.23024, "TFLOP/s", "0.230 TFLOP/s"),
+        (858.2, "TFLOP/s", "858 TFLOP/s"),
+        (1234.5, "TFLOP/s", "1,234 TFLOP/s"),
+        (0.0042317, "TFLOP/s", "0.00423 TFLOP/s"),
+        (0.0123, "s", "12.3 ms"),
+        (2.048, "s", "2.05 s"),
+        (40_910.8, "s", "11.4 h"),
+        (0.4217, "ratio", "42.2%"),
+        (46_865_731_584, "params", "46.87 B params"),
+        (3_177_861_120, "params", "3.18 B params"),
+        (19.07e9, "FLOP", "19.1 GFLOP"),
+        (2048, "tokens", "2,048 tokens"),
+        (3, "count", "3"),
+        (6.9312, "nats", "6.931 nats"),
+        (None, "bytes", "-"),
+    ],
+)
 def test_format_value(value, unit, text):
     assert format_value(value, unit) == text
 
@@ -40,14 +43,17 @@ def test_significant_never_writes_an_exponent():
     assert significant(123456789.0) == "123,456,789"
 
 
-@pytest.mark.parametrize("unit, values, factor, label", [
-    ("bytes", [100 * MIB, 3 * GIB], GIB, "GiB"),
-    ("bytes", [100 * MIB, 300 * MIB], MIB, "MiB"),
-    ("s", [0.5, 0.9], 1e-3, "ms"),
-    ("s", [0.5, 2.0], 1.0, "s"),
-    ("ratio", [0.4], 0.01, "%"),
-    ("tokens/s", [52_000], 1.0, "tokens/s"),
-])
+@pytest.mark.parametrize(
+    "unit, values, factor, label",
+    [
+        ("bytes", [100 * MIB, 3 * GIB], GIB, "GiB"),
+        ("bytes", [100 * MIB, 300 * MIB], MIB, "MiB"),
+        ("s", [0.5, 0.9], 1e-3, "ms"),
+        ("s", [0.5, 2.0], 1.0, "s"),
+        ("ratio", [0.4], 0.01, "%"),
+        ("tokens/s", [52_000], 1.0, "tokens/s"),
+    ],
+)
 def test_axis_scale(unit, values, factor, label):
     scale = axis_scale(unit, values)
     assert (scale.factor, scale.label) == (factor, label)

@@ -33,26 +33,29 @@ def _kind(op: TracedOp, profile="h100-sxm") -> str:
     return op_kind_of(price_ops([op], load_profile(profile))[0])
 
 
-@pytest.mark.parametrize("name,kind", [
-    ("aten.mm.default", "gemm"),
-    ("aten.bmm.default", "gemm"),
-    ("aten.add_.Tensor", "elementwise"),
-    ("aten.masked_fill_.Scalar", "elementwise"),
-    ("aten.silu_backward.default", "elementwise"),
-    ("aten.max.other", "elementwise"),
-    ("aten.max.dim", "reduction"),
-    ("aten._foreach_norm.Scalar", "reduction"),
-    ("aten._log_softmax.default", "reduction"),
-    ("aten._to_copy.default", "copy_cast"),
-    ("aten.cat.default", "copy_cast"),
-    ("aten.zeros_like.default", "fill"),
-    ("aten.index_select.default", "index_sort"),
-    ("aten.topk.default", "index_sort"),
-    ("aten.normal_.default", "random"),
-    ("aten.atan.default", "elementwise"),  # in no table: torch's pointwise tag
-    ("aten.not_an_op.default", "other"),
-    ("moe_engine.rms_norm.default", "fused"),
-])
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("aten.mm.default", "gemm"),
+        ("aten.bmm.default", "gemm"),
+        ("aten.add_.Tensor", "elementwise"),
+        ("aten.masked_fill_.Scalar", "elementwise"),
+        ("aten.silu_backward.default", "elementwise"),
+        ("aten.max.other", "elementwise"),
+        ("aten.max.dim", "reduction"),
+        ("aten._foreach_norm.Scalar", "reduction"),
+        ("aten._log_softmax.default", "reduction"),
+        ("aten._to_copy.default", "copy_cast"),
+        ("aten.cat.default", "copy_cast"),
+        ("aten.zeros_like.default", "fill"),
+        ("aten.index_select.default", "index_sort"),
+        ("aten.topk.default", "index_sort"),
+        ("aten.normal_.default", "random"),
+        ("aten.atan.default", "elementwise"),  # in no table: torch's pointwise tag
+        ("aten.not_an_op.default", "other"),
+        ("moe_engine.rms_norm.default", "fused"),
+    ],
+)
 def test_op_kinds_by_name(name, kind):
     shape = (2, 64, 64) if "bmm" in name else (64, 64)
     assert _kind(_op(name, [shape, shape], [shape])) == kind
@@ -63,44 +66,53 @@ def test_op_kinds_of_priced_regions_and_collectives():
     assert _kind(grouped) == "grouped_gemm"
     # An MXFP8 region: one GPU kernel (the grouped GEMM at the MX rate) on a GPU profile; its
     # quantization is a cast.
-    region = [_op("aten.abs.default", [(256, 64)], [(256, 64)], region="mxfp8.grouped_mm", region_call=1),
-              dataclasses.replace(grouped, region="mxfp8.grouped_mm", region_call=1)]
+    region = [
+        _op("aten.abs.default", [(256, 64)], [(256, 64)], region="mxfp8.grouped_mm", region_call=1),
+        dataclasses.replace(grouped, region="mxfp8.grouped_mm", region_call=1),
+    ]
     priced = price_ops(region, load_profile("h100-sxm"))
     assert [op_kind_of(p) for p in priced] == ["grouped_gemm", "free"]
     quantize = _op("aten.abs.default", [(256, 64)], [(256, 64)], region="mxfp8.quantize", region_call=2)
     assert _kind(quantize) == "copy_cast" and _kind(quantize, "cpu-2core") == "copy_cast"
-    collective = _op("c10d.alltoall_base_.default", [(8, 64)], [(8, 64)],
-                     collective={"op": "all_to_all", "ranks": [0, 1], "nbytes": 1024, "group_name": "1"})
+    collective = _op(
+        "c10d.alltoall_base_.default",
+        [(8, 64)],
+        [(8, 64)],
+        collective={"op": "all_to_all", "ranks": [0, 1], "nbytes": 1024, "group_name": "1"},
+    )
     assert _kind(collective) == "collective"
 
 
-@pytest.mark.parametrize("location,stage,module", [
-    ("Transformer/Block/MoELayer/Router", "forward", "router"),
-    ("Transformer/Block/MoELayer>Router", "forward", "dispatch"),
-    ("Transformer/Block/MoELayer", "backward", "dispatch"),
-    ("Transformer/Block/MoELayer>GroupedExperts", "backward", "combine"),
-    ("Transformer/Block/MoELayer>SwiGLU", "forward", "combine"),
-    ("Transformer/Block/MoELayer/GroupedExperts", "forward", "experts"),
-    ("Transformer/Block/MoELayer/SwiGLU/Linear", "forward", "shared_expert"),
-    ("Transformer/Block/SwiGLU/Linear", "forward", "mlp"),
-    ("Transformer/Block/Attention/RMSNorm", "forward", "norms"),
-    ("Transformer/Block/Attention>RotaryEmbedding", "backward", "attention"),
-    ("Transformer/Block/RMSNorm", "forward", "norms"),
-    ("Transformer/Block>Attention", "forward", "residual"),
-    ("StageModule/Linear", "backward", "head"),
-    ("Transformer", "forward", "head"),
-    ("Transformer/Embedding", "backward", "embedding"),
-    ("Attention/Linear", "backward", "attention"),  # a recomputed block's child, re-entered alone
-    ("", "forward", "loss"),
-    ("", "backward", "loss"),
-    ("", "other", "other"),
-    ("@optimizer", "optimizer", "optimizer"),
-    ("@grad_sync", "optimizer", "grad_sync"),
-    ("@accumulate_grad", "backward", "grad_sync"),
-    ("@expert_bias", "forward", "router"),
-    ("@proxy_peers", "forward", "proxy_peers"),
-    ("@fsdp", "forward", "fsdp"),
-])
+@pytest.mark.parametrize(
+    "location,stage,module",
+    [
+        ("Transformer/Block/MoELayer/Router", "forward", "router"),
+        ("Transformer/Block/MoELayer>Router", "forward", "dispatch"),
+        ("Transformer/Block/MoELayer", "backward", "dispatch"),
+        ("Transformer/Block/MoELayer>GroupedExperts", "backward", "combine"),
+        ("Transformer/Block/MoELayer>SwiGLU", "forward", "combine"),
+        ("Transformer/Block/MoELayer/GroupedExperts", "forward", "experts"),
+        ("Transformer/Block/MoELayer/SwiGLU/Linear", "forward", "shared_expert"),
+        ("Transformer/Block/SwiGLU/Linear", "forward", "mlp"),
+        ("Transformer/Block/Attention/RMSNorm", "forward", "norms"),
+        ("Transformer/Block/Attention>RotaryEmbedding", "backward", "attention"),
+        ("Transformer/Block/RMSNorm", "forward", "norms"),
+        ("Transformer/Block>Attention", "forward", "residual"),
+        ("StageModule/Linear", "backward", "head"),
+        ("Transformer", "forward", "head"),
+        ("Transformer/Embedding", "backward", "embedding"),
+        ("Attention/Linear", "backward", "attention"),  # a recomputed block's child, re-entered alone
+        ("", "forward", "loss"),
+        ("", "backward", "loss"),
+        ("", "other", "other"),
+        ("@optimizer", "optimizer", "optimizer"),
+        ("@grad_sync", "optimizer", "grad_sync"),
+        ("@accumulate_grad", "backward", "grad_sync"),
+        ("@expert_bias", "forward", "router"),
+        ("@proxy_peers", "forward", "proxy_peers"),
+        ("@fsdp", "forward", "fsdp"),
+    ],
+)
 def test_module_of_a_location(location, stage, module):
     assert module_of(location, stage) == module
 
@@ -113,15 +125,18 @@ def test_a_stage_message_is_the_pipelines_wherever_it_was_sent():
 def _modules(trace, name, stage=None, shape=None):
     """Modules of the ops called ``name`` (optionally of one stage and output shape), in trace order."""
     return [
-        module_of(op.location, op.stage) for op in trace.ops
-        if op.name == name and (stage is None or op.stage == stage)
-        and (shape is None or op.outputs[0].shape == shape)
+        module_of(op.location, op.stage)
+        for op in trace.ops
+        if op.name == name and (stage is None or op.stage == stage) and (shape is None or op.outputs[0].shape == shape)
     ]
 
 
 def _alltoalls(trace, stage):
-    return [module_of(op.location, op.stage) for op in trace.ops
-            if op.collective is not None and op.collective["op"] == "all_to_all" and op.stage == stage]
+    return [
+        module_of(op.location, op.stage)
+        for op in trace.ops
+        if op.collective is not None and op.collective["op"] == "all_to_all" and op.stage == stage
+    ]
 
 
 @pytest.mark.parametrize("fake", [True, False])
@@ -158,8 +173,11 @@ def test_ops_land_in_the_modules_they_ran_in(fake):
     # AdamW's updates; the gradient buffers' accumulation and bucket reductions in the backward.
     for name in ("aten.addcdiv_.default", "aten.lerp_.Scalar", "aten.addcmul_.default"):
         assert set(_modules(trace, name)) == {"optimizer"}, name
-    reductions = [module_of(op.location, op.stage) for op in trace.ops
-                  if op.collective is not None and op.collective["op"] == "all_reduce" and op.stage == "backward"]
+    reductions = [
+        module_of(op.location, op.stage)
+        for op in trace.ops
+        if op.collective is not None and op.collective["op"] == "all_reduce" and op.stage == "backward"
+    ]
     assert reductions and set(reductions) == {"grad_sync"}
     # Every op has a kind of the breakdown's, every module one of the step's parts.
     priced = price_ops(trace.ops, load_profile("h100-sxm"))
@@ -185,8 +203,11 @@ def test_the_fake_trace_locates_every_op_as_the_real_step_does():
     kernels = lambda trace: [(op.name, op.location) for op in trace.ops if op_kind(op) != "free"]
     fake, real = trace_step(scenario, rank=rank, fake=True), trace_step(scenario, rank=rank, fake=False)
     assert kernels(fake) == kernels(real)
-    messages = [module_of(op.location, op.stage, True) for op in fake.ops
-                if op.collective is not None and op.collective["op"] in ("send", "recv")]
+    messages = [
+        module_of(op.location, op.stage, True)
+        for op in fake.ops
+        if op.collective is not None and op.collective["op"] in ("send", "recv")
+    ]
     assert messages and set(messages) == {"pipeline"}
 
 
@@ -238,11 +259,22 @@ def test_breakdown_adds_up_to_the_projected_step(layout):
     compute = math.fsum(r["time_s"] for k, r in kinds.items() if k not in ("collective", "bubble", "skew"))
     assert compute == pytest.approx(steps["compute"] + steps["optimizer"], rel=1e-12)
     assert kinds["collective"]["time_s"] == pytest.approx(
-        steps["expert_comm"] + steps["pipeline_comm"] + steps["fsdp_gather_exposed"] + steps["grad_sync_exposed"]
-        + steps["param_gather_exposed"] + steps["other_comm"], rel=1e-12)
+        steps["expert_comm"]
+        + steps["pipeline_comm"]
+        + steps["fsdp_gather_exposed"]
+        + steps["grad_sync_exposed"]
+        + steps["param_gather_exposed"]
+        + steps["other_comm"],
+        rel=1e-12,
+    )
     assert b["total"]["hidden_s"] == pytest.approx(
-        steps["grad_sync_hidden"] + steps["param_gather_hidden"]
-        + steps["fsdp_gather_total"] - steps["fsdp_gather_exposed"], rel=1e-12, abs=1e-15)
+        steps["grad_sync_hidden"]
+        + steps["param_gather_hidden"]
+        + steps["fsdp_gather_total"]
+        - steps["fsdp_gather_exposed"],
+        rel=1e-12,
+        abs=1e-15,
+    )
     assert kinds.get("bubble", {"time_s": 0.0})["time_s"] == steps["bubble"]
     assert (layout == "pipeline") == (steps["bubble"] > 0)
     assert b["by_module"]["experts"]["flops"] > 0 and b["by_module"]["optimizer"]["flops"] == 0
@@ -251,13 +283,19 @@ def test_breakdown_adds_up_to_the_projected_step(layout):
     traced = traced_scenario(scenario, m_t)
     trace = trace_step(traced, rank=stage["rank"])
     matmul_flops = stage["traced_matmul_flops_per_microbatch"] * m
-    assert _sum({k: kinds[k] for k in ("gemm", "grouped_gemm", "attention") if k in kinds}, "flops") == \
-        pytest.approx(matmul_flops, rel=1e-12)
+    assert _sum({k: kinds[k] for k in ("gemm", "grouped_gemm", "attention") if k in kinds}, "flops") == pytest.approx(
+        matmul_flops, rel=1e-12
+    )
     # The projection's rules, restated: the proxy's stand-ins for its peers cost nothing (no kernel, no
     # bytes), and a gradient bucket's 1/dp scaling runs once per step, not once per microbatch.
     once = lambda op: op.name.startswith("aten.div_") and op.location in ("@accumulate_grad", "@grad_sync")
-    weight = lambda op: (0.0 if op.location == "@proxy_peers" else
-                         1.0 if once(op) or op.stage not in ("forward", "backward") else m / m_t)
+    weight = lambda op: (
+        0.0
+        if op.location == "@proxy_peers"
+        else 1.0
+        if once(op) or op.stage not in ("forward", "backward")
+        else m / m_t
+    )
     kernels = math.fsum(weight(op) for op in trace.ops if op_kind(op) not in ("free", "collective"))
     calls = [op for op in trace.ops if op_kind(op) == "collective"]
     per_microbatch = {"expert", "pipeline"}
@@ -278,10 +316,17 @@ def test_collectives_share_their_accounts_counted_time_by_their_prices():
 
     net = Network(gpus_per_node=8, intra_node_gbps=1.0, inter_node_gbps=1.0, latency_us=0.0)
     reduce = lambda nbytes, location: _op(
-        "c10d.allreduce_.default", stage="backward", location=location,
-        collective={"op": "all_reduce", "ranks": [0, 1], "nbytes": nbytes, "group_name": "dp"})
-    alltoall = _op("c10d.alltoall_base_.default", stage="forward", location="Transformer/Block/MoELayer>Router",
-                   collective={"op": "all_to_all", "ranks": [0, 1], "nbytes": 4e9, "group_name": "ep"})
+        "c10d.allreduce_.default",
+        stage="backward",
+        location=location,
+        collective={"op": "all_reduce", "ranks": [0, 1], "nbytes": nbytes, "group_name": "dp"},
+    )
+    alltoall = _op(
+        "c10d.alltoall_base_.default",
+        stage="forward",
+        location="Transformer/Block/MoELayer>Router",
+        collective={"op": "all_to_all", "ranks": [0, 1], "nbytes": 4e9, "group_name": "ep"},
+    )
     mm = _op("aten.mm.default", [(64, 64), (64, 64)], [(64, 64)], stage="forward", location="Transformer/Linear")
     calls = (alltoall, reduce(1e9, "@expert_bias"), reduce(3e9, "@accumulate_grad"))
     priced = [PricedOp(mm, op_work(mm), 0.25)] + [
@@ -299,7 +344,8 @@ def test_collectives_share_their_accounts_counted_time_by_their_prices():
     assert (mods["dispatch"]["time_s"], mods["dispatch"]["hidden_s"]) == pytest.approx((4.0, 0.0))
     assert (mods["dispatch"]["kernels"], mods["dispatch"]["bytes"]) == pytest.approx((2, 8e9))
     assert (mods["head"]["time_s"], mods["head"]["kernels"], mods["head"]["flops"]) == pytest.approx(
-        (0.5, 2, 2 * 2 * 64**3))
+        (0.5, 2, 2 * 2 * 64**3)
+    )
     top = {row["op"]: row for row in b["top_ops"]}
     assert top["c10d.allreduce_"]["time_s"] == pytest.approx(2.0)
     assert _sum(b["by_kind"], "time_s") == pytest.approx(6.5)
@@ -318,7 +364,7 @@ def test_the_breakdown_is_printed_and_written_only_when_asked(tmp_path, capsys):
     doc = json.loads((tmp_path / "e8-ep2-nosync-bf16.h100-sxm.json").read_text())
     b = doc["breakdown"]
     assert b["step_s"] == doc["step_s"] and b["pipeline_rank"] == 0
-    table = out[out.index("  by module"):]
+    table = out[out.index("  by module") :]
     for module, row in b["by_module"].items():
         assert f"  {module:<16}{row['time_s'] * 1e3:>11.1f}{row['share']:>8.1%}" in table, module
     assert f"  {'total':<16}{doc['step_s'] * 1e3:>11.1f}{1:>8.1%}" in table

@@ -22,15 +22,24 @@ from bench.cli import main
 from bench.results import REPO_ROOT, load_results
 
 TINY_CKPT = {
-    "schema_version": 1, "mode": "execute",
-    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
-              "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}},
-    "routing": {"mode": "random", "seed": 3}, "precision": "fp32",
+    "schema_version": 1,
+    "mode": "execute",
+    "model": {
+        "vocab_size": 256,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "seq_len": 32,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+    },
+    "routing": {"mode": "random", "seed": 3},
+    "precision": "fp32",
     "run": {"warmup_steps": 1, "steps": 6, "tokens_per_step": 256, "timeout_s": 120},
     "checkpoint": {"every_steps": 2},
 }
 
-KILLER = textwrap.dedent('''
+KILLER = textwrap.dedent("""
     import os, signal
     _plan = os.environ.get("MOE_TEST_KILL")
     if _plan and os.environ.get("RANK", "0") == os.environ.get("MOE_TEST_KILL_RANK", "0"):
@@ -51,7 +60,7 @@ KILLER = textwrap.dedent('''
         else:
             from moe_engine.parallel.trainer import ParallelTrainer
             ParallelTrainer.step = _counted(ParallelTrainer.step)
-''')
+""")
 
 
 def _scenario(folder: Path, name: str, **changes) -> Path:
@@ -68,8 +77,9 @@ def _run(files: list[Path], out: Path, *extra: str, kill: str | None = None, kil
         hooks = out.parent / "hooks"
         hooks.mkdir(exist_ok=True)
         (hooks / "sitecustomize.py").write_text(KILLER)
-        os.environ.update(PYTHONPATH=f"{hooks}{os.pathsep}{REPO_ROOT}", MOE_TEST_KILL=kill,
-                          MOE_TEST_KILL_RANK=str(kill_rank))
+        os.environ.update(
+            PYTHONPATH=f"{hooks}{os.pathsep}{REPO_ROOT}", MOE_TEST_KILL=kill, MOE_TEST_KILL_RANK=str(kill_rank)
+        )
     try:
         return main(["run", *map(str, files), "--out", str(out), "--device", "cpu", "--no-plots", *extra])
     finally:
@@ -173,6 +183,7 @@ def test_bad_checkpoints_are_refused_before_any_step(tmp_path, capsys):
     _refused(capsys, _run([unwritable], out), out, str(tmp_path / "ck-file.yaml" / "sub"), "cannot write checkpoints")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_or_an_earlier_run_is_refused(tmp_path, capsys):
     small = _scenario(tmp_path, "ck", run={"steps": 1})
     out = tmp_path / "results"

@@ -16,8 +16,15 @@ TWO_RANKS = {
     "schema_version": 1,
     "description": "two ranks of a tiny layout, profiled once for the work counters",
     "mode": "execute",
-    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "seq_len": 64,
-              "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}},
+    "model": {
+        "vocab_size": 256,
+        "d_model": 64,
+        "n_layers": 1,
+        "n_heads": 2,
+        "n_kv_heads": 2,
+        "seq_len": 64,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+    },
     "routing": {"mode": "random", "seed": 0},
     "precision": "fp32",
     "parallel": {"dp": 2, "ep": 2, "dispatch": "no-sync", "capacity_factor": 1.25},
@@ -43,9 +50,23 @@ def test_a_multi_rank_run_prints_no_library_chatter(tmp_path):
     scenario.write_text(yaml.safe_dump(TWO_RANKS))
     env = {k: v for k, v in os.environ.items() if k not in QUIET_LIBRARIES}
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.cli", "run", str(scenario), "--device", "cpu", "--out", str(tmp_path / "out"),
-         "--no-report"],
-        cwd=Path(__file__).resolve().parents[3], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bench.cli",
+            "run",
+            str(scenario),
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-report",
+        ],
+        cwd=Path(__file__).resolve().parents[3],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:

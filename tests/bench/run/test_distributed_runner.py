@@ -19,8 +19,13 @@ pytestmark = pytest.mark.slow
 
 # fp32, learned routing, no balance loss: every layout computes the same function (see
 # tests/parallel/test_trainer.py), so the losses a run records must not depend on the layout.
-EXACT = dict(precision="fp32", routing={"mode": "learned", "seed": 3}, model__moe__aux_loss_weight=0.0,
-             run__steps=3, run__tokens_per_step=256)
+EXACT = dict(
+    precision="fp32",
+    routing={"mode": "learned", "seed": 3},
+    model__moe__aux_loss_weight=0.0,
+    run__steps=3,
+    run__tokens_per_step=256,
+)
 LAYOUTS = {
     "single": {},
     "dp2-ep2-no-sync": {"dp": 2, "ep": 2, "dispatch": "no-sync", "capacity_factor": 2.0},
@@ -72,7 +77,9 @@ def comparison_twins() -> list[Path]:
 
     names = sorted({name for c in load_comparisons() for pair in c.pairs for name in pair})
     files = [SCENARIOS_DIR / "smoke" / f"{name}.yaml" for name in names]
-    return [f for f in files if f.exists() and load_scenario(f).world_size > 1 and load_scenario(f).precision != "mxfp8"]
+    return [
+        f for f in files if f.exists() and load_scenario(f).world_size > 1 and load_scenario(f).precision != "mxfp8"
+    ]
 
 
 def exact_twin(path: Path, single: bool = False) -> dict:
@@ -96,8 +103,14 @@ def exact_twin(path: Path, single: bool = False) -> dict:
 def test_the_comparison_twins_record_the_single_rank_losses_and_gradient_norms(tmp_path):
     twins = comparison_twins()
     # The layouts of the node scenarios, each in its CPU twin.
-    assert {p.stem for p in twins} >= {"e8-ep2-nosync-bf16", "e8-ep2-sync-bf16", "e8-dp2-fsdp-bf16",
-                                       "e8-ep2-nosync-zero1-bf16", "e8-pp2-ep2-bf16", "e128-ep2-nosync-bf16"}
+    assert {p.stem for p in twins} >= {
+        "e8-ep2-nosync-bf16",
+        "e8-ep2-sync-bf16",
+        "e8-dp2-fsdp-bf16",
+        "e8-ep2-nosync-zero1-bf16",
+        "e8-pp2-ep2-bf16",
+        "e128-ep2-nosync-bf16",
+    }
     references: dict[str, str] = {}  # a single-rank scenario (as JSON) -> its name: one run per model
     scenarios, reference_of = {}, {}
     for path in twins:
@@ -117,13 +130,17 @@ def test_the_comparison_twins_record_the_single_rank_losses_and_gradient_norms(t
         # tolerance is fp32's: the data-parallel optimizer takes one norm of each flat fp32 bucket (about
         # 1e6 elements), FSDP one per parameter; on this model the two are 7e-5 apart. An expert gradient
         # off by the ep factor moves the 8-expert model's norm by 0.6%.
-        if (losses != pytest.approx(reference.data["details"]["losses"], rel=1e-5)
-                or norms != pytest.approx(reference.metrics["grad_norm"]["samples"], rel=2e-4)
-                or twin.metrics["dropped_tokens"]["median"] != 0):
-            mismatched[path.stem] = {"losses": losses, "grad_norms": norms,
-                                     "reference": (reference.data["details"]["losses"],
-                                                   reference.metrics["grad_norm"]["samples"]),
-                                     "dropped": twin.metrics["dropped_tokens"]["median"]}
+        if (
+            losses != pytest.approx(reference.data["details"]["losses"], rel=1e-5)
+            or norms != pytest.approx(reference.metrics["grad_norm"]["samples"], rel=2e-4)
+            or twin.metrics["dropped_tokens"]["median"] != 0
+        ):
+            mismatched[path.stem] = {
+                "losses": losses,
+                "grad_norms": norms,
+                "reference": (reference.data["details"]["losses"], reference.metrics["grad_norm"]["samples"]),
+                "dropped": twin.metrics["dropped_tokens"]["median"],
+            }
     assert not mismatched
 
 
@@ -182,8 +199,20 @@ def test_run_inside_an_existing_torchrun_launch(tmp_path):
     one = write_scenario(tmp_path, "one-rank", variant(**EXACT))
     out = tmp_path / "results"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "bench.cli", "run", str(two), str(one), "--out", str(out), "--device", "cpu",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "bench.cli",
+        "run",
+        str(two),
+        str(one),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout + done.stderr

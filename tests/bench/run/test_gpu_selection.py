@@ -45,7 +45,8 @@ class FakeNode:
         spec = json.loads(Path(command[command.index("--device") - 2]).read_text())["spec"]
         self.launches[spec["name"]] = command
         Path(command[command.index("--device") - 1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
+            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}})
+        )
         return 0, []
 
 

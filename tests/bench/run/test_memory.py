@@ -57,10 +57,24 @@ def test_views_add_no_bytes_and_keep_their_base_storage_alive():
     with TensorMemoryTracker() as tracker:
         base = torch.empty(4, 6)
         views = [
-            base.view(24), base[1:3], base[:, ::2], base.t(), base.transpose(0, 1), base.permute(1, 0),
-            base.reshape(6, 4), base.flatten(), base.unsqueeze(0), base.unsqueeze(0).expand(3, 4, 6),
-            base.select(0, 2), base.narrow(1, 1, 2), base.as_strided((2, 2), (1, 1)), base.detach(),
-            base.view(torch.int32), *base.split(2), *base.unbind(0), *base.chunk(3, dim=1),
+            base.view(24),
+            base[1:3],
+            base[:, ::2],
+            base.t(),
+            base.transpose(0, 1),
+            base.permute(1, 0),
+            base.reshape(6, 4),
+            base.flatten(),
+            base.unsqueeze(0),
+            base.unsqueeze(0).expand(3, 4, 6),
+            base.select(0, 2),
+            base.narrow(1, 1, 2),
+            base.as_strided((2, 2), (1, 1)),
+            base.detach(),
+            base.view(torch.int32),
+            *base.split(2),
+            *base.unbind(0),
+            *base.chunk(3, dim=1),
         ]
         assert tracker.current == tracker.peak == 4 * 6 * 4
         slice_ = views[1]

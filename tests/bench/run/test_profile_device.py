@@ -52,8 +52,9 @@ MEMORY_WORK = {  # 3 x numel x element size
 @pytest.fixture(scope="module")
 def profile():
     lines = []
-    result = profile_device("cpu", threads=1, name="tiny-cpu", progress=lines.append, sweep=tiny_sweep(), load=False,
-                            network=NETWORK)
+    result = profile_device(
+        "cpu", threads=1, name="tiny-cpu", progress=lines.append, sweep=tiny_sweep(), load=False, network=NETWORK
+    )
     assert any(line.startswith("  gemm bf16") for line in lines), "no progress lines"
     return result
 
@@ -62,9 +63,16 @@ def test_profile_passes_the_validator(profile):
     parsed = profile_from_dict(copy.deepcopy(profile), "tiny-cpu.yaml")
     assert parsed.kind == "cpu" and parsed.name == "tiny-cpu"
     assert {(k, d) for k, d in parsed.curves} == {
-        ("gemm", "bf16"), ("gemm", "fp32"), ("grouped_gemm", "bf16"), ("grouped_gemm", "fp32"),
-        ("attention", "bf16"), ("attention", "fp32"), ("attention_backward", "bf16"),
-        ("attention_backward", "fp32"), ("memory", "bf16"), ("memory", "fp32"),
+        ("gemm", "bf16"),
+        ("gemm", "fp32"),
+        ("grouped_gemm", "bf16"),
+        ("grouped_gemm", "fp32"),
+        ("attention", "bf16"),
+        ("attention", "fp32"),
+        ("attention_backward", "bf16"),
+        ("attention_backward", "fp32"),
+        ("memory", "bf16"),
+        ("memory", "fp32"),
     }
     assert profile["measured"]["threads"] == 1
     assert parsed.network == {"gpus_per_node": 2, "intra_node_gbps": 1.5, "inter_node_gbps": 1.5, "latency_us": 100.0}
@@ -133,13 +141,21 @@ def test_timed_points_are_the_points_timed_and_fp32_stops_at_the_cap(monkeypatch
     assert {tuple(p["shape"]) for p in curves["grouped_gemm"]["fp32"]} == {(2, 8, 32, 64), (4, 8, 32, 64)}
     assert "fp32" not in curves["attention"] and "fp32" not in curves["attention_backward"]
     assert len(curves["memory"]["fp32"]) == 3 and len(curves["attention"]["bf16"]) == 2
-    measured = [(kind, dtype, tuple(p["shape"])) for kind, by_dtype in curves.items()
-                for dtype, points in by_dtype.items() for p in points]
+    measured = [
+        (kind, dtype, tuple(p["shape"]))
+        for kind, by_dtype in curves.items()
+        for dtype, points in by_dtype.items()
+        for p in points
+    ]
     assert sorted(measured) == sorted((k, d, s) for k, d, s, _, _ in timed_points(sweep) if k != "stream")
     parsed = profile_from_dict(copy.deepcopy(result), "capped.yaml")
     # A base on a CPU stands in for the gloo calibration: its network, with its sources.
-    assert parsed.network == {"gpus_per_node": 2, "intra_node_gbps": 1.437, "inter_node_gbps": 1.437,
-                              "latency_us": 113.5}
+    assert parsed.network == {
+        "gpus_per_node": 2,
+        "intra_node_gbps": 1.437,
+        "inter_node_gbps": 1.437,
+        "latency_us": 113.5,
+    }
     assert result["sources"]["network.latency_us"].startswith("copied from cpu-2core: ")
     assert "above 2e+05 FLOPs a call not timed" in result["sources"]["curves"]
 
@@ -151,8 +167,19 @@ def test_estimate_of_a_one_gemm_sweep_by_hand():
     # one memory size, fp32) take a 10 us launch a call: 3 x 10 us, the most repeats (10) of 1 ms
     # batches, 10 ms: 20.03 ms each.
     rates = {"bf16": 1e12, "fp32": 1e11, "bytes": 1e11, "launch_s": 1e-5, "point_overhead_s": 0.01}
-    sweep = Sweep(gemm_shapes=((1000, 1000, 1000),), grouped_rows=(), grouped_nk=(), grouped_experts=(),
-                  grouped_max_rows=0, attention_seq=(), memory_numel=(1000,), dtypes=("bf16",),
-                  point_seconds=0.02, min_repeats=3, max_repeats=10, batch_seconds=1e-3)
+    sweep = Sweep(
+        gemm_shapes=((1000, 1000, 1000),),
+        grouped_rows=(),
+        grouped_nk=(),
+        grouped_experts=(),
+        grouped_max_rows=0,
+        attention_seq=(),
+        memory_numel=(1000,),
+        dtypes=("bf16",),
+        point_seconds=0.02,
+        min_repeats=3,
+        max_repeats=10,
+        batch_seconds=1e-3,
+    )
     assert [p[0] for p in timed_points(sweep)] == ["gemm", "memory", "stream"]
     assert estimate_seconds(sweep, rates) == pytest.approx(0.036 + 2 * 0.02003)

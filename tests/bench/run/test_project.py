@@ -18,9 +18,22 @@ SMALL = "scenarios/smoke/e8-ep2-nosync-bf16.yaml"
 def test_projection_document_on_a_gpu(tmp_path, capsys):
     assert main(["project", SMALL, "--device", "h100-sxm", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "e8-ep2-nosync-bf16.h100-sxm.json").read_text())
-    steps = {k: v for k, v in doc["breakdown_s"].items() if k in (
-        "compute", "expert_comm", "pipeline_comm", "bubble", "grad_sync_exposed", "optimizer",
-        "param_gather_exposed", "other_comm", "skew")}
+    steps = {
+        k: v
+        for k, v in doc["breakdown_s"].items()
+        if k
+        in (
+            "compute",
+            "expert_comm",
+            "pipeline_comm",
+            "bubble",
+            "grad_sync_exposed",
+            "optimizer",
+            "param_gather_exposed",
+            "other_comm",
+            "skew",
+        )
+    }
     assert doc["step_s"] == pytest.approx(sum(steps.values()))
     assert doc["tokens_per_s_per_gpu"] == pytest.approx(doc["tokens_per_step"] / doc["step_s"] / doc["world_size"])
     assert doc["mfu"] == pytest.approx(doc["tflops_per_gpu"] / 989.4)
@@ -53,7 +66,9 @@ def test_profile_with_a_non_positive_rate_exits_2(tmp_path, capsys):
 
 def test_a_layout_that_does_not_fit_is_not_projected(tmp_path, capsys):
     # The 47B layout needs ~217 GB per rank by the plan; an H100 has 80.
-    assert main(["project", "scenarios/olmo-core3/moe-128e-47b.yaml", "--device", "h100-sxm", "--out", str(tmp_path)]) == 2
+    assert (
+        main(["project", "scenarios/olmo-core3/moe-128e-47b.yaml", "--device", "h100-sxm", "--out", str(tmp_path)]) == 2
+    )
     err = capsys.readouterr().err
     assert "does not fit h100-sxm" in err and "memory_gb = 80" in err
     assert not list(tmp_path.glob("*.json"))
@@ -76,6 +91,8 @@ def test_cluster_device_fills_the_cluster_and_refuses_a_contradiction():
 
 
 def test_a_layout_the_trace_cannot_build_exits_2_naming_the_field(tmp_path, capsys):
-    assert main(["project", "scenarios/olmo-core3/moe-1.2t-512gpu-fsdp.yaml", "--device", "b300",
-                 "--out", str(tmp_path)]) == 2
+    assert (
+        main(["project", "scenarios/olmo-core3/moe-1.2t-512gpu-fsdp.yaml", "--device", "b300", "--out", str(tmp_path)])
+        == 2
+    )
     assert "parallel.pp: an FSDP layout traces without pipeline stages, got pp 8" in capsys.readouterr().err

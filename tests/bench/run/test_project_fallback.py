@@ -20,8 +20,10 @@ def test_a_missing_profile_file_falls_back_and_says_so(tmp_path, capsys):
     missing = tmp_path / "device-profile.yaml"
     out = tmp_path / "projections"
     assert main(["project", SMALL, "--device", str(missing), "--fallback-device", "h100-sxm", "--out", str(out)]) == 0
-    said = (f"{missing}: no such profile file; projected on the shipped profile h100-sxm "
-            f"({DEVICES_DIR / 'h100-sxm.yaml'}) in its place (--fallback-device)")
+    said = (
+        f"{missing}: no such profile file; projected on the shipped profile h100-sxm "
+        f"({DEVICES_DIR / 'h100-sxm.yaml'}) in its place (--fallback-device)"
+    )
     captured = capsys.readouterr()
     assert captured.err == f"moe-bench: warning: {said}\n"
     assert f"  {said}\n" in captured.out

@@ -45,7 +45,10 @@ def test_plain_lines_name_the_shared_stages(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = _lines(out)
     assert lines[0] == "pipeline-of-four: 3 of 4 stages to trace; stage 2 takes stage 1's trace (identical)"
-    assert "pipeline-of-four: stage 1 of 4 (rank 2): tracing at full size, 2 microbatches; its trace serves stage 2" in lines
+    assert (
+        "pipeline-of-four: stage 1 of 4 (rank 2): tracing at full size, 2 microbatches; its trace serves stage 2"
+        in lines
+    )
     shared = [line for line in lines if line.startswith("pipeline-of-four: stage 2 of 4 (rank 4): ")]
     assert len(shared) == 1 and "stage 1's trace (identical stage)" in shared[0]
     for stage, rank in ((0, 0), (1, 2), (3, 6)):
@@ -66,8 +69,10 @@ def test_every_stage_traces_every_stage_and_projects_the_same_step(tmp_path, cap
     lines = _lines(capsys.readouterr().out)
     assert lines[0] == "pipeline-of-four: 4 of 4 stages to trace (every stage)"
     for stage in range(4):
-        assert any(line.startswith(f"pipeline-of-four: stage {stage} of 4 ") and "tracing at full size" in line
-                   for line in lines), stage
+        assert any(
+            line.startswith(f"pipeline-of-four: stage {stage} of 4 ") and "tracing at full size" in line
+            for line in lines
+        ), stage
     assert not any("identical" in line for line in lines)
     docs = [json.loads((folder / "pipeline-of-four.h100-sxm.json").read_text()) for folder in (shared, every)]
     assert [s["trace_shared_with"] for s in docs[1]["stages"]] == [None] * 4
@@ -91,10 +96,13 @@ def test_the_trace_reports_its_ops_as_it_grows(monkeypatch):
 
 def test_sharing_in_words():
     assert sharing_text([0]) == "one stage to trace"
-    assert sharing_text([0, 1, 1, 1, 1, 1, 1, 7]) == "3 of 8 stages to trace; stages 2-6 take stage 1's trace (identical)"
+    assert (
+        sharing_text([0, 1, 1, 1, 1, 1, 1, 7]) == "3 of 8 stages to trace; stages 2-6 take stage 1's trace (identical)"
+    )
     assert sharing_text([0, 1, 1, 3], done=True) == "3 of 4 stages traced; stage 2 took stage 1's trace (identical)"
-    assert sharing_text([0, 1, 0, 1]) == ("2 of 4 stages to trace; stage 2 takes stage 0's trace (identical); "
-                                          "stage 3 takes stage 1's trace (identical)")
+    assert sharing_text([0, 1, 0, 1]) == (
+        "2 of 4 stages to trace; stage 2 takes stage 0's trace (identical); stage 3 takes stage 1's trace (identical)"
+    )
     assert sharing_text([0, 1, 2]) == "3 of 3 stages to trace (every stage)"
 
 

@@ -28,13 +28,26 @@ PIPELINE = {
     "name": "pipeline-of-four",
     "mode": "proxy",
     "model": {
-        "vocab_size": 512, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "seq_len": 32,
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96, "shared_expert_hidden": 64},
     },
     "routing": {"mode": "balanced", "seed": 0},
     "precision": "bf16",
-    "parallel": {"dp": 2, "ep": 2, "pp": 4, "schedule": "1f1b", "microbatches": 2, "optimizer_sharding": "zero1",
-                 "dispatch": "no-sync", "capacity_factor": 1.25},
+    "parallel": {
+        "dp": 2,
+        "ep": 2,
+        "pp": 4,
+        "schedule": "1f1b",
+        "microbatches": 2,
+        "optimizer_sharding": "zero1",
+        "dispatch": "no-sync",
+        "capacity_factor": 1.25,
+    },
     "run": {"tokens_per_step": 2 * 2 * 32, "warmup_steps": 1, "steps": 2, "timeout_s": 120},
     "proxy": {"rank": 0, "threads": 1},
     "cluster": {"gpus": 8, "gpus_per_node": 4, "gpu_memory_gib": 1, "peak_tflops": 1},
@@ -79,8 +92,10 @@ def test_shared_stages_have_the_ops_and_the_projection_of_stages_traced_one_by_o
         assert mine.trace.family_groups == own.trace.family_groups
         assert [p.seconds for p in mine.priced] == [p.seconds for p in own.priced]
     # The twins' messages go to different ranks: the retargeted trace is not its twin's.
-    messages = [[op.collective["ranks"] for op in s.trace.ops if op.collective and op.collective["op"] == "send"]
-                for s in shared[1:3]]
+    messages = [
+        [op.collective["ranks"] for op in s.trace.ops if op.collective and op.collective["op"] == "send"]
+        for s in shared[1:3]
+    ]
     assert messages[0] != messages[1]
 
     fit = memory_fit(scenario, profile)
@@ -115,8 +130,17 @@ def test_random_routes_change_only_the_rows_per_expert_of_a_shared_trace():
         ({"parallel.schedule": "gpipe"}, 2, [0, 1, 1, 3]),
         # 1F1B: stage s runs pp - s - 1 warm-up forwards; of three traced microbatches, stage 3 of 5
         # runs one (F F B F B B), stages 1 and 2 run all three.
-        ({"model.n_layers": 5, "parallel.pp": 5, "parallel.microbatches": 4, "run.tokens_per_step": 2 * 4 * 32,
-          "cluster.gpus": 10}, 3, [0, 1, 1, 3, 4]),
+        (
+            {
+                "model.n_layers": 5,
+                "parallel.pp": 5,
+                "parallel.microbatches": 4,
+                "run.tokens_per_step": 2 * 4 * 32,
+                "cluster.gpus": 10,
+            },
+            3,
+            [0, 1, 1, 3, 4],
+        ),
         # Stages of 2, 2, 1, 1 blocks; then 2, 1, 1, 1.
         ({"model.n_layers": 6}, 2, [0, 1, 2, 3]),
         ({"model.n_layers": 5}, 2, [0, 1, 1, 3]),

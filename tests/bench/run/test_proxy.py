@@ -37,13 +37,26 @@ TINY = {
     "name": "tiny-proxy",
     "mode": "proxy",
     "model": {
-        "vocab_size": 512, "d_model": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "seq_len": 32,
+        "vocab_size": 512,
+        "d_model": 64,
+        "n_layers": 4,
+        "n_heads": 4,
+        "n_kv_heads": 4,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 96, "shared_expert_hidden": 64},
     },
     "routing": {"mode": "random", "seed": 0},
     "precision": "bf16",
-    "parallel": {"dp": 4, "ep": 4, "pp": 2, "schedule": "1f1b", "microbatches": 4, "optimizer_sharding": "zero1",
-                 "dispatch": "no-sync", "capacity_factor": 1.25},
+    "parallel": {
+        "dp": 4,
+        "ep": 4,
+        "pp": 2,
+        "schedule": "1f1b",
+        "microbatches": 4,
+        "optimizer_sharding": "zero1",
+        "dispatch": "no-sync",
+        "capacity_factor": 1.25,
+    },
     "run": {"tokens_per_step": 4 * 4 * 2 * 32, "warmup_steps": 1, "steps": 2, "timeout_s": 120},
     "proxy": {"rank": 1, "threads": 1},
     "cluster": {"gpus": 8, "gpus_per_node": 4, "gpu_memory_gib": 1, "peak_tflops": 1},
@@ -142,8 +155,17 @@ def test_collectives_split_into_microbatch_and_step_entries():
 
 # A measured step at the run's scale, made up: 1 of the stage's 8 blocks, 128 of 4096 tokens per microbatch,
 # 2 of 16 microbatches, on rank 0 of 16 (4 GPUs per node, pp 2: dp 8).
-SCALE = ProxyScale(rank=0, pp_rank=0, blocks_run=1, blocks_full=8, seq_len_run=128, tokens_per_microbatch_run=128,
-                   tokens_per_microbatch_full=4096, microbatches_run=2, microbatches_full=16)
+SCALE = ProxyScale(
+    rank=0,
+    pp_rank=0,
+    blocks_run=1,
+    blocks_full=8,
+    seq_len_run=128,
+    tokens_per_microbatch_run=128,
+    tokens_per_microbatch_full=4096,
+    microbatches_run=2,
+    microbatches_full=16,
+)
 PHASES_S = {
     "attention": {"forward": 0.010, "backward": 0.020},
     "router": {"forward": 0.001, "backward": 0.002},
@@ -163,11 +185,16 @@ CALLS = (
     # 2 dispatch/combine all-to-alls per microbatch, 2 microbatches; sync dispatch sends different sizes
     [CollectiveCall("all_to_all", EP, nbytes, "ep") for nbytes in (1000, 1400, 1000, 1400)]
     + [CollectiveCall("send", PP, 512, "pp")] * 2
-    + [CollectiveCall("reduce_scatter", DP, 4000, "dp"), CollectiveCall("all_reduce", EDP, 6000, "edp"),
-       CollectiveCall("all_reduce", WORLD, 8, "world")]
+    + [
+        CollectiveCall("reduce_scatter", DP, 4000, "dp"),
+        CollectiveCall("all_reduce", EDP, 6000, "edp"),
+        CollectiveCall("all_reduce", WORLD, 8, "world"),
+    ]
 )
 MEASURED = StepMeasurement(
-    COMPUTE_S, PHASES_S, CALLS,
+    COMPUTE_S,
+    PHASES_S,
+    CALLS,
     group_phases={"ep": "expert", "pp": "pipeline", "dp": "grad", "edp": "grad"},
     family_groups={"dense": "dp", "expert": "edp"},
 )
@@ -185,9 +212,13 @@ def test_the_full_scale_projection_scales_each_part_by_its_own_rule():
     # The blocks: attention .030 + router .003 + dispatch .005 + experts .090 + shared expert .012 + block .002
     # = .142 s per step of 2 microbatches, x 8 blocks x 32 tokens. The embedding .008 unscaled. The rest:
     # compute .200 - optimizer .040 - grad buffers .006 - embedding .008 - blocks .142 = .004, x 32 tokens.
-    assert step.microbatch_phases_s == pytest.approx({
-        "blocks": 0.142 * 8 * 32 / 2, "rest": 0.004 * 32 / 2, "embedding": 0.008 / 2,
-    })
+    assert step.microbatch_phases_s == pytest.approx(
+        {
+            "blocks": 0.142 * 8 * 32 / 2,
+            "rest": 0.004 * 32 / 2,
+            "embedding": 0.008 / 2,
+        }
+    )
     microbatch_s = (0.142 * 8 * 32 + 0.004 * 32 + 0.008) / 2  # 18.244
     assert step.timing.microbatch_s == pytest.approx(microbatch_s)
     # Once per step: the optimizer x 84000 / 12000 optimizer bytes, the gradient buffers x 30000 / 6000.
@@ -217,13 +248,27 @@ def test_the_full_scale_projection_scales_each_part_by_its_own_rule():
     step_s = 17 * t_mb + grad + 0.31 + other
     projection = step.projection
     assert projection.step_s == pytest.approx(step_s)
-    assert projection.breakdown_s == pytest.approx({
-        "compute": 16 * microbatch_s, "expert_comm": 16 * a2a, "pipeline_comm": 16 * send, "bubble": t_mb,
-        "grad_sync_exposed": grad, "grad_sync_hidden": 0.0, "grad_sync_total": grad, "optimizer": 0.31,
-        "param_gather_exposed": 0.0, "param_gather_hidden": 0.0, "param_gather_total": 0.0, "other_comm": other,
-        "fsdp_gather_exposed": 0.0, "fsdp_gather_total": 0.0, "skew": 0.0,
-        "expert_comm_hidden": 0.0, "expert_comm_total": 16 * a2a,  # one chunk: nothing overlaps
-    })
+    assert projection.breakdown_s == pytest.approx(
+        {
+            "compute": 16 * microbatch_s,
+            "expert_comm": 16 * a2a,
+            "pipeline_comm": 16 * send,
+            "bubble": t_mb,
+            "grad_sync_exposed": grad,
+            "grad_sync_hidden": 0.0,
+            "grad_sync_total": grad,
+            "optimizer": 0.31,
+            "param_gather_exposed": 0.0,
+            "param_gather_hidden": 0.0,
+            "param_gather_total": 0.0,
+            "other_comm": other,
+            "fsdp_gather_exposed": 0.0,
+            "fsdp_gather_total": 0.0,
+            "skew": 0.0,
+            "expert_comm_hidden": 0.0,
+            "expert_comm_total": 16 * a2a,  # one chunk: nothing overlaps
+        }
+    )
     assert projection.tokens_per_s_per_gpu == pytest.approx(8 * 16 * 4096 / step_s / 16)
     assert projection.tflops_per_gpu == pytest.approx(6e9 * 8 * 16 * 4096 / step_s / 16 / 1e12)
 
@@ -246,12 +291,19 @@ def test_the_run_scale_projection_prices_the_step_as_measured():
 
 
 def test_stage_sizes_come_from_the_plan_of_the_replayed_stage():
-    plan = {"stages": [
-        {"dense_params": 1, "local_expert_params": 2, "memory_bytes": {"optimizer": 3, "grads": 4, "params": 9}},
-        {"dense_params": 10, "local_expert_params": 20, "memory_bytes": {"optimizer": 30, "grads": 40, "params": 90}},
-    ]}
-    assert StageSize.from_plan(plan, 1) == StageSize(dense_params=10, expert_params=20, optimizer_bytes=30,
-                                                     grad_bytes=40)
+    plan = {
+        "stages": [
+            {"dense_params": 1, "local_expert_params": 2, "memory_bytes": {"optimizer": 3, "grads": 4, "params": 9}},
+            {
+                "dense_params": 10,
+                "local_expert_params": 20,
+                "memory_bytes": {"optimizer": 30, "grads": 40, "params": 90},
+            },
+        ]
+    }
+    assert StageSize.from_plan(plan, 1) == StageSize(
+        dense_params=10, expert_params=20, optimizer_bytes=30, grad_bytes=40
+    )
 
 
 @pytest.mark.slow
@@ -273,8 +325,16 @@ def test_a_proxy_run_measures_its_rank(tmp_path):
     assert sum(row["count"] for row in a2a) == 2 * 2 * 4
     # Stage 0 of 2 sends activations forward and receives gradients: one message each per microbatch.
     sends = [row for row in details["collectives_per_step"] if row["op"] == "send"]
-    assert sends == [{"op": "send", "group_size": 2, "nbytes": 2 * 32 * 64 * 2, "phase": "pipeline",
-                      "count": 2, "total_bytes": 2 * 2 * 32 * 64 * 2}]
+    assert sends == [
+        {
+            "op": "send",
+            "group_size": 2,
+            "nbytes": 2 * 32 * 64 * 2,
+            "phase": "pipeline",
+            "count": 2,
+            "total_bytes": 2 * 2 * 32 * 64 * 2,
+        }
+    ]
     phases = details["phases_s"]
     for phase in ("attention", "router", "dispatch", "experts", "shared_expert", "embedding"):
         assert phases[phase]["forward"] > 0 and phases[phase]["backward"] > 0, phase
@@ -300,7 +360,8 @@ def test_a_proxy_run_measures_its_rank(tmp_path):
     # Beside the CPU-measured projection, the op-level one on the device asked for (--project-on).
     on_h100 = details["device_projections"]["h100-sxm"]
     assert on_h100["step_s"] == pytest.approx(
-        project_on_device(scenario_from_dict(tiny()), load_profile("h100-sxm"))["step_s"], rel=1e-9)
+        project_on_device(scenario_from_dict(tiny()), load_profile("h100-sxm"))["step_s"], rel=1e-9
+    )
 
 
 # ---- overlap windows: the run's buckets at the scenario's scale ------------------------------------
@@ -308,11 +369,23 @@ def test_a_proxy_run_measures_its_rank(tmp_path):
 RUN_DP = CollectiveCall("all_reduce", DP, 1000, "dp")
 
 
-def bucket(blocks: float, rest: float, embedding: float, launches: float, update_s: float, share: float = 1.0,
-           filled: bool = True, gather: bool = True) -> BucketMeasurement:
+def bucket(
+    blocks: float,
+    rest: float,
+    embedding: float,
+    launches: float,
+    update_s: float,
+    share: float = 1.0,
+    filled: bool = True,
+    gather: bool = True,
+) -> BucketMeasurement:
     return BucketMeasurement(
-        RUN_DP, CollectiveCall("all_gather", DP, 500, "dp") if gather else None, share, filled,
-        {"blocks": blocks, "rest": rest, "embedding": embedding, "grad_buffers": launches}, update_s,
+        RUN_DP,
+        CollectiveCall("all_gather", DP, 500, "dp") if gather else None,
+        share,
+        filled,
+        {"blocks": blocks, "rest": rest, "embedding": embedding, "grad_buffers": launches},
+        update_s,
     )
 
 
@@ -358,17 +431,30 @@ def test_a_fractional_block_ratio_splits_copies_and_a_mixed_or_open_bucket_stays
     open_bucket = bucket(0.0, 0.1, 0.2, 0, 0.1, filled=False)
     reduces, gathers = scaled_sync_buckets([mixed, open_bucket], blocks_backward_s=1.0, block_ratio=3, token_ratio=2)
     assert [(b.window_s, b.collective.nbytes) for b in reduces] == [
-        (pytest.approx(0.5 * 2 * 3 + 0.1), 2000), (pytest.approx(0.1 + 0.2), 3000),
+        (pytest.approx(0.5 * 2 * 3 + 0.1), 2000),
+        (pytest.approx(0.1 + 0.2), 3000),
     ]
     # The mixed bucket's gather hides under the open bucket's update, which grows x 3 with its bytes.
     assert [(b.window_s, b.collective.nbytes) for b in gathers] == [(pytest.approx(0.3), 1000), (0.0, 1500)]
 
 
 def test_the_projections_price_the_buckets_instead_of_their_recorded_calls():
-    dense = BucketMeasurement(CollectiveCall("reduce_scatter", DP, 4000, "dp"), None, 1.0, True,
-                              {"blocks": 0.01, "rest": 0.0, "embedding": 0.004, "grad_buffers": 0.0}, 0.01)
-    expert = BucketMeasurement(CollectiveCall("all_reduce", EDP, 6000, "edp"), None, 1.0, True,
-                               {"blocks": 0.0, "rest": 0.0, "embedding": 0.004, "grad_buffers": 0.0}, 0.01)
+    dense = BucketMeasurement(
+        CollectiveCall("reduce_scatter", DP, 4000, "dp"),
+        None,
+        1.0,
+        True,
+        {"blocks": 0.01, "rest": 0.0, "embedding": 0.004, "grad_buffers": 0.0},
+        0.01,
+    )
+    expert = BucketMeasurement(
+        CollectiveCall("all_reduce", EDP, 6000, "edp"),
+        None,
+        1.0,
+        True,
+        {"blocks": 0.0, "rest": 0.0, "embedding": 0.004, "grad_buffers": 0.0},
+        0.01,
+    )
     measured = dataclasses.replace(MEASURED, buckets=[dense, expert])
     step = project_full_scale(measured, SCALE, RUN, FULL, TARGET, tokens_per_step=8 * 16 * 4096, flops_per_token=6e9)
     # The recorded reductions are the buckets': no "grad" entry is left for the step to price again.

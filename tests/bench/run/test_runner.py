@@ -20,7 +20,12 @@ TINY = {
     "schema_version": 1,
     "mode": "execute",
     "model": {
-        "vocab_size": 128, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
+        "vocab_size": 128,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "seq_len": 32,
         "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
     },
     "routing": {"mode": "random", "seed": 0},
@@ -62,12 +67,18 @@ def test_suites_resolve_to_existing_scenarios():
     assert any("smoke" in str(p) for p in default) and any("olmo-core3" in str(p) for p in default)
     # The proxies take minutes each on a CPU: they have a suite of their own.
     proxies = suite_files("proxy", torch.device("cpu"))
-    assert [p.name for p in proxies] == ["moe-1.2t-512gpu-proxy.yaml", "moe-128e-47b-proxy.yaml", "moe-2.38t-proxy.yaml"]
+    assert [p.name for p in proxies] == [
+        "moe-1.2t-512gpu-proxy.yaml",
+        "moe-128e-47b-proxy.yaml",
+        "moe-2.38t-proxy.yaml",
+    ]
     assert not set(proxies) & set(default)
     recompute = suite_files("proxy-recompute", torch.device("cpu"))
     assert sorted(p.name for p in recompute) == [
-        "moe-1.2t-512gpu-recompute-full-proxy.yaml", "moe-1.2t-512gpu-recompute-selective-proxy.yaml",
-        "moe-128e-47b-recompute-full-proxy.yaml", "moe-128e-47b-recompute-selective-proxy.yaml",
+        "moe-1.2t-512gpu-recompute-full-proxy.yaml",
+        "moe-1.2t-512gpu-recompute-selective-proxy.yaml",
+        "moe-128e-47b-recompute-full-proxy.yaml",
+        "moe-128e-47b-recompute-selective-proxy.yaml",
     ]
     assert not set(recompute) & (set(default) | set(proxies))
     assert set(suite_files("ci", torch.device("cpu"))) <= set(ALL_SCENARIOS)
@@ -82,71 +93,155 @@ BAD_INPUTS = [
     ("ep-dp", variant(parallel={"dp": 2, "ep": 4}), "parallel.ep: ep=4 does not divide dp=2"),
     ("pp-layers", variant(parallel={"pp": 4}), "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2"),
     ("fsdp-ep", variant(parallel={"dp": 2, "ep": 2, "dp_mode": "fsdp"}), "parallel.dp_mode: the engine's fsdp mode"),
-    ("mxfp8-backend", variant(precision="mxfp8", model__moe__backend="loop"), "model.moe.backend: precision mxfp8 runs the mxfp8 expert backend"),
+    (
+        "mxfp8-backend",
+        variant(precision="mxfp8", model__moe__backend="loop"),
+        "model.moe.backend: precision mxfp8 runs the mxfp8 expert backend",
+    ),
     ("world-size", variant(parallel={"dp": 2, "world_size": 4}), "parallel.world_size: 4 != dp * pp = 2"),
     ("plan-without-cluster", variant(mode="plan"), "(top level): 'cluster' is a required property"),
     ("tokens", variant(run__tokens_per_step=100), "run.tokens_per_step: 100 is not a multiple of model.seq_len=32"),
     # Pipeline layouts torch.distributed.pipelining refuses: caught here, not 10 s later inside the ranks.
-    ("pp2-1f1b-one-microbatch", variant(parallel={"pp": 2, "microbatches": 1}),
-     "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=2; got 1"),
-    ("pp2-interleaved-rounds",
-     variant(model__n_layers=4, run__tokens_per_step=320,
-             parallel={"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2, "microbatches": 5}),
-     "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=2: 5 microbatches "
-     "make 2 rounds and do not split into them (the nearest counts that do: 4, 6)"),
-    ("virtual-stages-schedule", variant(model__n_layers=4, parallel={"pp": 2, "virtual_stages": 2}),
-     "parallel.virtual_stages: more than one stage per rank needs schedule interleaved1f1b"),
-    ("stages-blocks", variant(parallel={"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2}),
-     "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2"),
-    ("batch-microbatches", variant(parallel={"dp": 2, "microbatches": 3}),
-     "parallel.microbatches: 2 sequences per rank do not split into 3 microbatches"),
-    ("batch-default-microbatches", variant(parallel={"pp": 2}, run__tokens_per_step=96),
-     "parallel.microbatches: 3 sequences per rank do not split into 2 microbatches (parallel.microbatches is not "
-     "set: it defaults to pp=2)"),
-    ("recompute-mode", variant(recompute={"mode": "partial"}),
-     "recompute.mode: 'partial' is not one of ['none', 'full', 'selective']"),
-    ("recompute-part", variant(recompute={"mode": "selective", "parts": ["mlp"]}),
-     "recompute.parts.0: 'mlp' is not one of ['attention', 'experts', 'norms']"),
-    ("recompute-no-parts", variant(recompute={"mode": "selective"}),
-     "recompute.parts: selective recompute needs at least one part"),
-    ("recompute-parts-full", variant(recompute={"mode": "full", "parts": ["norms"]}),
-     "recompute.parts: only selective recompute takes parts, not mode full"),
-    ("recompute-every", variant(recompute={"mode": "full", "every": 3}),
-     "recompute.every: 3 exceeds model.n_layers=2"),
-    ("recompute-first-per-stage", variant(parallel={"pp": 2, "microbatches": 2}, recompute={"mode": "full", "first_per_stage": 2}),
-     "recompute.first_per_stage: 2 exceeds the 1 blocks of the smallest pipeline stage"),
-    ("recompute-two-subsets", variant(model__n_layers=4, recompute={"mode": "full", "every": 2, "first_per_stage": 1}),
-     "recompute.first_per_stage: choose one block subset: every=2 or first_per_stage=1"),
+    (
+        "pp2-1f1b-one-microbatch",
+        variant(parallel={"pp": 2, "microbatches": 1}),
+        "parallel.microbatches: schedule 1f1b needs at least one microbatch per stage, pp=2; got 1",
+    ),
+    (
+        "pp2-interleaved-rounds",
+        variant(
+            model__n_layers=4,
+            run__tokens_per_step=320,
+            parallel={"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2, "microbatches": 5},
+        ),
+        "parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp=2: 5 microbatches "
+        "make 2 rounds and do not split into them (the nearest counts that do: 4, 6)",
+    ),
+    (
+        "virtual-stages-schedule",
+        variant(model__n_layers=4, parallel={"pp": 2, "virtual_stages": 2}),
+        "parallel.virtual_stages: more than one stage per rank needs schedule interleaved1f1b",
+    ),
+    (
+        "stages-blocks",
+        variant(parallel={"pp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2}),
+        "parallel.pp: pp * virtual_stages = 4 exceeds model.n_layers=2",
+    ),
+    (
+        "batch-microbatches",
+        variant(parallel={"dp": 2, "microbatches": 3}),
+        "parallel.microbatches: 2 sequences per rank do not split into 3 microbatches",
+    ),
+    (
+        "batch-default-microbatches",
+        variant(parallel={"pp": 2}, run__tokens_per_step=96),
+        "parallel.microbatches: 3 sequences per rank do not split into 2 microbatches (parallel.microbatches is not "
+        "set: it defaults to pp=2)",
+    ),
+    (
+        "recompute-mode",
+        variant(recompute={"mode": "partial"}),
+        "recompute.mode: 'partial' is not one of ['none', 'full', 'selective']",
+    ),
+    (
+        "recompute-part",
+        variant(recompute={"mode": "selective", "parts": ["mlp"]}),
+        "recompute.parts.0: 'mlp' is not one of ['attention', 'experts', 'norms']",
+    ),
+    (
+        "recompute-no-parts",
+        variant(recompute={"mode": "selective"}),
+        "recompute.parts: selective recompute needs at least one part",
+    ),
+    (
+        "recompute-parts-full",
+        variant(recompute={"mode": "full", "parts": ["norms"]}),
+        "recompute.parts: only selective recompute takes parts, not mode full",
+    ),
+    ("recompute-every", variant(recompute={"mode": "full", "every": 3}), "recompute.every: 3 exceeds model.n_layers=2"),
+    (
+        "recompute-first-per-stage",
+        variant(parallel={"pp": 2, "microbatches": 2}, recompute={"mode": "full", "first_per_stage": 2}),
+        "recompute.first_per_stage: 2 exceeds the 1 blocks of the smallest pipeline stage",
+    ),
+    (
+        "recompute-two-subsets",
+        variant(model__n_layers=4, recompute={"mode": "full", "every": 2, "first_per_stage": 1}),
+        "recompute.first_per_stage: choose one block subset: every=2 or first_per_stage=1",
+    ),
     ("max-grad-norm", variant(run__max_grad_norm=-1), "run.max_grad_norm: -1 is less than the minimum of 0"),
-    ("grad-dtype", variant(parallel={"grad_dtype": "bf16"}), "parallel.grad_dtype: 'bf16' is not one of ['fp32', 'param']"),
+    (
+        "grad-dtype",
+        variant(parallel={"grad_dtype": "bf16"}),
+        "parallel.grad_dtype: 'bf16' is not one of ['fp32', 'param']",
+    ),
     # The model fields of public architectures: head_dim, MLA, interleave, groups, tied embeddings.
     ("head-dim-odd", variant(model__head_dim=7), "model.head_dim: 7 must be even for RoPE"),
-    ("mla-rope-odd", variant(model__n_kv_heads=4, model__mla={"kv_lora_rank": 16, "qk_nope_head_dim": 8,
-                                                               "qk_rope_head_dim": 3, "v_head_dim": 8}),
-     "model.mla.qk_rope_head_dim: must be even and >= 2 for RoPE"),
-    ("mla-kv-heads", variant(model__mla={"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-                                         "v_head_dim": 8}),
-     "model.n_kv_heads: multi-head latent attention up-projects keys and values for every head"),
-    ("mla-head-dim", variant(model__n_kv_heads=4, model__head_dim=16,
-                             model__mla={"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
-                                         "v_head_dim": 8}),
-     "model.head_dim: multi-head latent attention sets its own head widths"),
-    ("mla-missing-dim", variant(model__mla={"kv_lora_rank": 16}), "model.mla: 'qk_nope_head_dim' is a required property"),
-    ("moe-every", variant(model__n_layers=4, model__n_dense_layers=1, model__dense_hidden=32, model__moe_every=4),
-     "model.moe_every: 4 exceeds the 3 blocks after the n_dense_layers=1 leading dense ones"),
-    ("moe-every-dense-hidden", variant(model__moe_every=2),
-     "model.dense_hidden: must be >= 1 when the model has dense blocks"),
+    (
+        "mla-rope-odd",
+        variant(
+            model__n_kv_heads=4,
+            model__mla={"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 3, "v_head_dim": 8},
+        ),
+        "model.mla.qk_rope_head_dim: must be even and >= 2 for RoPE",
+    ),
+    (
+        "mla-kv-heads",
+        variant(model__mla={"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8}),
+        "model.n_kv_heads: multi-head latent attention up-projects keys and values for every head",
+    ),
+    (
+        "mla-head-dim",
+        variant(
+            model__n_kv_heads=4,
+            model__head_dim=16,
+            model__mla={"kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8},
+        ),
+        "model.head_dim: multi-head latent attention sets its own head widths",
+    ),
+    (
+        "mla-missing-dim",
+        variant(model__mla={"kv_lora_rank": 16}),
+        "model.mla: 'qk_nope_head_dim' is a required property",
+    ),
+    (
+        "moe-every",
+        variant(model__n_layers=4, model__n_dense_layers=1, model__dense_hidden=32, model__moe_every=4),
+        "model.moe_every: 4 exceeds the 3 blocks after the n_dense_layers=1 leading dense ones",
+    ),
+    (
+        "moe-every-dense-hidden",
+        variant(model__moe_every=2),
+        "model.dense_hidden: must be >= 1 when the model has dense blocks",
+    ),
     ("groups-divide", variant(model__moe__n_groups=3), "model.moe.n_groups: 3 groups do not divide moe.num_experts=8"),
-    ("top-groups", variant(model__moe__n_groups=4, model__moe__top_groups=5),
-     "model.moe.top_groups: must be between 1 and moe.n_groups=4, got 5"),
-    ("top-k-groups", variant(model__moe__n_groups=8, model__moe__top_groups=1),
-     "model.moe.top_k: 2 exceeds the 1 experts of the 1 chosen groups"),
-    ("tied-pp", variant(model__tie_embeddings=True, parallel={"pp": 2}),
-     "model.tie_embeddings: tied embeddings need the embedding and the LM head on one pipeline rank; pp=2"),
-    ("proxy-blocks-interleaved",
-     variant(mode="proxy", model__n_layers=4, model__moe_every=2, model__dense_hidden=32,
-             proxy={"cpu_scale": {"blocks": 1}}, cluster={"gpus": 1, "gpu_memory_gib": 80, "peak_tflops": 900}),
-     "proxy.cpu_scale.blocks: scaling the blocks needs a model without dense layers (n_dense_layers 0, moe_every 1)"),
+    (
+        "top-groups",
+        variant(model__moe__n_groups=4, model__moe__top_groups=5),
+        "model.moe.top_groups: must be between 1 and moe.n_groups=4, got 5",
+    ),
+    (
+        "top-k-groups",
+        variant(model__moe__n_groups=8, model__moe__top_groups=1),
+        "model.moe.top_k: 2 exceeds the 1 experts of the 1 chosen groups",
+    ),
+    (
+        "tied-pp",
+        variant(model__tie_embeddings=True, parallel={"pp": 2}),
+        "model.tie_embeddings: tied embeddings need the embedding and the LM head on one pipeline rank; pp=2",
+    ),
+    (
+        "proxy-blocks-interleaved",
+        variant(
+            mode="proxy",
+            model__n_layers=4,
+            model__moe_every=2,
+            model__dense_hidden=32,
+            proxy={"cpu_scale": {"blocks": 1}},
+            cluster={"gpus": 1, "gpu_memory_gib": 80, "peak_tflops": 900},
+        ),
+        "proxy.cpu_scale.blocks: scaling the blocks needs a model without dense layers (n_dense_layers 0, moe_every 1)",
+    ),
 ]
 
 
@@ -286,8 +381,12 @@ def test_metric_statistics():
 
 @pytest.mark.slow
 def test_mxfp8_scenario_records_the_path_that_ran(tmp_path):
-    code, docs = run_cli(tmp_path, ("mx", variant(precision="mxfp8")), ("bf", variant(precision="bf16")),
-                         ("fused", variant(precision="bf16", model__fused_kernels=True)))
+    code, docs = run_cli(
+        tmp_path,
+        ("mx", variant(precision="mxfp8")),
+        ("bf", variant(precision="bf16")),
+        ("fused", variant(precision="bf16", model__fused_kernels=True)),
+    )
     assert code == 0
     by_name = {d.name: d for d in docs}
     mx, bf, fused = by_name["mx"].data, by_name["bf"].data, by_name["fused"].data
@@ -331,8 +430,9 @@ def fake_host(monkeypatch, available_gib: float):
     from bench.run import execute, runner
 
     source = "MemAvailable in /proc/meminfo"
-    monkeypatch.setattr(runner, "available_memory_bytes", lambda device: (int(available_gib * 2**30), source),
-                        raising=False)
+    monkeypatch.setattr(
+        runner, "available_memory_bytes", lambda device: (int(available_gib * 2**30), source), raising=False
+    )
     monkeypatch.setattr(execute, "measure_peak_tflops", lambda device, dtype, seconds=1.0: 1.0)
 
 
@@ -375,7 +475,8 @@ def test_force_starts_it_anyway(tmp_path, monkeypatch):
     def fake_worker(command, timeout, on_line, env=None):
         started.append(command)
         Path(command[command.index("--device") - 1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
+            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}})
+        )
         return 0, []
 
     monkeypatch.setattr(runner, "run_with_timeout", fake_worker)
@@ -403,16 +504,27 @@ def test_ranks_sharing_a_host_are_summed_and_the_margin_is_kept():
     assert MEMORY_MARGIN == 0.10
 
     def host(*planned, available, name="h"):
-        return [RankMemory(r, name, "cpu", int(p * gib), int(available * gib), "MemAvailable")
-                for r, p in enumerate(planned)]
+        return [
+            RankMemory(r, name, "cpu", int(p * gib), int(available * gib), "MemAvailable")
+            for r, p in enumerate(planned)
+        ]
 
     # Two pipeline stages of 10 and 2 GiB on a 13 GiB host fit, though 10 > 13 / 2.
     assert memory_shortfall(host(10, 2, available=13))[0] is None
     reason, pools = memory_shortfall(host(10, 2, available=10))
-    assert reason == ("planned 12.0 GiB for the 2 ranks sharing this host's memory (10.0 GiB on the most loaded), "
-                      "10.0 GiB available (MemAvailable); not started")
-    assert pools == [{"pool": "this host's memory", "ranks": 2, "planned_bytes": 12 * gib, "available_bytes": 10 * gib,
-                      "source": "MemAvailable"}]
+    assert reason == (
+        "planned 12.0 GiB for the 2 ranks sharing this host's memory (10.0 GiB on the most loaded), "
+        "10.0 GiB available (MemAvailable); not started"
+    )
+    assert pools == [
+        {
+            "pool": "this host's memory",
+            "ranks": 2,
+            "planned_bytes": 12 * gib,
+            "available_bytes": 10 * gib,
+            "source": "MemAvailable",
+        }
+    ]
     # Within the margin the run decides; past it, it is refused.
     assert memory_shortfall(host(10.9, available=10))[0] is None
     assert memory_shortfall(host(11.1, available=10))[0].startswith("planned 11.1 GiB per rank, 10.0 GiB available")
@@ -421,8 +533,10 @@ def test_ranks_sharing_a_host_are_summed_and_the_margin_is_kept():
     assert memory_shortfall(two_nodes)[0] is None
     assert [p["pool"] for p in memory_shortfall(two_nodes)[1]] == ["node 0's memory", "node 1's memory"]
     # ... and so are GPUs: one full GPU is enough to refuse.
-    gpus = [RankMemory(0, "h", "cuda:0", 5 * gib, 80 * gib, "free"),
-            RankMemory(1, "h", "cuda:1", 90 * gib, 80 * gib, "free")]
+    gpus = [
+        RankMemory(0, "h", "cuda:0", 5 * gib, 80 * gib, "free"),
+        RankMemory(1, "h", "cuda:1", 90 * gib, 80 * gib, "free"),
+    ]
     assert memory_shortfall(gpus)[0] == "planned 90.0 GiB per rank, 80.0 GiB available (free); not started"
 
 
@@ -472,7 +586,9 @@ def test_the_runner_asks_the_gpus_free_memory_in_a_process_of_its_own(tmp_path, 
     assert refusal is None
     # GPU i has i + 1 GiB free in the child's answer.
     assert [(p["pool"], p["available_bytes"], p["source"]) for p in check["pools"]] == [
-        ("cuda:0", 2**30, CUDA_FREE_SOURCE), ("cuda:1", 2 * 2**30, CUDA_FREE_SOURCE)]
+        ("cuda:0", 2**30, CUDA_FREE_SOURCE),
+        ("cuda:1", 2 * 2**30, CUDA_FREE_SOURCE),
+    ]
 
 
 @pytest.mark.slow
@@ -507,8 +623,14 @@ def test_the_gpu_memory_query_leaves_cuda_uninitialised_in_the_asking_process():
     from bench.results import REPO_ROOT
 
     # A fresh process: this one may have initialised CUDA in an earlier test.
-    done = subprocess.run([sys.executable, "-c", QUERY_IN_A_FRESH_PROCESS], capture_output=True, text=True,
-                          check=False, timeout=300, cwd=REPO_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", QUERY_IN_A_FRESH_PROCESS],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
     assert done.returncode == 0, done.stderr
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["initialized"] is False
@@ -526,7 +648,8 @@ def test_the_workers_peak_fields_reach_the_result_as_it_wrote_them(tmp_path, mon
 
     def fake_worker(command, timeout, on_line, env=None):
         Path(command[command.index("--device") - 1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": worker_details}))
+            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": worker_details})
+        )
         return 0, []
 
     monkeypatch.setattr(runner, "run_with_timeout", fake_worker)
@@ -559,11 +682,14 @@ def test_the_peak_and_its_source_go_to_the_worker_which_records_them(tmp_path, m
     assert mfu == pytest.approx(tflops)  # against the 1.0 TFLOP/s peak
 
 
-@pytest.mark.parametrize("times, median", [
-    ([0.4, 0.1, 0.3, 0.2], 0.25),  # even: the mean of the two middle steps, 0.2 and 0.3
-    ([0.5, 0.1, 0.3], 0.3),
-    ([0.7, 0.2, 0.9, 0.1, 0.4, 0.3], 0.35),  # middle two of 0.1 0.2 0.3 0.4 0.7 0.9
-])
+@pytest.mark.parametrize(
+    "times, median",
+    [
+        ([0.4, 0.1, 0.3, 0.2], 0.25),  # even: the mean of the two middle steps, 0.2 and 0.3
+        ([0.5, 0.1, 0.3], 0.3),
+        ([0.7, 0.2, 0.9, 0.1, 0.4, 0.3], 0.35),  # middle two of 0.1 0.2 0.3 0.4 0.7 0.9
+    ],
+)
 def test_a_ranks_median_step_is_the_median(times, median):
     from bench.run.execute import _rank_details, _RankRecord
 

@@ -12,16 +12,16 @@ from bench.scenario import load_scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
 
 LAYOUTS = [
-    "e8-dp2-bf16",            # dp, buckets
-    "e8-dp2-zero1-bf16",      # reduce-scatter + gathers in the optimizer
-    "e8-ep2-nosync-bf16",     # capacity buffers, peers' counts replayed
-    "e8-ep2-sync-bf16",       # uneven split sizes read on the host
-    "e8-pp2-1f1b-bf16",       # a pipeline stage
+    "e8-dp2-bf16",  # dp, buckets
+    "e8-dp2-zero1-bf16",  # reduce-scatter + gathers in the optimizer
+    "e8-ep2-nosync-bf16",  # capacity buffers, peers' counts replayed
+    "e8-ep2-sync-bf16",  # uneven split sizes read on the host
+    "e8-pp2-1f1b-bf16",  # a pipeline stage
     "e8-pp2-ep2-bf16",
-    "e64-skewed-bf16",        # skewed routes
-    "e8-random-mxfp8",        # the MXFP8 regions
+    "e64-skewed-bf16",  # skewed routes
+    "e8-random-mxfp8",  # the MXFP8 regions
     "e8-random-bf16-recompute-full",
-    "e8-dp2-fsdp-bf16",       # FSDP2: the real build path, its gathers on the fake world
+    "e8-dp2-fsdp-bf16",  # FSDP2: the real build path, its gathers on the fake world
 ]
 
 
@@ -82,6 +82,7 @@ def test_traced_matmul_flops_match_the_flops_formula():
     assert counted == pytest.approx(formula + router + combine + 0.5 * attention_forward, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_full_size_rank_traces_without_allocating_it():
     # 47B on 8 ranks: the rank's parameters alone are ~40 GB; two microbatches of 16k tokens.
     scenario = traced_scenario(load_scenario("scenarios/olmo-core3/moe-128e-47b.yaml"), 2)
@@ -108,8 +109,11 @@ def test_fused_kernels_trace_as_they_run_and_price_the_loss_gemms(name):
     assert _kernels(fake) == _kernels(real)
     losses = [op for op in fake.ops if op.packet == "moe_engine.linear_cross_entropy"]
     assert losses and all(dict(op.arguments).get("chunk_rows", 0) > 0 for op in losses)
-    assert {op.packet for op in fake.ops} >= {"moe_engine.rms_norm", "moe_engine.swiglu",
-                                              "moe_engine.linear_cross_entropy_backward"}
+    assert {op.packet for op in fake.ops} >= {
+        "moe_engine.rms_norm",
+        "moe_engine.swiglu",
+        "moe_engine.linear_cross_entropy_backward",
+    }
     # Against the same step unfused: the LM head's three products (6 N V D) are now inside the fused
     # loss, which recomputes the logits once more in its backward: 2 N V D more FLOPs, N the step's
     # tokens on this stage.

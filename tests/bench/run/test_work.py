@@ -103,8 +103,11 @@ def test_op_count_of_a_known_function_includes_autograds_backward():
     # forward: mul, sum; backward (run by the C++ autograd engine): the seed gradient (ones_like),
     # SumBackward's expand, MulBackward's two muls, and AccumulateGrad's detach of each new .grad
     assert work.ops_by_name == {
-        "aten.mul.Tensor": 3, "aten.sum.default": 1, "aten.ones_like.default": 1,
-        "aten.expand.default": 1, "aten.detach.default": 2,
+        "aten.mul.Tensor": 3,
+        "aten.sum.default": 1,
+        "aten.ones_like.default": 1,
+        "aten.expand.default": 1,
+        "aten.detach.default": 2,
     }
     assert work.aten_ops == 8
 
@@ -127,15 +130,23 @@ def test_allocated_bytes_count_every_allocation_not_the_peak():
     work = count_step_work(step, CPU)
     assert work.allocator == "tensor-tracker"
     assert work.allocated_bytes == 16000
-    assert work.allocated_by_op == {"aten.add.Tensor": 4000, "aten.mul.Tensor": 4000, "aten.clone.default": 4000,
-                                    "aten.resize_.default": 4000}
+    assert work.allocated_by_op == {
+        "aten.add.Tensor": 4000,
+        "aten.mul.Tensor": 4000,
+        "aten.clone.default": 4000,
+        "aten.resize_.default": 4000,
+    }
     assert tracker_peak.allocated == 16000 and tracker_peak.peak == 12000
 
 
 def test_on_cuda_allocations_come_from_the_allocators_counters(monkeypatch):
     # The wiring only (this machine may have no GPU): the step's requests are the count, the blocks kept.
-    stats = iter([{"requested_bytes.all.allocated": 100, "allocated_bytes.all.allocated": 512},
-                  {"requested_bytes.all.allocated": 1100, "allocated_bytes.all.allocated": 2048}])
+    stats = iter(
+        [
+            {"requested_bytes.all.allocated": 100, "allocated_bytes.all.allocated": 512},
+            {"requested_bytes.all.allocated": 1100, "allocated_bytes.all.allocated": 2048},
+        ]
+    )
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: next(stats))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     work = count_step_work(lambda: torch.ones(8) * 2, torch.device("cuda"))
@@ -211,6 +222,7 @@ def test_execute_counts_the_flops_the_model_runs_and_repeats_them_exactly():
     assert rank["syncs_by_site"]["aten::_grouped_mm"] == 8 * 6 * 2
 
 
+@pytest.mark.slow
 def test_two_runs_of_a_scenario_write_identical_work_and_the_gate_passes(tmp_path):
     scenario = write_scenario(tmp_path, "tiny", TINY)
     out = tmp_path / "results"
@@ -326,8 +338,11 @@ def test_compare_prints_the_work_verdicts(tmp_path, runs, capsys):
 
 
 def test_documents_without_work_counters_get_no_work_verdict(tmp_path, runs):
-    old = make_doc("tiny", {"peak_tensor_bytes": {"unit": "bytes", "better": "lower", "samples": [1.0],
-                                                  "median": 1.0, "spread": None}}, spec=TINY)
+    old = make_doc(
+        "tiny",
+        {"peak_tensor_bytes": {"unit": "bytes", "better": "lower", "samples": [1.0], "median": 1.0, "spread": None}},
+        spec=TINY,
+    )
     assert work_verdicts("tiny", old, runs["copy"]) == [
         "NOTE tiny: no work counters on one side (the baseline); work not compared"
     ]
@@ -375,25 +390,30 @@ def _two_runs_with_an_extra_all_reduce():
 @pytest.mark.timeout(300)
 def test_an_extra_all_reduce_is_named_in_the_gate(tmp_path):
     (base, planted), _ = run_ranks(_two_runs_with_an_extra_all_reduce, 2, timeout=240)
+
     def census(run):
-        return {r["rank"]: {(c["op"], c["group"]): (c["calls"], c["bytes"]) for c in r["collectives"]}
-                for r in run[1]["work"]["ranks"]}
+        return {
+            r["rank"]: {(c["op"], c["group"]): (c["calls"], c["bytes"]) for c in r["collectives"]}
+            for r in run[1]["work"]["ranks"]
+        }
 
     before, after = census(base), census(planted)
     assert set(before) == {0, 1}
     for rank in (0, 1):
         calls, nbytes = before[rank][("all_reduce", "dp")]
         assert after[rank][("all_reduce", "dp")] == (calls + 1, nbytes + 4 * EXTRA_ELEMENTS)
-        assert {k: v for k, v in after[rank].items() if k != ("all_reduce", "dp")} == \
-               {k: v for k, v in before[rank].items() if k != ("all_reduce", "dp")}
+        assert {k: v for k, v in after[rank].items() if k != ("all_reduce", "dp")} == {
+            k: v for k, v in before[rank].items() if k != ("all_reduce", "dp")
+        }
     assert planted[0]["work_collective_calls"]["median"] == base[0]["work_collective_calls"]["median"] + 2
 
     base_dir, cand_dir = _sides(tmp_path, base, planted, "tiny-dp2", DP2)
     code, report = _gate("--baseline", str(base_dir), "--candidate", str(cand_dir))
     assert code == 1, report
-    assert ("REGRESSION tiny-dp2 work_collective_calls: work increased: +1 all_reduce of 4 MiB per step (dp) "
-            "on each of 2 ranks") in report
+    assert (
+        "REGRESSION tiny-dp2 work_collective_calls: work increased: +1 all_reduce of 4 MiB per step (dp) "
+        "on each of 2 ranks"
+    ) in report
     assert "REGRESSION tiny-dp2 work_collective_bytes: work increased: +8 MiB of collectives per step" in report
     code, report = _gate("--baseline", str(base_dir), "--candidate", str(cand_dir), "--accept-work")
     assert code == 0 and "work increased (accepted): +1 all_reduce of 4 MiB per step (dp)" in report
-

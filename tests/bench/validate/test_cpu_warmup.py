@@ -18,4 +18,3 @@ def test_random_routes_keep_making_new_shapes():
     blocks = step_decay("scenarios/smoke/e8-random-bf16.yaml", steps=2, block=1, progress=lambda line: None)
     assert blocks[0]["new_expert_gemm_shapes_per_step"] > 6
     assert blocks[1]["new_expert_gemm_shapes_per_step"] > 0
-

@@ -18,10 +18,20 @@ from bench.validate import compile_speedup, recompute_cost, variants
 from bench.validate.variants import Variant
 
 TINY = {
-    "schema_version": 1, "description": "A tiny MoE for the variant tests.", "mode": "execute",
-    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "seq_len": 32,
-              "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32}},
-    "routing": {"mode": "random", "seed": 3}, "precision": "fp32",
+    "schema_version": 1,
+    "description": "A tiny MoE for the variant tests.",
+    "mode": "execute",
+    "model": {
+        "vocab_size": 256,
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "seq_len": 32,
+        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
+    },
+    "routing": {"mode": "random", "seed": 3},
+    "precision": "fp32",
     "recompute": {"mode": "none", "every": 2},
     "run": {"warmup_steps": 1, "steps": 2, "tokens_per_step": 128, "timeout_s": 120},
 }
@@ -86,7 +96,7 @@ def test_the_summary_by_hand():
     assert s["quartiles"] == pytest.approx([1.75, 2.0])  # inclusive: 1.5 + (2 - 1.5) / 2, and 2
     # Walsh averages of the logs: ln 1.5, m, m, ln 2, ln 2, ln 2 with m = (ln 1.5 + ln 2) / 2; their
     # median is (m + ln 2) / 2, exp of which is (1.5 * 2^3)^(1/4) = 12^(1/4).
-    assert s["hodges_lehmann"] == pytest.approx(12 ** 0.25)
+    assert s["hodges_lehmann"] == pytest.approx(12**0.25)
     # 3 pairs: no signed-rank statistic is rarer than 2.5% (1/8), k = 1: the extreme Walsh averages.
     assert s["interval_95"] == pytest.approx([1.5, 2.0])
 
@@ -123,8 +133,9 @@ def differences(a, b):
     return {path for path in la.keys() | lb.keys() if la.get(path, "<absent>") != lb.get(path, "<absent>")}
 
 
-@pytest.mark.parametrize("variant", [*recompute_cost.MODES, recompute_cost.CONTROL, compile_speedup.COMPILED],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize(
+    "variant", [*recompute_cost.MODES, recompute_cost.CONTROL, compile_speedup.COMPILED], ids=lambda v: v.name
+)
 def test_a_patched_spec_validates_and_differs_only_where_the_patch_says(tiny_file, variant):
     scenario = tiny_scenario(tiny_file)
     written = variants.spec_as_written(scenario)
@@ -189,8 +200,8 @@ def test_the_loop_probes_settles_then_runs_the_rotation_and_closes_every_worker(
     assert [label for label, _ in started] == ["b", "x", "y"]
     assert order[:6] == ["b", "x", "y"] * 2  # probe, then one unrecorded block each
     expected = [label for index in range(4) for pair in variants.rotation(["x", "y"], index, "b") for label in pair]
-    assert order[6:6 + len(expected)] == expected
-    assert sorted(order[6 + len(expected):]) == ["closed b", "closed x", "closed y"]
+    assert order[6 : 6 + len(expected)] == expected
+    assert sorted(order[6 + len(expected) :]) == ["closed b", "closed x", "closed y"]
     assert row["steps_per_block"] == 100  # 0.5 s from the fastest worker's step (5 ms)
     assert row["ratios"]["x"]["median"] == pytest.approx(0.5) and row["ratios"]["y"]["median"] == pytest.approx(2.0)
     assert row["order"][1] == [["y", "b"], ["x", "b"]]
@@ -205,10 +216,25 @@ def test_compile_speedup_keeps_its_rows(tiny_file):
     order, started = [], []
     factory = lambda *args: FakeSide({"eager": 0.02, "compiled": 0.01}, order, started, *args)
     row = compile_speedup.measure(tiny_scenario(tiny_file), "cpu", 3, 0.2, 60, lambda line: None, factory)
-    assert {"scenario", "file", "mode", "world_size", "status", "steps_per_block", "tokens_per_step",
-            "eager_block_s", "compiled_block_s", "speedup", "tokens_per_s_median", "ready_s", "compile_s",
-            "probe_losses", "probe_loss_rel_diff", "last_block_losses",
-            "last_block_loss_max_rel_diff"} <= set(row)
+    assert {
+        "scenario",
+        "file",
+        "mode",
+        "world_size",
+        "status",
+        "steps_per_block",
+        "tokens_per_step",
+        "eager_block_s",
+        "compiled_block_s",
+        "speedup",
+        "tokens_per_s_median",
+        "ready_s",
+        "compile_s",
+        "probe_losses",
+        "probe_loss_rel_diff",
+        "last_block_losses",
+        "last_block_loss_max_rel_diff",
+    } <= set(row)
     assert row["speedup"]["median"] == pytest.approx(2.0) and len(row["eager_block_s"]) == 3
     assert [s.run["compile"] for _, s in started] == [False, True]
     assert "| tiny-variants | 1 | x2.000 |" in compile_speedup.render([row])
@@ -233,8 +259,17 @@ class DriftingSide(FakeSide):
 def test_each_ratio_takes_the_base_block_of_its_own_pair_on_a_drifting_machine(tiny_file):
     order, started = [], []
     factory = lambda *args: DriftingSide({"b": 0.01, "x": 0.02, "y": 0.005}, order, started, *args)
-    row = variants.measure(tiny_scenario(tiny_file), Variant("b"), [Variant("x"), Variant("y")], "cpu", 5, 0.5, 60,
-                           lambda line: None, factory)
+    row = variants.measure(
+        tiny_scenario(tiny_file),
+        Variant("b"),
+        [Variant("x"), Variant("y")],
+        "cpu",
+        5,
+        0.5,
+        60,
+        lambda line: None,
+        factory,
+    )
     assert row["ratios"]["x"]["per_pair"] == pytest.approx([0.5] * 5)
     assert row["ratios"]["y"]["per_pair"] == pytest.approx([2.0] * 5)
     assert row["ratios"]["x"]["interval_95"] == pytest.approx([0.5, 0.5])
@@ -250,8 +285,17 @@ class DyingSide(FakeSide):
 def test_a_worker_that_dies_fails_the_scenario_and_every_worker_is_closed(tiny_file):
     order, started = [], []
     factory = lambda *args: DyingSide({"b": 0.01, "x": 0.01, "y": 0.01}, order, started, *args)
-    row = variants.measure(tiny_scenario(tiny_file), Variant("b"), [Variant("x"), Variant("y")], "cpu", 4, 0.1, 60,
-                           lambda line: None, factory)
+    row = variants.measure(
+        tiny_scenario(tiny_file),
+        Variant("b"),
+        [Variant("x"), Variant("y")],
+        "cpu",
+        4,
+        0.1,
+        60,
+        lambda line: None,
+        factory,
+    )
     assert row["status"] == "failed" and "planted" in row["error"] and set(row["ready_s"]) == {"b", "x", "y"}
     assert sorted(x for x in order if x.startswith("closed")) == ["closed b", "closed x", "closed y"]
     assert "failed: x worker exited" in variants.render([row])
@@ -263,23 +307,46 @@ def test_the_recompute_tool_measures_every_mode_and_an_identical_control(tiny_fi
     def fake(scenario, base, chosen, device, pairs, block_s, timeout_s, log):
         calls.append((base, chosen))
         names = [v.name for v in chosen]
-        ratio = {"per_pair": [1.0, 1.0], "median": 1.0, "min": 1.0, "max": 1.0, "quartiles": [1.0, 1.0],
-                 "hodges_lehmann": 1.0, "interval_95": [0.97, 1.03]}
-        return {"scenario": scenario.name, "status": "ok", "world_size": 1, "base": base.name, "variants": names,
-                "ratios": {n: ratio for n in names}, "peak_rss_mib": None}
+        ratio = {
+            "per_pair": [1.0, 1.0],
+            "median": 1.0,
+            "min": 1.0,
+            "max": 1.0,
+            "quartiles": [1.0, 1.0],
+            "hodges_lehmann": 1.0,
+            "interval_95": [0.97, 1.03],
+        }
+        return {
+            "scenario": scenario.name,
+            "status": "ok",
+            "world_size": 1,
+            "base": base.name,
+            "variants": names,
+            "ratios": {n: ratio for n in names},
+            "peak_rss_mib": None,
+        }
 
     monkeypatch.setattr(variants, "measure", fake)
     out = tmp_path / "rc.json"
     assert recompute_cost.main([str(tiny_file), "--out", str(out)]) == 0
     ((base, chosen),) = calls
     assert base.patch == {"recompute": {"mode": "none", "parts": []}}
-    assert [v.name for v in chosen] == ["full", "selective-attention", "selective-experts", "selective-norms",
-                                        "selective-attention-experts", "none-again"]
+    assert [v.name for v in chosen] == [
+        "full",
+        "selective-attention",
+        "selective-experts",
+        "selective-norms",
+        "selective-attention-experts",
+        "none-again",
+    ]
     assert chosen[-1].patch == base.patch  # the A/A control is the base once more
     assert [v.patch["recompute"] for v in chosen[:-1]] == [
-        {"mode": "full", "parts": []}, {"mode": "selective", "parts": ["attention"]},
-        {"mode": "selective", "parts": ["experts"]}, {"mode": "selective", "parts": ["norms"]},
-        {"mode": "selective", "parts": ["attention", "experts"]}]
+        {"mode": "full", "parts": []},
+        {"mode": "selective", "parts": ["attention"]},
+        {"mode": "selective", "parts": ["experts"]},
+        {"mode": "selective", "parts": ["norms"]},
+        {"mode": "selective", "parts": ["attention", "experts"]},
+    ]
     document = json.loads(out.read_text())
     assert "none-again (A/A control) vs none" in document["table"]
     assert "tiny-variants x1.000 [0.970, 1.030]" in document["control_note"]
@@ -305,12 +372,35 @@ def test_a_real_run_writes_its_document_and_leaves_no_worker_behind(tiny_file, t
 
     monkeypatch.setattr(resident.ResidentSide, "__enter__", recording_enter)
     out = tmp_path / "out.json"
-    code = recompute_cost.main([str(tiny_file), "--variants", "full", "--no-control", "--pairs", "1",
-                                "--block-s", "0.05", "--timeout-s", "120", "--out", str(out)])
+    code = recompute_cost.main(
+        [
+            str(tiny_file),
+            "--variants",
+            "full",
+            "--no-control",
+            "--pairs",
+            "1",
+            "--block-s",
+            "0.05",
+            "--timeout-s",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     document = json.loads(out.read_text())
-    assert {"command", "measured_at", "machine", "engine", "settings", "ratio", "control_note", "scenarios",
-            "table"} <= set(document)
+    assert {
+        "command",
+        "measured_at",
+        "machine",
+        "engine",
+        "settings",
+        "ratio",
+        "control_note",
+        "scenarios",
+        "table",
+    } <= set(document)
     assert [v["name"] for v in document["settings"]["variants"]] == ["full"]
     (row,) = document["scenarios"]
     assert row["status"] == "ok" and row["base"] == "none" and row["variants"] == ["full"]
