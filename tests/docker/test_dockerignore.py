@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import fnmatch
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,6 +19,8 @@ def _release_pattern() -> str:
 
 
 def test_every_committed_release_folder_goes_into_the_image():
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout (inside the image the build dropped .git)")
     tracked = subprocess.run(
         ["git", "ls-files", "results"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
