@@ -225,17 +225,20 @@ def _run_received(
     """Expert outputs for received rows, in arrival order; padding rows (local id L) give zeros."""
     sort = sort_permutation(local_R)
     groups = ExpertGroups.from_counts(counts_L)
-    y_RD = experts(gather_tokens(recv_RD, sort, experts.fused_kernels), groups)
+    fused = experts.fused_kernels
+    y_RD = experts(gather_tokens(recv_RD, sort, fused), groups)
     back = sort.inverse()
     if padded:
-        # Grouped GEMMs leave rows after the last offset uninitialised (possibly NaN): the gather back
-        # to arrival order writes zeros there instead of reading them (filled_R), and its backward
-        # sends them no gradient (kept_N), with no pass of its own over the rows.
+        # Grouped GEMMs leave rows after the last offset uninitialised (possibly NaN). The fused gather
+        # back to arrival order writes zeros there instead of reading them (filled_R) and sends them no
+        # gradient (kept_N), in its one pass; the eager gather would add mask ops to a where pass.
         real_P = torch.arange(y_RD.shape[0], device=y_RD.device) < groups.offsets_E[-1]
-        back = RowMap(
-            back.row_N, back.assignment_R, 1, kept_N=real_P, filled_R=real_P.index_select(0, back.assignment_R)
-        )
-    return gather_tokens(y_RD, back, experts.fused_kernels)
+        if fused:
+            filled_R = real_P.index_select(0, back.assignment_R)
+            back = RowMap(back.row_N, back.assignment_R, 1, kept_N=real_P, filled_R=filled_R)
+        else:
+            y_RD = torch.where(real_P.unsqueeze(1), y_RD, 0)
+    return gather_tokens(y_RD, back, fused)
 
 
 class AllToAllDispatcher(Dispatcher):
