@@ -31,8 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.predict.device import load_profile
-from bench.predict.plan import plan_scenario
-from bench.run.project import DoesNotFit, project_on_device
+from bench.run.project import DoesNotFit, memory_fit, project_on_device
 from bench.scenario import Scenario, load_scenario
 from bench.validate.variants import patched
 
@@ -77,12 +76,6 @@ def _assumed(scenario) -> str:
 
 
 ENGINES = ("eager", "lean")
-
-
-def _plan_gib(scenario: Scenario) -> float:
-    """The plan's most loaded rank, GiB."""
-    _, details = plan_scenario(scenario)
-    return max(stage["memory_total_bytes"] for stage in details["stages"]) / 2**30
 
 
 def _error(published: Any, projected: Any, metric: str) -> float | str | None:
@@ -185,7 +178,7 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
             "(Megatron-Bridge trains it on 80 GB)",
             "metric": "GiB per GPU",
             "published": "fits 74.5",
-            "projected": tuple(f"{_plan_gib(s):.1f}" for s in (qwen, lean(qwen))),
+            "projected": tuple(f"{memory_fit(s, h100)['memory_need_bytes'] / gib:.1f}" for s in (qwen, lean(qwen))),
             "scenarios": ["qwen3-30b-a3b-h100x16"],
         },
         {

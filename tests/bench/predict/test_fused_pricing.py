@@ -4,15 +4,13 @@ real trace of the fused loss carrying what its price needs."""
 
 from __future__ import annotations
 
-import copy
 import re
 
 import pytest
 import torch
-import yaml
+from profiles import profile_with
 
 import moe_engine.kernels  # noqa: F401  (registers the moe_engine:: ops)
-from bench.predict.device import DEVICES_DIR, profile_from_dict
 from bench.predict.fused_ops import FUSED_OPS
 from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work
 from bench.predict.pricing import op_seconds
@@ -118,19 +116,8 @@ def test_unknown_fused_op_names_the_file_to_extend():
         op_work(TracedOp("moe_engine.router_topk.default", (spec(4, 8),), (spec(4, 2),), "forward"))
 
 
-def _profile(**overrides):
-    data = copy.deepcopy(yaml.safe_load((DEVICES_DIR / "h100-sxm.yaml").read_text()))
-    for dotted, value in overrides.items():
-        target = data
-        *path, last = dotted.split(".")
-        for key in path:
-            target = target[key]
-        target[last] = value
-    return profile_from_dict(data, "test.yaml")
-
-
 def test_cross_entropy_price_is_its_gemms_plus_its_passes_by_hand():
-    p = _profile(
+    p = profile_with(
         **{
             "peak_tflops.bf16": 1000.0,
             "hbm_gbps": 2000.0,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import yaml
+from profiles import profile_with
 
 from bench.predict.device import DEVICES_DIR, ProfileError, load_profile, profile_from_dict
 from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work, region_op
@@ -131,20 +131,8 @@ def test_mx_region_is_one_gemm_at_the_mx_rate():
 # ---- prices -------------------------------------------------------------------------------------
 
 
-def _profile(**overrides):
-    data = yaml.safe_load((DEVICES_DIR / "h100-sxm.yaml").read_text())
-    data = copy.deepcopy(data)
-    for dotted, value in overrides.items():
-        target = data
-        *path, last = dotted.split(".")
-        for key in path:
-            target = target[key]
-        target[last] = value
-    return profile_from_dict(data, "test.yaml")
-
-
 def test_declared_roofline_by_hand():
-    p = _profile(
+    p = profile_with(
         **{
             "peak_tflops.bf16": 1000.0,
             "hbm_gbps": 2000.0,
@@ -216,7 +204,7 @@ def test_regions_priced_as_one_kernel_on_a_gpu_and_op_by_op_on_a_cpu():
         ),
     ]
     after = op("aten.add.Tensor", [a, a], [a])
-    gpu = _profile()
+    gpu = profile_with()
     priced = price_ops([*region, after], gpu)
     assert [p.work.kind for p in priced] == ["mx_gemm", "free", "memory"]
     assert priced[1].seconds == 0.0
@@ -228,7 +216,7 @@ def test_regions_priced_as_one_kernel_on_a_gpu_and_op_by_op_on_a_cpu():
         )
         + gpu.efficiency["launch_overhead_us"] * 1e-6
     )
-    cpu = _profile(kind="cpu")
+    cpu = profile_with(kind="cpu")
     assert [p.work.kind for p in price_ops([*region, after], cpu)] == ["memory", "grouped_gemm", "memory"]
 
 
