@@ -38,7 +38,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from moe_engine.moe.experts import GroupedExperts
@@ -127,7 +128,7 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
         return _resolve(self.state_dict, index, super().lookup_tensor)
 
 
-class HostStager:
+class HostStager(AsyncStager):
     """DCP ``AsyncStager``: a host copy of every tensor of the state dict, taken before ``stage`` returns."""
 
     @property
@@ -181,7 +182,7 @@ class _Placement:
 
 def parameter_placements(module: nn.Module) -> dict[int, _Placement]:
     """Every parameter of ``module`` (a model or a rank's stages, under the model's names) by id."""
-    placements = {}
+    placements: dict[int, _Placement] = {}
     for module_name, sub in module.named_modules():
         for name, param in sub.named_parameters(recurse=False):
             fqn = f"{module_name}.{name}" if module_name else name
@@ -306,7 +307,7 @@ def async_save(
     """Copy the state to the host and write it in a background thread; the future completes with the
     checkpoint. ``process_group`` should be one that training does not use (a gloo group of its own):
     the background thread runs DCP's collectives on it while training runs its own."""
-    return dcp.async_save(
+    response = dcp.async_save(
         trainer_state(trainer, extra),
         checkpoint_id=str(path),
         planner=ChunkSavePlanner(),
@@ -314,6 +315,8 @@ def async_save(
         async_stager=HostStager(),
         no_dist=not dist.is_initialized(),
     )
+    # An AsyncSaveResponse comes only from a stager whose ``stage`` returns a future; HostStager's copies in place.
+    return cast(Future, response)
 
 
 class CheckpointMismatch(ValueError):

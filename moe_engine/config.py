@@ -355,6 +355,8 @@ class ModelConfig:
             value = getattr(self, name)
             _require(value >= 1, name, f"must be >= 1, got {value}")
         if self.mla is None:
+            # __post_init__ resolved it (n_heads >= 1 was checked just above).
+            assert self.head_dim is not None
             _require(self.head_dim >= 2, "head_dim", f"must be >= 2, got {self.head_dim}")
             _require(self.head_dim % 2 == 0, "head_dim", f"{self.head_dim} must be even for RoPE")
             _require(
@@ -577,6 +579,7 @@ class ParallelConfig:
         the batch size in the message."""
         _require(sequences % self.dp == 0, field, f"{sequences} sequences do not split over dp={self.dp}")
         per_rank = sequences // self.dp
+        assert self.microbatches is not None  # __post_init__ resolves None to pp
         _require(
             per_rank % self.microbatches == 0,
             "parallel.microbatches",
@@ -601,6 +604,7 @@ class ParallelConfig:
         if self.pp == 1:
             return
         m, pp = self.microbatches, self.pp
+        assert m is not None  # __post_init__ resolves None to pp
         if self.schedule is PipelineSchedule.ONE_F_ONE_B:
             _require(
                 m >= pp,
@@ -680,7 +684,7 @@ def _coerce_enums(obj, prefix: str) -> None:
                 raise ValueError(f"{prefix}{f.name}: {value!r} is not one of {choices}") from None
 
 
-_ENUM_FIELDS = {
+_ENUM_FIELDS: dict[str, type[Enum]] = {
     "score_func": ScoreFunc,
     "routing": RoutingMode,
     "backend": ExpertBackendKind,

@@ -152,12 +152,18 @@ def _swiglu_params(d_model: int, hidden: int) -> int:
     return 3 * d_model * hidden
 
 
+def _gqa_head_dim(config: ModelConfig) -> int:
+    """The head width of grouped-query attention (a config without mla)."""
+    assert config.head_dim is not None  # ModelConfig resolves it whenever there is no mla
+    return config.head_dim
+
+
 def _attention_projection_params(config: ModelConfig) -> int:
     """Per-layer attention weights (q, k, v, o, or MLA's projections); the matmul parameters of attention."""
     d, heads, mla = config.d_model, config.n_heads, config.mla
     if mla is None:
-        q_dim = heads * config.head_dim
-        kv_dim = config.n_kv_heads * config.head_dim
+        q_dim = heads * _gqa_head_dim(config)
+        kv_dim = config.n_kv_heads * _gqa_head_dim(config)
         return 2 * d * q_dim + 2 * d * kv_dim
     q_out = heads * mla.qk_head_dim
     q = d * q_out if mla.q_lora_rank is None else mla.q_lora_rank * (d + q_out)
@@ -181,9 +187,8 @@ def _attention_norm_params(config: ModelConfig) -> int:
     if mla is not None:
         return mla.kv_lora_rank + (mla.q_lora_rank or 0)
     if config.qk_norm:
-        return (
-            2 * config.head_dim if config.qk_norm_per_head else (config.n_heads + config.n_kv_heads) * config.head_dim
-        )
+        head_dim = _gqa_head_dim(config)
+        return 2 * head_dim if config.qk_norm_per_head else (config.n_heads + config.n_kv_heads) * head_dim
     return 0
 
 
@@ -191,13 +196,13 @@ def _attention_core_width(config: ModelConfig) -> int:
     """A_core of the module docstring: the widths QK^T and AV contract over, summed over the heads."""
     mla = config.mla
     if mla is None:
-        return 2 * config.n_heads * config.head_dim
+        return 2 * config.n_heads * _gqa_head_dim(config)
     return config.n_heads * (mla.qk_head_dim + mla.v_head_dim)
 
 
 def _output_projection_params(config: ModelConfig) -> int:
     """o_proj's weights: the attention's last GEMM."""
-    v_dim = config.head_dim if config.mla is None else config.mla.v_head_dim
+    v_dim = _gqa_head_dim(config) if config.mla is None else config.mla.v_head_dim
     return config.d_model * config.n_heads * v_dim
 
 

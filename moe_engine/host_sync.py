@@ -141,7 +141,7 @@ def forbid_host_sync():
         with _ForbidFunctions(), _ForbidOps():
             yield
     finally:
-        if cuda:
+        if previous is not None:  # cuda
             torch.cuda.set_sync_debug_mode(previous)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,8 @@ from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.router import Router
 
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
+
 
 class Block(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)). With fused kernels the residual add
@@ -27,6 +31,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config) if config.mla is None else MultiHeadLatentAttention(config)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn: MoELayer | SwiGLU
         if config.is_moe_layer(layer_idx):
             self.ffn = MoELayer(config.d_model, config.moe, layer_idx)
         else:
@@ -49,7 +54,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        rope_dim = config.head_dim if config.mla is None else config.mla.qk_rope_head_dim
+        if config.mla is None:
+            assert config.head_dim is not None  # ModelConfig resolves it for grouped-query attention
+            rope_dim = config.head_dim
+        else:
+            rope_dim = config.mla.qk_rope_head_dim
         self.rope = RotaryEmbedding(rope_dim, config.seq_len, config.rope_theta)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -136,7 +145,7 @@ def _cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.T
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
 
 
-def cast_parameters(model: nn.Module, precision: Precision) -> nn.Module:
+def cast_parameters(model: _ModuleT, precision: Precision) -> _ModuleT:
     """Cast parameters to the precision's dtype, except in modules marked ``keep_fp32``.
 
     Buffers keep their dtype. A plain ``model.to(dtype)`` also gives a working model: it rounds

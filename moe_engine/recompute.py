@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -33,6 +34,9 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_engine.config import RecomputeConfig, RecomputeMode, RecomputePart
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace, routing_streams
+
+if TYPE_CHECKING:
+    from moe_engine.model import Block
 
 
 def _checkpointed(forward, context_fn=None):
@@ -43,7 +47,7 @@ def _checkpointed(forward, context_fn=None):
         extra = {} if context_fn is None else {"context_fn": context_fn}
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
-    run.recomputed = True
+    run.recomputed = True  # type: ignore[attr-defined]  # a marker attribute on the wrapper, read by is_recomputed
     return run
 
 
@@ -71,7 +75,7 @@ def _replay_context(block: nn.Module):
     return context_fn
 
 
-def _part_modules(block: nn.Module, part: RecomputePart) -> list[nn.Module]:
+def _part_modules(block: Block, part: RecomputePart) -> list[nn.Module]:
     if part is RecomputePart.ATTENTION:
         return [block.attn]
     if part is RecomputePart.NORMS:
@@ -93,7 +97,8 @@ def apply_recompute(blocks: nn.ModuleList, config: RecomputeConfig, stages: list
             block.forward = _checkpointed(block.forward, _replay_context(block))
         else:
             for part in config.parts:
-                for module in _part_modules(block, part):
+                # model.blocks holds Blocks; ModuleList's items are typed as plain modules.
+                for module in _part_modules(cast("Block", block), part):
                     module.forward = _checkpointed(module.forward)
     return chosen
 

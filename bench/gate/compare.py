@@ -312,6 +312,7 @@ def _row(
     scenario: str, machine: str, name: str, base: dict[str, Any] | None, cand: dict[str, Any] | None, tolerance: float
 ) -> MetricRow:
     ref = cand if cand is not None else base
+    assert ref is not None  # the metric is on one side at least
     present = [entry for entry in (base, cand) if entry is not None]
     row = MetricRow(
         scenario,
@@ -361,7 +362,7 @@ def compare(
     mismatched: list[ScenarioIssue] = []
     for key in sorted(set(base) | set(cand)):
         b, c = base.get(key), cand.get(key)
-        common = dict(
+        common: dict[str, Any] = dict(
             scenario=key[0],
             machine=key[1],
             base_status=b.status if b else None,

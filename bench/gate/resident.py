@@ -102,6 +102,7 @@ class ResidentSide:
         self.close()
 
     def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None  # started with stdout=PIPE
         for line in self.process.stdout:
             self._lines.put(line)
         self._lines.put(None)
@@ -112,6 +113,7 @@ class ResidentSide:
         except queue.Empty:
             raise WorkerDied(f"{self.label} worker gave no answer within {self.timeout_s:.0f} s") from None
         if line is None:
+            assert self.process is not None  # lines come from a started worker
             self.process.wait(timeout=30)
             raise WorkerDied(f"{self.label} worker exited with code {self.process.returncode}: {self.error_tail()}")
         message = json.loads(line)
@@ -127,20 +129,22 @@ class ResidentSide:
 
     def block(self, steps: int) -> float:
         """Seconds of ``steps`` steps on this side (the slowest rank's)."""
-        try:
-            self.process.stdin.write(json.dumps({"block": steps}) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass  # the worker is gone: _receive says how
+        with contextlib.suppress(BrokenPipeError, OSError):  # the worker is gone: _receive says how
+            self._send({"block": steps})
         reply = self._receive("seconds")
         self.last_losses = reply["losses"]
         return float(reply["seconds"])
 
+    def _send(self, message: dict) -> None:
+        """One line to the worker; BrokenPipeError or OSError when it is gone."""
+        assert self.process is not None and self.process.stdin is not None  # started with stdin=PIPE
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
     def close(self) -> None:
         if self.process is not None and self.process.poll() is None:
             with contextlib.suppress(BrokenPipeError, OSError):
-                self.process.stdin.write(json.dumps({"stop": True}) + "\n")
-                self.process.stdin.flush()
+                self._send({"stop": True})
             with contextlib.suppress(subprocess.TimeoutExpired):  # then killed below
                 self.process.wait(timeout=10)
         if self.process is not None:
@@ -194,7 +198,8 @@ def compare_resident(
         if n >= 2:
             result.estimate = paired.hodges_lehmann(paired.log_ratios(result.baseline_s, result.candidate_s))
             result.verdict = paired.verdict(result.estimate, tolerance)
-        if stop_early and n >= 2 and paired.decided(result.estimate, tolerance):
+        # The estimate exists from the second pair on.
+        if stop_early and result.estimate is not None and paired.decided(result.estimate, tolerance):
             result.stopped_by = "decided"
             break
         if clock() - start >= budget_s and n >= paired.MIN_PAIRS:

@@ -38,8 +38,10 @@ def _free_port() -> int:
 
 
 def _reply(message: dict) -> None:
-    sys.__stdout__.write(json.dumps(message) + "\n")
-    sys.__stdout__.flush()
+    stdout = sys.__stdout__
+    assert stdout is not None  # the gate starts the worker with a stdout pipe
+    stdout.write(json.dumps(message) + "\n")
+    stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_block(steps: int) -> tuple[float, list[float]]:
         for module in rank_model.module.modules():
-            if hasattr(module, "reset_routing_generator"):
-                module.reset_routing_generator()
+            reset = getattr(module, "reset_routing_generator", None)
+            if reset is not None:
+                reset()
         generator = torch.Generator().manual_seed(seed + 12345)
         batches = []
         for _ in range(steps):
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 box = [command]
                 dist.broadcast_object_list(box, src=0)
                 command = box[0]
+            assert command is not None  # rank 0's, broadcast to the others
             if command.get("stop"):
                 break
             seconds, losses = run_block(int(command["block"]))

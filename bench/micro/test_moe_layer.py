@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_engine.config import MoEConfig, Precision
+from moe_engine.config import MoEConfig, Precision, RoutingMode
 from moe_engine.flops import dense_ffn_training_flops_per_token, moe_ffn_training_flops_per_token
 from moe_engine.model import cast_parameters
 from moe_engine.modules.mlp import SwiGLU
@@ -44,7 +44,7 @@ def _measure(benchmark, module, device):
 
 
 def _moe(num_experts: int, top_k: int) -> MoEConfig:
-    return MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=EXPERT_HIDDEN, routing="random")
+    return MoEConfig(num_experts=num_experts, top_k=top_k, expert_hidden=EXPERT_HIDDEN, routing=RoutingMode.RANDOM)
 
 
 @pytest.mark.parametrize("num_experts, top_k", [(64, 8)], ids=["E64-k8"])

@@ -12,7 +12,7 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from bench.report.experiments import MemoryStack, PairChart, ProjectionStack, VariantGroup, variant_order
+from bench.report.experiments import MemoryStack, PairBar, PairChart, ProjectionStack, VariantGroup, variant_order
 from bench.report.trends import Trend
 from bench.report.units import axis_scale, format_value, gib, percent
 
@@ -72,13 +72,14 @@ def trend_figure(trend: Trend, releases: tuple[str, ...]) -> go.Figure:
         values = [p.median for p in series.points] + [p.high for p in series.points if p.high is not None]
         scale = axis_scale(series.unit, values)
         xs = [position[p.version] for p in series.points]
-        spread = [p for p in series.points if p.q1 is not None]
+        # (x, q1, q3) of the points with a spread (more than one sample: both quartiles are set).
+        spread = [(position[p.version], p.q1, p.q3) for p in series.points if p.q1 is not None and p.q3 is not None]
         if len(spread) >= 2:
-            band_x = [position[p.version] for p in spread]
+            band_x = [x for x, _, _ in spread]
             fig.add_trace(
                 go.Scatter(
                     x=band_x,
-                    y=[p.q3 / scale.factor for p in spread],
+                    y=[q3 / scale.factor for _, _, q3 in spread],
                     mode="lines",
                     line={"width": 0},
                     hoverinfo="skip",
@@ -90,7 +91,7 @@ def trend_figure(trend: Trend, releases: tuple[str, ...]) -> go.Figure:
             fig.add_trace(
                 go.Scatter(
                     x=band_x,
-                    y=[p.q1 / scale.factor for p in spread],
+                    y=[q1 / scale.factor for _, q1, _ in spread],
                     mode="lines",
                     line={"width": 0},
                     fill="tonexty",
@@ -169,7 +170,7 @@ def pair_figure(chart: PairChart) -> go.Figure:
     interval as error bars against a line at 1 (an interval that crosses it is within noise)."""
     comparison = chart.comparison
     unit = next((b.unit for b in chart.bars if b.unit), "")
-    scale = axis_scale(unit, [v for b in chart.bars for v in (b.numerator_value, b.denominator_value)])
+    scale = axis_scale(unit, [v for b in chart.bars for v in (b.numerator_value, b.denominator_value) if v is not None])
     groups, used = [], set()
     for i, bar in enumerate(chart.bars):
         group = f"{bar.machine}, {bar.version}"
@@ -182,13 +183,13 @@ def pair_figure(chart: PairChart) -> go.Figure:
         cols=2,
         column_widths=[0.62, 0.38],
         horizontal_spacing=0.1,
-        subplot_titles=[metric_title(chart.bars[0].metric), "ratio, numerator / denominator"],
+        subplot_titles=[_pair_metric_title(chart.bars[0]), "ratio, numerator / denominator"],
     )
     for side, color in (("numerator", _color(0)), ("denominator", _color(1))):
         names = [getattr(b, side) for b in chart.bars]
         values = [getattr(b, f"{side}_value") for b in chart.bars]
         hover = [
-            f"<b>{name}</b> on {b.machine}, version {b.version}<br>{metric_title(b.metric)}: "
+            f"<b>{name}</b> on {b.machine}, version {b.version}<br>{_pair_metric_title(b)}: "
             f"{format_value(v, unit)}<br>{b.numerator} / {b.denominator} = {b.described}"
             for name, v, b in zip(names, values, chart.bars)
         ]
@@ -219,8 +220,8 @@ def pair_figure(chart: PairChart) -> go.Figure:
             error_y={
                 "type": "data",
                 "symmetric": False,
-                "array": [b.interval[1] - b.ratio if b.interval else 0 for b in chart.bars],
-                "arrayminus": [b.ratio - b.interval[0] if b.interval else 0 for b in chart.bars],
+                "array": [_error_bar(b)[0] for b in chart.bars],
+                "arrayminus": [_error_bar(b)[1] for b in chart.bars],
             },
             hovertext=[
                 f"{b.numerator} / {b.denominator} on {b.machine}, version {b.version}: {b.described}"
@@ -236,6 +237,19 @@ def pair_figure(chart: PairChart) -> go.Figure:
     fig.update_xaxes(tickfont={"size": 10}, row=1, col=2)
     title = f"{comparison.label}: measured ×ratio on each pair with its 95% interval; reference {comparison.reference}"  # noqa: RUF001 (the multiplication sign is meant for display)
     return _layout(fig, title, height=HEIGHT + 40)
+
+
+def _pair_metric_title(bar: PairBar) -> str:
+    """The metric title of a bar on a pair chart."""
+    assert bar.metric is not None  # PairChart.bars are the pairs with a ratio, hence a metric
+    return metric_title(bar.metric)
+
+
+def _error_bar(bar: PairBar) -> tuple[float, float]:
+    """How far the bar's 95% interval reaches above and below its ratio; none without an interval."""
+    if bar.interval is None or bar.ratio is None:  # a bar with an interval has a ratio
+        return 0, 0
+    return bar.interval[1] - bar.ratio, bar.ratio - bar.interval[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,7 +320,9 @@ def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
         unit = drawn[0].variants[0].metrics[getattr(drawn[0], attr)]["unit"]
         scale = axis_scale(unit, [v.metrics[getattr(g, attr)]["median"] for g in drawn for v in g.variants])
         for i, mode in enumerate(modes):
-            xs, ys, hover = [[], []], [], []
+            xs: list[list[str]] = [[], []]
+            ys: list[float] = []
+            hover: list[str] = []
             for group in drawn:
                 name = getattr(group, attr)
                 for v in group.variants:
@@ -374,7 +390,7 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
     line_x, line_y = [], []
     for x, s in zip(xs, stacks):
         line_x += [x - 0.45, x + 0.45, None]
-        line_y += [s.capacity / 2**30, s.capacity / 2**30, None]
+        line_y += [_capacity(s) / 2**30, _capacity(s) / 2**30, None]
     fig.add_trace(
         go.Scatter(
             x=line_x,
@@ -386,23 +402,30 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
         )
     )
     for x, s in zip(xs, stacks):
-        fits = "fits" if s.total <= s.capacity else "does not fit"
+        capacity = _capacity(s)
+        fits = "fits" if s.total <= capacity else "does not fit"
         fig.add_annotation(
             x=x,
-            y=max(s.total, s.capacity) / 2**30,
+            y=max(s.total, capacity) / 2**30,
             yshift=14,
             showarrow=False,
             font={"size": 11},
-            text=f"{gib(s.total)}: {percent(s.total / s.capacity, 0)} of {gib(s.capacity)} ({fits})",
+            text=f"{gib(s.total)}: {percent(s.total / capacity, 0)} of {gib(capacity)} ({fits})",
         )
     fig.update_layout(barmode="stack")
     fig.update_xaxes(tickvals=xs, ticktext=[f"{s.scenario}<br>{s.version}" for s in stacks])
     fig.update_yaxes(title_text="memory per GPU (GiB)", tickformat=",.0f")
-    top = max(max(s.total, s.capacity) for s in stacks) / 2**30
+    top = max(max(s.total, _capacity(s)) for s in stacks) / 2**30
     fig.update_yaxes(range=[0, top * 1.15])
     return _layout(
         fig, f"Plan memory per rank (most loaded rank) against the GPU's memory: plans on {machine}", height=HEIGHT + 80
     )
+
+
+def _capacity(stack: MemoryStack) -> float:
+    """The GPU memory a plan on the chart is drawn against."""
+    assert stack.capacity is not None  # plan_memory keeps only the plans with a cluster
+    return stack.capacity
 
 
 def projection_figure(stacks: list[ProjectionStack]) -> go.Figure:

@@ -454,12 +454,12 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[Comparison] 
             "The plan's memory of the most loaded rank, part by part as the plan adds it up (the larger of "
             "the backward's transient memory and the optimizer step's), against the cluster's GPU memory.",
         )
-    stacks = projection_stacks(results)
-    if stacks:
+    projections = projection_stacks(results)
+    if projections:
         page.add("<h3>Projection breakdowns</h3>")
         page.chart(
             "projection",
-            charts.projection_figure(stacks),
+            charts.projection_figure(projections),
             "Each proxy's projected step split into its parts (they add up to the step): on the scenario's "
             "cluster with the measuring machine's compute, and op by op on each device profile it was "
             "projected on.",

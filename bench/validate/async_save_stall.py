@@ -21,12 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from moe_engine import checkpoint
-from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision, RoutingMode
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.train import OptimizerConfig
 
@@ -37,8 +38,8 @@ CONFIG = ModelConfig(
     n_heads=4,
     n_kv_heads=2,
     seq_len=8,
-    dtype="fp32",
-    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, routing="random", routing_seed=5),
+    dtype=Precision.FP32,
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, routing=RoutingMode.RANDOM, routing_seed=5),
 )
 
 
@@ -61,8 +62,7 @@ def measure(write_delay_s: float, repeats: int, folder: Path) -> dict[str, Any]:
         return original(self, plan, planner)
 
     sync_s, stall_s = [], []
-    FileSystemWriter.write_data = delayed_write
-    try:
+    with mock.patch.object(FileSystemWriter, "write_data", delayed_write):
         for i in range(repeats):
             start = time.perf_counter()
             checkpoint.save(trainer, folder / f"sync-{i}", {"step": 2})
@@ -71,8 +71,6 @@ def measure(write_delay_s: float, repeats: int, folder: Path) -> dict[str, Any]:
             future = checkpoint.async_save(trainer, folder / f"async-{i}", {"step": 2})
             stall_s.append(time.perf_counter() - start)
             future.result()
-    finally:
-        FileSystemWriter.write_data = original
     sync_median, stall_median = statistics.median(sync_s), statistics.median(stall_s)
     return {
         "write_delay_s": write_delay_s,

@@ -64,7 +64,9 @@ def measure(
 ) -> dict[str, Any]:
     """One scenario's paired blocks, compiled against eager (see the module docstring)."""
     row = variants.measure(scenario, EAGER, [COMPILED], device, pairs, block_s, timeout_s, log, side_factory)
-    common = {key: row[key] for key in ("scenario", "file", "mode", "world_size", "status") if key in row}
+    common: dict[str, Any] = {
+        key: row[key] for key in ("scenario", "file", "mode", "world_size", "status") if key in row
+    }
     if row["status"] == "skipped":
         return {**common, "reason": row["reason"]}
     if row["status"] == "failed":

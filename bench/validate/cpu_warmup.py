@@ -79,7 +79,9 @@ def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> li
     from bench.run.trace import rank_trainer
 
     scenario = load_scenario(scenario_path)
-    times, new_shapes, seen = [], [], set()
+    times: list[float] = []
+    new_shapes: list[int] = []
+    seen: set[tuple] = set()
     with rank_trainer(scenario) as (trainer, tokens, labels):
         for step in range(steps):
             mode = _GroupShapes()

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from bench.gate.formatting import parse_tolerance
@@ -76,8 +76,8 @@ EXPECTED_COUNTER = {
 
 
 @contextlib.contextmanager
-def candidate_copy(patch: dict[str, tuple[str, str]] | None) -> Iterator[Path]:
-    """A clone of HEAD with ``patch`` applied: {path: (anchor, text inserted after it)}."""
+def candidate_copy(patch: Mapping[str, tuple[str | None, str]] | None) -> Iterator[Path]:
+    """A clone of HEAD with ``patch`` applied: {path: (anchor, text inserted after it; appended for None)}."""
     with tempfile.TemporaryDirectory(prefix="moe-power-") as tmp:
         clone = Path(tmp) / "candidate"
         subprocess.run(
@@ -113,6 +113,7 @@ def timing_run(scenario, fraction: float, tolerance: float, budget_s: float, dev
         cand = stack.enter_context(ResidentSide("candidate", cand_root, scenario, device, timeout))
         started = time.monotonic()
         result = compare_resident(base, cand, tolerance, budget_s, log=lambda line: None)
+    assert result.estimate is not None  # compare_resident runs paired.MIN_PAIRS pairs at least
     return {
         "planted": fraction,
         "verdict": result.verdict,

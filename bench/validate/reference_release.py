@@ -58,7 +58,7 @@ MEGATRON_BRIDGE_TOKENS_PER_S = 13_000
 
 def lean(scenario: Scenario) -> Scenario:
     """``scenario`` as the lean engine runs it (``LEAN``)."""
-    patch = dict(LEAN)
+    patch: dict[str, dict[str, Any]] = dict(LEAN)
     if scenario.parallel_config.ep > 1:
         patch["parallel"] = {"a2a_chunks": 2}
     return patched(scenario, patch)
@@ -116,7 +116,7 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
     def memory(name: str, engine: str) -> float:
         return project(name, engine)["memory"]["memory_need_bytes"] / gib
 
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "comparison": "47B MoE on 8 GPUs, DDP + EP 8",
             "metric": "tokens/s/GPU",

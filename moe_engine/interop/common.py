@@ -7,7 +7,7 @@ either side fails loudly instead of leaving a randomly initialised weight behind
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -37,12 +37,12 @@ def rope_parameters(hf_config: Any) -> tuple[float, str]:
 
 
 def copy_weights(
-    model: nn.Module, theirs: dict[str, torch.Tensor], pairs: Iterable[Pair], buffers: Iterable[str] = ()
+    model: nn.Module, theirs: Mapping[str, torch.Tensor], pairs: Iterable[Pair], buffers: Iterable[str] = ()
 ) -> None:
     """Copy ``theirs[their_name]`` into each engine tensor named by ``pairs`` (its parameters, and the
     buffers named in ``buffers``); every engine parameter and every tensor of ``theirs`` must be used
     exactly once."""
-    ours = dict(model.named_parameters())
+    ours: dict[str, torch.Tensor] = dict(model.named_parameters())
     our_buffers = dict(model.named_buffers())
     ours.update({name: our_buffers[name] for name in buffers})
     assigned: set[str] = set()
@@ -98,7 +98,7 @@ def dense_pattern(is_moe: list[bool]) -> tuple[int, int] | None:
 def tied_parameters(hf_model: nn.Module, tied: bool) -> dict[str, torch.Tensor]:
     """transformers' parameters by name, every alias included; with tied embeddings the LM head's alias
     of the input embedding is dropped (the engine holds that matrix once, as ``embed.weight``)."""
-    theirs = dict(hf_model.named_parameters(remove_duplicate=False))
+    theirs: dict[str, torch.Tensor] = dict(hf_model.named_parameters(remove_duplicate=False))
     if tied:
         head, embedding = theirs.pop("lm_head.weight"), theirs["model.embed_tokens.weight"]
         if head is not embedding:

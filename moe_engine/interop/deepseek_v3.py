@@ -26,7 +26,7 @@ Differences of definition, each handled here:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -65,6 +65,9 @@ def config_from_transformers(
         problems.append(f"num_key_value_heads={hf_config.num_key_value_heads} (MLA has one key and value per head)")
     if problems:
         raise ValueError("DeepSeek-V3 config not supported by moe_engine: " + "; ".join(problems))
+    # Optional in transformers' annotations, always set in a DeepSeek-V3 config.
+    assert hf_config.first_k_dense_replace is not None and hf_config.v_head_dim is not None
+    assert hf_config.num_experts_per_tok is not None and hf_config.n_group is not None
     n_dense = min(hf_config.first_k_dense_replace, hf_config.num_hidden_layers)
     return ModelConfig(
         vocab_size=hf_config.vocab_size,
@@ -86,7 +89,8 @@ def config_from_transformers(
         rope_theta=rope_parameters(hf_config)[0],
         norm_eps=hf_config.rms_norm_eps,
         init_std=getattr(hf_config, "initializer_range", 0.02),
-        dtype=dtype,
+        # The configs coerce a string value to its enum (mypy sees only the field types).
+        dtype=cast(Precision, dtype),
         moe=MoEConfig(
             num_experts=hf_config.n_routed_experts,
             top_k=hf_config.num_experts_per_tok,
@@ -100,7 +104,7 @@ def config_from_transformers(
             routing=RoutingMode.LEARNED,
             aux_loss_weight=0.0,
             z_loss_weight=0.0,
-            backend=backend,
+            backend=cast(ExpertBackendKind, backend),
         ),
     )
 
@@ -120,6 +124,7 @@ def _halves_from_pairs(rows: int, rope_dim: int, rope_start: int, period: int):
 
 def _model_pairs(config: ModelConfig, interleaved: bool) -> Iterator[Pair]:
     mla, heads = config.mla, config.n_heads
+    assert mla is not None  # config_from_transformers always sets it
     rope_dim, qk = mla.qk_rope_head_dim, mla.qk_head_dim
     q_rows = (_halves_from_pairs(heads * qk, rope_dim, mla.qk_nope_head_dim, qk),) if interleaved else ()
     kv_rows = mla.kv_lora_rank + rope_dim

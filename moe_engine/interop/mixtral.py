@@ -16,7 +16,7 @@ Known non-equivalences (none changes the fp32 forward pass):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -58,7 +58,8 @@ def config_from_transformers(
         rope_theta=rope_parameters(hf_config)[0],
         norm_eps=hf_config.rms_norm_eps,
         init_std=getattr(hf_config, "initializer_range", 0.02),
-        dtype=dtype,
+        # The configs coerce a string value to its enum (mypy sees only the field types).
+        dtype=cast(Precision, dtype),
         moe=MoEConfig(
             num_experts=hf_config.num_local_experts,
             top_k=hf_config.num_experts_per_tok,
@@ -68,7 +69,7 @@ def config_from_transformers(
             routing=RoutingMode.LEARNED,
             aux_loss_weight=hf_config.router_aux_loss_coef,
             z_loss_weight=0.0,
-            backend=backend,
+            backend=cast(ExpertBackendKind, backend),
         ),
     )
 

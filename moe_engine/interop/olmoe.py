@@ -19,7 +19,7 @@ Known non-equivalences (none changes the fp32 forward pass):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -77,7 +77,8 @@ def config_from_transformers(
         rope_theta=rope_parameters(hf_config)[0],
         norm_eps=hf_config.rms_norm_eps,
         init_std=getattr(hf_config, "initializer_range", 0.02),
-        dtype=dtype,
+        # The configs coerce a string value to its enum (mypy sees only the field types).
+        dtype=cast(Precision, dtype),
         moe=MoEConfig(
             num_experts=hf_config.num_experts,
             top_k=hf_config.num_experts_per_tok,
@@ -87,7 +88,7 @@ def config_from_transformers(
             routing=RoutingMode.LEARNED,
             aux_loss_weight=hf_config.router_aux_loss_coef,
             z_loss_weight=0.0,  # transformers' OLMoE has no router z-loss
-            backend=backend,
+            backend=cast(ExpertBackendKind, backend),
         ),
     )
 
@@ -129,7 +130,7 @@ def moe_layer_from_transformers(
         routing=RoutingMode.LEARNED,
         aux_loss_weight=aux_loss_weight,
         z_loss_weight=z_loss_weight,
-        backend=backend,
+        backend=cast(ExpertBackendKind, backend),  # MoEConfig coerces a string value
     )
     with torch.device(block.gate.weight.device):
         layer = MoELayer(d_model, moe_config, layer_idx)

@@ -18,25 +18,28 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads
-        self.head_dim = config.head_dim
-        q_dim, kv_dim = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        head_dim = config.head_dim
+        assert head_dim is not None  # ModelConfig resolves it for grouped-query attention
+        self.head_dim = head_dim
+        q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim
         self.q_proj = nn.Linear(config.d_model, q_dim, bias=False)
         self.k_proj = nn.Linear(config.d_model, kv_dim, bias=False)
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
         self.o_proj = nn.Linear(q_dim, config.d_model, bias=False)
         self.per_head_norm = config.qk_norm_per_head
-        q_norm_dim, k_norm_dim = (config.head_dim, config.head_dim) if self.per_head_norm else (q_dim, kv_dim)
+        q_norm_dim, k_norm_dim = (head_dim, head_dim) if self.per_head_norm else (q_dim, kv_dim)
         self.q_norm = RMSNorm(q_norm_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_norm_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         batch, seq_len, _ = x_BSD.shape
         q, k, v = self.q_proj(x_BSD), self.k_proj(x_BSD), self.v_proj(x_BSD)
-        if self.q_norm is not None and not self.per_head_norm:
+        # q_norm and k_norm exist together (qk_norm).
+        if self.q_norm is not None and self.k_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q_BSHd = q.view(batch, seq_len, self.n_heads, self.head_dim)
         k_BSGd = k.view(batch, seq_len, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.per_head_norm:
+        if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
             q_BSHd, k_BSGd = self.q_norm(q_BSHd), self.k_norm(k_BSGd)
         q_BHSd, k_BGSd = q_BSHd.transpose(1, 2), k_BSGd.transpose(1, 2)
         v_BGSd = v.view(batch, seq_len, self.n_kv_heads, self.head_dim).transpose(1, 2)

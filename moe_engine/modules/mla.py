@@ -29,11 +29,17 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         mla = config.mla
+        assert mla is not None  # the model builds this attention only for an mla config
         d, heads = config.d_model, config.n_heads
         self.n_heads = heads
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.kv_lora_rank = mla.kv_lora_rank
         qk_dim = mla.qk_head_dim
+        # Either the direct query projection or the three of the query latent.
+        self.q_proj: nn.Linear | None
+        self.q_a_proj: nn.Linear | None
+        self.q_a_norm: RMSNorm | None
+        self.q_b_proj: nn.Linear | None
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(d, heads * qk_dim, bias=False)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
@@ -52,7 +58,11 @@ class MultiHeadLatentAttention(nn.Module):
         batch, seq_len, _ = x_BSD.shape
         heads, nope, rope_dim, v_dim = self.n_heads, self.nope_dim, self.rope_dim, self.v_dim
         qk_dim = nope + rope_dim
-        q = self.q_proj(x_BSD) if self.q_proj is not None else self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD)))
+        if self.q_proj is not None:
+            q = self.q_proj(x_BSD)
+        else:
+            assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BSD)))
         q_BSHq = q.view(batch, seq_len, heads, qk_dim)
 
         latent_BSC, k_rope_BSr = self.kv_a_proj(x_BSD).split([self.kv_lora_rank, rope_dim], dim=-1)

@@ -11,6 +11,9 @@ class RotaryEmbedding(nn.Module):
     set (``ModelConfig.fused_kernels``) each of q and k is rotated by one fused op
     (``moe_engine.kernels.rope``) that reads the fp32 tables directly."""
 
+    cos_SH: torch.Tensor
+    sin_SH: torch.Tensor
+
     def __init__(self, head_dim: int, max_len: int, theta: float):
         super().__init__()
         self.head_dim, self.max_len, self.theta = head_dim, max_len, theta

@@ -41,6 +41,8 @@ class _AttachLoss(torch.autograd.Function):
 
 
 class MoELayer(nn.Module):
+    tokens_per_expert: torch.Tensor
+
     def __init__(self, d_model: int, config: MoEConfig, layer_idx: int = 0):
         super().__init__()
         self.config = config

@@ -102,6 +102,7 @@ class Router(nn.Module):
 
     # ``cast_parameters`` leaves the router's parameters in fp32 whatever the model's precision.
     keep_fp32 = True
+    expert_bias: torch.Tensor
 
     def __init__(self, d_model: int, config: MoEConfig, layer_idx: int = 0):
         super().__init__()

@@ -41,13 +41,14 @@ def clip_fsdp_grad_norm_(
     ``get_total_norm`` of DTensor shards is a partial norm that ``full_tensor`` completes over dp;
     pipeline stages hold disjoint parameters, so their squared norms add up over ``pp_group``.
     """
-    params = [p for p in module.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    params = list(module.parameters())
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     if pp_group is not None:
         square = norm.square()
         torch.distributed.all_reduce(square, group=pp_group)
         norm = square.sqrt()
+    # Scales the gradients of those that have one.
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

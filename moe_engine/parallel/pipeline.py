@@ -63,16 +63,21 @@ class StageModule(nn.Module):
         """The last stage ends at the final norm; the loss applies the LM head (module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h_BSD = self.embed(x) if self.is_first else x
+        # The first stage holds the embedding, the last the final norm (and the LM head).
+        h_BSD = self.embed(x) if self.embed is not None else x
         for block in self.blocks.values():
             h_BSD = block(h_BSD, self.rope)
-        if not self.is_last:
+        if self.norm is None:
             return h_BSD
-        return self.norm(h_BSD) if self.fused_loss else self.lm_head(self.norm(h_BSD))
+        if self.fused_loss:
+            return self.norm(h_BSD)
+        assert self.lm_head is not None  # tied embeddings (no lm_head) run without a pipeline
+        return self.lm_head(self.norm(h_BSD))
 
     def loss(self, out: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         """The last stage's training loss of its output (logits, or the normalised hidden states)."""
         if self.fused_loss:
+            assert self.lm_head is not None  # tied embeddings (no lm_head) run without a pipeline
             return kernels.linear_cross_entropy(out, self.lm_head.weight, labels_BS)
         return cross_entropy(out, labels_BS)
 
@@ -82,7 +87,8 @@ def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), labels_BS.flatten())
 
 
-def _scaled_loss(out: torch.Tensor, labels_BS: torch.Tensor, stage: StageModule, scale: float) -> torch.Tensor:
+def _scaled_loss(out: torch.Tensor, labels_BS: torch.Tensor, stage: StageModule | None, scale: float) -> torch.Tensor:
+    assert stage is not None  # only the rank holding the last stage calls the loss
     return stage.loss(out, labels_BS) * scale
 
 
@@ -117,6 +123,8 @@ class Pipeline:
         group: torch.distributed.ProcessGroup,
         device: torch.device,
     ):
+        microbatches = config.microbatches
+        assert microbatches is not None  # ParallelConfig resolves None to pp
         bounds = stage_blocks(len(model.blocks), config.num_stages)
         self.modules = [StageModule(model, bounds[s]) for s in stage_indices]
         self.stages = [
@@ -128,13 +136,13 @@ class Pipeline:
         for module in self.modules:
             for layer in module.modules():
                 if isinstance(layer, MoELayer):
-                    layer.loss_scale = 1 / config.microbatches
+                    layer.loss_scale = 1 / microbatches
         schedule = _SCHEDULES[config.schedule]
         # Only the rank holding the last stage calls the loss.
         last = next((m for m in self.modules if m.is_last), None)
-        loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / config.microbatches)
+        loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / microbatches)
         stages = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
-        self.schedule = schedule(stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.schedule = schedule(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every microbatch; the mean loss on the last stage, else None."""

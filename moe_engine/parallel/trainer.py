@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from moe_engine.config import DataParallelMode, ModelConfig, ParallelConfig, Precision, RecomputeConfig
 from moe_engine.model import Transformer, build_model
 from moe_engine.moe.layer import MoELayer
-from moe_engine.parallel.data_parallel import build_data_parallel_optimizer
+from moe_engine.parallel.data_parallel import DataParallelOptimizer, build_data_parallel_optimizer
 from moe_engine.parallel.fsdp import apply_fsdp, clip_fsdp_grad_norm_
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
@@ -95,6 +97,7 @@ def build_rank_model(
     model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed)
     prepare_blocks(model, parallel, recompute, compile)
     if parallel.ep > 1:
+        assert groups is not None  # ep > 1 is a layout of several ranks (checked above)
         for layer in model.moe_layers():
             layer.enable_expert_parallel(
                 groups.ep,
@@ -105,8 +108,10 @@ def build_rank_model(
                 parallel.a2a_chunks,
             )
     if fsdp:
+        assert groups is not None  # part of fsdp's definition above
         apply_fsdp(model, groups.dp, config.dtype.torch_dtype)
     if parallel.pp > 1:
+        assert groups is not None  # pp > 1 is a layout of several ranks (checked above)
         stages = groups.layout.stage_indices(groups.coords.pp_rank)
         pipeline = Pipeline(model, parallel, stages, groups.pp, device)
         return RankModel(module=pipeline.parameters_module, model=None, pipeline=pipeline)
@@ -133,6 +138,8 @@ class ParallelTrainer:
         self.groups = groups
         self.config = config = config or OptimizerConfig()
         self.fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
+        # torch's AdamW under fsdp, else the engine's own data-parallel optimizer.
+        self.optimizer: torch.optim.AdamW | DataParallelOptimizer
         if self.fsdp:
             self.optimizer = torch.optim.AdamW(
                 adamw_param_groups(list(rank_model.module.parameters()), config),
@@ -142,26 +149,31 @@ class ParallelTrainer:
             )
         else:
             self.optimizer = build_data_parallel_optimizer(rank_model.module, groups, config, parallel)
+        assert parallel.microbatches is not None  # ParallelConfig resolves None to pp
+        self.microbatches = parallel.microbatches
         # A pipeline scales its stages' router losses itself.
         for layer in rank_model.moe_layers():
-            layer.loss_scale = 1 / parallel.microbatches
+            layer.loss_scale = 1 / self.microbatches
         self._fsdp_grad_norm: torch.Tensor | None = None
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
         """Global gradient norm of the last step before clipping (device scalar); None without clipping."""
-        return self._fsdp_grad_norm if self.fsdp else self.optimizer.last_grad_norm
+        if isinstance(self.optimizer, torch.optim.AdamW):  # fsdp
+            return self._fsdp_grad_norm
+        return self.optimizer.last_grad_norm
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """One optimizer step on this rank's batch; its mean loss (detached) where the rank has one."""
         self.optimizer.zero_grad()
-        if not self.fsdp:
-            self.optimizer.arm_overlap(self.parallel.microbatches)
+        if isinstance(self.optimizer, DataParallelOptimizer):  # not fsdp
+            self.optimizer.arm_overlap(self.microbatches)
         if self.rank_model.pipeline is not None:
             loss = self.rank_model.pipeline.step(tokens_BS, labels_BS)
         else:
             loss = self._accumulate(tokens_BS, labels_BS)
         if self.fsdp and self.config.max_grad_norm > 0:
+            assert self.groups is not None  # fsdp runs with process groups only
             pp_group = self.groups.pp if self.parallel.pp > 1 else None
             self._fsdp_grad_norm = clip_fsdp_grad_norm_(self.rank_model.module, self.config.max_grad_norm, pp_group)
         self.optimizer.step()
@@ -169,11 +181,13 @@ class ParallelTrainer:
         return loss
 
     def _accumulate(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
-        model, m = self.rank_model.model, self.parallel.microbatches
+        model, m = self.rank_model.model, self.microbatches
+        assert model is not None  # without a pipeline the rank runs the whole model
         losses = []
         for i, (tokens, labels) in enumerate(zip(tokens_BS.chunk(m), labels_BS.chunk(m))):
             if self.fsdp:
-                model.set_requires_gradient_sync(i == m - 1)
+                # fully_shard swapped the model's class for one with FSDPModule's methods.
+                cast(FSDPModule, model).set_requires_gradient_sync(i == m - 1)
             # With fused kernels the LM head and the loss are one op inside the model's forward.
             fused = getattr(model, "fused_kernels", False)
             loss = model(tokens, labels) if fused else cross_entropy(model(tokens), labels)
@@ -194,7 +208,7 @@ class ParallelTrainer:
 
     def state_bytes(self) -> int:
         """Optimizer bytes this rank holds (fp32 masters that are not the parameters, Adam moments)."""
-        if self.fsdp:
+        if isinstance(self.optimizer, torch.optim.AdamW):  # fsdp
             return sum(
                 t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes
                 for state in self.optimizer.state.values()
@@ -208,7 +222,7 @@ class ParallelTrainer:
         module = self.rank_model.module
         tensors = list(module.parameters()) + list(module.buffers())
         tensors += [p.grad for p in module.parameters() if p.grad is not None]
-        if self.fsdp:
+        if isinstance(self.optimizer, torch.optim.AdamW):  # fsdp
             tensors += [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         else:
             tensors += self.optimizer.gradient_tensors() + self.optimizer.state_tensors()
