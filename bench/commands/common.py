@@ -7,6 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+from bench.metrics import WORK_METRIC_NAMES
+from bench.metrics import names as metric_names
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 ACCEPT_WORK_HELP = (
@@ -83,28 +86,27 @@ def load_side(path: str, skip_bad: bool = False):
 
 def accepted_work(value: str | None) -> frozenset[str] | None:
     """``--accept-work`` (every work metric) or ``--accept-work a,b``; unknown names are bad input."""
-    from bench.gate.compare import WORK_METRICS
-
     if value is None:
         return None
     if value == "all":
-        return frozenset(WORK_METRICS)
+        return frozenset(WORK_METRIC_NAMES)
     names = frozenset(n.strip() for n in value.split(",") if n.strip())
-    unknown = sorted(names - set(WORK_METRICS))
+    unknown = sorted(names - set(WORK_METRIC_NAMES))
     if unknown:
-        raise ValueError(f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRICS))})")
+        raise ValueError(
+            f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRIC_NAMES))})"
+        )
     return names
 
 
 def accepted_increases(value: str | None) -> frozenset[str]:
     """``--accept-increase a,b``: exact metrics (not work counters, not timings) whose regression passes."""
-    from bench.gate.ab import ACCEPTABLE_INCREASES
-
+    acceptable = metric_names(acceptable_increase=True)
     names = frozenset(n.strip() for n in (value or "").split(",") if n.strip())
-    unknown = sorted(names - set(ACCEPTABLE_INCREASES))
+    unknown = sorted(names - set(acceptable))
     if unknown:
         raise ValueError(
             f"--accept-increase: {unknown[0]} is not an exact metric the gate can accept "
-            f"(known: {', '.join(ACCEPTABLE_INCREASES)}; work counters: --accept-work)"
+            f"(known: {', '.join(acceptable)}; work counters: --accept-work)"
         )
     return names

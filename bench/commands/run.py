@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
+from bench.metrics import headline_memory
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
@@ -147,9 +148,7 @@ def print_summary(outcomes) -> None:
         def med(name, fmt):
             return fmt(m[name]["median"]) if name in m else ""
 
-        memory = next(
-            (n for n in ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes") if n in m), None
-        )
+        memory = headline_memory(m)
         params = ""
         if "total_params" in m:
             params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"

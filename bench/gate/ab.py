@@ -56,7 +56,7 @@ from typing import Any
 
 from bench.gate import paired
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
-from bench.gate.compare import NOISE_FLOORS, classify, is_work_metric, paired_ratio
+from bench.gate.compare import classify, is_work_metric, paired_ratio
 from bench.gate.formatting import format_noise, format_number, format_percent, format_ratio
 from bench.gate.resident import (
     TARGET_BLOCK_S,
@@ -67,6 +67,7 @@ from bench.gate.resident import (
     compare_resident,
 )
 from bench.gate.work import work_verdicts
+from bench.metrics import names, noise_floor
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, load_releases
 from bench.results import REPO_ROOT, ResultFileError, load_results
@@ -102,13 +103,7 @@ class SideRun:
     """The result document's details (the work census among them)."""
 
 
-ACCEPTABLE_INCREASES = (
-    "peak_tensor_bytes",
-    "rss_peak_bytes",
-    "cuda_peak_active_bytes",
-    "cuda_peak_reserved_bytes",
-    "optimizer_state_bytes",
-)
+ACCEPTABLE_INCREASES = names(acceptable_increase=True)
 """Exact metrics whose regression ``--accept-increase`` may accept: memory a change costs on purpose.
 Timings never (the resident blocks gate them); work counters have ``--accept-work``."""
 
@@ -127,7 +122,7 @@ class PairedMetric:
     ratio: float
     """Median of ``ratios``."""
     noise: float
-    """Interquartile range of ``ratios`` (0 when ``exact``), at least the metric's ``NOISE_FLOORS`` entry."""
+    """Interquartile range of ``ratios`` (0 when ``exact``), at least the metric's noise floor (``bench.metrics``)."""
     verdict: str
     """regressed, inconclusive, improved, unchanged or info (``bench.gate.compare.classify``), or accepted:
     a regression within an accepted change, or of an exact metric the job accepts (``--accept-increase``)."""
@@ -277,7 +272,7 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
         noise = q3 - q1
         if math.isnan(noise):  # inf - inf: unbounded
             noise = math.inf
-    noise = max(noise, NOISE_FLOORS.get(name, 0.0))
+    noise = max(noise, noise_floor(name))
     better = pairs[-1][1]["better"]
     _, verdict = classify(ratio, noise, better, tolerance)
     return PairedMetric(

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.metrics import entry
 from bench.predict.plan_activations import kv_bytes_per_token
 from bench.predict.plan_bytes import BYTES, PrecisionBytes, parameter_pieces, precision_bytes
 from bench.predict.plan_rank import (
@@ -40,7 +41,6 @@ from bench.predict.plan_rank import (
     plan_rank,
     rank_holdings,
 )
-from bench.results import metric
 from moe_engine.config import RecomputeMode
 from moe_engine.flops import parameter_counts, recompute_flops_per_token, training_flops_per_token
 from moe_engine.parallel.layout import stage_blocks, stage_layers
@@ -221,23 +221,23 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     model_flops = training_flops_per_token(model)
     recompute_flops = recompute_flops_per_token(model, recompute, chunks)
     metrics = {
-        "total_params": metric([counts.total], "params", None),
-        "active_params": metric([counts.active], "params", None),
+        "total_params": entry("total_params", [counts.total]),
+        "active_params": entry("active_params", [counts.active]),
         # Model FLOPs (what MFU counts), the recompute's apart, and their sum (what the GPUs run).
-        "flops_per_token": metric([model_flops], "FLOP", None),
-        "recompute_flops_per_token": metric([recompute_flops], "FLOP", None),
-        "hardware_flops_per_token": metric([model_flops + recompute_flops], "FLOP", None),
+        "flops_per_token": entry("flops_per_token", [model_flops]),
+        "recompute_flops_per_token": entry("recompute_flops_per_token", [recompute_flops]),
+        "hardware_flops_per_token": entry("hardware_flops_per_token", [model_flops + recompute_flops]),
     }
     for key in _MEMORY:
-        metrics[f"memory_{key}_bytes"] = metric([by_memory["memory_bytes"][key]], "bytes", "lower")
+        metrics[f"memory_{key}_bytes"] = entry(f"memory_{key}_bytes", [by_memory["memory_bytes"][key]])
     for key in _COMM:
-        metrics[f"comm_{key}_bytes"] = metric([by_comm["comm_bytes"][key]], "bytes", "lower")
+        metrics[f"comm_{key}_bytes"] = entry(f"comm_{key}_bytes", [by_comm["comm_bytes"][key]])
     if gpu_bytes:
-        metrics["memory_fraction_of_gpu"] = metric([total / gpu_bytes], "ratio", "lower")
-    metrics["checkpoint_bytes_per_rank"] = metric(
-        [max(ceil_div(c, par["dp"]) for c in checkpoint_stages)], "bytes", "lower"
+        metrics["memory_fraction_of_gpu"] = entry("memory_fraction_of_gpu", [total / gpu_bytes])
+    metrics["checkpoint_bytes_per_rank"] = entry(
+        "checkpoint_bytes_per_rank", [max(ceil_div(c, par["dp"]) for c in checkpoint_stages)]
     )
-    metrics["checkpoint_bytes_total"] = metric([sum(checkpoint_stages)], "bytes", "lower")
+    metrics["checkpoint_bytes_total"] = entry("checkpoint_bytes_total", [sum(checkpoint_stages)])
 
     details = {
         "layout": _layout(scenario, len(by_memory["layers"]), tokens),

@@ -40,6 +40,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, NullLocator
 
+from bench.metrics import HEADLINE_METRICS
 from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios
 from bench.results import ResultDocument, ResultFileError, load_results
 
@@ -53,8 +54,6 @@ __all__ = [
     "version_sort_key",
 ]
 
-HEADLINE_METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu")
-"""Preferred headline metrics, in order; else the first metric with a direction (better != null)."""
 THROUGHPUT_METRIC = "tokens_per_s_per_gpu"
 ACTIVE_PARAMS_METRIC = "active_params"
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.results import metric
+from bench.metrics import entry
 from bench.run.checkpointing import (
     Checkpointer,
     CheckpointPolicy,
@@ -247,39 +247,33 @@ def execute(
     grad_norms = [e["grad_norm"] for e in prior if e.get("grad_norm") is not None] + grad_norms
     result = ExecuteResult()
     m = result.metrics
-    m["step_time_s"] = metric(step_times, "s", "lower")
-    m["tokens_per_s_per_gpu"] = metric([tokens_per_step / t / world for t in step_times], "tokens/s", "higher")
+    m["step_time_s"] = entry("step_time_s", step_times)
+    m["tokens_per_s_per_gpu"] = entry("tokens_per_s_per_gpu", [tokens_per_step / t / world for t in step_times])
     tflops = [flops_per_token * tokens_per_step / t / world / 1e12 for t in step_times]
-    m["tflops_per_gpu"] = metric(tflops, "TFLOP/s", "higher")
+    m["tflops_per_gpu"] = entry("tflops_per_gpu", tflops)
     # Reported, not gated: the model's FLOPs plus the recompute's, what the devices executed (by the
     # formula's convention); equal to tflops_per_gpu without recompute.
     hardware = [(flops_per_token + recompute_flops) * tokens_per_step / t / world / 1e12 for t in step_times]
-    m["hardware_tflops_per_gpu"] = metric(hardware, "TFLOP/s", None)
+    m["hardware_tflops_per_gpu"] = entry("hardware_tflops_per_gpu", hardware)
     # Reported, not gated: each is tflops_per_gpu (gated) over a constant peak (measured on CPUs).
     if peak_tflops:
-        m["mfu"] = metric([t / peak_tflops for t in tflops], "ratio", None)
+        m["mfu"] = entry("mfu", [t / peak_tflops for t in tflops])
     if peak_tflops_fp8 and scenario.precision == "mxfp8":
         # The expert GEMMs run MXFP8, the rest bf16: the true bound lies between the two peaks.
-        m["mfu_fp8"] = metric([t / peak_tflops_fp8 for t in tflops], "ratio", None)
-    m["loss"] = metric(losses, "nats", None)
+        m["mfu_fp8"] = entry("mfu_fp8", [t / peak_tflops_fp8 for t in tflops])
+    m["loss"] = entry("loss", losses)
     if grad_norms:
-        m["grad_norm"] = metric(grad_norms, "norm", None)
+        m["grad_norm"] = entry("grad_norm", grad_norms)
     m.update(_routing_metrics(records))
-    for key, unit in (
-        ("peak_tensor_bytes", "bytes"),
-        ("rss_peak_bytes", "bytes"),
-        ("cuda_peak_active_bytes", "bytes"),
-        ("cuda_peak_reserved_bytes", "bytes"),
-    ):
+    for key in ("peak_tensor_bytes", "rss_peak_bytes", "cuda_peak_active_bytes", "cuda_peak_reserved_bytes"):
         if key in record.memory:
             # Per rank, the most loaded rank's figure: what has to fit on one device.
-            m[key] = metric([max(r.memory[key] for r in records)], unit, "lower")
-    m["optimizer_state_bytes"] = metric([max(r.optimizer_state_bytes for r in records)], "bytes", "lower")
+            m[key] = entry(key, [max(r.memory[key] for r in records)])
+    m["optimizer_state_bytes"] = entry("optimizer_state_bytes", [max(r.optimizer_state_bytes for r in records)])
     # The work of the whole step: every rank's counts summed (per rank in details.work).
     m.update(work_metrics([r.work for r in records], flops_per_token * tokens_per_step))
     for key, samples in checkpoint_metrics(saves, ckpt.load_s).items():
-        unit = "bytes" if key.endswith(("bytes_per_rank", "bytes_total")) else "s"
-        m[key] = metric(samples, unit, "lower")
+        m[key] = entry(key, samples)
     result.details.update(
         flops_per_token=flops_per_token,
         recompute_flops_per_token=recompute_flops,
@@ -485,11 +479,11 @@ def _routing_metrics(records: list[_RankRecord]) -> dict[str, dict]:
     steps = len(records[0].step_times)
     dropped = [float(sum(r.dropped[i] for r in records)) for i in range(steps)]
     return {
-        "tokens_per_expert_min": metric(mins, "tokens", None),
-        "tokens_per_expert_max": metric(maxs, "tokens", None),
-        "tokens_per_expert_cv": metric(cvs, "ratio", None),
+        "tokens_per_expert_min": entry("tokens_per_expert_min", mins),
+        "tokens_per_expert_max": entry("tokens_per_expert_max", maxs),
+        "tokens_per_expert_cv": entry("tokens_per_expert_cv", cvs),
         # Assignments over a no-sync dispatch's capacity, over all layers and ranks per step.
-        "dropped_tokens": metric(dropped, "tokens", "lower"),
+        "dropped_tokens": entry("dropped_tokens", dropped),
     }
 
 

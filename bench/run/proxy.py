@@ -59,13 +59,13 @@ from typing import Any
 
 import torch
 
+from bench.metrics import entry
 from bench.predict.plan import plan_scenario
 from bench.predict.projection import (
     Collective,
     Network,
     summarize_collectives,
 )
-from bench.results import metric
 from bench.run.execute import ExecuteResult
 from bench.run.proxy_measure import bucket_measurements, measure_rank, phase_table, sync_table
 from bench.run.proxy_projection import (
@@ -149,17 +149,17 @@ def run_proxy(
 
     result = ExecuteResult()
     m = result.metrics
-    m["step_time_s"] = metric(measured.compute_s, "s", "lower")
-    m["rank_tokens_per_s"] = metric([rank_tokens / t for t in measured.compute_s], "tokens/s", "higher")
-    m[peak_key] = metric([measured_peak], "bytes", "lower")
-    m["plan_memory_total_bytes"] = metric([plan_total], "bytes", None)
-    m["plan_memory_gap"] = metric([measured_peak / plan_total - 1], "ratio", None)
+    m["step_time_s"] = entry("step_time_s", measured.compute_s)
+    m["rank_tokens_per_s"] = entry("rank_tokens_per_s", [rank_tokens / t for t in measured.compute_s])
+    m[peak_key] = entry(peak_key, [measured_peak])
+    m["plan_memory_total_bytes"] = entry("plan_memory_total_bytes", [plan_total])
+    m["plan_memory_gap"] = entry("plan_memory_gap", [measured_peak / plan_total - 1])
     for prefix, projection in (("projected_run", run_projection), ("projected", full_projection)):
-        m[f"{prefix}_step_time_s"] = metric([projection.step_s], "s", None)
-        m[f"{prefix}_tokens_per_s_per_gpu"] = metric([projection.tokens_per_s_per_gpu], "tokens/s", None)
-        m[f"{prefix}_tflops_per_gpu"] = metric([projection.tflops_per_gpu], "TFLOP/s", None)
-    m["projected_memory_total_bytes"] = metric(
-        [plan_full["stages"][scale.pp_rank]["memory_total_bytes"]], "bytes", None
+        m[f"{prefix}_step_time_s"] = entry(f"{prefix}_step_time_s", [projection.step_s])
+        m[f"{prefix}_tokens_per_s_per_gpu"] = entry(f"{prefix}_tokens_per_s_per_gpu", [projection.tokens_per_s_per_gpu])
+        m[f"{prefix}_tflops_per_gpu"] = entry(f"{prefix}_tflops_per_gpu", [projection.tflops_per_gpu])
+    m["projected_memory_total_bytes"] = entry(
+        "projected_memory_total_bytes", [plan_full["stages"][scale.pp_rank]["memory_total_bytes"]]
     )
 
     calls_per_step = [Collective(c.op, c.ranks, c.nbytes, phases.get(c.group_name, "other")) for c in measured.calls]

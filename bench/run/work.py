@@ -56,23 +56,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from bench.results import metric
+from bench.metrics import WORK_METRIC_NAMES, entry
 from bench.run.memory import TensorMemoryTracker
 from moe_engine.host_sync import profile_host_syncs
 from moe_engine.parallel.collective_log import CollectiveRecorder
 
 aten = torch.ops.aten
 
-WORK_METRICS = {
-    "work_matmul_flops": ("FLOP", "lower"),
-    "work_flops_ratio": ("ratio", None),
-    "work_allocated_bytes": ("bytes", "lower"),
-    "work_aten_ops": ("ops", "lower"),
-    "work_host_syncs": ("syncs", "lower"),
-    "work_collective_calls": ("calls", "lower"),
-    "work_collective_bytes": ("bytes", "lower"),
-}
-"""The metrics ``work_metrics`` writes: name -> (unit, better)."""
+WORK_METRICS = (*WORK_METRIC_NAMES, "work_flops_ratio")
+"""The metrics ``work_metrics`` writes (units and directions in ``bench.metrics``)."""
 
 
 @dataclass
@@ -313,4 +305,4 @@ def work_metrics(ranks: list[dict[str, Any]], formula_flops: int) -> dict[str, d
     }
     values = {f"work_{name}": value for name, value in total.items()}
     values["work_flops_ratio"] = total["matmul_flops"] / formula_flops if formula_flops else 0.0
-    return {name: metric([values[name]], *WORK_METRICS[name]) for name in WORK_METRICS}
+    return {name: entry(name, [values[name]]) for name in WORK_METRICS}

@@ -38,11 +38,13 @@ ARITHMETIC = (
     "bench.gate.tables",
     "bench.report.comparisons",
     "bench.run.proxy_projection",
+    "bench.metrics",
 )
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
 # and the result/scenario documents. Everything else in the engine builds or runs a model.
 ARITHMETIC_MAY_IMPORT = (
     "bench.results",
+    "bench.metrics",
     "bench.scenario",
     "moe_engine",
     "moe_engine.config",
