@@ -68,20 +68,14 @@ def parse_accept_options(specs: list[str], docs=(), with_releases: bool = True) 
 def load_side(path: str, skip_bad: bool = False):
     """The result documents of a file or folder. A file that cannot be read as a result document
     raises ResultFileError (a ValueError: one line naming the file and the reason); with
-    ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input."""
-    from bench.results import load_results
-
-    skipped = []
+    ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input
+    (``NoResultDocuments``, a ValueError)."""
+    from bench.results import load_nonempty
 
     def warn(err) -> None:
-        skipped.append(err)
         print(f"moe-bench: warning: {err}; skipped", file=sys.stderr)
 
-    docs = load_results(Path(path), on_bad_file=warn if skip_bad else None)
-    if not docs:
-        unread = f" ({len(skipped)} unreadable file{'s' if len(skipped) != 1 else ''} skipped)" if skipped else ""
-        raise ValueError(f"{path}: no result documents{unread}")
-    return docs
+    return load_nonempty(Path(path), on_bad_file=warn if skip_bad else None).docs
 
 
 def accepted_work(value: str | None) -> frozenset[str] | None:

@@ -42,7 +42,7 @@ from matplotlib.ticker import FixedLocator, NullLocator
 
 from bench.metrics import HEADLINE_METRICS
 from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios
-from bench.results import ResultDocument, ResultFileError, load_results
+from bench.results import ResultDocument, ResultFileError, age_key, load_results
 
 __all__ = [
     "HEADLINE_METRICS",
@@ -131,22 +131,10 @@ def sort_versions(versions: Iterable[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _doc_order_key(doc: ResultDocument) -> tuple:
-    return (str(doc.data.get("timestamp", "")), _run_index(doc.path), str(doc.path or ""))
-
-
-def _run_index(path: Path | None) -> int:
-    """1 for ``name.json``, N for ``name.N.json``."""
-    if path is None:
-        return 0
-    m = re.search(r"\.(\d+)\.json$", path.name)
-    return int(m.group(1)) if m else 1
-
-
 def _latest_ok(docs: list[ResultDocument]) -> dict[tuple[str, str, str], ResultDocument]:
     """(version, machine, scenario) -> latest ok document."""
     chosen: dict[tuple[str, str, str], ResultDocument] = {}
-    for doc in sorted((d for d in docs if d.status == "ok"), key=_doc_order_key):
+    for doc in sorted((d for d in docs if d.status == "ok"), key=age_key):
         chosen[(doc.version, doc.machine, doc.name)] = doc
     return chosen
 
@@ -361,7 +349,7 @@ def sweep_groups(docs: Iterable[ResultDocument]) -> list[dict[str, Any]]:
         if machine not in newest or version_sort_key(version) > version_sort_key(newest[machine]):
             newest[machine] = version
     grouped: dict[tuple[str, str], dict[int, ResultDocument]] = defaultdict(dict)
-    for (version, machine, _), doc in sorted(latest.items(), key=lambda kv: _doc_order_key(kv[1])):
+    for (version, machine, _), doc in sorted(latest.items(), key=lambda kv: age_key(kv[1])):
         if version != newest[machine] or THROUGHPUT_METRIC not in doc.metrics:
             continue
         spec = doc.data.get("scenario", {}).get("spec")
@@ -527,7 +515,7 @@ def _write_index(
     if comparisons:
         parts += _comparisons_html(comparisons)
     bad = [d for d in docs if d.status != "ok"]
-    rows_sorted = sorted(docs, key=lambda d: (version_sort_key(d.version), d.machine, d.name, _doc_order_key(d)))
+    rows_sorted = sorted(docs, key=lambda d: (version_sort_key(d.version), d.machine, d.name, age_key(d)))
     if bad:
         parts.append(f"<h2>Not ok ({len(bad)})</h2><ul>")
         for d in sorted(bad, key=lambda d: (version_sort_key(d.version), d.machine, d.name)):
