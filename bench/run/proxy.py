@@ -19,7 +19,7 @@ What is measured (at the run's scale)
     norms and residuals, embedding, optimizer, gradient buffers = zeroing them and scaling each bucket
     as its reduction launches, other = final norm, LM head, loss), the peak memory (CUDA allocator, or
     tracked tensor bytes on CPU), overall and for forward/backward and the optimizer step apart; every
-    collective's bytes per step. Per gradient bucket (``bench.run.sync_timeline`` on the optimizer and the phase
+    collective's bytes per step. Per gradient bucket (a ``SyncTimeline`` on the optimizer and the phase
     timer read as it launches): the compute of the last backward left after its reduction launched,
     split by how it scales (blocks, rest, embedding, later buckets' launches; fabrication left out),
     its share's optimizer update, and its bytes (``details.sync_windows``). The collectives take no
