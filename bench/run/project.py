@@ -50,12 +50,12 @@ from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import Network, Schedule, SkewModel
 from bench.run.breakdown import step_breakdown
+from bench.run.proxy_rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.config import DataParallelMode, DispatchKind, RoutingMode
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
-from moe_engine.proxy.pipeline import stage_order
 
 TRACED_MICROBATCHES = 2
 """Microbatches a projection traces: the first stands for every one but the last, where buckets launch."""

@@ -2,9 +2,9 @@
 
 What runs
     The process joins a fake world as ``proxy.rank`` of the layout's dp * pp ranks and builds only
-    that rank's share (``moe_engine.proxy``): its pipeline stage, its local experts, its optimizer
+    that rank's share (``bench.run.proxy_rank``): its pipeline stage, its local experts, its optimizer
     shard. Collectives are issued but move nothing; the recorder logs their sizes. Peers' traffic is
-    simulated from the routing mode (``moe_engine.proxy.peers``). On a CPU host ``proxy.cpu_scale``
+    simulated from the routing mode (``bench.run.proxy_rank.peers``). On a CPU host ``proxy.cpu_scale``
     shrinks the run: fewer blocks of the stage (every block of a stage has the same shapes), shorter
     sequences, fewer sequences per microbatch, fewer microbatches, and fp32 for a CPU without bf16 units
     (``cpu_scale.precision``: the plan it is checked against is then the fp32 plan of the same run);
@@ -15,11 +15,11 @@ What runs
 
 What is measured (at the run's scale)
     Step time without the proxy's own work of fabricating peers' data, split into phases by
-    ``moe_engine.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
+    ``bench.run.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
     norms and residuals, embedding, optimizer, gradient buffers = zeroing them and scaling each bucket
     as its reduction launches, other = final norm, LM head, loss), the peak memory (CUDA allocator, or
     tracked tensor bytes on CPU), overall and for forward/backward and the optimizer step apart; every
-    collective's bytes per step. Per gradient bucket (the optimizer's ``SyncTimeline`` and the phase
+    collective's bytes per step. Per gradient bucket (a ``SyncTimeline`` on the optimizer and the phase
     timer read as it launches): the compute of the last backward left after its reduction launched,
     split by how it scales (blocks, rest, embedding, later buckets' launches; fabrication left out),
     its share's optimizer update, and its bytes (``details.sync_windows``). The collectives take no
@@ -75,11 +75,11 @@ from bench.run.proxy_projection import (
     project_full_scale,
     project_run_scale,
 )
+from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.run.proxy_scale import ProxyScale, run_spec
 from bench.run.trace import group_phases
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
-from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 
 def _as_plan(spec: dict[str, Any]) -> Scenario:

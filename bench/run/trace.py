@@ -1,6 +1,6 @@
 """Trace one rank's training step at the scenario's full size without allocating it.
 
-The rank is built as a proxy rank (``moe_engine.proxy``: its stage, its local experts, its optimizer
+The rank is built as a proxy rank (``bench.run.proxy_rank``: its stage, its local experts, its optimizer
 shard, peers simulated, a fake world whose collectives move nothing) under ``FakeTensorMode``, where
 tensors carry shapes and dtypes but no storage, so a 1.2T model's rank traces on a laptop. One whole
 optimizer step runs (every microbatch, the backward, the optimizer) and a ``TorchDispatchMode``
@@ -52,14 +52,14 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.predict.ops import REGIONS, TensorSpec, TracedOp
+from bench.run.collective_log import CollectiveRecorder
+from bench.run.proxy_rank.build import build_proxy_rank
+from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.scenario import Scenario
 from moe_engine.config import DataParallelMode
-from moe_engine.parallel.collective_log import CollectiveRecorder
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
-from moe_engine.proxy.build import build_proxy_rank
-from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 SHADOW_MAX_ELEMENTS = 1 << 22
 """A tensor gets a real shadow only up to this size: routing metadata is T * k or T * E elements."""

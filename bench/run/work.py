@@ -35,7 +35,7 @@ What is counted, per step of one rank:
   syncing op, are part of that sync. A syncing op counts whatever its tensor's device: on CPU there
   is no device to wait for, and a CPU tensor's ``.item()`` counts on CUDA runs too (torch's AdamW
   reads each parameter's CPU step counter so: 21 a step in the smoke models).
-- **collectives** (``moe_engine.parallel.collective_log.CollectiveRecorder``): calls and bytes by
+- **collectives** (``bench.run.collective_log.CollectiveRecorder``): calls and bytes by
   kind and group (``all_reduce`` over ``dp``), by that module's byte conventions.
 
 The counters are dispatch modes (FLOPs outermost, the op counter innermost, so each counts what the
@@ -57,9 +57,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from bench.metrics import WORK_METRIC_NAMES, entry
+from bench.run.collective_log import CollectiveRecorder
 from bench.run.memory import TensorMemoryTracker
 from moe_engine.host_sync import profile_host_syncs
-from moe_engine.parallel.collective_log import CollectiveRecorder
 
 aten = torch.ops.aten
 

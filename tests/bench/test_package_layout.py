@@ -1,6 +1,6 @@
 """The shape of ``bench/``: the data's way, read from the import statements of every module.
 
-- the engine never imports ``bench``;
+- the engine never imports ``bench``, and holds none of the benchmark's machinery;
 - no import circle between modules (imports inside functions count too);
 - no module imports another module's private name;
 - pure arithmetic (``bench.predict``, the gate's comparison modules, the proxy's projection) imports nothing
@@ -51,6 +51,20 @@ ARITHMETIC_MAY_IMPORT = (
     "moe_engine.flops",
     "moe_engine.parallel.layout",
     "moe_engine.parallel",
+)
+# What measures or stands in for a run, used only by the benchmark: it lives in ``bench.run``
+# (collective_log, phase_timer, sync_timeline, proxy_rank), not in the engine.
+BENCHMARK_MACHINERY = (
+    "CollectiveRecorder",
+    "CollectiveCall",
+    "PhaseTimer",
+    "instrument_model",
+    "SyncTimeline",
+    "build_proxy_rank",
+    "join_fake_world",
+    "SimulatedPeers",
+    "ProxyDispatcher",
+    "ProxyPipeline",
 )
 
 
@@ -118,6 +132,18 @@ def test_the_engine_never_imports_bench():
         if m.split(".")[0] == "bench"
     ]
     assert offenders == []
+
+
+def test_the_engine_holds_no_benchmark_machinery():
+    engine = [name for name in MODULES if name.startswith("moe_engine")]
+    defined = [
+        f"{name}.{node.name}"
+        for name in engine
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in BENCHMARK_MACHINERY
+    ]
+    assert defined == []
+    assert [name for name in engine if name == "moe_engine.proxy" or name.startswith("moe_engine.proxy.")] == []
 
 
 def test_no_import_circle():
