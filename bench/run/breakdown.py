@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from bench.predict.collectives import Collective, Network, collective_seconds
 from bench.predict.op_projection import PER_MICROBATCH_ACCOUNTS, collective_account, runs_every_microbatch
 from bench.predict.pricing import PricedOp
-from bench.predict.projection import Collective, Network, Projection, collective_seconds
+from bench.predict.projection import Projection
 
 __all__ = ["MODULES", "OP_KINDS", "format_breakdown", "module_of", "op_kind_of", "step_breakdown"]
 
