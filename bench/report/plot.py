@@ -1,5 +1,8 @@
 """Plot result documents: trends across engine versions, a summary, an expert-count sweep, an index page.
 
+One module on purpose: every figure and the index are drawn in one ``plot_results`` pass from the same
+grouped documents (the latest ok run of each version, machine and scenario).
+
 ``plot_results(results_dir, out_dir)`` reads every document under ``results_dir`` (laid out as
 ``results/<version>/<machine>/<scenario>[.N].json``) and writes into ``out_dir``:
 
