@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from bench.report.collect import ResultSet
-from bench.report.plot import sort_versions
+from bench.report.ordering import sort_versions
 
 THROUGHPUT_METRICS = ("tokens_per_s_per_gpu", "projected_tokens_per_s_per_gpu", "rank_tokens_per_s")
 MEMORY_METRICS = ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes", "projected_memory_total_bytes")
