@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gate.groups import Group, group_documents
-from bench.report.plot import sort_versions, version_sort_key
+from bench.report.ordering import sort_versions, version_sort_key
 from bench.results import NoResultDocuments, ResultDocument, ResultFileError, load_nonempty
 
 Key = tuple[str, str]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from bench.metrics import MEMORY_PREFERENCE, THROUGHPUT_PREFERENCE
 from bench.report.collect import ResultSet
-from bench.report.plot import sort_versions
+from bench.report.ordering import sort_versions
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """Execute a scenario for real in this process: build, warm up, measure, report.
 
+One module on purpose: ``execute`` and its helpers (the trainer, the checkpoint session, the measured
+work, memory and routing) are one pass over a scenario's run in the worker, sharing its trainer and records.
+
 This is what the worker process runs; ``bench.run.runner`` launches it with a timeout, so a hang or a
 crash costs one scenario, not the suite.
 """

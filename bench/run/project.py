@@ -1,5 +1,8 @@
 """``moe-bench project SCENARIO --device NAME``: a layout's step on a device, priced op by op.
 
+One module on purpose: tracing the stages, sharing identical ones, the progress lines and the document
+are one pass of ``moe-bench project`` over a layout's stages, each step feeding the next.
+
 For each pipeline stage, one rank's step is traced at the scenario's full size under fake tensors
 (``bench.run.trace``), every op priced on the device profile (``bench.predict.pricing``) and the
 step assembled on the profile's network (``bench.predict.op_projection``); the slowest stage sets

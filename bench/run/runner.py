@@ -1,5 +1,8 @@
 """Run scenarios: plans in process, executes in a worker process with a timeout; write results.
 
+One module on purpose: the run loop (``Runner``) and what it calls (the memory check, the worker's
+command, its timeout and process-group kill) serve that one loop.
+
 Every scenario is loaded and validated before any work starts. A scenario that fails, runs out of
 memory or times out is recorded with that status and the suite goes on. A scenario needing more GPUs
 (dp * pp) than the host has is recorded ``skipped`` with the reason before anything else (no plan, no

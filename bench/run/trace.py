@@ -1,5 +1,8 @@
 """Trace one rank's training step at the scenario's full size without allocating it.
 
+One module on purpose: the tracer (``StepTracer``, its shadows and ``ModuleLocator``) and the
+building of the rank it traces share the fake-tensor state of one trace.
+
 The rank is built as a proxy rank (``bench.run.proxy_rank``: its stage, its local experts, its optimizer
 shard, peers simulated, a fake world whose collectives move nothing) under ``FakeTensorMode``, where
 tensors carry shapes and dtypes but no storage, so a 1.2T model's rank traces on a laptop. One whole

@@ -20,6 +20,9 @@ PACKAGES = ("bench", "moe_engine")
 ARITHMETIC = (
     "bench.predict.plan",
     "bench.predict.projection",
+    "bench.predict.collectives",
+    "bench.predict.overlap",
+    "bench.predict.skew",
     "bench.predict.device",
     "bench.predict.ops",
     "bench.predict.traced",

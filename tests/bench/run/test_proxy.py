@@ -10,8 +10,9 @@ import pytest
 import torch
 import yaml
 
+from bench.predict.collectives import Collective, Network
 from bench.predict.device import load_profile
-from bench.predict.projection import STEP_KEYS, Collective, Network
+from bench.predict.projection import STEP_KEYS
 from bench.results import REPO_ROOT
 from bench.run.collective_log import CollectiveCall
 from bench.run.project import project_on_device
