@@ -522,7 +522,7 @@ def run_ab(
 def _resident(
     sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, log: Callable[[str], None]
 ) -> ResidentComparison:
-    timeout = scenario.run["timeout_s"] + _MARGIN_S
+    timeout = scenario.run.timeout_s + _MARGIN_S
     with (
         ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base,
         ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand,
@@ -585,7 +585,7 @@ def run_calibration(
     check_budget(budget_s)
     found = []
     for scenario in (s for s in scenarios if s.mode == "execute"):
-        timeout = scenario.run["timeout_s"] + _MARGIN_S
+        timeout = scenario.run.timeout_s + _MARGIN_S
         with (
             ResidentSide("baseline", root, scenario, device, timeout) as a,
             ResidentSide("candidate", root, scenario, device, timeout) as b,
@@ -651,7 +651,7 @@ def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
         device,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    returncode, output = _run(command, root, env, scenario.run["timeout_s"] + _MARGIN_S)
+    returncode, output = _run(command, root, env, scenario.run.timeout_s + _MARGIN_S)
     try:
         docs = load_results(out) if out.is_dir() else []
     except ResultFileError as err:  # the side wrote a file that cannot be read back

@@ -44,6 +44,7 @@ ARITHMETIC = (
 ARITHMETIC_MAY_IMPORT = (
     "bench.results",
     "bench.scenario",
+    "bench.scenario_sections",
     "moe_engine",
     "moe_engine.config",
     "moe_engine.flops",
