@@ -3,8 +3,8 @@
 The engine's configs (model, layout, recompute) live in ``moe_engine.config``; these say how the
 benchmark runs a scenario and what it projects it on. ``scenarios/schema.json`` is the one place for
 their defaults: ``bench.scenario`` validates a file against it, fills the defaults in, and only then
-builds these. So a field has no default here, but for the optional ones whose schema default is
-null (or that have none), where None means "not given".
+builds these, so the fields take no defaults here. The exceptions are None, "not given": the
+cluster's name and device, and the CPU scale-down, which a GPU host runs without (``CpuScale()``).
 """
 
 from __future__ import annotations
