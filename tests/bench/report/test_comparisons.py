@@ -163,9 +163,7 @@ def test_the_run_summary_prints_each_pair_that_ran(tmp_path, monkeypatch, capsys
     def fake_worker(command, timeout, on_line, env=None):
         spec = json.loads(Path(command[-2]).read_text())["spec"]
         metrics = {"tokens_per_s_per_gpu": metric(throughput[spec["name"]], "tokens/s", "higher")}
-        Path(command[-1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": metrics, "details": {}})
-        )
+        Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": metrics, "details": {}}))
         return 0, []
 
     monkeypatch.setattr(runner, "run_with_timeout", fake_worker)

@@ -47,9 +47,7 @@ class FakeNode:
         request = WorkerRequest.from_json(Path(command[-2]).read_text())
         self.launches[request.spec["name"]] = command
         self.requests[request.spec["name"]] = request
-        Path(command[-1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}})
-        )
+        Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
 
 

@@ -474,9 +474,7 @@ def test_force_starts_it_anyway(tmp_path, monkeypatch):
 
     def fake_worker(command, timeout, on_line, env=None):
         started.append(command)
-        Path(command[-1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}})
-        )
+        Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
 
     monkeypatch.setattr(runner, "run_with_timeout", fake_worker)
