@@ -55,7 +55,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
             return fail(str(err))
     if launch is not None:
         # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
-        device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
+        device = join_launch(launch, device, max(s.run.timeout_s for s in scenarios))
         if launch.rank != 0:
             Runner(
                 device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force, resume=resume

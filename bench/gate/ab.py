@@ -418,7 +418,7 @@ def run_ab(
 def _resident(
     sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, log: Callable[[str], None]
 ) -> ResidentComparison:
-    timeout = scenario.run["timeout_s"] + START_MARGIN_S
+    timeout = scenario.run.timeout_s + START_MARGIN_S
     with (
         ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base,
         ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand,

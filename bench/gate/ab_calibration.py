@@ -56,7 +56,7 @@ def run_calibration(
     check_budget(budget_s)
     found = []
     for scenario in (s for s in scenarios if s.mode == "execute"):
-        timeout = scenario.run["timeout_s"] + START_MARGIN_S
+        timeout = scenario.run.timeout_s + START_MARGIN_S
         with (
             ResidentSide("baseline", root, scenario, device, timeout) as a,
             ResidentSide("candidate", root, scenario, device, timeout) as b,

@@ -48,7 +48,7 @@ def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
         device,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    returncode, output = _run(command, root, env, scenario.run["timeout_s"] + START_MARGIN_S)
+    returncode, output = _run(command, root, env, scenario.run.timeout_s + START_MARGIN_S)
     try:
         docs = load_results(out) if out.is_dir() else []
     except ResultFileError as err:  # the side wrote a file that cannot be read back

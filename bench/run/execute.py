@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bench.metrics import entry
 from bench.run.checkpointing import (
     Checkpointer,
-    CheckpointPolicy,
+    CheckpointRun,
     append_journal,
     checkpoint_metrics,
     history,
@@ -109,7 +109,7 @@ class TokenBatches:
     def __init__(self, scenario: Scenario, device: torch.device, dp_rank: int = 0):
         model, dp = scenario.model, scenario.parallel_config.dp
         self.sequences, self.seq_len, self.vocab = (
-            scenario.run["tokens_per_step"] // model.seq_len,
+            scenario.run.tokens_per_step // model.seq_len,
             model.seq_len,
             model.vocab_size,
         )
@@ -130,18 +130,6 @@ class TokenBatches:
 
     def restore(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
-
-
-@dataclass(frozen=True)
-class CheckpointRun:
-    """What the runner asks of this run's checkpoints."""
-
-    policy: CheckpointPolicy | None
-    """When and where to save (the scenario's checkpoint section); None: no saves."""
-    resume: Path | None
-    """The checkpoint to start from; None: from the first step."""
-    attempt: int = 1
-    """This attempt's number in the scenario's journal."""
 
 
 @dataclass
@@ -185,7 +173,7 @@ def execute(
     rank_model, trainer = build_trainer(scenario, groups, device)
     moe_layers = {_block_index(name): m for name, m in rank_model.module.named_modules() if isinstance(m, MoELayer)}
     batches = TokenBatches(scenario, device, groups.coords.dp_rank if groups else 0)
-    tokens_per_step = run["tokens_per_step"]
+    tokens_per_step = run.tokens_per_step
     world = scenario.world_size
     flops_per_token = training_flops_per_token(config, config.seq_len)
     # What activation recompute runs again in backward, apart: MFU counts the model's FLOPs only.
@@ -194,16 +182,16 @@ def execute(
     )
 
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
-    total_steps = run["warmup_steps"] + run["steps"] * run["repeats"]
+    total_steps = run.warmup_steps + run.steps * run.repeats
     ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing, progress)
     losses, grad_norms = [], []
     for step in range(ckpt.start_step, total_steps):
         tokens, labels = next(batches)
-        measured = step >= run["warmup_steps"]
+        measured = step >= run.warmup_steps
         synchronize(device)
         if groups:
             dist.barrier()
-        if measured and device.type == "cuda" and step == run["warmup_steps"]:
+        if measured and device.type == "cuda" and step == run.warmup_steps:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = trainer.step(tokens, labels)
@@ -414,7 +402,7 @@ def build_trainer(scenario: Scenario, groups: ProcessGroups | None, device: torc
         device,
         seed=scenario.spec["routing"]["seed"],
         recompute=scenario.recompute,
-        compile=scenario.run["compile"],
+        compile=scenario.run.compile,
     )
     return rank_model, ParallelTrainer(rank_model, scenario.parallel_config, groups, scenario.optimizer)
 

@@ -98,7 +98,7 @@ def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
         return scenario
     spec = copy.deepcopy(scenario.spec)
     spec["parallel"]["microbatches"] = microbatches
-    spec["run"]["tokens_per_step"] = scenario.run["tokens_per_step"] // m * microbatches
+    spec["run"]["tokens_per_step"] = scenario.run.tokens_per_step // m * microbatches
     # Trace as an execute-free plan: its mode only decides which sections it needs.
     return scenario_from_dict(spec, file=scenario.file)
 
@@ -407,7 +407,7 @@ def projection_document(
         rank = staged.rank
         prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
         projection = project_priced_step(
-            prices, rank, schedule, net, scenario.run["tokens_per_step"], scenario.world_size, flops_per_token, skew
+            prices, rank, schedule, net, scenario.run.tokens_per_step, scenario.world_size, flops_per_token, skew
         )
         projections.append(projection)
         stages.append(
@@ -461,7 +461,7 @@ def projection_document(
         "device_file": profile.file,
         "device_measured": profile.measured is not None,
         "world_size": scenario.world_size,
-        "tokens_per_step": scenario.run["tokens_per_step"],
+        "tokens_per_step": scenario.run.tokens_per_step,
         "flops_per_token": flops_per_token,
         "step_s": projection["step_s"],
         "tokens_per_s_per_gpu": projection["tokens_per_s_per_gpu"],

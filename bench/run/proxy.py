@@ -99,8 +99,8 @@ def run_proxy(
     also carries the op-level projection on its ``cluster.device`` and on each of ``project_devices``."""
     spec, scale = run_spec(scenario, device)
     run_scenario = scenario_from_dict(spec, file=scenario.file)
-    if scenario.proxy["threads"]:
-        torch.set_num_threads(scenario.proxy["threads"])
+    if scenario.proxy.threads:
+        torch.set_num_threads(scenario.proxy.threads)
     join_fake_world(scale.rank, scenario.world_size)
     try:
         measured, groups = measure_rank(run_scenario, scale, device, progress)
@@ -109,7 +109,7 @@ def run_proxy(
     finally:
         leave_fake_world()
 
-    net = Network.from_cluster(scenario.cluster)
+    net = Network.from_cluster(scenario.cluster.to_dict())
     _, plan_run = plan_scenario(_as_plan(spec))
     _, plan_full = plan_scenario(_as_plan(scenario.spec))
     table = phase_table(measured)
@@ -128,7 +128,7 @@ def run_proxy(
         measurement,
         scale,
         target,
-        run_scenario.run["tokens_per_step"],
+        run_scenario.run.tokens_per_step,
         training_flops_per_token(run_scenario.model, scale.seq_len_run),
     ).projection
     full_projection = project_full_scale(
@@ -137,7 +137,7 @@ def run_proxy(
         StageSize.from_plan(plan_run, scale.pp_rank),
         StageSize.from_plan(plan_full, scale.pp_rank),
         target,
-        scenario.run["tokens_per_step"],
+        scenario.run.tokens_per_step,
         training_flops_per_token(scenario.model),
     ).projection
 
@@ -205,7 +205,7 @@ def run_proxy(
         },
         network=asdict(net),
         flops_per_token=training_flops_per_token(scenario.model),
-        tokens_per_step=scenario.run["tokens_per_step"],
+        tokens_per_step=scenario.run.tokens_per_step,
         world_size=scenario.world_size,
         layout=scenario.parallel_config.to_dict(),
         losses=measured.losses,
@@ -218,7 +218,7 @@ def _device_projections(scenario: Scenario, extra: list[str], progress) -> dict[
     from bench.predict.device import load_profile
     from bench.run.project import DoesNotFit, NotTraceable, project_on_device
 
-    names = [n for n in [scenario.cluster.get("device"), *extra] if n]
+    names = [n for n in [scenario.cluster.device, *extra] if n]
     projections = {}
     for name in dict.fromkeys(names):
         try:

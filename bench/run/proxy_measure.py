@@ -207,7 +207,7 @@ def measure_rank(
         f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})"
     )
     rank_model = build_proxy_rank(
-        config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run["compile"]
+        config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run.compile
     )
     trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
     sync = functools.partial(synchronize, device)
@@ -225,11 +225,11 @@ def measure_rank(
     batches = _batches(sequences, scale.seq_len_run, config.vocab_size, device, seed)
     layout = _bucket_layout(trainer.optimizer, rank_model.module, parallel.bucket_elements)
     measured = RankMeasurement([], [], [], {}, [], layout)
-    total = run["warmup_steps"] + run["steps"]
-    for step in range(max(total, 1 + run["steps"])):
+    total = run.warmup_steps + run.steps
+    for step in range(max(total, 1 + run.steps)):
         tokens, labels = next(batches)
         census = step == 0
-        is_measured = step >= max(run["warmup_steps"], 1)
+        is_measured = step >= max(run.warmup_steps, 1)
         if is_measured and device.type == "cuda" and not measured.compute_s:
             torch.cuda.reset_peak_memory_stats(device)
         timer.reset()

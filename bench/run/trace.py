@@ -453,7 +453,7 @@ def _fake_to_empty(fake: bool) -> Iterator[None]:
 
 def _batch(scenario: Scenario, dp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     seq_len = scenario.model.seq_len
-    sequences = scenario.run["tokens_per_step"] // dp // seq_len
+    sequences = scenario.run.tokens_per_step // dp // seq_len
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, scenario.model.vocab_size, (sequences, seq_len), generator=generator)
     labels = torch.randint(0, scenario.model.vocab_size, (sequences, seq_len), generator=generator)
@@ -592,7 +592,7 @@ def trace_step(
             rank=rank,
             world_size=world,
             microbatches=parallel.microbatches,
-            tokens_per_step=scenario.run["tokens_per_step"],
+            tokens_per_step=scenario.run.tokens_per_step,
             group_phases=group_phases(groups),
             family_groups={"dense": groups.dp.group_name, "expert": groups.edp.group_name},
             groups=rank_groups(groups),

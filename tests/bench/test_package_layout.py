@@ -49,6 +49,7 @@ ARITHMETIC_MAY_IMPORT = (
     "bench.results",
     "bench.metrics",
     "bench.scenario",
+    "bench.scenario_sections",
     "moe_engine",
     "moe_engine.config",
     "moe_engine.flops",
