@@ -50,7 +50,7 @@ def _memory(name: str, title: str, **fields: Any) -> MetricSpec:
     return _spec(name, "bytes", "lower", title, gated=True, kind="memory", **fields)
 
 
-_PLAN_MEMORY_PARTS = (
+PLAN_MEMORY_PARTS = (
     "params",
     "grads",
     "optimizer",
@@ -60,7 +60,9 @@ _PLAN_MEMORY_PARTS = (
     "optimizer_step",
     "total",
 )
-_COMM_PARTS = ("all_to_all", "grad_reduce", "pipeline", "total")
+COMM_PARTS = ("all_to_all", "grad_reduce", "pipeline", "total")
+"""The plan's memory pieces per rank and traffic kinds per step, in report order (``memory_<part>_bytes``,
+``comm_<part>_bytes``)."""
 
 WORK_METRIC_NAMES = (
     "work_matmul_flops",
@@ -123,9 +125,9 @@ _SPECS = (
     _spec("hardware_flops_per_token", "FLOP", None, "hardware FLOPs per token (with recompute)"),
     *(
         _memory(f"memory_{part}_bytes", "plan memory per rank" if part == "total" else f"plan {part} memory")
-        for part in _PLAN_MEMORY_PARTS
+        for part in PLAN_MEMORY_PARTS
     ),
-    *(_spec(f"comm_{part}_bytes", "bytes", "lower", f"{part} bytes per step", gated=True) for part in _COMM_PARTS),
+    *(_spec(f"comm_{part}_bytes", "bytes", "lower", f"{part} bytes per step", gated=True) for part in COMM_PARTS),
     _spec("memory_fraction_of_gpu", "ratio", "lower", "plan memory over the GPU's", gated=True, kind="memory"),
     # Proxy runs: one rank measured, the cluster projected.
     _spec("rank_tokens_per_s", "tokens/s", "higher", "tokens/s of the proxied rank", gated=True, kind="throughput"),

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.metrics import entry
+from bench.metrics import COMM_PARTS, PLAN_MEMORY_PARTS, entry
 from bench.predict.plan_activations import kv_bytes_per_token
 from bench.predict.plan_bytes import BYTES, PrecisionBytes, parameter_pieces, precision_bytes
 from bench.predict.plan_rank import (
@@ -180,21 +180,6 @@ def _assumptions(scenario) -> list[str]:
     return out
 
 
-_MEMORY = (
-    "params",
-    "grads",
-    "optimizer",
-    "activations",
-    "comm_buffers",
-    "backward_workspace",
-    "optimizer_step",
-    "total",
-)
-
-
-_COMM = ("all_to_all", "grad_reduce", "pipeline", "total")
-
-
 def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     """Metrics (single-sample ``bench.results.metric`` entries) and details of any scenario's layout.
 
@@ -228,9 +213,9 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         "recompute_flops_per_token": entry("recompute_flops_per_token", [recompute_flops]),
         "hardware_flops_per_token": entry("hardware_flops_per_token", [model_flops + recompute_flops]),
     }
-    for key in _MEMORY:
+    for key in PLAN_MEMORY_PARTS:
         metrics[f"memory_{key}_bytes"] = entry(f"memory_{key}_bytes", [by_memory["memory_bytes"][key]])
-    for key in _COMM:
+    for key in COMM_PARTS:
         metrics[f"comm_{key}_bytes"] = entry(f"comm_{key}_bytes", [by_comm["comm_bytes"][key]])
     if gpu_bytes:
         metrics["memory_fraction_of_gpu"] = entry("memory_fraction_of_gpu", [total / gpu_bytes])
