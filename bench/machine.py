@@ -1,11 +1,12 @@
-"""What machine a result came from, the peak FLOP/s that MFU is measured against, and the memory it has free."""
+"""What machine a result came from, the peak FLOP/s that MFU is measured against, and the memory it has free;
+what lscpu and /proc say about this CPU (``cpu_spec``: its peak FLOPs/cycle for ``moe-bench profile-device``)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,8 @@ GPU_PEAKS: dict[str, DevicePeak] = {
 
 
 def cpu_model() -> str:
-    with contextlib.suppress(OSError):  # no /proc on this platform
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    """The CPU's model name as /proc/cpuinfo gives it (else what ``platform`` reports)."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_cores() -> int:
@@ -66,6 +64,117 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _lscpu() -> dict[str, str]:
+    try:
+        text = subprocess.run(
+            ["lscpu"], check=False, capture_output=True, text=True, env=dict(os.environ, LC_ALL="C"), timeout=30
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if ":" in line:
+            key, value = line.split(":", 1)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _cpuinfo() -> dict[str, str]:
+    out: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if ":" in line:
+                key, value = line.split(":", 1)
+                out.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {}  # no /proc here: the caller falls back to what platform reports
+    return out
+
+
+@dataclass
+class CpuSpec:
+    """What lscpu says about this CPU, and the FLOPs/cycle per core its flags imply."""
+
+    model: str
+    """The model name (lscpu, else /proc/cpuinfo, else ``platform``)."""
+    cores: int
+    """Physical cores: lscpu's cores per socket x sockets (else ``os.cpu_count``)."""
+    ghz: float
+    """The clock the peaks are computed at."""
+    ghz_source: str
+    """Where ``ghz`` comes from, as a profile's sources say it."""
+    flops_per_cycle: dict[str, int]
+    """FLOPs per cycle per core by dtype ("fp32", "bf16"), from the widest units the flags show."""
+    units: dict[str, str]
+    """The units behind each ``flops_per_cycle`` figure, in words."""
+    memory_gb: float
+    """Physical RAM: /proc/meminfo's MemTotal (else sysconf), in GB."""
+
+
+def cpu_spec() -> CpuSpec:
+    """This CPU's model, physical cores, clock, FLOPs/cycle/core by dtype and RAM (lscpu, /proc, flags)."""
+    info, proc = _lscpu(), _cpuinfo()
+    model = info.get("Model name") or proc.get("model name") or platform.processor() or platform.machine()
+    try:
+        cores = int(info["Core(s) per socket"]) * int(info.get("Socket(s)", "1"))
+    except (KeyError, ValueError):
+        cores = os.cpu_count() or 1
+    flags = set((info.get("Flags") or proc.get("flags") or "").split())
+    ghz, ghz_source = _clock(info, proc, model)
+    fp32, fp32_unit = _fp32_flops_per_cycle(flags)
+    if "amx_bf16" in flags:
+        bf16, bf16_unit = 1024, "amx_bf16: one AMX TMUL per core, TDPBF16PS 16x16x32 (16384 FLOPs) every 16 cycles"
+    elif "avx512_bf16" in flags:
+        bf16, bf16_unit = 128, "avx512_bf16: 2 units x VDPBF16PS 16 lanes x 2 pairs x 2 FLOPs"
+    else:
+        bf16, bf16_unit = fp32, "no bf16 units in the flags: bf16 runs at the fp32 rate"
+    return CpuSpec(
+        model,
+        cores,
+        ghz,
+        ghz_source,
+        {"fp32": fp32, "bf16": bf16},
+        {"fp32": fp32_unit, "bf16": bf16_unit},
+        _memory_gb(),
+    )
+
+
+def _clock(info: dict[str, str], proc: dict[str, str], model: str) -> tuple[float, str]:
+    """GHz and where it comes from: lscpu's max clock, else the model name's, else /proc/cpuinfo's."""
+    if info.get("CPU max MHz"):
+        return float(info["CPU max MHz"]) / 1000, f"lscpu 'CPU max MHz' {info['CPU max MHz']}"
+    if m := re.search(r"@\s*([\d.]+)\s*GHz", model):
+        return float(m.group(1)), f"the model name's '@ {m.group(1)}GHz' (lscpu shows no 'CPU max MHz')"
+    if proc.get("cpu MHz"):
+        return float(proc["cpu MHz"]) / 1000, (
+            f"/proc/cpuinfo 'cpu MHz' {proc['cpu MHz']} (lscpu shows no 'CPU max MHz'; likely the nominal/TSC clock)"
+        )
+    return 1.0, "no clock found (lscpu, /proc/cpuinfo); 1 GHz assumed"
+
+
+def _fp32_flops_per_cycle(flags: set[str]) -> tuple[int, str]:
+    if "avx512f" in flags:
+        return 64, "avx512f: 2 FMA units x 16 fp32 lanes x 2 FLOPs"
+    if "avx2" in flags and "fma" in flags:
+        return 32, "avx2+fma: 2 FMA units x 8 fp32 lanes x 2 FLOPs"
+    if "avx" in flags:
+        return 16, "avx: 8 fp32 lanes x (1 add + 1 mul)"
+    return 8, "sse: 4 fp32 lanes x (1 add + 1 mul)"
+
+
+def _memory_gb() -> float:
+    memory_gb = 0.0
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                memory_gb = int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        memory_gb = 0.0  # no /proc/meminfo: sysconf below
+    if memory_gb <= 0:
+        memory_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return memory_gb
 
 
 def machine_info() -> dict[str, Any]:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import statistics
 import tempfile
 from collections.abc import Callable, Iterable
@@ -255,3 +256,64 @@ def load_results(root: Path, on_bad_file: Callable[[ResultFileError], None] | No
                 raise
             on_bad_file(err)
     return docs
+
+
+class NoResultDocuments(ValueError):
+    """A file or folder that holds no readable result document: ``<root>: no result documents``."""
+
+
+@dataclass(frozen=True)
+class LoadedResults:
+    """The readable documents under a root and the files left out as unreadable."""
+
+    docs: list[ResultDocument]
+    """Every document that loaded."""
+    skipped: list[ResultFileError]
+    """Files that could not be read as result documents, in file order."""
+
+
+def load_nonempty(root: Path, on_bad_file: Callable[[ResultFileError], None] | None = None) -> LoadedResults:
+    """Every result document under ``root``; ``NoResultDocuments`` when there is none, saying how many
+    files were skipped. An unreadable file raises ``ResultFileError`` or, with ``on_bad_file``, is
+    handed there (to warn) and skipped. A missing ``root`` raises FileNotFoundError."""
+    skipped: list[ResultFileError] = []
+
+    def skip(err: ResultFileError) -> None:
+        skipped.append(err)
+        if on_bad_file is not None:
+            on_bad_file(err)
+
+    docs = load_results(root, on_bad_file=skip if on_bad_file is not None else None)
+    if not docs:
+        unread = f" ({len(skipped)} unreadable file{'s' * (len(skipped) != 1)} skipped)" if skipped else ""
+        raise NoResultDocuments(f"{root}: no result documents{unread}")
+    return LoadedResults(docs, skipped)
+
+
+def run_index(doc: ResultDocument) -> int:
+    """The ``.N`` suffix ``write_result`` gives the N-th run of a scenario (``x.json`` is 1, ``x.2.json`` 2)."""
+    if doc.path is None:
+        return 1
+    file_name = Path(doc.path).name
+    stem = file_name[: -len(".json")] if file_name.endswith(".json") else file_name
+    match = re.fullmatch(re.escape(doc.name) + r"\.(\d+)", stem)
+    return int(match.group(1)) if match else 1
+
+
+def written_at(doc: ResultDocument) -> datetime | None:
+    """The document's timestamp (UTC when it names no zone); None when it cannot be read."""
+    text = doc.data.get("timestamp", "")
+    try:
+        stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=timezone.utc)
+    return stamp
+
+
+def age_key(doc: ResultDocument) -> tuple:
+    """Sort key, oldest first: by timestamp (an unreadable one oldest of all), then the run's ``.N``
+    suffix (runs within one second), then the path."""
+    stamp = written_at(doc)
+    return (stamp is not None, stamp.timestamp() if stamp else 0.0, run_index(doc), str(doc.path or ""))

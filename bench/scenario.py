@@ -16,6 +16,7 @@ import jsonschema
 import yaml
 
 from bench.results import REPO_ROOT
+from bench.scenario_sections import ClusterConfig, ProxyConfig, RunConfig
 from moe_engine.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
 from moe_engine.parallel.layout import stage_blocks
 
@@ -47,6 +48,12 @@ class Scenario:
     """Engine layout config."""
     recompute: RecomputeConfig
     """Activation recompute of the blocks."""
+    run: RunConfig
+    """Steps, their size and the worker's time limit."""
+    cluster: ClusterConfig | None
+    """The target cluster; None when the scenario has no ``cluster`` section (an execute scenario may leave it out)."""
+    proxy: ProxyConfig | None
+    """The rank a proxy scenario replays and its CPU scale-down; None unless the mode is proxy."""
 
     @property
     def mode(self) -> str:
@@ -61,25 +68,13 @@ class Scenario:
         return self.spec["parallel"]
 
     @property
-    def run(self) -> dict[str, Any]:
-        return self.spec["run"]
-
-    @property
-    def cluster(self) -> dict[str, Any] | None:
-        return self.spec.get("cluster")
-
-    @property
-    def proxy(self) -> dict[str, Any]:
-        return self.spec["proxy"]
-
-    @property
     def world_size(self) -> int:
         return self.parallel_config.world_size
 
     @property
     def optimizer(self) -> OptimizerConfig:
         """The engine's optimizer settings for this scenario (its clipping threshold)."""
-        return OptimizerConfig(max_grad_norm=self.run["max_grad_norm"])
+        return OptimizerConfig(max_grad_norm=self.run.max_grad_norm)
 
 
 def _schema() -> dict[str, Any]:
@@ -145,11 +140,15 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
 
     model = _model_config(spec, file)
     spec["run"].setdefault("tokens_per_step", 4 * model.seq_len)
-    parallel = _parallel_config(spec, model, file)
+    # Every default is in place: the typed sections are built once, here.
+    run = RunConfig.from_dict(spec["run"])
+    cluster = ClusterConfig.from_dict(spec["cluster"]) if spec.get("cluster") else None
+    proxy = ProxyConfig.from_dict(spec["proxy"]) if spec["mode"] == "proxy" else None
+    parallel = _parallel_config(spec, model, run, file)
     recompute = _recompute_config(spec, model, parallel, file)
-    _check_cluster(spec, file)
-    if spec["mode"] == "proxy":
-        _check_proxy(spec, parallel, file)
+    _check_cluster(cluster, parallel, file)
+    if proxy is not None:
+        _check_proxy(spec, proxy, parallel, file)
     return Scenario(
         name=spec["name"],
         file=Path(file) if file else None,
@@ -157,6 +156,9 @@ def scenario_from_dict(data: Any, file: str | Path | None = None) -> Scenario:
         model=model,
         parallel_config=parallel,
         recompute=recompute,
+        run=run,
+        cluster=cluster,
+        proxy=proxy,
     )
 
 
@@ -187,7 +189,7 @@ def _model_config(spec: dict[str, Any], file) -> ModelConfig:
         raise ScenarioError(file, field, reason) from None
 
 
-def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> ParallelConfig:
+def _parallel_config(spec: dict[str, Any], model: ModelConfig, run: RunConfig, file) -> ParallelConfig:
     """The layout, checked against the model and (execute) against what the engine runs; its batch split.
 
     A microbatch count left at null becomes the config's default (pp) in ``spec``, so the scenario as
@@ -203,7 +205,7 @@ def _parallel_config(spec: dict[str, Any], model: ModelConfig, file) -> Parallel
         if spec["mode"] == "execute":
             parallel.validate_executable()
         spec["parallel"]["microbatches"] = parallel.microbatches
-        tokens = spec["run"]["tokens_per_step"]
+        tokens = run.tokens_per_step
         if tokens % model.seq_len:
             raise ValueError(f"run.tokens_per_step: {tokens} is not a multiple of model.seq_len={model.seq_len}")
         parallel.validate_batch(tokens // model.seq_len, field="run.tokens_per_step")
@@ -227,10 +229,10 @@ def _recompute_config(spec: dict[str, Any], model: ModelConfig, parallel: Parall
     return recompute
 
 
-def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
+def _check_proxy(spec: dict[str, Any], proxy: ProxyConfig, parallel: ParallelConfig, file) -> None:
     from moe_engine.parallel.layout import check_proxy_layout
 
-    rank = spec["proxy"]["rank"]
+    rank = proxy.rank
     if rank >= parallel.world_size:
         raise ScenarioError(file, "proxy.rank", f"rank {rank} is outside the layout's {parallel.world_size} ranks")
     try:
@@ -239,7 +241,7 @@ def _check_proxy(spec: dict[str, Any], parallel: ParallelConfig, file) -> None:
         field, _, reason = str(err).partition(": ")
         raise ScenarioError(file, field, reason) from None
     model = spec["model"]
-    if spec["proxy"]["cpu_scale"].get("blocks") and (model.get("n_dense_layers", 0) or model.get("moe_every", 1) > 1):
+    if proxy.cpu_scale.blocks and (model.get("n_dense_layers", 0) or model.get("moe_every", 1) > 1):
         # Fewer blocks would move the boundary between the dense and the MoE blocks, or their pattern.
         raise ScenarioError(
             file,
@@ -271,8 +273,8 @@ def _apply_device(cluster: dict[str, Any], file) -> None:
         cluster.setdefault(key, value)
 
 
-def _check_cluster(spec: dict[str, Any], file) -> None:
-    dp, pp = spec["parallel"]["dp"], spec["parallel"]["pp"]
-    cluster = spec.get("cluster")
-    if cluster and cluster["gpus"] != dp * pp:
-        raise ScenarioError(file, "cluster.gpus", f"{cluster['gpus']} GPUs but the layout uses dp * pp = {dp * pp}")
+def _check_cluster(cluster: ClusterConfig | None, parallel: ParallelConfig, file) -> None:
+    if cluster and cluster.gpus != parallel.world_size:
+        raise ScenarioError(
+            file, "cluster.gpus", f"{cluster.gpus} GPUs but the layout uses dp * pp = {parallel.world_size}"
+        )

@@ -7,6 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+from bench.metrics import WORK_METRIC_NAMES
+from bench.metrics import names as metric_names
+
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 ACCEPT_WORK_HELP = (
@@ -65,46 +68,39 @@ def parse_accept_options(specs: list[str], docs=(), with_releases: bool = True) 
 def load_side(path: str, skip_bad: bool = False):
     """The result documents of a file or folder. A file that cannot be read as a result document
     raises ResultFileError (a ValueError: one line naming the file and the reason); with
-    ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input."""
-    from bench.results import load_results
-
-    skipped = []
+    ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input
+    (``NoResultDocuments``, a ValueError)."""
+    from bench.results import load_nonempty
 
     def warn(err) -> None:
-        skipped.append(err)
         print(f"moe-bench: warning: {err}; skipped", file=sys.stderr)
 
-    docs = load_results(Path(path), on_bad_file=warn if skip_bad else None)
-    if not docs:
-        unread = f" ({len(skipped)} unreadable file{'s' if len(skipped) != 1 else ''} skipped)" if skipped else ""
-        raise ValueError(f"{path}: no result documents{unread}")
-    return docs
+    return load_nonempty(Path(path), on_bad_file=warn if skip_bad else None).docs
 
 
 def accepted_work(value: str | None) -> frozenset[str] | None:
     """``--accept-work`` (every work metric) or ``--accept-work a,b``; unknown names are bad input."""
-    from bench.gate.compare import WORK_METRICS
-
     if value is None:
         return None
     if value == "all":
-        return frozenset(WORK_METRICS)
+        return frozenset(WORK_METRIC_NAMES)
     names = frozenset(n.strip() for n in value.split(",") if n.strip())
-    unknown = sorted(names - set(WORK_METRICS))
+    unknown = sorted(names - set(WORK_METRIC_NAMES))
     if unknown:
-        raise ValueError(f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRICS))})")
+        raise ValueError(
+            f"--accept-work: unknown work metric {unknown[0]} (known: {', '.join(sorted(WORK_METRIC_NAMES))})"
+        )
     return names
 
 
 def accepted_increases(value: str | None) -> frozenset[str]:
     """``--accept-increase a,b``: exact metrics (not work counters, not timings) whose regression passes."""
-    from bench.gate.ab import ACCEPTABLE_INCREASES
-
+    acceptable = metric_names(acceptable_increase=True)
     names = frozenset(n.strip() for n in (value or "").split(",") if n.strip())
-    unknown = sorted(names - set(ACCEPTABLE_INCREASES))
+    unknown = sorted(names - set(acceptable))
     if unknown:
         raise ValueError(
             f"--accept-increase: {unknown[0]} is not an exact metric the gate can accept "
-            f"(known: {', '.join(ACCEPTABLE_INCREASES)}; work counters: --accept-work)"
+            f"(known: {', '.join(acceptable)}; work counters: --accept-work)"
         )
     return names

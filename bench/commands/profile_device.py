@@ -9,22 +9,15 @@ from bench.commands.common import EXIT_OK, fail
 
 def cmd_profile_device(args: argparse.Namespace) -> int:
     from bench.predict.device import ProfileError
-    from bench.run.profile_device import profile_device_command
+    from bench.run.profile_device import ProfileOptions, profile_device_command
 
     if args.threads < 1 or args.ranks < 1:
         return fail("--threads and --ranks: must be at least 1")
+    options = ProfileOptions(
+        device=args.device, threads=args.threads, name=args.name, base=args.base, ranks=args.ranks, quick=args.quick
+    )
     try:
-        profile_device_command(
-            args.device,
-            args.threads,
-            args.name,
-            args.base,
-            args.ranks,
-            args.out,
-            progress=lambda line: print(line, flush=True),
-            quick=args.quick,
-            tiny=args.tiny,
-        )
+        profile_device_command(options, args.out, progress=lambda line: print(line, flush=True), tiny=args.tiny)
     except (ValueError, ProfileError) as err:
         return fail(str(err))
     return EXIT_OK

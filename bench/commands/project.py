@@ -45,7 +45,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     except (ScenarioError, ProfileError) as err:
         return fail(str(err))
     for scenario in scenarios:
-        if not devices and not (scenario.cluster or {}).get("device"):
+        if not devices and not (scenario.cluster and scenario.cluster.device):
             return fail(f"{scenario.file}: cluster.device: missing; name a device with --device NAME")
         try:
             check_traceable(scenario)
@@ -58,7 +58,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     code = 0
     for scenario in scenarios:
-        for profile, fallback in devices or [(load_profile(scenario.cluster["device"]), None)]:
+        for profile, fallback in devices or [(load_profile(scenario.cluster.device), None)]:
             try:
                 with trace_progress(sys.stdout) as progress:
                     doc = project_on_device(

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
+from bench.metrics import headline_memory
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
@@ -54,7 +55,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
             return fail(str(err))
     if launch is not None:
         # One rank of a torchrun or Slurm launch: the ranks execute each scenario together.
-        device = join_launch(launch, device, max(s.run["timeout_s"] for s in scenarios))
+        device = join_launch(launch, device, max(s.run.timeout_s for s in scenarios))
         if launch.rank != 0:
             Runner(
                 device, Path(args.out), reporter_factory=SilentReporter, launch=launch, force=force, resume=resume
@@ -147,9 +148,7 @@ def print_summary(outcomes) -> None:
         def med(name, fmt):
             return fmt(m[name]["median"]) if name in m else ""
 
-        memory = next(
-            (n for n in ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes") if n in m), None
-        )
+        memory = headline_memory(m)
         params = ""
         if "total_params" in m:
             params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"

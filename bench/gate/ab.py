@@ -35,6 +35,10 @@ work counters by one naming them.
 ``moe-bench ab --calibrate`` runs the same resident comparison with this checkout on both sides
 (A/A) for the whole budget: its spread is the noise floor of the machine, and it gives the smallest
 tolerance that keeps false alarms at or below 5% within that budget.
+
+The modules: the job checked before anything runs (``bench.gate.ab_plan``), one side's full run
+(``bench.gate.ab_sides``), the A/A calibration (``bench.gate.ab_calibration``); this one holds the paired
+gate's verdicts and report, and the run of both sides that feeds them.
 """
 
 from __future__ import annotations
@@ -42,24 +46,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from bench.gate import paired
+from bench.gate.ab_plan import ABError, ABPlan
+from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
-from bench.gate.compare import NOISE_FLOORS, classify, is_work_metric, paired_ratio
+from bench.gate.compare import classify, is_work_metric, paired_ratio
 from bench.gate.formatting import format_noise, format_number, format_percent, format_ratio
 from bench.gate.resident import (
-    TARGET_BLOCK_S,
     ResidentComparison,
     ResidentSide,
     WorkerDied,
@@ -67,20 +68,11 @@ from bench.gate.resident import (
     compare_resident,
 )
 from bench.gate.work import work_verdicts
-from bench.release.git import try_git
-from bench.release.record import RELEASES_PATH, ReleaseError, load_releases
-from bench.results import REPO_ROOT, ResultFileError, load_results
+from bench.metrics import names, noise_floor
+from bench.results import REPO_ROOT
 from bench.scenario import Scenario
 
 SIDES = ("baseline", "candidate")
-MIN_BUDGET_S = paired.MIN_PAIRS * 2 * TARGET_BLOCK_S
-"""The least time budget per scenario that can hold the minimum of block pairs."""
-DEFAULT_BUDGET_S = 60.0
-_MARGIN_S = 120.0  # start-up of a side (imports, CPU peak measurement) on top of the scenario's timeout
-
-
-class ABError(ValueError):
-    """Bad input for the A/B gate (one line; nothing was run)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -88,27 +80,7 @@ class ABError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SideRun:
-    """One ``moe-bench run`` of one scenario on one side."""
-
-    status: str
-    error: str | None
-    metrics: dict[str, dict[str, Any]]
-    version: str | None = None
-    mode: str = "execute"
-    """The scenario's mode: a plan's figures are arithmetic, so they are compared but never gated."""
-    details: dict[str, Any] = field(default_factory=dict)
-    """The result document's details (the work census among them)."""
-
-
-ACCEPTABLE_INCREASES = (
-    "peak_tensor_bytes",
-    "rss_peak_bytes",
-    "cuda_peak_active_bytes",
-    "cuda_peak_reserved_bytes",
-    "optimizer_state_bytes",
-)
+ACCEPTABLE_INCREASES = names(acceptable_increase=True)
 """Exact metrics whose regression ``--accept-increase`` may accept: memory a change costs on purpose.
 Timings never (the resident blocks gate them); work counters have ``--accept-work``."""
 
@@ -127,7 +99,7 @@ class PairedMetric:
     ratio: float
     """Median of ``ratios``."""
     noise: float
-    """Interquartile range of ``ratios`` (0 when ``exact``), at least the metric's ``NOISE_FLOORS`` entry."""
+    """Interquartile range of ``ratios`` (0 when ``exact``), at least the metric's noise floor (``bench.metrics``)."""
     verdict: str
     """regressed, inconclusive, improved, unchanged or info (``bench.gate.compare.classify``), or accepted:
     a regression within an accepted change, or of an exact metric the job accepts (``--accept-increase``)."""
@@ -277,7 +249,7 @@ def paired_metric(scenario: str, name: str, pairs: list[tuple[dict, dict]], tole
         noise = q3 - q1
         if math.isnan(noise):  # inf - inf: unbounded
             noise = math.inf
-    noise = max(noise, NOISE_FLOORS.get(name, 0.0))
+    noise = max(noise, noise_floor(name))
     better = pairs[-1][1]["better"]
     _, verdict = classify(ratio, noise, better, tolerance)
     return PairedMetric(
@@ -360,82 +332,6 @@ def paired_gate(
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ABPlan:
-    """A checked A/B job: nothing has run yet."""
-
-    label: str
-    """How the baseline is named in the report (``release 0.1.0``, or the ref as given)."""
-    commit: str
-    scenarios: list[Scenario]
-    tolerance: float
-    budget_s: float
-    """Seconds of resident blocks per execute scenario, at most."""
-    accept_work: frozenset[str] | None = None
-    """Work metrics whose increase is accepted (every one: the set of all); None accepts none."""
-    accept_increase: frozenset[str] = frozenset()
-    """Exact metrics (peak memory, optimizer bytes) whose regression is accepted."""
-    acceptances: tuple[Acceptance, ...] = ()
-    """Accepted changes: the command line's and every release's, applied by the two sides' versions."""
-
-
-def check_budget(budget_s: float) -> None:
-    if budget_s < MIN_BUDGET_S:
-        raise ABError(
-            f"--budget {budget_s:g} s is too small: it must hold {paired.MIN_PAIRS} block pairs of "
-            f"{TARGET_BLOCK_S:g} s per side ({MIN_BUDGET_S:g} s)"
-        )
-
-
-def plan_ab(
-    ref: str | None,
-    scenarios: list[Scenario],
-    tolerance: float,
-    budget_s: float = DEFAULT_BUDGET_S,
-    root: Path = REPO_ROOT,
-    releases_path: Path = RELEASES_PATH,
-    accept_work: frozenset[str] | None = None,
-    accept_increase: frozenset[str] = frozenset(),
-    acceptances: tuple[Acceptance, ...] = (),
-) -> ABPlan:
-    """Check everything before any work; raises ABError with a one-line reason. ``acceptances``: the
-    command line's; the releases' (``releases_path``) are added, to apply where the versions say."""
-    check_budget(budget_s)
-    if not scenarios:
-        raise ABError("no scenarios to run")
-    if try_git(root, "rev-parse", "--is-inside-work-tree") is None:
-        raise ABError(f"{root} is not a git checkout: the A/B gate checks the baseline out of the repository history")
-    try:
-        releases = load_releases(releases_path)
-    except ReleaseError as err:
-        raise ABError(str(err)) from None
-    acceptances = (*acceptances, *(a for r in releases for a in r.accepted))
-    if ref is None:
-        release = releases[-1] if releases else None
-        if release is None:
-            raise ABError(f"no release recorded in {releases_path.name}: pass --baseline-ref REF")
-        commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{release.commit}^{{commit}}")
-        if commit is None:
-            raise ABError(
-                f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
-                "(git fetch --unshallow)"
-            )
-        return ABPlan(
-            f"release {release.version}",
-            commit,
-            scenarios,
-            tolerance,
-            budget_s,
-            accept_work,
-            accept_increase,
-            acceptances,
-        )
-    commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
-    if commit is None:
-        raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
-    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances)
-
-
 def run_ab(
     plan: ABPlan,
     device: str = "auto",
@@ -461,7 +357,7 @@ def run_ab(
                 if results[side].version:
                     versions[side] = results[side].version
                 log(
-                    f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {_summary(results[side])} "
+                    f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {side_summary(results[side])} "
                     f"({time.perf_counter() - started:.1f} s)"
                 )
             runs[scenario.name] = [(results["baseline"], results["candidate"])]
@@ -522,7 +418,7 @@ def run_ab(
 def _resident(
     sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, log: Callable[[str], None]
 ) -> ResidentComparison:
-    timeout = scenario.run["timeout_s"] + _MARGIN_S
+    timeout = scenario.run.timeout_s + START_MARGIN_S
     with (
         ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base,
         ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand,
@@ -548,152 +444,6 @@ def _work_findings(
                 acceptances=acceptances or (),
             )
     return findings
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What an A/A run of one scenario says about this machine."""
-
-    scenario: str
-    comparison: ResidentComparison
-
-    @property
-    def noise(self) -> float:
-        """Median absolute deviation of the block log-ratios, scaled to a standard deviation."""
-        ratios = paired.log_ratios(self.comparison.baseline_s, self.comparison.candidate_s)
-        centre = statistics.median(ratios)
-        return 1.4826 * statistics.median(abs(r - centre) for r in ratios)
-
-    @property
-    def tolerance(self) -> float:
-        """The smallest tolerance at which, within this budget, the gate both decides and raises a
-        false alarm at most 5% of the time: the interval must be narrower than it, and the estimate
-        of identical code (its bias plus 1.645 standard errors) must stay below it."""
-        est = self.comparison.estimate
-        standard_error = est.width / (2 * paired.Z_95)
-        return math.expm1(max(est.width, abs(est.estimate) + 1.645 * standard_error))
-
-
-def run_calibration(
-    scenarios: list[Scenario],
-    budget_s: float,
-    device: str = "auto",
-    root: Path = REPO_ROOT,
-    log: Callable[[str], None] = print,
-) -> list[Calibration]:
-    """A/A: this checkout against itself, resident, for the whole budget of each execute scenario."""
-    check_budget(budget_s)
-    found = []
-    for scenario in (s for s in scenarios if s.mode == "execute"):
-        timeout = scenario.run["timeout_s"] + _MARGIN_S
-        with (
-            ResidentSide("baseline", root, scenario, device, timeout) as a,
-            ResidentSide("candidate", root, scenario, device, timeout) as b,
-        ):
-            comparison = compare_resident(a, b, 0.0, budget_s, log=log, stop_early=False)
-        found.append(Calibration(scenario.name, comparison))
-        log(
-            f"calibrate {scenario.name}: {len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps, "
-            f"noise {found[-1].noise:.2%} per block pair, smallest tolerance {found[-1].tolerance:.2%}"
-        )
-    return found
-
-
-def render_calibration(found: list[Calibration], budget_s: float) -> str:
-    columns = (
-        "scenario",
-        "pairs",
-        "steps/block",
-        "noise per pair",
-        "A/A estimate",
-        "95% interval",
-        "smallest tolerance",
-    )
-    rows = [
-        (
-            c.scenario,
-            str(len(c.comparison.baseline_s)),
-            str(c.comparison.steps_per_block),
-            f"{c.noise:.2%}",
-            f"x{1 + c.comparison.estimate.slowdown:.4f}",
-            f"[{1 + c.comparison.estimate.interval[0]:.4f}, {1 + c.comparison.estimate.interval[1]:.4f}]",
-            f"{c.tolerance:.2%}",
-        )
-        for c in found
-    ]
-    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
-    worst = max((c.tolerance for c in found), default=0.0)
-    return (
-        "\n".join(
-            [
-                f"A/A calibration, budget {budget_s:g} s per scenario:",
-                *lines,
-                f"smallest tolerance for every scenario at this budget: {worst:.2%}",
-            ]
-        )
-        + "\n"
-    )
-
-
-def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
-    """One ``moe-bench run`` of ``scenario`` with the code at ``root``; its result document, or why none."""
-    command = [
-        sys.executable,
-        "-m",
-        "bench.cli",
-        "run",
-        str(Path(scenario.file).resolve()),
-        "--out",
-        str(out),
-        "--no-plots",
-        "--device",
-        device,
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    returncode, output = _run(command, root, env, scenario.run["timeout_s"] + _MARGIN_S)
-    try:
-        docs = load_results(out) if out.is_dir() else []
-    except ResultFileError as err:  # the side wrote a file that cannot be read back
-        return SideRun("failed", str(err), {})
-    if len(docs) == 1:
-        doc = docs[0]
-        return SideRun(
-            doc.status,
-            doc.data.get("error"),
-            doc.metrics,
-            doc.version,
-            doc.data.get("mode", "execute"),
-            doc.data.get("details", {}),
-        )
-    last = output.strip().splitlines()[-1:] or ["no output"]
-    reason = "timed out" if returncode is None else f"moe-bench exited with code {returncode}: {last[0]}"
-    return SideRun("failed", reason, {})
-
-
-def _summary(run: SideRun) -> str:
-    if run.status != "ok":
-        return f"{run.status} ({run.error})"
-    tput = run.metrics.get("tokens_per_s_per_gpu")
-    return f"ok, {tput['median']:,.0f} tokens/s/GPU" if tput else "ok"
-
-
-def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
-    """Run in a new session; on timeout or interrupt kill the whole session. (exit code or None, output)."""
-    from bench.run.runner import kill_process_group
-
-    process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout)
-        return process.returncode, output
-    except subprocess.TimeoutExpired:
-        kill_process_group(process)
-        return None, process.stdout.read() if process.stdout else ""
-    except BaseException:
-        kill_process_group(process)
-        raise
 
 
 @contextlib.contextmanager

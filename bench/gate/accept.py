@@ -24,47 +24,16 @@ from typing import TYPE_CHECKING
 
 from packaging.version import InvalidVersion, Version
 
-from bench.gate.compare import EPS, WORK_METRICS
+from bench.gate.compare import EPS
 from bench.gate.formatting import format_percent
 from bench.gate.groups import Key
+from bench.metrics import names
 from bench.results import ResultDocument
 
 if TYPE_CHECKING:  # an annotation only: compare imports nothing from here, and work imports both
     from bench.gate.compare import Comparison
 
-GATED_METRICS = (
-    "step_time_s",
-    "tokens_per_s_per_gpu",
-    "tflops_per_gpu",
-    "rank_tokens_per_s",
-    "dropped_tokens",
-    "peak_tensor_bytes",
-    "rss_peak_bytes",
-    "cuda_peak_active_bytes",
-    "cuda_peak_reserved_bytes",
-    "optimizer_state_bytes",
-    "checkpoint_save_s",
-    "checkpoint_stall_s",
-    "checkpoint_load_s",
-    "checkpoint_bytes_per_rank",
-    "checkpoint_bytes_total",
-    *(
-        f"memory_{part}_bytes"
-        for part in (
-            "params",
-            "grads",
-            "optimizer",
-            "activations",
-            "comm_buffers",
-            "backward_workspace",
-            "optimizer_step",
-            "total",
-        )
-    ),
-    "memory_fraction_of_gpu",
-    *(f"comm_{part}_bytes" for part in ("all_to_all", "grad_reduce", "pipeline", "total")),
-    *WORK_METRICS,
-)
+GATED_METRICS = names(gated=True)
 """The metrics with a direction that execute, proxy and plan runs write (``bench.run.execute``,
 ``bench.run.proxy``, ``bench.predict.plan``), and the work counters: an acceptance names one of them,
 or a metric of the documents it is checked against (``check_metric_names``)."""

@@ -66,6 +66,7 @@ from typing import Any
 
 from bench.gate.formatting import check_tolerance, json_number, short
 from bench.gate.groups import Group, Key, group_documents, same_scenario
+from bench.metrics import noise_floor
 from bench.results import ResultDocument, load_results
 
 DEFAULT_TOLERANCE = 0.05
@@ -76,16 +77,6 @@ VERDICTS = ("regressed", "accepted", "inconclusive", "improved", "unchanged", "i
 
 
 EPS = 1e-12  # |ratio - 1| must exceed the threshold by more than rounding error.
-
-
-NOISE_FLOORS = {"rss_peak_bytes": 0.10}
-"""Run-to-run noise of metrics recorded with one sample that are not exact all the same.
-
-A process's RSS high-water mark includes the interpreter, the libraries and the allocator's caches:
-six runs of identical code of each ci-suite scenario on a 2-core CPU machine spanned 1.9-5.4% (the
-tracked ``peak_tensor_bytes`` of the same runs was identical), and A/B runs against a release have
-moved it by -4.6% to +3.1% with no change of the tensors. Their noise is at least this floor, so a
-large leak fails the gate and the allocator's mood does not."""
 
 
 @dataclass(frozen=True)
@@ -295,7 +286,7 @@ def _evaluate(row: MetricRow, tolerance: float) -> MetricRow:
             accepted=None,
         )
     noise = 0.0 if row.exact else (row.base_rel_iqr or 0.0) + (row.cand_rel_iqr or 0.0)
-    noise = max(noise, NOISE_FLOORS.get(row.metric, 0.0))
+    noise = max(noise, noise_floor(row.metric))
     outside, verdict = classify(ratio, noise, row.better, tolerance)
     return replace(
         row,
@@ -416,15 +407,3 @@ WORK_PREFIX = "work_"
 def is_work_metric(name: str) -> bool:
     """A work counter (``work_*``): compared exactly, see the module doc."""
     return name.startswith(WORK_PREFIX)
-
-
-WORK_METRICS = (
-    "work_matmul_flops",
-    "work_allocated_bytes",
-    "work_aten_ops",
-    "work_host_syncs",
-    "work_collective_calls",
-    "work_collective_bytes",
-)
-"""The gated work counters (``bench.run.work``), in report order; ``work_flops_ratio`` is reported,
-never gated (the FLOPs are)."""

@@ -17,14 +17,11 @@ older success.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
-from bench.results import ResultDocument, metric
+from bench.results import ResultDocument, age_key, metric
 
 Key = tuple[str, str]  # (scenario name, machine name)
 
@@ -69,33 +66,6 @@ class Group:
     def paths(self) -> tuple[str, ...]:
         docs = self.pooled or (self.newest,)
         return tuple(str(d.path) for d in docs if d.path is not None)
-
-
-def _run_index(doc: ResultDocument) -> int:
-    """The ``.N`` suffix write_result gives the N-th run (``x.json`` is 1, ``x.2.json`` is 2)."""
-    if doc.path is None:
-        return 1
-    file_name = Path(doc.path).name
-    stem = file_name[: -len(".json")] if file_name.endswith(".json") else file_name
-    match = re.fullmatch(re.escape(doc.name) + r"\.(\d+)", stem)
-    return int(match.group(1)) if match else 1
-
-
-def _timestamp(doc: ResultDocument) -> datetime | None:
-    text = doc.data.get("timestamp", "")
-    try:
-        stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    if stamp.tzinfo is None:
-        stamp = stamp.replace(tzinfo=timezone.utc)
-    return stamp
-
-
-def _age_key(doc: ResultDocument) -> tuple:
-    stamp = _timestamp(doc)
-    # Unparseable timestamps sort as oldest.
-    return (stamp is not None, stamp.timestamp() if stamp else 0.0, _run_index(doc), str(doc.path or ""))
 
 
 def _pool_metrics(docs: Sequence[ResultDocument]) -> dict[str, dict[str, Any]]:
@@ -147,7 +117,7 @@ def group_documents(docs: Iterable[ResultDocument]) -> dict[Key, Group]:
         by_key.setdefault((doc.name, doc.machine), []).append(doc)
     groups: dict[Key, Group] = {}
     for key in sorted(by_key):
-        members = sorted(by_key[key], key=_age_key)
+        members = sorted(by_key[key], key=age_key)
         newest = members[-1]
         if newest.status == "ok":
             same = lambda d: (

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rank_model, trainer = build_trainer(scenario, groups, device)
     dp_rank = groups.coords.dp_rank if groups else 0
-    sequences = scenario.run["tokens_per_step"] // config.seq_len
+    sequences = scenario.run.tokens_per_step // config.seq_len
     per_rank = sequences // parallel.dp
 
     def run_block(steps: int) -> tuple[float, list[float]]:
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed), [float(loss) for loss in losses if loss is not None]
 
-    run_block(scenario.run["warmup_steps"] or 1)
+    run_block(scenario.run.warmup_steps or 1)
     if args.rank == 0:
         _reply({"ready": True, "ranks": world})
     try:

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from bench.gate.accept import Acceptance, acceptance_of, applicable, beyond, describe_acceptances
-from bench.gate.compare import WORK_METRICS, Comparison, is_work_metric, paired_ratio
+from bench.gate.compare import Comparison, is_work_metric, paired_ratio
 from bench.gate.formatting import (
     format_bytes,
     format_number,
@@ -29,6 +29,7 @@ from bench.gate.formatting import (
     signed_number,
 )
 from bench.gate.groups import Group
+from bench.metrics import WORK_METRIC_NAMES
 from bench.results import ResultDocument
 
 WorkSide = ResultDocument | Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any] | None]
@@ -59,7 +60,7 @@ def _metrics_and_details(side) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
 
 def accepted_work_names(accept: Collection[str] | bool | None) -> frozenset[str]:
     if accept is True:
-        return frozenset(WORK_METRICS)
+        return frozenset(WORK_METRIC_NAMES)
     return frozenset(accept or ())
 
 
@@ -92,7 +93,7 @@ def work_verdicts(
     accepted = accepted_work_names(accept)
     base_ranks, cand_ranks = _work_ranks(base_details), _work_ranks(cand_details)
     lines = []
-    for name in WORK_METRICS:
+    for name in WORK_METRIC_NAMES:
         if name not in base_metrics or name not in cand_metrics:
             continue
         b, c = float(base_metrics[name]["median"]), float(cand_metrics[name]["median"])

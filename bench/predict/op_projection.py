@@ -24,7 +24,7 @@ that finishes them; ``ONCE_PER_STEP``) counts once, with the optimizer's seconds
 The proxy's stand-ins for its simulated peers are priced at 0 (``bench.predict.pricing``); the
 projection's assumptions say how many ops that left out.
 
-Chunked dispatch (``bench.predict.projection.ExpertOverlap``): the trace shows what the engine ran.
+Chunked dispatch (``bench.predict.overlap.ExpertOverlap``): the trace shows what the engine ran.
 Each MoE layer's forward exchanges its routing counts once (an integer all-to-all) and its rows in C
 chunks out and C back, so
 
@@ -35,7 +35,7 @@ chunks out and C back, so
 
 A trace whose rows do not come in whole passes (no count exchange, or a remainder) has none.
 
-The rank-skew waits are ``bench.predict.projection``'s (``SkewModel``), from the traced collectives.
+The rank-skew waits are ``bench.predict.skew``'s (``SkewModel``), from the traced collectives.
 """
 
 from __future__ import annotations
@@ -45,19 +45,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.predict.collectives import Collective, Network
 from bench.predict.ops import TracedOp
+from bench.predict.overlap import ExpertOverlap, SyncBucket
 from bench.predict.pricing import PricedOp, is_stand_in
-from bench.predict.projection import (
-    Collective,
-    ExpertOverlap,
-    Network,
-    Projection,
-    RankTiming,
-    Schedule,
-    SkewModel,
-    SyncBucket,
-    project_step,
-)
+from bench.predict.projection import Projection, RankTiming, Schedule, project_step
+from bench.predict.skew import SkewModel
 
 __all__ = [
     "ONCE_PER_STEP",

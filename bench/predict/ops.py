@@ -14,7 +14,7 @@ Kinds
     attention    fused SDPA kernels, forward and backward (flash / memory-efficient / cuDNN / CPU flash):
                  forward 4 * B * H * Sq * Sk * d, halved under the causal mask; backward 2.5 times the
                  forward (FlashAttention's count: five products instead of two)
-    collective   c10d ops (priced on the network, ``bench.predict.projection``)
+    collective   c10d ops (priced on the network, ``bench.predict.collectives``)
     fused        the engine's fused ops (``moe_engine::*``): the kernels each runs on a GPU, its GEMMs
                  and memory-bound passes, as ``bench.predict.fused_ops`` counts them
     memory       everything else: bytes read + written = the bytes of every tensor argument and output

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.metrics import COMM_PARTS, PLAN_MEMORY_PARTS, entry
 from bench.predict.plan_activations import kv_bytes_per_token
 from bench.predict.plan_bytes import BYTES, PrecisionBytes, parameter_pieces, precision_bytes
 from bench.predict.plan_rank import (
@@ -40,8 +41,7 @@ from bench.predict.plan_rank import (
     plan_rank,
     rank_holdings,
 )
-from bench.results import metric
-from moe_engine.config import RecomputeMode
+from moe_engine.config import DataParallelMode, DispatchKind, GradDtype, OptimizerSharding, RecomputeMode
 from moe_engine.flops import parameter_counts, recompute_flops_per_token, training_flops_per_token
 from moe_engine.parallel.layout import stage_blocks, stage_layers
 
@@ -58,35 +58,35 @@ __all__ = [
 
 
 def _layout(scenario, layers_per_rank: int, tokens: int) -> dict[str, Any]:
-    par = scenario.parallel
+    par = scenario.parallel_config
     return {
         "world_size": scenario.world_size,
-        "dp": par["dp"],
-        "ep": par["ep"],
-        "pp": par["pp"],
-        "edp": par["dp"] // par["ep"],
-        "virtual_stages": par["virtual_stages"],
-        "schedule": par["schedule"],
-        "microbatches": par["microbatches"],
-        "dp_mode": par["dp_mode"],
-        "optimizer_sharding": par["optimizer_sharding"],
-        "dispatch": par["dispatch"],
-        "capacity_factor": par["capacity_factor"],
-        "grad_dtype": par["grad_dtype"],
+        "dp": par.dp,
+        "ep": par.ep,
+        "pp": par.pp,
+        "edp": par.edp,
+        "virtual_stages": par.virtual_stages,
+        "schedule": par.schedule.value,
+        "microbatches": par.microbatches,
+        "dp_mode": par.dp_mode.value,
+        "optimizer_sharding": par.optimizer_sharding.value,
+        "dispatch": par.dispatch.value,
+        "capacity_factor": par.capacity_factor,
+        "grad_dtype": par.grad_dtype.value,
         "layers_per_rank": layers_per_rank,
-        "local_experts": scenario.model.moe.num_experts // par["ep"],
+        "local_experts": scenario.model.moe.num_experts // par.ep,
         "tokens_per_microbatch_per_rank": tokens,
     }
 
 
 def _gradients(scenario) -> str:
-    par = scenario.parallel
-    if par["dp_mode"] == "fsdp":
+    par = scenario.parallel_config
+    if par.dp_mode is DataParallelMode.FSDP:
         return (
             "fsdp keeps its own gradients whatever grad_dtype (sharded, reduce-scattered in fp32), priced "
             "with the parameters' bytes as the same 16 bytes per parameter"
         )
-    if par["grad_dtype"] == "fp32":
+    if par.grad_dtype is GradDtype.FP32:
         return (
             "gradient buffers in fp32 (grad_dtype fp32): each backward's gradient is added into them, and the "
             "data-parallel reduction sends fp32"
@@ -123,8 +123,8 @@ def _recompute_assumption(scenario) -> str:
 
 
 def _assumptions(scenario) -> list[str]:
-    precision, par = scenario.precision, scenario.parallel
-    b = precision_bytes(precision, par["grad_dtype"], par["dp_mode"])
+    precision, par = scenario.precision, scenario.parallel_config
+    b = precision_bytes(precision, par.grad_dtype.value, par.dp_mode.value)
     out = [
         f"precision {precision}: {b.param} bytes per parameter, {b.grad} per gradient, {b.optimizer} of optimizer "
         + ("state (Adam m, v)" if precision == "fp32" else "state (fp32 master, Adam m, v)"),
@@ -155,23 +155,23 @@ def _assumptions(scenario) -> list[str]:
             "byte per element; weights, gradients and other activations stay bf16; quantised weight "
             "copies are transient and not counted"
         )
-    if par["dispatch"] == "no-sync":
+    if par.dispatch is DispatchKind.NO_SYNC:
         out.append(
-            f"no-sync dispatch: send and receive buffers are capacity_factor ({par['capacity_factor']}) x the "
+            f"no-sync dispatch: send and receive buffers are capacity_factor ({par.capacity_factor}) x the "
             "balanced load and travel whole; comm buffers count one MoE block's send + receive buffers"
         )
     else:
         out.append(
             "sync dispatch: exact (balanced) counts are sent; comm buffers count one MoE block's send + receive buffers"
         )
-    if par["dp_mode"] == "fsdp":
+    if par.dp_mode is DataParallelMode.FSDP:
         out.append(
             "fsdp: params, grads and optimizer state sharded over dp (experts over edp inside their ep "
             "group, i.e. the stage's experts over dp); one gathered unit (largest block with its local "
             "experts, embedding or head) counted in params and grads; params all-gathered in forward and "
             "backward of every microbatch, grads reduce-scattered once per step"
         )
-    elif par["optimizer_sharding"] == "zero1":
+    elif par.optimizer_sharding is OptimizerSharding.ZERO1:
         out.append(
             "zero1: optimizer state sharded over dp (dense) and edp (experts); gradients reduce-scattered "
             "and updated parameters all-gathered, the same bytes as an all-reduce when params and grads "
@@ -180,64 +180,49 @@ def _assumptions(scenario) -> list[str]:
     return out
 
 
-_MEMORY = (
-    "params",
-    "grads",
-    "optimizer",
-    "activations",
-    "comm_buffers",
-    "backward_workspace",
-    "optimizer_step",
-    "total",
-)
-
-
-_COMM = ("all_to_all", "grad_reduce", "pipeline", "total")
-
-
 def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     """Metrics (single-sample ``bench.results.metric`` entries) and details of any scenario's layout.
 
     ``memory_fraction_of_gpu`` and a boolean ``fits`` need the scenario's ``cluster`` section; without
     one the plan has neither (``details["fits"]`` is None).
     """
-    model, par, cluster, recompute = scenario.model, scenario.parallel, scenario.cluster, scenario.recompute
-    b = precision_bytes(scenario.precision, par["grad_dtype"], par["dp_mode"])
-    tokens = scenario.run["tokens_per_step"] // par["dp"] // par["microbatches"]
+    model, par, cluster, recompute = scenario.model, scenario.parallel_config, scenario.cluster, scenario.recompute
+    b = precision_bytes(scenario.precision, par.grad_dtype.value, par.dp_mode.value)
+    tokens = scenario.run.tokens_per_step // par.dp // par.microbatches
     pieces = parameter_pieces(model)
-    split = stage_layers(model.n_layers, par["pp"], par["virtual_stages"])
+    split = stage_layers(model.n_layers, par.pp, par.virtual_stages)
     # The engine picks the recomputed blocks over the pp * v chunks (``prepare_blocks``).
-    chunks = stage_blocks(model.n_layers, par["pp"] * par["virtual_stages"])
+    chunks = stage_blocks(model.n_layers, par.num_stages)
     recomputed = set(recompute.blocks(chunks))
-    holdings = [rank_holdings(model, pieces, layers, r, par["pp"], par["ep"]) for r, layers in enumerate(split)]
+    holdings = [rank_holdings(model, pieces, layers, r, par.pp, par.ep) for r, layers in enumerate(split)]
     ranks = [plan_rank(model, h, b, par, tokens, recompute, recomputed) for h in holdings]
     checkpoint_stages = [checkpoint_bytes(model, h, scenario.precision, par) for h in holdings]
     by_memory = max(ranks, key=lambda r: r["memory_bytes"]["total"])
     by_comm = max(ranks, key=lambda r: r["comm_bytes"]["total"])
     counts = parameter_counts(model)
-    gpu_bytes = cluster["gpu_memory_gib"] * 2**30 if cluster else None
+    gpu_bytes = cluster.gpu_memory_gib * 2**30 if cluster else None
     total = by_memory["memory_bytes"]["total"]
 
     model_flops = training_flops_per_token(model)
     recompute_flops = recompute_flops_per_token(model, recompute, chunks)
     metrics = {
-        "total_params": metric([counts.total], "params", None),
-        "active_params": metric([counts.active], "params", None),
+        "total_params": entry("total_params", [counts.total]),
+        "active_params": entry("active_params", [counts.active]),
         # Model FLOPs (what MFU counts), the recompute's apart, and their sum (what the GPUs run).
-        "flops_per_token": metric([model_flops], "FLOP", None),
-        "recompute_flops_per_token": metric([recompute_flops], "FLOP", None),
-        "hardware_flops_per_token": metric([model_flops + recompute_flops], "FLOP", None),
+        "flops_per_token": entry("flops_per_token", [model_flops]),
+        "recompute_flops_per_token": entry("recompute_flops_per_token", [recompute_flops]),
+        "hardware_flops_per_token": entry("hardware_flops_per_token", [model_flops + recompute_flops]),
     }
-    for key in _MEMORY:
-        metrics[f"memory_{key}_bytes"] = metric([by_memory["memory_bytes"][key]], "bytes", "lower")
-    for key in _COMM:
-        metrics[f"comm_{key}_bytes"] = metric([by_comm["comm_bytes"][key]], "bytes", "lower")
+    for key in PLAN_MEMORY_PARTS:
+        metrics[f"memory_{key}_bytes"] = entry(f"memory_{key}_bytes", [by_memory["memory_bytes"][key]])
+    for key in COMM_PARTS:
+        metrics[f"comm_{key}_bytes"] = entry(f"comm_{key}_bytes", [by_comm["comm_bytes"][key]])
     if gpu_bytes:
-        metrics["memory_fraction_of_gpu"] = metric([total / gpu_bytes], "ratio", "lower")
-    metrics["checkpoint_bytes_per_rank"] = metric(
-        [max(ceil_div(c, par["dp"]) for c in checkpoint_stages)], "bytes", "lower"
+        metrics["memory_fraction_of_gpu"] = entry("memory_fraction_of_gpu", [total / gpu_bytes])
+    metrics["checkpoint_bytes_per_rank"] = entry(
+        "checkpoint_bytes_per_rank", [max(ceil_div(c, par.dp) for c in checkpoint_stages)]
     )
-    metrics["checkpoint_bytes_total"] = metric([sum(checkpoint_stages)], "bytes", "lower")
+    metrics["checkpoint_bytes_total"] = entry("checkpoint_bytes_total", [sum(checkpoint_stages)])
 
     details = {
         "layout": _layout(scenario, len(by_memory["layers"]), tokens),
@@ -264,7 +249,7 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         "assumptions": _assumptions(scenario),
         "fits": total <= gpu_bytes if gpu_bytes else None,
         "memory_total_gib": total / 2**30,
-        "cluster": dict(cluster) if cluster else None,
+        "cluster": dict(scenario.spec["cluster"]) if cluster else None,
         "scenario_mode": scenario.mode,
         "engine_runs_layout": _engine_runs(scenario),
     }

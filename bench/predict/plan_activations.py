@@ -78,10 +78,9 @@ picks the blocks, as the engine does). A recomputed block keeps, instead of the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from bench.predict.plan_bytes import PrecisionBytes
-from moe_engine.config import ModelConfig, RecomputeConfig, RecomputeMode, RecomputePart
+from moe_engine.config import DispatchKind, ModelConfig, ParallelConfig, RecomputeConfig, RecomputeMode, RecomputePart
 
 
 def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes, fused: bool = False) -> float:
@@ -145,10 +144,10 @@ def _swiglu_activation_bytes(hidden: int, tokens: int, b: PrecisionBytes, fused:
     return b.activation * tokens * (3 if fused else 4) * hidden
 
 
-def expert_rows(tokens: int, model: ModelConfig, par: dict[str, Any]) -> float:
+def expert_rows(tokens: int, model: ModelConfig, par: ParallelConfig) -> float:
     """Rows the local experts process per microbatch: the capacity buffers under no-sync dispatch."""
     assignments = tokens * model.moe.top_k
-    return assignments * (dispatch_pad(par) if par["ep"] > 1 else 1.0)
+    return assignments * (dispatch_pad(par) if par.ep > 1 else 1.0)
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,7 @@ def block_activations(
     dense: bool,
     tokens: int,
     b: PrecisionBytes,
-    par: dict[str, Any],
+    par: ParallelConfig,
     recompute: RecomputeConfig | None,
 ) -> BlockActivations:
     """A dense or MoE block's activations (the module docstring's formulas); ``recompute`` None when
@@ -233,5 +232,5 @@ def head_activation_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) ->
     )
 
 
-def dispatch_pad(par: dict[str, Any]) -> float:
-    return par["capacity_factor"] if par["dispatch"] == "no-sync" else 1.0
+def dispatch_pad(par: ParallelConfig) -> float:
+    return par.capacity_factor if par.dispatch is DispatchKind.NO_SYNC else 1.0

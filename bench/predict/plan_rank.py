@@ -89,7 +89,14 @@ from bench.predict.plan_activations import (
     kv_bytes_per_token,
 )
 from bench.predict.plan_bytes import BYTES, FP32_GRAD_BYTES, ROUTER_BYTES, Params, Pieces, PrecisionBytes
-from moe_engine.config import ModelConfig, RecomputeConfig, RecomputeMode
+from moe_engine.config import (
+    DataParallelMode,
+    ModelConfig,
+    OptimizerSharding,
+    ParallelConfig,
+    RecomputeConfig,
+    RecomputeMode,
+)
 
 
 def in_flight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int) -> float:
@@ -119,7 +126,7 @@ def _backward_workspace_bytes(
     h: _Rank,
     tokens: int,
     b: PrecisionBytes,
-    par: dict[str, Any],
+    par: ParallelConfig,
     blocks: list[BlockActivations],
 ) -> float:
     """The most the rank's backward holds on top of the activations (the module docstring's candidates).
@@ -136,7 +143,7 @@ def _backward_workspace_bytes(
     in_blocks = [block.recompute_peak for block in blocks]
     if h.n_moe:
         rows = expert_rows(tokens, model, par) * a * 4 * moe.expert_hidden
-        experts = rows + a * (moe.num_experts // par["ep"]) * 3 * d * moe.expert_hidden
+        experts = rows + a * (moe.num_experts // par.ep) * 3 * d * moe.expert_hidden
         in_blocks.append(experts + max(block.during_expert_backward for block in blocks))
     freed = head_activation_bytes(model, tokens, b) if h.head else 0.0
     candidates = [0.0] + [max(0.0, c - freed) for c in in_blocks]
@@ -191,9 +198,9 @@ def rank_holdings(model: ModelConfig, pieces: Pieces, layers: list[int], rank: i
     )
 
 
-def _state_memory(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> dict[str, int]:
-    dp, edp = par["dp"], par["dp"] // par["ep"]
-    sharded = par["dp_mode"] == "fsdp" or par["optimizer_sharding"] == "zero1"
+def _state_memory(h: _Rank, b: PrecisionBytes, par: ParallelConfig) -> dict[str, int]:
+    dp, edp = par.dp, par.edp
+    sharded = par.dp_mode is DataParallelMode.FSDP or par.optimizer_sharding is OptimizerSharding.ZERO1
     out = {
         "optimizer_dense": ceil_div(h.dense.nbytes(b, "optimizer"), dp if sharded else 1),
         "optimizer_experts": ceil_div(h.experts.nbytes(b, "optimizer"), edp if sharded else 1),
@@ -201,13 +208,13 @@ def _state_memory(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> dict[str,
     out["optimizer"] = out["optimizer_dense"] + out["optimizer_experts"]
     for kind, key in (("param", "params"), ("grad", "grads")):
         dense, experts = h.dense.nbytes(b, kind), h.experts.nbytes(b, kind)
-        if par["dp_mode"] == "fsdp":
+        if par.dp_mode is DataParallelMode.FSDP:
             gathered = h.largest_unit_bytes(b, kind)
             out[f"gathered_unit_{key}"] = gathered
             out[key] = ceil_div(dense, dp) + ceil_div(experts, edp) + gathered
         else:
             out[key] = dense + experts
-    if par["dp_mode"] == "ddp" and par["optimizer_sharding"] == "zero1":
+    if par.dp_mode is DataParallelMode.DDP and par.optimizer_sharding is OptimizerSharding.ZERO1:
         # The reduce-scatter writes this rank's share of each bucket into a buffer of its own.
         shards = sum(ceil_div(p.nbytes(b, "grad"), n) for p, n in ((h.dense, dp), (h.experts, edp)) if n > 1)
         out["grad_shards"] = shards
@@ -215,22 +222,22 @@ def _state_memory(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> dict[str,
     return out
 
 
-def checkpoint_bytes(model: ModelConfig, h: _Rank, precision: str, par: dict[str, Any]) -> int:
+def checkpoint_bytes(model: ModelConfig, h: _Rank, precision: str, par: ParallelConfig) -> int:
     """Bytes a DCP checkpoint holds for pipeline stage ``h``, each replicated tensor once (module docstring).
 
     The buffers format stores each parameter in its dtype plus its optimizer state (fp32 master when
     it is not fp32, Adam m and v): the param + optimizer bytes of ``BYTES[precision]`` (the router's
     ``ROUTER_BYTES``). FSDP stores fp32 parameter shards and the moments: ``BYTES["fp32"]``'s.
     """
-    b = BYTES["fp32"] if par["dp_mode"] == "fsdp" else BYTES[precision]
+    b = BYTES["fp32"] if par.dp_mode is DataParallelMode.FSDP else BYTES[precision]
     # The stage's ranks hold all of its blocks' experts: E / ep each, over the ep ranks.
-    stage = h.dense + h.experts * par["ep"]
+    stage = h.dense + h.experts * par.ep
     expert_bias = ROUTER_BYTES.param * model.moe.num_experts * h.n_moe
     return stage.nbytes(b, "param") + stage.nbytes(b, "optimizer") + expert_bias
 
 
-def checkpoint_counted(par: dict[str, Any]) -> str:
-    if par["dp_mode"] == "fsdp":
+def checkpoint_counted(par: ParallelConfig) -> str:
+    if par.dp_mode is DataParallelMode.FSDP:
         what = "fsdp2 format: fp32 parameter shards (FSDP's masters) and fp32 Adam m and v, no separate master"
     else:
         what = (
@@ -244,17 +251,17 @@ def checkpoint_counted(par: dict[str, Any]) -> str:
     )
 
 
-def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> int:
+def _optimizer_step_bytes(model: ModelConfig, h: _Rank, b: PrecisionBytes, par: ParallelConfig) -> int:
     """Transient bytes of the DDP optimizer step, which updates one gradient bucket at a time."""
-    if par["dp_mode"] == "fsdp":
+    if par.dp_mode is DataParallelMode.FSDP:
         return 0
-    dp, edp = par["dp"], par["dp"] // par["ep"]
-    sharded = par["optimizer_sharding"] == "zero1"
-    d, cap = model.d_model, par.get("bucket_elements", 2**22)
+    dp, edp = par.dp, par.edp
+    sharded = par.optimizer_sharding is OptimizerSharding.ZERO1
+    d, cap = model.d_model, par.bucket_elements
     dense_tensors = [*_attention_matrices(model), d * model.moe.shared_expert_hidden, d * model.dense_hidden]
     if h.embedding or h.head:
         dense_tensors.append(model.vocab_size * d)
-    expert_tensor = (model.moe.num_experts // par["ep"]) * 2 * model.moe.expert_hidden * d
+    expert_tensor = (model.moe.num_experts // par.ep) * 2 * model.moe.expert_hidden * d
     share = 0.0
     for total, largest, n in ((h.dense.count, max(dense_tensors), dp), (h.experts.count, expert_tensor, edp)):
         if total:
@@ -277,24 +284,24 @@ def _attention_matrices(model: ModelConfig) -> list[int]:
     return q + kv + [heads * mla.v_head_dim * d]
 
 
-def _all_to_all_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: dict[str, Any], full: bool) -> float:
+def _all_to_all_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: ParallelConfig, full: bool) -> float:
     """Bytes one rank sends for one MoE block and one microbatch (dispatch + combine, fwd + bwd; the
     forward's pair again when the block is recomputed in ``full``)."""
-    ep = par["ep"]
+    ep = par.ep
     messages = 6 if full else 4
     return messages * tokens * model.moe.top_k * model.d_model * b.comm * _ring(ep) * dispatch_pad(par)
 
 
-def _grad_reduce_bytes(h: _Rank, b: PrecisionBytes, par: dict[str, Any]) -> float:
-    dp, edp, m = par["dp"], par["dp"] // par["ep"], par["microbatches"]
+def _grad_reduce_bytes(h: _Rank, b: PrecisionBytes, par: ParallelConfig) -> float:
+    dp, edp, m = par.dp, par.edp, par.microbatches
     total = 0.0
     for params, n in ((h.dense, dp), (h.experts, edp)):
         g, p = params.nbytes(b, "grad"), params.nbytes(b, "param")
-        if par["dp_mode"] == "fsdp":
+        if par.dp_mode is DataParallelMode.FSDP:
             # FSDP reduce-scatters in fp32 (its reduce dtype), whatever grad_dtype says.
             g = FP32_GRAD_BYTES * params.count
             total += _ring(n) * (g + 2 * m * p)
-        elif par["optimizer_sharding"] == "zero1":
+        elif par.optimizer_sharding is OptimizerSharding.ZERO1:
             total += _ring(n) * (g + p)
         else:
             total += 2 * _ring(n) * g
@@ -311,12 +318,12 @@ def plan_rank(
     model: ModelConfig,
     h: _Rank,
     b: PrecisionBytes,
-    par: dict[str, Any],
+    par: ParallelConfig,
     tokens: int,
     recompute: RecomputeConfig,
     recomputed: set[int],
 ) -> dict[str, Any]:
-    pp, v, m, ep = par["pp"], par["virtual_stages"], par["microbatches"], par["ep"]
+    pp, v, m, ep = par.pp, par.virtual_stages, par.microbatches, par.ep
     blocks = [
         block_activations(model, not model.is_moe_layer(i), tokens, b, par, recompute if i in recomputed else None)
         for i in h.layers
@@ -324,7 +331,7 @@ def plan_rank(
     per_mb = sum(block.kept for block in blocks) + (head_activation_bytes(model, tokens, b) if h.head else 0)
     full = recompute.mode is RecomputeMode.FULL
     n_moe_full = sum(1 for i in h.layers if i in recomputed and model.is_moe_layer(i)) if full else 0
-    in_flight = in_flight_microbatches(par["schedule"], pp, v, m, h.rank)
+    in_flight = in_flight_microbatches(par.schedule.value, pp, v, m, h.rank)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
     memory = _state_memory(h, b, par)

@@ -128,38 +128,48 @@ Rank skew (``SkewModel``; the ``skew`` entry of the breakdown, 0 without a model
 Throughput
     tokens_per_s_per_gpu = tokens_per_step / step / world_size
     tflops_per_gpu       = flops_per_token * tokens_per_step / step / world_size / 1e12
+
+The modules: the network and each collective's price (``bench.predict.collectives``), the overlapped syncs
+and chunked expert all-to-alls (``bench.predict.overlap``), the rank-skew waits (``bench.predict.skew``);
+this one holds the schedule, the rank's compute and the step they assemble (``project_step``), and the
+formulas of all four above.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from bench.predict.collectives import (
+    Collective,
+    Network,
+    collective_seconds,
+    is_int,
+    is_number,
+    summarize_collectives,
+)
+from bench.predict.overlap import ExpertOverlap, SyncBucket, expert_hidden_s, simulate_sync
+from bench.predict.skew import SkewModel, skew_seconds, sync_points
+
+# Collective, Network, SkewModel, SyncBucket and summarize_collectives live in bench.predict.collectives,
+# overlap and skew; they are served here too for the modules that import them from here (bench.run.proxy,
+# proxy_projection, project).
 __all__ = [
+    "BESIDE_KEYS",
+    "BREAKDOWN_KEYS",
+    "STEP_KEYS",
     "Collective",
-    "ExpertOverlap",
     "Network",
     "Projection",
     "RankTiming",
     "Schedule",
     "SkewModel",
     "SyncBucket",
-    "SyncTimes",
-    "chunked_exposed_s",
-    "collective_seconds",
-    "expected_max_normal",
-    "expert_hidden_s",
     "project_step",
-    "simulate_sync",
-    "skew_seconds",
     "summarize_collectives",
-    "sync_points",
 ]
 
-OPS = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier", "send", "recv")
-PHASES = ("expert", "pipeline", "fsdp", "grad", "other")
 PER_MICROBATCH_PHASES = ("expert", "pipeline", "fsdp")
 PER_STEP_PHASES = ("grad", "other")
 KINDS = ("gpipe", "1f1b", "interleaved1f1b")
@@ -189,173 +199,6 @@ BESIDE_KEYS = (
 BREAKDOWN_KEYS = STEP_KEYS + BESIDE_KEYS
 """Keys of ``Projection.breakdown_s``."""
 
-_CLUSTER_DEFAULTS: dict[str, Any] = {
-    "gpus_per_node": 8,
-    "intra_node_gbps": 900.0,
-    "inter_node_gbps": 50.0,
-    "latency_us": 10.0,
-}
-
-
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass; True as a rank or byte count is always a mistake.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# ---- the network ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Network:
-    """The links of a cluster as the projection prices them."""
-
-    gpus_per_node: int
-    """GPUs (ranks) per node; rank r sits on node r // gpus_per_node."""
-    intra_node_gbps: float
-    """Per-GPU bandwidth inside a node, GB/s (1e9 bytes/s)."""
-    inter_node_gbps: float
-    """Per-GPU bandwidth between nodes, GB/s (1e9 bytes/s)."""
-    latency_us: float
-    """Alpha: fixed cost of one message (one step of a collective), microseconds."""
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.gpus_per_node) or self.gpus_per_node < 1:
-            raise ValueError(f"network.gpus_per_node: must be an integer >= 1, got {self.gpus_per_node!r}")
-        for name in ("intra_node_gbps", "inter_node_gbps"):
-            value = getattr(self, name)
-            if not _is_number(value) or not value > 0:
-                raise ValueError(f"network.{name}: must be a number > 0, got {value!r}")
-        if not _is_number(self.latency_us) or not self.latency_us >= 0:
-            raise ValueError(f"network.latency_us: must be a number >= 0, got {self.latency_us!r}")
-
-    @classmethod
-    def from_cluster(cls, cluster: Mapping[str, Any]) -> Network:
-        """The network of a scenario's ``cluster:`` mapping; missing keys take the defaults, other keys are ignored."""
-        values = {key: cluster.get(key, default) for key, default in _CLUSTER_DEFAULTS.items()}
-        return cls(**values)
-
-    @property
-    def alpha_s(self) -> float:
-        return self.latency_us * 1e-6
-
-    @property
-    def intra_bytes_per_s(self) -> float:
-        return self.intra_node_gbps * 1e9
-
-    @property
-    def inter_bytes_per_s(self) -> float:
-        return self.inter_node_gbps * 1e9
-
-    def node(self, rank: int) -> int:
-        return rank // self.gpus_per_node
-
-    def spans_nodes(self, ranks: Iterable[int]) -> bool:
-        return len({self.node(r) for r in ranks}) > 1
-
-    def beta(self, ranks: Iterable[int]) -> float:
-        """Bytes per second a group's ring moves: the slowest link it crosses."""
-        return self.inter_bytes_per_s if self.spans_nodes(ranks) else self.intra_bytes_per_s
-
-
-# ---- collectives ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One collective call as this rank issued it."""
-
-    op: str
-    """One of all_to_all, all_reduce, reduce_scatter, all_gather, broadcast, barrier, send, recv."""
-    ranks: tuple[int, ...]
-    """Global ranks of the group; for send and recv the pair (this rank, peer)."""
-    nbytes: int
-    """all_to_all: this rank's send buffer; all_reduce, broadcast: the tensor; reduce_scatter: the whole
-    input; all_gather: the whole output; send, recv: the message; barrier: 0."""
-    phase: str
-    """expert (token dispatch, inside a microbatch), pipeline (stage messages, per microbatch), fsdp
-    (FSDP's parameter gathers, per microbatch), grad (gradient / parameter sync, once per step) or
-    other (anything else, once per step)."""
-    count: int = 1
-    """How many identical calls this entry stands for."""
-
-    def __post_init__(self) -> None:
-        # Records may come from JSON, where the group is a list; keep the frozen, hashable tuple.
-        object.__setattr__(self, "ranks", tuple(self.ranks))
-        if self.op not in OPS:
-            raise ValueError(f"collective.op: unknown op {self.op!r}; expected one of {', '.join(OPS)}")
-        if self.phase not in PHASES:
-            raise ValueError(f"collective.phase: unknown phase {self.phase!r}; expected one of {', '.join(PHASES)}")
-        if not self.ranks:
-            raise ValueError(f"collective.ranks: {self.op} needs at least one rank")
-        if not all(_is_int(r) and r >= 0 for r in self.ranks):
-            raise ValueError(f"collective.ranks: ranks must be integers >= 0, got {self.ranks!r}")
-        if len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"collective.ranks: {self.op} group lists a rank twice: {self.ranks!r}")
-        if self.op in ("send", "recv") and len(self.ranks) != 2:
-            raise ValueError(f"collective.ranks: {self.op} needs (this rank, peer), got {self.ranks!r}")
-        if not _is_int(self.nbytes) or self.nbytes < 0:
-            raise ValueError(f"collective.nbytes: must be an integer >= 0, got {self.nbytes!r}")
-        if self.op == "barrier" and self.nbytes != 0:
-            raise ValueError(f"collective.nbytes: a barrier carries no payload, got {self.nbytes}")
-        if not _is_int(self.count) or self.count < 1:
-            raise ValueError(f"collective.count: must be an integer >= 1, got {self.count!r}")
-
-
-def _all_to_all_seconds(c: Collective, rank: int, net: Network) -> float:
-    n, b = len(c.ranks), c.nbytes
-    local = sum(1 for r in c.ranks if net.node(r) == net.node(rank))
-    on_node = b * (local - 1) / n / net.intra_bytes_per_s
-    off_node = b * (n - local) / n / net.inter_bytes_per_s
-    return (n - 1) * net.alpha_s + max(on_node, off_node)
-
-
-def _one_call_seconds(c: Collective, rank: int, net: Network) -> float:
-    n, b, alpha = len(c.ranks), c.nbytes, net.alpha_s
-    if c.op in ("send", "recv"):
-        return alpha + b / net.beta(c.ranks)
-    if n == 1:
-        return 0.0
-    if c.op == "all_to_all":
-        return _all_to_all_seconds(c, rank, net)
-    if c.op == "barrier":
-        return 2 * math.ceil(math.log2(n)) * alpha
-    beta = net.beta(c.ranks)
-    if c.op == "all_reduce":
-        return 2 * (n - 1) * alpha + 2 * (n - 1) / n * b / beta
-    if c.op in ("reduce_scatter", "all_gather"):
-        return (n - 1) * alpha + (n - 1) / n * b / beta
-    # broadcast: a pipelined ring moves every byte over each link once.
-    return (n - 1) * alpha + b / beta
-
-
-def collective_seconds(c: Collective, rank: int, net: Network) -> float:
-    """Seconds ``rank`` spends in ``c`` (all ``c.count`` calls) on ``net`` (formulas in the module docstring)."""
-    if rank not in c.ranks:
-        raise ValueError(f"collective.ranks: rank {rank} is not in the {c.op} group {c.ranks!r}")
-    return c.count * _one_call_seconds(c, rank, net)
-
-
-def summarize_collectives(items: list[Collective]) -> list[dict[str, Any]]:
-    """Identical (op, group size, nbytes, phase) entries merged, JSON-ready, the most bytes first."""
-    counts: dict[tuple[str, int, int, str], int] = {}
-    for c in items:
-        key = (c.op, len(c.ranks), c.nbytes, c.phase)
-        counts[key] = counts.get(key, 0) + c.count
-    rows = [
-        {"op": op, "group_size": size, "nbytes": nbytes, "phase": phase, "count": count, "total_bytes": nbytes * count}
-        for (op, size, nbytes, phase), count in counts.items()
-    ]
-    # Ties are ordered by the key so the table does not depend on the order collectives were recorded in.
-    rows.sort(key=lambda r: (-r["total_bytes"], r["op"], r["phase"], r["group_size"], r["nbytes"]))
-    return rows
-
-
-# ---- the step ---------------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Schedule:
@@ -373,7 +216,7 @@ class Schedule:
     def __post_init__(self) -> None:
         for name in ("pp", "virtual_stages", "microbatches"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"schedule.{name}: must be an integer >= 1, got {value!r}")
         if self.kind not in KINDS:
             raise ValueError(f"schedule.kind: unknown schedule {self.kind!r}; expected one of {', '.join(KINDS)}")
@@ -397,156 +240,8 @@ class RankTiming:
     def __post_init__(self) -> None:
         for name in ("microbatch_s", "optimizer_s"):
             value = getattr(self, name)
-            if not _is_number(value) or not value >= 0:
+            if not is_number(value) or not value >= 0:
                 raise ValueError(f"timing.{name}: must be a number >= 0, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SyncBucket:
-    """One bucket's collective of an overlapped sync, and the compute it can hide under."""
-
-    collective: Collective
-    """Its reduction (all_reduce, or reduce_scatter under ZeRO-1) or its ZeRO-1 all_gather; phase grad."""
-    window_s: float
-    """The rank's compute still to run when it launches, seconds: the last backward's rest for a
-    reduction, the optimizer updates' rest for a gather."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.collective, Collective):
-            raise ValueError(f"sync_bucket.collective: expected a Collective, got {type(self.collective).__name__}")
-        if not _is_number(self.window_s) or not self.window_s >= 0:
-            raise ValueError(f"sync_bucket.window_s: must be a number >= 0, got {self.window_s!r}")
-
-
-@dataclass(frozen=True)
-class ExpertOverlap:
-    """One direction (forward or backward) of a microbatch's chunked expert all-to-alls, and the expert
-    compute they run under (module docstring)."""
-
-    chunks: int
-    """C: the chunks each MoE layer pass sends its rows out and back in."""
-    passes: float
-    """P: MoE layer passes of this direction in one microbatch."""
-    exchanges: tuple[Collective, ...]
-    """Their row all-to-alls (phase expert; ``count``: calls in one microbatch)."""
-    compute_s: float
-    """X: seconds of the experts' own ops in these passes, one microbatch."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "exchanges", tuple(self.exchanges))
-        if not _is_int(self.chunks) or self.chunks < 1:
-            raise ValueError(f"expert_overlap.chunks: must be an integer >= 1, got {self.chunks!r}")
-        if not _is_number(self.passes) or not self.passes > 0:
-            raise ValueError(f"expert_overlap.passes: must be a number > 0, got {self.passes!r}")
-        if not _is_number(self.compute_s) or not self.compute_s >= 0:
-            raise ValueError(f"expert_overlap.compute_s: must be a number >= 0, got {self.compute_s!r}")
-        for i, c in enumerate(self.exchanges):
-            if not isinstance(c, Collective) or c.phase != "expert" or c.op != "all_to_all":
-                raise ValueError(f"expert_overlap.exchanges[{i}]: expected an expert all_to_all, got {c!r}")
-
-
-def chunked_exposed_s(alltoall_s: float, compute_s: float, chunks: int) -> float:
-    """Seconds of one MoE layer pass's all-to-alls (``alltoall_s``, out and back) that its experts
-    (``compute_s``) do not hide, in ``chunks`` chunks (the rule in the module docstring)."""
-    if chunks == 1:
-        return alltoall_s
-    half = alltoall_s / (2 * chunks)
-    expert = compute_s / chunks
-    link = half
-    arrived = [link]
-    computed = 0.0
-    for k in range(chunks):
-        if k + 1 < chunks:
-            link += half
-            arrived.append(link)
-        computed = max(arrived[k], computed) + expert
-        link = max(link, computed) + half
-    # Never more than the all-to-alls themselves (the difference above rounds).
-    return min(link - compute_s, alltoall_s)
-
-
-def expert_hidden_s(overlaps: Iterable[ExpertOverlap], rank: int, net: Network) -> float:
-    """c_exp_hidden: the expert all-to-all seconds of one microbatch that its experts hide."""
-    hidden = 0.0
-    for o in overlaps:
-        a = sum(collective_seconds(c, rank, net) for c in o.exchanges) / o.passes
-        hidden += o.passes * (a - chunked_exposed_s(a, o.compute_s / o.passes, o.chunks))
-    return hidden
-
-
-@dataclass(frozen=True)
-class SyncTimes:
-    """What an overlapped sync costs the step."""
-
-    total_s: float
-    """Every bucket's collective priced on its own, summed."""
-    exposed_s: float
-    """How long the link stays busy after the compute ends: the step waits for it."""
-
-    @property
-    def hidden_s(self) -> float:
-        return self.total_s - self.exposed_s
-
-
-def simulate_sync(buckets: Iterable[SyncBucket], rank: int, net: Network) -> SyncTimes:
-    """Buckets in launch order queued on one link, each starting at its launch (-window) or when the
-    one before it ends (formulas in the module docstring)."""
-    end, total = -math.inf, 0.0
-    for bucket in buckets:
-        cost = collective_seconds(bucket.collective, rank, net)
-        end = max(-bucket.window_s, end) + cost
-        total += cost
-    return SyncTimes(total_s=total, exposed_s=max(0.0, end))
-
-
-def expected_max_normal(n: int) -> float:
-    """E[max of n independent standard normals], by Simpson's rule (z_1 = 0, z_2 = 1/sqrt(pi))."""
-    if n <= 1:
-        return 0.0
-    steps, lo, hi = 4000, -10.0, 10.0
-    h = (hi - lo) / steps
-    total = 0.0
-    for i in range(steps + 1):
-        x = lo + i * h
-        weight = 1 if i in (0, steps) else (4 if i % 2 else 2)
-        pdf = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
-        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
-        total += weight * x * n * pdf * cdf ** (n - 1)
-    return total * h / 3
-
-
-@dataclass(frozen=True)
-class SkewModel:
-    """How much a rank's step time varies: the input of the rank-skew waits (module docstring)."""
-
-    cv: float
-    """Coefficient of variation of one rank's step time (robust spread / median of measured steps)."""
-    source: str
-    """Where cv comes from, in words."""
-
-    def __post_init__(self) -> None:
-        if not _is_number(self.cv) or not self.cv >= 0:
-            raise ValueError(f"skew.cv: must be a number >= 0, got {self.cv!r}")
-
-
-def sync_points(
-    collectives: Iterable[Collective], per_step: Iterable[Collective], microbatches: int
-) -> tuple[int, int]:
-    """(S, n): the blocking collectives of a step and the largest group among them (module docstring).
-
-    ``collectives`` are one microbatch's, ``per_step`` the step's others (gradient buckets included)."""
-    collectives, per_step = list(collectives), list(per_step)
-    others = [c for c in per_step if c.phase == "other"]
-    s = microbatches * sum(c.count for c in collectives) + sum(c.count for c in others) + 1
-    n = max((len(c.ranks) for c in [*collectives, *per_step]), default=1)
-    return s, n
-
-
-def skew_seconds(skew: SkewModel | None, sync_count: int, group_size: int, compute_s: float) -> float:
-    """z_n sqrt(S) cv compute: the expected waits for the slowest rank (module docstring)."""
-    if skew is None or group_size < 2 or sync_count < 1:
-        return 0.0
-    return expected_max_normal(group_size) * math.sqrt(sync_count) * skew.cv * compute_s
 
 
 @dataclass(frozen=True)
@@ -715,13 +410,13 @@ def project_step(
     ``per_microbatch``'s expert entries too; none: nothing overlapped).
     """
     grad_buckets, gather_buckets, expert_overlap = list(grad_buckets), list(gather_buckets), list(expert_overlap)
-    if not _is_int(world_size) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
-    if not _is_int(rank) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank: must be an integer in [0, {world_size}), got {rank!r}")
-    if not _is_int(tokens_per_step) or tokens_per_step < 1:
+    if not is_int(tokens_per_step) or tokens_per_step < 1:
         raise ValueError(f"tokens_per_step: must be an integer >= 1, got {tokens_per_step!r}")
-    if not _is_number(flops_per_token) or not flops_per_token >= 0:
+    if not is_number(flops_per_token) or not flops_per_token >= 0:
         raise ValueError(f"flops_per_token: must be a number >= 0, got {flops_per_token!r}")
     if schedule.pp > world_size:
         raise ValueError(f"schedule.pp: {schedule.pp} stages exceed world_size={world_size}")

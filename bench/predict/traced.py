@@ -71,7 +71,7 @@ class TracedOp:
     arguments: tuple[tuple[str, Any], ...] = ()
     """Named scalar arguments (bool, int, float), e.g. SDPA's ("is_causal", True)."""
     collective: dict[str, Any] | None = None
-    """c10d ops: op, ranks, nbytes, group_name (``moe_engine.parallel.collective_log.CollectiveCall``)."""
+    """c10d ops: op, ranks, nbytes, group_name (``bench.run.collective_log.CollectiveCall``)."""
     location: str = ""
     """Where it ran: the engine modules on the call stack, a named part of the step (``@optimizer``),
     or "" outside both (``bench.run.trace.ModuleLocator``)."""

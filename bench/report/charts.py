@@ -12,28 +12,13 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from bench.metrics import title as metric_title
 from bench.report.experiments import MemoryStack, PairBar, PairChart, ProjectionStack, VariantGroup, variant_order
 from bench.report.trends import Trend
 from bench.report.units import axis_scale, format_value, gib, percent
 
 HEIGHT = 400
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC", "#EECA3B")
-_METRIC_NAMES = {
-    "tokens_per_s_per_gpu": "tokens/s per GPU",
-    "projected_tokens_per_s_per_gpu": "projected tokens/s per GPU",
-    "rank_tokens_per_s": "tokens/s of the proxied rank",
-    "cuda_peak_active_bytes": "peak active memory",
-    "peak_tensor_bytes": "peak tensor memory",
-    "memory_total_bytes": "plan memory per rank",
-    "projected_memory_total_bytes": "projected memory per rank",
-    "tflops_per_gpu": "TFLOP/s per GPU",
-    "step_time_s": "step time",
-}
-
-
-def metric_title(name: str) -> str:
-    """What a metric is, for people (the metric's own name when there is no better one)."""
-    return _METRIC_NAMES.get(name, name)
 
 
 def _layout(fig: go.Figure, title: str, height: int = HEIGHT) -> go.Figure:

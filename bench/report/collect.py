@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.gate.groups import Group, group_documents
-from bench.report.plot import sort_versions, version_sort_key
-from bench.results import ResultDocument, ResultFileError, load_results
+from bench.report.ordering import sort_versions, version_sort_key
+from bench.results import NoResultDocuments, ResultDocument, ResultFileError, load_nonempty
 
 Key = tuple[str, str]
 """(scenario name, machine name), as the gate keys its groups."""
@@ -79,18 +79,11 @@ def load_result_set(
     root = Path(root)
     if not root.exists():
         raise ReportError(f"{root}: no such results folder")
-    skipped: list[ResultFileError] = []
-
-    def skip(err: ResultFileError) -> None:
-        skipped.append(err)
-        if on_bad_file is not None:
-            on_bad_file(err)
-
-    docs = load_results(root, on_bad_file=skip)
-    if not docs:
-        unread = f" ({len(skipped)} unreadable file{'s' * (len(skipped) != 1)} skipped)" if skipped else ""
-        raise ReportError(f"{root}: no result documents{unread}; nothing to draw")
-    return ResultSet(root, tuple(docs), tuple(skipped), tuple(sort_versions(releases)))
+    try:
+        loaded = load_nonempty(root, on_bad_file=on_bad_file or (lambda err: None))
+    except NoResultDocuments as err:
+        raise ReportError(f"{err}; nothing to draw") from None
+    return ResultSet(root, tuple(loaded.docs), tuple(loaded.skipped), tuple(sort_versions(releases)))
 
 
 @dataclass(frozen=True)

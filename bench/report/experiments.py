@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.gate.groups import Group
+from bench.metrics import MEMORY_PREFERENCE, THROUGHPUT_PREFERENCE
 from bench.predict.projection import STEP_KEYS
 from bench.report.collect import ResultSet, first_metric, median, spec_of
 from bench.report.comparisons import Comparison, load_comparisons, pair_ratios
-from bench.report.trends import MEMORY_METRICS, THROUGHPUT_METRICS
 
 # --------------------------------------------------------------------------------------------
 # Pairs
@@ -234,8 +234,8 @@ def variant_groups(results: ResultSet, variation: Variation) -> list[VariantGrou
                         machine,
                         mode,
                         tuple(Variant(value, g.scenario, g.metrics) for value, g in ordered),
-                        first_metric(groups, THROUGHPUT_METRICS),
-                        first_metric(groups, MEMORY_METRICS),
+                        first_metric(groups, THROUGHPUT_PREFERENCE),
+                        first_metric(groups, MEMORY_PREFERENCE),
                     )
                 )
     return found

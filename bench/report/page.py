@@ -1,5 +1,8 @@
 """``moe-bench report``: one self-contained HTML page of a results folder.
 
+One module on purpose: the page is written top to bottom into one ``_Page``, each section's writer
+appending to it.
+
 ``build_report(results_dir, out_dir)`` writes ``out_dir/index.html``: Plotly's JavaScript and every
 chart's data are inlined, so the page needs no network to be viewed. Top to bottom:
 

@@ -10,9 +10,9 @@
 * ``summary.png``: each (machine, scenario)'s headline metric as a ratio to its first version;
 * ``expert_sweep.png``: throughput against the number of experts for scenarios of the newest
   version that differ only in ``model.moe.num_experts`` (written only when such a group exists);
-* ``index.html``: a self-contained page with every figure, the reference release's comparisons
-  (``bench.report.comparisons``: each pair's ratio per version and machine, from the latest ok runs)
-  and a table of every document.
+* ``index.html`` (``bench.report.plot_index``): a self-contained page with every figure, the reference
+  release's comparisons (``bench.report.comparisons``: each pair's ratio per version and machine, from
+  the latest ok runs) and a table of every document.
 
 Documents whose status is not ``ok`` are left out of the figures and listed in the index. When a
 (version, machine, scenario) was run more than once, the figures use the latest ``ok`` run (by
@@ -24,7 +24,6 @@ index, and everything else is drawn.
 from __future__ import annotations
 
 import copy
-import html
 import json
 import math
 import re
@@ -40,91 +39,26 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, NullLocator
 
-from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios
-from bench.results import ResultDocument, ResultFileError, load_results
+from bench.metrics import HEADLINE_METRICS
+from bench.report.ordering import sort_versions, version_sort_key
+from bench.report.plot_index import comparison_rows, write_index
+from bench.results import ResultDocument, ResultFileError, age_key, load_results
 
 __all__ = [
     "HEADLINE_METRICS",
     "THROUGHPUT_METRIC",
     "headline_metric",
     "plot_results",
-    "sort_versions",
     "sweep_groups",
-    "version_sort_key",
 ]
 
-HEADLINE_METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu")
-"""Preferred headline metrics, in order; else the first metric with a direction (better != null)."""
 THROUGHPUT_METRIC = "tokens_per_s_per_gpu"
 ACTIVE_PARAMS_METRIC = "active_params"
 
 SUMMARY_NAME = "summary.png"
 SWEEP_NAME = "expert_sweep.png"
-INDEX_NAME = "index.html"
 
 _DPI = 100
-
-
-# --------------------------------------------------------------------------------------------
-# Version ordering
-# --------------------------------------------------------------------------------------------
-
-try:  # packaging ships with pip and matplotlib; keep a fallback so plotting never depends on it.
-    from packaging.version import InvalidVersion as _InvalidVersion
-    from packaging.version import Version as _Version
-except ImportError:  # pragma: no cover - exercised only without packaging
-    _Version = None
-    _InvalidVersion = ValueError
-
-_FALLBACK_RE = re.compile(
-    r"^v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?:[-_.]?(?P<pre>a|alpha|b|beta|c|rc|pre|preview)[-_.]?(?P<pre_n>\d*))?"
-    r"(?:[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
-    r"(?:[-_.]?dev[-_.]?(?P<dev>\d*))?"
-    r"(?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?$",
-    re.IGNORECASE,
-)
-_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
-
-
-def _fallback_key(text: str) -> tuple | None:
-    """A PEP 440-like ordering key for the common forms, or None for an unknown string."""
-    m = _FALLBACK_RE.match(text.strip())
-    if not m:
-        return None
-    release = [int(p) for p in m["release"].split(".")]
-    while len(release) > 1 and release[-1] == 0:
-        release.pop()
-    inf = math.inf
-    if m["pre"]:
-        pre = (_PRE_RANK[m["pre"].lower()], int(m["pre_n"] or 0))
-    elif m["dev"] is not None and m["post"] is None:
-        pre = (-inf, 0)  # 1.0.dev1 sorts before 1.0a1
-    else:
-        pre = (inf, 0)
-    post = int(m["post"] or 0) if m["post"] is not None else -inf
-    dev = int(m["dev"] or 0) if m["dev"] is not None else inf
-    local = tuple((0, int(p), "") if p.isdigit() else (-1, 0, p) for p in re.split(r"[-_.]", m["local"] or "") if p)
-    return (tuple(release), pre, post, dev, local)
-
-
-def version_sort_key(version: str) -> tuple:
-    """Sort key for an engine version string: semantic order, unknown strings last (alphabetical).
-
-    ``0.2.0 < 0.10.0``, ``0.1.0.dev3 < 0.1.0rc1 < 0.1.0 < 0.1.0+g1234.dirty < 0.1.1``.
-    """
-    if _Version is not None:
-        try:
-            return (0, _Version(version), version)
-        except _InvalidVersion:
-            return (1, version)
-    key = _fallback_key(version)
-    return (0, key, version) if key is not None else (1, version)
-
-
-def sort_versions(versions: Iterable[str]) -> list[str]:
-    """Distinct version strings in semantic order (unknown strings last)."""
-    return sorted(set(versions), key=version_sort_key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,22 +66,10 @@ def sort_versions(versions: Iterable[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _doc_order_key(doc: ResultDocument) -> tuple:
-    return (str(doc.data.get("timestamp", "")), _run_index(doc.path), str(doc.path or ""))
-
-
-def _run_index(path: Path | None) -> int:
-    """1 for ``name.json``, N for ``name.N.json``."""
-    if path is None:
-        return 0
-    m = re.search(r"\.(\d+)\.json$", path.name)
-    return int(m.group(1)) if m else 1
-
-
 def _latest_ok(docs: list[ResultDocument]) -> dict[tuple[str, str, str], ResultDocument]:
     """(version, machine, scenario) -> latest ok document."""
     chosen: dict[tuple[str, str, str], ResultDocument] = {}
-    for doc in sorted((d for d in docs if d.status == "ok"), key=_doc_order_key):
+    for doc in sorted((d for d in docs if d.status == "ok"), key=age_key):
         chosen[(doc.version, doc.machine, doc.name)] = doc
     return chosen
 
@@ -362,7 +284,7 @@ def sweep_groups(docs: Iterable[ResultDocument]) -> list[dict[str, Any]]:
         if machine not in newest or version_sort_key(version) > version_sort_key(newest[machine]):
             newest[machine] = version
     grouped: dict[tuple[str, str], dict[int, ResultDocument]] = defaultdict(dict)
-    for (version, machine, _), doc in sorted(latest.items(), key=lambda kv: _doc_order_key(kv[1])):
+    for (version, machine, _), doc in sorted(latest.items(), key=lambda kv: age_key(kv[1])):
         if version != newest[machine] or THROUGHPUT_METRIC not in doc.metrics:
             continue
         spec = doc.data.get("scenario", {}).get("spec")
@@ -437,133 +359,6 @@ def _plot_sweep(groups: list[dict[str, Any]], path: Path) -> Path:
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     return _save(fig, path)
-
-
-# --------------------------------------------------------------------------------------------
-# Index page
-# --------------------------------------------------------------------------------------------
-
-_CSS = """
-body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 2em; color: #222; }
-h1, h2 { font-weight: 600; }
-figure { margin: 1.5em 0; }
-figure img { max-width: 100%; border: 1px solid #ddd; }
-figcaption { font-size: 0.9em; color: #555; margin-top: 0.3em; }
-table { border-collapse: collapse; font-size: 0.9em; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
-th { background: #f3f3f3; }
-tr.notok td { background: #fff0f0; }
-td.status-ok { color: #1a7f37; }
-td.status-bad { color: #b42318; font-weight: 600; }
-"""
-
-
-def comparison_rows(latest: dict[tuple[str, str, str], ResultDocument]) -> list[tuple[str, str, PairRatio]]:
-    """(version, machine, pair ratio) for every comparison pair with both sides' latest ok runs there."""
-    by_place: dict[tuple[str, str], dict[str, tuple[str, dict]]] = defaultdict(dict)
-    for (version, machine, scenario), doc in latest.items():
-        by_place[(version, machine)][scenario] = (doc.status, doc.metrics)
-    comparisons = load_comparisons()
-    rows = []
-    for version, machine in sorted(by_place, key=lambda place: (version_sort_key(place[0]), place[1])):
-        rows += [(version, machine, r) for r in pair_ratios(comparisons, by_place[(version, machine)])]
-    return rows
-
-
-def _comparisons_html(rows: list[tuple[str, str, PairRatio]]) -> list[str]:
-    e = html.escape
-    parts = [
-        "<h2>Comparisons</h2>",
-        (
-            "<p>The reference release's comparisons: each pair's ratio of the medians, numerator / denominator, "
-            'with its 95% interval from the two runs\' own samples ("within noise" when it holds 1; '
-            "<code>bench.report.comparisons</code>). Pairs defined in <code>scenarios/suites.yaml</code>, "
-            "<code>comparisons</code>.</p>"
-        ),
-        (
-            "<table><thead><tr><th>version</th><th>machine</th><th>comparison</th><th>numerator</th>"
-            "<th>denominator</th><th>metric</th><th>ratio</th><th>published</th><th>mirrors</th></tr></thead><tbody>"
-        ),
-    ]
-    for version, machine, r in rows:
-        parts.append(
-            f"<tr><td>{e(version)}</td><td>{e(machine)}</td><td>{e(r.comparison.label)}</td><td>{e(r.numerator)}</td>"
-            f"<td>{e(r.denominator)}</td><td>{e(r.metric or '')}</td><td>{e(r.describe())}</td>"
-            f"<td>{e(r.comparison.reference)}</td><td>{e(r.comparison.mirrors)}</td></tr>"
-        )
-    parts.append("</tbody></table>")
-    return parts
-
-
-def _write_index(
-    out_dir: Path,
-    figures: list[tuple[Path, str]],
-    docs: list[ResultDocument],
-    results_dir: Path,
-    skipped: Iterable[ResultFileError] = (),
-    comparisons: list[tuple[str, str, PairRatio]] = (),
-) -> Path:
-    e = html.escape
-    skipped = list(skipped)
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        "<title>moe-bench results</title>",
-        f"<style>{_CSS}</style></head><body>",
-        "<h1>moe-bench results</h1>",
-        f"<p>Source: <code>{e(str(results_dir))}</code> — {len(docs)} document(s).</p>",
-        "<h2>Figures</h2>",
-    ]
-    if figures:
-        for path, caption in figures:
-            parts.append(
-                f'<figure><img src="{e(path.name, quote=True)}" alt="{e(caption, quote=True)}">'
-                f"<figcaption>{e(caption)}</figcaption></figure>"
-            )
-    else:
-        parts.append("<p>No figures (no ok results with metrics).</p>")
-
-    # Both sides are ok runs here; a pair whose metric one side lacks has no ratio to show.
-    comparisons = [row for row in comparisons if row[2].ratio is not None]
-    if comparisons:
-        parts += _comparisons_html(comparisons)
-    bad = [d for d in docs if d.status != "ok"]
-    rows_sorted = sorted(docs, key=lambda d: (version_sort_key(d.version), d.machine, d.name, _doc_order_key(d)))
-    if bad:
-        parts.append(f"<h2>Not ok ({len(bad)})</h2><ul>")
-        for d in sorted(bad, key=lambda d: (version_sort_key(d.version), d.machine, d.name)):
-            parts.append(
-                f"<li>{e(d.name)} — {e(d.machine)}, {e(d.version)}: <b>{e(d.status)}</b>"
-                + (f" — {e(str(d.data.get('error')))}" if d.data.get("error") else "")
-                + "</li>"
-            )
-        parts.append("</ul>")
-    if skipped:
-        parts.append(f"<h2>Skipped files ({len(skipped)})</h2><ul>")
-        for err in skipped:
-            parts.append(f"<li><code>{e(str(err.path))}</code>: {e(err.reason)}</li>")
-        parts.append("</ul>")
-    parts.append("<h2>Documents</h2>")
-    parts.append(
-        "<table><thead><tr><th>version</th><th>machine</th><th>scenario</th><th>mode</th>"
-        "<th>status</th><th>error</th><th>file</th></tr></thead><tbody>"
-    )
-    for d in rows_sorted:
-        ok = d.status == "ok"
-        try:
-            rel = str(d.path.relative_to(results_dir)) if d.path is not None else ""
-        except ValueError:
-            rel = str(d.path)
-        parts.append(
-            f'<tr class="{"ok" if ok else "notok"}"><td>{e(d.version)}</td><td>{e(d.machine)}</td>'
-            f"<td>{e(d.name)}</td><td>{e(str(d.data.get('mode', '')))}</td>"
-            f'<td class="{"status-ok" if ok else "status-bad"}">{e(d.status)}</td>'
-            f"<td>{e(str(d.data.get('error') or ''))}</td><td><code>{e(rel)}</code></td></tr>"
-        )
-    parts.append("</tbody></table></body></html>")
-    path = out_dir / INDEX_NAME
-    path.write_text("\n".join(parts) + "\n", encoding="utf-8")
-    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -642,5 +437,5 @@ def plot_results(
                 ),
             )
 
-    written.append(_write_index(out_dir, figures, docs, results_dir, skipped, comparison_rows(latest)))
+    written.append(write_index(out_dir, figures, docs, results_dir, skipped, comparison_rows(latest)))
     return written

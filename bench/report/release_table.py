@@ -17,20 +17,8 @@ from dataclasses import dataclass
 from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, Comparison, MetricRow, ScenarioIssue, compare
 from bench.gate.verdict import GateResult, gate
+from bench.metrics import HEADLINE_ORDER
 from bench.report.collect import ResultSet, VersionPair
-
-HEADLINE_ORDER = (
-    "tokens_per_s_per_gpu",
-    "projected_tokens_per_s_per_gpu",
-    "rank_tokens_per_s",
-    "tflops_per_gpu",
-    "step_time_s",
-    "cuda_peak_active_bytes",
-    "peak_tensor_bytes",
-    "memory_total_bytes",
-    "rss_peak_bytes",
-)
-"""Rows shown first, in this order; the other gated metrics follow alphabetically, work counters last."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +69,7 @@ class ReleaseComparison:
 
 
 def _row_order(row: MetricRow) -> tuple:
+    """Headline rows first (``HEADLINE_ORDER``), the other gated metrics alphabetically, work counters last."""
     if row.metric in HEADLINE_ORDER:
         return (0, HEADLINE_ORDER.index(row.metric), "")
     return (2 if row.metric.startswith("work_") else 1, 0, row.metric)

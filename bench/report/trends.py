@@ -12,11 +12,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from bench.metrics import MEMORY_PREFERENCE, THROUGHPUT_PREFERENCE
 from bench.report.collect import ResultSet
-from bench.report.plot import sort_versions
-
-THROUGHPUT_METRICS = ("tokens_per_s_per_gpu", "projected_tokens_per_s_per_gpu", "rank_tokens_per_s")
-MEMORY_METRICS = ("cuda_peak_active_bytes", "peak_tensor_bytes", "memory_total_bytes", "projected_memory_total_bytes")
+from bench.report.ordering import sort_versions
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ def headline_metrics(metric_sets: list[dict[str, dict]]) -> list[str]:
     present = set().union(*(m.keys() for m in metric_sets)) if metric_sets else set()
     chosen = [
         next(n for n in names if n in present)
-        for names in (THROUGHPUT_METRICS, MEMORY_METRICS)
+        for names in (THROUGHPUT_PREFERENCE, MEMORY_PREFERENCE)
         if any(n in present for n in names)
     ]
     if chosen:

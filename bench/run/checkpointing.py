@@ -52,6 +52,18 @@ class CheckpointPolicy:
     """Complete checkpoints kept (the newest)."""
 
 
+@dataclass(frozen=True)
+class CheckpointRun:
+    """What the runner asks of this run's checkpoints."""
+
+    policy: CheckpointPolicy | None
+    """When and where to save (the scenario's checkpoint section, ``policy_for``); None: no saves."""
+    resume: Path | None
+    """The checkpoint to start from; None: from the first step."""
+    attempt: int = 1
+    """This attempt's number in the scenario's journal."""
+
+
 def policy_for(spec: dict[str, Any], out_root: Path) -> CheckpointPolicy | None:
     """The scenario's checkpoint policy (None without a ``checkpoint`` section); a relative folder is
     taken under the results root."""

@@ -1,5 +1,8 @@
 """Execute a scenario for real in this process: build, warm up, measure, report.
 
+One module on purpose: ``execute`` and its helpers (the trainer, the checkpoint session, the measured
+work, memory and routing) are one pass over a scenario's run in the worker, sharing its trainer and records.
+
 This is what the worker process runs; ``bench.run.runner`` launches it with a timeout, so a hang or a
 crash costs one scenario, not the suite.
 """
@@ -18,10 +21,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.results import metric
+from bench.metrics import entry
 from bench.run.checkpointing import (
     Checkpointer,
-    CheckpointPolicy,
+    CheckpointRun,
     append_journal,
     checkpoint_metrics,
     history,
@@ -106,7 +109,7 @@ class TokenBatches:
     def __init__(self, scenario: Scenario, device: torch.device, dp_rank: int = 0):
         model, dp = scenario.model, scenario.parallel_config.dp
         self.sequences, self.seq_len, self.vocab = (
-            scenario.run["tokens_per_step"] // model.seq_len,
+            scenario.run.tokens_per_step // model.seq_len,
             model.seq_len,
             model.vocab_size,
         )
@@ -127,18 +130,6 @@ class TokenBatches:
 
     def restore(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
-
-
-@dataclass(frozen=True)
-class CheckpointRun:
-    """What the runner asks of this run's checkpoints."""
-
-    policy: CheckpointPolicy | None
-    """When and where to save (the scenario's checkpoint section); None: no saves."""
-    resume: Path | None
-    """The checkpoint to start from; None: from the first step."""
-    attempt: int = 1
-    """This attempt's number in the scenario's journal."""
 
 
 @dataclass
@@ -182,7 +173,7 @@ def execute(
     rank_model, trainer = build_trainer(scenario, groups, device)
     moe_layers = {_block_index(name): m for name, m in rank_model.module.named_modules() if isinstance(m, MoELayer)}
     batches = TokenBatches(scenario, device, groups.coords.dp_rank if groups else 0)
-    tokens_per_step = run["tokens_per_step"]
+    tokens_per_step = run.tokens_per_step
     world = scenario.world_size
     flops_per_token = training_flops_per_token(config, config.seq_len)
     # What activation recompute runs again in backward, apart: MFU counts the model's FLOPs only.
@@ -191,16 +182,16 @@ def execute(
     )
 
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
-    total_steps = run["warmup_steps"] + run["steps"] * run["repeats"]
+    total_steps = run.warmup_steps + run.steps * run.repeats
     ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing, progress)
     losses, grad_norms = [], []
     for step in range(ckpt.start_step, total_steps):
         tokens, labels = next(batches)
-        measured = step >= run["warmup_steps"]
+        measured = step >= run.warmup_steps
         synchronize(device)
         if groups:
             dist.barrier()
-        if measured and device.type == "cuda" and step == run["warmup_steps"]:
+        if measured and device.type == "cuda" and step == run.warmup_steps:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         loss = trainer.step(tokens, labels)
@@ -247,39 +238,33 @@ def execute(
     grad_norms = [e["grad_norm"] for e in prior if e.get("grad_norm") is not None] + grad_norms
     result = ExecuteResult()
     m = result.metrics
-    m["step_time_s"] = metric(step_times, "s", "lower")
-    m["tokens_per_s_per_gpu"] = metric([tokens_per_step / t / world for t in step_times], "tokens/s", "higher")
+    m["step_time_s"] = entry("step_time_s", step_times)
+    m["tokens_per_s_per_gpu"] = entry("tokens_per_s_per_gpu", [tokens_per_step / t / world for t in step_times])
     tflops = [flops_per_token * tokens_per_step / t / world / 1e12 for t in step_times]
-    m["tflops_per_gpu"] = metric(tflops, "TFLOP/s", "higher")
+    m["tflops_per_gpu"] = entry("tflops_per_gpu", tflops)
     # Reported, not gated: the model's FLOPs plus the recompute's, what the devices executed (by the
     # formula's convention); equal to tflops_per_gpu without recompute.
     hardware = [(flops_per_token + recompute_flops) * tokens_per_step / t / world / 1e12 for t in step_times]
-    m["hardware_tflops_per_gpu"] = metric(hardware, "TFLOP/s", None)
+    m["hardware_tflops_per_gpu"] = entry("hardware_tflops_per_gpu", hardware)
     # Reported, not gated: each is tflops_per_gpu (gated) over a constant peak (measured on CPUs).
     if peak_tflops:
-        m["mfu"] = metric([t / peak_tflops for t in tflops], "ratio", None)
+        m["mfu"] = entry("mfu", [t / peak_tflops for t in tflops])
     if peak_tflops_fp8 and scenario.precision == "mxfp8":
         # The expert GEMMs run MXFP8, the rest bf16: the true bound lies between the two peaks.
-        m["mfu_fp8"] = metric([t / peak_tflops_fp8 for t in tflops], "ratio", None)
-    m["loss"] = metric(losses, "nats", None)
+        m["mfu_fp8"] = entry("mfu_fp8", [t / peak_tflops_fp8 for t in tflops])
+    m["loss"] = entry("loss", losses)
     if grad_norms:
-        m["grad_norm"] = metric(grad_norms, "norm", None)
+        m["grad_norm"] = entry("grad_norm", grad_norms)
     m.update(_routing_metrics(records))
-    for key, unit in (
-        ("peak_tensor_bytes", "bytes"),
-        ("rss_peak_bytes", "bytes"),
-        ("cuda_peak_active_bytes", "bytes"),
-        ("cuda_peak_reserved_bytes", "bytes"),
-    ):
+    for key in ("peak_tensor_bytes", "rss_peak_bytes", "cuda_peak_active_bytes", "cuda_peak_reserved_bytes"):
         if key in record.memory:
             # Per rank, the most loaded rank's figure: what has to fit on one device.
-            m[key] = metric([max(r.memory[key] for r in records)], unit, "lower")
-    m["optimizer_state_bytes"] = metric([max(r.optimizer_state_bytes for r in records)], "bytes", "lower")
+            m[key] = entry(key, [max(r.memory[key] for r in records)])
+    m["optimizer_state_bytes"] = entry("optimizer_state_bytes", [max(r.optimizer_state_bytes for r in records)])
     # The work of the whole step: every rank's counts summed (per rank in details.work).
     m.update(work_metrics([r.work for r in records], flops_per_token * tokens_per_step))
     for key, samples in checkpoint_metrics(saves, ckpt.load_s).items():
-        unit = "bytes" if key.endswith(("bytes_per_rank", "bytes_total")) else "s"
-        m[key] = metric(samples, unit, "lower")
+        m[key] = entry(key, samples)
     result.details.update(
         flops_per_token=flops_per_token,
         recompute_flops_per_token=recompute_flops,
@@ -417,7 +402,7 @@ def build_trainer(scenario: Scenario, groups: ProcessGroups | None, device: torc
         device,
         seed=scenario.spec["routing"]["seed"],
         recompute=scenario.recompute,
-        compile=scenario.run["compile"],
+        compile=scenario.run.compile,
     )
     return rank_model, ParallelTrainer(rank_model, scenario.parallel_config, groups, scenario.optimizer)
 
@@ -485,11 +470,11 @@ def _routing_metrics(records: list[_RankRecord]) -> dict[str, dict]:
     steps = len(records[0].step_times)
     dropped = [float(sum(r.dropped[i] for r in records)) for i in range(steps)]
     return {
-        "tokens_per_expert_min": metric(mins, "tokens", None),
-        "tokens_per_expert_max": metric(maxs, "tokens", None),
-        "tokens_per_expert_cv": metric(cvs, "ratio", None),
+        "tokens_per_expert_min": entry("tokens_per_expert_min", mins),
+        "tokens_per_expert_max": entry("tokens_per_expert_max", maxs),
+        "tokens_per_expert_cv": entry("tokens_per_expert_cv", cvs),
         # Assignments over a no-sync dispatch's capacity, over all layers and ranks per step.
-        "dropped_tokens": metric(dropped, "tokens", "lower"),
+        "dropped_tokens": entry("dropped_tokens", dropped),
     }
 
 

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 from bench.machine import machine_info
+from bench.metrics import entry
 from bench.release.version import engine_info
-from bench.results import SCHEMA_VERSION, metric, result_dir, scenario_hash, utc_now, write_result
+from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
 
 MICRO_DIR = Path(__file__).resolve().parent / "micro"
 
@@ -23,12 +24,12 @@ def fold_benchmarks(report: dict) -> dict[str, dict]:
     for bench in report["benchmarks"]:
         name = bench["name"].removeprefix("test_").replace("[", "_").replace("]", "").replace("-", "_").lower()
         rounds = bench["stats"].get("data") or [bench["stats"]["median"]]
-        metrics[f"{name}_time_s"] = metric(rounds, "s", "lower")
+        metrics[f"{name}_time_s"] = entry(f"{name}_time_s", rounds)
         if "flops" in bench["extra_info"]:
             flops = bench["extra_info"]["flops"]
-            metrics[f"{name}_gflops"] = metric([flops / t / 1e9 for t in rounds], "GFLOP/s", "higher")
+            metrics[f"{name}_gflops"] = entry(f"{name}_gflops", [flops / t / 1e9 for t in rounds])
     for key, value in report.get("derived", {}).items():
-        metrics[key] = metric([value["ratio"]], "ratio", "higher")
+        metrics[key] = entry(key, [value["ratio"]])
     return metrics
 
 

@@ -1,5 +1,8 @@
 """``moe-bench project SCENARIO --device NAME``: a layout's step on a device, priced op by op.
 
+One module on purpose: tracing the stages, sharing identical ones, the progress lines and the document
+are one pass of ``moe-bench project`` over a layout's stages, each step feeding the next.
+
 For each pipeline stage, one rank's step is traced at the scenario's full size under fake tensors
 (``bench.run.trace``), every op priced on the device profile (``bench.predict.pricing``) and the
 step assembled on the profile's network (``bench.predict.op_projection``); the slowest stage sets
@@ -50,12 +53,12 @@ from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import Network, Schedule, SkewModel
 from bench.run.breakdown import step_breakdown
+from bench.run.proxy_rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.config import DataParallelMode, DispatchKind, RoutingMode
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
-from moe_engine.proxy.pipeline import stage_order
 
 TRACED_MICROBATCHES = 2
 """Microbatches a projection traces: the first stands for every one but the last, where buckets launch."""
@@ -95,7 +98,7 @@ def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
         return scenario
     spec = copy.deepcopy(scenario.spec)
     spec["parallel"]["microbatches"] = microbatches
-    spec["run"]["tokens_per_step"] = scenario.run["tokens_per_step"] // m * microbatches
+    spec["run"]["tokens_per_step"] = scenario.run.tokens_per_step // m * microbatches
     # Trace as an execute-free plan: its mode only decides which sections it needs.
     return scenario_from_dict(spec, file=scenario.file)
 
@@ -404,7 +407,7 @@ def projection_document(
         rank = staged.rank
         prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
         projection = project_priced_step(
-            prices, rank, schedule, net, scenario.run["tokens_per_step"], scenario.world_size, flops_per_token, skew
+            prices, rank, schedule, net, scenario.run.tokens_per_step, scenario.world_size, flops_per_token, skew
         )
         projections.append(projection)
         stages.append(
@@ -458,7 +461,7 @@ def projection_document(
         "device_file": profile.file,
         "device_measured": profile.measured is not None,
         "world_size": scenario.world_size,
-        "tokens_per_step": scenario.run["tokens_per_step"],
+        "tokens_per_step": scenario.run.tokens_per_step,
         "flops_per_token": flops_per_token,
         "step_s": projection["step_s"],
         "tokens_per_s_per_gpu": projection["tokens_per_s_per_gpu"],

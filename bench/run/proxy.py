@@ -2,9 +2,9 @@
 
 What runs
     The process joins a fake world as ``proxy.rank`` of the layout's dp * pp ranks and builds only
-    that rank's share (``moe_engine.proxy``): its pipeline stage, its local experts, its optimizer
+    that rank's share (``bench.run.proxy_rank``): its pipeline stage, its local experts, its optimizer
     shard. Collectives are issued but move nothing; the recorder logs their sizes. Peers' traffic is
-    simulated from the routing mode (``moe_engine.proxy.peers``). On a CPU host ``proxy.cpu_scale``
+    simulated from the routing mode (``bench.run.proxy_rank.peers``). On a CPU host ``proxy.cpu_scale``
     shrinks the run: fewer blocks of the stage (every block of a stage has the same shapes), shorter
     sequences, fewer sequences per microbatch, fewer microbatches, and fp32 for a CPU without bf16 units
     (``cpu_scale.precision``: the plan it is checked against is then the fp32 plan of the same run);
@@ -15,11 +15,11 @@ What runs
 
 What is measured (at the run's scale)
     Step time without the proxy's own work of fabricating peers' data, split into phases by
-    ``moe_engine.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
+    ``bench.run.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
     norms and residuals, embedding, optimizer, gradient buffers = zeroing them and scaling each bucket
     as its reduction launches, other = final norm, LM head, loss), the peak memory (CUDA allocator, or
     tracked tensor bytes on CPU), overall and for forward/backward and the optimizer step apart; every
-    collective's bytes per step. Per gradient bucket (the optimizer's ``SyncTimeline`` and the phase
+    collective's bytes per step. Per gradient bucket (a ``SyncTimeline`` on the optimizer and the phase
     timer read as it launches): the compute of the last backward left after its reduction launched,
     split by how it scales (blocks, rest, embedding, later buckets' launches; fabrication left out),
     its share's optimizer update, and its bytes (``details.sync_windows``). The collectives take no
@@ -59,13 +59,13 @@ from typing import Any
 
 import torch
 
+from bench.metrics import entry
 from bench.predict.plan import plan_scenario
 from bench.predict.projection import (
     Collective,
     Network,
     summarize_collectives,
 )
-from bench.results import metric
 from bench.run.execute import ExecuteResult
 from bench.run.proxy_measure import bucket_measurements, measure_rank, phase_table, sync_table
 from bench.run.proxy_projection import (
@@ -75,11 +75,11 @@ from bench.run.proxy_projection import (
     project_full_scale,
     project_run_scale,
 )
+from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.run.proxy_scale import ProxyScale, run_spec
 from bench.run.trace import group_phases
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
-from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 
 def _as_plan(spec: dict[str, Any]) -> Scenario:
@@ -99,8 +99,8 @@ def run_proxy(
     also carries the op-level projection on its ``cluster.device`` and on each of ``project_devices``."""
     spec, scale = run_spec(scenario, device)
     run_scenario = scenario_from_dict(spec, file=scenario.file)
-    if scenario.proxy["threads"]:
-        torch.set_num_threads(scenario.proxy["threads"])
+    if scenario.proxy.threads:
+        torch.set_num_threads(scenario.proxy.threads)
     join_fake_world(scale.rank, scenario.world_size)
     try:
         measured, groups = measure_rank(run_scenario, scale, device, progress)
@@ -109,7 +109,7 @@ def run_proxy(
     finally:
         leave_fake_world()
 
-    net = Network.from_cluster(scenario.cluster)
+    net = Network.from_cluster(scenario.cluster.to_dict())
     _, plan_run = plan_scenario(_as_plan(spec))
     _, plan_full = plan_scenario(_as_plan(scenario.spec))
     table = phase_table(measured)
@@ -128,7 +128,7 @@ def run_proxy(
         measurement,
         scale,
         target,
-        run_scenario.run["tokens_per_step"],
+        run_scenario.run.tokens_per_step,
         training_flops_per_token(run_scenario.model, scale.seq_len_run),
     ).projection
     full_projection = project_full_scale(
@@ -137,7 +137,7 @@ def run_proxy(
         StageSize.from_plan(plan_run, scale.pp_rank),
         StageSize.from_plan(plan_full, scale.pp_rank),
         target,
-        scenario.run["tokens_per_step"],
+        scenario.run.tokens_per_step,
         training_flops_per_token(scenario.model),
     ).projection
 
@@ -149,17 +149,17 @@ def run_proxy(
 
     result = ExecuteResult()
     m = result.metrics
-    m["step_time_s"] = metric(measured.compute_s, "s", "lower")
-    m["rank_tokens_per_s"] = metric([rank_tokens / t for t in measured.compute_s], "tokens/s", "higher")
-    m[peak_key] = metric([measured_peak], "bytes", "lower")
-    m["plan_memory_total_bytes"] = metric([plan_total], "bytes", None)
-    m["plan_memory_gap"] = metric([measured_peak / plan_total - 1], "ratio", None)
+    m["step_time_s"] = entry("step_time_s", measured.compute_s)
+    m["rank_tokens_per_s"] = entry("rank_tokens_per_s", [rank_tokens / t for t in measured.compute_s])
+    m[peak_key] = entry(peak_key, [measured_peak])
+    m["plan_memory_total_bytes"] = entry("plan_memory_total_bytes", [plan_total])
+    m["plan_memory_gap"] = entry("plan_memory_gap", [measured_peak / plan_total - 1])
     for prefix, projection in (("projected_run", run_projection), ("projected", full_projection)):
-        m[f"{prefix}_step_time_s"] = metric([projection.step_s], "s", None)
-        m[f"{prefix}_tokens_per_s_per_gpu"] = metric([projection.tokens_per_s_per_gpu], "tokens/s", None)
-        m[f"{prefix}_tflops_per_gpu"] = metric([projection.tflops_per_gpu], "TFLOP/s", None)
-    m["projected_memory_total_bytes"] = metric(
-        [plan_full["stages"][scale.pp_rank]["memory_total_bytes"]], "bytes", None
+        m[f"{prefix}_step_time_s"] = entry(f"{prefix}_step_time_s", [projection.step_s])
+        m[f"{prefix}_tokens_per_s_per_gpu"] = entry(f"{prefix}_tokens_per_s_per_gpu", [projection.tokens_per_s_per_gpu])
+        m[f"{prefix}_tflops_per_gpu"] = entry(f"{prefix}_tflops_per_gpu", [projection.tflops_per_gpu])
+    m["projected_memory_total_bytes"] = entry(
+        "projected_memory_total_bytes", [plan_full["stages"][scale.pp_rank]["memory_total_bytes"]]
     )
 
     calls_per_step = [Collective(c.op, c.ranks, c.nbytes, phases.get(c.group_name, "other")) for c in measured.calls]
@@ -205,7 +205,7 @@ def run_proxy(
         },
         network=asdict(net),
         flops_per_token=training_flops_per_token(scenario.model),
-        tokens_per_step=scenario.run["tokens_per_step"],
+        tokens_per_step=scenario.run.tokens_per_step,
         world_size=scenario.world_size,
         layout=scenario.parallel_config.to_dict(),
         losses=measured.losses,
@@ -218,7 +218,7 @@ def _device_projections(scenario: Scenario, extra: list[str], progress) -> dict[
     from bench.predict.device import load_profile
     from bench.run.project import DoesNotFit, NotTraceable, project_on_device
 
-    names = [n for n in [scenario.cluster.get("device"), *extra] if n]
+    names = [n for n in [scenario.cluster.device, *extra] if n]
     projections = {}
     for name in dict.fromkeys(names):
         try:

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bench.run.collective_log import CollectiveCall, CollectiveRecorder
 from bench.run.execute import NonFiniteLoss, synchronize
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.run.phase_timer import PhaseTimer, instrument_model
 from bench.run.proxy_projection import (
     BLOCK_PHASES,
     EMBEDDING,
@@ -24,17 +26,16 @@ from bench.run.proxy_projection import (
     WINDOW_CLASSES,
     BucketMeasurement,
 )
+from bench.run.proxy_rank.build import build_proxy_rank
+from bench.run.proxy_rank.peers import ProxyDispatcher
 from bench.run.proxy_scale import ProxyScale
+from bench.run.sync_timeline import SyncTimeline
 from bench.scenario import Scenario
 from moe_engine.model import Block
-from moe_engine.parallel.collective_log import CollectiveCall, CollectiveRecorder
-from moe_engine.parallel.data_parallel import DataParallelOptimizer, SyncTimeline
+from moe_engine.parallel.data_parallel import DataParallelOptimizer
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer
-from moe_engine.phase_timer import PhaseTimer, instrument_model
-from moe_engine.proxy.build import build_proxy_rank
-from moe_engine.proxy.peers import ProxyDispatcher
 
 
 def _batches(sequences: int, seq_len: int, vocab: int, device: torch.device, seed: int):
@@ -85,9 +86,10 @@ def _window_classes(
 
 class _SyncProbe:
     """Reads the clock and the phase timer as each bucket's reduction is issued and as the backward ends,
-    so that each window of the optimizer's ``SyncTimeline`` splits by how it scales, without the proxy's
-    fabrication. Each launch (scaling the bucket by 1/dp, then the collective) is timed as grad_buffers:
-    its cost follows the bucket's bytes, not the tokens of the phase it happens to run in."""
+    so that each window of the step's ``SyncTimeline`` (which it sets as the optimizer's ``sync_observer``)
+    splits by how it scales, without the proxy's fabrication. Each launch (scaling the bucket by 1/dp, then
+    the collective) is timed as grad_buffers: its cost follows the bucket's bytes, not the tokens of the
+    phase it happens to run in."""
 
     def __init__(self, optimizer: DataParallelOptimizer, timer: PhaseTimer):
         self.optimizer, self.timer = optimizer, timer
@@ -123,12 +125,14 @@ class _SyncProbe:
 
     def reset(self) -> None:
         """Forget the last step's readings (call before each step)."""
+        self.timeline = self.optimizer.sync_observer = SyncTimeline()
         self.issued: dict[int, tuple[float, dict[str, dict[str, float]]]] = {}
         self.backward_end: tuple[float, dict[str, dict[str, float]]] | None = None
         self.updates_start: float | None = None
 
-    def record(self, timeline: SyncTimeline) -> list[dict[str, Any]]:
+    def record(self) -> list[dict[str, Any]]:
         """Per bucket, of the step just run: its windows (``SyncTimeline``'s and split by class) and its update."""
+        timeline = self.timeline
         end_s, end_totals = self.backward_end
         # Without clipping the updates start as soon as the reductions have been waited for.
         previous = self.updates_start if self.updates_start is not None else timeline.reduce_waited_s
@@ -203,7 +207,7 @@ def measure_rank(
         f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})"
     )
     rank_model = build_proxy_rank(
-        config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run["compile"]
+        config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run.compile
     )
     trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
     sync = functools.partial(synchronize, device)
@@ -221,11 +225,11 @@ def measure_rank(
     batches = _batches(sequences, scale.seq_len_run, config.vocab_size, device, seed)
     layout = _bucket_layout(trainer.optimizer, rank_model.module, parallel.bucket_elements)
     measured = RankMeasurement([], [], [], {}, [], layout)
-    total = run["warmup_steps"] + run["steps"]
-    for step in range(max(total, 1 + run["steps"])):
+    total = run.warmup_steps + run.steps
+    for step in range(max(total, 1 + run.steps)):
         tokens, labels = next(batches)
         census = step == 0
-        is_measured = step >= max(run["warmup_steps"], 1)
+        is_measured = step >= max(run.warmup_steps, 1)
         if is_measured and device.type == "cuda" and not measured.compute_s:
             torch.cuda.reset_peak_memory_stats(device)
         timer.reset()
@@ -247,7 +251,7 @@ def measure_rank(
         if is_measured:
             measured.compute_s.append(wall - fabricated)
             measured.phases.append(totals)
-            measured.syncs.append(probe.record(trainer.optimizer.timeline))
+            measured.syncs.append(probe.record())
             if loss is not None:
                 measured.losses.append(float(loss))
         progress(

@@ -30,8 +30,8 @@ WINDOW_CLASSES = ("blocks", "rest", "embedding", "grad_buffers")
 embedding, and gradient buckets' launches (scaling the bucket by 1/dp)."""
 
 if TYPE_CHECKING:  # annotations only: this module runs nothing
+    from bench.run.collective_log import CollectiveCall
     from bench.run.proxy_scale import ProxyScale
-    from moe_engine.parallel.collective_log import CollectiveCall
 
 
 @dataclass(frozen=True)

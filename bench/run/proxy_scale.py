@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from bench.scenario import Scenario
+from bench.scenario_sections import CpuScale
 from moe_engine.parallel.layout import Layout, stage_layers
 
 
@@ -48,36 +49,35 @@ class ProxyScale:
 def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], ProxyScale]:
     """The scenario as the proxy runs it (scaled on CPU), and the scale against the original."""
     spec = copy.deepcopy(scenario.spec)
-    model, par, proxy = spec["model"], spec["parallel"], spec["proxy"]
-    layout = Layout(scenario.parallel_config)
-    pp_rank = layout.coords(proxy["rank"]).pp_rank
-    n_layers, seq_len, pp, dp = model["n_layers"], model["seq_len"], par["pp"], par["dp"]
-    blocks_full = len(stage_layers(n_layers, pp)[pp_rank])
-    m_full = par["microbatches"]
-    sequences_full = scenario.run["tokens_per_step"] // seq_len // dp // m_full
-    scale = proxy["cpu_scale"] if device.type == "cpu" else {}
+    proxy, par = scenario.proxy, scenario.parallel_config
+    pp_rank = Layout(par).coords(proxy.rank).pp_rank
+    seq_len, pp, dp = scenario.model.seq_len, par.pp, par.dp
+    blocks_full = len(stage_layers(scenario.model.n_layers, pp)[pp_rank])
+    m_full = par.microbatches
+    sequences_full = scenario.run.tokens_per_step // seq_len // dp // m_full
+    scale = proxy.cpu_scale if device.type == "cpu" else CpuScale()
 
-    blocks = min(scale.get("blocks") or blocks_full, blocks_full)
+    blocks = min(scale.blocks or blocks_full, blocks_full)
     if blocks < blocks_full:
-        model["n_layers"] = pp * blocks
-    seq_len_run = scale.get("seq_len") or seq_len
-    model["seq_len"] = seq_len_run
-    sequences = scale.get("sequences_per_microbatch") or sequences_full
-    if scale.get("microbatches"):
-        m_run = min(scale["microbatches"], m_full)
-    elif proxy["microbatches"]:
-        m_run = min(proxy["microbatches"], m_full)
+        spec["model"]["n_layers"] = pp * blocks
+    seq_len_run = scale.seq_len or seq_len
+    spec["model"]["seq_len"] = seq_len_run
+    sequences = scale.sequences_per_microbatch or sequences_full
+    if scale.microbatches:
+        m_run = min(scale.microbatches, m_full)
+    elif proxy.microbatches:
+        m_run = min(proxy.microbatches, m_full)
     elif pp > 1:
-        in_flight = m_full if par["schedule"] == "gpipe" else min(m_full, pp - pp_rank)
+        in_flight = m_full if par.schedule == "gpipe" else min(m_full, pp - pp_rank)
         m_run = max(min(2, m_full), in_flight)
     else:
         m_run = min(2, m_full)
-    par["microbatches"] = m_run
+    spec["parallel"]["microbatches"] = m_run
     spec["run"]["tokens_per_step"] = dp * m_run * sequences * seq_len_run
-    if scale.get("precision"):
-        spec["precision"] = scale["precision"]
+    if scale.precision:
+        spec["precision"] = scale.precision
     scale_record = ProxyScale(
-        rank=proxy["rank"],
+        rank=proxy.rank,
         pp_rank=pp_rank,
         blocks_run=blocks,
         blocks_full=blocks_full,

@@ -1,5 +1,8 @@
 """Run scenarios: plans in process, executes in a worker process with a timeout; write results.
 
+One module on purpose: the run loop (``Runner``) and what it calls (the memory check, the worker's
+command, its timeout and process-group kill) serve that one loop.
+
 Every scenario is loaded and validated before any work starts. A scenario that fails, runs out of
 memory or times out is recorded with that status and the suite goes on. A scenario needing more GPUs
 (dp * pp) than the host has is recorded ``skipped`` with the reason before anything else (no plan, no
@@ -33,8 +36,9 @@ import yaml
 from bench.machine import available_memory_bytes, device_peak, machine_info
 from bench.release.version import engine_info
 from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
-from bench.run.checkpointing import append_journal, next_attempt, policy_for
+from bench.run.checkpointing import CheckpointRun, append_journal, next_attempt, policy_for
 from bench.run.launch import Launch
+from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
 
 SUITES_PATH = SCENARIOS_DIR / "suites.yaml"
@@ -277,7 +281,8 @@ class Runner:
         """The checkpoint each scenario (by name) resumes from (``moe-bench run --resume``, checked)."""
         self.project_devices = list(project_devices or [])
         """Device profiles a proxy result is also projected onto, beside its cluster.device (``--project-on``)."""
-        self._peaks: dict[str, float | None] = {}
+        self._cpu_peaks: dict[str, float] = {}
+        """The CPU peak measured once per dtype, TFLOP/s."""
 
     @property
     def out_dir(self) -> Path:
@@ -357,8 +362,8 @@ class Runner:
             return f"needs {scenario.world_size} GPUs (dp * pp); this host has {torch.cuda.device_count()}"
         return None
 
-    def _peak(self, scenario: Scenario) -> dict[str, Any]:
-        """The peaks MFU is measured against, their source, and why an MFU is left out (result details)."""
+    def _peaks(self, scenario: Scenario) -> tuple[Peaks, dict[str, str]]:
+        """The peaks MFU is measured against with their source, and why an MFU is left out (by metric)."""
         mxfp8 = scenario.precision == "mxfp8"
         missing: dict[str, str] = {}
         if self.device.type == "cuda":
@@ -367,33 +372,21 @@ class Runner:
                 missing["mfu"] = note
                 if mxfp8:
                     missing["mfu_fp8"] = note
-                out = {"peak_tflops": None, "peak_tflops_fp8": None, "peak_tflops_source": None}
-            else:
-                if mxfp8 and peak.fp8 is None:
-                    missing["mfu_fp8"] = f"{peak.source} gives no FP8 peak: the GPU has no FP8 tensor cores"
-                out = {
-                    "peak_tflops": peak.bf16,
-                    "peak_tflops_fp8": peak.fp8 if mxfp8 else None,
-                    "peak_tflops_source": note,
-                }
-        else:
-            key = scenario.model.dtype.value
-            if key not in self._peaks:
-                from bench.run.execute import measure_peak_tflops
+                return Peaks(), missing
+            if mxfp8 and peak.fp8 is None:
+                missing["mfu_fp8"] = f"{peak.source} gives no FP8 peak: the GPU has no FP8 tensor cores"
+            return Peaks(peak.bf16, peak.fp8 if mxfp8 else None, note), missing
+        key = scenario.model.dtype.value
+        if key not in self._cpu_peaks:
+            from bench.run.execute import measure_peak_tflops
 
-                self._peaks[key] = measure_peak_tflops(self.device, scenario.model.dtype.torch_dtype)
-            # The ranks of a CPU layout share the cores the peak was measured on.
-            ranks_here = 1 if self.launch is not None else scenario.world_size
-            out = {
-                "peak_tflops": self._peaks[key] / ranks_here,
-                "peak_tflops_fp8": None,
-                "peak_tflops_source": f"{key} dense matmul measured on all cores, divided by the ranks sharing them",
-            }
-            if mxfp8:
-                missing["mfu_fp8"] = "no FP8 peak on a CPU (the MXFP8 GEMMs are emulated)"
-        if missing:
-            out["mfu_unavailable"] = missing
-        return out
+            self._cpu_peaks[key] = measure_peak_tflops(self.device, scenario.model.dtype.torch_dtype)
+        # The ranks of a CPU layout share the cores the peak was measured on.
+        ranks_here = 1 if self.launch is not None else scenario.world_size
+        if mxfp8:
+            missing["mfu_fp8"] = "no FP8 peak on a CPU (the MXFP8 GEMMs are emulated)"
+        source = f"{key} dense matmul measured on all cores, divided by the ranks sharing them"
+        return Peaks(self._cpu_peaks[key] / ranks_here, None, source), missing
 
     def _rank_memory(self, scenario: Scenario) -> list[RankMemory]:
         """Every rank's planned memory and its pool's free memory (inside a launch: gathered from the ranks)."""
@@ -443,108 +436,90 @@ class Runner:
         reason = self._skip_reason(scenario)
         if reason:
             return "skipped", reason, {}, {}
-        memory_check = None
         if scenario.mode == "execute":
             refusal, memory_check = self._memory_check(scenario)
             if refusal:
                 return "oom", f"{refusal} (moe-bench run --force starts it anyway)", {}, {"memory_check": memory_check}
-        peaks = self._peak(scenario) if scenario.mode == "execute" else {}
-        status, error, metrics, details = self._run_worker(scenario, peaks, progress)
-        if scenario.mode == "execute":
-            # The peaks and their source are the worker's fields (it was given them and measured against
-            # them); the runner adds what only it knows.
-            details["memory_check"] = memory_check
-            if "mfu_unavailable" in peaks:
-                details["mfu_unavailable"] = peaks["mfu_unavailable"]
+            peaks, missing = self._peaks(scenario)
+            # The peaks and their source are the worker's fields (it measured against them); the
+            # runner adds what only it knows.
+            runner_details = {"memory_check": memory_check, **({"mfu_unavailable": missing} if missing else {})}
         else:
-            details.setdefault("peak_tflops", None)
-        return status, error, metrics, details
-
-    def _run_worker(self, scenario: Scenario, peaks: dict[str, Any], progress) -> tuple[str, str | None, dict, dict]:
-        peak, peak_fp8, source = peaks.get("peak_tflops"), peaks.get("peak_tflops_fp8"), peaks.get("peak_tflops_source")
+            peaks, runner_details = Peaks(), {"peak_tflops": None}
+        request = self._request(scenario, peaks)
         if self.launch is not None:
-            return self._execute_in_launch(scenario, peak, peak_fp8, source)
-        timeout = scenario.run["timeout_s"]
-        request = self._checkpoint_request(scenario)
+            outcome = self._execute_in_launch(scenario, request)
+        else:
+            outcome = self._run_worker(scenario, request, progress)
+        return outcome.status, outcome.error, outcome.metrics, merge_details(outcome.details, runner_details)
+
+    def _request(self, scenario: Scenario, peaks: Peaks) -> WorkerRequest:
+        """What the worker is asked; inside a launch rank 0 alone numbers the checkpoint attempt."""
+        checkpoint = self._checkpoint_run(scenario) if self.writes_results else None
+        if self.launch is not None and dist.is_initialized():
+            # Rank 0 reads and writes the journal; every rank needs its answer.
+            shared = [checkpoint]
+            dist.broadcast_object_list(shared, src=0)
+            checkpoint = shared[0]
+        return WorkerRequest(
+            spec=scenario.spec,
+            file=str(scenario.file) if scenario.file else None,
+            device=str(self.device),
+            peaks=peaks,
+            checkpoint=checkpoint,
+            project_devices=tuple(self.project_devices),
+        )
+
+    def _run_worker(self, scenario: Scenario, request: WorkerRequest, progress) -> WorkerOutcome:
+        timeout = scenario.run.timeout_s
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
-            spec_path, out_path = Path(tmp) / "scenario.json", Path(tmp) / "outcome.json"
-            spec_path.write_text(
-                json.dumps(
-                    {
-                        "spec": scenario.spec,
-                        "file": str(scenario.file) if scenario.file else None,
-                        "checkpoint": request,
-                        "project_devices": self.project_devices,
-                    }
-                )
-            )
+            request_path, out_path = Path(tmp) / "request.json", Path(tmp) / "outcome.json"
+            request_path.write_text(request.to_json())
             processes = 1 if scenario.mode == "proxy" else scenario.world_size
-            command = worker_command(processes) + [str(spec_path), str(out_path), "--device", str(self.device)]
-            if peak:
-                command += ["--peak-tflops", str(peak)]
-            if peak_fp8:
-                command += ["--peak-tflops-fp8", str(peak_fp8)]
-            if peak and source:
-                command += ["--peak-tflops-source", source]
+            command = worker_command(processes) + [str(request_path), str(out_path)]
             returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(processes))
             if returncode is None:
-                outcome = {"status": "timeout", "error": f"stopped after exceeding its timeout of {timeout:g} s"}
+                outcome = WorkerOutcome("timeout", f"stopped after exceeding its timeout of {timeout:g} s")
             elif not out_path.exists():
                 rank_errors = sorted(Path(tmp).glob("outcome.json.rank*.error"))
                 detail = rank_errors[0].read_text() if rank_errors else (tail[-1] if tail else "no output")
                 status = "oom" if returncode in (-signal.SIGKILL, 137) else "failed"
-                outcome = {"status": status, "error": f"worker exited with code {returncode}: {detail}"}
+                outcome = WorkerOutcome(status, f"worker exited with code {returncode}: {detail}")
             else:
-                outcome = json.loads(out_path.read_text())
-        self._end_attempt(scenario, request, outcome)
-        return outcome["status"], outcome["error"], outcome.get("metrics", {}), outcome.get("details", {})
+                outcome = WorkerOutcome.from_json(out_path.read_text())
+        self._end_attempt(request.checkpoint, outcome)
+        return outcome
 
-    def _checkpoint_request(self, scenario: Scenario) -> dict[str, Any] | None:
-        """What the worker needs for the scenario's checkpoints: None when it neither saves nor resumes."""
+    def _checkpoint_run(self, scenario: Scenario) -> CheckpointRun | None:
+        """The scenario's checkpoints, its policy worked out here once: None when it neither saves nor resumes."""
         if scenario.mode != "execute":
             return None
         policy = policy_for(scenario.spec, self.out_root)
         resume = self.resume.get(scenario.name)
         if policy is None and resume is None:
             return None
-        attempt = next_attempt(policy.root) if policy else 1
-        return {"out_root": str(self.out_root), "resume": str(resume) if resume else None, "attempt": attempt}
+        return CheckpointRun(policy, resume, next_attempt(policy.root) if policy else 1)
 
-    def _end_attempt(self, scenario: Scenario, request: dict[str, Any] | None, outcome: dict[str, Any]) -> None:
+    def _end_attempt(self, checkpoint: CheckpointRun | None, outcome: WorkerOutcome) -> None:
         """The attempt's end in the journal: written here, since a killed worker cannot write it."""
-        policy = policy_for(scenario.spec, self.out_root) if request else None
+        policy = checkpoint.policy if checkpoint else None
         if policy is not None and policy.root.is_dir():
             append_journal(
                 policy.root,
-                {
-                    "event": "end",
-                    "attempt": request["attempt"],
-                    "status": outcome["status"],
-                    "error": outcome.get("error"),
-                },
+                {"event": "end", "attempt": checkpoint.attempt, "status": outcome.status, "error": outcome.error},
             )
 
-    def _execute_in_launch(
-        self, scenario: Scenario, peak: float | None, peak_fp8: float | None, peak_source: str | None
-    ) -> tuple[str, str | None, dict, dict]:
+    def _execute_in_launch(self, scenario: Scenario, request: WorkerRequest) -> WorkerOutcome:
         """Every rank of the launch executes its share here; the process group's timeout bounds hangs."""
-        from bench.run.worker import checkpoint_run, execute_outcome
+        from bench.run.worker import execute_outcome
         from moe_engine.parallel.groups import build_process_groups
         from moe_engine.parallel.layout import Layout
 
         groups = build_process_groups(Layout(scenario.parallel_config))
-        request = self._checkpoint_request(scenario) if self.writes_results else None
-        if dist.is_initialized():
-            # Rank 0 numbers the attempt (it alone reads and writes the journal); every rank needs the request.
-            shared = [request]
-            dist.broadcast_object_list(shared, src=0)
-            request = shared[0]
-        outcome = execute_outcome(
-            scenario, self.device, peak, groups, peak_fp8, checkpoint_run(request, scenario), peak_source=peak_source
-        )
+        outcome = execute_outcome(scenario, request, self.device, groups)
         if self.writes_results:
-            self._end_attempt(scenario, request, outcome)
-        return outcome["status"], outcome["error"], outcome["metrics"], outcome["details"]
+            self._end_attempt(request.checkpoint, outcome)
+        return outcome
 
 
 def worker_command(world_size: int) -> list[str]:

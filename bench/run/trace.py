@@ -1,6 +1,9 @@
 """Trace one rank's training step at the scenario's full size without allocating it.
 
-The rank is built as a proxy rank (``moe_engine.proxy``: its stage, its local experts, its optimizer
+One module on purpose: the tracer (``StepTracer``, its shadows and ``ModuleLocator``) and the
+building of the rank it traces share the fake-tensor state of one trace.
+
+The rank is built as a proxy rank (``bench.run.proxy_rank``: its stage, its local experts, its optimizer
 shard, peers simulated, a fake world whose collectives move nothing) under ``FakeTensorMode``, where
 tensors carry shapes and dtypes but no storage, so a 1.2T model's rank traces on a laptop. One whole
 optimizer step runs (every microbatch, the backward, the optimizer) and a ``TorchDispatchMode``
@@ -52,14 +55,14 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.predict.ops import REGIONS, TensorSpec, TracedOp
+from bench.run.collective_log import CollectiveRecorder
+from bench.run.proxy_rank.build import build_proxy_rank
+from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.scenario import Scenario
 from moe_engine.config import DataParallelMode
-from moe_engine.parallel.collective_log import CollectiveRecorder
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
-from moe_engine.proxy.build import build_proxy_rank
-from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 SHADOW_MAX_ELEMENTS = 1 << 22
 """A tensor gets a real shadow only up to this size: routing metadata is T * k or T * E elements."""
@@ -450,7 +453,7 @@ def _fake_to_empty(fake: bool) -> Iterator[None]:
 
 def _batch(scenario: Scenario, dp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     seq_len = scenario.model.seq_len
-    sequences = scenario.run["tokens_per_step"] // dp // seq_len
+    sequences = scenario.run.tokens_per_step // dp // seq_len
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, scenario.model.vocab_size, (sequences, seq_len), generator=generator)
     labels = torch.randint(0, scenario.model.vocab_size, (sequences, seq_len), generator=generator)
@@ -589,7 +592,7 @@ def trace_step(
             rank=rank,
             world_size=world,
             microbatches=parallel.microbatches,
-            tokens_per_step=scenario.run["tokens_per_step"],
+            tokens_per_step=scenario.run.tokens_per_step,
             group_phases=group_phases(groups),
             family_groups={"dense": groups.dp.group_name, "expert": groups.edp.group_name},
             groups=rank_groups(groups),

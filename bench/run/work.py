@@ -35,7 +35,7 @@ What is counted, per step of one rank:
   syncing op, are part of that sync. A syncing op counts whatever its tensor's device: on CPU there
   is no device to wait for, and a CPU tensor's ``.item()`` counts on CUDA runs too (torch's AdamW
   reads each parameter's CPU step counter so: 21 a step in the smoke models).
-- **collectives** (``moe_engine.parallel.collective_log.CollectiveRecorder``): calls and bytes by
+- **collectives** (``bench.run.collective_log.CollectiveRecorder``): calls and bytes by
   kind and group (``all_reduce`` over ``dp``), by that module's byte conventions.
 
 The counters are dispatch modes (FLOPs outermost, the op counter innermost, so each counts what the
@@ -56,23 +56,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from bench.results import metric
+from bench.metrics import WORK_METRIC_NAMES, entry
+from bench.run.collective_log import CollectiveRecorder
 from bench.run.memory import TensorMemoryTracker
 from moe_engine.host_sync import profile_host_syncs
-from moe_engine.parallel.collective_log import CollectiveRecorder
 
 aten = torch.ops.aten
 
-WORK_METRICS = {
-    "work_matmul_flops": ("FLOP", "lower"),
-    "work_flops_ratio": ("ratio", None),
-    "work_allocated_bytes": ("bytes", "lower"),
-    "work_aten_ops": ("ops", "lower"),
-    "work_host_syncs": ("syncs", "lower"),
-    "work_collective_calls": ("calls", "lower"),
-    "work_collective_bytes": ("bytes", "lower"),
-}
-"""The metrics ``work_metrics`` writes: name -> (unit, better)."""
+WORK_METRICS = (*WORK_METRIC_NAMES, "work_flops_ratio")
+"""The metrics ``work_metrics`` writes (units and directions in ``bench.metrics``)."""
 
 
 @dataclass
@@ -313,4 +305,4 @@ def work_metrics(ranks: list[dict[str, Any]], formula_flops: int) -> dict[str, d
     }
     values = {f"work_{name}": value for name, value in total.items()}
     values["work_flops_ratio"] = total["matmul_flops"] / formula_flops if formula_flops else 0.0
-    return {name: metric([values[name]], *WORK_METRICS[name]) for name in WORK_METRICS}
+    return {name: entry(name, [values[name]]) for name in WORK_METRICS}

@@ -108,7 +108,7 @@ def timing_run(scenario, fraction: float, tolerance: float, budget_s: float, dev
     with contextlib.ExitStack() as stack:
         base_root = stack.enter_context(candidate_copy(None))
         cand_root = stack.enter_context(candidate_copy(slowdown_patch(fraction) if fraction else None))
-        timeout = scenario.run["timeout_s"] + 120
+        timeout = scenario.run.timeout_s + 120
         base = stack.enter_context(ResidentSide("baseline", base_root, scenario, device, timeout))
         cand = stack.enter_context(ResidentSide("candidate", cand_root, scenario, device, timeout))
         started = time.monotonic()

@@ -27,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.predict.collectives import Collective
 from bench.predict.device import DeviceProfile
-from bench.predict.projection import Collective, SkewModel, skew_seconds, sync_points
+from bench.predict.skew import SkewModel, skew_seconds, sync_points
 from bench.run.project import project_on_device
 from bench.run.runner import Runner, run_with_timeout
 from bench.scenario import Scenario, scenario_from_dict

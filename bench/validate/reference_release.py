@@ -66,9 +66,9 @@ def lean(scenario: Scenario) -> Scenario:
 
 def _assumed(scenario) -> str:
     p, m = scenario.parallel_config, scenario.model
-    sequences = scenario.run["tokens_per_step"] // m.seq_len
+    sequences = scenario.run.tokens_per_step // m.seq_len
     return (
-        f"seq_len {m.seq_len}, {sequences} sequences ({scenario.run['tokens_per_step']:,} tokens) per step, "
+        f"seq_len {m.seq_len}, {sequences} sequences ({scenario.run.tokens_per_step:,} tokens) per step, "
         f"{p.microbatches} microbatches, {scenario.precision}, recompute {scenario.recompute.mode.value}, "
         f"dp {p.dp} ep {p.ep} pp {p.pp} {p.dp_mode.value}"
         + (f" + {p.optimizer_sharding.value}" if p.optimizer_sharding.value != "none" else "")

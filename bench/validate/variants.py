@@ -249,7 +249,7 @@ def measure(
         except WorkerDied as err:
             log(f"{scenario.name}: failed: {err}")
             return {**row, "status": "failed", "error": str(err), "ready_s": ready_s}
-    tokens_per_step = scenario.run["tokens_per_step"]
+    tokens_per_step = scenario.run.tokens_per_step
     ratios = {name: ratio_summary(base_s[name], times[name]) for name in names}
     result = {
         **row,

@@ -29,7 +29,7 @@ In the backward, autograd runs the reverse: the combines' gradients are sent fir
 async), each chunk's expert backward runs as soon as its gradients arrived, and its dispatch
 gradient is sent back (async) while the next chunk's experts run. Routes, slots and drops are those
 of one chunk: only the order in which rows travel and meet their experts changes. A dispatcher that
-replaces the row exchange (a proxy rank fabricating its peers' rows, ``moe_engine.proxy``) exchanges
+replaces the row exchange (a proxy rank fabricating its peers' rows, ``bench.run.proxy_rank``) exchanges
 each chunk through ``exchange_rows``, in the same order, one at a time.
 
 With the experts' ``fused_kernels`` set (``ModelConfig.fused_kernels`` reaches them) every gather of
@@ -288,7 +288,7 @@ class AllToAllDispatcher(Dispatcher):
         slot_capacity = capacity(expert_TK.numel(), self.ep, self.capacity_factor)
         return plan_slots(plan, self.ep, slot_capacity).kept_E.view(self.ep, -1)
 
-    # The two exchanges are methods so that a proxy rank (``moe_engine.proxy``) can stand in for its peers.
+    # The two exchanges are methods so that a proxy rank (``bench.run.proxy_rank``) can stand in for its peers.
     def exchange_counts(self, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
         """(ep, L) rows each source sends this rank's local experts."""
         return all_to_all_rows(send_counts_SL, None, None, self.group)

@@ -44,9 +44,10 @@ strictly in one fixed order, the same on every rank, because collectives on a gr
 issue order. ``finish_grad_sync()`` launches whatever is left (nothing armed, or parameters that got
 no gradient this step) and waits for all of it.
 
-Each step records its ``timeline``: when each bucket's reduction and (ZeRO-1) gather launched, when
-backward ended and when the last collective was waited for, on the host clock. A proxy reads the
-overlap window from it.
+An optional ``sync_observer`` (a ``SyncObserver``) is told as each bucket's reduction and (ZeRO-1)
+gather launch, when backward ends and when the collectives have been waited for; a benchmark's
+proxy rank records these on the host clock to read the overlap windows
+(``bench.run.sync_timeline``). Without one the step does nothing extra.
 
 Clipping
 --------
@@ -75,9 +76,9 @@ rank's share of a bucket (N/n elements with ZeRO-1).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -405,8 +406,8 @@ class DataParallelOptimizer:
         self._synced = False
         self.last_grad_norm: torch.Tensor | None = None
         """The global gradient norm of the last step, before clipping (fp32 scalar on the device)."""
-        self.timeline = SyncTimeline()
-        """Host times of the last step's collectives (see ``SyncTimeline``)."""
+        self.sync_observer: SyncObserver | None = None
+        """Told as this optimizer's collectives launch and complete (``SyncObserver``); None: nobody is."""
 
     @property
     def launched_buckets(self) -> int:
@@ -460,7 +461,8 @@ class DataParallelOptimizer:
             self._next_launch += 1
 
     def _launch(self, index: int) -> None:
-        self.timeline.reduce_launch_s[index] = time.perf_counter()
+        if self.sync_observer is not None:
+            self.sync_observer.reduce_launched(index)
         self.buckets[index].launch_reduce()
 
     @torch.no_grad()
@@ -468,13 +470,15 @@ class DataParallelOptimizer:
         """Launch every reduction not launched yet (in order) and wait for all of them."""
         if self._synced:
             return
-        self.timeline.backward_end_s = time.perf_counter()
+        if self.sync_observer is not None:
+            self.sync_observer.backward_ended()
         for index in range(self._next_launch, len(self.buckets)):
             self._launch(index)
         self._next_launch = len(self.buckets)
         for bucket in self.buckets:
             bucket.wait()
-        self.timeline.reduce_waited_s = time.perf_counter()
+        if self.sync_observer is not None:
+            self.sync_observer.reductions_waited()
         self._synced = True
 
     @torch.no_grad()
@@ -513,12 +517,15 @@ class DataParallelOptimizer:
                 seg.master_N.grad = None
                 if seg.master_N is not seg.param_N:
                     seg.param_N.copy_(seg.master_N)
-            self.timeline.gather_launch_s[index] = time.perf_counter()
+            if self.sync_observer is not None:
+                self.sync_observer.gather_launched(index)
             bucket.launch_gather()
-        self.timeline.updates_end_s = time.perf_counter()
+        if self.sync_observer is not None:
+            self.sync_observer.updates_ended()
         for bucket in self.buckets:
             bucket.wait()
-        self.timeline.gather_waited_s = time.perf_counter()
+        if self.sync_observer is not None:
+            self.sync_observer.gathers_waited()
         self._reset_sync()
 
     @torch.no_grad()
@@ -530,7 +537,6 @@ class DataParallelOptimizer:
                 view = self._grad_views[id(param)]
                 param.grad = view if view.dtype == param.dtype else None
         self._reset_sync()
-        self.timeline = SyncTimeline()
 
     def _reset_sync(self) -> None:
         for bucket in self.buckets:
@@ -580,39 +586,22 @@ class DataParallelOptimizer:
         self._hooks = []
 
 
-@dataclass
-class SyncTimeline:
-    """Host clock readings (``time.perf_counter``) of one step's collectives, for overlap statistics.
+class SyncObserver(Protocol):
+    """What a ``DataParallelOptimizer`` tells its ``sync_observer``, on the host, as a step's collectives run.
 
-    On a fake process group (a proxy) the collectives take no time, so the readings show the
-    windows they could hide under: a bucket's reduction launched at t runs under the backward still
-    left (``backward_end_s - t``), a gather under the updates still left (``updates_end_s - t``).
+    Per step, in this order: ``reduce_launched`` per bucket (in index order, during backward for the
+    buckets ``arm_overlap`` completes), ``backward_ended`` as ``finish_grad_sync`` starts (before it
+    launches what is left), ``reductions_waited``; then in ``step``, ``gather_launched`` per bucket as
+    its update is written (only ZeRO-1 issues a gather), ``updates_ended`` and ``gathers_waited``.
+    A launch is told just before it is issued; nothing waits for the device.
     """
 
-    reduce_launch_s: dict[int, float] = field(default_factory=dict)
-    """Launch time of each bucket's reduction, by bucket index (launch order = index order)."""
-    backward_end_s: float | None = None
-    """When the last backward had finished (``finish_grad_sync`` was entered)."""
-    reduce_waited_s: float | None = None
-    """When every reduction had been waited for."""
-    gather_launch_s: dict[int, float] = field(default_factory=dict)
-    """Launch time of each bucket's ZeRO-1 gather (its update written), by bucket index."""
-    updates_end_s: float | None = None
-    """When the last bucket's update had been written."""
-    gather_waited_s: float | None = None
-    """When every gather had been waited for."""
-
-    def reduce_windows_s(self) -> list[float]:
-        """Per bucket (index order): the backward time left after its reduction launched (0 if after)."""
-        if self.backward_end_s is None:
-            return []
-        return [max(0.0, self.backward_end_s - self.reduce_launch_s[i]) for i in sorted(self.reduce_launch_s)]
-
-    def gather_windows_s(self) -> list[float]:
-        """Per bucket: the update time left after its gather launched."""
-        if self.updates_end_s is None:
-            return []
-        return [max(0.0, self.updates_end_s - self.gather_launch_s[i]) for i in sorted(self.gather_launch_s)]
+    def reduce_launched(self, bucket: int) -> None: ...
+    def backward_ended(self) -> None: ...
+    def reductions_waited(self) -> None: ...
+    def gather_launched(self, bucket: int) -> None: ...
+    def updates_ended(self) -> None: ...
+    def gathers_waited(self) -> None: ...
 
 
 def build_data_parallel_optimizer(

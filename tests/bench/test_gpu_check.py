@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.predict.device import load_profile
-from bench.run.profile_device import cuda_quick_sweep, estimate_seconds, timed_points
+from bench.run.device_sweep import cuda_quick_sweep, estimate_seconds, timed_points
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu-check.sh"

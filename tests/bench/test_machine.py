@@ -85,62 +85,53 @@ TINY = {
 
 
 def _fake_cuda_runner(monkeypatch, tmp_path, name: str):
-    """A runner on a faked one-GPU host; the worker is replaced by one that records its command."""
+    """A runner on a faked one-GPU host; the worker is replaced by one that records the peaks it is given."""
     from bench.run import runner as runner_module
+    from bench.run.worker_protocol import WorkerRequest
 
     fake_gpu(monkeypatch, name)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(runner_module, "cuda_free_bytes", lambda count: [80 * 2**30] * count)
-    commands = []
+    peaks = []
 
     def fake_worker(command, timeout, on_line, env=None):
-        commands.append(command)
-        out = Path(command[command.index("--device") - 1])
-        out.write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
+        peaks.append(WorkerRequest.from_json(Path(command[-2]).read_text()).peaks)
+        Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
 
     monkeypatch.setattr(runner_module, "run_with_timeout", fake_worker)
-    return runner_module.Runner(CUDA, tmp_path), commands
-
-
-def _flag(command: list[str], name: str) -> float | None:
-    return float(command[command.index(name) + 1]) if name in command else None
-
-
-def _source(command: list[str]) -> str | None:
-    """The peaks' source the worker is told to record (its own field in the result)."""
-    return command[command.index("--peak-tflops-source") + 1] if "--peak-tflops-source" in command else None
+    return runner_module.Runner(CUDA, tmp_path), peaks
 
 
 def test_an_mxfp8_run_gets_the_fp8_peak_too(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
-    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H200")
+    runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H200")
     runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
-    (command,) = commands
-    assert _flag(command, "--peak-tflops") == 989.5 and _flag(command, "--peak-tflops-fp8") == 1979.0
-    assert "H200 SXM" in _source(command) and "'NVIDIA H200'" in _source(command)
+    (given,) = peaks
+    assert given.bf16 == 989.5 and given.fp8 == 1979.0
+    # The peaks' source the worker is told to record (its own field in the result).
+    assert "H200 SXM" in given.source and "'NVIDIA H200'" in given.source
     # A bf16 run is measured against the BF16 peak alone.
     bf16 = scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16", "name": "bf"})
     runner.run_one(bf16, lambda line: None)
-    assert _flag(commands[1], "--peak-tflops") == 989.5 and _flag(commands[1], "--peak-tflops-fp8") is None
+    assert peaks[1].bf16 == 989.5 and peaks[1].fp8 is None
 
 
 def test_a_pcie_part_is_not_measured_against_the_sxm_peak(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
-    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H100 PCIe")
+    runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H100 PCIe")
     runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
-    assert _flag(commands[0], "--peak-tflops") == 756.5 and _flag(commands[0], "--peak-tflops-fp8") == 1513.0
+    assert peaks[0].bf16 == 756.5 and peaks[0].fp8 == 1513.0
 
 
 def test_an_unknown_gpu_records_why_it_has_no_mfu(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
-    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA Hypothetical X1")
+    runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA Hypothetical X1")
     outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
-    assert "--peak-tflops" not in commands[0] and "--peak-tflops-fp8" not in commands[0]
-    assert _source(commands[0]) is None
+    assert peaks[0].bf16 is None and peaks[0].fp8 is None and peaks[0].source is None
     missing = outcome.details["mfu_unavailable"]
     assert set(missing) == {"mfu", "mfu_fp8"} and "'NVIDIA Hypothetical X1'" in missing["mfu"]
     doc = json.loads(outcome.path.read_text())
@@ -150,9 +141,9 @@ def test_an_unknown_gpu_records_why_it_has_no_mfu(monkeypatch, tmp_path):
 def test_a_gpu_without_fp8_says_so_for_an_mxfp8_run(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
-    runner, commands = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA A100-SXM4-80GB")
+    runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA A100-SXM4-80GB")
     outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
-    assert _flag(commands[0], "--peak-tflops") == 312.0 and "--peak-tflops-fp8" not in commands[0]
+    assert peaks[0].bf16 == 312.0 and peaks[0].fp8 is None
     assert "no FP8" in outcome.details["mfu_unavailable"]["mfu_fp8"] and "mfu" not in outcome.details["mfu_unavailable"]
 
 

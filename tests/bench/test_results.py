@@ -225,3 +225,33 @@ def test_load_results_raises_for_a_bad_file_or_skips_it(tmp_path):
     assert load_results(tmp_path / "good.json")[0].name == "good"
     (tmp_path / "empty").mkdir()
     assert load_results(tmp_path / "empty") == []
+
+
+def _written(tmp_path, file_name: str, timestamp: str) -> results.ResultDocument:
+    path = tmp_path / file_name
+    path.write_text(json.dumps(make_doc(timestamp=timestamp)))
+    return load_result(path)
+
+
+def test_age_key_orders_by_the_instant_then_the_run_suffix(tmp_path):
+    # 00:30 at +01:00 is 23:30 UTC the day before: older than 00:00Z, although its text sorts after.
+    zoned = _written(tmp_path, "smoke-e8.json", "2025-01-01T00:30:00+01:00")
+    utc = _written(tmp_path, "smoke-e8.2.json", "2025-01-01T00:00:00Z")
+    same_second = _written(tmp_path, "smoke-e8.3.json", "2025-01-01T00:00:00Z")
+    unreadable = _written(tmp_path, "smoke-e8.4.json", "yesterday")
+    assert sorted([same_second, utc, unreadable, zoned], key=results.age_key) == [unreadable, zoned, utc, same_second]
+    assert [results.run_index(d) for d in (zoned, utc, same_second)] == [1, 2, 3]
+
+
+def test_load_nonempty_names_what_it_skipped(tmp_path):
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(results.ResultFileError):
+        results.load_nonempty(tmp_path)
+    warned = []
+    with pytest.raises(results.NoResultDocuments, match=r"no result documents \(1 unreadable file skipped\)"):
+        results.load_nonempty(tmp_path, on_bad_file=warned.append)
+    assert len(warned) == 1
+    good = tmp_path / "smoke-e8.json"
+    good.write_text(json.dumps(make_doc()))
+    loaded = results.load_nonempty(tmp_path, on_bad_file=warned.append)
+    assert [d.path for d in loaded.docs] == [good] and len(loaded.skipped) == 1

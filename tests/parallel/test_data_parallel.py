@@ -11,9 +11,10 @@ import torch.distributed as dist
 from distributed_harness import run_ranks
 from tolerances import model_tolerance, tolerance
 
+from bench.run.sync_timeline import SyncTimeline
 from moe_engine import ModelConfig, MoEConfig, build_model
 from moe_engine.config import ParallelConfig
-from moe_engine.parallel.data_parallel import DataParallelOptimizer, ParamFamily, param_families
+from moe_engine.parallel.data_parallel import DataParallelOptimizer, ParamFamily, SyncObserver, param_families
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.train import MasterWeightAdamW, OptimizerConfig
@@ -92,12 +93,12 @@ def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict
     opt = DataParallelOptimizer(model, groups, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
     history = []
     for batch in batches:
+        opt.sync_observer = timeline = SyncTimeline()
         opt.zero_grad()
         opt.arm_overlap()
         model.loss(*_rank_slice(batch, rank, dp)).backward()
         opt.step()
         history.append(_params(model))
-    timeline = opt.timeline
     # How many gathers were issued while later buckets' updates were still to come.
     early_gathers = sum(t < timeline.updates_end_s for t in timeline.gather_launch_s.values())
     return {
@@ -489,6 +490,35 @@ def test_backward_into_a_reduced_bucket_is_an_error():
         model.loss(tokens, labels).backward()
     opt.zero_grad()
     model.loss(tokens, labels).backward()  # fine again after zero_grad
+
+
+def test_a_sync_observer_is_told_each_launch_in_order():
+    model = build_model(_config("fp32"), seed=SEED)
+    opt = DataParallelOptimizer(model, None, OPT, shard=True, bucket_elements=SMALL_BUCKET)
+    told = []
+
+    class Observer:
+        def __getattr__(self, event: str):
+            return lambda *bucket: told.append((event, *bucket))
+
+    opt.sync_observer = Observer()
+    tokens, labels = _batches(1)[0]
+    opt.arm_overlap()
+    model.loss(tokens, labels).backward()
+    launched_in_backward = len(told)
+    opt.step()
+    buckets = range(len(opt.buckets))
+    assert told == [
+        *[("reduce_launched", i) for i in buckets],
+        ("backward_ended",),
+        ("reductions_waited",),
+        *[("gather_launched", i) for i in buckets],
+        ("updates_ended",),
+        ("gathers_waited",),
+    ]
+    # Every parameter gets its gradient in backward, so every reduction launches there.
+    assert launched_in_backward == len(opt.buckets) > 1
+    assert {event for event, *_ in told} == {name for name in vars(SyncObserver) if not name.startswith("_")}
 
 
 # ---- gradient precision ----

@@ -164,9 +164,9 @@ def _torch_schedule_accepts(schedule: str, pp: int, virtual_stages: int, microba
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
 
+    from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
     from moe_engine.config import PipelineSchedule
     from moe_engine.parallel.pipeline import _SCHEDULES
-    from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
     schedule_class = _SCHEDULES[PipelineSchedule(schedule)]
     stages_total = pp * virtual_stages

@@ -18,6 +18,7 @@ import torch
 from distributed_harness import run_ranks
 from tolerances import assert_close_to_scale, assert_moves_close, in_quadrature, model_tolerance, tolerance
 
+from bench.run.sync_timeline import SyncTimeline
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.parallel.groups import build_process_groups
@@ -109,6 +110,9 @@ def _layout_rank(parallel: ParallelConfig, seed: int, config: ModelConfig = CONF
     rows = slice(groups.coords.dp_rank * share, (groups.coords.dp_rank + 1) * share)
     losses, grads, norms, overlapped = [], None, [], []
     for tokens, labels in _batches(seed, config):
+        timeline = SyncTimeline()
+        if not trainer.fsdp:
+            trainer.optimizer.sync_observer = timeline
         loss = trainer.step(tokens[rows], labels[rows])
         losses.append(loss)
         norms.append(trainer.last_grad_norm.clone())
@@ -117,7 +121,6 @@ def _layout_rank(parallel: ParallelConfig, seed: int, config: ModelConfig = CONF
             # Clipped in place: the gradient the update used.
             grads = {n: _full(grad_of(p)).clone() for n, p in params.items()}
         if not trainer.fsdp:
-            timeline = trainer.optimizer.timeline
             overlapped.append(all(t < timeline.backward_end_s for t in timeline.reduce_launch_s.values()))
     updates = {n: _full(p).detach() - before[n] for n, p in params.items()}
     return {

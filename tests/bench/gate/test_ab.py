@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
-from bench.gate.ab import ABError, SideRun, paired_gate, paired_metric, plan_ab
+from bench.gate.ab import paired_gate, paired_metric
+from bench.gate.ab_plan import ABError, ABPlan, plan_ab
+from bench.gate.ab_sides import SideRun
 from bench.results import REPO_ROOT, metric
 
 TINY = """\
@@ -206,7 +208,7 @@ def test_rss_is_gated_above_its_measured_noise_floor():
 
 def test_an_unreadable_side_result_is_a_failed_run(tmp_path, tiny, monkeypatch):
     """A side that leaves a truncated result file fails that run, naming the file; nothing raises."""
-    from bench.gate import ab
+    from bench.gate import ab_sides
     from bench.scenario import load_scenario
 
     def fake_run(command, cwd, env, timeout):
@@ -215,9 +217,9 @@ def test_an_unreadable_side_result_is_a_failed_run(tmp_path, tiny, monkeypatch):
         (folder / "tiny-ab.json").write_text('{"timestamp": ')
         return 0, ""
 
-    monkeypatch.setattr(ab, "_run", fake_run)
+    monkeypatch.setattr(ab_sides, "_run", fake_run)
     out = tmp_path / "side"
-    result = ab.run_side(REPO_ROOT, load_scenario(tiny), out, "cpu")
+    result = ab_sides.run_side(REPO_ROOT, load_scenario(tiny), out, "cpu")
     bad = out / "0.1.0" / "cpu-box" / "tiny-ab.json"
     reason = "not valid JSON: Expecting value: line 1 column 15 (char 14)"
     assert (result.status, result.error) == ("failed", f"{bad}: {reason}")
@@ -345,7 +347,7 @@ def test_a_regression_stands_only_if_fresh_workers_confirm_it(tmp_path, tiny, mo
     ok_doc = SideRun("ok", None, {}, "0.1.0")
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
     monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
-    plan = ab.ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0)
+    plan = ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0)
 
     seen = iter([comparison(0.08), comparison(0.0)])
     monkeypatch.setattr(ab, "_resident", lambda *a, **k: next(seen))

@@ -11,7 +11,8 @@ from result_docs import make_doc
 
 from bench.cli import main
 from bench.gate import paired
-from bench.gate.ab import ABReport, SideRun, paired_gate
+from bench.gate.ab import ABReport, paired_gate
+from bench.gate.ab_sides import SideRun
 from bench.gate.accept import Acceptance, parse_acceptance
 from bench.gate.compare import compare
 from bench.gate.resident import ResidentComparison

@@ -48,8 +48,8 @@ def test_gpu_scenario_fits_its_device_with_headroom(path):
 @pytest.mark.parametrize("path", NODE_SCENARIOS, ids=lambda p: p.stem)
 def test_node_scenario_fits_an_h100_80gb_with_headroom(path):
     scenario = load_scenario(path)
-    assert scenario.cluster["device"] == "h100-sxm"
-    assert scenario.cluster["gpus"] == scenario.world_size
+    assert scenario.cluster.device == "h100-sxm"
+    assert scenario.cluster.gpus == scenario.world_size
     planned = most_loaded_gpu_bytes(scenario)
     assert planned <= (1 - HEADROOM) * H100_BYTES, (
         f"{path.name}: planned {planned / 2**30:.1f} GiB on the most loaded GPU, over {1 - HEADROOM:.0%} of "

@@ -357,10 +357,10 @@ MODEL_FILES = sorted(MODELS_DIR.glob("*.yaml"))
 def test_model_scenario_plans_and_fits_its_cluster_with_headroom(path):
     scenario = load_scenario(path)
     metrics, details = plan_scenario(scenario)
-    assert scenario.cluster["gpus"] == scenario.world_size
+    assert scenario.cluster.gpus == scenario.world_size
     assert details["fits"], path.name
     assert metrics["memory_fraction_of_gpu"]["median"] <= 1 - HEADROOM, (
-        f"{path.name}: {details['memory_total_gib']:.1f} GiB of {scenario.cluster['gpu_memory_gib']:.1f} GiB"
+        f"{path.name}: {details['memory_total_gib']:.1f} GiB of {scenario.cluster.gpu_memory_gib:.1f} GiB"
     )
 
 

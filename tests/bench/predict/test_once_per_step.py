@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from bench.predict.collectives import Network
 from bench.predict.device import load_profile
 from bench.predict.op_projection import ONCE_PER_STEP, project_priced_step, runs_every_microbatch, step_prices
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
 from bench.predict.pricing import PricedOp, price_ops
-from bench.predict.projection import Network, Schedule
+from bench.predict.projection import Schedule
 from bench.run.project import traced_scenario
 from bench.run.trace import trace_step
 from bench.scenario import scenario_from_dict

@@ -6,10 +6,12 @@ import math
 
 import pytest
 
+from bench.predict.collectives import Network
 from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
 from bench.predict.pricing import PricedOp
-from bench.predict.projection import Network, Schedule, SkewModel, expected_max_normal
+from bench.predict.projection import Schedule
+from bench.predict.skew import SkewModel, expected_max_normal
 
 X = (TensorSpec((4,), "torch.float32"),)
 PHASES = {"dp": "grad", "ep": "expert"}

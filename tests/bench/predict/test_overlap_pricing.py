@@ -9,19 +9,13 @@ import random
 import pytest
 
 import bench.run.trace as trace_module
+from bench.predict.collectives import Collective, Network
 from bench.predict.device import load_profile
 from bench.predict.op_projection import expert_overlap, project_priced_step, step_prices
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
+from bench.predict.overlap import ExpertOverlap, chunked_exposed_s
 from bench.predict.pricing import PricedOp, price_ops
-from bench.predict.projection import (
-    Collective,
-    ExpertOverlap,
-    Network,
-    RankTiming,
-    Schedule,
-    chunked_exposed_s,
-    project_step,
-)
+from bench.predict.projection import RankTiming, Schedule, project_step
 from bench.scenario import scenario_from_dict
 
 SEED = 29

@@ -7,11 +7,12 @@ import copy
 
 import pytest
 
+from bench.predict.collectives import Network
 from bench.predict.device import load_profile
 from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.ops import TensorSpec, TracedOp
 from bench.predict.pricing import is_stand_in, price_ops
-from bench.predict.projection import Network, Schedule
+from bench.predict.projection import Schedule
 from bench.run.trace import trace_step
 from bench.scenario import scenario_from_dict
 

@@ -110,7 +110,7 @@ def test_proxy_variants_replay_their_plan_scenario(proxy, base):
     assert a["model"] == b["model"] and a["cluster"] == b["cluster"] and a["parallel"] == b["parallel"]
     assert a.get("recompute") == b.get("recompute")
     assert a["run"]["tokens_per_step"] == b["run"]["tokens_per_step"]
-    assert olmo(proxy).proxy["rank"] == 0
+    assert olmo(proxy).proxy.rank == 0
 
 
 @pytest.mark.parametrize("variant,base", sorted(RECOMPUTE_VARIANTS.items()))
@@ -156,7 +156,7 @@ def test_zero1_and_fsdp_plans_of_the_47b_model():
 def test_olmo_scenario_loads_and_matches_published_counts(name):
     scenario = olmo(name)
     assert scenario.mode == "plan"
-    assert scenario.cluster is not None and scenario.cluster["gpus"] == scenario.world_size
+    assert scenario.cluster is not None and scenario.cluster.gpus == scenario.world_size
     assert scenario.spec["routing"] == {"mode": "random", "seed": 0, "zipf_exponent": 1.0}
     assert "tokens_per_step" in olmo_dict(name)["run"]
     counts = parameter_counts(scenario.model)

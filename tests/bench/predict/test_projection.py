@@ -12,18 +12,9 @@ import re
 
 import pytest
 
-from bench.predict.projection import (
-    Collective,
-    Network,
-    Projection,
-    RankTiming,
-    Schedule,
-    SyncBucket,
-    collective_seconds,
-    project_step,
-    simulate_sync,
-    summarize_collectives,
-)
+from bench.predict.collectives import Collective, Network, collective_seconds, summarize_collectives
+from bench.predict.overlap import SyncBucket, simulate_sync
+from bench.predict.projection import Projection, RankTiming, Schedule, project_step
 
 NET = Network(gpus_per_node=8, intra_node_gbps=900, inter_node_gbps=50, latency_us=10.0)
 NODE0 = tuple(range(8))

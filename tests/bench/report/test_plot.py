@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import plot
-from bench.report.plot import plot_results, sort_versions, sweep_groups, version_sort_key
+from bench.report import ordering, plot
+from bench.report.ordering import sort_versions, version_sort_key
+from bench.report.plot import plot_results, sweep_groups
 from bench.results import SCHEMA_VERSION, load_results, metric, result_dir, scenario_hash, write_result
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -174,7 +175,7 @@ def test_version_ordering_is_semantic():
 
 
 def test_fallback_version_parser_orders_like_packaging(monkeypatch):
-    monkeypatch.setattr(plot, "_Version", None)
+    monkeypatch.setattr(ordering, "_Version", None)
     assert sort_versions(["0.10.0", "0.2.0", "0.1.0", "garbage"]) == ["0.1.0", "0.2.0", "0.10.0", "garbage"]
     assert sort_versions(["0.1.0", "0.1.0+g1234.dirty", "0.1.0.dev3", "0.1.1", "0.1.0rc1", "0.1.0.post1"]) == [
         "0.1.0.dev3",

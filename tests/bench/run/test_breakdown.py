@@ -16,7 +16,8 @@ from test_project_stages import PIPELINE
 from bench.predict.device import load_profile
 from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work
 from bench.predict.pricing import PricedOp, price_ops
-from bench.run.breakdown import module_of, op_kind_of, step_breakdown
+from bench.run.breakdown import module_of, step_breakdown
+from bench.run.op_kinds import op_kind_of
 from bench.run.project import project_on_device, traced_scenario
 from bench.run.trace import trace_step
 from bench.scenario import load_scenario, scenario_from_dict
@@ -311,8 +312,9 @@ def test_collectives_share_their_accounts_counted_time_by_their_prices():
     # Two gradient reductions priced 1 and 3 (alone) of which the projection counts 2 (exposed): they
     # count 0.5 and 1.5, the rest hidden; an expert all-to-all of a step of 4 microbatches, 2 traced,
     # counts twice.
+    from bench.predict.collectives import Network
     from bench.predict.ops import OpWork
-    from bench.predict.projection import BESIDE_KEYS, STEP_KEYS, Network, Projection
+    from bench.predict.projection import BESIDE_KEYS, STEP_KEYS, Projection
 
     net = Network(gpus_per_node=8, intra_node_gbps=1.0, inter_node_gbps=1.0, latency_us=0.0)
     reduce = lambda nbytes, location: _op(

@@ -13,6 +13,7 @@ from bench.predict.plan import plan_scenario
 from bench.results import load_results
 from bench.run import runner
 from bench.run.runner import MEMORY_MARGIN, Runner, load_all, suite_files
+from bench.run.worker_protocol import WorkerRequest
 
 GIB = 2**30
 GPU_SUITE = load_all(suite_files("gpu", torch.device("cuda")))
@@ -31,6 +32,7 @@ class FakeNode:
         self.gpus, self.free = gpus, int(free_gib * GIB)
         self.memory_queries: list[str] = []
         self.launches: dict[str, list[str]] = {}
+        self.requests: dict[str, WorkerRequest] = {}
         monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
         monkeypatch.setattr(runner, "cuda_free_bytes", self.available)
         monkeypatch.setattr(runner, "device_peak", lambda device: (None, "no peak on a faked GPU"))
@@ -42,11 +44,10 @@ class FakeNode:
         return [self.free] * count
 
     def worker(self, command, timeout, on_line, env=None):
-        spec = json.loads(Path(command[command.index("--device") - 2]).read_text())["spec"]
-        self.launches[spec["name"]] = command
-        Path(command[command.index("--device") - 1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}})
-        )
+        request = WorkerRequest.from_json(Path(command[-2]).read_text())
+        self.launches[request.spec["name"]] = command
+        self.requests[request.spec["name"]] = request
+        Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
 
 
@@ -74,7 +75,7 @@ def test_a_host_runs_the_scenarios_it_has_the_gpus_for_and_records_the_rest_skip
         if s.name in fits:
             assert doc.status == "ok"
             command = node.launches[s.name]
-            assert command[command.index("--device") + 1] == "cuda"
+            assert node.requests[s.name].device == "cuda"
             if s.world_size > 1:  # one process per GPU under torchrun
                 assert f"--nproc-per-node={s.world_size}" in command
             else:

@@ -1,4 +1,4 @@
-"""bench.run.profile_device: a tiny CPU sweep gives a profile the loader accepts, with the work of each
+"""bench.run.profile_device (with device_sweep, device_curves, device_document): a tiny CPU sweep gives a profile the loader accepts, with the work of each
 point as the pricing counts it (hand-computed here, not recomputed by the module's own formulas).
 
 The gloo calibration is passed in (``network=``) so that the test runs no torchrun; the sweep is
@@ -14,15 +14,10 @@ import pytest
 import torch
 
 from bench.predict.device import load_profile, profile_from_dict
-from bench.run.profile_device import (
-    Sweep,
-    _Timer,
-    estimate_seconds,
-    profile_device,
-    timed_points,
-    tiny_sweep,
-    write_profile,
-)
+from bench.run.device_curves import Timer
+from bench.run.device_document import write_profile
+from bench.run.device_sweep import Sweep, estimate_seconds, timed_points, tiny_sweep
+from bench.run.profile_device import ProfileOptions, profile_device
 
 NETWORK = {"gbps": 1.5, "latency_us": 100.0}
 
@@ -52,9 +47,8 @@ MEMORY_WORK = {  # 3 x numel x element size
 @pytest.fixture(scope="module")
 def profile():
     lines = []
-    result = profile_device(
-        "cpu", threads=1, name="tiny-cpu", progress=lines.append, sweep=tiny_sweep(), load=False, network=NETWORK
-    )
+    options = ProfileOptions("cpu", threads=1, name="tiny-cpu", sweep=tiny_sweep(), load=False, network=NETWORK)
+    result = profile_device(options, progress=lines.append)
     assert any(line.startswith("  gemm bf16") for line in lines), "no progress lines"
     return result
 
@@ -114,10 +108,11 @@ def test_written_file_loads(profile, tmp_path):
 
 def test_threads_are_restored_and_gpu_needs_a_base():
     before = torch.get_num_threads()
-    profile_device("cpu", threads=1, progress=lambda line: None, sweep=tiny_sweep(), network=NETWORK, load=False)
+    options = ProfileOptions("cpu", threads=1, sweep=tiny_sweep(), network=NETWORK, load=False)
+    profile_device(options, progress=lambda line: None)
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="base"):
-        profile_device("cuda", progress=lambda line: None)
+        profile_device(ProfileOptions("cuda"), progress=lambda line: None)
 
 
 def test_timed_points_are_the_points_timed_and_fp32_stops_at_the_cap(monkeypatch):
@@ -126,14 +121,15 @@ def test_timed_points_are_the_points_timed_and_fp32_stops_at_the_cap(monkeypatch
     # and backward 3.5 x 65,536 and 3.5 x 262,144) are left out.
     sweep = dataclasses.replace(tiny_sweep(), fp32_max_flops=200_000)
     calls = []
-    median = _Timer.median
+    median = Timer.median
 
     def counted(self, fn, setup=None):
         calls.append(fn)
         return median(self, fn, setup)
 
-    monkeypatch.setattr(_Timer, "median", counted)
-    result = profile_device("cpu", threads=1, progress=lambda line: None, sweep=sweep, base="cpu-2core", load=False)
+    monkeypatch.setattr(Timer, "median", counted)
+    options = ProfileOptions("cpu", threads=1, sweep=sweep, base="cpu-2core", load=False)
+    result = profile_device(options, progress=lambda line: None)
     # bf16: 4 gemm + 4 grouped + 2 x 2 attention + 3 memory; fp32: 3 + 2 + 0 + 3; 2 stream sizes.
     assert len(calls) == len(timed_points(sweep)) == 25
     curves = result["curves"]

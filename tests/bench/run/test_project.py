@@ -76,8 +76,8 @@ def test_a_layout_that_does_not_fit_is_not_projected(tmp_path, capsys):
 
 def test_cluster_device_fills_the_cluster_and_refuses_a_contradiction():
     scenario = load_scenario("scenarios/olmo-core3/moe-128e-47b.yaml")
-    assert scenario.cluster["gpu_memory_gib"] == pytest.approx(288e9 / 2**30)
-    assert scenario.cluster["inter_node_gbps"] == 100
+    assert scenario.cluster.gpu_memory_gib == pytest.approx(288e9 / 2**30)
+    assert scenario.cluster.inter_node_gbps == 100
     spec = dict(scenario.spec)
     spec["cluster"] = {"gpus": 8, "device": "b300", "gpu_memory_gib": 288}
     with pytest.raises(ScenarioError, match=re.escape("cluster.gpu_memory_gib: 288 contradicts device b300")):

@@ -10,9 +10,11 @@ import pytest
 import torch
 import yaml
 
+from bench.predict.collectives import Collective, Network
 from bench.predict.device import load_profile
-from bench.predict.projection import STEP_KEYS, Collective, Network
+from bench.predict.projection import STEP_KEYS
 from bench.results import REPO_ROOT
+from bench.run.collective_log import CollectiveCall
 from bench.run.project import project_on_device
 from bench.run.proxy_projection import (
     BucketMeasurement,
@@ -28,7 +30,6 @@ from bench.run.proxy_projection import (
 from bench.run.proxy_scale import ProxyScale, run_spec
 from bench.run.runner import Runner, SilentReporter
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
-from moe_engine.parallel.collective_log import CollectiveCall
 
 OLMO_DIR = REPO_ROOT / "scenarios" / "olmo-core3"
 

@@ -474,9 +474,7 @@ def test_force_starts_it_anyway(tmp_path, monkeypatch):
 
     def fake_worker(command, timeout, on_line, env=None):
         started.append(command)
-        Path(command[command.index("--device") - 1]).write_text(
-            json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}})
-        )
+        Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
 
     monkeypatch.setattr(runner, "run_with_timeout", fake_worker)
@@ -647,7 +645,7 @@ def test_the_workers_peak_fields_reach_the_result_as_it_wrote_them(tmp_path, mon
     worker_details = {"peak_tflops": 1.0, "peak_tflops_fp8": None, "peak_tflops_source": "the worker's own words"}
 
     def fake_worker(command, timeout, on_line, env=None):
-        Path(command[command.index("--device") - 1]).write_text(
+        Path(command[-1]).write_text(
             json.dumps({"status": "ok", "error": None, "metrics": {}, "details": worker_details})
         )
         return 0, []

@@ -73,7 +73,7 @@ def test_traced_matmul_flops_match_the_flops_formula():
     model = scenario.model
     trace = trace_step(scenario, fake=True)
     counted = sum(op_work(op).flops for op in trace.ops if op_work(op).kind in ("gemm", "grouped_gemm", "attention"))
-    tokens, d, e, layers = scenario.run["tokens_per_step"], model.d_model, model.moe.num_experts, model.n_layers
+    tokens, d, e, layers = scenario.run.tokens_per_step, model.d_model, model.moe.num_experts, model.n_layers
     sequences, s = tokens // model.seq_len, model.seq_len
     router = 6 * tokens * d * e * layers
     combine = 6 * tokens * model.moe.top_k * d * layers
@@ -119,6 +119,6 @@ def test_fused_kernels_trace_as_they_run_and_price_the_loss_gemms(name):
     # tokens on this stage.
     plain = trace_step(load_scenario(f"scenarios/smoke/{name}.yaml"), rank=rank, fake=True)
     model = scenario.model
-    extra = 2 * scenario.run["tokens_per_step"] * model.vocab_size * model.d_model
+    extra = 2 * scenario.run.tokens_per_step * model.vocab_size * model.d_model
     flops = lambda trace: sum(op_work(op).flops for op in trace.ops)
     assert flops(fake) == pytest.approx(flops(plain) + extra, rel=1e-9)

@@ -20,8 +20,8 @@ from test_runner import variant, write_scenario
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.cli import main
-from bench.gate.compare import WORK_METRICS
 from bench.gate.work import work_verdicts
+from bench.metrics import WORK_METRIC_NAMES, spec_of
 from bench.results import load_results, write_result
 from bench.run.execute import execute
 from bench.run.memory import TensorMemoryTracker
@@ -169,8 +169,8 @@ def test_host_syncs_by_site():
 
 
 def test_the_gate_knows_every_counter_the_run_writes():
-    gated = {name for name, (_, better) in WRITTEN.items() if better is not None}
-    assert gated == set(WORK_METRICS)
+    gated = {name for name in WRITTEN if spec_of(name).gated}
+    assert gated == set(WORK_METRIC_NAMES)
     assert set(WRITTEN) - gated == {"work_flops_ratio"}
 
 
@@ -197,7 +197,7 @@ def test_execute_counts_the_flops_the_model_runs_and_repeats_them_exactly():
     assert set(work) == set(WRITTEN)
     for name, entry in work.items():
         assert entry["spread"] is None and len(entry["samples"]) == 1, name
-        assert (entry["unit"], entry["better"]) == WRITTEN[name]
+        assert (entry["unit"], entry["better"]) == (spec_of(name).unit, spec_of(name).better)
         assert entry == second[0][name], f"{name} differs between two runs"
     assert _census(details) == _census(second[1])
 

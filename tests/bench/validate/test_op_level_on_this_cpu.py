@@ -17,7 +17,7 @@ import statistics
 import pytest
 
 from bench.predict.device import load_profile
-from bench.predict.projection import SkewModel
+from bench.predict.skew import SkewModel
 from bench.results import REPO_ROOT
 from bench.run.project import project_on_device
 from bench.scenario import load_scenario

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.predict.projection import SkewModel
+from bench.predict.skew import SkewModel
 from bench.validate.proxy_check import proxy_skew_s, step_time_cv, summarize
 
 

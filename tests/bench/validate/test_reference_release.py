@@ -24,7 +24,7 @@ def test_the_qwen_layout_is_megatron_bridges():
     p = qwen.parallel_config
     assert (p.dp, p.ep, p.pp, p.microbatches, qwen.world_size) == (16, 16, 1, 64, 16)
     # Global batch 1,024 sequences of 4,096 tokens, one sequence per microbatch per rank.
-    assert qwen.run["tokens_per_step"] // qwen.model.seq_len // p.dp // p.microbatches == 1
+    assert qwen.run.tokens_per_step // qwen.model.seq_len // p.dp // p.microbatches == 1
 
 
 def test_errors_by_hand():

@@ -149,7 +149,7 @@ def test_a_patched_spec_validates_and_differs_only_where_the_patch_says(tiny_fil
     recompute = variant.patch.get("recompute", TINY["recompute"])
     assert result.recompute.mode.value == recompute["mode"]
     assert [p.value for p in result.recompute.parts] == recompute.get("parts", [])
-    assert result.run["compile"] is variant.patch.get("run", {}).get("compile", False)
+    assert result.run.compile is variant.patch.get("run", {}).get("compile", False)
     # The as-run specs (defaults filled) differ only in what the patch sets.
     assert differences(scenario.spec, result.spec) <= set(leaves(variant.patch))
 
@@ -236,7 +236,7 @@ def test_compile_speedup_keeps_its_rows(tiny_file):
         "last_block_loss_max_rel_diff",
     } <= set(row)
     assert row["speedup"]["median"] == pytest.approx(2.0) and len(row["eager_block_s"]) == 3
-    assert [s.run["compile"] for _, s in started] == [False, True]
+    assert [s.run.compile for _, s in started] == [False, True]
     assert "| tiny-variants | 1 | x2.000 |" in compile_speedup.render([row])
 
 

@@ -10,10 +10,10 @@ import torch
 
 from bench.run.proxy_measure import bucket_measurements, measure_rank, sync_table
 from bench.run.proxy_projection import unbucketed_calls
+from bench.run.proxy_rank import peers
+from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.run.proxy_scale import run_spec
 from bench.scenario import scenario_from_dict
-from moe_engine.proxy import peers
-from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 SLEEP_S = 0.01
 """Added to every fabrication of peers' rows: a window that kept fabrication would hold these."""

@@ -15,6 +15,7 @@ import zlib
 import torch
 from torch import nn
 
+from bench.run.proxy_rank.peers import ProxyDispatcher, SimulatedPeers
 from moe_engine.config import ModelConfig, ParallelConfig, RecomputeConfig
 from moe_engine.model import build_model
 from moe_engine.modules.norm import RMSNorm
@@ -23,7 +24,6 @@ from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import check_proxy_layout, stage_blocks
 from moe_engine.parallel.pipeline import StageModule
 from moe_engine.parallel.trainer import RankModel, prepare_blocks, rank_config, routing_seed
-from moe_engine.proxy.peers import ProxyDispatcher, SimulatedPeers
 
 
 def peer_routing_seeds(config: ModelConfig, groups: ProcessGroups) -> list[int | None]:
@@ -93,7 +93,7 @@ def build_proxy_rank(
         pipeline = None
     else:
         # Imported here: the proxy pipeline is only needed for pipelined layouts.
-        from moe_engine.proxy.pipeline import ProxyPipeline
+        from bench.run.proxy_rank.pipeline import ProxyPipeline
 
         stage = groups.coords.pp_rank
         module = StageModule(model, stage_blocks(config.n_layers, parallel.pp)[stage])

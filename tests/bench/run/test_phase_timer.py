@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
+from bench.run.phase_timer import PhaseTimer, in_backward, instrument_model
 from moe_engine import ModelConfig, build_model
 from moe_engine.config import MoEConfig
-from moe_engine.phase_timer import PhaseTimer, in_backward, instrument_model
 
 
 class FakeClock:

@@ -12,17 +12,17 @@ import torch
 from distributed_harness import run_ranks
 from tolerances import assert_close_to_scale, tolerance
 
+from bench.run.collective_log import CollectiveRecorder
+from bench.run.proxy_rank.build import build_proxy_rank
+from bench.run.proxy_rank.peers import PeerTraffic
+from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.moe.dispatch import AllToAllDispatcher
-from moe_engine.parallel.collective_log import CollectiveRecorder
 from moe_engine.parallel.data_parallel import ParamFamily
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
-from moe_engine.proxy.build import build_proxy_rank
-from moe_engine.proxy.peers import PeerTraffic
-from moe_engine.proxy.world import join_fake_world, leave_fake_world
 
 CONFIG = ModelConfig(
     vocab_size=96,
@@ -287,7 +287,7 @@ def test_padding_gradients_never_reach_the_sent_rows():
     # lands in an empty slot, so the proxy's fabricated gradient must not carry it to a real row.
     parallel = ParallelConfig.from_dict(dict(dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0))
     with fake_rank(parallel, 1) as groups:
-        from moe_engine.proxy.peers import ProxyDispatcher
+        from bench.run.proxy_rank.peers import ProxyDispatcher
 
         dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, 1.0, _FewerFromPeerZero())
         expert_TK = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]])

@@ -5,7 +5,7 @@ torch.distributed's collectives reach the backend through dispatcher ops (``c10d
 process group, whatever the backend (gloo, NCCL, or the ``fake`` backend of a proxy rank, whose
 collectives do nothing). The recorder does not change what the op does.
 
-Byte conventions (what the projection prices; see ``bench.predict.projection``):
+Byte conventions (what the projection prices; see ``bench.predict.collectives.Collective``):
     all_to_all: this rank's send buffer; all_reduce, broadcast: the tensors; reduce_scatter: the
     whole input; all_gather: the whole output; send, recv: the message; barrier: 0.
 """

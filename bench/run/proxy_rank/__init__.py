@@ -2,6 +2,6 @@
 
 ``world`` joins the fake world, ``build`` builds only the rank's share of the model, ``peers``
 stands in for the other ranks of its expert-parallel group and ``pipeline`` for its neighbouring
-pipeline stages. Collectives are issued (so ``parallel.collective_log`` records their sizes) but
+pipeline stages. Collectives are issued (so ``bench.run.collective_log`` records their sizes) but
 do nothing.
 """

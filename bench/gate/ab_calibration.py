@@ -1,0 +1,107 @@
+"""``moe-bench ab --calibrate``: the A/B gate's resident comparison with this checkout on both sides (A/A),
+for the whole budget: the machine's noise floor and the smallest tolerance that keeps false alarms at or
+below 5% within that budget (``Calibration``, ``run_calibration``, ``render_calibration``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.gate import paired
+from bench.gate.ab_plan import check_budget
+from bench.gate.ab_sides import START_MARGIN_S
+from bench.gate.resident import ResidentComparison, ResidentSide, compare_resident
+from bench.results import REPO_ROOT
+from bench.scenario import Scenario
+
+__all__ = ["Calibration", "render_calibration", "run_calibration"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What an A/A run of one scenario says about this machine."""
+
+    scenario: str
+    comparison: ResidentComparison
+
+    @property
+    def noise(self) -> float:
+        """Median absolute deviation of the block log-ratios, scaled to a standard deviation."""
+        ratios = paired.log_ratios(self.comparison.baseline_s, self.comparison.candidate_s)
+        centre = statistics.median(ratios)
+        return 1.4826 * statistics.median(abs(r - centre) for r in ratios)
+
+    @property
+    def tolerance(self) -> float:
+        """The smallest tolerance at which, within this budget, the gate both decides and raises a
+        false alarm at most 5% of the time: the interval must be narrower than it, and the estimate
+        of identical code (its bias plus 1.645 standard errors) must stay below it."""
+        est = self.comparison.estimate
+        standard_error = est.width / (2 * paired.Z_95)
+        return math.expm1(max(est.width, abs(est.estimate) + 1.645 * standard_error))
+
+
+def run_calibration(
+    scenarios: list[Scenario],
+    budget_s: float,
+    device: str = "auto",
+    root: Path = REPO_ROOT,
+    log: Callable[[str], None] = print,
+) -> list[Calibration]:
+    """A/A: this checkout against itself, resident, for the whole budget of each execute scenario."""
+    check_budget(budget_s)
+    found = []
+    for scenario in (s for s in scenarios if s.mode == "execute"):
+        timeout = scenario.run.timeout_s + START_MARGIN_S
+        with (
+            ResidentSide("baseline", root, scenario, device, timeout) as a,
+            ResidentSide("candidate", root, scenario, device, timeout) as b,
+        ):
+            comparison = compare_resident(a, b, 0.0, budget_s, log=log, stop_early=False)
+        found.append(Calibration(scenario.name, comparison))
+        log(
+            f"calibrate {scenario.name}: {len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps, "
+            f"noise {found[-1].noise:.2%} per block pair, smallest tolerance {found[-1].tolerance:.2%}"
+        )
+    return found
+
+
+def render_calibration(found: list[Calibration], budget_s: float) -> str:
+    columns = (
+        "scenario",
+        "pairs",
+        "steps/block",
+        "noise per pair",
+        "A/A estimate",
+        "95% interval",
+        "smallest tolerance",
+    )
+    rows = [
+        (
+            c.scenario,
+            str(len(c.comparison.baseline_s)),
+            str(c.comparison.steps_per_block),
+            f"{c.noise:.2%}",
+            f"x{1 + c.comparison.estimate.slowdown:.4f}",
+            f"[{1 + c.comparison.estimate.interval[0]:.4f}, {1 + c.comparison.estimate.interval[1]:.4f}]",
+            f"{c.tolerance:.2%}",
+        )
+        for c in found
+    ]
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
+    worst = max((c.tolerance for c in found), default=0.0)
+    return (
+        "\n".join(
+            [
+                f"A/A calibration, budget {budget_s:g} s per scenario:",
+                *lines,
+                f"smallest tolerance for every scenario at this budget: {worst:.2%}",
+            ]
+        )
+        + "\n"
+    )

@@ -1,0 +1,102 @@
+"""The A/B gate's job, checked before anything runs (``plan_ab``: the baseline's commit, the scenarios, the
+budget, the accepted changes), and the one-line error of bad input (``ABError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.gate import paired
+from bench.gate.accept import Acceptance
+from bench.gate.resident import TARGET_BLOCK_S
+from bench.release.git import try_git
+from bench.release.record import RELEASES_PATH, ReleaseError, load_releases
+from bench.results import REPO_ROOT
+from bench.scenario import Scenario
+
+__all__ = ["DEFAULT_BUDGET_S", "MIN_BUDGET_S", "ABError", "ABPlan", "check_budget", "plan_ab"]
+
+MIN_BUDGET_S = paired.MIN_PAIRS * 2 * TARGET_BLOCK_S
+"""The least time budget per scenario that can hold the minimum of block pairs."""
+DEFAULT_BUDGET_S = 60.0
+
+
+class ABError(ValueError):
+    """Bad input for the A/B gate (one line; nothing was run)."""
+
+
+@dataclass(frozen=True)
+class ABPlan:
+    """A checked A/B job: nothing has run yet."""
+
+    label: str
+    """How the baseline is named in the report (``release 0.1.0``, or the ref as given)."""
+    commit: str
+    scenarios: list[Scenario]
+    tolerance: float
+    budget_s: float
+    """Seconds of resident blocks per execute scenario, at most."""
+    accept_work: frozenset[str] | None = None
+    """Work metrics whose increase is accepted (every one: the set of all); None accepts none."""
+    accept_increase: frozenset[str] = frozenset()
+    """Exact metrics (peak memory, optimizer bytes) whose regression is accepted."""
+    acceptances: tuple[Acceptance, ...] = ()
+    """Accepted changes: the command line's and every release's, applied by the two sides' versions."""
+
+
+def check_budget(budget_s: float) -> None:
+    if budget_s < MIN_BUDGET_S:
+        raise ABError(
+            f"--budget {budget_s:g} s is too small: it must hold {paired.MIN_PAIRS} block pairs of "
+            f"{TARGET_BLOCK_S:g} s per side ({MIN_BUDGET_S:g} s)"
+        )
+
+
+def plan_ab(
+    ref: str | None,
+    scenarios: list[Scenario],
+    tolerance: float,
+    budget_s: float = DEFAULT_BUDGET_S,
+    root: Path = REPO_ROOT,
+    releases_path: Path = RELEASES_PATH,
+    accept_work: frozenset[str] | None = None,
+    accept_increase: frozenset[str] = frozenset(),
+    acceptances: tuple[Acceptance, ...] = (),
+) -> ABPlan:
+    """Check everything before any work; raises ABError with a one-line reason. ``acceptances``: the
+    command line's; the releases' (``releases_path``) are added, to apply where the versions say."""
+    check_budget(budget_s)
+    if not scenarios:
+        raise ABError("no scenarios to run")
+    if try_git(root, "rev-parse", "--is-inside-work-tree") is None:
+        raise ABError(f"{root} is not a git checkout: the A/B gate checks the baseline out of the repository history")
+    try:
+        releases = load_releases(releases_path)
+    except ReleaseError as err:
+        raise ABError(str(err)) from None
+    acceptances = (*acceptances, *(a for r in releases for a in r.accepted))
+    if ref is None:
+        release = releases[-1] if releases else None
+        if release is None:
+            raise ABError(f"no release recorded in {releases_path.name}: pass --baseline-ref REF")
+        commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{release.commit}^{{commit}}")
+        if commit is None:
+            raise ABError(
+                f"release {release.version} ({release.commit[:12]}) is not in this clone: fetch its history "
+                "(git fetch --unshallow)"
+            )
+        return ABPlan(
+            f"release {release.version}",
+            commit,
+            scenarios,
+            tolerance,
+            budget_s,
+            accept_work,
+            accept_increase,
+            acceptances,
+        )
+    commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
+    if commit is None:
+        raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
+    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances)
