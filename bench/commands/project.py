@@ -12,7 +12,7 @@ from bench.commands.common import EXIT_BAD_INPUT, fail, unwritable
 def cmd_project(args: argparse.Namespace) -> int:
     import json
 
-    from bench.predict.device import ProfileError, load_profile
+    from bench.predict.device import DeviceProfile, ProfileError, load_profile
     from bench.run.breakdown import format_breakdown
     from bench.run.project import (
         DoesNotFit,
@@ -25,7 +25,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     from bench.run.runner import expand_paths, load_all
     from bench.scenario import ScenarioError
 
-    devices = []  # (profile, why it stands in for the --device given, or None)
+    devices: list[tuple[DeviceProfile, str | None]] = []  # (profile, why it stands in for the --device given, or None)
     try:
         scenarios = load_all(expand_paths(args.files))
         for name in args.device or []:
@@ -58,7 +58,12 @@ def cmd_project(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     code = 0
     for scenario in scenarios:
-        for profile, fallback in devices or [(load_profile(scenario.cluster.device), None)]:
+        targets = devices
+        if not targets:
+            # Checked above: without --device every scenario names its cluster's device.
+            assert scenario.cluster is not None and scenario.cluster.device is not None
+            targets = [(load_profile(scenario.cluster.device), None)]
+        for profile, fallback in targets:
             try:
                 with trace_progress(sys.stdout) as progress:
                     doc = project_on_device(

@@ -60,6 +60,7 @@ from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
 from bench.gate.compare import classify, is_work_metric, paired_ratio
 from bench.gate.formatting import format_noise, format_number, format_percent, format_ratio
+from bench.gate.paired import PairedEstimate
 from bench.gate.resident import (
     ResidentComparison,
     ResidentSide,
@@ -197,8 +198,8 @@ class ABReport:
         findings = (
             [
                 f"{'REGRESSION' if self.resident_verdict(r) == 'regressed' else 'ACCEPTED'} {r.scenario} step time: "
-                f"x{format_ratio(1 + r.estimate.slowdown)}, 95% interval "
-                f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] over "
+                f"x{format_ratio(1 + _estimate(r).slowdown)}, 95% interval "
+                f"[{format_ratio(1 + _estimate(r).interval[0])}, {format_ratio(1 + _estimate(r).interval[1])}] over "
                 f"{len(r.baseline_s)} block pairs (tolerance {format_percent(self.tolerance)})"
                 + _acceptance_text(self._named(r.scenario, "step_time_s"), self.resident_verdict(r) == "accepted")
                 for r in self.resident
@@ -229,6 +230,13 @@ class ABReport:
         )
         table = lines if rows else ["(no metrics compared)"]
         return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
+
+
+def _estimate(r: ResidentComparison) -> PairedEstimate:
+    """The estimate behind a resident verdict (``compare_resident`` sets both from the second block pair on)."""
+    if r.estimate is None:
+        raise ValueError(f"resident comparison of {r.scenario}: verdict {r.verdict!r} without an estimate")
+    return r.estimate
 
 
 def _acceptance_text(named: tuple[Acceptance, ...], within: bool) -> str:
@@ -354,8 +362,9 @@ def run_ab(
             for side in SIDES:
                 started = time.perf_counter()
                 results[side] = run_side(sides[side], scenario, Path(work) / side / scenario.name, device)
-                if results[side].version:
-                    versions[side] = results[side].version
+                version = results[side].version
+                if version:
+                    versions[side] = version
                 log(
                     f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {side_summary(results[side])} "
                     f"({time.perf_counter() - started:.1f} s)"
@@ -376,7 +385,7 @@ def run_ab(
                 # only if fresh workers of both sides show it again.
                 log(
                     f"ab [{index}/{len(plan.scenarios)}] {scenario.name} regressed "
-                    f"x{1 + comparison.estimate.slowdown:.3f}: confirming with fresh workers"
+                    f"x{1 + _estimate(comparison).slowdown:.3f}: confirming with fresh workers"
                 )
                 try:
                     confirmation = _resident(sides, scenario, plan, device, log)
@@ -385,15 +394,16 @@ def run_ab(
                     continue
                 if confirmation.verdict != "regressed":
                     report_notes.append(
-                        f"NOTE {scenario.name}: a first comparison regressed x{1 + comparison.estimate.slowdown:.3f}, "
-                        f"fresh workers did not (x{1 + confirmation.estimate.slowdown:.3f}, {confirmation.verdict})"
+                        f"NOTE {scenario.name}: a first comparison regressed x{1 + _estimate(comparison).slowdown:.3f}, "
+                        f"fresh workers did not (x{1 + _estimate(confirmation).slowdown:.3f}, {confirmation.verdict})"
                     )
                 comparison = confirmation
             comparisons.append(comparison)
-            lo, hi = comparison.estimate.interval
+            estimate = _estimate(comparison)
+            lo, hi = estimate.interval
             log(
                 f"ab [{index}/{len(plan.scenarios)}] {scenario.name} blocks: step time "
-                f"x{1 + comparison.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
+                f"x{1 + estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
                 f"{len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps in "
                 f"{comparison.seconds:.0f} s: {comparison.verdict}"
             )

@@ -29,6 +29,14 @@ class Calibration:
     comparison: ResidentComparison
 
     @property
+    def estimate(self) -> paired.PairedEstimate:
+        """The A/A estimate: ``compare_resident`` sets it from the second block pair on, and a run for the
+        whole budget makes at least ``paired.MIN_PAIRS``."""
+        if self.comparison.estimate is None:
+            raise ValueError(f"calibration of {self.scenario}: the resident comparison has no estimate")
+        return self.comparison.estimate
+
+    @property
     def noise(self) -> float:
         """Median absolute deviation of the block log-ratios, scaled to a standard deviation."""
         ratios = paired.log_ratios(self.comparison.baseline_s, self.comparison.candidate_s)
@@ -40,7 +48,7 @@ class Calibration:
         """The smallest tolerance at which, within this budget, the gate both decides and raises a
         false alarm at most 5% of the time: the interval must be narrower than it, and the estimate
         of identical code (its bias plus 1.645 standard errors) must stay below it."""
-        est = self.comparison.estimate
+        est = self.estimate
         standard_error = est.width / (2 * paired.Z_95)
         return math.expm1(max(est.width, abs(est.estimate) + 1.645 * standard_error))
 
@@ -86,8 +94,8 @@ def render_calibration(found: list[Calibration], budget_s: float) -> str:
             str(len(c.comparison.baseline_s)),
             str(c.comparison.steps_per_block),
             f"{c.noise:.2%}",
-            f"x{1 + c.comparison.estimate.slowdown:.4f}",
-            f"[{1 + c.comparison.estimate.interval[0]:.4f}, {1 + c.comparison.estimate.interval[1]:.4f}]",
+            f"x{1 + c.estimate.slowdown:.4f}",
+            f"[{1 + c.estimate.interval[0]:.4f}, {1 + c.estimate.interval[1]:.4f}]",
             f"{c.tolerance:.2%}",
         )
         for c in found

@@ -35,6 +35,8 @@ class SideRun:
 
 def run_side(root: Path, scenario: Scenario, out: Path, device: str) -> SideRun:
     """One ``moe-bench run`` of ``scenario`` with the code at ``root``; its result document, or why none."""
+    if scenario.file is None:
+        raise ValueError(f"scenario {scenario.name}: an A/B side runs a scenario file, and this one has none")
     command = [
         sys.executable,
         "-m",

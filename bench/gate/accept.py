@@ -74,6 +74,8 @@ class Acceptance:
         the command line always."""
         if self.release is None:
             return True
+        if base_version is None or cand_version is None:
+            return False  # a side of unknown version cannot be placed against the release
         try:
             return Version(base_version) < Version(self.release) <= Version(cand_version)
         except (InvalidVersion, TypeError):

@@ -178,7 +178,7 @@ def summarize_collectives(items: list[Collective]) -> list[dict[str, Any]]:
     for c in items:
         key = (c.op, len(c.ranks), c.nbytes, c.phase)
         counts[key] = counts.get(key, 0) + c.count
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"op": op, "group_size": size, "nbytes": nbytes, "phase": phase, "count": count, "total_bytes": nbytes * count}
         for (op, size, nbytes, phase), count in counts.items()
     ]

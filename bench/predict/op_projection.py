@@ -210,13 +210,16 @@ def expert_overlap(
             if _in_experts(p.op.location):
                 compute[stage] += p.seconds
             continue
+        call = p.op.collective
+        if call is None:
+            raise ValueError(f"traced op {p.op.name} is priced as a collective but has no collective record")
         _, account = collective_account(p.op, group_phases)
-        if account != "expert" or p.op.collective["op"] != "all_to_all":
+        if account != "expert" or call["op"] != "all_to_all":
             continue
         if p.op.inputs and not p.op.inputs[0].dtype.startswith(("torch.float", "torch.bfloat")):
             counts[stage] += 1  # the routing counts, once per forward pass
             continue
-        exchanges[stage].setdefault(tuple(p.op.collective["ranks"]), []).append(int(p.op.collective["nbytes"]))
+        exchanges[stage].setdefault(tuple(call["ranks"]), []).append(int(call["nbytes"]))
     rows = {stage: sum(map(len, by_group.values())) for stage, by_group in exchanges.items()}
     if not counts["forward"] or rows["forward"] % (2 * counts["forward"]):
         return []

@@ -93,6 +93,7 @@ def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes, fused: bo
 def _mla_attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
     """What multi-head latent attention saves (the module docstring's MLA ``attn``)."""
     mla, a, heads, fused = model.mla, b.activation, model.n_heads, model.fused_kernels
+    assert mla is not None  # _attention_bytes calls it only for a model with mla
     qk, v = mla.qk_head_dim, mla.v_head_dim
     width = max(qk, v)
     saved = 0.0
@@ -110,12 +111,19 @@ def _mla_attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> 
     return saved
 
 
+def gqa_head_dim(model: ModelConfig) -> int:
+    """The head width of grouped-query attention (a model without mla)."""
+    if model.head_dim is None:
+        raise ValueError("model.head_dim: unresolved for grouped-query attention (ModelConfig sets it without mla)")
+    return model.head_dim
+
+
 def kv_bytes_per_token(model: ModelConfig, b: PrecisionBytes) -> dict[str, float]:
     """Key and value bytes per token and block: what attention materialises for its kernel, and what
     an inference cache would hold (MLA: the latent and the shared RoPE key; GQA: the k and v heads)."""
     a = b.activation
     if model.mla is None:
-        kv = 2 * model.n_kv_heads * model.head_dim * a
+        kv = 2 * model.n_kv_heads * gqa_head_dim(model) * a
         return {"attention": kv, "cache": kv}
     mla = model.mla
     width = max(mla.qk_head_dim, mla.v_head_dim)
@@ -126,8 +134,9 @@ def _attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> floa
     """What the attention module saves (``attn``): what selective attention recompute drops."""
     if model.mla is not None:
         return _mla_attention_bytes(model, tokens, b)
-    q = model.n_heads * model.head_dim
-    kv = model.n_kv_heads * model.head_dim
+    head_dim = gqa_head_dim(model)
+    q = model.n_heads * head_dim
+    kv = model.n_kv_heads * head_dim
     # q_norm and k_norm: their outputs feed RoPE, which saves only its cos/sin tables.
     qk_norm = _norm_activation_bytes(q + kv, tokens, b, model.fused_kernels) if model.qk_norm else 0
     if model.qk_norm_per_head:

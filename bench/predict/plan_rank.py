@@ -85,6 +85,7 @@ from bench.predict.plan_activations import (
     block_activations,
     dispatch_pad,
     expert_rows,
+    gqa_head_dim,
     head_activation_bytes,
     kv_bytes_per_token,
 )
@@ -273,8 +274,9 @@ def _attention_matrices(model: ModelConfig) -> list[int]:
     """Elements of each of a block's attention weight matrices."""
     d, heads, mla = model.d_model, model.n_heads, model.mla
     if mla is None:
-        q, kv = heads * model.head_dim, model.n_kv_heads * model.head_dim
-        return [d * q, d * kv, d * kv, q * d]
+        head_dim = gqa_head_dim(model)
+        q_dim, kv_dim = heads * head_dim, model.n_kv_heads * head_dim
+        return [d * q_dim, d * kv_dim, d * kv_dim, q_dim * d]
     q_out = heads * mla.qk_head_dim
     q = [d * q_out] if mla.q_lora_rank is None else [d * mla.q_lora_rank, mla.q_lora_rank * q_out]
     kv = [
@@ -294,6 +296,7 @@ def _all_to_all_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes, par: P
 
 def _grad_reduce_bytes(h: _Rank, b: PrecisionBytes, par: ParallelConfig) -> float:
     dp, edp, m = par.dp, par.edp, par.microbatches
+    assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
     total = 0.0
     for params, n in ((h.dense, dp), (h.experts, edp)):
         g, p = params.nbytes(b, "grad"), params.nbytes(b, "param")
@@ -324,6 +327,7 @@ def plan_rank(
     recomputed: set[int],
 ) -> dict[str, Any]:
     pp, v, m, ep = par.pp, par.virtual_stages, par.microbatches, par.ep
+    assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
     blocks = [
         block_activations(model, not model.is_moe_layer(i), tokens, b, par, recompute if i in recomputed else None)
         for i in h.layers
@@ -334,7 +338,7 @@ def plan_rank(
     in_flight = in_flight_microbatches(par.schedule.value, pp, v, m, h.rank)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
-    memory = _state_memory(h, b, par)
+    memory: dict[str, float] = dict(_state_memory(h, b, par))
     memory.update(
         activations=per_mb * in_flight,
         comm_buffers=a2a_buffer + pipe_buffer,

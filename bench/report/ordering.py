@@ -7,12 +7,20 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from packaging.version import Version
 
 __all__ = ["sort_versions", "version_sort_key"]
 
+_Version: type[Version] | None
+_InvalidVersion: type[Exception]
 try:  # packaging ships with pip and matplotlib; keep a fallback so plotting never depends on it.
-    from packaging.version import InvalidVersion as _InvalidVersion
-    from packaging.version import Version as _Version
+    from packaging.version import InvalidVersion as _PackagingInvalidVersion
+    from packaging.version import Version as _PackagingVersion
+
+    _Version, _InvalidVersion = _PackagingVersion, _PackagingInvalidVersion
 except ImportError:  # pragma: no cover - exercised only without packaging
     _Version = None
     _InvalidVersion = ValueError
@@ -37,6 +45,7 @@ def _fallback_key(text: str) -> tuple | None:
     while len(release) > 1 and release[-1] == 0:
         release.pop()
     inf = math.inf
+    pre: tuple[float, int]
     if m["pre"]:
         pre = (_PRE_RANK[m["pre"].lower()], int(m["pre_n"] or 0))
     elif m["dev"] is not None and m["post"] is None:

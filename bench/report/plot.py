@@ -126,8 +126,8 @@ def _plot_scenario(
         doc = by_version.get(v)
         if doc is None:
             continue
-        for name, entry in doc.metrics.items():
-            if entry.get("samples") and name not in metric_names:
+        for name, metric in doc.metrics.items():
+            if metric.get("samples") and name not in metric_names:
                 metric_names.append(name)
     if not metric_names:
         return None

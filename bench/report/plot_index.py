@@ -76,7 +76,7 @@ def write_index(
     docs: list[ResultDocument],
     results_dir: Path,
     skipped: Iterable[ResultFileError] = (),
-    comparisons: list[tuple[str, str, PairRatio]] = (),
+    comparisons: Iterable[tuple[str, str, PairRatio]] = (),
 ) -> Path:
     """Write ``out_dir/index.html``: every figure, the comparisons, the documents not ok, the skipped files
     and a table of every document; returns its path."""

@@ -203,15 +203,16 @@ def step_breakdown(
             accounts.append(None)
             alone.append(0.0)
             continue
-        phase, account = collective_account(p.op, group_phases)
+        phase, charged_to = collective_account(p.op, group_phases)
         c = p.op.collective
-        weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0
+        assert c is not None  # the work of a collective op
+        weight = per_microbatch if charged_to in PER_MICROBATCH_ACCOUNTS else 1.0
         seconds = weight * collective_seconds(
             Collective(c["op"], tuple(c["ranks"]), int(c["nbytes"]), phase), rank, net
         )
-        accounts.append(account)
+        accounts.append(charged_to)
         alone.append(seconds)
-        priced_by_account[account] += seconds
+        priced_by_account[charged_to] += seconds
     counted_share = {
         account: (steps[key] / priced_by_account[account] if priced_by_account[account] > 0 else 0.0)
         for account, key in ACCOUNTS.items()
@@ -237,6 +238,7 @@ def step_breakdown(
             weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0
             time_s = seconds_alone * counted_share[account]
             hidden_s = seconds_alone - time_s if account in ("grad_sync", "param_gather", "fsdp") else 0.0
+            assert op.collective is not None  # only collectives are charged to an account
             kernels, nbytes, flops = weight, op.collective["nbytes"] * weight, 0.0
         for table, key in ((by_kind, kind), (by_module, module), (by_op, op.packet)):
             table.setdefault(key, _Row()).add(time_s, hidden_s, nbytes, flops, kernels)

@@ -132,7 +132,11 @@ def resolve_resume(
     scenario's folder): complete, of this model's shapes. Raises ``CheckpointError``."""
     if given is None and policy is None:
         raise CheckpointError(f"{spec['name']}: --resume without a path needs the scenario's checkpoint section")
-    path = Path(given) if given is not None else policy.root
+    if given is not None:
+        path = Path(given)
+    else:
+        assert policy is not None  # the check above raised when both are None
+        path = policy.root
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint or folder")
     if not path.name.startswith(_PREFIX) and not (path / ".metadata").exists():

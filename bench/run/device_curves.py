@@ -142,7 +142,12 @@ def grouped_gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None
                 torch.randn(experts, n, k, dtype=DTYPES[dtype], device=timer.device).transpose(1, 2),
             ),
         )
-        seconds = timer.median(lambda xw, o=offsets: grouped_mm(*xw, o), setup=operands) / experts
+
+        def grouped(xw: tuple[torch.Tensor, ...], o: torch.Tensor = offsets) -> torch.Tensor:
+            x, w = xw
+            return grouped_mm(x, w, o)
+
+        seconds = timer.median(grouped, setup=operands) / experts
         work = 2 * rows * n * k
         points.append(_point(work, seconds, (experts, rows, n, k)))
         progress(
@@ -168,15 +173,19 @@ def attention_points(
             timer, lambda: tuple(torch.randn(b, h, s, d, dtype=DTYPES[dtype], device=timer.device) for _ in range(3))
         )
 
-        def leaves():
+        def leaves() -> list[torch.Tensor]:
             return [t.detach().requires_grad_() for t in qkv()]
 
-        def forward(args):
-            return F.scaled_dot_product_attention(*args, is_causal=True)
+        def forward(args: list[torch.Tensor]) -> torch.Tensor:
+            q, k, v = args
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def backward(out: torch.Tensor, g: torch.Tensor = grad) -> None:
+            out.backward(g)
 
         with torch.enable_grad():
             fwd_s = timer.median(forward, setup=leaves)
-            bwd_s = timer.median(lambda out, g=grad: out.backward(g), setup=lambda: forward(leaves()))
+            bwd_s = timer.median(backward, setup=lambda: forward(leaves()))
         fwd_work = 2 * b * h * s * s * d  # 4 B H S S d, halved by the causal mask
         bwd_work = 5 * fwd_work // 2  # 2.5 x the forward
         forward_points.append(_point(fwd_work, fwd_s, (b, h, s, d)))
@@ -215,7 +224,11 @@ def stream_gbps(timer: Timer, progress: Callable[[str], None]) -> tuple[float, i
     best = (0.0, 0)
     for numel in sorted(timer.sweep.memory_numel)[-2:]:
         a, b, c = (torch.randn(numel, device=timer.device) for _ in range(3))
-        seconds = timer.median(lambda _, a=a, b=b, c=c: torch.add(a, b, out=c))
+
+        def add(_: object, a: torch.Tensor = a, b: torch.Tensor = b, c: torch.Tensor = c) -> torch.Tensor:
+            return torch.add(a, b, out=c)
+
+        seconds = timer.median(add)
         gbps = 3 * numel * a.element_size() / seconds / 1e9
         progress(f"  memory add out= {numel} elements: {gbps:.2f} GB/s")
         best = max(best, (gbps, numel))

@@ -98,7 +98,7 @@ def _cpu_clock(spec: CpuSpec, measured: Measured, used: int) -> tuple[float, str
     dtypes, curves = measured.sweep.dtypes, measured.curves
     best = {d: max((p for k in ("gemm", "grouped_gemm") for p in curves[k].get(d, [])), key=_rate) for d in dtypes}
     needed = {d: _rate(best[d]) / (used * spec.flops_per_cycle[d] * 1e9) for d in dtypes}
-    fastest = max(needed, key=needed.get)
+    fastest = max(needed, key=needed.__getitem__)
     if needed[fastest] <= spec.ghz:
         return spec.ghz, spec.ghz_source
     ghz = needed[fastest]
@@ -180,6 +180,8 @@ def cpu_facts(
         f"sizes), 3 x numel x 4 bytes / median seconds, {measured.threads} thread(s)"
     )
     if network is None:  # a base was given and no calibration: its network, as on a GPU
+        if base is None:
+            raise ValueError("cpu_facts: no network calibration and no base profile to copy the network from")
         net = _base_network(base, sources)
     else:
         net = _calibrated_network(network, ranks, network_source, stamp, sources)
@@ -278,6 +280,8 @@ def efficiency(measured: Measured, facts: DeviceFacts, stamp: str, sources: dict
         f"per operand ({smallest_mem['work']} bytes moved), median over batches of calls"
     )
     if facts.kind == "cpu":
+        if measured.free_op_us is None or measured.host_op_seconds is None:
+            raise ValueError("a CPU profile needs the measured free_op_us and host_op_seconds")
         out["free_op_us"] = significant(measured.free_op_us)
         sources["efficiency.free_op_us"] = (
             f"{stamp}: x.view(-1) (no kernel) dispatched from Python, median "

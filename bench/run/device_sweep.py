@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -133,7 +134,15 @@ def cuda_sweep() -> Sweep:
     )
 
 
-QUICK = {"point_seconds": 0.02, "min_repeats": 3, "max_repeats": 10}
+class _Timing(TypedDict):
+    """``Sweep``'s timing fields, typed so that ``**QUICK`` checks against them."""
+
+    point_seconds: float
+    min_repeats: int
+    max_repeats: int
+
+
+QUICK: _Timing = {"point_seconds": 0.02, "min_repeats": 3, "max_repeats": 10}
 """``--quick``'s timing: a check within a fixed device budget (bench/gpu-check.sh)."""
 
 

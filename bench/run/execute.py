@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -208,9 +208,13 @@ def execute(
                 # Read after the timed region: the norm stays on the device during the step.
                 grad_norm = float(trainer.last_grad_norm)
                 grad_norms.append(grad_norm)
+            dropped = 0
             for index, layer in moe_layers.items():
+                if layer.last_counts_E is None or layer.last_dropped is None:
+                    raise RuntimeError(f"MoE layer of block {index} kept no routing statistics of the step")
                 record.counts[index].append(layer.last_counts_E.tolist())
-            record.dropped.append(sum(int(layer.last_dropped) for layer in moe_layers.values()))
+                dropped += int(layer.last_dropped)
+            record.dropped.append(dropped)
         if rank == 0:
             progress(
                 f"step {step + 1}/{total_steps} {'measured' if measured else 'warm-up'} "
@@ -262,6 +266,7 @@ def execute(
             m[key] = entry(key, [max(r.memory[key] for r in records)])
     m["optimizer_state_bytes"] = entry("optimizer_state_bytes", [max(r.optimizer_state_bytes for r in records)])
     # The work of the whole step: every rank's counts summed (per rank in details.work).
+    # work.py annotates formula_flops as int, but the formula's FLOPs are a float (it only divides by them).
     m.update(work_metrics([r.work for r in records], flops_per_token * tokens_per_step))
     for key, samples in checkpoint_metrics(saves, ckpt.load_s).items():
         m[key] = entry(key, samples)
@@ -301,11 +306,15 @@ class _CheckpointSession:
         self.run, self.trainer, self.batches, self.progress = run, trainer, batches, progress
         self.rank = groups.coords.rank if groups else 0
         self.active = run is not None and (run.policy is not None or run.resume is not None)
-        self.start_step, self.load_s, self.prior_steps, self.earlier_attempts = 0, None, [], []
+        self.start_step = 0
+        self.load_s: float | None = None
+        self.prior_steps: list[dict] = []
+        self.earlier_attempts: list[dict] = []
         self.checkpointer: Checkpointer | None = None
         self.stalls: list[float] = []
         if not self.active:
             return
+        assert run is not None  # active needs a run
         # A group of its own: an async save's thread runs DCP's collectives while training runs its own.
         self.group = dist.new_group(backend="gloo") if groups else None
         barrier = (lambda: dist.barrier(group=self.group)) if groups else (lambda: None)
@@ -317,7 +326,11 @@ class _CheckpointSession:
             batches.restore(extra["data"])
             if self.rank == 0:
                 progress(f"resumed from {run.resume} at step {self.start_step} (loaded in {self.load_s:.2f}s)")
-        root = run.policy.root if run.policy else Path(run.resume).parent
+        if run.policy is not None:
+            root = run.policy.root
+        else:
+            assert run.resume is not None  # active without a policy: it resumes
+            root = Path(run.resume).parent
         self.journal_root = root if (run.policy is not None and self.rank == 0) else None
         if run.policy is not None:
             if self.rank == 0:
@@ -350,6 +363,7 @@ class _CheckpointSession:
     def step_done(self, step: int, measured: bool, loss: float, elapsed: float, grad_norm: float | None) -> None:
         if self.checkpointer is None:
             return
+        assert self.run is not None  # the checkpointer is the run's policy's
         if self.groups:
             # The journal keeps the step's time: the slowest rank's.
             slowest = torch.tensor(elapsed, dtype=torch.float64)
@@ -382,6 +396,7 @@ class _CheckpointSession:
         return self.checkpointer.finish() if self.checkpointer else []
 
     def details(self, saves) -> dict[str, Any]:
+        assert self.run is not None  # asked of an active session only
         return {
             "attempt": self.run.attempt,
             "resumed_from": str(self.run.resume) if self.run.resume else None,
@@ -428,6 +443,7 @@ def _fused_kernel_paths(rank_model, config) -> str:
 def _global_loss(loss: torch.Tensor | None, groups: ProcessGroups | None, dp: int) -> float:
     """The step's loss over the global batch: the mean of the last pipeline stages' local losses."""
     if groups is None:
+        assert loss is not None  # one process runs the whole model, its last stage included
         return loss.item()
     total = torch.zeros((), dtype=torch.float64) if loss is None else loss.detach().double().cpu()
     dist.all_reduce(total)
@@ -439,7 +455,7 @@ def _gather(record: _RankRecord, groups: ProcessGroups | None) -> list[_RankReco
         return [record]
     records: list[_RankRecord | None] = [None] * dist.get_world_size()
     dist.all_gather_object(records, record)
-    return records
+    return cast(list[_RankRecord], records)  # every rank's record filled in
 
 
 def _rank_details(record: _RankRecord, groups: ProcessGroups | None) -> dict[str, Any]:
@@ -467,8 +483,8 @@ def _routing_metrics(records: list[_RankRecord]) -> dict[str, dict]:
     mins = stacked.min(dim=1).values.tolist()
     maxs = stacked.max(dim=1).values.tolist()
     cvs = (stacked.std(dim=1, unbiased=False) / stacked.mean(dim=1)).tolist()
-    steps = len(records[0].step_times)
-    dropped = [float(sum(r.dropped[i] for r in records)) for i in range(steps)]
+    measured_steps = len(records[0].step_times)
+    dropped = [float(sum(r.dropped[i] for r in records)) for i in range(measured_steps)]
     return {
         "tokens_per_expert_min": entry("tokens_per_expert_min", mins),
         "tokens_per_expert_max": entry("tokens_per_expert_max", maxs),
@@ -485,7 +501,7 @@ WORK_STEP = (
 
 
 def _measure_work(
-    scenario: Scenario, trainer: ParallelTrainer, rank_model, device, groups, formula_flops: int
+    scenario: Scenario, trainer: ParallelTrainer, rank_model, device, groups, formula_flops: float
 ) -> dict[str, Any]:
     """The exact work of one more step (``bench.run.work``), every rank together, next to the FLOPs
     formula's for the rank's tokens (``formula_flops``; a pipeline stage runs a share of the model).
@@ -497,9 +513,11 @@ def _measure_work(
     tokens, labels = next(TokenBatches(scenario, device, groups.coords.dp_rank if groups else 0))
     for layer in rank_model.moe_layers():
         layer.router.reset_routing_generator()
-    group_labels = {}
+    group_labels: dict[str, str] = {}
     if groups is not None:
-        group_labels[dist.group.WORLD.group_name] = "world"
+        world = dist.group.WORLD
+        assert world is not None  # the launch's default group, which groups were made in
+        group_labels[world.group_name] = "world"
         group_labels.update({getattr(groups, kind).group_name: kind for kind in ("dp", "ep", "edp", "pp")})
         dist.barrier()
     synchronize(device)

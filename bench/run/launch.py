@@ -8,6 +8,7 @@ rank 0 writes the results, and the other ranks stay quiet.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,11 +32,13 @@ class Launch:
 
 def detect_launch(env: dict[str, str] | None = None) -> Launch | None:
     """The launch this process belongs to, from torchrun's or Slurm's environment; None when alone."""
-    env = os.environ if env is None else env
-    if int(env.get("WORLD_SIZE", "1")) > 1:
-        return Launch(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")), "torchrun")
-    if int(env.get("SLURM_NTASKS", "1")) > 1:
-        return Launch(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0")), "slurm")
+    environ: Mapping[str, str] = os.environ if env is None else env
+    if int(environ.get("WORLD_SIZE", "1")) > 1:
+        return Launch(int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ.get("LOCAL_RANK", "0")), "torchrun")
+    if int(environ.get("SLURM_NTASKS", "1")) > 1:
+        return Launch(
+            int(environ["SLURM_PROCID"]), int(environ["SLURM_NTASKS"]), int(environ.get("SLURM_LOCALID", "0")), "slurm"
+        )
     return None
 
 

@@ -282,6 +282,7 @@ def profile_device(options: ProfileOptions | None = None, progress: Callable[[st
     if dev.type == "cpu":
         facts = cpu_facts(measured, options.ranks, network, network_source, base, stamp, sources)
     else:
+        assert base is not None  # _device refuses a GPU without options.base
         facts = gpu_facts(measured, base, stamp, sources)
     name = options.name or facts.default_name
     command = options.command or _command(options, facts.kind, name)

@@ -45,7 +45,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from bench.predict.device import DeviceProfile
 from bench.predict.op_projection import project_priced_step, step_prices
@@ -59,6 +59,9 @@ from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.config import DataParallelMode, DispatchKind, RoutingMode
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 TRACED_MICROBATCHES = 2
 """Microbatches a projection traces: the first stands for every one but the last, where buckets launch."""
@@ -94,6 +97,7 @@ def check_traceable(scenario: Scenario) -> None:
 def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
     """The scenario with only ``microbatches`` of its microbatches per step (same microbatch size)."""
     m = scenario.parallel_config.microbatches
+    assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
     if microbatches is None or microbatches >= m:
         return scenario
     spec = copy.deepcopy(scenario.spec)
@@ -121,6 +125,7 @@ def _stage_kind(scenario: Scenario, stage: int) -> tuple:
     model, parallel = scenario.model, scenario.parallel_config
     stages = stage_blocks(model.n_layers, parallel.pp)
     recomputed = set(scenario.recompute.blocks(stages))
+    assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     return (
         stage == 0,
         stage == parallel.pp - 1,
@@ -237,7 +242,7 @@ class LiveTraceProgress(TraceProgress):
             transient=True,
         )
         self._progress.start()
-        self._overall = None
+        self._overall: TaskID | None = None
         self._tasks: dict[int, Any] = {}
 
     def begin(self, scenario: str, sources: list[int]) -> None:
@@ -263,6 +268,7 @@ class LiveTraceProgress(TraceProgress):
     def done(self, staged: StageTrace) -> None:
         stage = staged.pipeline_rank
         self._progress.remove_task(self._tasks.pop(stage))
+        assert self._overall is not None  # begin() added the stages' task
         self._progress.advance(self._overall)
         if staged.shared_with is None:
             what = f"traced {len(staged.trace.ops):,} ops in {staged.seconds:.0f}s"
@@ -322,6 +328,7 @@ def stage_traces(
     ``TraceProgress``, or a function that takes its lines."""
     reporter = progress if isinstance(progress, TraceProgress) else TraceProgress(progress)
     parallel = traced.parallel_config
+    assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     layout = Layout(parallel)
     sources = shared_traces(traced) if share else list(range(parallel.pp))
     reporter.begin(traced.name, sources)
@@ -397,19 +404,21 @@ def projection_document(
     """``project_on_device``'s document from every stage's priced step (``stage_traces``) and the memory fit;
     with ``breakdown``, the slowest stage's step by op kind and module (``bench.run.breakdown``)."""
     parallel = scenario.parallel_config
+    assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     net = Network.from_cluster(profile.cluster())
     schedule = Schedule(parallel.pp, parallel.virtual_stages, parallel.microbatches, parallel.schedule.value)
     flops_per_token = training_flops_per_token(scenario.model)
     staged_steps = list(staged_steps)
     m_traced = staged_steps[0].trace.microbatches
-    stages, projections = [], []
+    stages: list[dict[str, Any]] = []
+    projections = []
     for staged in staged_steps:
         rank = staged.rank
         prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
-        projection = project_priced_step(
+        stage_projection = project_priced_step(
             prices, rank, schedule, net, scenario.run.tokens_per_step, scenario.world_size, flops_per_token, skew
         )
-        projections.append(projection)
+        projections.append(stage_projection)
         stages.append(
             {
                 "pipeline_rank": staged.pipeline_rank,
@@ -421,7 +430,7 @@ def projection_document(
                 "optimizer_s": prices.timing.optimizer_s,
                 "seconds_by_kind_per_step_traced": prices.seconds_by_kind,
                 "traced_matmul_flops_per_microbatch": prices.flops_traced / m_traced,
-                "projection": projection.to_dict(),
+                "projection": stage_projection.to_dict(),
             }
         )
     slowest = max(stages, key=lambda s: s["projection"]["step_s"])

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -93,19 +93,22 @@ def run_proxy(
     scenario: Scenario,
     device: torch.device,
     progress: Callable[[str], None] = lambda line: None,
-    project_devices: list[str] = (),
+    project_devices: Sequence[str] = (),
 ) -> ExecuteResult:
     """Run the proxy of ``scenario`` in this process (which must not be in a process group); the result
     also carries the op-level projection on its ``cluster.device`` and on each of ``project_devices``."""
+    if scenario.cluster is None:
+        raise ValueError(f"{scenario.name}: a proxy scenario needs a cluster section (its network prices the step)")
     spec, scale = run_spec(scenario, device)
     run_scenario = scenario_from_dict(spec, file=scenario.file)
+    assert scenario.proxy is not None  # run_spec refuses a scenario without a proxy section
     if scenario.proxy.threads:
         torch.set_num_threads(scenario.proxy.threads)
     join_fake_world(scale.rank, scenario.world_size)
     try:
         measured, groups = measure_rank(run_scenario, scale, device, progress)
         phases = group_phases(groups)
-        family_groups = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
+        family_groups: dict[str, str] = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
     finally:
         leave_fake_world()
 
@@ -213,11 +216,12 @@ def run_proxy(
     return result
 
 
-def _device_projections(scenario: Scenario, extra: list[str], progress) -> dict[str, Any]:
+def _device_projections(scenario: Scenario, extra: Sequence[str], progress) -> dict[str, Any]:
     """The op-level projection (``bench.run.project``) on each device: the scenario's own, then ``extra``."""
     from bench.predict.device import load_profile
     from bench.run.project import DoesNotFit, NotTraceable, project_on_device
 
+    assert scenario.cluster is not None  # run_proxy refuses a scenario without one
     names = [n for n in [scenario.cluster.device, *extra] if n]
     projections = {}
     for name in dict.fromkeys(names):

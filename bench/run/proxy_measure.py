@@ -28,6 +28,7 @@ from bench.run.proxy_projection import (
 )
 from bench.run.proxy_rank.build import build_proxy_rank
 from bench.run.proxy_rank.peers import ProxyDispatcher
+from bench.run.proxy_rank.pipeline import ProxyPipeline
 from bench.run.proxy_scale import ProxyScale
 from bench.run.sync_timeline import SyncTimeline
 from bench.scenario import Scenario
@@ -91,6 +92,12 @@ class _SyncProbe:
     the collective) is timed as grad_buffers: its cost follows the bucket's bytes, not the tokens of the
     phase it happens to run in."""
 
+    # Set by ``reset``, and by the wrapped methods as the step runs.
+    timeline: SyncTimeline
+    issued: dict[int, tuple[float, dict[str, dict[str, float]]]]
+    backward_end: tuple[float, dict[str, dict[str, float]]] | None
+    updates_start: float | None
+
     def __init__(self, optimizer: DataParallelOptimizer, timer: PhaseTimer):
         self.optimizer, self.timer = optimizer, timer
         self.reset()
@@ -108,7 +115,8 @@ class _SyncProbe:
             self.updates_start = time.perf_counter()
             return norm
 
-        optimizer.finish_grad_sync, optimizer.clip_grad_norm = finish_grad_sync, clip_grad_norm
+        # Wraps this optimizer's own methods, so the probe sees the calls the trainer makes.
+        optimizer.finish_grad_sync, optimizer.clip_grad_norm = finish_grad_sync, clip_grad_norm  # type: ignore[method-assign]
 
     def _reading(self) -> tuple[float, dict[str, dict[str, float]]]:
         return time.perf_counter(), self.timer.totals
@@ -126,16 +134,20 @@ class _SyncProbe:
     def reset(self) -> None:
         """Forget the last step's readings (call before each step)."""
         self.timeline = self.optimizer.sync_observer = SyncTimeline()
-        self.issued: dict[int, tuple[float, dict[str, dict[str, float]]]] = {}
-        self.backward_end: tuple[float, dict[str, dict[str, float]]] | None = None
-        self.updates_start: float | None = None
+        self.issued = {}
+        self.backward_end = None
+        self.updates_start = None
 
     def record(self) -> list[dict[str, Any]]:
         """Per bucket, of the step just run: its windows (``SyncTimeline``'s and split by class) and its update."""
         timeline = self.timeline
+        if self.backward_end is None:
+            raise RuntimeError("record() before a step's finish_grad_sync: no end of backward to split windows at")
         end_s, end_totals = self.backward_end
         # Without clipping the updates start as soon as the reductions have been waited for.
         previous = self.updates_start if self.updates_start is not None else timeline.reduce_waited_s
+        if previous is None:
+            raise RuntimeError("record() before the step's reductions were waited for: no start of the updates")
         reduce_windows, gather_windows = timeline.reduce_windows_s(), timeline.gather_windows_s()
         rows = []
         for index in range(len(self.optimizer.buckets)):
@@ -210,20 +222,24 @@ def measure_rank(
         config, parallel, groups, device, seed, recompute=scenario.recompute, compile=run.compile
     )
     trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
+    optimizer = trainer.optimizer
+    if not isinstance(optimizer, DataParallelOptimizer):
+        raise ValueError("a proxy rank replays ddp layouts (its optimizer is the engine's), not fsdp")
     sync = functools.partial(synchronize, device)
     timer = PhaseTimer(synchronize=sync)
     _instrument(trainer, rank_model, timer)
-    probe = _SyncProbe(trainer.optimizer, timer)
+    probe = _SyncProbe(optimizer, timer)
     fabrication = functools.partial(timer.region, FABRICATION)
     for layer in rank_model.moe_layers():
         if isinstance(layer.dispatcher, ProxyDispatcher):
             layer.dispatcher.fabrication = fabrication
     if rank_model.pipeline is not None:
+        assert isinstance(rank_model.pipeline, ProxyPipeline)  # build_proxy_rank builds only proxy pipelines
         rank_model.pipeline.fabrication = fabrication
 
     sequences = scale.microbatches_run * scale.tokens_per_microbatch_run // scale.seq_len_run
     batches = _batches(sequences, scale.seq_len_run, config.vocab_size, device, seed)
-    layout = _bucket_layout(trainer.optimizer, rank_model.module, parallel.bucket_elements)
+    layout = _bucket_layout(optimizer, rank_model.module, parallel.bucket_elements)
     measured = RankMeasurement([], [], [], {}, [], layout)
     total = run.warmup_steps + run.steps
     for step in range(max(total, 1 + run.steps)):
@@ -266,7 +282,7 @@ def measure_rank(
     else:
         progress("memory step (tracked tensors)")
         tokens, labels = next(batches)
-        optimizer_step, peaks = trainer.optimizer.step, {}
+        optimizer_step, peaks = optimizer.step, {}
         with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
 
             def split_peaks():
@@ -275,9 +291,10 @@ def measure_rank(
                 tracker.peak = tracker.current
                 optimizer_step()
 
-            trainer.optimizer.step = split_peaks
+            # Splits this optimizer's step out of the trainer's, which calls it.
+            optimizer.step = split_peaks  # type: ignore[method-assign]
             trainer.step(tokens, labels)
-        trainer.optimizer.step = optimizer_step
+        optimizer.step = optimizer_step  # type: ignore[method-assign]
         measured.memory = {
             "peak_tensor_bytes": max(peaks["forward_backward"], tracker.peak),
             "peak_forward_backward_bytes": peaks["forward_backward"],

@@ -50,10 +50,13 @@ def run_spec(scenario: Scenario, device: torch.device) -> tuple[dict[str, Any], 
     """The scenario as the proxy runs it (scaled on CPU), and the scale against the original."""
     spec = copy.deepcopy(scenario.spec)
     proxy, par = scenario.proxy, scenario.parallel_config
+    if proxy is None:
+        raise ValueError(f"{scenario.name}: not a proxy scenario (mode {scenario.spec['mode']}), no rank to replay")
     pp_rank = Layout(par).coords(proxy.rank).pp_rank
     seq_len, pp, dp = scenario.model.seq_len, par.pp, par.dp
     blocks_full = len(stage_layers(scenario.model.n_layers, pp)[pp_rank])
     m_full = par.microbatches
+    assert m_full is not None  # ParallelConfig.__post_init__ resolves None to pp
     sequences_full = scenario.run.tokens_per_step // seq_len // dp // m_full
     scale = proxy.cpu_scale if device.type == "cpu" else CpuScale()
 

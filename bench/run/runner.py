@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from bench.run.checkpointing import CheckpointRun, append_journal, next_attempt,
 from bench.run.launch import Launch
 from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 SUITES_PATH = SCENARIOS_DIR / "suites.yaml"
 
@@ -90,7 +93,8 @@ class Outcome:
     scenario: Scenario
     status: str
     error: str | None
-    path: Path
+    path: Path | None
+    """The result document written; None where this process writes none (``writes_results``)."""
     metrics: dict[str, Any]
     seconds: float
     details: dict[str, Any] = field(default_factory=dict)
@@ -210,7 +214,7 @@ class Reporter:
             )
             self._progress.start()
             self._suite = self._progress.add_task("suite", total=total)
-            self._step = None
+            self._step: TaskID | None = None
 
     def start(self, scenario: Scenario, mode: str | None = None) -> None:
         self.index += 1
@@ -229,6 +233,7 @@ class Reporter:
         if self._progress:
             if text.startswith("step ") and "/" in text:
                 done, total = text.split()[1].split("/")
+                assert self._step is not None  # start() added the scenario's steps task
                 self._progress.update(self._step, completed=int(done), total=int(total), description=f"  {text}")
         else:
             print(f"    {text}", file=self.stream, flush=True)
@@ -408,7 +413,7 @@ class Runner:
             # Every rank must reach the same verdict: each reports its own figures to all.
             gathered: list[RankMemory | None] = [None] * self.launch.world_size
             dist.all_gather_object(gathered, entry(self.launch.rank, self.device))
-            return gathered
+            return cast(list[RankMemory], gathered)  # every rank's entry filled in
         if self.device.type == "cuda":
             # The runner starts one rank per GPU, rank r on GPU r.
             free = cuda_free_bytes(scenario.world_size)
@@ -443,7 +448,10 @@ class Runner:
             peaks, missing = self._peaks(scenario)
             # The peaks and their source are the worker's fields (it measured against them); the
             # runner adds what only it knows.
-            runner_details = {"memory_check": memory_check, **({"mfu_unavailable": missing} if missing else {})}
+            runner_details: dict[str, Any] = {
+                "memory_check": memory_check,
+                **({"mfu_unavailable": missing} if missing else {}),
+            }
         else:
             peaks, runner_details = Peaks(), {"peak_tflops": None}
         request = self._request(scenario, peaks)
@@ -503,7 +511,7 @@ class Runner:
     def _end_attempt(self, checkpoint: CheckpointRun | None, outcome: WorkerOutcome) -> None:
         """The attempt's end in the journal: written here, since a killed worker cannot write it."""
         policy = checkpoint.policy if checkpoint else None
-        if policy is not None and policy.root.is_dir():
+        if checkpoint is not None and policy is not None and policy.root.is_dir():
             append_journal(
                 policy.root,
                 {"event": "end", "attempt": checkpoint.attempt, "status": outcome.status, "error": outcome.error},
@@ -579,6 +587,7 @@ def run_with_timeout(
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump():
+        assert process.stdout is not None  # stdout=PIPE
         for line in process.stdout:
             lines.put(line.rstrip("\n"))
         lines.put(None)

@@ -444,11 +444,12 @@ def _fake_to_empty(fake: bool) -> Iterator[None]:
         _materialize(self, torch.device(device))
         return self
 
-    nn.Module.to_empty = to_empty
+    # Patched on the class: the engine's builders call to_empty on modules made inside this context.
+    nn.Module.to_empty = to_empty  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.to_empty = original
+        nn.Module.to_empty = original  # type: ignore[method-assign]
 
 
 def _batch(scenario: Scenario, dp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -587,6 +588,7 @@ def trace_step(
             progress(f"tracing one step of {parallel.microbatches} microbatches")
             with tracer.in_stage("forward"), tracer.locator:
                 trainer.step(tokens, labels)
+        assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
         return StepTrace(
             ops=tracer.ops,
             rank=rank,
@@ -614,7 +616,7 @@ def retarget(trace: StepTrace, scenario: Scenario, rank: int) -> StepTrace:
     try:
         groups = build_process_groups(layout)
         mine, phases = rank_groups(groups), group_phases(groups)
-        family = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
+        family: dict[str, str] = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
     finally:
         leave_fake_world()
     kind_of = {name: kind for kind, (name, _) in trace.groups.items()}
@@ -623,6 +625,7 @@ def retarget(trace: StepTrace, scenario: Scenario, rank: int) -> StepTrace:
 
     def moved(op: TracedOp) -> TracedOp:
         call = op.collective
+        assert call is not None  # only collectives are moved
         if call["group_name"] not in kind_of:
             if call["ranks"] != list(range(scenario.world_size)):
                 raise ValueError(f"{op.name} on group {call['group_name']}, neither the world nor one of the rank's")

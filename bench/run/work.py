@@ -281,7 +281,7 @@ def _cuda_allocated(device: torch.device) -> tuple[int, int]:
     return int(stats.get("requested_bytes.all.allocated", blocks)), blocks
 
 
-def work_metrics(ranks: list[dict[str, Any]], formula_flops: int) -> dict[str, dict]:
+def work_metrics(ranks: list[dict[str, Any]], formula_flops: float) -> dict[str, dict]:
     """The ``work_*`` metrics of a step from every rank's census (``StepWork.to_dict`` plus
     ``formula_flops``): sums over the ranks, each one exact sample (``spread: null``).
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.run.execute import NonFiniteLoss, execute
+from bench.run.execute import ExecuteResult, NonFiniteLoss, execute
 from bench.run.launch import detect_launch, join_launch
 from bench.run.worker_protocol import WorkerOutcome, WorkerRequest
 from bench.scenario import Scenario, scenario_from_dict
@@ -34,6 +34,7 @@ from moe_engine.parallel.layout import Layout
 def execute_outcome(scenario: Scenario, request: WorkerRequest, device: torch.device, groups) -> WorkerOutcome:
     """Run ``scenario`` on this rank's ``device`` as ``request`` asks; every failure becomes the outcome."""
     progress = lambda line: print(line, flush=True)
+    result: ExecuteResult | None
     try:
         if scenario.mode == "proxy":
             from bench.run.proxy import run_proxy
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     device, groups = torch.device(request.device), None
     launch = detect_launch() if scenario.mode == "execute" else None
     distributed = launch is not None
-    if distributed:
+    if launch is not None:
         device = join_launch(launch, device, scenario.run.timeout_s)
         groups = build_process_groups(Layout(scenario.parallel_config))
     rank = groups.coords.rank if groups else 0

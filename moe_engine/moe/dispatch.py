@@ -129,7 +129,7 @@ class _InFlight:
 
     def __init__(self, group, recv_splits: list[int] | None, send_splits: list[int] | None):
         self.group, self.recv_splits, self.send_splits = group, recv_splits, send_splits
-        self.work = None
+        self.work: dist.Work | None = None
         self.buffers: tuple = ()
         """Tensors the collective in flight reads or writes: held until it is waited for."""
 
@@ -142,6 +142,8 @@ class _InFlight:
         return recv_RD
 
     def wait(self) -> None:
+        if self.work is None:
+            raise RuntimeError("row all-to-all: wait() with none in flight (waited twice, or never started)")
         self.work.wait()
         self.work, self.buffers = None, ()
 

@@ -446,6 +446,7 @@ class DataParallelOptimizer:
         view = self._grad_views[id(param)]
         if param.grad is view:
             return
+        assert param.grad is not None  # only the post-accumulate-grad hook calls it, with the gradient in place
         if view.dtype == param.dtype:
             # Someone replaced the gradient (set_to_none, or an assignment): put it back in the buffer.
             view.copy_(param.grad)

@@ -101,5 +101,7 @@ def build_proxy_rank(
     module.to_empty(device=device)
     initialise(module, config.init_std, seed)
     if pipeline is not None:
-        return RankModel(module=pipeline.parameters_module, model=None, pipeline=pipeline)
+        # ProxyPipeline has Pipeline's interface (step, modules, parameters_module) without being one;
+        # RankModel names the engine's class.
+        return RankModel(module=pipeline.parameters_module, model=None, pipeline=pipeline)  # type: ignore[arg-type]
     return RankModel(module=model, model=model, pipeline=None)

@@ -11,6 +11,8 @@ output gradients of an earlier one are random tensors of the right shape and dty
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -51,9 +53,10 @@ class ProxyPipeline:
         self.parameters_module = StageParameters([module])
         self.is_first = module.is_first
         self.is_last = module.is_last
+        assert config.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
         self.order = stage_order(config.schedule, config.pp, stage, config.microbatches)
         # Filling neighbours' messages is proxy overhead, not the stage's work: a timer can leave it out.
-        self.fabrication = contextlib.nullcontext
+        self.fabrication: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def _message(
         self, shape: torch.Size, device: torch.device, peer_stage: int, send: torch.Tensor | None = None
@@ -70,6 +73,7 @@ class ProxyPipeline:
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         m = self.config.microbatches
+        assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
         tokens, labels = tokens_BS.chunk(m), labels_BS.chunk(m)
         shape = torch.Size((tokens[0].shape[0], tokens[0].shape[1], self.d_model))
         device = tokens_BS.device
