@@ -17,6 +17,7 @@ import yaml
 
 from bench.results import REPO_ROOT
 from bench.scenario_sections import ClusterConfig, ProxyConfig, RunConfig
+from bench.units import GIB
 from moe_engine.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
 from moe_engine.parallel.layout import stage_blocks
 
@@ -259,7 +260,7 @@ def _apply_device(cluster: dict[str, Any], file) -> None:
     except ProfileError as err:
         raise ScenarioError(file, "cluster.device", str(err)) from None
     implied = {
-        "gpu_memory_gib": profile.memory_bytes / 2**30,
+        "gpu_memory_gib": profile.memory_bytes / GIB,
         "peak_tflops": profile.peak_tflops["bf16"],
         **{key: profile.network[key] for key in ("gpus_per_node", "intra_node_gbps", "inter_node_gbps", "latency_us")},
     }

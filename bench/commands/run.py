@@ -8,10 +8,12 @@ from pathlib import Path
 
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
 from bench.metrics import headline_memory
+from bench.units import gib
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     from bench.report.comparisons import ComparisonError, load_comparisons
+    from bench.run.checkpointing import checkpoints_before_run
     from bench.run.launch import detect_launch, join_launch, leave_launch
     from bench.run.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
@@ -50,7 +52,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
             return fail(str(err))
     if not plan_only:
         try:
-            resume = _checkpoint_checks(scenarios, getattr(args, "resume", None), Path(args.out))
+            resume = checkpoints_before_run(scenarios, getattr(args, "resume", None), Path(args.out))
         except ValueError as err:
             return fail(str(err))
     if launch is not None:
@@ -87,27 +89,6 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     if getattr(args, "report", False):
         _report_after_run(Path(args.out))
     return EXIT_FAILED if failed else EXIT_OK
-
-
-def _checkpoint_checks(scenarios, resume: str | bool | None, out_root: Path) -> dict[str, Path]:
-    """Before any step: the checkpoint each scenario resumes from (complete, of its model), and folders
-    that can take checkpoints without writing over an earlier run's. Raises ValueError (one line)."""
-    from bench.run.checkpointing import check_writable, model_dict, policy_for, resolve_resume
-
-    executes = [s for s in scenarios if s.mode == "execute"]
-    given = resume if isinstance(resume, str) else None
-    if given is not None and len(executes) != 1:
-        raise ValueError(
-            f"--resume {given}: names one checkpoint, for exactly one execute scenario ({len(executes)} given)"
-        )
-    targets: dict[str, Path] = {}
-    for scenario in executes:
-        policy = policy_for(scenario.spec, out_root)
-        if resume is not None:
-            targets[scenario.name] = resolve_resume(scenario.spec, model_dict(scenario.model), policy, given)
-        if policy is not None:
-            check_writable(policy, resuming=resume is not None)
-    return targets
 
 
 def _report_after_run(out_root: Path) -> None:
@@ -163,7 +144,7 @@ def print_summary(outcomes) -> None:
             tokens,
             tflops,
             med("mfu", lambda v: f"{v:.1%}"),
-            f"{m[memory]['median'] / 2**30:.2f} GiB" if memory else "",
+            gib(m[memory]["median"]) if memory else "",
             params,
         )
     # Wide enough for the longest scenario names and marked projections whole (logs are read in editors).

@@ -59,7 +59,7 @@ from bench.gate.ab_plan import ABError, ABPlan
 from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
 from bench.gate.compare import classify, is_work_metric, paired_ratio
-from bench.gate.formatting import format_noise, format_number, format_percent, format_ratio
+from bench.gate.formatting import format_noise
 from bench.gate.paired import PairedEstimate
 from bench.gate.resident import (
     ResidentComparison,
@@ -72,6 +72,7 @@ from bench.gate.work import work_verdicts
 from bench.metrics import names, noise_floor
 from bench.results import REPO_ROOT
 from bench.scenario import Scenario
+from bench.units import format_number, format_percent, format_ratio
 
 SIDES = ("baseline", "candidate")
 

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 from packaging.version import InvalidVersion, Version
 
 from bench.gate.compare import EPS
-from bench.gate.formatting import format_percent
 from bench.gate.groups import Key
 from bench.metrics import names
 from bench.results import ResultDocument
+from bench.units import format_percent
 
 if TYPE_CHECKING:  # an annotation only: compare imports nothing from here, and work imports both
     from bench.gate.compare import Comparison

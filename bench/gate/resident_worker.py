@@ -37,6 +37,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _run_setting(scenario, name: str):
+    """A ``run:`` setting of the scenario as the side's own loader gives it: a typed ``RunConfig`` on
+    this tree, a plain dict on releases up to 0.2.0 (this script runs on both)."""
+    run = scenario.run
+    return run[name] if isinstance(run, dict) else getattr(run, name)
+
+
 def _reply(message: dict) -> None:
     stdout = sys.__stdout__
     assert stdout is not None  # the gate starts the worker with a stdout pipe
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rank_model, trainer = build_trainer(scenario, groups, device)
     dp_rank = groups.coords.dp_rank if groups else 0
-    sequences = scenario.run.tokens_per_step // config.seq_len
+    sequences = _run_setting(scenario, "tokens_per_step") // config.seq_len
     per_rank = sequences // parallel.dp
 
     def run_block(steps: int) -> tuple[float, list[float]]:
@@ -127,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         return float(elapsed), [float(loss) for loss in losses if loss is not None]
 
-    run_block(scenario.run.warmup_steps or 1)
+    run_block(_run_setting(scenario, "warmup_steps") or 1)
     if args.rank == 0:
         _reply({"ready": True, "ranks": world})
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from bench.gate.compare import Comparison
-from bench.gate.formatting import format_number, format_percent, format_ratio
 from bench.gate.work import work_findings
+from bench.units import format_number, format_percent, format_ratio
 
 _COLUMNS = ("scenario", "metric", "unit", "base", "cand", "ratio", "noise", "verdict")
 

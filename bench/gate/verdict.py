@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 
 from bench.gate.accept import Acceptance, acceptance_of, applicable, beyond, describe_acceptances
 from bench.gate.compare import Comparison, MetricRow, is_work_metric
-from bench.gate.formatting import check_tolerance, format_noise, format_number, format_percent, format_ratio
+from bench.gate.formatting import check_tolerance, format_noise
 from bench.gate.work import accepted_work_names, has_work_counters, work_findings
+from bench.units import format_number, format_percent, format_ratio
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,10 @@ from typing import Any
 
 from bench.gate.accept import Acceptance, acceptance_of, applicable, beyond, describe_acceptances
 from bench.gate.compare import Comparison, is_work_metric, paired_ratio
-from bench.gate.formatting import (
-    format_bytes,
-    format_number,
-    format_signed_percent,
-    signed_bytes,
-    signed_count,
-    signed_number,
-)
 from bench.gate.groups import Group
 from bench.metrics import WORK_METRIC_NAMES
 from bench.results import ResultDocument
+from bench.units import format_bytes, format_number, format_signed_percent, signed_bytes, signed_count, signed_number
 
 WorkSide = ResultDocument | Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any] | None]
 """One side of a work comparison: a result document, its JSON dict, or its (metrics, details)."""

@@ -41,6 +41,7 @@ from bench.predict.plan_rank import (
     plan_rank,
     rank_holdings,
 )
+from bench.units import GIB, memory
 from moe_engine.config import DataParallelMode, DispatchKind, GradDtype, OptimizerSharding, RecomputeMode
 from moe_engine.flops import parameter_counts, recompute_flops_per_token, training_flops_per_token
 from moe_engine.parallel.layout import stage_blocks, stage_layers
@@ -200,7 +201,7 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
     by_memory = max(ranks, key=lambda r: r["memory_bytes"]["total"])
     by_comm = max(ranks, key=lambda r: r["comm_bytes"]["total"])
     counts = parameter_counts(model)
-    gpu_bytes = cluster.gpu_memory_gib * 2**30 if cluster else None
+    gpu_bytes = cluster.gpu_memory_gib * GIB if cluster else None
     total = by_memory["memory_bytes"]["total"]
 
     model_flops = training_flops_per_token(model)
@@ -248,7 +249,7 @@ def plan_scenario(scenario) -> tuple[dict[str, dict], dict]:
         "checkpoint": {"counted": checkpoint_counted(par), "stage_bytes": checkpoint_stages},
         "assumptions": _assumptions(scenario),
         "fits": total <= gpu_bytes if gpu_bytes else None,
-        "memory_total_gib": total / 2**30,
+        "memory_total_gib": total / GIB,
         "cluster": dict(scenario.spec["cluster"]) if cluster else None,
         "scenario_mode": scenario.mode,
         "engine_runs_layout": _engine_runs(scenario),
@@ -266,7 +267,7 @@ def _engine_runs(scenario) -> dict[str, Any]:
 
 
 def _bytes(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return memory(n, decimals=1)
 
 
 def _count(n: float) -> str:
@@ -281,9 +282,9 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
         "execute": f"{name} (of an execute scenario)",
         "proxy": f"{name} (of a proxy scenario: the whole layout at its own sizes)",
     }[details["scenario_mode"]]
-    memory = f"{_bytes(med['memory_total_bytes'])} per rank"
+    per_rank = f"{_bytes(med['memory_total_bytes'])} per rank"
     if details["layout"]["pp"] > 1:
-        memory += f" (pipeline rank {details['most_loaded']['memory']})"
+        per_rank += f" (pipeline rank {details['most_loaded']['memory']})"
     if details["fits"] is None:
         against = "no cluster section: not compared with a GPU's memory (moe-bench run checks the device it runs on)"
     else:
@@ -293,7 +294,7 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
         )
     line = (
         f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
-        f"{memory}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
+        f"{per_rank}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
         f"{_bytes(med['checkpoint_bytes_total'])} ({_bytes(med['checkpoint_bytes_per_rank'])} per rank)"
     )
     recompute = details["recompute"]

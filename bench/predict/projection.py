@@ -147,28 +147,11 @@ from bench.predict.collectives import (
     collective_seconds,
     is_int,
     is_number,
-    summarize_collectives,
 )
 from bench.predict.overlap import ExpertOverlap, SyncBucket, expert_hidden_s, simulate_sync
 from bench.predict.skew import SkewModel, skew_seconds, sync_points
 
-# Collective, Network, SkewModel, SyncBucket and summarize_collectives live in bench.predict.collectives,
-# overlap and skew; they are served here too for the modules that import them from here (bench.run.proxy,
-# proxy_projection, project).
-__all__ = [
-    "BESIDE_KEYS",
-    "BREAKDOWN_KEYS",
-    "STEP_KEYS",
-    "Collective",
-    "Network",
-    "Projection",
-    "RankTiming",
-    "Schedule",
-    "SkewModel",
-    "SyncBucket",
-    "project_step",
-    "summarize_collectives",
-]
+__all__ = ["BESIDE_KEYS", "BREAKDOWN_KEYS", "STEP_KEYS", "Projection", "RankTiming", "Schedule", "project_step"]
 
 PER_MICROBATCH_PHASES = ("expert", "pipeline", "fsdp")
 PER_STEP_PHASES = ("grad", "other")

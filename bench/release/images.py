@@ -23,10 +23,10 @@ from typing import Any
 
 from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, compare
-from bench.gate.formatting import format_number, format_ratio
 from bench.gate.verdict import accept_changes
 from bench.release.record import ReleaseError, load_releases
 from bench.results import ResultDocument, ResultFileError, load_results
+from bench.units import format_number, format_ratio
 
 CONTAINER_RESULTS = "/moe-results"
 """Where the results folder is mounted in each container (``moe-bench run --out`` points there)."""

@@ -1,7 +1,7 @@
 """Plotly figures of the report: trends, the reference experiments, plan memory, projection breakdowns.
 
 Each function turns what ``bench.report.trends`` or ``bench.report.experiments`` found into one
-``plotly.graph_objects.Figure``. Axes carry units people read (``bench.report.units.axis_scale``);
+``plotly.graph_objects.Figure``. Axes carry units people read (``bench.units.axis_scale``);
 every hover label names the machine and the version of the number it shows.
 """
 
@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 from bench.metrics import title as metric_title
 from bench.report.experiments import MemoryStack, PairBar, PairChart, ProjectionStack, VariantGroup, variant_order
 from bench.report.trends import Trend
-from bench.report.units import axis_scale, format_value, gib, percent
+from bench.units import GIB, axis_scale, format_value, gib, percent
 
 HEIGHT = 400
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC", "#EECA3B")
@@ -365,7 +365,7 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
         fig.add_trace(
             go.Bar(
                 x=xs,
-                y=[v / 2**30 for v in values],
+                y=[v / GIB for v in values],
                 name=label,
                 marker_color=_color(i),
                 hovertext=hover,
@@ -375,7 +375,7 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
     line_x, line_y = [], []
     for x, s in zip(xs, stacks):
         line_x += [x - 0.45, x + 0.45, None]
-        line_y += [_capacity(s) / 2**30, _capacity(s) / 2**30, None]
+        line_y += [_capacity(s) / GIB, _capacity(s) / GIB, None]
     fig.add_trace(
         go.Scatter(
             x=line_x,
@@ -391,7 +391,7 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
         fits = "fits" if s.total <= capacity else "does not fit"
         fig.add_annotation(
             x=x,
-            y=max(s.total, capacity) / 2**30,
+            y=max(s.total, capacity) / GIB,
             yshift=14,
             showarrow=False,
             font={"size": 11},
@@ -400,7 +400,7 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
     fig.update_layout(barmode="stack")
     fig.update_xaxes(tickvals=xs, ticktext=[f"{s.scenario}<br>{s.version}" for s in stacks])
     fig.update_yaxes(title_text="memory per GPU (GiB)", tickformat=",.0f")
-    top = max(max(s.total, _capacity(s)) for s in stacks) / 2**30
+    top = max(max(s.total, _capacity(s)) for s in stacks) / GIB
     fig.update_yaxes(range=[0, top * 1.15])
     return _layout(
         fig, f"Plan memory per rank (most loaded rank) against the GPU's memory: plans on {machine}", height=HEIGHT + 80

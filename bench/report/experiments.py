@@ -33,6 +33,7 @@ from bench.metrics import MEMORY_PREFERENCE, THROUGHPUT_PREFERENCE
 from bench.predict.projection import STEP_KEYS
 from bench.report.collect import ResultSet, first_metric, median, spec_of
 from bench.report.comparisons import Comparison, load_comparisons, pair_ratios
+from bench.units import GIB
 
 # --------------------------------------------------------------------------------------------
 # Pairs
@@ -299,7 +300,7 @@ def memory_stack(group: Group, version: str) -> MemoryStack | None:
         group.scenario,
         tuple((k, b) for k, b in segments if b > 0),
         total,
-        float(capacity) * 2**30 if capacity else None,
+        float(capacity) * GIB if capacity else None,
         cluster.get("name"),
     )
 

@@ -35,9 +35,9 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from bench.gate.formatting import format_number
 from bench.gate.groups import Group, group_documents
 from bench.results import ResultDocument
+from bench.units import format_number
 
 GITHUB_ACTION_BENCHMARK = "github-action-benchmark"
 BENCHER = "bencher"

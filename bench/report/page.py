@@ -32,7 +32,6 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow
-from bench.gate.formatting import format_percent
 from bench.gate.verdict import accepted_lines
 from bench.release.record import Release, ReleaseError, load_releases
 from bench.report import charts
@@ -48,8 +47,8 @@ from bench.report.experiments import (
 )
 from bench.report.release_table import ReleaseComparison, release_comparison
 from bench.report.trends import single_version_scenarios, trends
-from bench.report.units import format_value, signed_percent
 from bench.results import ResultFileError
+from bench.units import format_percent, format_value, signed_percent
 
 __all__ = ["PAGE_NAME", "Report", "ReportError", "build_report"]
 

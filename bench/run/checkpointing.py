@@ -22,11 +22,14 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.scenario import Scenario
 
 FORMAT_VERSION = 1
 SIDECAR = ".moe-checkpoint.json"  # hidden: result scans of the results root skip it
@@ -369,3 +372,22 @@ def checkpoint_metrics(records: list[SaveRecord], load_s: float | None) -> dict[
     if load_s is not None and math.isfinite(load_s):
         samples["checkpoint_load_s"] = [load_s]
     return samples
+
+
+def checkpoints_before_run(scenarios: Sequence[Scenario], resume: str | bool | None, out_root: Path) -> dict[str, Path]:
+    """Before any step: the checkpoint each scenario resumes from (complete, of its model), and folders
+    that can take checkpoints without writing over an earlier run's. Raises ValueError (one line)."""
+    executes = [s for s in scenarios if s.mode == "execute"]
+    given = resume if isinstance(resume, str) else None
+    if given is not None and len(executes) != 1:
+        raise ValueError(
+            f"--resume {given}: names one checkpoint, for exactly one execute scenario ({len(executes)} given)"
+        )
+    targets: dict[str, Path] = {}
+    for scenario in executes:
+        policy = policy_for(scenario.spec, out_root)
+        if resume is not None:
+            targets[scenario.name] = resolve_resume(scenario.spec, model_dict(scenario.model), policy, given)
+        if policy is not None:
+            check_writable(policy, resuming=resume is not None)
+    return targets

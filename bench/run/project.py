@@ -47,11 +47,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
+from bench.predict.collectives import Network
 from bench.predict.device import DeviceProfile
 from bench.predict.op_projection import project_priced_step, step_prices
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
-from bench.predict.projection import Network, Schedule, SkewModel
+from bench.predict.projection import Schedule
+from bench.predict.skew import SkewModel
 from bench.run.breakdown import step_breakdown
 from bench.run.proxy_rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step

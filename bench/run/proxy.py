@@ -60,12 +60,8 @@ from typing import Any
 import torch
 
 from bench.metrics import entry
+from bench.predict.collectives import Collective, Network, summarize_collectives
 from bench.predict.plan import plan_scenario
-from bench.predict.projection import (
-    Collective,
-    Network,
-    summarize_collectives,
-)
 from bench.run.execute import ExecuteResult
 from bench.run.proxy_measure import bucket_measurements, measure_rank, phase_table, sync_table
 from bench.run.proxy_projection import (

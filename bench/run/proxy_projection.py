@@ -11,15 +11,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bench.predict.projection import (
-    Collective,
-    Network,
-    Projection,
-    RankTiming,
-    Schedule,
-    SyncBucket,
-    project_step,
-)
+from bench.predict.collectives import Collective, Network
+from bench.predict.overlap import SyncBucket
+from bench.predict.projection import Projection, RankTiming, Schedule, project_step
 
 BLOCK_PHASES = ("attention", "router", "dispatch", "experts", "shared_expert", "dense_ffn", "block")
 FABRICATION = "fabrication"

@@ -40,6 +40,7 @@ from bench.run.checkpointing import CheckpointRun, append_journal, next_attempt,
 from bench.run.launch import Launch
 from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
+from bench.units import gib
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -151,10 +152,6 @@ def cuda_free_bytes(count: int, timeout: float = 120) -> list[int]:
     return [int(b) for b in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> tuple[str | None, list[dict]]:
     """Why the ranks cannot fit (the memory pool furthest over), or None; and every pool's figures.
 
@@ -185,11 +182,11 @@ def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> 
         return None, rows
     _, label, members, planned, available = worst
     if len(members) == 1:
-        reason = f"planned {_gib(planned)} per rank, {_gib(available)} available"
+        reason = f"planned {gib(planned, decimals=1)} per rank, {gib(available, decimals=1)} available"
     else:
         reason = (
-            f"planned {_gib(planned)} for the {len(members)} ranks sharing {label} "
-            f"({_gib(max(m.planned for m in members))} on the most loaded), {_gib(available)} available"
+            f"planned {gib(planned, decimals=1)} for the {len(members)} ranks sharing {label} "
+            f"({gib(max(m.planned for m in members), decimals=1)} on the most loaded), {gib(available, decimals=1)} available"
         )
     return f"{reason} ({members[0].source}); not started", rows
 

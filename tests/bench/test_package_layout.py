@@ -42,12 +42,14 @@ ARITHMETIC = (
     "bench.report.comparisons",
     "bench.run.proxy_projection",
     "bench.metrics",
+    "bench.units",
 )
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
 # and the result/scenario documents. Everything else in the engine builds or runs a model.
 ARITHMETIC_MAY_IMPORT = (
     "bench.results",
     "bench.metrics",
+    "bench.units",
     "bench.scenario",
     "bench.scenario_sections",
     "moe_engine",

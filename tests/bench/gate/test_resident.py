@@ -136,3 +136,37 @@ def test_a_two_rank_side_runs_blocks_and_closes_all_its_ranks(owner):
         assert seconds > 0 and len(a.last_losses) == 2
         assert len(owned_processes(owner)) >= 2  # rank 0 and rank 1
     assert owned_processes_after(owner) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_worker_drives_the_latest_release_as_it_drives_this_checkout(tmp_path, owner):
+    """The worker script is this checkout's; the code it drives is each side's own. The gate's baseline
+    is the latest release, whose scenario sections may predate the typed ones (0.2.0's are dicts), so
+    the script must run a block on that tree too, replaying the steps this checkout replays."""
+    import math
+
+    import yaml
+
+    from bench.gate.ab import worktree
+    from bench.release.git import try_git
+    from bench.release.record import latest_release
+
+    release = latest_release()
+    if (
+        release is None
+        or try_git(REPO_ROOT, "rev-parse", "--verify", "--quiet", f"{release.commit}^{{commit}}") is None
+    ):
+        pytest.skip("the latest release's commit is not in this checkout's history")
+    file = tmp_path / "tiny-release.yaml"
+    file.write_text(yaml.safe_dump(TINY))
+    tiny = scenario_from_dict(TINY, str(file))
+    with worktree(REPO_ROOT, release.commit) as release_root:
+        with (
+            ResidentSide("release", release_root, tiny, "cpu", 180) as old,
+            ResidentSide("here", REPO_ROOT, tiny, "cpu", 180) as new,
+        ):
+            assert old.block(2) > 0 and new.block(2) > 0
+    assert len(old.last_losses) == 2 and all(math.isfinite(loss) for loss in old.last_losses)
+    assert old.last_losses == pytest.approx(new.last_losses, rel=1e-4)
+    assert owned_processes_after(owner) == []

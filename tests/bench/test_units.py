@@ -1,10 +1,10 @@
-"""bench.report.units: the report's numbers, checked against hand-written text."""
+"""bench.units: the report's numbers, checked against hand-written text."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.report.units import GIB, MIB, axis_scale, format_value, significant
+from bench.units import GIB, MIB, axis_scale, format_bytes, format_value, gib, memory, signed_bytes, significant
 
 
 @pytest.mark.parametrize(
@@ -57,3 +57,27 @@ def test_significant_never_writes_an_exponent():
 def test_axis_scale(unit, values, factor, label):
     scale = axis_scale(unit, values)
     assert (scale.factor, scale.label) == (factor, label)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (gib(171917901824), "160.11 GiB"),
+        (gib(171917901824, decimals=1), "160.1 GiB"),
+        (gib(1500 * GIB), "1,500.00 GiB"),
+        (memory(52428800), "50.0 MiB"),
+        (memory(3 * GIB + GIB // 4, decimals=1), "3.2 GiB"),
+        (memory(1536), "1.5 KiB"),
+        (memory(0), "0 B"),
+        (format_bytes(512), "512 B"),
+        (format_bytes(4 * MIB), "4 MiB"),
+        (format_bytes(1536), "1.5 KiB"),
+        (format_bytes(-3 * GIB), "-3 GiB"),
+        (format_bytes(5 * 1024 * 2**40), "5120 TiB"),
+        (signed_bytes(2 * MIB), "+2 MiB"),
+        (signed_bytes(-2 * MIB), "-2 MiB"),
+    ],
+)
+def test_bytes_as_every_report_writes_them(text, expected):
+    """The run summary, the plan line, the page (GiB, MiB) and the gate's work lines (compact binary units)."""
+    assert text == expected

@@ -36,16 +36,16 @@ def signed_percent(fraction: float, decimals: int = 1) -> str:
     return f"{fraction * 100:+.{decimals}f}%"
 
 
-def gib(n_bytes: float) -> str:
-    """Bytes in GiB, two decimals: 171917901824 -> "160.11 GiB"."""
-    return f"{n_bytes / GIB:,.2f} GiB"
+def gib(n_bytes: float, decimals: int = 2) -> str:
+    """Bytes in GiB: 171917901824 -> "160.11 GiB" (``decimals=1``: "160.1 GiB")."""
+    return f"{n_bytes / GIB:,.{decimals}f} GiB"
 
 
-def memory(n_bytes: float) -> str:
-    """GiB from 1 GiB up, else MiB (or KiB, B): 52428800 -> "50.0 MiB"."""
+def memory(n_bytes: float, decimals: int = 2) -> str:
+    """GiB from 1 GiB up (``decimals`` of them), else MiB with one decimal (or KiB, B): 52428800 -> "50.0 MiB"."""
     magnitude = abs(n_bytes)
     if magnitude >= GIB:
-        return gib(n_bytes)
+        return gib(n_bytes, decimals)
     if magnitude >= MIB:
         return f"{n_bytes / MIB:,.1f} MiB"
     if magnitude >= KIB:
@@ -147,3 +147,67 @@ def axis_scale(unit: str, values: Iterable[float]) -> AxisScale:
     if unit == "FLOP":
         return AxisScale(1e9, "GFLOP", ",.3~g")
     return AxisScale(1.0, unit, ",.3~g")
+
+
+# The gate's compact forms: a comparison's table and its work-counter lines.
+
+
+def format_number(value: float | None) -> str:
+    """Compact: integers below a million exactly (1000), else 4 significant digits (812.5, 0.4321,
+    1.288e+10, 1.2e-07)."""
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return str(value)
+    magnitude = abs(value)
+    if magnitude >= 1e6 or (0 < magnitude < 1e-4):
+        return f"{value:.4g}"
+    if value == int(value):
+        return str(int(value))
+    decimals = max(0, 3 - math.floor(math.log10(magnitude)))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def format_ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return "-"
+    return f"{ratio:.3f}" if math.isfinite(ratio) else str(ratio)
+
+
+def format_percent(fraction: float | None, decimals: int | None = None) -> str:
+    """0.05 -> "5%", 0.025 -> "2.5%"; with ``decimals``: 0.0312 -> "3.1%"."""
+    if fraction is None:
+        return "-"
+    if decimals is None:
+        return f"{fraction * 100:.4g}%"
+    return f"{fraction * 100:.{decimals}f}%"
+
+
+def format_signed_percent(fraction: float) -> str:
+    """0.0312 -> "+3.1%", -0.5 -> "-50.0%"; changes below 0.05% keep two significant digits (+0.0012%)."""
+    percent = fraction * 100
+    return f"{percent:+.1f}%" if abs(percent) >= 0.05 or percent == 0 else f"{percent:+.2g}%"
+
+
+def format_bytes(value: float) -> str:
+    """Binary units: 512 -> "512 B", 4194304 -> "4 MiB", 1536 -> "1.5 KiB"."""
+    magnitude, unit = abs(value), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if magnitude < 1024 or unit == "TiB":
+            break
+        magnitude /= 1024
+    sign = "-" if value < 0 else ""
+    return f"{sign}{magnitude:.4g} {unit}"
+
+
+def signed_bytes(value: float) -> str:
+    return ("+" if value >= 0 else "") + format_bytes(value)
+
+
+def signed_count(value: float) -> str:
+    return f"{int(value):+d}" if value == int(value) else f"{value:+g}"
+
+
+def signed_number(value: float) -> str:
+    return ("+" if value >= 0 else "") + format_number(value)
