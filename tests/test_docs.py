@@ -615,7 +615,12 @@ def test_the_readme_gives_the_two_jobs_and_ci_runs_its_test_command():
     assert "python -m pytest" in ci, ".ci/run no longer runs the README's test command"
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=[c.id for c in COMMANDS])
+@pytest.mark.parametrize(
+    "command",
+    # A cold mypy run over the tree takes most of a minute: CI runs it (and .ci/run runs mypy itself).
+    [pytest.param(c, marks=pytest.mark.slow) if c.words[0] == "mypy" else c for c in COMMANDS],
+    ids=[c.id for c in COMMANDS],
+)
 def test_command(command, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(REPO_ROOT)
     check_command(command, tmp_path, capsys)

@@ -30,7 +30,11 @@ def _kernels(trace):
     return [op.signature() for op in trace.ops if op_kind(op) != "free"]
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize(
+    "name",
+    # The fast lane keeps the first layouts; the rest (a few seconds each) run in CI.
+    [pytest.param(n, marks=pytest.mark.slow) if i >= 3 else n for i, n in enumerate(LAYOUTS)],
+)
 def test_fake_trace_has_the_ops_of_the_real_step(name):
     scenario = load_scenario(f"scenarios/smoke/{name}.yaml")
     rank = scenario.world_size - 1  # the last rank: the last pipeline stage, the last ep rank

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.validate.cpu_warmup import step_decay
 
 
+@pytest.mark.slow  # 12 s of bf16 steps on a core without bf16 units
 def test_balanced_routes_meet_every_shape_in_the_first_step():
     # Balanced routing gives every expert the same rows every step: the six GEMM forms of an expert
     # MLP (gate-up and down, forward, input gradient, weight gradient) at one row count each, shared
@@ -14,6 +17,7 @@ def test_balanced_routes_meet_every_shape_in_the_first_step():
     assert [b["steps"] for b in blocks] == [[1, 1], [2, 2], [3, 3]]
 
 
+@pytest.mark.slow
 def test_random_routes_keep_making_new_shapes():
     blocks = step_decay("scenarios/smoke/e8-random-bf16.yaml", steps=2, block=1, progress=lambda line: None)
     assert blocks[0]["new_expert_gemm_shapes_per_step"] > 6
