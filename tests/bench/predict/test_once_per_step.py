@@ -92,7 +92,7 @@ SCENARIO = {
 }
 
 
-@pytest.mark.parametrize("sharding", ["none", "zero1"])
+@pytest.mark.parametrize("sharding", ["none", pytest.param("zero1", marks=pytest.mark.slow)])
 def test_the_projection_does_not_depend_on_the_microbatches_traced(sharding):
     scenario = scenario_from_dict({**SCENARIO, "parallel": {**SCENARIO["parallel"], "optimizer_sharding": sharding}})
     b300 = load_profile("b300")

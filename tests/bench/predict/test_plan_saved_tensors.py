@@ -279,7 +279,9 @@ def step_peak(scenario) -> tuple[int, int]:
     return tracker.baseline, peak["forward_backward"]
 
 
-@pytest.mark.parametrize("mode", ["none", "full", "experts"])
+@pytest.mark.parametrize(
+    "mode", ["none", pytest.param("full", marks=pytest.mark.slow), pytest.param("experts", marks=pytest.mark.slow)]
+)
 def test_plan_meets_the_peak_of_a_real_step(mode):
     step = spec("bf16", MODES[mode])
     step["run"]["tokens_per_step"] = 4 * TOKENS

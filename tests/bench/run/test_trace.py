@@ -104,7 +104,7 @@ def _fused(name: str):
     return scenario_from_dict(spec)
 
 
-@pytest.mark.parametrize("name", ["e8-random-bf16", "e8-pp2-1f1b-bf16"])
+@pytest.mark.parametrize("name", ["e8-random-bf16", pytest.param("e8-pp2-1f1b-bf16", marks=pytest.mark.slow)])
 def test_fused_kernels_trace_as_they_run_and_price_the_loss_gemms(name):
     scenario = _fused(name)
     rank = scenario.world_size - 1  # the last stage computes the loss
