@@ -10,14 +10,14 @@ Per execute scenario:
 1. one ``moe-bench run`` per side gives each side's result document: status, the exact metrics (one
    sample per run: peak memory, optimizer state bytes, the work counters) and, for a plan scenario,
    its estimates;
-2. two resident workers (``bench.gate.resident``), one per side, built and warmed once, run short
-   blocks of steps in alternation until the paired test on the block times
-   (``bench.gate.paired``: Hodges-Lehmann estimate, Wilcoxon signed-rank interval) decides or the
-   scenario's time budget is spent. That verdict is the gate's verdict on speed: regressed,
-   improved, unchanged or inconclusive. A regression is confirmed by a second comparison on fresh
-   workers of both sides and stands only if that one regresses too: two processes of identical code
-   can differ by a few percent for their whole life (memory layout; an A/A calibration of
-   e64-random-bf16 once showed x0.970 [0.965, 0.975]), which no number of blocks averages away.
+2. fresh pairs of resident workers (``bench.gate.resident``), one worker per side, each built and
+   warmed once, run short blocks of steps in alternation. Two processes of identical code differ by
+   a few percent for their whole life (memory layout, thread placement), which no number of blocks
+   on one pair averages away, so the worker pair is the unit: the verdict comes from the t interval
+   over the pairs' estimates, which holds that pair bias (``bench.gate.paired``), after as many
+   pairs as it takes to decide or the scenario's time budget. An interval that still admits a
+   slowdown of the tolerance then gets the budget again, once; if it still does, the verdict is
+   inconclusive and the gate fails: it could not rule out a regression.
 
 Exact metrics of the two documents are gated as exact values (``bench.gate.compare``: beyond the
 tolerance in the worse direction regresses). A plan scenario's figures are arithmetic, not
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import shutil
 import statistics
@@ -60,13 +61,14 @@ from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
 from bench.gate.compare import classify, is_work_metric, paired_ratio
 from bench.gate.formatting import format_noise
-from bench.gate.paired import PairedEstimate
+from bench.gate.paired import PooledEstimate
 from bench.gate.resident import (
     ResidentComparison,
-    ResidentSide,
     WorkerDied,
     WorkerFailedToStart,
     compare_resident,
+    fixed_layout_prefix,
+    fresh_pair,
 )
 from bench.gate.work import work_verdicts
 from bench.metrics import names, noise_floor
@@ -147,7 +149,7 @@ class ABReport:
             if (
                 self.failures
                 or any(m.verdict == "regressed" for m in self.metrics)
-                or any(self.resident_verdict(r) == "regressed" for r in self.resident)
+                or any(self.resident_verdict(r) in ("regressed", "inconclusive") for r in self.resident)
                 or any(w.startswith("REGRESSION") for w in self.work)
             )
             else 0
@@ -175,7 +177,8 @@ class ABReport:
                 format_number(statistics.median(r.candidate_s) / r.steps_per_block),
                 format_ratio(1 + r.estimate.slowdown),
                 f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}]",
-                f"{len(r.baseline_s)} x {r.steps_per_block} steps, {r.seconds:.0f} s, {r.stopped_by}",
+                f"{len(r.pairs)} worker pairs, {r.block_pairs} x {r.steps_per_block} steps, "
+                f"{r.seconds:.0f} s, {r.stopped_by}",
                 self.resident_verdict(r),
             )
             for r in self.resident
@@ -201,15 +204,16 @@ class ABReport:
                 f"{'REGRESSION' if self.resident_verdict(r) == 'regressed' else 'ACCEPTED'} {r.scenario} step time: "
                 f"x{format_ratio(1 + _estimate(r).slowdown)}, 95% interval "
                 f"[{format_ratio(1 + _estimate(r).interval[0])}, {format_ratio(1 + _estimate(r).interval[1])}] over "
-                f"{len(r.baseline_s)} block pairs (tolerance {format_percent(self.tolerance)})"
+                f"{len(r.pairs)} worker pairs (tolerance {format_percent(self.tolerance)})"
                 + _acceptance_text(self._named(r.scenario, "step_time_s"), self.resident_verdict(r) == "accepted")
                 for r in self.resident
                 if r.verdict == "regressed"
             ]
             + [
-                f"INCONCLUSIVE {r.scenario} step time: interval "
-                f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still wider than "
-                f"the tolerance after {len(r.baseline_s)} block pairs ({r.seconds:.0f} s budget): raise the budget"
+                f"INCONCLUSIVE {r.scenario} step time: x{format_ratio(1 + r.estimate.slowdown)}, interval "
+                f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still admits "
+                f"a slowdown of the tolerance after {len(r.pairs)} worker pairs ({r.seconds:.0f} s, budget and its "
+                "extension): a regression cannot be ruled out; raise --budget"
                 for r in self.resident
                 if r.verdict == "inconclusive" and r.estimate is not None
             ]
@@ -233,8 +237,8 @@ class ABReport:
         return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
 
 
-def _estimate(r: ResidentComparison) -> PairedEstimate:
-    """The estimate behind a resident verdict (``compare_resident`` sets both from the second block pair on)."""
+def _estimate(r: ResidentComparison) -> PooledEstimate:
+    """The estimate behind a resident verdict (``compare_resident`` sets both from the second worker pair on)."""
     if r.estimate is None:
         raise ValueError(f"resident comparison of {r.scenario}: verdict {r.verdict!r} without an estimate")
     return r.estimate
@@ -357,6 +361,10 @@ def run_ab(
     with contextlib.ExitStack() as stack:
         work = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-ab-")))
         base_root = stack.enter_context(worktree(root, plan.commit))
+        log(
+            "ab: workers' threads bound to cores; address-space randomization "
+            + ("off" if fixed_layout_prefix() else "on (setarch -R is not available or not permitted here)")
+        )
         sides = {"baseline": base_root, "candidate": Path(root)}
         for index, scenario in enumerate(plan.scenarios, 1):
             results = {}
@@ -380,33 +388,14 @@ def run_ab(
             except WorkerDied as err:
                 resident_failures.append(f"NOT-OK {scenario.name}: {err}")
                 continue
-            if comparison.verdict == "regressed":
-                # Two processes of identical code can differ by a few percent for their whole life
-                # (memory layout), which no number of blocks averages away: a regression stands
-                # only if fresh workers of both sides show it again.
-                log(
-                    f"ab [{index}/{len(plan.scenarios)}] {scenario.name} regressed "
-                    f"x{1 + _estimate(comparison).slowdown:.3f}: confirming with fresh workers"
-                )
-                try:
-                    confirmation = _resident(sides, scenario, plan, device, log)
-                except WorkerDied as err:
-                    resident_failures.append(f"NOT-OK {scenario.name}: {err}")
-                    continue
-                if confirmation.verdict != "regressed":
-                    report_notes.append(
-                        f"NOTE {scenario.name}: a first comparison regressed x{1 + _estimate(comparison).slowdown:.3f}, "
-                        f"fresh workers did not (x{1 + _estimate(confirmation).slowdown:.3f}, {confirmation.verdict})"
-                    )
-                comparison = confirmation
             comparisons.append(comparison)
             estimate = _estimate(comparison)
             lo, hi = estimate.interval
             log(
                 f"ab [{index}/{len(plan.scenarios)}] {scenario.name} blocks: step time "
                 f"x{1 + estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
-                f"{len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps in "
-                f"{comparison.seconds:.0f} s: {comparison.verdict}"
+                f"{len(comparison.pairs)} worker pairs, {comparison.block_pairs} block pairs of "
+                f"{comparison.steps_per_block} steps in {comparison.seconds:.0f} s: {comparison.verdict}"
             )
     baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
     applicable = [a for a in plan.acceptances if a.applies(versions.get("baseline"), versions.get("candidate"))]
@@ -430,11 +419,13 @@ def _resident(
     sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, log: Callable[[str], None]
 ) -> ResidentComparison:
     timeout = scenario.run.timeout_s + START_MARGIN_S
-    with (
-        ResidentSide("baseline", sides["baseline"], scenario, device, timeout) as base,
-        ResidentSide("candidate", sides["candidate"], scenario, device, timeout) as cand,
-    ):
-        return compare_resident(base, cand, plan.tolerance, plan.budget_s, log=log)
+    return compare_resident(
+        functools.partial(fresh_pair, sides["baseline"], sides["candidate"], scenario, device, timeout),
+        plan.tolerance,
+        plan.budget_s,
+        log=log,
+        extension_s=plan.budget_s,
+    )
 
 
 def _work_findings(

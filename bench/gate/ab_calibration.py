@@ -5,8 +5,8 @@ below 5% within that budget (``Calibration``, ``run_calibration``, ``render_cali
 
 from __future__ import annotations
 
+import functools
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +14,7 @@ from pathlib import Path
 from bench.gate import paired
 from bench.gate.ab_plan import check_budget
 from bench.gate.ab_sides import START_MARGIN_S
-from bench.gate.resident import ResidentComparison, ResidentSide, compare_resident
+from bench.gate.resident import ResidentComparison, compare_resident, fresh_pair
 from bench.results import REPO_ROOT
 from bench.scenario import Scenario
 
@@ -29,19 +29,23 @@ class Calibration:
     comparison: ResidentComparison
 
     @property
-    def estimate(self) -> paired.PairedEstimate:
-        """The A/A estimate: ``compare_resident`` sets it from the second block pair on, and a run for the
-        whole budget makes at least ``paired.MIN_PAIRS``."""
+    def estimate(self) -> paired.PooledEstimate:
+        """The A/A estimate: ``compare_resident`` sets it from the second worker pair on, and a run for the
+        whole budget makes at least ``paired.MIN_WORKER_PAIRS``."""
         if self.comparison.estimate is None:
             raise ValueError(f"calibration of {self.scenario}: the resident comparison has no estimate")
         return self.comparison.estimate
 
     @property
     def noise(self) -> float:
-        """Median absolute deviation of the block log-ratios, scaled to a standard deviation."""
-        ratios = paired.log_ratios(self.comparison.baseline_s, self.comparison.candidate_s)
-        centre = statistics.median(ratios)
-        return 1.4826 * statistics.median(abs(r - centre) for r in ratios)
+        """Standard deviation of one block pair's log-ratio within its worker pair."""
+        return self.estimate.within_sd
+
+    @property
+    def pair_bias(self) -> float:
+        """Standard deviation of the pair bias (log space): the pairs' spread less the block noise it carries."""
+        blocks = self.comparison.block_pairs / len(self.comparison.pairs)
+        return math.sqrt(max(0.0, self.estimate.between_sd**2 - self.noise**2 / blocks))
 
     @property
     def tolerance(self) -> float:
@@ -49,7 +53,7 @@ class Calibration:
         false alarm at most 5% of the time: the interval must be narrower than it, and the estimate
         of identical code (its bias plus 1.645 standard errors) must stay below it."""
         est = self.estimate
-        standard_error = est.width / (2 * paired.Z_95)
+        standard_error = est.width / (2 * paired.t_critical(est.worker_pairs - 1))
         return math.expm1(max(est.width, abs(est.estimate) + 1.645 * standard_error))
 
 
@@ -65,15 +69,18 @@ def run_calibration(
     found = []
     for scenario in (s for s in scenarios if s.mode == "execute"):
         timeout = scenario.run.timeout_s + START_MARGIN_S
-        with (
-            ResidentSide("baseline", root, scenario, device, timeout) as a,
-            ResidentSide("candidate", root, scenario, device, timeout) as b,
-        ):
-            comparison = compare_resident(a, b, 0.0, budget_s, log=log, stop_early=False)
+        comparison = compare_resident(
+            functools.partial(fresh_pair, root, root, scenario, device, timeout),
+            0.0,
+            budget_s,
+            log=log,
+            stop_early=False,
+        )
         found.append(Calibration(scenario.name, comparison))
         log(
-            f"calibrate {scenario.name}: {len(comparison.baseline_s)} pairs of {comparison.steps_per_block} steps, "
-            f"noise {found[-1].noise:.2%} per block pair, smallest tolerance {found[-1].tolerance:.2%}"
+            f"calibrate {scenario.name}: {len(comparison.pairs)} worker pairs, {comparison.block_pairs} block pairs "
+            f"of {comparison.steps_per_block} steps, noise {found[-1].noise:.2%} per block pair, pair bias "
+            f"{found[-1].pair_bias:.2%}, smallest tolerance {found[-1].tolerance:.2%}"
         )
     return found
 
@@ -81,9 +88,11 @@ def run_calibration(
 def render_calibration(found: list[Calibration], budget_s: float) -> str:
     columns = (
         "scenario",
-        "pairs",
+        "worker pairs",
+        "block pairs",
         "steps/block",
-        "noise per pair",
+        "block noise",
+        "pair bias",
         "A/A estimate",
         "95% interval",
         "smallest tolerance",
@@ -91,9 +100,11 @@ def render_calibration(found: list[Calibration], budget_s: float) -> str:
     rows = [
         (
             c.scenario,
-            str(len(c.comparison.baseline_s)),
+            str(len(c.comparison.pairs)),
+            str(c.comparison.block_pairs),
             str(c.comparison.steps_per_block),
             f"{c.noise:.2%}",
+            f"{c.pair_bias:.2%}",
             f"x{1 + c.estimate.slowdown:.4f}",
             f"[{1 + c.estimate.interval[0]:.4f}, {1 + c.estimate.interval[1]:.4f}]",
             f"{c.tolerance:.2%}",

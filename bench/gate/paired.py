@@ -1,34 +1,53 @@
-"""The A/B gate's statistics: paired log-ratios of block times, a Hodges-Lehmann estimate and the
-Wilcoxon signed-rank confidence interval, the verdict and the stopping rule. Pure arithmetic.
+"""The A/B gate's statistics: paired log-ratios of block times within one pair of workers, pooled
+over several fresh pairs of workers with the pair bias as a random effect; the verdict and the
+stopping rule. Pure arithmetic.
 
-Why this test. A block pair (baseline block, candidate block, run seconds apart) gives one
+Within a worker pair. A block pair (baseline block, candidate block, run seconds apart) gives one
 log-ratio ``r = log(t_candidate / t_baseline)``. On a shared machine the distribution of ``r`` has
-heavy tails: another job lands on a core for a second and one block is 2x slower. The mean (and a
-bootstrap of it) follows those outliers; the Hodges-Lehmann estimator (the median of the Walsh
-averages ``(r_i + r_j) / 2, i <= j``) keeps 95% of the mean's efficiency on normal data and ignores
-a few wild blocks. Its distribution-free confidence interval comes from the Wilcoxon signed-rank
-statistic: with ``M = n(n+1)/2`` Walsh averages sorted, the interval is ``[W_(k), W_(M+1-k)]`` where
-``k - 1`` is the two-sided 5% critical value of the signed-rank statistic (from its exact
-distribution up to 60 pairs, the normal approximation ``floor(M/2 - 1.96 sqrt(n(n+1)(2n+1)/24))``
-beyond). It assumes the
-log-ratios are symmetric about their centre, which alternating the order inside pairs (AB, BA, AB,
-...) makes reasonable: drift within a pair then cancels over pairs.
+heavy tails: another job lands on a core for a second and one block is 2x slower. The mean follows
+those outliers; the Hodges-Lehmann estimator (the median of the Walsh averages ``(r_i + r_j) / 2,
+i <= j``) keeps 95% of the mean's efficiency on normal data and ignores a few wild blocks. Its
+distribution-free confidence interval comes from the Wilcoxon signed-rank statistic: with ``M =
+n(n+1)/2`` Walsh averages sorted, the interval is ``[W_(k), W_(M+1-k)]`` where ``k - 1`` is the
+two-sided 5% critical value of the signed-rank statistic (from its exact distribution up to 60
+pairs, the normal approximation ``floor(M/2 - 1.96 sqrt(n(n+1)(2n+1)/24))`` beyond). Alternating
+the order inside pairs (AB, BA, AB, ...) makes the log-ratios symmetric about their centre: drift
+within a pair cancels over pairs.
+
+Over worker pairs. Two processes of identical code differ by a few percent for their whole life
+(memory layout, thread placement), which no number of blocks on one pair of processes averages away:
+on a 2-core AMD EPYC, six workers of e64-random-bf16 differed by a standard deviation of 2.4% while
+their blocks varied by 0.5% (docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md). So
+the unit of replication is the worker pair, and the model is the nested one,
+
+    centre of pair p = delta + b_p + e_p,   b_p ~ N(0, tau^2) (pair bias),   var(e_p) = sigma^2 / B,
+
+with ``B`` block pairs per worker pair. With the same ``B`` in every pair, the mean of the ``P``
+pair centres is the mixed model's estimate of ``delta``, and the Student t interval over them
+(``mean -/+ t_{P-1} s / sqrt(P)``, ``s`` their standard deviation) is its exact 95% interval under
+normal pair effects: it contains the between-pair variance by construction (``pooled``).
+
+Blocks per pair: the cost-optimal number of second-stage units of a two-stage design (Cochran,
+*Sampling Techniques*, 3rd ed., section 10.6), ``B = (sigma / tau) sqrt(c_pair / c_block)``, with
+``c_pair`` the seconds to start and warm a pair of workers and ``c_block`` the seconds of one block
+pair, both measured, and ``sigma^2``, ``tau^2`` the variance components estimated from the pairs run
+so far (``blocks_per_pair``).
 
 Verdict, for a tolerance ``tol`` (a slowdown of ``tol`` is ``log(1 + tol)`` in log space):
 - ``regressed``: the interval excludes no change (lower bound > 0) and the estimate exceeds the
   tolerance;
 - ``improved``: the interval excludes no change (upper bound < 0) and the estimate is below
   ``-log(1 + tol)``;
-- ``unchanged``: neither, and the interval is narrower than the tolerance (so a change of the
-  tolerance would have been seen);
-- ``inconclusive``: neither, and the interval is still wider than the tolerance when the time
-  budget runs out: the gate says so rather than guessing.
+- ``unchanged``: neither, and the interval excludes a slowdown of the tolerance (upper bound below
+  ``log(1 + tol)``);
+- ``inconclusive``: neither, and the interval still admits a slowdown of the tolerance: the gate
+  says so rather than guessing.
 
-Stopping rule: after at least ``MIN_PAIRS`` pairs, stop as soon as the interval is narrower than
-the tolerance, or when the budget is spent; the verdict is read once, at the stop. The rule looks
-only at the interval's width, never at where it lies, so stopping early does not pick the moment
-the interval happens to exclude no change (which repeated looks at the location would, raising the
-false-alarm rate above the nominal 2.5% per side).
+Stopping rule: after at least ``MIN_WORKER_PAIRS`` worker pairs, stop as soon as the interval is
+narrower than the tolerance, or when the budget is spent; the verdict is read once, at the stop.
+The rule looks only at the interval's width, never at where it lies, so stopping early does not
+pick the moment the interval happens to exclude no change (which repeated looks at the location
+would, raising the false-alarm rate above the nominal 2.5% per side).
 """
 
 from __future__ import annotations
@@ -38,7 +57,13 @@ import statistics
 from dataclasses import dataclass
 
 MIN_PAIRS = 8
-"""Fewer pairs give no useful interval (the normal approximation and k >= 1 need about 8)."""
+"""Block pairs below which one pair of workers' own interval says nothing (k >= 1 needs about 8)."""
+MIN_WORKER_PAIRS = 3
+"""Worker pairs before the stopping rule may stop: with two, the t interval has one degree of
+freedom (t = 12.7) and a single wild pair decides."""
+MIN_BLOCKS_PER_PAIR, MAX_BLOCKS_PER_PAIR = 2, 16
+"""Bounds of the blocks-per-pair rule: two give each pair a centre robust to nothing worse than one
+slow block's half; past sixteen, more blocks buy nothing the next pair would not buy better."""
 Z_95 = 1.959963984540054
 EXACT_UP_TO = 60
 """Pairs up to which the signed-rank critical value comes from its exact distribution."""
@@ -117,18 +142,136 @@ def hodges_lehmann(values: list[float], z: float = Z_95) -> PairedEstimate:
     return PairedEstimate(len(values), estimate, walsh[k - 1], walsh[len(walsh) - k])
 
 
-def verdict(est: PairedEstimate, tolerance: float) -> str:
+def verdict(est: PairedEstimate | PooledEstimate, tolerance: float) -> str:
     """regressed / improved / unchanged / inconclusive (see the module docstring)."""
     bound = math.log1p(tolerance)
     if est.low > 0 and est.estimate > bound:
         return "regressed"
     if est.high < 0 and est.estimate < -bound:
         return "improved"
-    if est.width < bound:
+    if est.high < bound:
         return "unchanged"
     return "inconclusive"
 
 
 def decided(est: PairedEstimate, tolerance: float) -> bool:
-    """The stopping rule: enough pairs, and an interval narrower than the tolerance."""
+    """One pair of workers' stopping rule: enough block pairs, and an interval narrower than the tolerance."""
     return est.pairs >= MIN_PAIRS and est.width < math.log1p(tolerance)
+
+
+# --------------------------------------------------------------------------------------------
+# Over worker pairs
+# --------------------------------------------------------------------------------------------
+
+
+def student_t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with ``df`` (a positive integer) degrees of freedom.
+
+    The closed forms of Abramowitz & Stegun 26.7.3 (odd ``df``) and 26.7.4 (even ``df``) for
+    ``A(t|df) = P(|T| <= t)``, with ``theta = atan(t / sqrt(df))``.
+    """
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be at least 1, got {df}")
+    theta = math.atan(t / math.sqrt(df))
+    sin, cos = math.sin(theta), math.cos(theta)
+    if df % 2:
+        term = total = sin * cos
+        for i in range(3, df, 2):
+            term *= cos * cos * (i - 1) / i
+            total += term
+        central = (2 / math.pi) * (theta + (total if df > 1 else 0.0))
+    else:
+        term = total = 1.0
+        for i in range(2, df, 2):
+            term *= cos * cos * (i - 1) / i
+            total += term
+        central = sin * total
+    return 0.5 + central / 2
+
+
+def t_critical(df: int, alpha: float = 0.05) -> float:
+    """The two-sided ``alpha`` critical value of Student's t (12.706 for one degree of freedom at 5%)."""
+    low, high = 0.0, 1e4
+    for _ in range(100):  # bisection to far below the printed tables' three decimals
+        middle = (low + high) / 2
+        if student_t_cdf(middle, df) < 1 - alpha / 2:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class PooledEstimate:
+    """The slowdown of the candidate over several fresh worker pairs, pair bias included."""
+
+    worker_pairs: int
+    """Worker pairs (``P``)."""
+    block_pairs: int
+    """Block pairs over all worker pairs."""
+    estimate: float
+    """Mean of the pairs' Hodges-Lehmann centres of log(t_candidate / t_baseline)."""
+    low: float
+    """Lower bound of the 95% t interval over the pair centres (log space)."""
+    high: float
+    """Upper bound of that interval (log space)."""
+    between_sd: float
+    """Standard deviation of the pair centres (log space): pair bias and block noise together."""
+    within_sd: float
+    """Pooled standard deviation of one block pair's log-ratio around its pair's centre (log space)."""
+
+    @property
+    def slowdown(self) -> float:
+        """The estimate as a ratio - 1: 0.05 is 5% slower."""
+        return math.expm1(self.estimate)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The interval as ratios - 1."""
+        return math.expm1(self.low), math.expm1(self.high)
+
+    @property
+    def width(self) -> float:
+        return self.high - self.low
+
+
+def centre(values: list[float]) -> float:
+    """The Hodges-Lehmann centre of one pair's log-ratios (the value itself for one)."""
+    if not values:
+        raise ValueError("a worker pair without block pairs has no centre")
+    return statistics.median(walsh_averages(values))
+
+
+def pooled(pairs: list[list[float]]) -> PooledEstimate:
+    """The t interval over the worker pairs' centres; ``pairs``: each pair's block log-ratios (at least two pairs)."""
+    if len(pairs) < 2:
+        raise ValueError("at least two worker pairs are needed")
+    centres = [centre(values) for values in pairs]
+    p = len(centres)
+    mean, sd = statistics.fmean(centres), statistics.stdev(centres)
+    half = t_critical(p - 1) * sd / math.sqrt(p)
+    residuals = [(v - c) ** 2 for values, c in zip(pairs, centres) for v in values]
+    dof = sum(len(values) - 1 for values in pairs)
+    within = math.sqrt(sum(residuals) / dof) if dof > 0 else 0.0
+    return PooledEstimate(p, sum(len(v) for v in pairs), mean, mean - half, mean + half, sd, within)
+
+
+def decided_pooled(est: PooledEstimate, tolerance: float) -> bool:
+    """The stopping rule over worker pairs: enough of them, and an interval narrower than the tolerance."""
+    return est.worker_pairs >= MIN_WORKER_PAIRS and est.width < math.log1p(tolerance)
+
+
+def blocks_per_pair(est: PooledEstimate, blocks: int, pair_s: float, block_pair_s: float) -> int:
+    """Block pairs per worker pair for the next pairs: Cochran's optimum ``(sigma / tau) sqrt(c_pair / c_block)``.
+
+    ``blocks``: the block pairs each pair ran so far; ``pair_s``: seconds to start and warm a pair;
+    ``block_pair_s``: seconds of one block pair. ``tau^2`` is the between-pair variance less the
+    block noise it carries (``sigma^2 / blocks``); with no pair bias left to see, blocks are cheaper
+    than pairs and the bound applies.
+    """
+    sigma2 = est.within_sd**2
+    tau2 = est.between_sd**2 - sigma2 / blocks
+    if tau2 <= 0:
+        return MAX_BLOCKS_PER_PAIR
+    best = math.sqrt(sigma2 / tau2) * math.sqrt(pair_s / max(block_pair_s, 1e-9))
+    return max(MIN_BLOCKS_PER_PAIR, min(MAX_BLOCKS_PER_PAIR, round(best)))

@@ -3,25 +3,29 @@
 Each side is ``bench/gate/resident_worker.py`` running on its own tree's code, built and warmed
 once. The controller alternates short blocks of steps, baseline and candidate, in an order that
 flips every pair (AB, BA, AB, ...), so drift of the machine hits both sides within seconds and
-cancels over pairs; start-up is paid once. ``compare_resident`` samples until the paired
+cancels over pairs. A worker keeps a bias of its own for its whole life, so ``compare_resident``
+runs several fresh worker pairs (``fresh_pair``), a few block pairs each, until the pooled
 statistics (``bench.gate.paired``) decide, or the time budget runs out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -32,6 +36,27 @@ WORKER_SCRIPT = Path(__file__).with_name("resident_worker.py")
 TARGET_BLOCK_S = 0.6
 """Seconds a block aims at: long enough to dwarf the timer and the barrier, short enough that a
 pair sees the same machine state."""
+
+
+@functools.cache
+def fixed_layout_prefix() -> tuple[str, ...]:
+    """``setarch -R`` where this machine permits it (a container's default seccomp profile does not):
+    workers then start without address-space randomization.
+
+    Why: workers of identical code keep a bias of their own for their whole life, and where their
+    memory lands is part of it. On a 2-core AMD EPYC, six workers of e64-random-bf16 spread by 2.4%
+    (standard deviation) as started by default, 1.5% without randomization, 1.6% with bound threads
+    only, and 0.5% with both and a fixed hash seed (``PYTHONHASHSEED``; the threads:
+    ``resident_worker.place_rank``), docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md.
+    """
+    setarch = shutil.which("setarch")
+    if setarch is None:
+        return ()
+    try:
+        probe = subprocess.run([setarch, "-R", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return (setarch, "-R") if probe.returncode == 0 else ()
 
 
 class WorkerDied(RuntimeError):
@@ -63,14 +88,23 @@ class ResidentSide:
     def __enter__(self) -> ResidentSide:
         spec_file = Path(self._tmp.name) / "scenario.json"
         spec_file.write_text(
-            json.dumps({"spec": self._spec_as_written(), "file": str(self.scenario.file), "timeout_s": self.timeout_s})
+            json.dumps(
+                {
+                    "spec": self._spec_as_written(),
+                    "file": str(self.scenario.file),
+                    "timeout_s": self.timeout_s,
+                    "world_size": self.scenario.world_size,
+                }
+            )
         )
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         # One side runs at a time, its ranks sharing every core, as the runner gives a launch's ranks.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.scenario.world_size)))
+        # The same memory layout in every worker, as far as the machine lets: see fixed_layout.
+        env.setdefault("PYTHONHASHSEED", "0")
         self._stderr = self.stderr_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
+            [*fixed_layout_prefix(), sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
             cwd=self.root,
             env=env,
             stdin=subprocess.PIPE,
@@ -157,56 +191,124 @@ class ResidentSide:
         self._tmp.cleanup()
 
 
+@contextlib.contextmanager
+def fresh_pair(
+    baseline_root: Path, candidate_root: Path, scenario: Scenario, device: str, timeout_s: float
+) -> Iterator[tuple[ResidentSide, ResidentSide]]:
+    """A new worker of each side, both closed on exit: one worker pair of ``compare_resident``."""
+    with (
+        ResidentSide("baseline", baseline_root, scenario, device, timeout_s) as base,
+        ResidentSide("candidate", candidate_root, scenario, device, timeout_s) as cand,
+    ):
+        yield base, cand
+
+
+@dataclass
+class WorkerPairBlocks:
+    """The block times of one pair of workers, in run order."""
+
+    baseline_s: list[float] = field(default_factory=list)
+    candidate_s: list[float] = field(default_factory=list)
+
+    @property
+    def log_ratios(self) -> list[float]:
+        return paired.log_ratios(self.baseline_s, self.candidate_s)
+
+
 @dataclass
 class ResidentComparison:
-    """What the paired blocks of one scenario showed."""
+    """What the paired blocks of one scenario showed, over its worker pairs."""
 
     scenario: str
     steps_per_block: int
-    baseline_s: list[float] = field(default_factory=list)
-    candidate_s: list[float] = field(default_factory=list)
+    pairs: list[WorkerPairBlocks] = field(default_factory=list)
     seconds: float = 0.0
-    estimate: paired.PairedEstimate | None = None
+    estimate: paired.PooledEstimate | None = None
     verdict: str = "inconclusive"
     stopped_by: str = ""
-    """"decided" (the interval got narrower than the tolerance) or "budget" (time ran out)."""
+    """"decided" (the interval got narrower than the tolerance), "budget" (time ran out) or
+    "extension" (time ran out again after the one extension an inconclusive verdict gets)."""
+
+    @property
+    def baseline_s(self) -> list[float]:
+        """Every baseline block, pair after pair."""
+        return [t for pair in self.pairs for t in pair.baseline_s]
+
+    @property
+    def candidate_s(self) -> list[float]:
+        return [t for pair in self.pairs for t in pair.candidate_s]
+
+    @property
+    def block_pairs(self) -> int:
+        return sum(len(pair.baseline_s) for pair in self.pairs)
+
+
+Side = Any
+"""A side as ``compare_resident`` uses it: ``label``, ``scenario`` and ``block(steps) -> seconds``
+(a ``ResidentSide``, or a stand-in in tests)."""
 
 
 def compare_resident(
-    baseline: ResidentSide,
-    candidate: ResidentSide,
+    open_pair: Callable[[], contextlib.AbstractContextManager[tuple[Side, Side]]],
     tolerance: float,
     budget_s: float,
     log: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
     stop_early: bool = True,
+    extension_s: float = 0.0,
 ) -> ResidentComparison:
-    """Alternate blocks until the paired test decides (``stop_early``) or ``budget_s`` is spent."""
+    """Run fresh worker pairs (``open_pair``) until the pooled interval decides (``stop_early``) or ``budget_s``
+    is spent; an inconclusive verdict then gets ``extension_s`` more, once (``bench.gate.paired``).
+
+    Each pair: one unrecorded warm block per side, then ``B`` block pairs alternating AB, BA, ...;
+    ``B`` starts at ``paired.MIN_BLOCKS_PER_PAIR`` and is set once, after ``paired.MIN_WORKER_PAIRS``
+    pairs, by ``paired.blocks_per_pair`` from the measured variance components and costs. The first
+    pair's one-step probes size the blocks (``TARGET_BLOCK_S``) for every pair.
+    """
     start = clock()
-    probe = [baseline.block(1), candidate.block(1)]
-    steps = max(1, round(TARGET_BLOCK_S / max(min(probe), 1e-6)))
-    # One unrecorded block of the final size per side: the first blocks of a process still grow its
-    # allocator pools and caches, which would bias the first pairs toward whichever side ran first.
-    baseline.block(steps), candidate.block(steps)
-    result = ResidentComparison(baseline.scenario.name, steps)
+    result: ResidentComparison | None = None
+    blocks, deadline, stopped_by = paired.MIN_BLOCKS_PER_PAIR, budget_s, "budget"
     while True:
-        first, second = (baseline, candidate) if len(result.baseline_s) % 2 == 0 else (candidate, baseline)
-        times = {first.label: first.block(steps), second.label: second.block(steps)}
-        result.baseline_s.append(times[baseline.label])
-        result.candidate_s.append(times[candidate.label])
-        n = len(result.baseline_s)
+        pair_started = clock()
+        times = WorkerPairBlocks()
+        with open_pair() as (baseline, candidate):
+            if result is None:
+                probe = [baseline.block(1), candidate.block(1)]
+                steps = max(1, round(TARGET_BLOCK_S / max(min(probe), 1e-6)))
+                result = ResidentComparison(baseline.scenario.name, steps)
+            # One unrecorded block of the final size per side: the first blocks of a process still grow
+            # its allocator pools and caches, which would bias the first pair toward whichever side ran first.
+            baseline.block(result.steps_per_block), candidate.block(result.steps_per_block)
+            blocks_started = clock()
+            pair_s = blocks_started - pair_started
+            for i in range(blocks):
+                first, second = (baseline, candidate) if i % 2 == 0 else (candidate, baseline)
+                seconds = {first.label: first.block(result.steps_per_block)}
+                seconds[second.label] = second.block(result.steps_per_block)
+                times.baseline_s.append(seconds[baseline.label])
+                times.candidate_s.append(seconds[candidate.label])
+            block_pair_s = (clock() - blocks_started) / blocks
+        result.pairs.append(times)
+        n = len(result.pairs)
         if n >= 2:
-            result.estimate = paired.hodges_lehmann(paired.log_ratios(result.baseline_s, result.candidate_s))
+            result.estimate = paired.pooled([pair.log_ratios for pair in result.pairs])
             result.verdict = paired.verdict(result.estimate, tolerance)
-        # The estimate exists from the second pair on.
-        if stop_early and result.estimate is not None and paired.decided(result.estimate, tolerance):
-            result.stopped_by = "decided"
+        if stop_early and result.estimate is not None and paired.decided_pooled(result.estimate, tolerance):
+            stopped_by = "decided"
             break
-        if clock() - start >= budget_s and n >= paired.MIN_PAIRS:
-            result.stopped_by = "budget"
-            break
-        if n % 10 == 0 and result.estimate is not None:
+        if clock() - start >= deadline and n >= paired.MIN_WORKER_PAIRS:
+            if result.verdict != "inconclusive" or deadline > budget_s or extension_s <= 0:
+                break
+            deadline, stopped_by = budget_s + extension_s, "extension"
+            log(f"  inconclusive after {n} worker pairs: extending by {extension_s:g} s, once")
+        if n == paired.MIN_WORKER_PAIRS and result.estimate is not None:
+            blocks = paired.blocks_per_pair(result.estimate, blocks, pair_s, block_pair_s)
+        if result.estimate is not None:
             lo, hi = result.estimate.interval
-            log(f"  {n} pairs: x{1 + result.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}]")
+            log(
+                f"  {n} worker pairs: x{1 + result.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
+                f"pair spread {result.estimate.between_sd:.2%}, block spread {result.estimate.within_sd:.2%}"
+            )
+    result.stopped_by = stopped_by
     result.seconds = clock() - start
     return result

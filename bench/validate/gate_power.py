@@ -1,26 +1,32 @@
-"""The A/B gate's measured power on this machine: false alarms of identical code, and detection of
-planted slowdowns and planted extra work.
+"""The A/B gate's measured power on this machine, per scenario: false alarms of identical code, and
+detection of planted slowdowns and planted extra work.
 
-    python -m bench.validate.gate_power [--scenario FILE] [--aa-runs 20] [--runs 10] [--budget S]
-        [--tolerance 5%] [--work-scenario FILE] [--work-runs 3] [--json PATH]
+    python -m bench.validate.gate_power [--suite ci | --scenario FILE ...] [--aa-runs 20] [--runs 10]
+        [--slowdowns 5%,10%] [--budget 45] [--tolerance 3%] [--records PATH] [--work-runs 3]
 
 Every planted change is applied to a candidate copy of this checkout's HEAD (a ``git clone`` in a
 temporary folder, then a text patch), never by a flag in the engine; the baseline is the same HEAD.
 
-- Timing: per run, fresh resident workers for both sides and the gate's paired blocks
-  (``bench.gate.resident.compare_resident``), exactly as ``moe-bench ab`` times a scenario. A/A
-  runs (no plant) give the false-positive rate; planted compute slowdowns of 5%, 10% and 20% (a
-  busy loop after every training step for that fraction of the step's own time) give the detection
-  rates.
+- Timing: per run, the gate's resident comparison of one scenario (``bench.gate.resident.
+  compare_resident``: fresh worker pairs until the pooled interval decides, the budget and its one
+  extension), exactly as ``moe-bench ab`` times a scenario. A/A runs (no plant) give the false-alarm
+  rate; planted compute slowdowns (a busy loop after every training step for that fraction of the
+  step's own time) give the detection rates. The gate fails on ``regressed`` and on
+  ``inconclusive``: the table counts both.
 - Work: per run, the whole ``moe-bench ab`` gate (one full run per side: the work counters) on a
   candidate with an extra all_reduce, an extra copy or an extra host sync in each MoE layer's
   forward, which the work counters must report every time.
+
+``--records PATH`` appends each run's record as one JSON line as soon as it is done, and a run
+already there is not run again: hours of measurement survive an interrupted session and add up
+across sessions (the table says which machines the records came from).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import subprocess
@@ -31,11 +37,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from bench.gate.formatting import parse_tolerance
-from bench.gate.resident import ResidentSide, compare_resident
+from bench.gate.resident import compare_resident, fresh_pair
 from bench.results import REPO_ROOT
+from bench.run.runner import suite_files
 from bench.scenario import load_scenario
 
-SLOWDOWNS = (0.05, 0.10, 0.20)
+SLOWDOWNS = (0.05, 0.10)
 
 _SLOW_STEP = """
 
@@ -103,27 +110,52 @@ def slowdown_patch(fraction: float) -> dict[str, tuple[str | None, str]]:
     return {"moe_engine/parallel/trainer.py": (None, _SLOW_STEP.format(fraction=fraction))}
 
 
-def timing_run(scenario, fraction: float, tolerance: float, budget_s: float, device: str) -> dict:
-    """One independent gate decision on a candidate slowed by ``fraction`` (0: identical code)."""
-    with contextlib.ExitStack() as stack:
-        base_root = stack.enter_context(candidate_copy(None))
-        cand_root = stack.enter_context(candidate_copy(slowdown_patch(fraction) if fraction else None))
-        timeout = scenario.run.timeout_s + 120
-        base = stack.enter_context(ResidentSide("baseline", base_root, scenario, device, timeout))
-        cand = stack.enter_context(ResidentSide("candidate", cand_root, scenario, device, timeout))
-        started = time.monotonic()
-        result = compare_resident(base, cand, tolerance, budget_s, log=lambda line: None)
-    assert result.estimate is not None  # compare_resident runs paired.MIN_PAIRS pairs at least
+def timing_run(
+    scenario, roots: tuple[Path, Path], fraction: float, tolerance: float, budget_s: float, device: str
+) -> dict:
+    """One independent gate decision on ``scenario``: baseline and candidate trees (``roots``), the
+    candidate slowed by ``fraction`` (0: identical code)."""
+    timeout = scenario.run.timeout_s + 120
+    started = time.monotonic()
+    result = compare_resident(
+        functools.partial(fresh_pair, roots[0], roots[1], scenario, device, timeout),
+        tolerance,
+        budget_s,
+        log=lambda line: None,
+        extension_s=budget_s,
+    )
+    assert result.estimate is not None  # compare_resident runs paired.MIN_WORKER_PAIRS pairs at least
     return {
+        "scenario": scenario.name,
         "planted": fraction,
         "verdict": result.verdict,
         "estimate": result.estimate.slowdown,
         "interval": list(result.estimate.interval),
-        "pairs": len(result.baseline_s),
+        "worker_pairs": len(result.pairs),
+        "block_pairs": result.block_pairs,
+        "pair_sd": result.estimate.between_sd,
+        "block_sd": result.estimate.within_sd,
         "steps_per_block": result.steps_per_block,
         "seconds": time.monotonic() - started,
         "stopped_by": result.stopped_by,
+        "tolerance": tolerance,
+        "budget_s": budget_s,
+        "machine": machine(),
     }
+
+
+def machine() -> str:
+    """The CPU model and core count the record was measured on."""
+    import os
+    import platform
+
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores"
 
 
 def work_run(scenario_file: Path, plant: str, tolerance: str, budget_s: float, device: str) -> dict:
@@ -172,68 +204,117 @@ def _env() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.validate.gate_power", description=__doc__.split("\n")[0])
-    parser.add_argument("--scenario", default=str(REPO_ROOT / "scenarios/smoke/e8-random-bf16.yaml"))
+    parser.add_argument("--scenario", action="append", default=[], help="a scenario file (repeatable)")
+    parser.add_argument("--suite", default="ci", help="the execute scenarios of this suite, without --scenario")
     parser.add_argument("--work-scenario", default=str(REPO_ROOT / "scenarios/smoke/e8-ep2-nosync-bf16.yaml"))
     parser.add_argument("--aa-runs", type=int, default=20)
     parser.add_argument("--runs", type=int, default=10, help="runs per planted slowdown")
-    parser.add_argument("--work-runs", type=int, default=3, help="runs per planted work change")
-    parser.add_argument("--budget", type=float, default=30.0, help="seconds of resident blocks per run, at most")
-    parser.add_argument("--tolerance", default="5%")
+    parser.add_argument("--slowdowns", default="5%,10%", help="planted slowdowns (comma-separated)")
+    parser.add_argument("--work-runs", type=int, default=0, help="runs per planted work change")
+    parser.add_argument("--budget", type=float, default=45.0, help="the gate's seconds per scenario (CI: 45)")
+    parser.add_argument("--tolerance", default="3%", help="the gate's tolerance (CI: 3%%)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", help="write every run's record here")
+    parser.add_argument("--records", help="append every run's record here (JSON lines); runs already there are skipped")
     args = parser.parse_args(argv)
     tolerance = parse_tolerance(args.tolerance)
-    scenario = load_scenario(args.scenario)
-    records: dict[str, list[dict]] = {"timing": [], "work": []}
-    plan = [0.0] * args.aa_runs + [f for f in SLOWDOWNS for _ in range(args.runs)]
-    for index, fraction in enumerate(plan, 1):
-        record = timing_run(scenario, fraction, tolerance, args.budget, args.device)
-        records["timing"].append(record)
-        print(
-            f"[{index}/{len(plan)}] planted +{fraction:.0%}: {record['verdict']} x{1 + record['estimate']:.3f} "
-            f"({record['pairs']} pairs, {record['seconds']:.0f} s)",
-            flush=True,
+    slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
+    files = args.scenario or [str(f) for f in suite_files(args.suite, torch_device(args.device))]
+    scenarios = [s for s in (load_scenario(f) for f in files) if s.mode == "execute"]
+    records = load_records(Path(args.records)) if args.records else []
+    todo = [
+        (scenario, fraction)
+        for fraction in (0.0, *slowdowns)
+        for scenario in scenarios
+        for _ in range(
+            max(
+                0,
+                (args.aa_runs if fraction == 0 else args.runs)
+                - _done(records, scenario.name, fraction, tolerance, args.budget),
+            )
         )
+    ]
+    with contextlib.ExitStack() as stack:
+        trees = {
+            fraction: stack.enter_context(candidate_copy(slowdown_patch(fraction) if fraction else None))
+            for fraction in {0.0, *slowdowns}
+        }
+        for index, (scenario, fraction) in enumerate(todo, 1):
+            record = timing_run(scenario, (trees[0.0], trees[fraction]), fraction, tolerance, args.budget, args.device)
+            records.append(record)
+            if args.records:
+                with Path(args.records).open("a") as out:
+                    out.write(json.dumps(record) + "\n")
+            print(
+                f"[{index}/{len(todo)}] {scenario.name} planted +{fraction:.0%}: {record['verdict']} "
+                f"x{1 + record['estimate']:.3f} ({record['worker_pairs']} worker pairs, {record['seconds']:.0f} s)",
+                flush=True,
+            )
+    work_records = []
     for plant in WORK_PLANTS:
         for run in range(args.work_runs):
             record = work_run(Path(args.work_scenario), plant, args.tolerance, args.budget, args.device)
-            records["work"].append(record)
+            work_records.append(record)
             print(
                 f"work {plant} [{run + 1}/{args.work_runs}]: detected={record['detected']} "
                 f"({record['seconds']:.0f} s) {record['findings'][:1]}",
                 flush=True,
             )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "records": records}, indent=1) + "\n")
-    print(render(records, args))
+    print(render([r for r in records if r["tolerance"] == tolerance and r["budget_s"] == args.budget], work_records))
     return 0
 
 
-def render(records: dict[str, list[dict]], args) -> str:
-    rows = ["| check | runs | result | gate wall time per run (median) |", "| --- | --- | --- | --- |"]
-    timing = records["timing"]
-    for fraction in (0.0, *SLOWDOWNS):
-        runs = [r for r in timing if r["planted"] == fraction]
-        if not runs:
-            continue
-        wall = statistics.median(r["seconds"] for r in runs)
-        regressed = sum(r["verdict"] == "regressed" for r in runs)
-        inconclusive = sum(r["verdict"] == "inconclusive" for r in runs)
-        label = "A/A (same code): false positives" if fraction == 0 else f"planted +{fraction:.0%} step time: detected"
-        rows.append(
-            f"| {label} | {len(runs)} | {regressed} of {len(runs)} ({regressed / len(runs):.0%}); "
-            f"{inconclusive} inconclusive | {wall:.0f} s |"
-        )
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
+def load_records(path: Path) -> list[dict]:
+    """The records of earlier runs (none when the file does not exist yet)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _done(records: list[dict], scenario: str, fraction: float, tolerance: float, budget_s: float) -> int:
+    return sum(
+        r["scenario"] == scenario
+        and r["planted"] == fraction
+        and r["tolerance"] == tolerance
+        and r["budget_s"] == budget_s
+        for r in records
+    )
+
+
+def render(timing: list[dict], work: list[dict]) -> str:
+    """Per scenario and planted change: how often the gate failed (regressed, inconclusive) and its time."""
+    rows = [
+        "| scenario | planted | runs | gate failed | of which regressed / inconclusive | estimate (min to max) | gate seconds (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for scenario in sorted({r["scenario"] for r in timing}):
+        for fraction in sorted({r["planted"] for r in timing}):
+            runs = [r for r in timing if r["scenario"] == scenario and r["planted"] == fraction]
+            if not runs:
+                continue
+            regressed = sum(r["verdict"] == "regressed" for r in runs)
+            inconclusive = sum(r["verdict"] == "inconclusive" for r in runs)
+            failed = regressed + inconclusive
+            label = "none (A/A)" if fraction == 0 else f"+{fraction:.0%}"
+            low, high = min(r["estimate"] for r in runs), max(r["estimate"] for r in runs)
+            rows.append(
+                f"| {scenario} | {label} | {len(runs)} | {failed} ({failed / len(runs):.0%}) | {regressed} / {inconclusive} | "
+                f"x{1 + low:.3f} to x{1 + high:.3f} | {statistics.median(r['seconds'] for r in runs):.0f} |"
+            )
     for plant in WORK_PLANTS:
-        runs = [r for r in records["work"] if r["plant"] == plant]
+        runs = [r for r in work if r["plant"] == plant]
         if runs:
             found = sum(r["detected"] for r in runs)
-            wall = statistics.median(r["seconds"] for r in runs)
             rows.append(
-                f"| planted {plant}: detected by the work counters | {len(runs)} | {found} of {len(runs)} | "
-                f"{wall:.0f} s |"
+                f"| work counters | {plant} | {len(runs)} | {found} of {len(runs)} detected | | | {statistics.median(r['seconds'] for r in runs):.0f} |"
             )
-    return "\n".join(rows)
+    machines = sorted({r["machine"] for r in timing if "machine" in r})
+    return "\n".join(rows) + ("\n\nmeasured on: " + "; ".join(machines) if machines else "")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import re
 import subprocess
 from pathlib import Path
@@ -12,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from bench.cli import main
+from bench.gate import paired
 from bench.gate.ab import paired_gate, paired_metric
 from bench.gate.ab_plan import ABError, ABPlan, plan_ab
 from bench.gate.ab_sides import SideRun
+from bench.gate.resident import ResidentComparison, WorkerPairBlocks
 from bench.results import REPO_ROOT, metric
 
 TINY = """\
@@ -268,7 +269,7 @@ def test_latest_release_is_the_default_baseline(tmp_path, tiny):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--budget", "5"], "--budget 5 s is too small: it must hold 8 block pairs"),
+        (["--budget", "5"], "--budget 5 s is too small: it must hold 3 worker pairs of 2 block pairs"),
         (["--accept-work", "work_nope"], "--accept-work: unknown work metric work_nope"),
         (
             ["--accept-increase", "step_time_s"],
@@ -332,31 +333,51 @@ def test_ab_against_head(tmp_path, tiny, capsys):
         assert b["metrics"]["loss"]["samples"] == pytest.approx(c["metrics"]["loss"]["samples"], rel=1e-5)
 
 
-def test_a_regression_stands_only_if_fresh_workers_confirm_it(tmp_path, tiny, monkeypatch):
-    """First comparison regressed, the fresh one did not: unchanged, with a note; both regressed: fails."""
-    from bench.gate import ab, paired
-    from bench.gate.resident import ResidentComparison
+def comparison(name: str, slowdown: float, spread: float = 0.0) -> ResidentComparison:
+    """Three worker pairs of two block pairs each, the candidate ``slowdown`` slower (each pair off by ``spread``)."""
+    pairs = [WorkerPairBlocks([1.0, 1.0], [(1.0 + slowdown) * (1 + spread * d)] * 2) for d in (-1, 0, 1)]
+    est = paired.pooled([p.log_ratios for p in pairs])
+    return ResidentComparison(name, 5, pairs, 12.0, est, paired.verdict(est, 0.03), "decided")
+
+
+def test_a_regression_in_one_scenario_only_fails_the_gate_naming_it(tmp_path, tiny, monkeypatch):
+    """Three scenarios, one of them slower: the gate fails, and its finding names that one alone."""
+    from bench.gate import ab
     from bench.run.runner import load_all
 
-    def comparison(slowdown: float) -> ResidentComparison:
-        est = paired.PairedEstimate(10, math.log1p(slowdown), math.log1p(slowdown) - 0.01, math.log1p(slowdown) + 0.01)
-        return ResidentComparison(
-            "tiny-ab", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est, paired.verdict(est, 0.03), "decided"
-        )
+    files = []
+    for name in ("tiny-a", "tiny-b", "tiny-c"):
+        files.append(tmp_path / f"{name}.yaml")
+        files[-1].write_text(TINY)
+    ok_doc = SideRun("ok", None, {}, "0.1.0")
+    monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
+    monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
+    slowdowns = {"tiny-a": 0.0, "tiny-b": 0.08, "tiny-c": -0.01}
+    monkeypatch.setattr(
+        ab, "_resident", lambda sides, scenario, *a, **k: comparison(scenario.name, slowdowns[scenario.name])
+    )
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all(files), 0.03, 20.0), device="cpu", log=lambda line: None)
+    out = report.render()
+    assert report.exit_code == 1 and [r.verdict for r in report.resident] == ["unchanged", "regressed", "unchanged"]
+    findings = [line for line in out.splitlines() if line.startswith(("REGRESSION", "INCONCLUSIVE"))]
+    assert len(findings) == 1 and findings[0].startswith("REGRESSION tiny-b step time: x1.080")
+    assert out.startswith("FAIL: ") and "1 regressed" in out.splitlines()[0]
+
+
+def test_an_inconclusive_scenario_fails_the_gate_and_says_why(tmp_path, tiny, monkeypatch):
+    """An interval that still admits the tolerance after the budget and its extension is not a pass."""
+    from bench.gate import ab
+    from bench.run.runner import load_all
 
     ok_doc = SideRun("ok", None, {}, "0.1.0")
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
     monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
-    plan = ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0)
-
-    seen = iter([comparison(0.08), comparison(0.0)])
-    monkeypatch.setattr(ab, "_resident", lambda *a, **k: next(seen))
-    report = ab.run_ab(plan, device="cpu", log=lambda line: None)
-    assert report.exit_code == 0 and [r.verdict for r in report.resident] == ["unchanged"]
+    wide = comparison("tiny-ab", 0.0, spread=0.03)
+    assert wide.verdict == "inconclusive"
+    monkeypatch.setattr(ab, "_resident", lambda *a, **k: wide)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu", log=lambda line: None)
+    assert report.exit_code == 1
     assert (
-        "NOTE tiny-ab: a first comparison regressed x1.080, fresh workers did not (x1.000, unchanged)" in report.notes
+        "INCONCLUSIVE tiny-ab step time: x1.000, interval [0.928, 1.077] still admits a slowdown of the tolerance"
+        in (report.render())
     )
-
-    seen = iter([comparison(0.08), comparison(0.07)])
-    report = ab.run_ab(plan, device="cpu", log=lambda line: None)
-    assert report.exit_code == 1 and "REGRESSION tiny-ab step time: x1.070" in report.render()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 from result_docs import make_doc
@@ -15,7 +14,7 @@ from bench.gate.ab import ABReport, paired_gate
 from bench.gate.ab_sides import SideRun
 from bench.gate.accept import Acceptance, parse_acceptance
 from bench.gate.compare import compare
-from bench.gate.resident import ResidentComparison
+from bench.gate.resident import ResidentComparison, WorkerPairBlocks
 from bench.gate.verdict import gate
 from bench.gate.work import work_verdicts
 from bench.release import record
@@ -202,10 +201,9 @@ def test_the_ab_gate_accepts_an_exact_metric_and_the_step_time_by_name():
     assert paired_gate({"a": [(run(100.0), run(107.0))]}, 0.03, acceptances=allowed).exit_code == 1
 
     def blocks(slowdown: float) -> ResidentComparison:
-        est = paired.PairedEstimate(10, math.log1p(slowdown), math.log1p(slowdown) - 0.01, math.log1p(slowdown) + 0.01)
-        return ResidentComparison(
-            "a", 5, [1.0] * 10, [1.0 + slowdown] * 10, 12.0, est, paired.verdict(est, 0.03), "decided"
-        )
+        pairs = [WorkerPairBlocks([1.0, 1.0], [1.0 + slowdown, 1.0 + slowdown]) for _ in range(3)]
+        est = paired.pooled([p.log_ratios for p in pairs])
+        return ResidentComparison("a", 5, pairs, 12.0, est, paired.verdict(est, 0.03), "decided")
 
     slower = ABReport("base", "cand", 0.03, 1, resident=[blocks(0.07)], acceptances=allowed)
     assert slower.exit_code == 0 and slower.resident_verdict(slower.resident[0]) == "accepted"

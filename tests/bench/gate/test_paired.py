@@ -63,8 +63,11 @@ def test_an_outlier_moves_the_estimate_little():
         (0.06, -0.01, 0.13, "inconclusive"),  # wide: a 5% change could hide in it
         (-0.08, -0.10, -0.06, "improved"),
         (0.0, -0.02, 0.02, "unchanged"),
-        (0.047, 0.03, 0.06, "unchanged"),  # log(1.05) = 0.0488: the estimate is just inside
-        (0.050, 0.03, 0.06, "regressed"),  # and just beyond
+        (0.047, 0.03, 0.06, "inconclusive"),  # log(1.05) = 0.0488: the estimate is inside, the interval is not
+        (0.047, 0.045, 0.048, "unchanged"),  # the whole interval inside
+        (0.050, 0.03, 0.06, "regressed"),  # the estimate just beyond
+        (0.0, -0.02, 0.05, "inconclusive"),  # centred on no change, but it admits the tolerance
+        (-0.02, -0.09, 0.03, "unchanged"),  # admits an improvement only: no regression hides in it
     ],
 )
 def test_verdicts(estimate, low, high, expected):
@@ -102,3 +105,53 @@ def test_a_planted_slowdown_is_found():
         values = [math.log(1.10) + rng.gauss(0, 0.04) for _ in range(30)]
         found += paired.verdict(paired.hodges_lehmann(values), 0.05) == "regressed"
     assert found >= 95
+
+
+# ---- over worker pairs --------------------------------------------------------------------------
+
+# Two-sided 5% critical values of Student's t, as printed in the standard tables.
+PUBLISHED_T = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 10: 2.228, 20: 2.086, 30: 2.042}
+
+
+@pytest.mark.parametrize("df, critical", sorted(PUBLISHED_T.items()))
+def test_t_critical_values_match_the_tables(df, critical):
+    assert paired.t_critical(df) == pytest.approx(critical, abs=5e-4)
+
+
+def test_student_t_cdf_by_hand():
+    assert paired.student_t_cdf(0.0, 7) == pytest.approx(0.5)
+    assert paired.student_t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
+    assert paired.student_t_cdf(1.0, 2) == pytest.approx(0.5 + 1 / (2 * math.sqrt(3)))  # 1/2 + t / (2 sqrt(2 + t^2))
+    assert paired.student_t_cdf(-1.0, 2) == pytest.approx(0.5 - 1 / (2 * math.sqrt(3)))
+    assert paired.t_critical(1000) == pytest.approx(1.962, abs=5e-4)  # toward the normal's 1.960
+
+
+def test_pooled_by_hand():
+    pairs = [[0.01, 0.03], [0.05], [0.0, 0.02, 0.04]]
+    # Centres (Hodges-Lehmann): 0.02, 0.05, 0.02; mean 0.03, sd sqrt(0.0003); t(2) = 4.303.
+    est = paired.pooled(pairs)
+    half = 4.302653 * math.sqrt(0.0003) / math.sqrt(3)
+    assert (est.worker_pairs, est.block_pairs) == (3, 6)
+    assert est.estimate == pytest.approx(0.03)
+    assert (est.low, est.high) == (pytest.approx(0.03 - half), pytest.approx(0.03 + half))
+    assert est.between_sd == pytest.approx(math.sqrt(0.0003))
+    # Residuals around each centre: 0.0002 + 0 + 0.0008 over 1 + 0 + 2 degrees of freedom.
+    assert est.within_sd == pytest.approx(math.sqrt(0.001 / 3))
+
+
+def test_blocks_per_pair_is_cochrans_optimum():
+    est = paired.PooledEstimate(4, 8, 0.0, -0.01, 0.01, between_sd=0.02, within_sd=0.02)
+    # tau^2 = 0.02^2 - 0.02^2 / 2 = 0.0002; B = (0.02 / sqrt(0.0002)) * sqrt(30 s / 1 s) = 7.75
+    assert paired.blocks_per_pair(est, 2, pair_s=30.0, block_pair_s=1.0) == 8
+    assert paired.blocks_per_pair(est, 2, pair_s=1.0, block_pair_s=1.0) == paired.MIN_BLOCKS_PER_PAIR
+    no_bias = paired.PooledEstimate(4, 8, 0.0, -0.01, 0.01, between_sd=0.01, within_sd=0.02)
+    assert paired.blocks_per_pair(no_bias, 2, pair_s=1.0, block_pair_s=1.0) == paired.MAX_BLOCKS_PER_PAIR
+
+
+def test_stopping_rule_over_worker_pairs_waits_for_the_minimum():
+    def est(pairs: int, half: float) -> paired.PooledEstimate:
+        return paired.PooledEstimate(pairs, 2 * pairs, 0.0, -half, half, 0.01, 0.01)
+
+    assert not paired.decided_pooled(est(paired.MIN_WORKER_PAIRS - 1, 0.001), 0.05)
+    assert paired.decided_pooled(est(paired.MIN_WORKER_PAIRS, 0.001), 0.05)
+    assert not paired.decided_pooled(est(40, 0.03), 0.05)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import os
+import random
 import signal
 
 import pytest
 from own_processes import owned_processes, owned_processes_after, owner_env
 
+from bench.gate import paired
 from bench.gate.resident import ResidentSide, WorkerDied, WorkerFailedToStart, compare_resident
 from bench.results import REPO_ROOT
 from bench.scenario import scenario_from_dict
@@ -58,39 +63,73 @@ def test_both_sides_replay_the_same_steps_block_after_block():
 
 
 class FakeSide:
-    """A side with known block times: the controller's logic without processes or timing noise."""
+    """A side with known block times: the controller's logic without processes or timing noise.
 
-    def __init__(self, label: str, per_step_s: float, order: list[str], clock: list[float]):
+    ``bias``: this worker's own lifelong factor (memory layout, thread placement); ``noise``: each
+    block's, drawn from ``rng``."""
+
+    def __init__(self, label, per_step_s, order, clock, bias=1.0, rng=None, noise=0.0):
         self.label, self.per_step_s, self.order, self.clock = label, per_step_s, order, clock
+        self.bias, self.rng, self.noise = bias, rng, noise
         self.scenario = scenario()
 
     def block(self, steps: int) -> float:
         self.order.append(self.label)
-        seconds = steps * self.per_step_s * (1.0 + 0.01 * (len(self.order) % 3))  # a little deterministic jitter
+        jitter = math.exp(self.rng.gauss(0, self.noise)) if self.rng else 1.0 + 0.01 * (len(self.order) % 3)
+        seconds = steps * self.per_step_s * self.bias * jitter
         self.clock[0] += seconds
         return seconds
 
 
-def run_fake(base_step: float, cand_step: float, tolerance: float, budget_s: float, stop_early: bool = True):
+def fake_pairs(base_step, cand_step, order, clock, pair_bias=0.0, noise=0.0, seed=0, start_s=5.0):
+    """``open_pair`` for ``compare_resident``: each call starts two fresh fake workers (``start_s`` each),
+    each with its own bias, so that the two differ by ``pair_bias`` (standard deviation, log space)."""
+    rng = random.Random(seed)
+
+    @contextlib.contextmanager
+    def open_pair():
+        clock[0] += 2 * start_s
+        biases = [math.exp(rng.gauss(0, pair_bias / math.sqrt(2))) for _ in range(2)]
+        yield (
+            FakeSide("baseline", base_step, order, clock, biases[0], rng if noise else None, noise),
+            FakeSide("candidate", cand_step, order, clock, biases[1], rng if noise else None, noise),
+        )
+        order.append("closed")
+
+    return open_pair
+
+
+def run_fake(base_step, cand_step, tolerance, budget_s, stop_early=True, extension_s=0.0, **kwargs):
     order, clock = [], [0.0]
-    base, cand = FakeSide("baseline", base_step, order, clock), FakeSide("candidate", cand_step, order, clock)
     result = compare_resident(
-        base, cand, tolerance, budget_s, log=lambda line: None, clock=lambda: clock[0], stop_early=stop_early
+        fake_pairs(base_step, cand_step, order, clock, **kwargs),
+        tolerance,
+        budget_s,
+        log=lambda line: None,
+        clock=lambda: clock[0],
+        stop_early=stop_early,
+        extension_s=extension_s,
     )
     return result, order
 
 
-def test_blocks_alternate_in_flipped_pairs_after_one_probe_each():
+def test_each_pair_warms_then_alternates_its_blocks_and_is_closed():
     result, order = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
-    assert order[:2] == ["baseline", "candidate"]  # the probes size the blocks
+    assert order[:2] == ["baseline", "candidate"]  # the first pair's probes size the blocks
     assert result.steps_per_block == round(0.6 / 0.0101)  # 0.6 s blocks from the faster probe (1% jitter)
-    assert order[2:4] == ["baseline", "candidate"]  # one unrecorded block of that size each
-    assert order[4:12] == ["baseline", "candidate", "candidate", "baseline"] * 2
+    blocks = paired.MIN_BLOCKS_PER_PAIR
+    # One unrecorded block of that size each, then the block pairs AB, BA, ...; then the pair is closed.
+    assert order[2:4] == ["baseline", "candidate"]
+    assert order[4 : 4 + 2 * blocks] == (["baseline", "candidate", "candidate", "baseline"] * blocks)[: 2 * blocks]
+    assert order[4 + 2 * blocks] == "closed"
+    assert order[5 + 2 * blocks : 7 + 2 * blocks] == ["baseline", "candidate"]  # the next pair warms, no probe
+    assert order.count("closed") == len(result.pairs)
 
 
-def test_identical_sides_stop_at_the_minimum_unchanged():
+def test_identical_sides_stop_at_the_minimum_of_worker_pairs_unchanged():
     result, _ = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
-    assert (result.verdict, result.stopped_by, len(result.baseline_s)) == ("unchanged", "decided", 8)
+    assert (result.verdict, result.stopped_by) == ("unchanged", "decided")
+    assert paired.MIN_WORKER_PAIRS <= len(result.pairs) <= paired.MIN_WORKER_PAIRS + 1
 
 
 def test_a_slower_candidate_regresses():
@@ -99,9 +138,31 @@ def test_a_slower_candidate_regresses():
 
 
 def test_the_budget_ends_an_undecided_comparison():
-    """Without the stopping rule (calibration), blocks run until the budget is spent."""
+    """Without the stopping rule (calibration), pairs run until the budget is spent."""
     result, _ = run_fake(0.01, 0.01, tolerance=0.0, budget_s=30, stop_early=False)
     assert result.stopped_by == "budget" and result.seconds >= 30
+
+
+def test_an_inconclusive_verdict_gets_one_extension():
+    # A pair bias of 5% cannot be resolved to 1% in 60 s: the budget runs out, the extension too.
+    result, _ = run_fake(0.01, 0.01, tolerance=0.01, budget_s=60, extension_s=60, pair_bias=0.05, seed=4)
+    assert result.verdict == "inconclusive" and result.stopped_by == "extension"
+    assert 120 <= result.seconds < 120 + 30  # one more pair at most past the extension
+    once, _ = run_fake(0.01, 0.01, tolerance=0.01, budget_s=60, pair_bias=0.05, seed=4)
+    assert once.stopped_by == "budget" and 60 <= once.seconds < 90
+
+
+SEEDS = range(40)
+
+
+def test_pair_bias_is_in_the_interval_a_regression_is_caught_and_identical_code_is_not_flagged():
+    """A pair bias of 8% between workers (block noise 1%): the pooled interval catches a 10% slowdown
+    and does not flag identical code, run after run (40 seeded runs each, the rates a 5% gate needs)."""
+    common = dict(tolerance=0.03, budget_s=3000, pair_bias=0.08, noise=0.01, start_s=5.0)
+    slower = [run_fake(0.01, 0.011, seed=seed, **common)[0].verdict for seed in SEEDS]
+    same = [run_fake(0.01, 0.01, seed=seed, **common)[0].verdict for seed in SEEDS]
+    assert slower.count("regressed") >= 38, slower
+    assert same.count("regressed") <= 2 and same.count("unchanged") >= 36, same
 
 
 def test_a_worker_that_dies_fails_with_its_error_and_leaves_nothing(owner):
@@ -170,3 +231,34 @@ def test_the_worker_drives_the_latest_release_as_it_drives_this_checkout(tmp_pat
     assert len(old.last_losses) == 2 and all(math.isfinite(loss) for loss in old.last_losses)
     assert old.last_losses == pytest.approx(new.last_losses, rel=1e-4)
     assert owned_processes_after(owner) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="core placement is Linux's")
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_each_rank_gets_its_own_cores_and_bound_threads(world):
+    """Ranks of one worker never share a core (bound threads would stack on it), and together they use them all."""
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))
+    placed = []
+    for rank in range(world):
+        code = (
+            "import json, os, sys; sys.path.insert(0, 'bench/gate'); import resident_worker as w; "
+            f"mine = w.place_rank({rank}, {world}); "
+            "print(json.dumps([mine, sorted(os.sched_getaffinity(0)), os.environ['OMP_PROC_BIND']]))"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        mine, affinity, bind = json.loads(done.stdout)
+        assert mine == affinity and bind == "close"
+        placed.append(set(mine))
+    share = max(1, len(cpus) // world)
+    assert all(len(p) == share for p in placed)
+    if world <= len(cpus):
+        assert all(not (a & b) for i, a in enumerate(placed) for b in placed[i + 1 :])
+    assert set().union(*placed) <= set(cpus)
+    if len(cpus) % world == 0 and world <= len(cpus):
+        assert set().union(*placed) == set(cpus)
