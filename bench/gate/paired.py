@@ -2,17 +2,19 @@
 over several fresh pairs of workers with the pair bias as a random effect; the verdict and the
 stopping rule. Pure arithmetic.
 
-Within a worker pair. A block pair (baseline block, candidate block, run seconds apart) gives one
-log-ratio ``r = log(t_candidate / t_baseline)``. On a shared machine the distribution of ``r`` has
-heavy tails: another job lands on a core for a second and one block is 2x slower. The mean follows
-those outliers; the Hodges-Lehmann estimator (the median of the Walsh averages ``(r_i + r_j) / 2,
-i <= j``) keeps 95% of the mean's efficiency on normal data and ignores a few wild blocks. Its
+Within a worker pair. The blocks of one side are bracketed by the other's (``O_1 I_1 O_2 ... I_n
+O_n+1``), and each inner block against the mean of its two neighbours, in log space, gives one
+log-ratio ``r = log(t_candidate / t_baseline)`` in which a drift linear over three blocks cancels
+(``bench.gate.resident.WorkerPairBlocks``). On a shared machine the distribution of ``r`` has heavy
+tails: another job lands on a core for a second and one block is 2x slower. The mean follows those
+outliers; the Hodges-Lehmann estimator (the median of the Walsh averages ``(r_i + r_j) / 2, i <=
+j``) keeps 95% of the mean's efficiency on normal data and ignores a few wild blocks. Its
 distribution-free confidence interval comes from the Wilcoxon signed-rank statistic: with ``M =
 n(n+1)/2`` Walsh averages sorted, the interval is ``[W_(k), W_(M+1-k)]`` where ``k - 1`` is the
 two-sided 5% critical value of the signed-rank statistic (from its exact distribution up to 60
-pairs, the normal approximation ``floor(M/2 - 1.96 sqrt(n(n+1)(2n+1)/24))`` beyond). Alternating
-the order inside pairs (AB, BA, AB, ...) makes the log-ratios symmetric about their centre: drift
-within a pair cancels over pairs.
+pairs, the normal approximation ``floor(M/2 - 1.96 sqrt(n(n+1)(2n+1)/24))`` beyond); it assumes
+log-ratios symmetric about their centre. (The A/B gate uses the estimator for each worker pair's
+centre; ``moe-bench run``'s variants use the interval too.)
 
 Over worker pairs. Two processes of identical code differ by a few percent for their whole life
 (memory layout, thread placement), which no number of blocks on one pair of processes averages away:

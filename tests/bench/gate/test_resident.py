@@ -66,22 +66,25 @@ class FakeSide:
     """A side with known block times: the controller's logic without processes or timing noise.
 
     ``bias``: this worker's own lifelong factor (memory layout, thread placement); ``noise``: each
-    block's, drawn from ``rng``."""
+    block's, drawn from ``rng``; ``repeat``: the factor of a block run right after the same side's
+    (its data still in the caches); ``drift``: the machine slowing down, per second of the clock."""
 
-    def __init__(self, label, per_step_s, order, clock, bias=1.0, rng=None, noise=0.0):
+    def __init__(self, label, per_step_s, order, clock, bias=1.0, rng=None, noise=0.0, repeat=1.0, drift=0.0):
         self.label, self.per_step_s, self.order, self.clock = label, per_step_s, order, clock
-        self.bias, self.rng, self.noise = bias, rng, noise
+        self.bias, self.rng, self.noise, self.repeat, self.drift = bias, rng, noise, repeat, drift
         self.scenario = scenario()
 
     def block(self, steps: int) -> float:
+        again = bool(self.order) and self.order[-1] == self.label
         self.order.append(self.label)
         jitter = math.exp(self.rng.gauss(0, self.noise)) if self.rng else 1.0 + 0.01 * (len(self.order) % 3)
-        seconds = steps * self.per_step_s * self.bias * jitter
+        seconds = steps * self.per_step_s * self.bias * jitter * (self.repeat if again else 1.0)
+        seconds *= 1.0 + self.drift * self.clock[0]
         self.clock[0] += seconds
         return seconds
 
 
-def fake_pairs(base_step, cand_step, order, clock, pair_bias=0.0, noise=0.0, seed=0, start_s=5.0):
+def fake_pairs(base_step, cand_step, order, clock, pair_bias=0.0, noise=0.0, seed=0, start_s=5.0, **effects):
     """``open_pair`` for ``compare_resident``: each call starts two fresh fake workers (``start_s`` each),
     each with its own bias, so that the two differ by ``pair_bias`` (standard deviation, log space)."""
     rng = random.Random(seed)
@@ -91,8 +94,8 @@ def fake_pairs(base_step, cand_step, order, clock, pair_bias=0.0, noise=0.0, see
         clock[0] += 2 * start_s
         biases = [math.exp(rng.gauss(0, pair_bias / math.sqrt(2))) for _ in range(2)]
         yield (
-            FakeSide("baseline", base_step, order, clock, biases[0], rng if noise else None, noise),
-            FakeSide("candidate", cand_step, order, clock, biases[1], rng if noise else None, noise),
+            FakeSide("baseline", base_step, order, clock, biases[0], rng if noise else None, noise, **effects),
+            FakeSide("candidate", cand_step, order, clock, biases[1], rng if noise else None, noise, **effects),
         )
         order.append("closed")
 
@@ -113,17 +116,41 @@ def run_fake(base_step, cand_step, tolerance, budget_s, stop_early=True, extensi
     return result, order
 
 
-def test_each_pair_warms_then_alternates_its_blocks_and_is_closed():
+def test_each_pair_warms_then_brackets_one_side_by_the_other_and_is_closed():
     result, order = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
     assert order[:2] == ["baseline", "candidate"]  # the first pair's probes size the blocks
     assert result.steps_per_block == round(0.6 / 0.0101)  # 0.6 s blocks from the faster probe (1% jitter)
     blocks = paired.MIN_BLOCKS_PER_PAIR
-    # One unrecorded block of that size each, then the block pairs AB, BA, ...; then the pair is closed.
-    assert order[2:4] == ["baseline", "candidate"]
-    assert order[4 : 4 + 2 * blocks] == (["baseline", "candidate", "candidate", "baseline"] * blocks)[: 2 * blocks]
-    assert order[4 + 2 * blocks] == "closed"
-    assert order[5 + 2 * blocks : 7 + 2 * blocks] == ["baseline", "candidate"]  # the next pair warms, no probe
+    outer_first = ["baseline", "candidate"] * (blocks + 1)
+    # One unrecorded block of that size each (the inner side last), then O I O I ... O; then closed.
+    assert order[2 : 5 + 2 * blocks] == ["baseline", "candidate", *outer_first[: 2 * blocks + 1]]
+    assert order[5 + 2 * blocks] == "closed"
+    # The next pair: the sides change places.
+    second = order[6 + 2 * blocks : 9 + 4 * blocks]
+    assert second == ["candidate", "baseline", *["candidate", "baseline"] * blocks, "candidate"]
     assert order.count("closed") == len(result.pairs)
+    assert [p.outer for p in result.pairs[:2]] == ["baseline", "candidate"]
+    assert all(len(p.log_ratios) == blocks for p in result.pairs)
+
+
+def test_bracketing_by_hand():
+    from bench.gate.resident import WorkerPairBlocks
+
+    pair = WorkerPairBlocks([1.0, 1.2], [1.21], outer="baseline")
+    assert pair.log_ratios == pytest.approx([math.log(1.21) - (math.log(1.0) + math.log(1.2)) / 2])
+    flipped = WorkerPairBlocks([1.1], [1.0, 1.44], outer="candidate")
+    assert flipped.log_ratios == pytest.approx([math.log(1.2) - math.log(1.1)])  # sqrt(1.0 * 1.44) = 1.2
+    with pytest.raises(ValueError, match="2 inner blocks need 3 outer blocks"):
+        _ = WorkerPairBlocks([1.0, 1.0], [1.0, 1.0]).log_ratios
+
+
+@pytest.mark.parametrize("effect", [dict(repeat=0.97), dict(drift=0.002)])
+def test_cache_and_drift_effects_do_not_bias_identical_code(effect):
+    """A side that runs twice in a row 3% faster, or a machine that slows steadily: identical code
+    still compares at x1.000 (a fixed AB, BA order hands the repeat to one side in every pair)."""
+    result, _ = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600, noise=1e-9, **effect)
+    assert result.estimate.slowdown == pytest.approx(0.0, abs=0.002)
+    assert result.verdict == "unchanged"
 
 
 def test_identical_sides_stop_at_the_minimum_of_worker_pairs_unchanged():
