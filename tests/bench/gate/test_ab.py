@@ -335,7 +335,7 @@ def test_ab_against_head(tmp_path, tiny, capsys):
 
 def comparison(name: str, slowdown: float, spread: float = 0.0) -> ResidentComparison:
     """Three worker pairs of two block pairs each, the candidate ``slowdown`` slower (each pair off by ``spread``)."""
-    pairs = [WorkerPairBlocks([1.0, 1.0], [(1.0 + slowdown) * (1 + spread * d)] * 2) for d in (-1, 0, 1)]
+    pairs = [WorkerPairBlocks([1.0] * 3, [(1.0 + slowdown) * (1 + spread * d)] * 2) for d in (-1, 0, 1)]
     est = paired.pooled([p.log_ratios for p in pairs])
     return ResidentComparison(name, 5, pairs, 12.0, est, paired.verdict(est, 0.03), "decided")
 

@@ -201,7 +201,7 @@ def test_the_ab_gate_accepts_an_exact_metric_and_the_step_time_by_name():
     assert paired_gate({"a": [(run(100.0), run(107.0))]}, 0.03, acceptances=allowed).exit_code == 1
 
     def blocks(slowdown: float) -> ResidentComparison:
-        pairs = [WorkerPairBlocks([1.0, 1.0], [1.0 + slowdown, 1.0 + slowdown]) for _ in range(3)]
+        pairs = [WorkerPairBlocks([1.0] * 3, [1.0 + slowdown] * 2) for _ in range(3)]
         est = paired.pooled([p.log_ratios for p in pairs])
         return ResidentComparison("a", 5, pairs, 12.0, est, paired.verdict(est, 0.03), "decided")
 
