@@ -90,7 +90,8 @@ def fake_pairs(base_step, cand_step, order, clock, pair_bias=0.0, noise=0.0, see
     rng = random.Random(seed)
 
     @contextlib.contextmanager
-    def open_pair():
+    def open_pair(candidate_first=False):
+        order.append("candidate first" if candidate_first else "baseline first")
         clock[0] += 2 * start_s
         biases = [math.exp(rng.gauss(0, pair_bias / math.sqrt(2))) for _ in range(2)]
         yield (
@@ -117,20 +118,27 @@ def run_fake(base_step, cand_step, tolerance, budget_s, stop_early=True, extensi
 
 
 def test_each_pair_warms_then_brackets_one_side_by_the_other_and_is_closed():
-    result, order = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600)
-    assert order[:2] == ["baseline", "candidate"]  # the first pair's probes size the blocks
-    assert result.steps_per_block == round(0.6 / 0.0101)  # 0.6 s blocks from the faster probe (1% jitter)
-    blocks = paired.MIN_BLOCKS_PER_PAIR
-    outer_first = ["baseline", "candidate"] * (blocks + 1)
-    # One unrecorded block of that size each (the inner side last), then O I O I ... O; then closed.
-    assert order[2 : 5 + 2 * blocks] == ["baseline", "candidate", *outer_first[: 2 * blocks + 1]]
-    assert order[5 + 2 * blocks] == "closed"
-    # The next pair: the sides change places.
-    second = order[6 + 2 * blocks : 9 + 4 * blocks]
-    assert second == ["candidate", "baseline", *["candidate", "baseline"] * blocks, "candidate"]
-    assert order.count("closed") == len(result.pairs)
-    assert [p.outer for p in result.pairs[:2]] == ["baseline", "candidate"]
-    assert all(len(p.log_ratios) == blocks for p in result.pairs)
+    result, order = run_fake(0.01, 0.01, tolerance=0.05, budget_s=60, stop_early=False)
+    assert abs(result.steps_per_block - 60) <= 1  # 0.6 s blocks from the faster probe of a 0.01 s step (1% jitter)
+    segments, current = [], []
+    for event in order:
+        if event == "closed":
+            segments.append(current)
+            current = []
+        else:
+            current.append(event)
+    assert len(segments) == len(result.pairs) >= 4
+    b, c, blocks = "baseline", "candidate", paired.MIN_BLOCKS_PER_PAIR
+    # The first pair's probes size the blocks; then one unrecorded block each (the inner side last),
+    # then O I O I ... O. The outer place changes every pair, the first to start every two pairs.
+    assert segments[0] == ["baseline first", b, c, b, c, *[b, c] * blocks, b]
+    assert segments[1] == ["baseline first", c, b, *[c, b] * blocks, c]
+    assert segments[2] == ["candidate first", b, c, *[b, c] * blocks, b]
+    # From the fourth pair on, the blocks per pair follow the measured variance components.
+    later = len(result.pairs[3].log_ratios)
+    assert segments[3] == ["candidate first", c, b, *[c, b] * later, c]
+    assert [p.outer for p in result.pairs[:4]] == [b, c, b, c]
+    assert [len(p.log_ratios) for p in result.pairs[:3]] == [blocks] * 3
 
 
 def test_bracketing_by_hand():
