@@ -67,7 +67,6 @@ from bench.gate.resident import (
     WorkerDied,
     WorkerFailedToStart,
     compare_resident,
-    fixed_layout_prefix,
     fresh_pair,
 )
 from bench.gate.work import work_verdicts
@@ -361,10 +360,6 @@ def run_ab(
     with contextlib.ExitStack() as stack:
         work = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-ab-")))
         base_root = stack.enter_context(worktree(root, plan.commit))
-        log(
-            "ab: workers' threads bound to cores; address-space randomization "
-            + ("off" if fixed_layout_prefix() else "on (setarch -R is not available or not permitted here)")
-        )
         sides = {"baseline": base_root, "candidate": Path(root)}
         for index, scenario in enumerate(plan.scenarios, 1):
             results = {}

@@ -10,12 +10,10 @@ statistics (``bench.gate.paired``) decide, or the time budget runs out.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -36,27 +34,6 @@ WORKER_SCRIPT = Path(__file__).with_name("resident_worker.py")
 TARGET_BLOCK_S = 0.6
 """Seconds a block aims at: long enough to dwarf the timer and the barrier, short enough that a
 pair sees the same machine state."""
-
-
-@functools.cache
-def fixed_layout_prefix() -> tuple[str, ...]:
-    """``setarch -R`` where this machine permits it (a container's default seccomp profile does not):
-    workers then start without address-space randomization.
-
-    Why: workers of identical code keep a bias of their own for their whole life, and where their
-    memory lands is part of it. On a 2-core AMD EPYC, six workers of e64-random-bf16 spread by 2.4%
-    (standard deviation) as started by default, 1.5% without randomization, 1.6% with bound threads
-    only, and 0.5% with both and a fixed hash seed (``PYTHONHASHSEED``; the threads:
-    ``resident_worker.place_rank``), docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md.
-    """
-    setarch = shutil.which("setarch")
-    if setarch is None:
-        return ()
-    try:
-        probe = subprocess.run([setarch, "-R", "true"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return (setarch, "-R") if probe.returncode == 0 else ()
 
 
 class WorkerDied(RuntimeError):
@@ -100,11 +77,9 @@ class ResidentSide:
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         # One side runs at a time, its ranks sharing every core, as the runner gives a launch's ranks.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.scenario.world_size)))
-        # The same memory layout in every worker, as far as the machine lets: see fixed_layout.
-        env.setdefault("PYTHONHASHSEED", "0")
         self._stderr = self.stderr_path.open("w")
         self.process = subprocess.Popen(
-            [*fixed_layout_prefix(), sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
+            [sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
             cwd=self.root,
             env=env,
             stdin=subprocess.PIPE,
