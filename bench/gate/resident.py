@@ -47,7 +47,16 @@ class WorkerFailedToStart(WorkerDied):
 class ResidentSide:
     """One side's worker; a context manager that never leaves a process behind."""
 
-    def __init__(self, label: str, root: Path, scenario: Scenario, device: str, timeout_s: float):
+    def __init__(
+        self,
+        label: str,
+        root: Path,
+        scenario: Scenario,
+        device: str,
+        timeout_s: float,
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
+    ):
         self.label, self.root, self.scenario, self.device, self.timeout_s = (
             label,
             Path(root),
@@ -55,6 +64,8 @@ class ResidentSide:
             device,
             timeout_s,
         )
+        self.env, self.prefix = dict(env or {}), prefix
+        """Extra environment and a command prefix for the worker (``bench.validate.worker_bias``'s variants)."""
         self._tmp = tempfile.TemporaryDirectory(prefix=f"moe-ab-{label}-")
         self.stderr_path = Path(self._tmp.name) / "stderr.log"
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -74,12 +85,12 @@ class ResidentSide:
                 }
             )
         )
-        env = {**os.environ, "PYTHONPATH": str(self.root)}
+        env = {**os.environ, **self.env, "PYTHONPATH": str(self.root)}
         # One side runs at a time, its ranks sharing every core, as the runner gives a launch's ranks.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.scenario.world_size)))
         self._stderr = self.stderr_path.open("w")
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
+            [*self.prefix, sys.executable, str(WORKER_SCRIPT), str(spec_file), "--device", self.device],
             cwd=self.root,
             env=env,
             stdin=subprocess.PIPE,
