@@ -18,8 +18,8 @@ centre; ``moe-bench run``'s variants use the interval too.)
 
 Over worker pairs. Two processes of identical code differ by a few percent for their whole life
 (memory layout, thread placement), which no number of blocks on one pair of processes averages away:
-on a 2-core AMD EPYC, six workers of e64-random-bf16 differed by a standard deviation of 2.4% while
-their blocks varied by 0.5% (docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md). So
+on a 2-core AMD EPYC, six workers of e64-random-bf16 differed by a standard deviation of 1.1 to
+2.4% while their blocks varied by 0.5 to 1% (docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md). So
 the unit of replication is the worker pair, and the model is the nested one,
 
     centre of pair p = delta + b_p + e_p,   b_p ~ N(0, tau^2) (pair bias),   var(e_p) = sigma^2 / B,

@@ -81,7 +81,6 @@ class ResidentSide:
                     "spec": self._spec_as_written(),
                     "file": str(self.scenario.file),
                     "timeout_s": self.timeout_s,
-                    "world_size": self.scenario.world_size,
                 }
             )
         )

@@ -28,31 +28,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-CPUS_ENV = "MOE_AB_CPUS"
-"""The cores a worker's ranks share, as rank 0 found them (it narrows its own affinity before starting
-the others)."""
-
-
-def place_rank(rank: int, world: int) -> list[int]:
-    """Pin this rank to its own share of the cores, and its OpenMP threads each to one of them; before
-    torch loads, since the OpenMP runtime reads its placement once, at load.
-
-    Why: with threads that the kernel places and moves freely, workers of identical code differed by
-    2.4% (standard deviation) for their whole life on a 2-core AMD EPYC; bound, by 0.5%
-    (docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md). Ranks get disjoint cores so that
-    binding never stacks two ranks' threads on one core.
-    """
-    if not hasattr(os, "sched_setaffinity"):  # not Linux: placement stays the kernel's
-        return []
-    known = os.environ.get(CPUS_ENV)
-    cpus = [int(c) for c in known.split(",")] if known else sorted(os.sched_getaffinity(0))
-    os.environ[CPUS_ENV] = ",".join(map(str, cpus))
-    share = max(1, len(cpus) // world)
-    mine = cpus[rank * share : (rank + 1) * share] or cpus[-share:]
-    os.sched_setaffinity(0, mine)
-    os.environ.setdefault("OMP_PROC_BIND", "close")
-    os.environ.setdefault("OMP_PLACES", "cores")
-    return mine
+import torch
 
 
 def _free_port() -> int:
@@ -83,10 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     sys.stdout = sys.stderr  # keep stdout for the protocol
-    payload = json.loads(Path(args.scenario_json).read_text())
-    place_rank(args.rank, payload["world_size"])
 
-    import torch
     import torch.distributed as dist
 
     from bench.scenario import scenario_from_dict
@@ -94,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe_engine.parallel.layout import Layout
     from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
+    payload = json.loads(Path(args.scenario_json).read_text())
     scenario = scenario_from_dict(payload["spec"], payload["file"])
     world = scenario.world_size
     children: list[subprocess.Popen] = []

@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", default="3%", help="the gate's tolerance (CI: 3%%)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--records", help="append every run's record here (JSON lines); runs already there are skipped")
+    parser.add_argument("--json", help="also write this invocation's records here, as one JSON document")
     args = parser.parse_args(argv)
     tolerance = parse_tolerance(args.tolerance)
     slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
@@ -259,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"({record['seconds']:.0f} s) {record['findings'][:1]}",
                 flush=True,
             )
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"settings": vars(args), "records": records, "work": work_records}, indent=1)
+        )
     print(render([r for r in records if r["tolerance"] == tolerance and r["budget_s"] == args.budget], work_records))
     return 0
 

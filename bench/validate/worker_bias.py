@@ -14,9 +14,10 @@ analysis of variance of what is left gives
 - the worker bias: the standard deviation of the workers' lifelong means, less the block noise they
   carry (``(MS_between - MS_within) / rounds``, floored at 0).
 
-Variants: ``--env OMP_PROC_BIND=false`` lets the threads float (the workers bind them by default,
-``bench/gate/resident_worker.py``); ``--no-aslr`` starts each worker under ``setarch -R``; any other
-environment variable (``PYTHONHASHSEED=0``, ``MALLOC_ARENA_MAX=1``) by ``--env``. ``--records``
+Variants: ``--env OMP_PROC_BIND=close --env OMP_PLACES=cores`` binds each OpenMP thread to a core
+(the workers leave placement to the kernel, as the runner does); ``--no-aslr`` starts each worker
+under ``setarch -R``; any other environment variable (``PYTHONHASHSEED=0``, ``MALLOC_ARENA_MAX=1``)
+by ``--env``. ``--records``
 appends the result as one JSON line.
 """
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
@@ -266,34 +265,3 @@ def test_the_worker_drives_the_latest_release_as_it_drives_this_checkout(tmp_pat
     assert len(old.last_losses) == 2 and all(math.isfinite(loss) for loss in old.last_losses)
     assert old.last_losses == pytest.approx(new.last_losses, rel=1e-4)
     assert owned_processes_after(owner) == []
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="core placement is Linux's")
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_each_rank_gets_its_own_cores_and_bound_threads(world):
-    """Ranks of one worker never share a core (bound threads would stack on it), and together they use them all."""
-    import subprocess
-    import sys
-
-    cpus = sorted(os.sched_getaffinity(0))
-    placed = []
-    for rank in range(world):
-        code = (
-            "import json, os, sys; sys.path.insert(0, 'bench/gate'); import resident_worker as w; "
-            f"mine = w.place_rank({rank}, {world}); "
-            "print(json.dumps([mine, sorted(os.sched_getaffinity(0)), os.environ['OMP_PROC_BIND']]))"
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
-        done = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60
-        )
-        mine, affinity, bind = json.loads(done.stdout)
-        assert mine == affinity and bind == "close"
-        placed.append(set(mine))
-    share = max(1, len(cpus) // world)
-    assert all(len(p) == share for p in placed)
-    if world <= len(cpus):
-        assert all(not (a & b) for i, a in enumerate(placed) for b in placed[i + 1 :])
-    assert set().union(*placed) <= set(cpus)
-    if len(cpus) % world == 0 and world <= len(cpus):
-        assert set().union(*placed) == set(cpus)
