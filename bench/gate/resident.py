@@ -284,8 +284,7 @@ def compare_resident(
         times = WorkerPairBlocks(outer="baseline" if (result is None or len(result.pairs) % 2 == 0) else "candidate")
         index = len(result.pairs) if result is not None else 0
         # Which worker starts first changes every two pairs, and the outer place every pair: the four
-        # combinations come round every four pairs. Identical code started second measured about 1%
-        # faster on e8-skewed-fp32 (A/A calibrations on a 2-core AMD EPYC).
+        # combinations come round every four pairs, so an effect of either cancels over them.
         with open_pair(candidate_first=index // 2 % 2 == 1) as (baseline, candidate):
             if result is None:
                 probe = [baseline.block(1), candidate.block(1)]
@@ -295,7 +294,8 @@ def compare_resident(
             # One unrecorded block of the final size per side: the first blocks of a process still grow
             # its allocator pools and caches. The inner side warms last, so that every recorded block
             # follows the other side's: a side that runs twice in a row finds its data still in the
-            # caches (1% faster on e8-skewed-fp32, an A/A calibration on a 2-core AMD EPYC).
+            # caches (under the old AB, BA order, A/A calibrations of e8-skewed-fp32 leaned about 1%
+            # toward the side that did, on a 2-core AMD EPYC).
             outer.block(result.steps_per_block), inner.block(result.steps_per_block)
             blocks_started = clock()
             pair_s = blocks_started - pair_started
