@@ -222,17 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     files = args.scenario or [str(f) for f in suite_files(args.suite, torch_device(args.device))]
     scenarios = [s for s in (load_scenario(f) for f in files) if s.mode == "execute"]
     records = load_records(Path(args.records)) if args.records else []
-    todo = [
-        (scenario, fraction)
+    missing = {
+        (scenario.name, fraction): max(
+            0,
+            (args.aa_runs if fraction == 0 else args.runs)
+            - _done(records, scenario.name, fraction, tolerance, args.budget),
+        )
         for fraction in (0.0, *slowdowns)
         for scenario in scenarios
-        for _ in range(
-            max(
-                0,
-                (args.aa_runs if fraction == 0 else args.runs)
-                - _done(records, scenario.name, fraction, tolerance, args.budget),
-            )
-        )
+    }
+    # Round-robin over scenarios and plants: a measurement cut short still has some of each.
+    todo = [
+        (scenario, fraction)
+        for i in range(max(missing.values(), default=0))
+        for fraction in (0.0, *slowdowns)
+        for scenario in scenarios
+        if i < missing[scenario.name, fraction]
     ]
     with contextlib.ExitStack() as stack:
         trees = {
