@@ -71,18 +71,12 @@ EXACT_UP_TO = 60
 """Pairs up to which the signed-rank critical value comes from its exact distribution."""
 
 
-@dataclass(frozen=True)
-class PairedEstimate:
-    """The slowdown of the candidate, from paired block times."""
+class LogInterval:
+    """An estimate of log(t_candidate / t_baseline) and its 95% interval, read as ratios."""
 
-    pairs: int
-    """Block pairs."""
     estimate: float
-    """Hodges-Lehmann estimate of log(t_candidate / t_baseline)."""
     low: float
-    """Lower bound of the 95% interval (log space)."""
     high: float
-    """Upper bound of the 95% interval (log space)."""
 
     @property
     def slowdown(self) -> float:
@@ -97,6 +91,20 @@ class PairedEstimate:
     @property
     def width(self) -> float:
         return self.high - self.low
+
+
+@dataclass(frozen=True)
+class PairedEstimate(LogInterval):
+    """The slowdown of the candidate, from paired block times."""
+
+    pairs: int
+    """Block pairs."""
+    estimate: float
+    """Hodges-Lehmann estimate of log(t_candidate / t_baseline)."""
+    low: float
+    """Lower bound of the 95% interval (log space)."""
+    high: float
+    """Upper bound of the 95% interval (log space)."""
 
 
 def log_ratios(baseline_s: list[float], candidate_s: list[float]) -> list[float]:
@@ -144,7 +152,7 @@ def hodges_lehmann(values: list[float], z: float = Z_95) -> PairedEstimate:
     return PairedEstimate(len(values), estimate, walsh[k - 1], walsh[len(walsh) - k])
 
 
-def verdict(est: PairedEstimate | PooledEstimate, tolerance: float) -> str:
+def verdict(est: LogInterval, tolerance: float) -> str:
     """regressed / improved / unchanged / inconclusive (see the module docstring)."""
     bound = math.log1p(tolerance)
     if est.low > 0 and est.estimate > bound:
@@ -204,7 +212,7 @@ def t_critical(df: int, alpha: float = 0.05) -> float:
 
 
 @dataclass(frozen=True)
-class PooledEstimate:
+class PooledEstimate(LogInterval):
     """The slowdown of the candidate over several fresh worker pairs, pair bias included."""
 
     worker_pairs: int
@@ -221,20 +229,6 @@ class PooledEstimate:
     """Standard deviation of the pair centres (log space): pair bias and block noise together."""
     within_sd: float
     """Pooled standard deviation of one block pair's log-ratio around its pair's centre (log space)."""
-
-    @property
-    def slowdown(self) -> float:
-        """The estimate as a ratio - 1: 0.05 is 5% slower."""
-        return math.expm1(self.estimate)
-
-    @property
-    def interval(self) -> tuple[float, float]:
-        """The interval as ratios - 1."""
-        return math.expm1(self.low), math.expm1(self.high)
-
-    @property
-    def width(self) -> float:
-        return self.high - self.low
 
 
 def centre(values: list[float]) -> float:
