@@ -19,6 +19,7 @@ gloo: this one is rank 0 and starts the others; rank 0 relays each command to th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -107,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         trainer = ParallelTrainer(rank_model, parallel, groups)
     else:
         rank_model, trainer = build_trainer(scenario, groups, device)
+    gemms: contextlib.AbstractContextManager
+    try:
+        from moe_engine.precision.cpu_bf16 import bf16_gemms_in_fp32
+    except ImportError:  # a baseline from before it: its bf16 GEMMs run as ATen runs them
+        gemms = contextlib.nullcontext()
+    else:
+        # As ``moe-bench run`` times its steps (bf16 GEMMs in fp32 on a CPU without bf16 arithmetic).
+        gemms = bf16_gemms_in_fp32(device, config.dtype.torch_dtype)
     dp_rank = groups.coords.dp_rank if groups else 0
     sequences = _run_setting(scenario, "tokens_per_step") // config.seq_len
     per_rank = sequences // parallel.dp
@@ -126,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        losses = [trainer.step(tokens[:, :-1], tokens[:, 1:]) for tokens in batches]
+        with gemms:
+            losses = [trainer.step(tokens[:, :-1], tokens[:, 1:]) for tokens in batches]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)

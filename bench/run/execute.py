@@ -40,6 +40,7 @@ from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+from moe_engine.precision.cpu_bf16 import bf16_gemms_in_fp32, gemm_details
 
 
 class NonFiniteLoss(RuntimeError):
@@ -72,7 +73,8 @@ def peak_matmul_size(seconds_of: Callable[[int], float], call_seconds: float = 0
 
 
 def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float = 1.0) -> float:
-    """Achieved TFLOP/s of a large square matmul (sized by ``peak_matmul_size``): the practical peak for MFU."""
+    """Achieved TFLOP/s of a large square matmul (sized by ``peak_matmul_size``), run as the timed steps
+    run theirs (``bf16_gemms_in_fp32``): the practical peak for MFU."""
 
     def operands(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -86,17 +88,18 @@ def measure_peak_tflops(device: torch.device, dtype: torch.dtype, seconds: float
         synchronize(device)
         return time.perf_counter() - start
 
-    n = peak_matmul_size(seconds_of)
-    a, b = operands(n)
-    for _ in range(2):
-        a @ b
-    synchronize(device)
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ b
-        runs += 1
-    synchronize(device)
-    return 2 * n**3 * runs / (time.perf_counter() - start) / 1e12
+    with bf16_gemms_in_fp32(device, dtype):  # as the timed steps run their GEMMs
+        n = peak_matmul_size(seconds_of)
+        a, b = operands(n)
+        for _ in range(2):
+            a @ b
+        synchronize(device)
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            runs += 1
+        synchronize(device)
+        return 2 * n**3 * runs / (time.perf_counter() - start) / 1e12
 
 
 class TokenBatches:
@@ -182,6 +185,8 @@ def execute(
     )
 
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
+    # The timed steps only: the work counters and the memory tracker see the program's own bf16 ops.
+    dtype = config.dtype.torch_dtype
     total_steps = run.warmup_steps + run.steps * run.repeats
     ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing, progress)
     losses, grad_norms = [], []
@@ -194,7 +199,8 @@ def execute(
         if measured and device.type == "cuda" and step == run.warmup_steps:
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        loss = trainer.step(tokens, labels)
+        with bf16_gemms_in_fp32(device, dtype):
+            loss = trainer.step(tokens, labels)
         synchronize(device)
         elapsed = time.perf_counter() - start
         loss_value = _global_loss(loss, groups, parallel.dp)
@@ -282,6 +288,7 @@ def execute(
         expert_backend=config.moe.backend.value,
         expert_backend_path=_backend_path(rank_model),
         fused_kernels=_fused_kernel_paths(rank_model, config),
+        gemms=gemm_details(device, dtype),
         losses=losses,
         per_rank=[_rank_details(r, groups) for r in records],
         work={"step": WORK_STEP, "ranks": [{"rank": r.rank, **r.work} for r in records]},

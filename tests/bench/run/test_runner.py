@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from result_docs import make_doc
 
@@ -15,6 +16,7 @@ from bench.results import load_results, write_result
 from bench.run.runner import suite_files
 from bench.scenario import SCENARIOS_DIR, load_scenario
 from moe_engine.flops import training_flops_per_token
+from moe_engine.precision.cpu_bf16 import gemm_details
 
 TINY = {
     "schema_version": 1,
@@ -393,6 +395,9 @@ def test_mxfp8_scenario_records_the_path_that_ran(tmp_path):
     assert mx["details"]["expert_backend"] == "mxfp8"
     assert mx["details"]["expert_backend_path"] == "torch-emulation"  # no GPU: the emulation, and it says so
     assert bf["details"]["expert_backend"] == "torch"
+    # How the timed steps ran their GEMMs: in fp32 from bf16 operands where this CPU has no bf16 arithmetic.
+    assert bf["details"]["gemms"] == gemm_details("cpu", torch.bfloat16)
+    assert mx["details"]["gemms"] == gemm_details("cpu", torch.bfloat16)
     # Same seed, same data: the first measured losses agree to MXFP8 accuracy.
     assert mx["details"]["losses"][0] == pytest.approx(bf["details"]["losses"][0], rel=0.02)
     # Fused kernels on a CPU run their reference compositions and say so, op by op.

@@ -1,0 +1,86 @@
+"""bf16 GEMMs on a CPU without bf16 arithmetic: computed in fp32 from the bf16 operands, rounded once.
+
+ATen hands a CPU bf16 GEMM to oneDNN only where the core has bf16 instructions (AVX512-BF16 or AMX
+on x86, BF16 on Arm: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``). Elsewhere, on an AVX2 core,
+it runs a generic loop: on a 2-core AMD EPYC (AVX2), a (2048 x 256) @ (256 x 1024) product took 73 ms
+in bf16, 9 ms in fp32 and 13 ms as upcast, fp32 product, round; a bf16 smoke step (e8-random-bf16)
+4.2 s, 90% of it in ``aten::mm``, and 0.45 s with ``BF16GemmsInFp32``.
+
+The result is the one a native bf16 GEMM gives: bf16 values are exact in fp32, the products add up
+in fp32, and the sum is rounded to bf16 once, as oneDNN's and cuBLAS's bf16 kernels do; only the
+order of the additions differs, as it does between any two BLAS. Autograd sees the bf16 op (the mode
+sits below it), so what backward saves is unchanged: the fp32 copies live only inside each op.
+
+The engine's own fused ops (``moe_engine.kernels``) run their inner GEMMs as ATen does: a dispatch
+mode steps aside while an op it passes on runs.
+
+The mode is the caller's choice, around the steps it times: the counters, tracers and memory
+trackers of ``bench`` see the program's own bf16 ops when they run a step without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_ROUNDED_OUTPUTS = {
+    # op -> how many of its leading outputs are bf16 in the native op (the rest stay as computed:
+    # the flash attention's logsumexp is fp32 for bf16 inputs too)
+    aten.mm.default: 1,
+    aten.addmm.default: 1,
+    aten.bmm.default: 1,
+    aten.baddbmm.default: 1,
+    aten._grouped_mm.default: 1,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 1,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 3,
+}
+
+
+def native_bf16_gemms() -> bool:
+    """Whether this CPU's bf16 GEMMs run on bf16 instructions (oneDNN), the test ATen itself applies."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _is_bf16(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16
+
+
+def _upcast(value: object) -> object:
+    return value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
+
+
+class BF16GemmsInFp32(TorchDispatchMode):
+    """While active, each CPU bf16 GEMM and flash attention (forward and backward) runs in fp32 on
+    fp32 copies of its bf16 operands, and its bf16 outputs are rounded back once."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rounded = _ROUNDED_OUTPUTS.get(func)
+        if rounded is None or not any(_is_bf16(a) for a in args):
+            return func(*args, **kwargs)
+        out = func(*[_upcast(a) for a in args], **{k: _upcast(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor):
+            return out.to(torch.bfloat16)
+        return type(out)(t.to(torch.bfloat16) if i < rounded else t for i, t in enumerate(out))
+
+
+def applies(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``bf16_gemms_in_fp32`` changes anything for a model of ``dtype`` on ``device``."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not native_bf16_gemms()
+
+
+def bf16_gemms_in_fp32(device: torch.device | str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """A ``BF16GemmsInFp32`` where it ``applies`` (a bf16 model on a CPU without bf16 arithmetic), else a
+    context that does nothing. Either may be entered again and again."""
+    return BF16GemmsInFp32() if applies(device, dtype) else contextlib.nullcontext()
+
+
+def gemm_details(device: torch.device | str, dtype: torch.dtype) -> str:
+    """One line for a result's details: how the step's GEMMs ran."""
+    if applies(device, dtype):
+        return "bf16 operands, fp32 products rounded to bf16 (this CPU has no bf16 arithmetic)"
+    return "native"
