@@ -17,7 +17,9 @@ Per execute scenario:
    over the pairs' estimates, which holds that pair bias (``bench.gate.paired``), after as many
    pairs as it takes to decide or the scenario's time budget. An interval that still admits a
    slowdown of the tolerance then gets the budget again, once; if it still does, the verdict is
-   inconclusive and the gate fails: it could not rule out a regression.
+   inconclusive. A scenario fails the gate when its estimate exceeds the tolerance, regressed or
+   inconclusive; an inconclusive one within the tolerance passes with a note (``bench.gate.paired.
+   fails`` says why that is safe).
 
 Exact metrics of the two documents are gated as exact values (``bench.gate.compare``: beyond the
 tolerance in the worse direction regresses). A plan scenario's figures are arithmetic, not
@@ -61,7 +63,7 @@ from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
 from bench.gate.compare import classify, is_work_metric, paired_ratio
 from bench.gate.formatting import format_noise
-from bench.gate.paired import PooledEstimate
+from bench.gate.paired import PooledEstimate, fails
 from bench.gate.resident import (
     ResidentComparison,
     WorkerDied,
@@ -131,12 +133,19 @@ class ABReport:
     the resident blocks' step time is accepted by those naming ``step_time_s``."""
 
     def resident_verdict(self, r: ResidentComparison) -> str:
-        """The blocks' verdict, ``accepted`` for a slowdown within the accepted changes of its step time."""
-        if r.verdict == "regressed" and r.estimate is not None:
+        """The blocks' verdict, ``accepted`` for a failing slowdown within the accepted changes of its step time."""
+        if r.estimate is not None and fails(r.estimate, self.tolerance):
             _, within = acceptance_of(self.acceptances, "step_time_s", r.scenario, 1 + r.estimate.slowdown, "lower")
             if within:
                 return "accepted"
         return r.verdict
+
+    def resident_fails(self, r: ResidentComparison) -> bool:
+        """Whether the blocks fail the gate: an estimate beyond the tolerance not accepted, or no estimate
+        where one was due."""
+        if r.estimate is None:
+            return r.verdict in ("regressed", "inconclusive")
+        return fails(r.estimate, self.tolerance) and self.resident_verdict(r) != "accepted"
 
     def _named(self, scenario: str, name: str) -> tuple[Acceptance, ...]:
         return acceptance_of(self.acceptances, name, scenario, None, None)[0]
@@ -148,7 +157,7 @@ class ABReport:
             if (
                 self.failures
                 or any(m.verdict == "regressed" for m in self.metrics)
-                or any(self.resident_verdict(r) in ("regressed", "inconclusive") for r in self.resident)
+                or any(self.resident_fails(r) for r in self.resident)
                 or any(w.startswith("REGRESSION") for w in self.work)
             )
             else 0
@@ -209,10 +218,17 @@ class ABReport:
                 if r.verdict == "regressed"
             ]
             + [
-                f"INCONCLUSIVE {r.scenario} step time: x{format_ratio(1 + r.estimate.slowdown)}, interval "
+                f"{'INCONCLUSIVE' if self.resident_fails(r) else 'NOTE'} {r.scenario} step time: "
+                f"x{format_ratio(1 + r.estimate.slowdown)}, interval "
                 f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still admits "
                 f"a slowdown of the tolerance after {len(r.pairs)} worker pairs ({r.seconds:.0f} s, budget and its "
-                "extension): a regression cannot be ruled out; raise --budget"
+                "extension): "
+                + (
+                    "the estimate is beyond the tolerance and a regression cannot be ruled out; raise --budget"
+                    if self.resident_fails(r)
+                    else "inconclusive, passed: the estimate is within the tolerance (the gate's measured power: "
+                    "docs/gates-and-releases.md)"
+                )
                 for r in self.resident
                 if r.verdict == "inconclusive" and r.estimate is not None
             ]

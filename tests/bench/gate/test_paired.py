@@ -74,6 +74,21 @@ def test_verdicts(estimate, low, high, expected):
     assert paired.verdict(paired.PairedEstimate(20, estimate, low, high), 0.05) == expected
 
 
+@pytest.mark.parametrize(
+    "estimate, low, high, expected",
+    [
+        (0.08, 0.06, 0.10, True),  # regressed
+        (0.06, -0.01, 0.13, True),  # inconclusive, the estimate beyond log(1.05) = 0.0488
+        (0.047, 0.03, 0.06, False),  # inconclusive, the estimate within
+        (0.0, -0.02, 0.05, False),  # inconclusive, centred on no change
+        (0.03, 0.01, 0.045, False),  # unchanged
+        (-0.08, -0.10, -0.06, False),  # improved
+    ],
+)
+def test_what_fails_the_gate_is_an_estimate_beyond_the_tolerance(estimate, low, high, expected):
+    assert paired.fails(paired.PairedEstimate(20, estimate, low, high), 0.05) is expected
+
+
 def test_stopping_rule_waits_for_the_minimum_of_pairs():
     narrow = paired.PairedEstimate(paired.MIN_PAIRS - 1, 0.0, -0.001, 0.001)
     assert not paired.decided(narrow, 0.05)
