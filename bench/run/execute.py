@@ -185,7 +185,6 @@ def execute(
     )
 
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
-    # The timed steps only: the work counters and the memory tracker see the program's own bf16 ops.
     dtype = config.dtype.torch_dtype
     total_steps = run.warmup_steps + run.steps * run.repeats
     ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing, progress)
@@ -229,7 +228,7 @@ def execute(
         ckpt.step_done(step, measured, loss_value, elapsed, grad_norm)
 
     saves = ckpt.finish()
-    record.memory = _measure_memory(trainer, batches, device)
+    record.memory = _measure_memory(trainer, batches, device, dtype)
     rank_tokens = tokens_per_step // parallel.dp
     record.work = _measure_work(scenario, trainer, rank_model, device, groups, flops_per_token * rank_tokens)
     if rank == 0:
@@ -528,12 +527,14 @@ def _measure_work(
         group_labels.update({getattr(groups, kind).group_name: kind for kind in ("dp", "ep", "edp", "pp")})
         dist.barrier()
     synchronize(device)
-    work = count_step_work(lambda: trainer.step(tokens, labels), device, trainer.resident_tensors(), group_labels)
+    # The counters sit above the bf16 GEMMs' mode (entered first): they count the program's bf16 ops.
+    with bf16_gemms_in_fp32(device, scenario.model.dtype.torch_dtype):
+        work = count_step_work(lambda: trainer.step(tokens, labels), device, trainer.resident_tensors(), group_labels)
     ratio = work.matmul_flops / formula_flops if formula_flops else 0.0
     return {**work.to_dict(), "formula_flops": formula_flops, "flops_ratio": ratio}
 
 
-def _measure_memory(trainer: ParallelTrainer, batches, device) -> dict[str, int]:
+def _measure_memory(trainer: ParallelTrainer, batches, device, dtype: torch.dtype) -> dict[str, int]:
     if device.type == "cuda":
         return {
             "cuda_peak_active_bytes": torch.cuda.max_memory_allocated(device),
@@ -541,6 +542,8 @@ def _measure_memory(trainer: ParallelTrainer, batches, device) -> dict[str, int]
         }
     # One extra step under the tracker (it slows ops, so it is not one of the timed steps).
     tokens, labels = next(batches)
-    with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
+    # The tracker sits above the bf16 GEMMs' mode (entered first): the fp32 copies inside a GEMM are
+    # not the program's tensors.
+    with bf16_gemms_in_fp32(device, dtype), TensorMemoryTracker(trainer.resident_tensors()) as tracker:
         trainer.step(tokens, labels)
     return {"peak_tensor_bytes": tracker.peak, "rss_peak_bytes": rss_peak_bytes()}

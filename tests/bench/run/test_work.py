@@ -6,6 +6,8 @@ an extra copy, an extra host sync) are planted here, by monkeypatching the engin
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 from contextlib import redirect_stdout
@@ -417,3 +419,38 @@ def test_an_extra_all_reduce_is_named_in_the_gate(tmp_path):
     assert "REGRESSION tiny-dp2 work_collective_bytes: work increased: +8 MiB of collectives per step" in report
     code, report = _gate("--baseline", str(base_dir), "--candidate", str(cand_dir), "--accept-work")
     assert code == 0 and "work increased (accepted): +1 all_reduce of 4 MiB per step (dp)" in report
+
+
+def test_the_counts_of_a_bf16_step_are_the_same_with_its_gemms_in_fp32():
+    """``moe-bench run`` counts a bf16 step with ``BF16GemmsInFp32`` below the counters (entered first):
+    every count, and the memory tracker's peak, equal those of the native bf16 step, so the work
+    metrics of a CPU without bf16 arithmetic compare exactly with any other's."""
+    from moe_engine import ModelConfig
+    from moe_engine.config import MoEConfig, ParallelConfig
+    from moe_engine.parallel.trainer import build_rank_model
+    from moe_engine.precision.cpu_bf16 import BF16GemmsInFp32
+
+    config = ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        seq_len=16,
+        dtype="bf16",
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24),
+    )
+    tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(7))
+    counts, peaks = [], []
+    for mode in (None, BF16GemmsInFp32()):
+        parallel = ParallelConfig()
+        trainer = ParallelTrainer(build_rank_model(config, parallel, None, torch.device("cpu"), seed=3), parallel, None)
+        with mode or contextlib.nullcontext():
+            work = count_step_work(functools.partial(trainer.step, tokens[:, :-1], tokens[:, 1:]), torch.device("cpu"))
+            with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
+                trainer.step(tokens[:, :-1], tokens[:, 1:])
+        counts.append({k: v for k, v in work.to_dict().items() if k != "seconds"})
+        peaks.append(tracker.peak)
+    assert counts[0]["matmul_flops"] > 0 and counts[0]["ops_by_name"]["aten._grouped_mm.default"] > 0
+    assert counts[1] == counts[0]
+    assert peaks[1] == peaks[0]
