@@ -121,7 +121,8 @@ class _GemmDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tiny_trainer():
+def tiny_bf16_trainer():
+    """A two-block bf16 MoE model's trainer, built from SEED (also used by tests/bench/run/test_work.py)."""
     config = ModelConfig(
         vocab_size=64,
         d_model=32,
@@ -139,7 +140,7 @@ def _tiny_trainer():
 
 
 def test_no_bf16_gemm_of_a_training_step_reaches_aten():
-    config, trainer = _tiny_trainer()
+    config, trainer = tiny_bf16_trainer()
     tokens = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
     with _GemmDtypes() as below, BF16GemmsInFp32():
         trainer.step(tokens[:, :-1], tokens[:, 1:])
@@ -152,8 +153,8 @@ def test_no_bf16_gemm_of_a_training_step_reaches_aten():
 def test_training_steps_match_native_bf16():
     """Three steps with and without the mode: the losses agree within the rounding of the step's chain
     (its longest sums are the weight gradients' over the batch's tokens)."""
-    config, native = _tiny_trainer()
-    _, moded = _tiny_trainer()
+    config, native = tiny_bf16_trainer()
+    _, moded = tiny_bf16_trainer()
     gen = torch.Generator().manual_seed(SEED)
     for _ in range(3):
         tokens = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=gen)

@@ -425,26 +425,14 @@ def test_the_counts_of_a_bf16_step_are_the_same_with_its_gemms_in_fp32():
     """``moe-bench run`` counts a bf16 step with ``BF16GemmsInFp32`` below the counters (entered first):
     every count, and the memory tracker's peak, equal those of the native bf16 step, so the work
     metrics of a CPU without bf16 arithmetic compare exactly with any other's."""
-    from moe_engine import ModelConfig
-    from moe_engine.config import MoEConfig, ParallelConfig
-    from moe_engine.parallel.trainer import build_rank_model
+    from test_cpu_bf16 import tiny_bf16_trainer
+
     from moe_engine.precision.cpu_bf16 import BF16GemmsInFp32
 
-    config = ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        seq_len=16,
-        dtype="bf16",
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24),
-    )
     tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(7))
     counts, peaks = [], []
     for mode in (None, BF16GemmsInFp32()):
-        parallel = ParallelConfig()
-        trainer = ParallelTrainer(build_rank_model(config, parallel, None, torch.device("cpu"), seed=3), parallel, None)
+        _, trainer = tiny_bf16_trainer()
         with mode or contextlib.nullcontext():
             work = count_step_work(functools.partial(trainer.step, tokens[:, :-1], tokens[:, 1:]), torch.device("cpu"))
             with TensorMemoryTracker(trainer.resident_tensors()) as tracker:
