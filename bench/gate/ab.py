@@ -213,6 +213,7 @@ class ABReport:
                 f"x{format_ratio(1 + _estimate(r).slowdown)}, 95% interval "
                 f"[{format_ratio(1 + _estimate(r).interval[0])}, {format_ratio(1 + _estimate(r).interval[1])}] over "
                 f"{len(r.pairs)} worker pairs (tolerance {format_percent(self.tolerance)})"
+                + _confirmation_text(r)
                 + _acceptance_text(self._named(r.scenario, "step_time_s"), self.resident_verdict(r) == "accepted")
                 for r in self.resident
                 if r.verdict == "regressed"
@@ -221,8 +222,8 @@ class ABReport:
                 f"{'INCONCLUSIVE' if self.resident_fails(r) else 'NOTE'} {r.scenario} step time: "
                 f"x{format_ratio(1 + r.estimate.slowdown)}, interval "
                 f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] still admits "
-                f"a slowdown of the tolerance after {len(r.pairs)} worker pairs ({r.seconds:.0f} s, budget and its "
-                "extension): "
+                f"a slowdown of the tolerance after {len(r.pairs)} worker pairs ({r.seconds:.0f} s, "
+                f"{STOPPED_BY_TEXT.get(r.stopped_by, r.stopped_by)}){_confirmation_text(r)}: "
                 + (
                     "the estimate is beyond the tolerance and a regression cannot be ruled out; raise --budget"
                     if self.resident_fails(r)
@@ -231,6 +232,13 @@ class ABReport:
                 )
                 for r in self.resident
                 if r.verdict == "inconclusive" and r.estimate is not None
+            ]
+            + [
+                f"NOTE {r.scenario} step time: x{format_ratio(1 + r.unconfirmed.slowdown)} after "
+                f"{r.unconfirmed.worker_pairs} worker pairs, not confirmed: x{format_ratio(1 + r.estimate.slowdown)} "
+                f"over {len(r.pairs)} with the fresh ones ({r.verdict}, passed)"
+                for r in self.resident
+                if r.unconfirmed is not None and r.estimate is not None and not fails(r.estimate, self.tolerance)
             ]
             + [
                 f"REGRESSION {m.scenario} {m.metric}: x{format_ratio(m.ratio)} "
@@ -257,6 +265,21 @@ def _estimate(r: ResidentComparison) -> PooledEstimate:
     if r.estimate is None:
         raise ValueError(f"resident comparison of {r.scenario}: verdict {r.verdict!r} without an estimate")
     return r.estimate
+
+
+STOPPED_BY_TEXT = {
+    "budget": "its budget",
+    "extension": "budget and its extension",
+    "confirmation": "and the confirmation",
+}
+"""How a resident comparison ended, as the inconclusive line says it (``ResidentComparison.stopped_by``)."""
+
+
+def _confirmation_text(r: ResidentComparison) -> str:
+    """``; confirmed: x<first> on the first <n> worker pairs`` for a failing estimate its confirmation kept."""
+    if r.unconfirmed is None or r.estimate is None:
+        return ""
+    return f"; confirmed: x{format_ratio(1 + r.unconfirmed.slowdown)} on the first {r.unconfirmed.worker_pairs} worker pairs"
 
 
 def _acceptance_text(named: tuple[Acceptance, ...], within: bool) -> str:
@@ -436,6 +459,7 @@ def _resident(
         plan.budget_s,
         log=log,
         extension_s=plan.budget_s,
+        confirm=True,
     )
 
 

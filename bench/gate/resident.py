@@ -234,8 +234,11 @@ class ResidentComparison:
     estimate: paired.PooledEstimate | None = None
     verdict: str = "inconclusive"
     stopped_by: str = ""
-    """"decided" (the interval got narrower than the tolerance), "budget" (time ran out) or
-    "extension" (time ran out again after the one extension an inconclusive verdict gets)."""
+    """"decided" (the interval got narrower than the tolerance), "budget" (time ran out),
+    "extension" (time ran out again after the one extension an inconclusive verdict gets) or
+    "confirmation" (the fresh pairs that confirm a failing estimate are done)."""
+    unconfirmed: paired.PooledEstimate | None = None
+    """The estimate that a confirmation put to the test (None where none ran)."""
 
     @property
     def baseline_s(self) -> list[float]:
@@ -265,9 +268,12 @@ def compare_resident(
     clock: Callable[[], float] = time.monotonic,
     stop_early: bool = True,
     extension_s: float = 0.0,
+    confirm: bool = False,
 ) -> ResidentComparison:
     """Run fresh worker pairs (``open_pair(candidate_first=...)``) until the pooled interval decides (``stop_early``) or ``budget_s``
     is spent; an inconclusive verdict then gets ``extension_s`` more, once (``bench.gate.paired``).
+    With ``confirm``, a comparison that would fail the gate (``paired.fails``) is confirmed: as many
+    fresh pairs again, and the verdict is read over all of them (``bench.gate.paired``, Confirmation).
 
     Each pair: one unrecorded warm block per side, then ``B`` blocks of one side bracketed by ``B + 1``
     of the other (``WorkerPairBlocks``), the sides changing places from pair to pair;
@@ -276,40 +282,12 @@ def compare_resident(
     pair's one-step probes size the blocks (``TARGET_BLOCK_S``) for every pair.
     """
     start = clock()
-    result: ResidentComparison | None = None
+    run = _PairRunner(open_pair, clock)
     blocks, deadline, stopped_by = paired.MIN_BLOCKS_PER_PAIR, budget_s, "budget"
     while True:
-        pair_started = clock()
-        # The sides take turns at the outer place, pair by pair, so that neither is always first.
-        times = WorkerPairBlocks(outer="baseline" if (result is None or len(result.pairs) % 2 == 0) else "candidate")
-        index = len(result.pairs) if result is not None else 0
-        # Which worker starts first changes every two pairs, and the outer place every pair: the four
-        # combinations come round every four pairs, so an effect of either cancels over them.
-        with open_pair(candidate_first=index // 2 % 2 == 1) as (baseline, candidate):
-            if result is None:
-                probe = [baseline.block(1), candidate.block(1)]
-                steps = max(1, round(TARGET_BLOCK_S / max(min(probe), 1e-6)))
-                result = ResidentComparison(baseline.scenario.name, steps)
-            outer, inner = (baseline, candidate) if times.outer == "baseline" else (candidate, baseline)
-            # One unrecorded block of the final size per side: the first blocks of a process still grow
-            # its allocator pools and caches. The inner side warms last, so that every recorded block
-            # follows the other side's: a side that runs twice in a row finds its data still in the
-            # caches (under the old AB, BA order, A/A calibrations of e8-skewed-fp32 leaned about 1%
-            # toward the side that did, on a 2-core AMD EPYC).
-            outer.block(result.steps_per_block), inner.block(result.steps_per_block)
-            blocks_started = clock()
-            pair_s = blocks_started - pair_started
-            record = {baseline.label: times.baseline_s, candidate.label: times.candidate_s}
-            record[outer.label].append(outer.block(result.steps_per_block))
-            for _ in range(blocks):
-                record[inner.label].append(inner.block(result.steps_per_block))
-                record[outer.label].append(outer.block(result.steps_per_block))
-            block_pair_s = (clock() - blocks_started) / blocks
-        result.pairs.append(times)
+        result = run.pair(blocks)
         n = len(result.pairs)
-        if n >= 2:
-            result.estimate = paired.pooled([pair.log_ratios for pair in result.pairs])
-            result.verdict = paired.verdict(result.estimate, tolerance)
+        _estimate(result, tolerance)
         if stop_early and result.estimate is not None and paired.decided_pooled(result.estimate, tolerance):
             stopped_by = "decided"
             break
@@ -319,13 +297,81 @@ def compare_resident(
             deadline, stopped_by = budget_s + extension_s, "extension"
             log(f"  inconclusive after {n} worker pairs: extending by {extension_s:g} s, once")
         if n == paired.MIN_WORKER_PAIRS and result.estimate is not None:
-            blocks = paired.blocks_per_pair(result.estimate, blocks, pair_s, block_pair_s)
-        if result.estimate is not None:
-            lo, hi = result.estimate.interval
-            log(
-                f"  {n} worker pairs: x{1 + result.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
-                f"pair spread {result.estimate.between_sd:.2%}, block spread {result.estimate.within_sd:.2%}"
-            )
+            blocks = paired.blocks_per_pair(result.estimate, blocks, run.pair_s, run.block_pair_s)
+        _log_estimate(result, log)
+    assert result.estimate is not None  # the loop stops after paired.MIN_WORKER_PAIRS pairs at least
+    if confirm and paired.fails(result.estimate, tolerance):
+        n = len(result.pairs)
+        result.unconfirmed = result.estimate
+        log(
+            f"  {result.verdict} at x{1 + result.estimate.slowdown:.3f} after {n} worker pairs: "
+            f"confirming on {n} fresh pairs"
+        )
+        _log_estimate(result, log)
+        for _ in range(n):
+            result = run.pair(blocks)
+            _estimate(result, tolerance)
+        stopped_by = "confirmation"
     result.stopped_by = stopped_by
     result.seconds = clock() - start
     return result
+
+
+def _estimate(result: ResidentComparison, tolerance: float) -> None:
+    """The pooled estimate and verdict over the pairs run so far (from two pairs on)."""
+    if len(result.pairs) >= 2:
+        result.estimate = paired.pooled([pair.log_ratios for pair in result.pairs])
+        result.verdict = paired.verdict(result.estimate, tolerance)
+
+
+def _log_estimate(result: ResidentComparison, log: Callable[[str], None]) -> None:
+    if result.estimate is not None:
+        lo, hi = result.estimate.interval
+        log(
+            f"  {len(result.pairs)} worker pairs: x{1 + result.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
+            f"pair spread {result.estimate.between_sd:.2%}, block spread {result.estimate.within_sd:.2%}"
+        )
+
+
+class _PairRunner:
+    """Runs one worker pair after another for ``compare_resident``, and keeps what they cost."""
+
+    def __init__(self, open_pair: Callable[..., contextlib.AbstractContextManager[tuple[Side, Side]]], clock):
+        self.open_pair, self.clock = open_pair, clock
+        self.result: ResidentComparison | None = None
+        self.pair_s = 0.0
+        """Seconds to start and warm the last pair of workers."""
+        self.block_pair_s = 0.0
+        """Seconds of one block pair in the last pair."""
+
+    def pair(self, blocks: int) -> ResidentComparison:
+        """One fresh worker pair with ``blocks`` block pairs, added to the comparison (returned)."""
+        pair_started = self.clock()
+        index = len(self.result.pairs) if self.result is not None else 0
+        # The sides take turns at the outer place, pair by pair, so that neither is always first.
+        times = WorkerPairBlocks(outer="baseline" if index % 2 == 0 else "candidate")
+        # Which worker starts first changes every two pairs, and the outer place every pair: the four
+        # combinations come round every four pairs, so an effect of either cancels over them.
+        with self.open_pair(candidate_first=index // 2 % 2 == 1) as (baseline, candidate):
+            if self.result is None:
+                probe = [baseline.block(1), candidate.block(1)]
+                steps = max(1, round(TARGET_BLOCK_S / max(min(probe), 1e-6)))
+                self.result = ResidentComparison(baseline.scenario.name, steps)
+            steps = self.result.steps_per_block
+            outer, inner = (baseline, candidate) if times.outer == "baseline" else (candidate, baseline)
+            # One unrecorded block of the final size per side: the first blocks of a process still grow
+            # its allocator pools and caches. The inner side warms last, so that every recorded block
+            # follows the other side's: a side that runs twice in a row finds its data still in the
+            # caches (under the old AB, BA order, A/A calibrations of e8-skewed-fp32 leaned about 1%
+            # toward the side that did, on a 2-core AMD EPYC).
+            outer.block(steps), inner.block(steps)
+            blocks_started = self.clock()
+            self.pair_s = blocks_started - pair_started
+            record = {baseline.label: times.baseline_s, candidate.label: times.candidate_s}
+            record[outer.label].append(outer.block(steps))
+            for _ in range(blocks):
+                record[inner.label].append(inner.block(steps))
+                record[outer.label].append(outer.block(steps))
+            self.block_pair_s = (self.clock() - blocks_started) / blocks
+        self.result.pairs.append(times)
+        return self.result

@@ -9,11 +9,12 @@ temporary folder, then a text patch), never by a flag in the engine; the baselin
 
 - Timing: per run, the gate's resident comparison of one scenario (``bench.gate.resident.
   compare_resident``: fresh worker pairs until the pooled interval decides, the budget and its one
-  extension), exactly as ``moe-bench ab`` times a scenario. A/A runs (no plant) give the false-alarm
+  extension, the confirmation), exactly as ``moe-bench ab`` times a scenario. A/A runs (no plant) give the false-alarm
   rate; planted compute slowdowns (a busy loop after every training step for that fraction of the
   step's own time) give the detection rates. The gate fails a scenario whose estimate exceeds the
-  tolerance (``bench.gate.paired.fails``: regressed, or inconclusive beyond it); the table counts
-  those apart, and the inconclusive runs it passed.
+  tolerance (``bench.gate.paired.fails``: regressed, or inconclusive beyond it) and stays beyond it
+  on as many fresh worker pairs again (the confirmation); the table counts regressed and
+  inconclusive failures apart, the inconclusive runs it passed, and what the confirmations did.
 - Work: per run, the whole ``moe-bench ab`` gate (one full run per side: the work counters) on a
   candidate with an extra all_reduce, an extra copy or an extra host sync in each MoE layer's
   forward, which the work counters must report every time.
@@ -125,6 +126,7 @@ def timing_run(
         budget_s,
         log=lambda line: None,
         extension_s=budget_s,
+        confirm=True,
     )
     assert result.estimate is not None  # compare_resident runs paired.MIN_WORKER_PAIRS pairs at least
     return {
@@ -141,6 +143,8 @@ def timing_run(
         "steps_per_block": result.steps_per_block,
         "seconds": time.monotonic() - started,
         "stopped_by": result.stopped_by,
+        "unconfirmed_estimate": None if result.unconfirmed is None else result.unconfirmed.slowdown,
+        "unconfirmed_worker_pairs": None if result.unconfirmed is None else result.unconfirmed.worker_pairs,
         "tolerance": tolerance,
         "budget_s": budget_s,
         "machine": machine(),
@@ -305,13 +309,22 @@ def failed(record: dict) -> bool:
     return record["fails"] if "fails" in record else record["estimate"] > record["tolerance"]
 
 
+def confirmation(record: dict) -> str | None:
+    """What the confirmation did in this run: "confirmed" (the failure stood), "withdrawn" (the fresh pairs
+    brought the estimate within the tolerance), or None (no confirmation ran: nothing failed first, or
+    the record is from before the gate confirmed, when its first reading was its verdict)."""
+    if record.get("unconfirmed_estimate") is None:
+        return None
+    return "confirmed" if record["fails"] else "withdrawn"
+
+
 def render(timing: list[dict], work: list[dict]) -> str:
     """Per scenario and planted change: how often the gate failed (regressed, or inconclusive beyond the
-    tolerance), how often it passed an inconclusive run, and its time."""
+    tolerance), how often it passed an inconclusive run, what the confirmation did, and its time."""
     rows = [
         "| scenario | planted | runs | gate failed | of which regressed / inconclusive | inconclusive, passed "
-        "| estimate (min to max) | gate seconds (median) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| confirmations: failure stood / withdrawn (runs with them) | estimate (min to max) | gate seconds (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for scenario in sorted({r["scenario"] for r in timing}):
         for fraction in sorted({r["planted"] for r in timing}):
@@ -326,7 +339,7 @@ def render(timing: list[dict], work: list[dict]) -> str:
             low, high = min(r["estimate"] for r in runs), max(r["estimate"] for r in runs)
             rows.append(
                 f"| {scenario} | {label} | {len(runs)} | {fail_count} ({fail_count / len(runs):.0%}) | {regressed} / "
-                f"{beyond} | {len(inconclusive) - beyond} | x{1 + low:.3f} to x{1 + high:.3f} | "
+                f"{beyond} | {len(inconclusive) - beyond} | {_confirmations(runs)} | x{1 + low:.3f} to x{1 + high:.3f} | "
                 f"{statistics.median(r['seconds'] for r in runs):.0f} |"
             )
     for plant in WORK_PLANTS:
@@ -334,10 +347,16 @@ def render(timing: list[dict], work: list[dict]) -> str:
         if runs:
             found = sum(r["detected"] for r in runs)
             rows.append(
-                f"| work counters | {plant} | {len(runs)} | {found} of {len(runs)} detected | | | {statistics.median(r['seconds'] for r in runs):.0f} |"
+                f"| work counters | {plant} | {len(runs)} | {found} of {len(runs)} detected | | | | | {statistics.median(r['seconds'] for r in runs):.0f} |"
             )
     machines = sorted({r["machine"] for r in timing if "machine" in r})
     return "\n".join(rows) + ("\n\nmeasured on: " + "; ".join(machines) if machines else "")
+
+
+def _confirmations(runs: list[dict]) -> str:
+    done = [confirmation(r) for r in runs]
+    with_rule = sum("unconfirmed_estimate" in r for r in runs)
+    return f"{done.count('confirmed')} / {done.count('withdrawn')} ({with_rule})"
 
 
 if __name__ == "__main__":

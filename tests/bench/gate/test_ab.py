@@ -391,3 +391,39 @@ def test_an_inconclusive_scenario_fails_the_gate_only_beyond_the_tolerance(
     else:
         assert finding.startswith("NOTE tiny-ab step time: x1.000, interval [0.928, 1.077] still admits")
         assert "inconclusive, passed: the estimate is within the tolerance" in finding
+
+
+@pytest.mark.parametrize("final_slowdown, fails", [(0.005, False), (0.06, True)])
+def test_the_report_says_what_the_confirmation_did(tmp_path, tiny, monkeypatch, final_slowdown, fails):
+    """A failing first reading (x1.080 on three worker pairs) that the fresh pairs withdraw passes with
+    a note giving both readings; one they confirm fails, its finding giving the first reading too."""
+    from bench.gate import ab
+    from bench.run.runner import load_all
+
+    first, final = comparison("tiny-ab", 0.08), comparison("tiny-ab", final_slowdown)
+    final.pairs, final.stopped_by, final.unconfirmed = first.pairs + final.pairs, "confirmation", first.estimate
+    monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: SideRun("ok", None, {}, "0.1.0"))
+    monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
+    monkeypatch.setattr(ab, "_resident", lambda *a, **k: final)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu", log=lambda line: None)
+    lines = report.render().splitlines()
+    assert report.exit_code == int(fails)
+    if fails:
+        finding = next(line for line in lines if line.startswith("REGRESSION"))
+        assert finding.startswith("REGRESSION tiny-ab step time: x1.060")
+        assert finding.endswith("; confirmed: x1.080 on the first 3 worker pairs")
+    else:
+        assert not [line for line in lines if line.startswith(("REGRESSION", "INCONCLUSIVE"))]
+        assert "NOTE tiny-ab step time: x1.080 after 3 worker pairs, not confirmed: x1.005 over 6" in "\n".join(lines)
+
+
+def test_the_gate_confirms_what_would_fail(monkeypatch, tiny):
+    """``moe-bench ab`` times each scenario with the extension and the confirmation on."""
+    from bench.gate import ab
+    from bench.run.runner import load_all
+
+    seen = {}
+    monkeypatch.setattr(ab, "compare_resident", lambda *a, **k: seen.update(k))
+    plan = ABPlan("HEAD", "0" * 40, [], 0.03, 20.0)
+    ab._resident({"baseline": Path("."), "candidate": Path(".")}, load_all([tiny])[0], plan, "cpu", print)
+    assert seen["confirm"] is True and seen["extension_s"] == 20.0

@@ -170,3 +170,20 @@ def test_stopping_rule_over_worker_pairs_waits_for_the_minimum():
     assert not paired.decided_pooled(est(paired.MIN_WORKER_PAIRS - 1, 0.001), 0.05)
     assert paired.decided_pooled(est(paired.MIN_WORKER_PAIRS, 0.001), 0.05)
     assert not paired.decided_pooled(est(40, 0.03), 0.05)
+
+
+def test_fail_rates_against_a_simulation_and_by_hand():
+    """``paired.fail_rates`` against drawn pairs of estimates (seed 11), and at a slowdown equal to the
+    tolerance by hand: once 1/2; confirmed P(X > 0, X + Y > 0) = 1/4 + asin(1/sqrt 2) / (2 pi) = 3/8."""
+    rng, n, tol, se = random.Random(11), 200_000, 0.03, 0.015
+    for slowdown in (0.0, 0.05):
+        delta, bound = math.log1p(slowdown), math.log1p(tol)
+        draws = [(rng.gauss(delta, se), rng.gauss(delta, se)) for _ in range(n)]
+        once = sum(e1 > bound for e1, _ in draws) / n
+        confirmed = sum(e1 > bound and e1 + e2 > 2 * bound for e1, e2 in draws) / n
+        expected = paired.fail_rates(slowdown, se, tol)
+        for simulated, computed in zip((once, confirmed), expected):
+            binomial_se = math.sqrt(max(computed * (1 - computed), 1e-6) / n)
+            assert abs(simulated - computed) < 4 * binomial_se, (slowdown, simulated, computed)
+    once, confirmed = paired.fail_rates(tol, se, tol)
+    assert once == pytest.approx(0.5, abs=1e-9) and confirmed == pytest.approx(3 / 8, abs=1e-4)
