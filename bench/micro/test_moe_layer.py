@@ -3,6 +3,9 @@
 Shapes follow the project's reference measurement: 4096 tokens, d_model 1024, expert hidden 512,
 64 experts, top-8, random routing. The dense chain maps D -> k*F -> D over the same tokens, so its
 FLOPs equal the layer's expert FLOPs (the router, as in the FLOP convention, is not counted).
+
+On a CPU without bf16 arithmetic both run their GEMMs in fp32 (``moe_engine.precision.cpu_bf16``),
+as ``moe-bench run`` times bf16 there: natively each step would take over ten seconds in a generic loop.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 from moe_engine.config import MoEConfig, Precision, RoutingMode
 from moe_engine.flops import dense_ffn_training_flops_per_token, moe_ffn_training_flops_per_token
 from moe_engine.model import cast_parameters
+from moe_engine.precision.cpu_bf16 import bf16_gemms_in_fp32
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.moe.layer import MoELayer
 
@@ -36,7 +40,8 @@ def _measure(benchmark, module, device):
 
     def step():
         module.zero_grad(set_to_none=True)
-        module(x).backward(grad)
+        with bf16_gemms_in_fp32(device, torch.bfloat16):
+            module(x).backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
