@@ -1,7 +1,8 @@
 """``moe-bench``: run scenarios, plan, compare, gate, plot and export results.
 
 Exit codes: 0 success; 1 a scenario did not finish ok, or a gate found a regression; 2 bad input
-(nothing was run and nothing was written). Each command lives in its own module of ``bench.commands``.
+(nothing was run and nothing was written); 130 interrupted, 143 terminated (SIGTERM), each after
+stopping its workers. Each command lives in its own module of ``bench.commands``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bench.commands import (
     run,
     versions,
 )
+from bench.termination import Terminated, sigterm_as_interrupt
 
 COMMANDS = (run, compare, export, plot, report, ab, versions, release, project, profile_device, proxy_check, micro)
 """In the order ``moe-bench --help`` lists them."""
@@ -42,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["run"]
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with sigterm_as_interrupt():
+            return args.func(args)
+    except Terminated:
+        print("moe-bench: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("moe-bench: interrupted", file=sys.stderr)
         return 130

@@ -16,9 +16,9 @@ import torch
 from moe_engine.config import MoEConfig, Precision, RoutingMode
 from moe_engine.flops import dense_ffn_training_flops_per_token, moe_ffn_training_flops_per_token
 from moe_engine.model import cast_parameters
-from moe_engine.precision.cpu_bf16 import bf16_gemms_in_fp32
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.moe.layer import MoELayer
+from moe_engine.precision.cpu_bf16 import bf16_gemms_in_fp32
 
 # Full-size layers, run once as smoke tests: seconds each (the fast lane leaves them to CI).
 pytestmark = pytest.mark.slow

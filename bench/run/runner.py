@@ -590,7 +590,19 @@ def run_with_timeout(
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
+    try:
+        return _relay(process, lines, time.monotonic() + timeout, on_line)
+    except BaseException:
+        # Interrupted (Ctrl-C, or SIGTERM through bench.termination): the worker's own session gets
+        # neither signal.
+        kill_process_group(process)
+        raise
+
+
+def _relay(
+    process: subprocess.Popen, lines: queue.Queue[str | None], deadline: float, on_line: Callable[[str], None]
+) -> tuple[int | None, list[str]]:
+    """``run_with_timeout``'s loop: relay lines until the output ends (then wait) or the deadline passes."""
     tail: list[str] = []
     finished_output = False
     while True:

@@ -44,6 +44,7 @@ from bench.gate.resident import compare_resident, fresh_pair
 from bench.results import REPO_ROOT
 from bench.run.runner import suite_files
 from bench.scenario import load_scenario
+from bench.termination import sigterm_as_interrupt
 
 SLOWDOWNS = (0.05, 0.10)
 
@@ -360,4 +361,6 @@ def _confirmations(runs: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Stopped with SIGTERM, it still removes its clones and stops its workers (records already written stay).
+    with sigterm_as_interrupt():
+        sys.exit(main())
