@@ -361,6 +361,11 @@ def _confirmations(runs: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    # Stopped with SIGTERM, it still removes its clones and stops its workers (records already written stay).
-    with sigterm_as_interrupt():
-        sys.exit(main())
+    # Stopped with SIGTERM or Ctrl-C, it still removes its clones and stops its workers; the records
+    # written so far stay, and the next invocation resumes from them.
+    try:
+        with sigterm_as_interrupt():
+            sys.exit(main())
+    except KeyboardInterrupt:
+        print("gate_power: stopped; the runs already recorded are kept", file=sys.stderr)
+        sys.exit(130)
