@@ -23,11 +23,11 @@
 #   micro-cuda  150 s: 4 benchmarks of 7 calls each (pedantic: 2 warm-up, 5 rounds) of one layer's
 #                      forward and backward on 4,096 tokens, at most 0.31 TFLOP a call (0.3 ms at the
 #                      989 TFLOP/s bf16 peak, 3 ms at 10%): under 0.1 s in all; and each fused op
-#                      against its eager composition (bench/micro/test_fused_ops.py, 12 benchmarks of 7
+#                      against its eager composition (bench/micro/test_fused_ops.py, 14 benchmarks of 7
 #                      calls): the loss pair does 13.5 TFLOP a call (0.14 s at 10% of the peak, 2 s for
 #                      its 14 calls), the rest move under 2 GB a call (under 1 ms at 4.8 TB/s). The rest
 #                      is pytest and CUDA start-up (about 15 s) and the first call of each kernel (about
-#                      12 Triton kernels at up to 3 s each).
+#                      13 Triton kernels at up to 3 s each).
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).
@@ -121,7 +121,7 @@ else
     cuda_tests=(tests/test_cuda.py tests/test_model.py tests/moe/test_grouped_gemm.py tests/moe/test_host_sync.py
                 tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision
                 tests/kernels/test_fused_ops.py tests/kernels/test_fused_model.py tests/kernels/test_fused_routing.py
-                tests/kernels/test_saved_tensors.py tests/kernels/test_fused_router.py)
+                tests/kernels/test_saved_tensors.py tests/kernels/test_fused_router.py tests/kernels/test_fused_gather_mx.py)
     tests=(env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tests[@]}")
     # Each fused op against its eager composition, its bytes/s set against the base profile's memory rate.
     micro=(env MOE_BENCH_DEVICE=cuda MOE_BENCH_PROFILE="$base" "$python" -m pytest)

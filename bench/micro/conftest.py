@@ -23,7 +23,15 @@ RATIOS = {
     "experts_128_vs_8_tokens": ("test_expert_count[E128-k4]", "test_expert_count[E8-k4]", "tokens"),
     **{
         f"fused_over_eager_{op}": (f"test_fused_op[{op}-fused]", f"test_fused_op[{op}-eager]", "bytes")
-        for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")
+        for op in (
+            "rms_norm",
+            "add_rms_norm",
+            "swiglu",
+            "rope",
+            "router_scores",
+            "linear_cross_entropy",
+            "gather_rows_mx",
+        )
     },
 }
 TARGETS = {

@@ -8,7 +8,8 @@ fused step). The conftest's ratios ``fused_over_eager_<op>`` are then eager seco
 ``bench/gpu-check.sh`` sets beside the device profile's memory rate.
 
 Sizes: on CUDA a 47B-like layer's rows (16,384 tokens of width 4,096, bf16; the router's 128 experts,
-top-8, in fp32 as it computes; the loss over 8,192 tokens and a 50,304-token vocabulary); on a CPU
+top-8, in fp32 as it computes; the MXFP8 gather's 8 rows a token; the loss over 8,192 tokens and a
+50,304-token vocabulary); on a CPU
 small fp32 ones, so that the suite's smoke run takes
 seconds (there both sides run the eager composition: the ratio is about 1 by construction).
 """
@@ -24,12 +25,13 @@ from bench.predict.fused_ops import fused_work
 from bench.predict.ops import TensorSpec, TracedOp
 from moe_engine import kernels
 from moe_engine.config import MoEConfig
+from moe_engine.kernels import gather_mx
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
 from moe_engine.moe.router import Router
 
 ROUNDS = 5
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy", "gather_rows_mx")
 
 
 def _sizes(device: torch.device) -> dict[str, int]:
@@ -80,6 +82,15 @@ def _case(op: str, fused: bool, device: torch.device):
         rope.fused_kernels = fused
         q, k = leaf(1, s["heads"], s["seq"], s["head_dim"]), leaf(1, s["heads"], s["seq"], s["head_dim"])
         return [q, k], lambda: torch.cat(rope(q, k), dim=-1)
+    if op == "gather_rows_mx":
+        # The MXFP8 experts' first operand from the token rows, top-8: forward only (its outputs are
+        # codes; the gradient goes through the gather's backward, timed with the routing ops).
+        x = leaf(s["rows"], s["width"]).detach()
+        assignment = torch.randperm(8 * s["rows"], device=device)
+        end = torch.tensor([assignment.numel()], dtype=torch.int32, device=device)
+        if fused:
+            return [], lambda: kernels.gather_rows_mx(x, assignment, 8, None, end)[0]
+        return [], lambda: gather_mx.reference_gather_mx(x, assignment, 8, None, end)[0]
     h, weight = leaf(s["loss_rows"], s["width"]), leaf(s["vocab"], s["width"], std=0.02)
     labels = torch.randint(0, s["vocab"], (s["loss_rows"],), device=device)
     if fused:
@@ -114,7 +125,8 @@ def _step(inputs, fn, device):
     for t in inputs:
         t.grad = None
     out = fn()
-    out.backward(torch.ones_like(out) if out.ndim else None)
+    if out.requires_grad:
+        out.backward(torch.ones_like(out) if out.ndim else None)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -52,6 +52,13 @@ The last chunk may be shorter (N - (c - 1) C rows): its parts are priced at its 
         combine_rows           (N + T) D s + T k s_w + I;  2 N D FLOPs
         combine_rows_backward  (T + N + R) D s + 2 T k s_w + I;  4 N D FLOPs (grad_weight, grad_y)
         the FLOPs those of the eager bmms they replace.
+    moe_engine::gather_rows_mx
+        one memory-bound kernel: the gather fused with the MXFP8 quantisation of the experts' first
+        operand. It reads R rows of D elements (s bytes each) from the token rows, writes their E4M3
+        codes (1 byte an element) and E8M0 scales (1 byte per 32), and reads its indices (I, the bytes
+        of its int64, int32 and bool inputs), with D' the width padded to a multiple of 32:
+        gather_rows_mx         R D s + R D' + R D' / 32 + I             (replaces gather_rows, a
+                                                                         where and a quantize pass)
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ FUSED_OPS = (
     "linear_cross_entropy",
     "linear_cross_entropy_backward",
     *_ROUTING,
+    "gather_rows_mx",
 )
 """Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
 
@@ -184,6 +192,14 @@ def _routing_parts(op: TracedOp) -> list[FusedPart]:
     return [FusedPart(1, OpWork("memory", 4.0 * assignments * width, moved + rows.nbytes, y.dtype))]
 
 
+def _gather_mx_part(op: TracedOp) -> FusedPart:
+    # gather_rows_mx(x, assignment, top_k, filled, end) -> (codes, scales)
+    x, assignment = op.inputs[0], op.inputs[1]
+    index = sum(t.nbytes for t in op.inputs[1:] if t.dtype in ("torch.int64", "torch.int32", "torch.bool"))
+    gathered = assignment.shape[0] * x.shape[1] * dtype_bytes(x.dtype)
+    return _memory(1, gathered + _moved(op.outputs) + index, x.dtype)
+
+
 def fused_parts(op: TracedOp) -> list[FusedPart]:
     """The kernels of one fused op as its GPU path runs them (module docstring)."""
     base = _base(op)
@@ -200,6 +216,8 @@ def fused_parts(op: TracedOp) -> list[FusedPart]:
         return _cross_entropy_parts(op)
     if base in _ROUTING:
         return _routing_parts(op)
+    if base == "gather_rows_mx":
+        return [_gather_mx_part(op)]
     raise ValueError(
         f"{op.name} has no pricing rule: add it to bench/predict/fused_ops.py (known: {', '.join(FUSED_OPS)})"
     )

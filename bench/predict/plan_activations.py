@@ -59,16 +59,19 @@ picks the blocks, as the engine does). A recomputed block keeps, instead of the 
     full:                 a * T * D (its input, which the checkpoint holds), nothing else
     selective attention:  its attention part less attn: norm(D) + a * T * D (the norm's output is
                           the checkpoint's input)
-    selective experts:    R * a * D in place of R * e * (D + 2F) (the dispatched rows, the
-                          checkpoint's input, in the model dtype: under mxfp8 the bf16 rows, so
-                          it saves less there)
+    selective experts:    the checkpoint's input in place of R * e * (D + 2F). The experts gather
+                          their own rows (the MXFP8 ones straight into their quantized operand),
+                          so that input is what they gather from: under expert parallelism the
+                          received rows, R * a * D; otherwise the token rows, a * T * D, which
+                          are kept anyway (0) in fp32 (the router's input) or beside a shared
+                          expert (its projections' input)
     selective norms:      a * T * D (the norm's input) in place of each of its two norm(D)
     Dense blocks have no routed experts: the experts part leaves them as they are. In backward the
     recompute brings back, one block (full) or one part (selective) at a time, what the recomputed
     forward saves beyond the kept input: full, the block's activations above (less a * T * D in
     fp32, where the first norm's saved input is the kept input itself); attention, attn; experts,
-    R * e * (D + 2F) (less the kept R * a * D when e = a: the rows are saved again, not copied);
-    norms, one norm(D) (less a * T * D in fp32). That transient is in the backward workspace.
+    R * e * (D + 2F) (the recomputed forward gathers its rows anew); norms, one norm(D) (less
+    a * T * D in fp32). That transient is in the backward workspace.
     Full recompute runs the dispatch's all-to-alls again (its forward dispatch and combine); no
     selective part holds a collective. Recompute FLOPs per token: moe_engine.flops
     (``recompute_flops_per_token``), reported apart from the model FLOPs, which MFU uses; their sum
@@ -218,11 +221,15 @@ def block_activations(
         kept -= attention
         peak = max(peak, attention)
     if RecomputePart.EXPERTS in recompute.parts and not dense:
-        # The checkpoint keeps the dispatched rows in the model dtype (bf16 under mxfp8, not fp8).
-        kept_rows = rows * a * d
-        kept += kept_rows - experts
-        # The recomputed forward saves the kept rows again when it saves its input as is (e == a).
-        during_experts = experts - (kept_rows if b.expert_input == a else 0)
+        # The checkpoint keeps what the experts gather from, in the model dtype: the received rows, or
+        # the token rows, which the router (fp32) or a shared expert already keeps.
+        if par.ep > 1:
+            kept += rows * a * d
+        elif not (a == 4 or moe.shared_expert_hidden):
+            kept += td
+        kept -= experts
+        # The recomputed forward gathers its rows anew and saves them (or their MXFP8 codes).
+        during_experts = experts
         peak = max(peak, during_experts)
     if RecomputePart.NORMS in recompute.parts:
         kept -= 2 * (norm - td)

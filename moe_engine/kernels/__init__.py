@@ -8,11 +8,13 @@ composition as the reference and CPU path (``dispatch`` holds the rule).
     ``rotary``         moe_engine::rope, moe_engine::rope_backward
     ``routing``        moe_engine::gather_rows, moe_engine::gather_rows_backward, moe_engine::combine_rows,
                        moe_engine::combine_rows_backward
+    ``gather_mx``      moe_engine::gather_rows_mx (the gather fused with the MXFP8 experts' quantisation;
+                       its gradient goes through moe_engine::gather_rows_backward)
     ``router``         moe_engine::router_scores, moe_engine::router_scores_backward (fp32 logits only)
 
-The model runs them with ``ModelConfig.fused_kernels`` (the routing ops through its experts' switch,
-``GroupedExperts.fused_kernels``, which the dispatchers read; the router's through
-``Router.fused_kernels``).
+The model runs them with ``ModelConfig.fused_kernels`` (the routing ops, the MXFP8 gather among them,
+through its experts' switch, ``GroupedExperts.fused_kernels``, which the dispatchers read; the
+router's through ``Router.fused_kernels``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from moe_engine.kernels import activation as _activation
 from moe_engine.kernels import cross_entropy as _cross_entropy
+from moe_engine.kernels import gather_mx as _gather_mx
 from moe_engine.kernels import norm as _norm
 from moe_engine.kernels import rotary as _rotary
 from moe_engine.kernels import router as _router
@@ -28,16 +31,19 @@ from moe_engine.kernels import routing as _routing
 from moe_engine.kernels.activation import swiglu, swiglu_packed, swiglu_packed_backward
 from moe_engine.kernels.cross_entropy import linear_cross_entropy
 from moe_engine.kernels.dispatch import KernelPath
+from moe_engine.kernels.gather_mx import gather_rows_mx
 from moe_engine.kernels.norm import add_rms_norm, rms_norm
 from moe_engine.kernels.rotary import rope
 from moe_engine.kernels.router import router_scores
-from moe_engine.kernels.routing import combine_rows, gather_rows
+from moe_engine.kernels.routing import combine_rows, gather_rows, gather_rows_backward
 
 __all__ = [
     "KernelPath",
     "add_rms_norm",
     "combine_rows",
     "gather_rows",
+    "gather_rows_backward",
+    "gather_rows_mx",
     "kernel_paths",
     "linear_cross_entropy",
     "paths_details",
@@ -59,6 +65,7 @@ def kernel_paths(device: torch.device | str, dtype: torch.dtype) -> dict[str, Ke
         "rope": _rotary.path(device, dtype),
         "gather_rows": _routing.path(device, dtype, op="gather_rows"),
         "combine_rows": _routing.path(device, dtype, op="combine_rows"),
+        "gather_rows_mx": _gather_mx.path(device, dtype),
         # The router computes in fp32 whatever the model's dtype.
         "router_scores": _router.path(device, torch.float32),
     }

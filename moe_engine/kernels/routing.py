@@ -574,3 +574,9 @@ def combine_rows(
     """y_TD[t] = sum_j weight_TK[t, j] * y_RD[row_N[t*k + j]] over the kept assignments, in y's dtype,
     one op forward and one backward, saving no gathered copy of the rows."""
     return combine_rows_op(y_RD, weight_TK, row_N, assignment_R, kept_N, filled_R)
+
+
+def gather_rows_backward(grad_RD: Tensor, row_N: Tensor, top_k: int, kept_N: Tensor | None = None) -> Tensor:
+    """grad_x_TD[t] = sum_j grad_RD[row_N[t*k + j]] over the kept assignments: the gather's backward,
+    for callers that gather by other means (``gather_mx``)."""
+    return gather_rows_backward_op(grad_RD, row_N, top_k, kept_N)

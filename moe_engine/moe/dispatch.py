@@ -34,6 +34,8 @@ each chunk through ``exchange_rows``, in the same order, one at a time.
 
 With the experts' ``fused_kernels`` set (``ModelConfig.fused_kernels`` reaches them) every gather of
 rows and the weighted combine run as fused ops (``permute.gather_tokens`` / ``combine``, ``fused``).
+The gather into expert order is the experts' own (``GroupedExperts.forward`` with ``rows``), so that
+the MXFP8 experts write it straight into their quantized operand.
 """
 
 from __future__ import annotations
@@ -88,9 +90,8 @@ class LocalDispatcher(Dispatcher):
 
     def __call__(self, x_TD, route, experts):
         plan = plan_routing(route.expert_TK, experts.num_experts)
-        fused = experts.fused_kernels
-        y_ND = experts(gather_tokens(x_TD, plan.rows, fused), plan.groups)
-        return combine(y_ND, route.weight_TK, plan.rows, fused), _no_drops(x_TD.device)
+        y_ND = experts(x_TD, plan.groups, rows=plan.rows)
+        return combine(y_ND, route.weight_TK, plan.rows, experts.fused_kernels), _no_drops(x_TD.device)
 
 
 def all_to_all_rows(
@@ -228,7 +229,7 @@ def _run_received(
     sort = sort_permutation(local_R)
     groups = ExpertGroups.from_counts(counts_L)
     fused = experts.fused_kernels
-    y_RD = experts(gather_tokens(recv_RD, sort, fused), groups)
+    y_RD = experts(recv_RD, groups, rows=sort)
     back = sort.inverse()
     if padded:
         # Grouped GEMMs leave rows after the last offset uninitialised (possibly NaN). The fused gather

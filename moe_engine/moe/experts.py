@@ -26,7 +26,7 @@ from torch import nn
 from moe_engine import kernels
 from moe_engine.config import ExpertBackendKind
 from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
-from moe_engine.moe.permute import ExpertGroups
+from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
 from moe_engine.precision import mxfp8_gemm as mx
 from moe_engine.precision.mxfp8 import MXTensor
 
@@ -46,6 +46,18 @@ class ExpertBackend(ABC):
         down_EDF: torch.Tensor,
     ) -> torch.Tensor:
         """(N, D) expert outputs for the (N, D) rows, row i by the expert that owns it."""
+
+    def forward_gathered(
+        self,
+        x_TD: torch.Tensor,
+        rows: RowMap,
+        groups: ExpertGroups,
+        gate_up_EHD: torch.Tensor,
+        down_EDF: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` of the rows ``gather_tokens(x_TD, rows)`` places in expert order. A backend that
+        can read its first operand straight from the token rows overrides it."""
+        return self.forward(gather_tokens(x_TD, rows, self.fused_swiglu), groups, gate_up_EHD, down_EDF)
 
 
 class LoopBackend(ExpertBackend):
@@ -174,20 +186,27 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
     Padding rows (after the last offset) may hold anything, NaN included: they are zeroed before
     every quantization, so no NaN scale arises, and their outputs and input gradients are zero.
+
+    Given the token rows and their ``RowMap`` instead of gathered rows, the gather, that zeroing and
+    x's quantization are one op (``kernels.gather_rows_mx``), and x's gradient goes back to the token
+    rows through the gather's backward: the same bytes and gradients, without the bf16 copy of the rows.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, path, fused=False):
-        real_N1 = _real_rows(x_ND, offsets_E)
-        x_mx = mx.quantize_rows(torch.where(real_N1, x_ND, 0))
-        h_NH = mx.grouped_mm(x_mx, mx.quantize_weight(gate_up_EHD), offsets_E, x_ND.dtype, path)
+    def forward(ctx, x, offsets_E, gate_up_EHD, down_EDF, path, fused=False, rows: RowMap | None = None):
+        if rows is None:  # x: the (N, D) rows in expert order
+            x_mx = mx.quantize_rows(torch.where(_real_rows(x, offsets_E), x, 0))
+        else:  # x: the (T, D) token rows, gathered and quantized in one op
+            codes, scales = kernels.gather_rows_mx(x, rows.assignment_R, rows.top_k, rows.filled_R, offsets_E[-1:])
+            x_mx = MXTensor(codes, scales, axis=-1)
+        h_NH = mx.grouped_mm(x_mx, mx.quantize_weight(gate_up_EHD), offsets_E, x.dtype, path)
         a_mx = mx.quantize_rows(swiglu(h_NH, fused))
-        y_ND = mx.grouped_mm(a_mx, mx.quantize_weight(down_EDF), offsets_E, x_ND.dtype, path)
+        y_ND = mx.grouped_mm(a_mx, mx.quantize_weight(down_EDF), offsets_E, x.dtype, path)
 
         if any(ctx.needs_input_grad):
             h_mx = mx.quantize_rows(h_NH)
             ctx.save_for_backward(x_mx.data, x_mx.scales, h_mx.data, h_mx.scales, offsets_E, gate_up_EHD, down_EDF)
-            ctx.path, ctx.fused = path, fused
+            ctx.path, ctx.fused, ctx.rows = path, fused, rows
         return y_ND
 
     @staticmethod
@@ -212,7 +231,10 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gate_up_dgrad = mx.quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = mx.grouped_mm(mx.quantize_rows(grad_h_NH), gate_up_dgrad, offsets_E, dtype, path)
-        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None, None
+            if ctx.rows is not None:  # back to the token rows: each token's kept rows summed
+                rows = ctx.rows
+                grad_x_ND = kernels.gather_rows_backward(grad_x_ND, rows.row_N, rows.top_k, rows.kept_N)
+        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None, None, None
 
 
 class MXFP8Backend(ExpertBackend):
@@ -232,6 +254,14 @@ class MXFP8Backend(ExpertBackend):
         path = mx.available_path(x_ND.device)
         self.path = mx.path_label(path, x_ND.device)
         return _MXFP8GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, path, self.fused_swiglu)
+
+    def forward_gathered(self, x_TD, rows, groups, gate_up_EHD, down_EDF):
+        """With fused kernels, the gather and x's quantization are one op (``kernels.gather_rows_mx``)."""
+        if not self.fused_swiglu:
+            return super().forward_gathered(x_TD, rows, groups, gate_up_EHD, down_EDF)
+        path = mx.available_path(x_TD.device)
+        self.path = mx.path_label(path, x_TD.device)
+        return _MXFP8GroupedSwiGLU.apply(x_TD, groups.offsets_E, gate_up_EHD, down_EDF, path, True, rows)
 
 
 BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
@@ -267,8 +297,13 @@ class GroupedExperts(nn.Module):
         """Experts held here (the local experts under expert parallelism)."""
         return self.gate_up.shape[0]
 
-    def forward(self, x_ND: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        return self.backend.forward(x_ND, groups, self.gate_up, self.down)
+    def forward(self, x: torch.Tensor, groups: ExpertGroups, rows: RowMap | None = None) -> torch.Tensor:
+        """(N, D) outputs of the (N, D) rows ``x`` in expert order; with ``rows``, of the rows
+        ``gather_tokens(x, rows)`` places in expert order from the (T, D) token rows ``x``, which the
+        backend may gather itself (the MXFP8 one does, straight into its quantized operand)."""
+        if rows is None:
+            return self.backend.forward(x, groups, self.gate_up, self.down)
+        return self.backend.forward_gathered(x, rows, groups, self.gate_up, self.down)
 
     def keep_only(self, experts: range) -> None:
         """Keep the slice of ``experts`` (global indices) as new parameters with the same values."""

@@ -53,6 +53,17 @@ def check_blocked_axis(shape: torch.Size, axis: int, block: int) -> int:
     return axis
 
 
+def pad_to_block(t: torch.Tensor, axis: int, block: int = BLOCK) -> torch.Tensor:
+    """``t`` zero-padded along ``axis`` to a multiple of ``block`` (itself when it is one already):
+    exact for MX operands, since a zero changes no block's maximum and adds nothing to a dot product."""
+    axis = axis % t.ndim
+    missing = -t.shape[axis] % block
+    if not missing:
+        return t
+    # F.pad lists (left, right) pairs from the last dim backwards.
+    return torch.nn.functional.pad(t, [0, 0] * (t.ndim - 1 - axis) + [0, missing])
+
+
 def _blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int]:
     """x with ``axis`` moved last and split into (..., n_blocks, block); returns it and the axis."""
     axis = check_blocked_axis(x.shape, axis, block)

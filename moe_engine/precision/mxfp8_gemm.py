@@ -55,10 +55,9 @@ from __future__ import annotations
 from enum import Enum
 
 import torch
-import torch.nn.functional as F
 
 from moe_engine.moe.grouped_gemm import grouped_mm as grouped_mm_checked
-from moe_engine.precision.mxfp8 import BLOCK, MXTensor
+from moe_engine.precision.mxfp8 import MXTensor, pad_to_block
 from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
 
 try:
@@ -101,21 +100,12 @@ def path_label(path: GemmPath | str, device: torch.device | str) -> str:
 # --- operands -----------------------------------------------------------------------------------
 
 
-def _pad_to_block(t: torch.Tensor, axis: int) -> torch.Tensor:
-    axis = axis % t.ndim
-    missing = -t.shape[axis] % BLOCK
-    if not missing:
-        return t
-    # F.pad lists (left, right) pairs from the last dim backwards.
-    return F.pad(t, [0, 0] * (t.ndim - 1 - axis) + [0, missing])
-
-
 # Each operand function runs as one kernel on a GPU and as several ATen ops on a CPU; the profiler
 # mark names it, for profiles and for ``bench.run.trace``, which prices it as one kernel on a GPU.
 @torch.profiler.record_function("mxfp8.quantize")
 def quantize_rows(t_MK: torch.Tensor) -> MXTensor:
     """An (M, K) activation or gradient as the A operand: blocks along K, K zero-padded to 32."""
-    data, scales = quantize(_pad_to_block(t_MK, -1), axis=-1)
+    data, scales = quantize(pad_to_block(t_MK, -1), axis=-1)
     return MXTensor(data, scales, axis=-1)
 
 
@@ -127,7 +117,7 @@ def quantize_weight(w_EOI: torch.Tensor, transposed: bool = False) -> MXTensor:
     ``transposed=True``: for ``A @ w[e]`` (K = O), blocks along O, returned as an (E, I, O) view.
     """
     axis = 1 if transposed else 2
-    data, scales = quantize(_pad_to_block(w_EOI, axis), axis=axis)
+    data, scales = quantize(pad_to_block(w_EOI, axis), axis=axis)
     if transposed:
         return MXTensor(data.transpose(1, 2), scales.transpose(1, 2), axis=2)
     return MXTensor(data, scales, axis=2)

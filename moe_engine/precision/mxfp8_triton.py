@@ -55,6 +55,15 @@ def _quantize_kernel(
         bits = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32) << 16
     else:
         bits = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    codes, scale_code = mx_blocks(bits, CEIL)
+    tl.store(data_ptr + offsets, codes.to(tl.uint8), mask=mask)
+    tl.store(scales_ptr + b, scale_code.to(tl.uint8), mask=live)
+
+
+@triton.jit
+def mx_blocks(bits, CEIL: tl.constexpr):
+    """(E4M3 codes [B, E], E8M0 scale codes [B]) of B blocks given as the fp32 bit patterns of their
+    elements ([B, E] int32; padding elements 0, which changes no block's maximum)."""
     magnitude = bits & 0x7FFFFFFF
 
     # The integer order of magnitudes is their float order, with every NaN above Inf, so this max is
@@ -73,10 +82,7 @@ def _quantize_kernel(
         shared = shared + over.to(tl.int32)
     shared = tl.minimum(tl.maximum(shared, -127), 127)
     scale_code = tl.where(finite, shared + 127, 255)
-
-    codes = _e4m3_codes(bits, magnitude, shared[:, None])
-    tl.store(data_ptr + offsets, codes.to(tl.uint8), mask=mask)
-    tl.store(scales_ptr + b, scale_code.to(tl.uint8), mask=live)
+    return _e4m3_codes(bits, magnitude, shared[:, None]), scale_code
 
 
 @triton.jit

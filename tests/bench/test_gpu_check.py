@@ -124,13 +124,21 @@ def test_dry_run_runs_every_step_with_its_files(tmp_path):
     micro = json.loads((out / "micro-cuda.json").read_text())
     fused = {
         f"fused_over_eager_{op}"
-        for op in ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy")
+        for op in (
+            "rms_norm",
+            "add_rms_norm",
+            "swiglu",
+            "rope",
+            "router_scores",
+            "linear_cross_entropy",
+            "gather_rows_mx",
+        )
     }
-    assert len(micro["benchmarks"]) == 16
+    assert len(micro["benchmarks"]) == 18
     assert set(micro["derived"]) == {"moe_layer_vs_dense_flops", "experts_128_vs_8_tokens", "memory_rate"} | fused
     # Each fused op's benchmark and its eager twin set against the base profile's memory rate.
     rates = micro["derived"]["memory_rate"]
-    assert len(rates) == 12 and all(r["profile"] == "cpu-2core" and r["fraction"] > 0 for r in rates.values())
+    assert len(rates) == 14 and all(r["profile"] == "cpu-2core" and r["fraction"] > 0 for r in rates.values())
     (result,) = (out / "results").glob("*/*/dry-run-fp32.json")
     assert json.loads(result.read_text())["status"] == "ok"
     profile = load_profile(out / "device-profile.yaml")

@@ -9,7 +9,16 @@ import torch
 from moe_engine import kernels
 from moe_engine.kernels import activation, cross_entropy, dispatch, norm, rotary
 
-OPS = ["rms_norm", "swiglu", "linear_cross_entropy", "rope", "gather_rows", "combine_rows", "router_scores"]
+OPS = [
+    "rms_norm",
+    "swiglu",
+    "linear_cross_entropy",
+    "rope",
+    "gather_rows",
+    "combine_rows",
+    "gather_rows_mx",
+    "router_scores",
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

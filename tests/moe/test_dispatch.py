@@ -329,7 +329,8 @@ class _NanPadExperts:
     def __init__(self, fused: bool):
         self.fused_kernels = fused
 
-    def __call__(self, x_RD, groups):
+    def __call__(self, x, groups, rows=None):
+        x_RD = x if rows is None else gather_tokens(x, rows, self.fused_kernels)
         expert_R = torch.searchsorted(groups.offsets_E, torch.arange(x_RD.shape[0]), right=True)
         y_RD = x_RD * 2 + expert_R.unsqueeze(1)
         real_R = torch.arange(x_RD.shape[0]) < groups.offsets_E[-1]

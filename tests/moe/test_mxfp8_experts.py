@@ -242,10 +242,10 @@ class SavedBytes:
     def forward(self, x):
         experts_forward = self.layer.experts.forward
 
-        def recorded_experts(*args):
+        def recorded_experts(*args, **kwargs):
             # The innermost hooks win, so this pair also records into the layer's bucket.
             with saved_tensors_hooks(self._pack(self.layer_bytes, self.expert_bytes), lambda t: t):
-                return experts_forward(*args)
+                return experts_forward(*args, **kwargs)
 
         self.layer.experts.forward = recorded_experts
         try:

@@ -440,13 +440,13 @@ RECOMPUTE_BY_HAND = {
         59392 - 14592,
         2 * 26624,
     ),
-    # The experts keep their input rows 40*2*64 = 5120 instead of 10240; the pre-activations
-    # 40*2*2*32 = 5120 come back during the experts' backward.
+    # The experts keep the received rows they gather from, 40*2*64 = 5120, instead of their 10240; the
+    # recomputed forward gathers its rows anew, so all 10240 come back during the experts' backward.
     "experts": (
         {"mode": "selective", "parts": ["experts"]},
         2 * (42240 - 5120) + 14592,
-        5120,
-        59392 + 5120 - 14592,
+        10240,
+        59392 + 10240 - 14592,
         2 * 24576,
     ),
     # Each norm keeps its bf16 input 2048 instead of 6144; one norm's 6144 comes back at a time.
@@ -454,8 +454,8 @@ RECOMPUTE_BY_HAND = {
     "all-parts": (
         {"mode": "selective", "parts": ["attention", "experts", "norms"]},
         2 * (42240 - 8448 - 5120 - 2 * 4096) + 14592,
-        8448,
-        59392 + 5120 - 14592,
+        10240,
+        59392 + 10240 - 14592,
         2 * (26624 + 24576),
     ),
 }

@@ -191,7 +191,7 @@ MODELS = {
     "bf16-shared-dense": {"precision": "bf16", "shared": 96, "dense_layers": 1},
     # fp32: norms save their inputs themselves, the router saves the norm's output.
     "fp32-shared": {"precision": "fp32", "shared": 96},
-    # mxfp8: the experts save fp8 copies; their recompute keeps the bf16 rows.
+    # mxfp8: the experts save fp8 copies; their recompute keeps the bf16 token rows.
     "mxfp8": {"precision": "mxfp8"},
     # MLA with a query latent, values padded to the query/key width for the kernel.
     "bf16-mla": {"precision": "bf16", "model": {"qk_norm": False, "mla": MLA}},
@@ -228,9 +228,10 @@ def test_plan_names_the_bytes_a_real_model_keeps(model, mode):
         return
     none, _ = measure(scenario_from_dict(spec(MODELS[model]["precision"], {}, **options)))
     if (model, mode) == ("mxfp8", "experts"):
-        # The checkpoint keeps the dispatched rows in bf16, 2D bytes a row, where the experts saved
-        # (D + 2F)(1 + 1/32) in fp8: more, at this model's F = D / 4.
-        assert kept - none == 3 * TOKENS * TOP_K * (2 * 256 - (256 + 2 * 64) * 33 / 32)  # 3 MoE blocks
+        # The checkpoint keeps the token rows the experts gather from, in bf16, 2D bytes a token, where
+        # the experts saved (D + 2F)(1 + 1/32) in fp8 for each of a token's k rows: 17,920 bytes less a
+        # block at this model's F = D / 4.
+        assert kept - none == 3 * TOKENS * (2 * 256 - TOP_K * (256 + 2 * 64) * 33 / 32)  # 3 MoE blocks
     elif model.endswith("-fused") and mode == "norms":
         # A fused norm keeps only its input, which its checkpoint keeps too: recomputing it saves nothing.
         assert kept == none
