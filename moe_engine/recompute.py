@@ -7,8 +7,9 @@ What runs again, by mode (``RecomputeConfig``):
   all-to-alls run again in backward (every rank recomputes the same blocks in the same order, so
   the collectives still match).
 - ``selective``: only the named parts (``attention``, ``experts``, ``norms``), none of which
-  holds a collective: no all-to-all runs twice. ``experts`` recomputes the routed experts' SwiGLU
-  (both grouped GEMMs) from the rows dispatched to them.
+  holds a collective: no all-to-all runs twice. ``experts`` recomputes the routed experts' gather of
+  their rows into expert order and their SwiGLU (both grouped GEMMs), from the token rows (or, under
+  expert parallelism, the received rows) they gather from.
 
 A recomputed block must route exactly as its forward did. ``torch.utils.checkpoint`` restores the
 global RNG, not the router's own generator (random and skewed routing draw from it), and other

@@ -272,9 +272,10 @@ def instrument_model(timer: PhaseTimer, module: nn.Module) -> None:
     """Instrument an engine model (or any module containing engine blocks) by module type.
 
     Block -> "block" (norms, residual adds), Attention and MultiHeadLatentAttention -> "attention",
-    Router -> "router", GroupedExperts -> "experts", MoELayer -> "dispatch" (its exclusive remainder: permutation,
-    all-to-all, combine), an MoE layer's shared expert -> "shared_expert", a block's dense SwiGLU
-    ``ffn`` -> "dense_ffn". Embedding, final norm and LM head are left to the caller's "other".
+    Router -> "router", GroupedExperts -> "experts" (the gather of their rows into expert order included),
+    MoELayer -> "dispatch" (its exclusive remainder: routing plan, all-to-all, combine), an MoE layer's
+    shared expert -> "shared_expert", a block's dense SwiGLU ``ffn`` -> "dense_ffn". Embedding, final norm
+    and LM head are left to the caller's "other".
     """
     # Imported here so that the timer itself depends on torch only.
     from moe_engine.model import Block
