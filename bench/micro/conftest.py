@@ -15,6 +15,8 @@ import os
 import pytest
 import torch
 
+from bench.micro import FUSED_OPS
+
 # (numerator, denominator, metric): metric "flops" compares achieved FLOP/s, "tokens" tokens/s.
 # "bytes" compares achieved bytes/s: a fused op and its eager composition carry the fused op's bytes,
 # so the ratio is eager seconds / fused seconds.
@@ -23,15 +25,7 @@ RATIOS = {
     "experts_128_vs_8_tokens": ("test_expert_count[E128-k4]", "test_expert_count[E8-k4]", "tokens"),
     **{
         f"fused_over_eager_{op}": (f"test_fused_op[{op}-fused]", f"test_fused_op[{op}-eager]", "bytes")
-        for op in (
-            "rms_norm",
-            "add_rms_norm",
-            "swiglu",
-            "rope",
-            "router_scores",
-            "linear_cross_entropy",
-            "gather_rows_mx",
-        )
+        for op in FUSED_OPS
     },
 }
 TARGETS = {

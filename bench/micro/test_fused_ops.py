@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.micro import FUSED_OPS
 from bench.predict.fused_ops import fused_work
 from bench.predict.ops import TensorSpec, TracedOp
 from moe_engine import kernels
@@ -31,7 +32,7 @@ from moe_engine.modules.rope import RotaryEmbedding
 from moe_engine.moe.router import Router
 
 ROUNDS = 5
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "router_scores", "linear_cross_entropy", "gather_rows_mx")
+OPS = FUSED_OPS
 
 
 def _sizes(device: torch.device) -> dict[str, int]:

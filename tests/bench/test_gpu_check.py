@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.micro import FUSED_OPS
 from bench.predict.device import load_profile
 from bench.run.device_sweep import cuda_quick_sweep, estimate_seconds, timed_points
 
@@ -122,18 +123,7 @@ def test_dry_run_runs_every_step_with_its_files(tmp_path):
     tests = ET.parse(out / "tests-cuda.xml").getroot().find("testsuite")
     assert int(tests.get("tests")) > int(tests.get("skipped")) and tests.get("failures") == "0"
     micro = json.loads((out / "micro-cuda.json").read_text())
-    fused = {
-        f"fused_over_eager_{op}"
-        for op in (
-            "rms_norm",
-            "add_rms_norm",
-            "swiglu",
-            "rope",
-            "router_scores",
-            "linear_cross_entropy",
-            "gather_rows_mx",
-        )
-    }
+    fused = {f"fused_over_eager_{op}" for op in FUSED_OPS}
     assert len(micro["benchmarks"]) == 18
     assert set(micro["derived"]) == {"moe_layer_vs_dense_flops", "experts_128_vs_8_tokens", "memory_rate"} | fused
     # Each fused op's benchmark and its eager twin set against the base profile's memory rate.

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from fused_cases import DTYPES, SEED
-from test_fused_trace import OpRecorder
-from torch._subclasses.fake_tensor import FakeTensorMode
+from test_fused_trace import OpRecorder, model_step_ops
 
 from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work
-from moe_engine import ModelConfig, build_model, kernels
+from moe_engine import ModelConfig, kernels
 from moe_engine.kernels import gather_mx
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups, gather_tokens, plan_routing, plan_slots, sort_permutation
@@ -251,16 +250,11 @@ def test_unfused_mxfp8_experts_do_not_run_the_fused_gather():
 def test_mxfp8_moe_model_runs_the_fused_gather_instead_of_the_gather():
     """Each MoE layer of an MXFP8 model with fused kernels: one gather_rows_mx forward, the gather's
     backward once, and no separate gather (the combine's ops stay)."""
-    from fused_cases import MODEL_CONFIG, model_batch
+    from fused_cases import MODEL_CONFIG
 
     config = ModelConfig(**{**MODEL_CONFIG, "dtype": "bf16", "moe": {**MODEL_CONFIG["moe"], "backend": "mxfp8"}})
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
-    tokens, labels = model_batch()
-    with FakeTensorMode() as mode:
-        model = build_model(config)
-        with OpRecorder() as recorder:
-            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
-    fused = recorder.fused()
+    fused = model_step_ops(config).fused()
     assert fused.get("moe_engine::gather_rows_mx") == moe_layers
     assert fused.get("moe_engine::gather_rows_backward") == moe_layers
     assert "moe_engine::gather_rows" not in fused

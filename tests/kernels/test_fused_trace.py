@@ -34,6 +34,16 @@ class OpRecorder(TorchDispatchMode):
         return {name: n for name, n in self.ops.items() if name.startswith("moe_engine::")}
 
 
+def model_step_ops(config: ModelConfig) -> OpRecorder:
+    """The ops of one fake-tensor training step (forward and backward) of a model built from ``config``."""
+    tokens, labels = model_batch()
+    with FakeTensorMode() as mode:
+        model = build_model(config)
+        with OpRecorder() as recorder:
+            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
+    return recorder
+
+
 EXPECTED = {
     "rms_norm": ({"moe_engine::rms_norm": 1, "moe_engine::rms_norm_backward": 1}, {"aten::rsqrt", "aten::mean"}),
     "add_rms_norm": (
@@ -69,11 +79,7 @@ def test_dense_model_runs_fused_ops_only():
     """Every norm, activation, rotation and the loss of a step, forward and backward, as fused ops."""
     config = ModelConfig(**{**MODEL_CONFIG, "n_dense_layers": MODEL_CONFIG["n_layers"], "dtype": "bf16"})
     layers = config.n_layers
-    tokens, labels = model_batch()
-    with FakeTensorMode() as mode:
-        model = build_model(config)
-        with OpRecorder() as recorder:
-            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
+    recorder = model_step_ops(config)
     norms = layers + 2 * layers + 1  # attention norms, q and k norms, the final norm
     assert recorder.fused() == {
         "moe_engine::rms_norm": norms,
@@ -116,11 +122,7 @@ def test_moe_model_runs_the_fused_routing_ops():
     eager bmm of the combine), next to the other fused ops."""
     config = ModelConfig(**{**MODEL_CONFIG, "dtype": "bf16"})
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
-    tokens, labels = model_batch()
-    with FakeTensorMode() as mode:
-        model = build_model(config)
-        with OpRecorder() as recorder:
-            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
+    recorder = model_step_ops(config)
     fused = recorder.fused()
     assert {name: fused.get(name) for name in ROUTING} == dict.fromkeys(ROUTING, moe_layers)
     assert fused["moe_engine::swiglu_packed_backward"] == moe_layers
