@@ -147,7 +147,13 @@ def test_reference_backend_is_caught(device):
 )
 def test_each_syncing_call_is_caught(offence, message, device):
     t = torch.randn(8, device=device)
-    with pytest.raises(HostSyncError, match=message):
+    expected: type[RuntimeError] = HostSyncError
+    if device.type == "cuda" and "lift_fresh" in message:
+        # torch.tensor / torch.as_tensor copy to the device inside their constructor, below the
+        # dispatcher, where CUDA's sync debug mode raises its plain RuntimeError before the guard
+        # sees aten::lift_fresh: on a GPU either error names the same offence.
+        expected, message = RuntimeError, f"{message}|called a synchronizing CUDA operation"
+    with pytest.raises(expected, match=message):
         with forbid_host_sync():
             offence(t)
 
