@@ -28,8 +28,10 @@ from torch import Tensor
 import moe_engine.kernels.dispatch as dispatch
 from moe_engine.kernels.storage import as_bits, load_f32, on_device, programs_for, round_f32, store_f32, warps_for
 
-MAX_WIDTH = 65536
-"""Widest row one program normalises (the whole row sits in registers)."""
+MAX_WIDTH = 8192
+"""Widest row the kernels take; wider rows run the reference. A program keeps a whole row in
+registers: compiled for sm_90a, the backward spills from 16,384 (``bench.validate.kernel_compile``),
+and the models' widths (d_model, head_dim) stay within 8,192."""
 TILE_ELEMENTS = 4096
 """Elements of one program step: rows narrower than this go several to a step."""
 
@@ -175,7 +177,7 @@ def _triton_forward(x: Tensor, residual: Tensor | None, weight: Tensor, eps: flo
                 as_bits(x_NW),
                 as_bits(residual_NW),
                 as_bits(h_NW if h_NW is not None else y_NW),
-                as_bits(weight),
+                as_bits(weight.contiguous()),
                 as_bits(y_NW),
                 rstd_N,
                 rows,
@@ -209,7 +211,7 @@ def _triton_backward(grad_y: Tensor, grad_h: Tensor | None, x: Tensor, weight: T
             as_bits(grad_y_NW),
             as_bits(grad_h_NW),
             as_bits(x_NW),
-            as_bits(weight),
+            as_bits(weight.contiguous()),
             rstd.reshape(-1).contiguous(),
             as_bits(grad_x_NW),
             partial_PW,

@@ -56,6 +56,7 @@ from enum import Enum
 
 import torch
 
+from moe_engine.kernels.storage import on_device
 from moe_engine.moe.grouped_gemm import grouped_mm as grouped_mm_checked
 from moe_engine.precision.mxfp8 import MXTensor, pad_to_block
 from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
@@ -180,27 +181,28 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, blo
     a_scales = a_MK.scales.view(torch.uint8)
     b_scales = b_ENK.scales.view(torch.uint8)
     grid = (triton.cdiv(m, block_m) + num_experts, triton.cdiv(n, block_n))
-    _mx_grouped_mm_kernel[grid](
-        a_MK.data,
-        a_scales,
-        b_ENK.data,
-        b_scales,
-        out_MN,
-        offsets_E,
-        m,
-        n,
-        k,
-        num_experts,
-        *a_MK.data.stride(),
-        *a_scales.stride(),
-        *b_ENK.data.stride(),
-        *b_scales.stride(),
-        *out_MN.stride(),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=_block_k(k),
-        BLOCK_E=max(triton.next_power_of_2(num_experts), 2),
-    )
+    with on_device(out_MN):
+        _mx_grouped_mm_kernel[grid](
+            a_MK.data,
+            a_scales,
+            b_ENK.data,
+            b_scales,
+            out_MN,
+            offsets_E,
+            m,
+            n,
+            k,
+            num_experts,
+            *a_MK.data.stride(),
+            *a_scales.stride(),
+            *b_ENK.data.stride(),
+            *b_scales.stride(),
+            *out_MN.stride(),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=_block_k(k),
+            BLOCK_E=max(triton.next_power_of_2(num_experts), 2),
+        )
     return out_MN
 
 

@@ -143,18 +143,22 @@ def quantize_triton(
         per_program = max(1, _TILE_ELEMENTS // block_p2)
         inner = math.prod(x.shape[axis + 1 :])
         grid = (triton.cdiv(n_blocks, per_program),)
-        _quantize_kernel[grid](
-            x,
-            data,
-            scales,
-            n_blocks,
-            inner,
-            BLOCK=block,
-            BLOCK_P2=block_p2,
-            BLOCKS_PER_PROGRAM=per_program,
-            CEIL=ScaleRounding(rounding) is ScaleRounding.CEIL,
-            BF16_BITS=bf16,
-        )
+        # Imported here: moe_engine.kernels imports this module (the MXFP8 gather uses its blocks).
+        from moe_engine.kernels.storage import on_device
+
+        with on_device(x):
+            _quantize_kernel[grid](
+                x,
+                data,
+                scales,
+                n_blocks,
+                inner,
+                BLOCK=block,
+                BLOCK_P2=block_p2,
+                BLOCKS_PER_PROGRAM=per_program,
+                CEIL=ScaleRounding(rounding) is ScaleRounding.CEIL,
+                BF16_BITS=bf16,
+            )
     return data.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
 
 
