@@ -5,7 +5,11 @@ Each pair stores the same work in ``extra_info``: the bytes the fused op's kerne
 backward, as the projection prices them (``bench.predict.fused_ops``, from the ops recorded in one
 fused step). The conftest's ratios ``fused_over_eager_<op>`` are then eager seconds / fused seconds
 (above 1: the fused op is faster), and the summary prints each one's achieved GB/s, which
-``bench/gpu-check.sh`` sets beside the device profile's memory rate.
+``bench/gpu-check.sh`` sets beside the device profile's memory rate. Each also stores ``peak_bytes``,
+the step's peak memory above its inputs (the CUDA allocator's, or tracked tensor bytes on a CPU). The
+fused loss is judged on it, not on time: it runs one more GEMM of the LM head's size than eager by
+design (the logits are recomputed in backward), and what it buys is never holding the (N, V) logits;
+its ratio is eager peak bytes / fused peak bytes.
 
 Sizes: on CUDA a 47B-like layer's rows (16,384 tokens of width 4,096, bf16; the router's 128 experts,
 top-8, in fp32 as it computes; the MXFP8 gather's 8 rows a token; the loss over 8,192 tokens and a
@@ -22,6 +26,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.micro import FUSED_OPS
+from bench.run.memory import TensorMemoryTracker
 from bench.predict.fused_ops import fused_work
 from bench.predict.ops import TensorSpec, TracedOp
 from moe_engine import kernels
@@ -132,6 +137,19 @@ def _step(inputs, fn, device):
         torch.cuda.synchronize(device)
 
 
+def peak_bytes(inputs, fn, device: torch.device) -> int:
+    """Peak memory of one forward + backward above what exists before it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        _step(inputs, fn, device)
+        return torch.cuda.max_memory_allocated(device) - before
+    with TensorMemoryTracker(inputs) as tracker:
+        _step(inputs, fn, device)
+    return tracker.peak - tracker.baseline
+
+
 def fused_bytes(op: str, device: torch.device) -> float:
     """Bytes the fused op's kernels move in one forward + backward, as the projection prices them."""
     inputs, fn = _case(op, True, device)
@@ -147,6 +165,7 @@ def test_fused_op(benchmark, bench_device, op, fused):
     path = kernels.kernel_paths(bench_device, _dtype(bench_device))["rms_norm" if op == "add_rms_norm" else op]
     benchmark.extra_info.update(
         bytes=fused_bytes(op, bench_device),
+        peak_bytes=peak_bytes(inputs, fn, bench_device),
         device=str(bench_device),
         path=path.details if fused else "eager composition",
     )
