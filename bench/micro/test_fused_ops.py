@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.micro import FUSED_OPS
-from bench.run.memory import TensorMemoryTracker
 from bench.predict.fused_ops import fused_work
 from bench.predict.ops import TensorSpec, TracedOp
+from bench.run.memory import TensorMemoryTracker
 from moe_engine import kernels
 from moe_engine.config import MoEConfig
 from moe_engine.kernels import gather_mx
