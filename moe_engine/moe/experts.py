@@ -9,6 +9,12 @@ Weight layout (the (out, in) convention of ``nn.Linear``, also OLMoE's in transf
 With ``fused_kernels`` set (``ModelConfig.fused_kernels``) the grouped backends run the activation
 and its backward as fused ops (``moe_engine.kernels.swiglu``); the loop backend stays the reference.
 
+Split backward (grouped backends): each call is two autograd nodes, a main node whose backward computes
+the input gradient dX and a weight node (``_ExpertWeightGrads``) that computes dW. A zero-bubble
+pipeline schedule's input phase (``stage_backward_input``) reaches only the first, its weight phase
+(``stage_backward_weight``) the second; a plain backward runs both. ``defer_weight_grads()`` defers
+dW of the calls made inside it to ``DeferredWeightGrads.run_all()``.
+
 Rows arrive sorted by expert; expert e owns rows [offsets[e-1], offsets[e]). Rows after the last
 offset are padding (expert-parallel receive buffers have some): a backend may leave their outputs
 undefined, callers mask them. A backend implements ``ExpertBackend.forward``; the module holds the
@@ -18,6 +24,8 @@ weights (all experts, or an expert-parallel rank's block of them) and picks the 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -118,28 +126,164 @@ def zero_empty_experts_(grad_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torc
     return grad_EXY.masked_fill_((counts_E == 0).view(-1, 1, 1), 0)
 
 
-class _GroupedSwiGLU(torch.autograd.Function):
-    """Both GEMMs of the experts on ``torch._grouped_mm``; saves x and h, recomputes the activation."""
+class _WeightGradStash:
+    """One expert call's weight gradients, between its two backward nodes.
+
+    The main node's backward (dX) leaves ``compute``, a closure over the tensors dW needs (grad_y, a,
+    grad_h, x); the weight node's backward runs it once and drops it.
+    """
+
+    __slots__ = ("compute", "wanted")
+
+    def __init__(self, wanted: bool):
+        self.wanted = wanted
+        """Whether a weight gradient is wanted (some weight requires grad under grad mode)."""
+        self.compute: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+
+
+class _ExpertWeightGrads(torch.autograd.Function):
+    """The weight node: its inputs are the experts' weights, its output an empty token that the main
+    node takes as an input, so autograd's graph carries dW as a node of its own. A backward that only
+    wants the inputs' gradients (``stage_backward_input`` of the zero-bubble schedules) never reaches
+    it; ``stage_backward_weight`` and a plain backward do."""
 
     @staticmethod
-    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, fused=False):
+    def forward(ctx, stash, gate_up_EHD, down_EDF):
+        ctx.stash = stash
+        return gate_up_EHD.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_token):
+        compute, ctx.stash.compute = ctx.stash.compute, None
+        if compute is None:
+            raise RuntimeError("the experts' weight gradients ran without their input-gradient pass, or twice")
+        grad_gate_up_EHD, grad_down_EDF = compute()
+        return (
+            None,
+            grad_gate_up_EHD if ctx.needs_input_grad[1] else None,
+            grad_down_EDF if ctx.needs_input_grad[2] else None,
+        )
+
+
+class DeferredWeightGrads:
+    """The experts' weight gradients of the calls made inside ``defer_weight_grads()``: backward
+    computes their input gradients only, ``run_all()`` their weight gradients."""
+
+    def __init__(self) -> None:
+        self._calls: list[tuple[_WeightGradStash, torch.Tensor]] = []
+
+    @property
+    def pending(self) -> int:
+        """Expert calls whose weight gradients have not run yet."""
+        return len(self._calls)
+
+    def add(self, stash: _WeightGradStash, token: torch.Tensor) -> None:
+        self._calls.append((stash, token))
+
+    def run_all(self) -> None:
+        """Compute every queued weight gradient once, in queue order, and accumulate it into the
+        weights' ``.grad`` through autograd (post-accumulate-grad hooks fire as in a backward).
+        Raises if a queued call's backward has not run yet."""
+        calls, self._calls = self._calls, []
+        if any(stash.compute is None for stash, _ in calls):
+            self._calls = calls
+            raise RuntimeError("run_all() before the backward of every deferred experts call")
+        with torch.enable_grad():
+            for _, token in calls:
+                torch.autograd.backward(token, token.new_empty(0))
+
+
+_deferrals: list[DeferredWeightGrads] = []
+
+
+@contextmanager
+def defer_weight_grads() -> Iterator[DeferredWeightGrads]:
+    """Defer the experts' weight gradients of the forwards run inside: their backward (inside or
+    after) computes dX only; ``run_all()`` computes dW. Only the grouped backends split; the loop
+    backend (the reference) and every other parameter get their gradients during backward."""
+    deferred = DeferredWeightGrads()
+    _deferrals.append(deferred)
+    try:
+        yield deferred
+    finally:
+        _deferrals.remove(deferred)
+
+
+def _input_grad_wanted(ctx, index: int) -> bool:
+    """Whether this backward pass wants the gradient of input ``index`` (``ctx.needs_input_grad`` says
+    only whether it requires grad). ``stage_backward_weight`` re-enters the main node for the weights
+    alone; the engine then does not execute x's producer. The engine does not answer for a leaf under
+    ``autograd.grad``: wanted, to be safe."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    try:
+        return node is None or bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
+
+
+def _split_weights(
+    x: torch.Tensor, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor
+) -> tuple[_WeightGradStash, torch.Tensor | None]:
+    """The stash and the weight node's token for one expert call (no token where no weight gradient
+    is wanted). Under ``defer_weight_grads()`` the token is queued there instead of given to the main
+    node, unless x does not require grad (the output would then carry no graph)."""
+    stash = _WeightGradStash(torch.is_grad_enabled() and (gate_up_EHD.requires_grad or down_EDF.requires_grad))
+    if not stash.wanted:
+        return stash, None
+    token = _ExpertWeightGrads.apply(stash, gate_up_EHD, down_EDF)
+    if _deferrals and x.requires_grad:
+        _deferrals[-1].add(stash, token)
+        return stash, None
+    return stash, token
+
+
+def _weights_only_reentry(ctx, stash: _WeightGradStash) -> bool:
+    """True when ``stage_backward_weight`` re-enters the main node: dX ran in the input pass, the
+    closure waits in the stash, and x's gradient is not wanted now."""
+    return stash.compute is not None and not _input_grad_wanted(ctx, 0)
+
+
+def _token_grad(ctx, like: torch.Tensor, index: int) -> torch.Tensor | None:
+    return like.new_empty(0) if ctx.needs_input_grad[index] else None
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """Both GEMMs of the experts on ``torch._grouped_mm``; saves x and h, recomputes the activation.
+
+    The main node of the split backward: its backward computes dX and leaves dW's closure in the
+    stash for the weight node (``_ExpertWeightGrads``); the weights come in detached."""
+
+    @staticmethod
+    def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, stash, token, fused=False):
         h_NH = grouped_mm(x_ND, gate_up_EHD.transpose(1, 2), offsets_E)
         y_ND = grouped_mm(swiglu(h_NH, fused), down_EDF.transpose(1, 2), offsets_E)
         ctx.save_for_backward(x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF)
-        ctx.fused = fused
+        ctx.fused, ctx.stash = fused, stash
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
+        stash = ctx.stash
+        token_grad = _token_grad(ctx, grad_y_ND, 5)
+        if _weights_only_reentry(ctx, stash):
+            return None, None, None, None, None, token_grad, None
         x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         # A zero-stride gradient (from y.sum()) breaks the grouped GEMM's backward kernels.
         grad_y_ND = grad_y_ND.contiguous()
         grad_a_NF = grouped_mm(grad_y_ND, down_EDF, offsets_E)
         a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF, ctx.fused)
-        grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
-        grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
-        grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E)
-        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None
+        if stash.wanted:
+
+            def weight_grads():
+                grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
+                grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
+                return grad_gate_up_EHD, grad_down_EDF
+
+            stash.compute = weight_grads
+        grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E) if _input_grad_wanted(ctx, 0) else None
+        return grad_x_ND, None, None, None, None, token_grad, None
 
 
 class TorchGroupedBackend(ExpertBackend):
@@ -155,7 +299,10 @@ class TorchGroupedBackend(ExpertBackend):
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         self.path = grouped_mm_path(x_ND.device, x_ND.dtype).value
-        return _GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, self.fused_swiglu)
+        stash, token = _split_weights(x_ND, gate_up_EHD, down_EDF)
+        return _GroupedSwiGLU.apply(
+            x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, self.fused_swiglu
+        )
 
 
 def _real_rows(x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -193,7 +340,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, offsets_E, gate_up_EHD, down_EDF, path, fused=False, rows: RowMap | None = None):
+    def forward(ctx, x, offsets_E, gate_up_EHD, down_EDF, stash, token, path, fused=False, rows: RowMap | None = None):
         if rows is None:  # x: the (N, D) rows in expert order
             x_mx = mx.quantize_rows(torch.where(_real_rows(x, offsets_E), x, 0))
         else:  # x: the (T, D) token rows, gathered and quantized in one op
@@ -206,11 +353,15 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         if any(ctx.needs_input_grad):
             h_mx = mx.quantize_rows(h_NH)
             ctx.save_for_backward(x_mx.data, x_mx.scales, h_mx.data, h_mx.scales, offsets_E, gate_up_EHD, down_EDF)
-            ctx.path, ctx.fused, ctx.rows = path, fused, rows
+            ctx.path, ctx.fused, ctx.rows, ctx.stash = path, fused, rows, stash
         return y_ND
 
     @staticmethod
     def backward(ctx, grad_y_ND):
+        stash = ctx.stash
+        token_grad = _token_grad(ctx, grad_y_ND, 5)
+        if _weights_only_reentry(ctx, stash):
+            return None, None, None, None, None, token_grad, None, None, None
         x_data, x_scales, h_data, h_scales, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         _, hidden2, d_model = gate_up_EHD.shape
         dtype, path = grad_y_ND.dtype, ctx.path
@@ -222,19 +373,23 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         h_NH = mx.dequantize_rows(MXTensor(h_data, h_scales, axis=-1), hidden2, dtype)
         a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF, ctx.fused)
 
-        grad_x_ND = grad_gate_up_EHD = grad_down_EDF = None
-        if ctx.needs_input_grad[3]:
-            grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
-        if ctx.needs_input_grad[2]:
-            x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
-            grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
-        if ctx.needs_input_grad[0]:
+        if stash.wanted:
+
+            def weight_grads():
+                x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
+                grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
+                grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
+                return grad_gate_up_EHD, grad_down_EDF
+
+            stash.compute = weight_grads
+        grad_x_ND = None
+        if _input_grad_wanted(ctx, 0):
             gate_up_dgrad = mx.quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = mx.grouped_mm(mx.quantize_rows(grad_h_NH), gate_up_dgrad, offsets_E, dtype, path)
             if ctx.rows is not None:  # back to the token rows: each token's kept rows summed
                 rows = ctx.rows
                 grad_x_ND = kernels.gather_rows_backward(grad_x_ND, rows.row_N, rows.top_k, rows.kept_N)
-        return grad_x_ND, None, grad_gate_up_EHD, grad_down_EDF, None, None, None
+        return grad_x_ND, None, None, None, None, token_grad, None, None, None
 
 
 class MXFP8Backend(ExpertBackend):
@@ -253,7 +408,10 @@ class MXFP8Backend(ExpertBackend):
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         path = mx.available_path(x_ND.device)
         self.path = mx.path_label(path, x_ND.device)
-        return _MXFP8GroupedSwiGLU.apply(x_ND, groups.offsets_E, gate_up_EHD, down_EDF, path, self.fused_swiglu)
+        stash, token = _split_weights(x_ND, gate_up_EHD, down_EDF)
+        return _MXFP8GroupedSwiGLU.apply(
+            x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, self.fused_swiglu
+        )
 
     def forward_gathered(self, x_TD, rows, groups, gate_up_EHD, down_EDF):
         """With fused kernels, the gather and x's quantization are one op (``kernels.gather_rows_mx``)."""
@@ -261,7 +419,10 @@ class MXFP8Backend(ExpertBackend):
             return super().forward_gathered(x_TD, rows, groups, gate_up_EHD, down_EDF)
         path = mx.available_path(x_TD.device)
         self.path = mx.path_label(path, x_TD.device)
-        return _MXFP8GroupedSwiGLU.apply(x_TD, groups.offsets_E, gate_up_EHD, down_EDF, path, True, rows)
+        stash, token = _split_weights(x_TD, gate_up_EHD, down_EDF)
+        return _MXFP8GroupedSwiGLU.apply(
+            x_TD, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, True, rows
+        )
 
 
 BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
