@@ -4,6 +4,10 @@ Inputs: the ops of a traced step (``bench.run.trace``: m_t microbatches of the s
 then the optimizer), the seconds of each on a profile (``bench.predict.pricing``), and the layout.
 
     microbatch_s = (seconds of the forward and backward ops that run every microbatch) / m_t
+    forward_s    = (seconds of those forward ops) / m_t                                  (F, with B and W)
+    weight_grad_s = (seconds of the forward's weight matmuls: gemm, grouped_gemm, mx_gemm ops) / m_t
+                   (W: each weight's gradient is one matmul of the same sizes as its forward one; the
+                   zero-bubble schedules' bubble splits the backward into B = input gradients and W)
     optimizer_s  = seconds of the optimizer ops + the once-per-step rest (zeroing gradient buffers;
                    the forward and backward ops that run once per step, ``ONCE_PER_STEP``)
     collectives  = the traced c10d ops (bytes from the traced tensors): expert (ep group) and pipeline
@@ -66,6 +70,9 @@ __all__ = [
 PER_MICROBATCH_ACCOUNTS = ("expert", "pipeline", "fsdp")
 """Accounts of collectives that every microbatch issues (``collective_account``)."""
 
+WEIGHT_MATMULS = ("gemm", "grouped_gemm", "mx_gemm")
+"""Kinds of the ops that multiply by a weight (attention's score and context products are "attention")."""
+
 ONCE_PER_STEP = frozenset({("@accumulate_grad", "aten.div_"), ("@grad_sync", "aten.div_")})
 """(location, ATen packet) of the forward and backward ops that run once per step: a gradient bucket's
 scaling by 1/dp as its reduction launches (``moe_engine.parallel.data_parallel``), in the gradient
@@ -123,6 +130,7 @@ def collective_account(op, group_phases: dict[str, str]) -> tuple[str, str]:
 def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]) -> StepPrices:
     """Fold a priced trace (module docstring)."""
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
+    forward_matmuls = 0.0
     by_kind: dict[str, float] = {}
     flops = 0.0
     once_per_step = 0.0
@@ -135,6 +143,8 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
             once_per_step += p.seconds
         else:
             compute[p.op.stage] += p.seconds
+            if p.op.stage == "forward" and p.work.kind in WEIGHT_MATMULS:
+                forward_matmuls += p.seconds
         by_kind[p.work.kind] = by_kind.get(p.work.kind, 0.0) + p.seconds
         if p.work.kind in ("gemm", "grouped_gemm", "mx_gemm", "attention"):
             flops += p.work.flops
@@ -175,6 +185,8 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
     timing = RankTiming(
         microbatch_s=(compute["forward"] + compute["backward"]) / microbatches_traced,
         optimizer_s=compute["optimizer"] + compute["other"] + once_per_step,
+        forward_s=compute["forward"] / microbatches_traced,
+        weight_grad_s=min(forward_matmuls, compute["backward"]) / microbatches_traced,
     )
     overlap = expert_overlap(priced, microbatches_traced, group_phases)
     return StepPrices(
@@ -252,8 +264,9 @@ def project_priced_step(
     world_size: int,
     flops_per_token: float,
     skew: SkewModel | None = None,
+    overlap: str = "chunks",
 ) -> Projection:
-    """The projected step of a priced trace (module docstring)."""
+    """The projected step of a priced trace (module docstring); ``overlap``: ``project_step``'s."""
     projection = project_step(
         rank,
         prices.timing,
@@ -268,6 +281,7 @@ def project_priced_step(
         prices.gather_buckets,
         skew,
         prices.expert_overlap,
+        overlap,
     )
     projection.assumptions.extend(_trace_assumptions(prices))
     return projection

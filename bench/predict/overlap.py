@@ -1,7 +1,8 @@
 """Overlap: the collectives that run while the rank computes, and what of them the compute hides. The
 gradient reductions and ZeRO-1 gathers of a step queue on one link by bucket (``SyncBucket``,
 ``simulate_sync``); a microbatch's chunked expert all-to-alls run under its experts (``ExpertOverlap``,
-``chunked_exposed_s``, ``expert_hidden_s``).
+``chunked_exposed_s``, ``expert_hidden_s``), or under another microbatch's compute
+(``microbatch_exposed_s``).
 
 Formulas: ``bench.predict.projection``'s docstring, sections "Overlapped syncs" and "Overlapped expert all-to-alls". Pure arithmetic.
 """
@@ -14,7 +15,15 @@ from dataclasses import dataclass
 
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int, is_number
 
-__all__ = ["ExpertOverlap", "SyncBucket", "SyncTimes", "chunked_exposed_s", "expert_hidden_s", "simulate_sync"]
+__all__ = [
+    "ExpertOverlap",
+    "SyncBucket",
+    "SyncTimes",
+    "chunked_exposed_s",
+    "expert_hidden_s",
+    "microbatch_exposed_s",
+    "simulate_sync",
+]
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,20 @@ def expert_hidden_s(overlaps: Iterable[ExpertOverlap], rank: int, net: Network) 
         a = sum(collective_seconds(c, rank, net) for c in o.exchanges) / o.passes
         hidden += o.passes * (a - chunked_exposed_s(a, o.compute_s / o.passes, o.chunks))
     return hidden
+
+
+def microbatch_exposed_s(alltoall_s: float, compute_s: float, microbatches: int) -> float:
+    """Seconds of a step's expert all-to-alls that the compute does not hide when each microbatch's run
+    beside another microbatch's compute (``ExpertOverlap.MICROBATCHES``): m - 1 overlapped pairs, each
+    exposing what its all-to-alls (``alltoall_s``, one microbatch's) outlast its compute (``compute_s``,
+    one microbatch's), and the first forward's and the last backward's all-to-alls, which have no
+    partner, whole (the rule in ``bench.predict.projection``'s docstring)."""
+    if not is_int(microbatches) or microbatches < 1:
+        raise ValueError(f"microbatches: must be an integer >= 1, got {microbatches!r}")
+    for name, value in (("alltoall_s", alltoall_s), ("compute_s", compute_s)):
+        if not is_number(value) or not value >= 0:
+            raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
+    return (microbatches - 1) * max(0.0, alltoall_s - compute_s) + alltoall_s
 
 
 @dataclass(frozen=True)

@@ -148,14 +148,31 @@ from bench.predict.collectives import (
     is_int,
     is_number,
 )
-from bench.predict.overlap import ExpertOverlap, SyncBucket, expert_hidden_s, simulate_sync
+from bench.predict.overlap import ExpertOverlap, SyncBucket, expert_hidden_s, microbatch_exposed_s, simulate_sync
 from bench.predict.skew import SkewModel, skew_seconds, sync_points
 
-__all__ = ["BESIDE_KEYS", "BREAKDOWN_KEYS", "STEP_KEYS", "Projection", "RankTiming", "Schedule", "project_step"]
+__all__ = [
+    "BESIDE_KEYS",
+    "BREAKDOWN_KEYS",
+    "KINDS",
+    "OVERLAPS",
+    "STEP_KEYS",
+    "Projection",
+    "RankTiming",
+    "Schedule",
+    "bubble_s",
+    "project_step",
+]
 
 PER_MICROBATCH_PHASES = ("expert", "pipeline", "fsdp")
 PER_STEP_PHASES = ("grad", "other")
-KINDS = ("gpipe", "1f1b", "interleaved1f1b")
+KINDS = ("gpipe", "1f1b", "interleaved1f1b", "interleaved-zb", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules whose ranks hold two stages each, in a V (stage r and 2 pp - 1 - r)."""
+ZERO_BUBBLE = ("interleaved-zb", *V_SHAPED)
+"""Schedules that run weight gradients apart from input gradients, in the bubble."""
+OVERLAPS = ("none", "chunks", "microbatches")
+"""How a microbatch's expert all-to-alls overlap compute (``moe_engine.config.ExpertOverlap``, resolved)."""
 STEP_KEYS = (
     "compute",
     "expert_comm",
@@ -190,11 +207,12 @@ class Schedule:
     pp: int
     """Pipeline stages (ranks in a pipeline)."""
     virtual_stages: int
-    """Model chunks per pipeline rank (more than one needs interleaved1f1b)."""
+    """Model chunks per pipeline rank (more than one needs interleaved1f1b or interleaved-zb; zbv and
+    dualpipev always hold two, given as 1 or 2)."""
     microbatches: int
     """Microbatches per optimizer step on each data-parallel rank."""
     kind: str
-    """gpipe, 1f1b or interleaved1f1b; ignored when pp == 1."""
+    """One of ``KINDS``; ignored when pp == 1."""
 
     def __post_init__(self) -> None:
         for name in ("pp", "virtual_stages", "microbatches"):
@@ -204,11 +222,21 @@ class Schedule:
         if self.kind not in KINDS:
             raise ValueError(f"schedule.kind: unknown schedule {self.kind!r}; expected one of {', '.join(KINDS)}")
         # The engine refuses this layout too (ParallelConfig.validate); the bubble formula would not apply.
-        if self.virtual_stages > 1 and self.kind != "interleaved1f1b":
+        if self.kind in V_SHAPED:
+            if self.virtual_stages > 2:
+                raise ValueError(
+                    f"schedule.virtual_stages: {self.kind} holds two stages per rank, got {self.virtual_stages}"
+                )
+        elif self.virtual_stages > 1 and self.kind not in ("interleaved1f1b", "interleaved-zb"):
             raise ValueError(
-                f"schedule.virtual_stages: {self.virtual_stages} stages per rank needs kind interleaved1f1b, "
-                f"got {self.kind}"
+                f"schedule.virtual_stages: {self.virtual_stages} stages per rank needs kind interleaved1f1b or "
+                f"interleaved-zb, got {self.kind}"
             )
+
+    @property
+    def chunks(self) -> int:
+        """Stages a rank holds: 2 for the V-shaped schedules, else virtual_stages."""
+        return 2 if self.kind in V_SHAPED else self.virtual_stages
 
 
 @dataclass(frozen=True)
@@ -219,12 +247,25 @@ class RankTiming:
     """Forward + backward compute of one microbatch on this rank (all its stages), seconds."""
     optimizer_s: float
     """Optimizer step, once per step, seconds (its updates are what ZeRO-1 gathers hide under)."""
+    forward_s: float | None = None
+    """The forward's share of microbatch_s (F), seconds; the zero-bubble schedules' bubble needs it."""
+    weight_grad_s: float | None = None
+    """The backward's weight gradients in microbatch_s (W), seconds; the zero-bubble schedules' bubble needs it."""
 
     def __post_init__(self) -> None:
         for name in ("microbatch_s", "optimizer_s"):
             value = getattr(self, name)
             if not is_number(value) or not value >= 0:
                 raise ValueError(f"timing.{name}: must be a number >= 0, got {value!r}")
+        for name in ("forward_s", "weight_grad_s"):
+            value = getattr(self, name)
+            if value is not None and (not is_number(value) or not value >= 0):
+                raise ValueError(f"timing.{name}: must be a number >= 0 or None, got {value!r}")
+        if (self.forward_s or 0.0) + (self.weight_grad_s or 0.0) > self.microbatch_s * (1 + 1e-9):
+            raise ValueError(
+                f"timing: forward_s + weight_grad_s ({self.forward_s} + {self.weight_grad_s}) exceed microbatch_s "
+                f"({self.microbatch_s})"
+            )
 
 
 @dataclass(frozen=True)
@@ -272,18 +313,39 @@ def _seconds(items: list[Collective], phase: str, rank: int, net: Network) -> fl
     return sum(collective_seconds(c, rank, net) for c in items if c.phase == phase)
 
 
-def _bubble(schedule: Schedule, t_mb: float) -> float:
-    pp, v = schedule.pp, schedule.virtual_stages
+def bubble_s(schedule: Schedule, t_mb: float, timing: RankTiming) -> float:
+    """The pipeline's idle time of one step (the formulas in the module docstring, section "Step")."""
+    pp, v = schedule.pp, schedule.chunks
     if pp == 1:
         return 0.0
-    if schedule.kind == "interleaved1f1b":
-        # Warm-up and drain run chunk-sized pieces of a microbatch, 1/v of one each.
+    if schedule.kind not in ZERO_BUBBLE:
+        # Warm-up and drain run chunk-sized pieces of a microbatch, 1/v of one each (v = 1: whole ones).
         return (pp - 1) * t_mb / v
-    return (pp - 1) * t_mb
+    if timing.forward_s is None or timing.weight_grad_s is None:
+        raise ValueError(f"timing: the {schedule.kind} schedule's bubble needs forward_s and weight_grad_s")
+    # F, B (input gradients) and W of one microbatch, with its exposed communication spread over them
+    # in proportion; a chunk holds 1/v of each.
+    scale = t_mb / timing.microbatch_s if timing.microbatch_s else 0.0
+    f, w = timing.forward_s * scale, timing.weight_grad_s * scale
+    b = t_mb - f - w
+    if schedule.kind == "interleaved-zb":
+        per_chunk = f + b - w  # ZB1P: (p - 1)(F + B_full - 2W), B_full = B + W
+    elif schedule.kind == "zbv":
+        per_chunk = f + b - 2 * w  # ZB-V: zero when F = B = W
+    else:
+        per_chunk = f + 2 * b - w  # DualPipeV: (p - 1)(F&B + B_full - 3W), F&B = F + B_full
+    return (pp - 1) * max(0.0, per_chunk) / v
 
 
-def _overlap_assumption(overlaps: list[ExpertOverlap]) -> str:
-    chunked = [o for o in overlaps if o.chunks > 1]
+def _overlap_assumption(overlaps: list[ExpertOverlap], overlap: str) -> str:
+    if overlap == "microbatches":
+        return (
+            "expert all-to-alls overlapped across microbatches: each microbatch's all-to-alls run beside another "
+            "microbatch's compute (m - 1 pairs), exposing max(0, A - X) a pair (A = a microbatch's all-to-all "
+            "seconds, X = its compute); the first forward's and the last backward's, with no partner, are exposed "
+            "whole; no contention between the all-to-alls and compute"
+        )
+    chunked = [o for o in overlaps if o.chunks > 1] if overlap == "chunks" else []
     if not chunked:
         return (
             "expert all-to-alls (where the layout has them): each layer's rows out and back whole, on the "
@@ -301,9 +363,20 @@ def _overlap_assumption(overlaps: list[ExpertOverlap]) -> str:
 
 
 def _assumptions(schedule: Schedule, net: Network, grad_buckets: int, gather_buckets: int) -> list[str]:
-    pp, v = schedule.pp, schedule.virtual_stages
+    pp, v = schedule.pp, schedule.chunks
     if pp == 1:
         pipeline = "no pipeline (pp = 1): the step runs m microbatches back to back, m * t_mb, no bubble"
+    elif schedule.kind in ZERO_BUBBLE:
+        rule = {
+            "interleaved-zb": "ZB1P: (pp - 1) * max(0, F + B - W) / v",
+            "zbv": "ZB-V: (pp - 1) * max(0, F + B - 2W) / 2",
+            "dualpipev": "DualPipeV: (pp - 1) * max(0, F + 2B - W) / 2",
+        }[schedule.kind]
+        pipeline = (
+            f"{schedule.kind} over pp = {pp} stages, {v} chunks per rank: pipeline time m * t_mb + bubble, "
+            f"bubble = {rule}, F, B (input gradients), W (weight gradients) of one microbatch's t_mb in the "
+            "proportions of its compute; every stage is as slow as the measured rank"
+        )
     elif schedule.kind == "interleaved1f1b":
         pipeline = (
             f"interleaved 1F1B over pp = {pp} stages with v = {v} chunks per rank: pipeline time "
@@ -382,6 +455,7 @@ def project_step(
     gather_buckets: Iterable[SyncBucket] = (),
     skew: SkewModel | None = None,
     expert_overlap: Iterable[ExpertOverlap] = (),
+    overlap: str = "chunks",
 ) -> Projection:
     """The projected step of ``rank`` (formulas in the module docstring).
 
@@ -390,9 +464,13 @@ def project_step(
     is global. ``grad_buckets`` (the gradient reductions) and ``gather_buckets`` (the ZeRO-1 gathers),
     in launch order, are the overlapped syncs. ``skew``: the rank-skew waits' model (none: 0).
     ``expert_overlap``: the chunked expert all-to-alls of a microbatch, by direction (they are among
-    ``per_microbatch``'s expert entries too; none: nothing overlapped).
+    ``per_microbatch``'s expert entries too; none: nothing overlapped). ``overlap``: how the expert
+    all-to-alls overlap compute, one of ``OVERLAPS``: none (all exposed), chunks (``expert_overlap``'s
+    chunked rule) or microbatches (behind another microbatch's compute).
     """
     grad_buckets, gather_buckets, expert_overlap = list(grad_buckets), list(gather_buckets), list(expert_overlap)
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap: unknown overlap {overlap!r}; expected one of {', '.join(OVERLAPS)}")
     if not is_int(world_size) or world_size < 1:
         raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
     if not is_int(rank) or not 0 <= rank < world_size:
@@ -418,8 +496,13 @@ def project_step(
 
     m = schedule.microbatches
     expert_total = _seconds(per_microbatch, "expert", rank, net)
-    expert_hidden = expert_hidden_s(expert_overlap, rank, net)
-    expert = expert_total - expert_hidden
+    if overlap == "microbatches":
+        # Per microbatch: the step's exposed seconds spread over its m microbatches.
+        expert = microbatch_exposed_s(expert_total, timing.microbatch_s, m) / m
+        expert_hidden = expert_total - expert
+    else:
+        expert_hidden = expert_hidden_s(expert_overlap, rank, net) if overlap == "chunks" else 0.0
+        expert = expert_total - expert_hidden
     pipe = _seconds(per_microbatch, "pipeline", rank, net)
     fsdp = _seconds(per_microbatch, "fsdp", rank, net)
     fsdp_exposed = max(0.0, fsdp - timing.microbatch_s)
@@ -433,7 +516,7 @@ def project_step(
         "expert_comm": m * expert,
         "pipeline_comm": m * pipe,
         "fsdp_gather_exposed": m * fsdp_exposed,
-        "bubble": _bubble(schedule, t_mb),
+        "bubble": bubble_s(schedule, t_mb, timing),
         "grad_sync_exposed": grad.exposed_s,
         "optimizer": timing.optimizer_s,
         "param_gather_exposed": gather.exposed_s,
@@ -461,5 +544,5 @@ def project_step(
         tflops_per_gpu=flops_per_token * tokens_per_step / step / world_size / 1e12,
         breakdown_s=breakdown,
         assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets))
-        + [_overlap_assumption(expert_overlap), _skew_assumption(skew)],
+        + [_overlap_assumption(expert_overlap, overlap), _skew_assumption(skew)],
     )

@@ -96,15 +96,44 @@ def check_traceable(scenario: Scenario) -> None:
         raise NotTraceable(f"{scenario.file}: {err}") from None
 
 
-def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
-    """The scenario with only ``microbatches`` of its microbatches per step (same microbatch size)."""
-    m = scenario.parallel_config.microbatches
-    assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
-    if microbatches is None or microbatches >= m:
+TRACED_SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules a proxy rank runs; a rank of any other is traced as 1F1B (``on_cluster``)."""
+
+
+def on_cluster(scenario: Scenario, profile: DeviceProfile) -> Scenario:
+    """The scenario as it runs on ``profile``'s cluster: ``parallel.ranks_per_node`` left unset (None) is
+    the profile's ``gpus_per_node`` where the expert group spans nodes (ep > gpus_per_node), as the
+    engine's node-aware dispatch reads it."""
+    parallel = scenario.parallel_config
+    fields = {f.name for f in dataclasses.fields(parallel)}
+    gpus_per_node = Network.from_cluster(profile.cluster()).gpus_per_node
+    if "ranks_per_node" not in fields or parallel.ranks_per_node is not None or parallel.ep <= gpus_per_node:
         return scenario
     spec = copy.deepcopy(scenario.spec)
-    spec["parallel"]["microbatches"] = microbatches
-    spec["run"]["tokens_per_step"] = scenario.run.tokens_per_step // m * microbatches
+    spec["parallel"]["ranks_per_node"] = gpus_per_node
+    return scenario_from_dict(spec, file=scenario.file)
+
+
+def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
+    """The scenario as traced: only ``microbatches`` of its microbatches per step (same microbatch size),
+    and a rank of a schedule other than gpipe or 1f1b as a 1F1B rank with one stage (its per-microbatch
+    ops: the same blocks, the same microbatches; the schedule's order, bubble and overlap are the
+    projection's, and its stage messages are counted per stage it holds: ``projection_document``)."""
+    parallel = scenario.parallel_config
+    m = parallel.microbatches
+    assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
+    one_stage = parallel.pp == 1 or parallel.schedule.value in TRACED_SCHEDULES
+    if (microbatches is None or microbatches >= m) and one_stage:
+        return scenario
+    spec = copy.deepcopy(scenario.spec)
+    if microbatches is not None and microbatches < m:
+        spec["parallel"]["microbatches"] = microbatches
+        spec["run"]["tokens_per_step"] = scenario.run.tokens_per_step // m * microbatches
+    if not one_stage:
+        spec["parallel"]["schedule"] = "1f1b"
+        spec["parallel"]["virtual_stages"] = 1
+        # The traced rank's overlap is the projection's; the layout's own rule may not apply to 1F1B.
+        spec["parallel"].pop("overlap", None)
     # Trace as an execute-free plan: its mode only decides which sections it needs.
     return scenario_from_dict(spec, file=scenario.file)
 
@@ -382,7 +411,8 @@ def project_on_device(
     Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device, and
     ``NotTraceable`` for a layout the trace cannot build.
     """
-    check_traceable(scenario)
+    scenario = on_cluster(scenario, profile)
+    check_traceable(traced_scenario(scenario, None))
     fit = memory_fit(scenario, profile)
     if not fit["fits"]:
         raise DoesNotFit(
@@ -409,6 +439,7 @@ def projection_document(
     assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     net = Network.from_cluster(profile.cluster())
     schedule = Schedule(parallel.pp, parallel.virtual_stages, parallel.microbatches, parallel.schedule.value)
+    overlap = parallel.resolved_overlap.value
     flops_per_token = training_flops_per_token(scenario.model)
     staged_steps = list(staged_steps)
     m_traced = staged_steps[0].trace.microbatches
@@ -417,8 +448,25 @@ def projection_document(
     for staged in staged_steps:
         rank = staged.rank
         prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
+        if schedule.chunks > 1:
+            # A rank of v stages sends and receives each microbatch's activations and gradients at each.
+            prices = dataclasses.replace(
+                prices,
+                per_microbatch=[
+                    dataclasses.replace(c, count=c.count * schedule.chunks) if c.phase == "pipeline" else c
+                    for c in prices.per_microbatch
+                ],
+            )
         stage_projection = project_priced_step(
-            prices, rank, schedule, net, scenario.run.tokens_per_step, scenario.world_size, flops_per_token, skew
+            prices,
+            rank,
+            schedule,
+            net,
+            scenario.run.tokens_per_step,
+            scenario.world_size,
+            flops_per_token,
+            skew,
+            overlap,
         )
         projections.append(stage_projection)
         stages.append(

@@ -1,0 +1,97 @@
+"""Rows per token of each ``DispatchRows`` and the price of one dispatch on two link levels, against
+hand-computed numbers and a count over drawn routes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from bench.predict.collectives import Network
+from bench.predict.dispatch_rows import (
+    DispatchShape,
+    RowsPerToken,
+    dispatch_exchanges,
+    dispatch_seconds,
+    expected_distinct,
+    expected_rows_per_token,
+    measured_rows_per_token,
+    resolve_rows,
+)
+
+SEED = 41
+
+
+def test_hypergeometric_by_hand():
+    # 8 experts on 4 ranks (2 each), top-2: a rank is missed with C(6,2)/C(8,2) = 15/28, so
+    # E[distinct ranks] = 4 (1 - 15/28) = 52/28 = 13/7.
+    assert expected_distinct(8, 2, 2) == pytest.approx(13 / 7, rel=1e-15)
+    # One expert per group: every pick is its own group.
+    assert expected_distinct(16, 1, 4) == pytest.approx(4.0, rel=1e-15)
+    # One group: always hit once.
+    assert expected_distinct(16, 16, 4) == pytest.approx(1.0, rel=1e-15)
+    # Top-k larger than the experts outside a group: every group is hit.
+    assert expected_distinct(8, 4, 5) == pytest.approx(2.0, rel=1e-15)
+
+
+def test_expected_rows_match_drawn_routes():
+    # 64 experts, top-8, ep 16 on 2 nodes of 8: the expectation against 20,000 drawn tokens.
+    shape = DispatchShape(experts=64, top_k=8, ep=16, ranks_per_node=8)
+    rng = random.Random(SEED)
+    routes = [rng.sample(range(64), 8) for _ in range(20_000)]
+    measured = measured_rows_per_token(routes, shape)
+    expected = expected_rows_per_token(shape)
+    print(f"seed {SEED}: measured {measured}, expected {expected}")
+    assert measured.experts == expected.experts == 8
+    # Standard error of a mean of distinct counts (sd < 1.5) over 20,000 tokens is about 0.01.
+    assert measured.ranks == pytest.approx(expected.ranks, abs=0.05)
+    assert measured.nodes == pytest.approx(expected.nodes, abs=0.02)
+    assert expected.ranks == pytest.approx(16 * (1 - math.comb(60, 8) / math.comb(64, 8)), rel=1e-15)
+    assert expected.nodes == pytest.approx(2 * (1 - math.comb(32, 8) / math.comb(64, 8)), rel=1e-15)
+
+
+def test_measured_counts_by_hand():
+    # 8 experts on 4 ranks (2 each), 2 ranks a node. Token a: experts 0, 1 (rank 0 twice: 1 rank, 1 node);
+    # token b: experts 0, 7 (ranks 0 and 3, nodes 0 and 1).
+    shape = DispatchShape(experts=8, top_k=2, ep=4, ranks_per_node=2)
+    assert measured_rows_per_token([[0, 1], [0, 7]], shape) == RowsPerToken(ranks=1.5, nodes=1.5, experts=2.0)
+
+
+def test_auto_resolves_as_the_engine_does():
+    assert resolve_rows("auto", DispatchShape(64, 8, 16, 8)) == "per-node"
+    assert resolve_rows("auto", DispatchShape(64, 8, 8, 8)) == "per-rank"
+    assert resolve_rows("per-expert", DispatchShape(64, 8, 16, 8)) == "per-expert"
+    with pytest.raises(ValueError, match="unknown kind"):
+        resolve_rows("per-token", DispatchShape(64, 8, 16, 8))
+
+
+def test_two_level_dispatch_price_by_hand():
+    # ep 4 on 2 nodes of 2; intra 10 GB/s, inter 1 GB/s, alpha 1 us. 1,000 tokens of 1,000-byte rows,
+    # D_r = 3, D_n = 1.5 (given, not drawn). Rank 1 (node 0, local index 1).
+    net = Network(gpus_per_node=2, intra_node_gbps=10.0, inter_node_gbps=1.0, latency_us=1.0)
+    shape = DispatchShape(experts=8, top_k=4, ep=4, ranks_per_node=2)
+    rows = RowsPerToken(ranks=3.0, nodes=1.5, experts=4.0)
+    across, inside = dispatch_exchanges("per-node", shape, rows, 1000, 1000, rank=1)
+    assert across.ranks == (1, 3) and inside.ranks == (0, 1)
+    assert (across.nbytes, inside.nbytes) == (1_500_000, 3_000_000)
+    # Inter level: 1.5e6 B, half leaves the node: 1 alpha + 0.75e6 / 1e9 = 1e-6 + 7.5e-4.
+    # Intra level: 3e6 B, half to the other rank: 1 alpha + 1.5e6 / 1e10 = 1e-6 + 1.5e-4.
+    assert dispatch_seconds([across, inside], 1, net) == pytest.approx(2e-6 + 7.5e-4 + 1.5e-4, rel=1e-12)
+    # Per-rank rows over the whole group: 3e6 B; 1/4 stays, 1/4 on the node (3e5 B / 1e10), 1/2 leaves
+    # it (1.5e6 / 1e9): 3 alpha + max(7.5e-5, 1.5e-3).
+    (flat,) = dispatch_exchanges("per-rank", shape, rows, 1000, 1000, rank=1)
+    assert flat.ranks == (0, 1, 2, 3) and flat.nbytes == 3_000_000
+    assert dispatch_seconds([flat], 1, net) == pytest.approx(3e-6 + 1.5e-3, rel=1e-12)
+    # Per-expert: 4 rows a token, 4e6 B: 3 alpha + 2e6 / 1e9.
+    (plain,) = dispatch_exchanges("per-expert", shape, rows, 1000, 1000, rank=1)
+    assert dispatch_seconds([plain], 1, net) == pytest.approx(3e-6 + 2e-3, rel=1e-12)
+
+
+def test_one_node_group_sends_once_over_the_group():
+    shape = DispatchShape(experts=8, top_k=2, ep=4, ranks_per_node=8)
+    rows = expected_rows_per_token(shape)
+    assert rows.nodes == pytest.approx(1.0)
+    (only,) = dispatch_exchanges("per-node", shape, rows, 10, 100, rank=2)
+    assert only.ranks == (0, 1, 2, 3)
+    assert only.nbytes == round(10 * rows.ranks * 100)
