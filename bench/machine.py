@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,3 +241,98 @@ def available_memory_bytes(device: torch.device) -> tuple[int, str]:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
     raise OSError("/proc/meminfo has no MemAvailable line")
+
+
+# Machine identity -----------------------------------------------------------------------------------
+# A folder name (``cpu-2c-intel-r-xeon``) names a kind of machine, not a machine: two virtual machines
+# with that name measured the same code 15-20% apart. A result therefore also records what tells two
+# machines apart, and results are compared only where these agree.
+
+ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "asimd", "sve")
+"""The CPU flags that change which kernels run (and how fast); the others (microcode, mitigations,
+what a hypervisor passes through) differ between hosts of one machine kind without changing a timing."""
+
+CALIBRATION_SIZE = 512
+"""Side of the calibration's fp32 square matmul: about 0.27 GFLOP a product, 2 ms on two cores,
+large enough to use every core of the run, small enough to stay in cache."""
+CALIBRATION_KERNEL = f"fp32 {CALIBRATION_SIZE}x{CALIBRATION_SIZE} matmul on every core, median of 9 timed blocks"
+
+
+def calibrate(blocks: int = 9, products: int = 8) -> dict[str, Any]:
+    """The calibration figure: GFLOP/s of a fixed fp32 matmul on every core this process may use.
+
+    The median of ``blocks`` timed blocks of ``products`` products each; the blocks' samples are kept
+    so that a reader can see how steady the machine was while it was measured. About 0.2 s on a quiet
+    2-core machine.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_cores())
+    try:
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randn(CALIBRATION_SIZE, CALIBRATION_SIZE, generator=generator)
+        b = torch.randn(CALIBRATION_SIZE, CALIBRATION_SIZE, generator=generator)
+        for _ in range(2):
+            a @ b  # the first products fault the pages in and start the thread pool
+        samples = []
+        for _ in range(blocks):
+            start = time.perf_counter()
+            for _ in range(products):
+                a @ b
+            samples.append(2 * CALIBRATION_SIZE**3 * products / (time.perf_counter() - start) / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    samples.sort()
+    return {"kernel": CALIBRATION_KERNEL, "gflops": samples[len(samples) // 2], "samples": samples}
+
+
+def _gpu_identity(count: int) -> dict[str, Any] | None:
+    """Model, driver, maximum clocks and memory of the GPUs, as nvidia-smi reports them (no CUDA
+    context in this process); None without GPUs."""
+    if not count:
+        return None
+    fields = "name,driver_version,clocks.max.sm,clocks.max.memory,memory.total"
+    try:
+        text = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    rows = [[cell.strip() for cell in line.split(",")] for line in text.splitlines() if line.count(",") == 4]
+    if not rows:
+        return {"name": torch.cuda.get_device_name(0), "count": count, "source": "torch (no nvidia-smi answer)"}
+    name, driver, sm_mhz, mem_mhz, memory_mib = rows[0]
+    return {
+        "name": name,
+        "count": count,
+        "driver": driver,
+        "max_sm_clock_mhz": _number(sm_mhz),
+        "max_memory_clock_mhz": _number(mem_mhz),
+        "memory_gib": round(_number(memory_mib) / 1024, 1) if _number(memory_mib) else None,
+        "source": "nvidia-smi",
+    }
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def machine_identity(info: dict[str, Any], calibration: dict[str, Any] | None) -> dict[str, Any]:
+    """What tells this machine apart from another of the same name: CPU model and ISA flags, cores,
+    memory, the GPUs, and a measured calibration figure (``calibrate``; None for a plan, which measures nothing)."""
+    proc = _cpuinfo()
+    flags = set((_lscpu().get("Flags") or proc.get("flags") or proc.get("Features") or "").split())
+    return {
+        "cpu_model": info["cpu_model"],
+        "cpu_cores": info["cpu_cores"],
+        "isa_flags": sorted(flags & set(ISA_FLAGS)),
+        "memory_gib": round(_memory_gb() * 1e9 / 2**30, 1),
+        "gpu": _gpu_identity(info["gpu_count"]),
+        "calibration": calibration,
+    }

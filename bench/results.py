@@ -24,6 +24,7 @@ invalid against the schema. ``load_results`` raises it for the first bad file, o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -86,6 +87,24 @@ def metric(samples: Iterable[float], unit: str, better: str | None) -> dict[str,
 def scenario_hash(spec: dict[str, Any]) -> str:
     canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def scenario_file_entry(file: Path | str | None) -> dict[str, Any]:
+    """A result's ``scenario.file`` and ``scenario.digest``: the file's path in the repository
+    (``scenarios/smoke/x.yaml``), or its name alone for a file outside it, never where one machine keeps
+    it; and the sha256 of its bytes, which names the file's content wherever it lies."""
+    if file is None:
+        return {"file": None}
+    path = Path(file)
+    try:
+        where = path.resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        where = path.name
+    try:
+        digest: str | None = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        digest = None
+    return {"file": where, "digest": digest}
 
 
 def utc_now() -> str:
@@ -184,6 +203,25 @@ def write_result(data: dict[str, Any], directory: Path) -> Path:
         raise FileExistsError(f"no free result file name for {name} in {directory}")
     finally:
         os.unlink(tmp)
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Replace ``path`` with ``text`` in one step (temp file in the same folder, fsync, rename): a reader
+    sees the old file or the new one, never half of one; an interrupted write leaves the old file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 _JSON_TYPES = {
@@ -317,3 +355,63 @@ def age_key(doc: ResultDocument) -> tuple:
     suffix (runs within one second), then the path."""
     stamp = written_at(doc)
     return (stamp is not None, stamp.timestamp() if stamp else 0.0, run_index(doc), str(doc.path or ""))
+
+
+def noisy_reason(data: dict[str, Any]) -> str | None:
+    """Why a result document was recorded noisy, one line (``bench.run.conditions``); None when it was
+    quiet or records no conditions (written before results recorded them)."""
+    found = data.get("conditions") or {}
+    if not found.get("noisy"):
+        return None
+    return "; ".join(found.get("reasons") or ["recorded noisy"])
+
+
+# Machine identity (bench.machine.machine_identity records it): compared here, where the gate and the
+# report read documents without measuring anything.
+
+IDENTITY_TOLERANCE = 0.10
+"""Two results come from the same machine when their CPU model, cores, ISA flags and GPUs agree,
+their memory within this fraction, and their calibration figures within it too. The calibration of
+one quiet machine repeats within a few percent; two 2-core Xeon VMs of one label measured 15-20% apart."""
+
+
+def identity_difference(
+    base: dict[str, Any] | None, cand: dict[str, Any] | None, tolerance: float = IDENTITY_TOLERANCE
+) -> str | None:
+    """Why two results' machines differ (one line), or None when they are one machine within
+    ``tolerance``. A side without an identity (a result written before identities were recorded)
+    cannot be shown to be the same machine: that is a difference too, unless neither side has one."""
+    if base is None and cand is None:
+        return None
+    if base is None or cand is None:
+        side = "baseline" if base is None else "candidate"
+        return f"the {side} records no machine identity (written before results did)"
+    for key, label in (("cpu_model", "CPU"), ("cpu_cores", "cores"), ("isa_flags", "ISA flags")):
+        if base.get(key) != cand.get(key):
+            return f"{label} {_show(base.get(key))} vs {_show(cand.get(key))}"
+    base_gpu, cand_gpu = base.get("gpu") or {}, cand.get("gpu") or {}
+    for key in ("name", "count", "driver", "max_sm_clock_mhz", "max_memory_clock_mhz"):
+        if base_gpu.get(key) != cand_gpu.get(key):
+            return f"GPU {key.replace('_', ' ')} {_show(base_gpu.get(key))} vs {_show(cand_gpu.get(key))}"
+    if _apart(base.get("memory_gib"), cand.get("memory_gib"), tolerance):
+        return f"memory {base['memory_gib']} GiB vs {cand['memory_gib']} GiB"
+    base_cal, cand_cal = base.get("calibration"), cand.get("calibration")
+    if base_cal and cand_cal and _apart(base_cal["gflops"], cand_cal["gflops"], tolerance):
+        ratio = cand_cal["gflops"] / base_cal["gflops"]
+        return (
+            f"calibration {base_cal['gflops']:.1f} vs {cand_cal['gflops']:.1f} GFLOP/s (x{ratio:.2f}, "
+            f"beyond the {tolerance:.0%} one machine repeats within)"
+        )
+    return None
+
+
+def _apart(a: float | None, b: float | None, tolerance: float) -> bool:
+    if not a or not b:
+        return False
+    return abs(b / a - 1.0) > tolerance
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, list):
+        return "+".join(value) or "none"
+    return str(value)

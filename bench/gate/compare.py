@@ -54,6 +54,12 @@ sides run the same scenario when their hashes agree, or when both sides' specs, 
 (``bench.gate.groups.same_scenario``): a release that adds a config field with a default leaves the scenario files it did not
 touch comparable with the releases before it, and a changed default is an engine change the
 comparison measures.
+
+Two more scenario-level outcomes, ``not_compared``, fail the gate because it cannot vouch for what it
+did not compare: ``noisy`` (a run on either side was recorded noisy, ``bench.run.conditions``: other
+processes shared its cores, or its calibration moved) and ``different_machines`` (the sides' machine
+identities differ beyond ``bench.results.IDENTITY_TOLERANCE``: one folder name, two machines). The
+latter names the ``moe-bench ab`` command that measures both versions on one machine.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from typing import Any
 from bench.gate.formatting import check_tolerance, json_number, short
 from bench.gate.groups import Group, Key, group_documents, same_scenario
 from bench.metrics import noise_floor
-from bench.results import ResultDocument, load_results
+from bench.results import IDENTITY_TOLERANCE, ResultDocument, identity_difference, load_results, noisy_reason
 
 DEFAULT_TOLERANCE = 0.05
 """Default relative tolerance (5%)."""
@@ -142,10 +148,14 @@ class ScenarioIssue:
     cand_hash: str | None = None
     base_paths: tuple[str, ...] = ()
     cand_paths: tuple[str, ...] = ()
+    reason: str | None = None
+    """For noisy and different_machines: why the sides were not compared."""
+    command: str | None = None
+    """For different_machines: the command that compares the two versions on one machine."""
 
     @property
     def fails_gate(self) -> bool:
-        if self.kind in ("missing_in_candidate", "mismatched"):
+        if self.kind in ("missing_in_candidate", "mismatched", "noisy", "different_machines"):
             return True
         if self.kind != "not_ok" or self.side not in ("candidate", "both"):
             return False
@@ -158,6 +168,13 @@ class ScenarioIssue:
             return f"MISSING {where}: in the baseline ({self.base_status}) but not in the candidate{machine}"
         if self.kind == "missing_in_baseline":
             return f"NEW {where}: only in the candidate ({self.cand_status}); nothing to compare against{machine}"
+        if self.kind == "noisy":
+            return f"NOISY {where}: the {self.side} run shared its machine ({self.reason}); not compared{machine}"
+        if self.kind == "different_machines":
+            return (
+                f"DIFFERENT MACHINES {where}: different machines: not compared ({self.reason}){machine}; "
+                f"on one machine: {self.command}"
+            )
         if self.kind == "mismatched":
             return (
                 f"MISMATCHED {where}: scenario hash differs (baseline {short(self.base_hash)}, "
@@ -192,12 +209,14 @@ class Comparison:
     mismatched: tuple[ScenarioIssue, ...]
     tolerance: float
     """The tolerance the verdicts were computed with."""
+    not_compared: tuple[ScenarioIssue, ...] = ()
+    """Scenarios a side of which was noisy, or whose sides ran on different machines (module doc)."""
     base_groups: dict[Key, Group] = field(default_factory=dict, repr=False, compare=False)
     cand_groups: dict[Key, Group] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def issues(self) -> tuple[ScenarioIssue, ...]:
-        return self.missing_in_candidate + self.not_ok + self.mismatched + self.missing_in_baseline
+        return self.missing_in_candidate + self.not_ok + self.mismatched + self.not_compared + self.missing_in_baseline
 
     def rows_with(self, verdict: str) -> tuple[MetricRow, ...]:
         return tuple(r for r in self.rows if r.verdict == verdict)
@@ -234,6 +253,7 @@ class Comparison:
             "missing_in_baseline": [i.to_dict() for i in self.missing_in_baseline],
             "not_ok": [i.to_dict() for i in self.not_ok],
             "mismatched": [i.to_dict() for i in self.mismatched],
+            "not_compared": [i.to_dict() for i in self.not_compared],
         }
 
 
@@ -351,6 +371,7 @@ def compare(
     missing_b: list[ScenarioIssue] = []
     not_ok: list[ScenarioIssue] = []
     mismatched: list[ScenarioIssue] = []
+    not_compared: list[ScenarioIssue] = []
     for key in sorted(set(base) | set(cand)):
         b, c = base.get(key), cand.get(key)
         common: dict[str, Any] = dict(
@@ -380,6 +401,10 @@ def compare(
         if not same_scenario(b, c):
             mismatched.append(ScenarioIssue("mismatched", **common))
             continue
+        skip = _not_comparable(b, c, common)
+        if skip is not None:
+            not_compared.append(skip)
+            continue
         compared.append(key)
         for name in sorted(set(b.metrics) | set(c.metrics)):
             rows.append(_row(key[0], key[1], name, b.metrics.get(name), c.metrics.get(name), tolerance))
@@ -391,9 +416,48 @@ def compare(
         not_ok=tuple(not_ok),
         mismatched=tuple(mismatched),
         tolerance=tolerance,
+        not_compared=tuple(not_compared),
         base_groups=base,
         cand_groups=cand,
     )
+
+
+def _not_comparable(b: Group, c: Group, common: dict[str, Any]) -> ScenarioIssue | None:
+    """The ``noisy`` or ``different_machines`` issue of two ok groups of one scenario; None when they compare."""
+    noisy = {
+        side: [r for d in g.pooled if (r := noisy_reason(d.data))] for side, g in (("baseline", b), ("candidate", c))
+    }
+    if noisy["baseline"] or noisy["candidate"]:
+        side = (
+            "both" if noisy["baseline"] and noisy["candidate"] else ("baseline" if noisy["baseline"] else "candidate")
+        )
+        reason = (noisy["candidate"] or noisy["baseline"])[0]
+        return ScenarioIssue("noisy", side=side, reason=reason, **common)
+    if b.newest.data.get("mode") == "plan":
+        return None  # a plan measures nothing: any machine computes the same one
+    difference = identity_difference(group_identity(b), group_identity(c), IDENTITY_TOLERANCE)
+    if difference is None:
+        return None
+    scenario_file = c.newest.data["scenario"].get("file") or f"<{c.scenario}'s scenario file>"
+    commit = b.newest.data["engine"].get("git_commit") or b.version
+    command = f"moe-bench ab {scenario_file} --baseline-ref {commit[:12]}"
+    return ScenarioIssue("different_machines", reason=difference, command=command, **common)
+
+
+def group_identity(group: Group) -> dict[str, Any] | None:
+    """The machine identity of a side's pooled runs: the newest run's, with the median calibration of
+    the runs that record one (None when the newest records no identity)."""
+    identity = group.newest.data["machine"].get("identity")
+    if identity is None:
+        return None
+    figures = sorted(
+        d.data["machine"]["identity"]["calibration"]["gflops"]
+        for d in group.pooled
+        if (d.data["machine"].get("identity") or {}).get("calibration")
+    )
+    if figures and identity.get("calibration"):
+        identity = {**identity, "calibration": {**identity["calibration"], "gflops": figures[len(figures) // 2]}}
+    return identity
 
 
 def compare_paths(base: str | Path, cand: str | Path, tolerance: float = DEFAULT_TOLERANCE) -> Comparison:

@@ -1,7 +1,8 @@
 """The gate's verdict on a comparison.
 
 ``gate`` fails (exit code 1) on any regressed metric, any work increase not accepted, any scenario
-missing in the candidate, any scenario not ``ok`` in the candidate and any mismatched scenario;
+missing in the candidate, any scenario not ``ok`` in the candidate, any mismatched scenario and any
+scenario not compared (a noisy run on either side, or the sides on different machines);
 otherwise it passes (0). The one exception: a scenario ``skipped`` on both sides (e.g. a CUDA-only
 scenario in two CPU runs) is listed in ``not_ok`` but does not fail. Scenarios only in the
 candidate, not ok only in the baseline, metrics on one side only, improvements, accepted changes,
@@ -74,7 +75,7 @@ def gate(
             named, _ = acceptance_of(applying, row.metric, row.scenario, row.ratio, row.better)
             failures.append(_finding("REGRESSION", row, tol) + beyond(named))
     failures += [line for line in work if line.startswith("REGRESSION")]
-    for issue in comparison.missing_in_candidate + comparison.not_ok + comparison.mismatched:
+    for issue in comparison.missing_in_candidate + comparison.not_ok + comparison.mismatched + comparison.not_compared:
         if issue.fails_gate:
             failures.append(issue.describe())
 
@@ -106,7 +107,8 @@ def gate(
         f"{counts['unchanged']} unchanged, {counts['info']} info, {counts['missing']} missing; "
         f"scenarios: {len(comparison.missing_in_candidate)} missing in candidate, "
         f"{len(comparison.missing_in_baseline)} only in candidate, {len(comparison.not_ok)} not ok, "
-        f"{len(comparison.mismatched)} mismatched (tolerance {format_percent(tol)})"
+        f"{len(comparison.mismatched)} mismatched, {len(comparison.not_compared)} not compared (noisy or on "
+        f"different machines) (tolerance {format_percent(tol)})"
     )
     report = "\n".join([header, *failures, *notes]) + "\n"
     return GateResult(

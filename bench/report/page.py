@@ -47,7 +47,7 @@ from bench.report.experiments import (
 )
 from bench.report.release_table import ReleaseComparison, release_comparison
 from bench.report.trends import single_version_scenarios, trends
-from bench.results import ResultFileError
+from bench.results import ResultFileError, write_text_atomic
 from bench.units import format_percent, format_value, signed_percent
 
 __all__ = ["PAGE_NAME", "Report", "ReportError", "build_report"]
@@ -155,7 +155,7 @@ def build_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PAGE_NAME
-    path.write_text(_document("\n".join(page.parts)), encoding="utf-8")
+    write_text_atomic(path, _document("\n".join(page.parts)))
     return Report(path, page.charts, page.figures, warnings, comparison)
 
 
@@ -257,7 +257,7 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
     accepted = accepted_lines(comparison.comparison)
     if accepted:
         page.add("<ul class='accepted'>" + "".join(f"<li>{_e(line)}</li>" for line in accepted) + "</ul>")
-    notes = [i.describe() for i in comparison.issues if not i.fails_gate]
+    notes = [i.describe() for i in comparison.issues if not i.fails_gate and i.kind != "missing_in_baseline"]
     notes += [line for line in gate.work if not line.startswith("REGRESSION")]
     if notes:
         page.add("<ul class='notes'>" + "".join(f"<li>{_e(line)}</li>" for line in notes) + "</ul>")
@@ -314,11 +314,25 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
                 attrs,
             )
         )
+    _new_scenarios(page, comparison)
+
+
+def _new_scenarios(page: _Page, comparison: ReleaseComparison) -> None:
+    """Scenarios only in the new version: one collapsed list below the tables (they compare nothing)."""
+    new = comparison.comparison.missing_in_baseline
+    if not new:
+        return
+    items = "".join(f"<li>{_e(i.scenario)} <small>on {_e(i.machine)} ({_e(i.cand_status)})</small></li>" for i in new)
+    page.add(
+        f"<details class='new-scenarios'><summary>{len(new)} scenario{'s' * (len(new) != 1)} new in "
+        f"{_e(comparison.versions.new)}: nothing to compare against</summary><ul>{items}</ul></details>"
+    )
 
 
 _BANNER_WORDS = {
     "regressed": "Regressed",
     "missing": "Missing",
+    "not-compared": "Not compared",
     "not-ok": "Not ok",
     "inconclusive": "Inconclusive",
     "accepted": "Passed with accepted changes",
@@ -341,12 +355,20 @@ def _banner(page: _Page, comparison: ReleaseComparison) -> None:
         ("unchanged", f"{counts['unchanged']} unchanged"),
         ("one-side", f"{counts['missing']} metric{'s' * (counts['missing'] != 1)} on one side only"),
     ]
+    if compared.not_compared:
+        parts.insert(4, ("not-compared", _not_compared_text(compared.not_compared)))
     spans = " · ".join(f"<span class='count' data-count='{kind}'>{_e(text)}</span>" for kind, text in parts)
     outcome = comparison.outcome
     page.add(
         f"<div class='gate gate-{outcome}' data-gate='{outcome}'><b>{_BANNER_WORDS[outcome]}</b>: {spans}"
         f"<div class='gate-line'>{_e(comparison.header)}</div></div>"
     )
+
+
+def _not_compared_text(issues) -> str:
+    noisy = sum(i.kind == "noisy" for i in issues)
+    apart = len(issues) - noisy
+    return f"{noisy} noisy, {apart} on different machines: not compared"
 
 
 def _trends(page: _Page, results: ResultSet) -> None:
@@ -500,7 +522,7 @@ pre { margin: 0; white-space: pre-wrap; max-width: 50em; font-size: 0.9em; }
 .reason { font-size: 0.85em; color: #035; }
 .gate { padding: 0.4em 0.8em; border-radius: 4px; } .gate-line { font-size: 0.85em; color: #444; margin-top: 0.3em; }
 .gate-pass { background: #e0f5e0; } .gate-accepted { background: #e0ecfa; } .gate-inconclusive { background: #f0e6fa; }
-.gate-regressed, .gate-not-ok { background: #fde0e0; } .gate-missing { background: #fff4d0; }
+.gate-regressed, .gate-not-ok { background: #fde0e0; } .gate-not-compared { background: #fff4d0; } .gate-missing { background: #fff4d0; }
 .ok { color: #060; } figure.chart { margin: 1em 0 2em; } figcaption { font-size: 0.85em; color: #555; }
 nav { margin: 1em 0; }
 """

@@ -53,14 +53,17 @@ class ReleaseComparison:
     @property
     def outcome(self) -> str:
         """The banner's word, the first that holds of: ``regressed`` (a metric or the work regressed),
-        ``missing`` (a scenario of the base is not in the new version), ``not-ok`` (not ok in the new
-        version, or a changed scenario), ``inconclusive`` (a change within the noise), ``accepted`` (a
+        ``missing`` (a scenario of the base is not in the new version), ``not-compared`` (a run on either
+        side was noisy, or the two versions ran on different machines of one name: the gate cannot vouch
+        either way), ``not-ok`` (not ok in the new version, or a changed scenario), ``inconclusive`` (a change within the noise), ``accepted`` (a
         change accepted), ``pass``."""
         counts = self.comparison.counts()
         if counts["regressed"]:
             return "regressed"
         if self.comparison.missing_in_candidate:
             return "missing"
+        if self.comparison.not_compared:
+            return "not-compared"
         if not self.gate.passed:
             return "not-ok"
         if counts["inconclusive"]:

@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from bench.machine import available_memory_bytes, device_peak, machine_info
+from bench.machine import available_memory_bytes, device_peak, machine_identity, machine_info
 from bench.release.version import engine_info
-from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
+from bench.results import SCHEMA_VERSION, result_dir, scenario_file_entry, scenario_hash, utc_now, write_result
 from bench.run.checkpointing import CheckpointRun, append_journal, next_attempt, policy_for
+from bench.run.conditions import Watch
 from bench.run.launch import Launch
 from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
@@ -101,6 +102,15 @@ class Outcome:
     details: dict[str, Any] = field(default_factory=dict)
     name: str = ""
     """The result document's scenario name (``<name>.plan`` for the plan of a non-plan scenario)."""
+    conditions: dict[str, Any] | None = None
+    """What the machine was doing over an execute run (``bench.run.conditions``); None for the others."""
+
+    @property
+    def noisy(self) -> str | None:
+        """Why the run was noisy, one line; None when it was quiet (or not watched)."""
+        if not self.conditions or not self.conditions.get("noisy"):
+            return None
+        return "; ".join(self.conditions["reasons"])
 
 
 # Memory check before an execute scenario starts. It is refused (recorded oom, nothing started) when
@@ -235,10 +245,19 @@ class Reporter:
         else:
             print(f"    {text}", file=self.stream, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line that is no scenario's progress (the results folder's lock)."""
+        if self._progress:
+            self._progress.console.print(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def finish(self, outcome: Outcome) -> None:
         message = f"  -> {outcome.status} in {outcome.seconds:.1f}s: {outcome.path}"
         if outcome.error:
             message += f"\n     {outcome.error}"
+        if outcome.noisy:
+            message += f"\n     NOISY (not compared by the gate or the report): {outcome.noisy}"
         if self._progress:
             self._progress.advance(self._suite)
             self._progress.console.print(f"{outcome.scenario.name}{message}")
@@ -293,6 +312,7 @@ class Runner:
     def run(self, scenarios: list[Scenario]) -> list[Outcome]:
         reporter = self.reporter_factory(len(scenarios))
         outcomes = []
+        lock = results_lock(self.out_root, reporter.note) if self.writes_results and not self.plan_only else None
         try:
             for scenario in scenarios:
                 reporter.start(scenario, mode="plan" if self.plan_only else scenario.mode)
@@ -300,6 +320,8 @@ class Runner:
                 reporter.finish(outcome)
                 outcomes.append(outcome)
         finally:
+            if lock is not None:
+                lock.close()  # closing the file releases the lock
             reporter.close()
         return outcomes
 
@@ -310,17 +332,25 @@ class Runner:
             from bench.predict.plan import plan_scenario
 
             metrics, details = plan_scenario(scenario)
-            status, error = "ok", None
+            status, error, conditions = "ok", None, None
         else:
-            status, error, metrics, details = self._execute(scenario, progress)
+            status, error, metrics, details, conditions = self._execute(scenario, progress)
         seconds = time.perf_counter() - started
         # The plan of an execute or proxy scenario is a result of its own: named apart, so that
         # comparisons never pool it with the scenario's runs (same spec, same hash).
         name = scenario.name if scenario.mode == "plan" or not planned else f"{scenario.name}.plan"
         mode = "plan" if planned else scenario.mode
         document = self.document(scenario, status, error, metrics, details, seconds, name=name, mode=mode)
+        if conditions is not None:
+            document["conditions"] = conditions
+            document["machine"] = {
+                **self.machine,
+                "identity": machine_identity(self.machine, conditions["calibration_start"]),
+            }
         path = write_result(document, self.out_dir) if self.writes_results else None
-        return Outcome(scenario, status, error, path, metrics, seconds, details=details, name=name)
+        return Outcome(
+            scenario, status, error, path, metrics, seconds, details=details, name=name, conditions=conditions
+        )
 
     @property
     def writes_results(self) -> bool:
@@ -337,7 +367,7 @@ class Runner:
             "machine": self.machine,
             "scenario": {
                 "name": name or scenario.name,
-                "file": str(scenario.file) if scenario.file else None,
+                **scenario_file_entry(scenario.file),
                 "hash": scenario_hash(scenario.spec),
                 "spec": scenario.spec,
             },
@@ -434,14 +464,17 @@ class Runner:
         details = {"pools": pools, "margin": MEMORY_MARGIN, "shortfall": reason, "forced": self.force}
         return (None if self.force else reason), details
 
-    def _execute(self, scenario: Scenario, progress) -> tuple[str, str | None, dict, dict]:
+    def _execute(self, scenario: Scenario, progress) -> tuple[str, str | None, dict, dict, dict | None]:
+        """Status, error, metrics, details and the machine's conditions over the run (``bench.run.conditions``;
+        None where no worker ran, or inside a launch, whose other ranks share the machine by design)."""
         reason = self._skip_reason(scenario)
         if reason:
-            return "skipped", reason, {}, {}
+            return "skipped", reason, {}, {}, None
         if scenario.mode == "execute":
             refusal, memory_check = self._memory_check(scenario)
             if refusal:
-                return "oom", f"{refusal} (moe-bench run --force starts it anyway)", {}, {"memory_check": memory_check}
+                oom = f"{refusal} (moe-bench run --force starts it anyway)"
+                return "oom", oom, {}, {"memory_check": memory_check}, None
             peaks, missing = self._peaks(scenario)
             # The peaks and their source are the worker's fields (it measured against them); the
             # runner adds what only it knows.
@@ -452,11 +485,17 @@ class Runner:
         else:
             peaks, runner_details = Peaks(), {"peak_tflops": None}
         request = self._request(scenario, peaks)
+        conditions = None
         if self.launch is not None:
             outcome = self._execute_in_launch(scenario, request)
+        elif scenario.mode == "execute":
+            watch = Watch.start()
+            outcome = self._run_worker(scenario, request, progress)
+            conditions = watch.finish()
         else:
             outcome = self._run_worker(scenario, request, progress)
-        return outcome.status, outcome.error, outcome.metrics, merge_details(outcome.details, runner_details)
+        details = merge_details(outcome.details, runner_details)
+        return outcome.status, outcome.error, outcome.metrics, details, conditions
 
     def _request(self, scenario: Scenario, peaks: Peaks) -> WorkerRequest:
         """What the worker is asked; inside a launch rank 0 alone numbers the checkpoint attempt."""
@@ -654,3 +693,30 @@ def kill_process_group(process: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     process.wait()
+
+
+LOCK_NAME = ".moe-bench.lock"
+
+
+def results_lock(out_root: Path, say: Callable[[str], None]):
+    """Hold the results folder for this run: a second ``moe-bench run`` into the same folder waits
+    (saying for whom) until the first ends. Two runs at once share the cores, and each would measure
+    the other: both results would be noisy. The lock is the open file returned (``fcntl.flock``, released
+    when it is closed or the process ends, however it ends)."""
+    import fcntl
+
+    out_root = Path(out_root)
+    out_root.mkdir(parents=True, exist_ok=True)
+    handle = open(out_root / LOCK_NAME, "a+")  # noqa: SIM115 (held for the run; the caller closes it)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another moe-bench run"
+        say(f"waiting: {holder} is running into {out_root} (two runs at once would measure each other)")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"moe-bench run (pid {os.getpid()}, started {utc_now()})\n")
+    handle.flush()
+    return handle
