@@ -167,3 +167,115 @@ def test_execute_reports_mfu_against_both_peaks():
         scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0
     )
     assert "mfu" in bf16.metrics and "mfu_fp8" not in bf16.metrics  # the FP8 peak bounds MXFP8 runs only
+
+
+# Machine identity: results of two machines of one name are not compared -----------------------------
+
+IDENTITY = {
+    "cpu_model": "Intel(R) Xeon(R) Processor",
+    "cpu_cores": 2,
+    "isa_flags": ["avx", "avx2", "avx512f", "fma"],
+    "memory_gib": 23.6,
+    "gpu": None,
+    "calibration": {"kernel": "fp32 512x512 matmul", "gflops": 100.0, "samples": [100.0]},
+}
+
+
+def _identity(**changes):
+    out = copy.deepcopy(IDENTITY)
+    for key, value in changes.items():
+        if key == "gflops":
+            out["calibration"]["gflops"] = value
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        ({"gflops": 85.0}, "calibration 100.0 vs 85.0 GFLOP/s (x0.85"),
+        ({"gflops": 112.0}, "calibration 100.0 vs 112.0 GFLOP/s (x1.12"),
+        ({"isa_flags": ["avx", "avx2", "avx512_bf16", "avx512f", "fma"]}, "ISA flags avx+avx2+avx512f+fma vs"),
+        ({"cpu_cores": 4}, "cores 2 vs 4"),
+        ({"memory_gib": 30.0}, "memory 23.6 GiB vs 30.0 GiB"),
+    ],
+)
+def test_two_machines_of_one_name_differ_by_what_their_identities_say(changes, words):
+    from bench.results import identity_difference
+
+    assert words in identity_difference(IDENTITY, _identity(**changes))
+
+
+def test_one_machine_within_the_tolerance_is_the_same_machine():
+    from bench.results import IDENTITY_TOLERANCE, identity_difference
+
+    assert identity_difference(IDENTITY, _identity(gflops=100.0 * (1 + IDENTITY_TOLERANCE * 0.9))) is None
+    assert identity_difference(IDENTITY, _identity(gflops=95.0, memory_gib=23.5)) is None
+    assert identity_difference(None, None) is None  # two results from before identities: compared as ever
+    assert "baseline records no machine identity" in identity_difference(None, IDENTITY)
+
+
+def _side(folder: Path, version: str, gflops: float, tokens: float) -> Path:
+    """One crafted result of e8-skewed-fp32 on ``cpu-2c-intel-r-xeon`` whose machine calibrated at ``gflops``."""
+    from result_docs import make_doc
+
+    from bench.results import metric, write_result
+
+    metrics = {
+        "tokens_per_s_per_gpu": metric([tokens * f for f in (0.99, 1.0, 1.01)], "tokens/s", "higher"),
+        "step_time_s": metric([2048 / tokens * f for f in (0.99, 1.0, 1.01)], "s", "lower"),
+    }
+    data = make_doc("e8-skewed-fp32", metrics, version=version, machine="cpu-2c-intel-r-xeon")
+    data["scenario"]["file"] = "scenarios/smoke/e8-skewed-fp32.yaml"
+    data["engine"]["git_commit"] = "695ee76d8b6aa4d5c692e8d721ed083ff4266191" if version == "0.2.0" else "abc"
+    data["machine"] = {**data["machine"], "gpu_name": None, "gpu_count": 0, "identity": _identity(gflops=gflops)}
+    return write_result(data, folder / version / "cpu-2c-intel-r-xeon")
+
+
+def test_two_crafted_machines_are_not_compared_and_the_gate_and_page_say_how_to_compare(tmp_path):
+    """The issue's case: one label, two VMs 15-20% apart; the newer version reads 21% slower."""
+    from bench.gate.compare import compare_paths
+    from bench.gate.verdict import gate
+    from bench.report.page import build_report
+
+    _side(tmp_path / "r", "0.2.0", gflops=100.0, tokens=18617.0)
+    _side(tmp_path / "r", "0.3.0", gflops=80.0, tokens=14678.0)
+    comparison = compare_paths(tmp_path / "r" / "0.2.0", tmp_path / "r" / "0.3.0")
+    assert comparison.regressions == () and comparison.compared == ()
+    (issue,) = comparison.not_compared
+    assert issue.kind == "different_machines" and "calibration 100.0 vs 80.0" in issue.reason
+    line = gate(comparison).failures[0]
+    assert line.startswith("DIFFERENT MACHINES e8-skewed-fp32: different machines: not compared")
+    assert "moe-bench ab scenarios/smoke/e8-skewed-fp32.yaml --baseline-ref 695ee76d8b6a" in line
+
+    page = build_report(tmp_path / "r", tmp_path / "page", releases=["0.2.0"]).path.read_text()
+    assert "data-gate='not-compared'" in page and "<b>Regressed</b>" not in page
+    assert "different machines: not compared" in page and "moe-bench ab scenarios/smoke/e8-skewed-fp32.yaml" in page
+
+    # The same two results from one machine (calibrations 3% apart) are compared: a regression.
+    _side(tmp_path / "same", "0.2.0", gflops=100.0, tokens=18617.0)
+    _side(tmp_path / "same", "0.3.0", gflops=97.0, tokens=14678.0)
+    same = compare_paths(tmp_path / "same" / "0.2.0", tmp_path / "same" / "0.3.0")
+    assert same.not_compared == () and {r.metric for r in same.regressions} == {"tokens_per_s_per_gpu", "step_time_s"}
+
+
+def test_the_repositorys_0_2_0_results_are_not_compared_with_a_run_here(tmp_path):
+    """0.2.0's results record no identity (another VM with this label wrote them): a result that
+    carries this machine's measured identity is not compared with them."""
+    from bench.gate.compare import compare
+    from bench.results import REPO_ROOT, load_result, load_results, write_result
+
+    stored = load_results(REPO_ROOT / "results" / "0.2.0")
+    here = copy.deepcopy(
+        load_result(REPO_ROOT / "results" / "0.2.0" / "cpu-2c-intel-r-xeon" / "e8-skewed-fp32.json").data
+    )
+    info = machine.machine_info()
+    here["engine"]["version"] = "0.3.0+1.gabc"
+    here["machine"] = {**here["machine"], "identity": machine.machine_identity(info, machine.calibrate())}
+    path = write_result(here, tmp_path / "here")
+    comparison = compare([d for d in stored if d.name == "e8-skewed-fp32"], [load_result(path)])
+    (issue,) = comparison.not_compared
+    assert issue.kind == "different_machines" and comparison.rows == ()
+    assert "the baseline records no machine identity" in issue.reason
+    assert "--baseline-ref 695ee76d8b6a" in issue.command
