@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
+import subprocess
 
 import pytest
 from result_docs import make_doc, refuse_reads
@@ -127,11 +129,23 @@ needs_committed_results = pytest.mark.skipif(
 
 
 @needs_committed_results
+def committed_documents() -> list:
+    """The result files git tracks under results/: what a user's own runs wrote there is not the repository's."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "results"], cwd=REPO_ROOT, capture_output=True, check=True
+        ).stdout.decode()
+        tracked = [REPO_ROOT / name for name in listed.split("\0") if name]
+    except (OSError, subprocess.CalledProcessError):  # no git (an image): the folder as it is
+        tracked = list(COMMITTED.rglob("*.json"))
+    return sorted(p for p in tracked if p.suffix == ".json" and p.name != "schema.json" and p.exists())
+
+
 def test_committed_result_documents_still_load():
-    committed = sorted(p for p in COMMITTED.rglob("*.json") if p.name != "schema.json")
+    committed = committed_documents()
     assert {p.parent.parent.name for p in committed} >= {"0.1.0", "0.2.0"}  # execute and plan
     assert {json.loads(p.read_text())["schema_version"] for p in committed} <= {1, 2}
-    docs = load_results(COMMITTED)
+    docs = [load_result(p) for p in committed]
     assert len(docs) == len(committed)
     singles = 0
     for doc in docs:
@@ -255,3 +269,41 @@ def test_load_nonempty_names_what_it_skipped(tmp_path):
     good.write_text(json.dumps(make_doc()))
     loaded = results.load_nonempty(tmp_path, on_bad_file=warned.append)
     assert [d.path for d in loaded.docs] == [good] and len(loaded.skipped) == 1
+
+
+@needs_committed_results
+def test_committed_results_name_their_scenario_by_its_path_in_the_repository_and_its_digest():
+    """Not by where the machine that wrote them kept the checkout; the digest is the file's content at
+    the commit the result was measured at."""
+    for path in committed_documents():
+        data = json.loads(path.read_text())
+        scenario = data["scenario"]
+        assert scenario["file"].startswith("scenarios/") and not scenario["file"].startswith("/"), path
+        shown = subprocess.run(
+            ["git", "show", f"{data['engine']['git_commit']}:{scenario['file']}"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            check=False,
+        )
+        if shown.returncode == 0:  # a shallow clone may lack the commit
+            assert scenario["digest"] == hashlib.sha256(shown.stdout).hexdigest(), path
+
+
+def test_a_result_names_a_repository_scenario_by_its_relative_path(tmp_path):
+    inside = REPO_ROOT / "scenarios" / "smoke" / "e8-skewed-fp32.yaml"
+    entry = results.scenario_file_entry(inside)
+    assert entry == {
+        "file": "scenarios/smoke/e8-skewed-fp32.yaml",
+        "digest": hashlib.sha256(inside.read_bytes()).hexdigest(),
+    }
+    outside = tmp_path / "mine.yaml"
+    outside.write_text("x: 1\n")
+    assert results.scenario_file_entry(outside)["file"] == "mine.yaml"
+    assert results.scenario_file_entry(None) == {"file": None}
+
+
+def test_the_page_is_replaced_in_one_step(tmp_path):
+    target = tmp_path / "index.html"
+    target.write_text("old")
+    results.write_text_atomic(target, "new")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["index.html"]
