@@ -263,12 +263,22 @@ def load_result(path: Path) -> ResultDocument:
     return ResultDocument(migrate(data), path)
 
 
+PROJECTIONS_DIR = "projections"
+"""Where ``moe-bench project`` writes its documents (``results/projections/`` by default): projection
+documents, not result documents, so the result loaders pass over any folder of this name."""
+
+
 def result_files(root: Path) -> list[Path]:
-    """The candidate result files under a folder: ``*.json`` but schema.json and hidden (temporary) files."""
+    """The candidate result files under a folder: ``*.json`` but schema.json, hidden (temporary) files
+    and the projection documents of ``moe-bench project`` (a ``projections`` folder)."""
+    root = Path(root)
     return [
         p
-        for p in sorted(Path(root).rglob("*.json"))
-        if p.name != "schema.json" and not p.name.startswith(".") and not p.is_dir()
+        for p in sorted(root.rglob("*.json"))
+        if p.name != "schema.json"
+        and not p.name.startswith(".")
+        and not p.is_dir()
+        and PROJECTIONS_DIR not in p.relative_to(root).parts[:-1]
     ]
 
 

@@ -108,7 +108,12 @@ def register(sub) -> None:
         help="device profile name (devices/NAME.yaml) or file; repeat for several "
         "(default: the scenario's cluster.device)",
     )
-    project.add_argument("--out", default="results/projections", help="folder for the projection documents")
+    project.add_argument(
+        "--out",
+        default="results/projections",
+        help="folder for the projection documents (default: results/projections; the result loaders, "
+        "moe-bench report and gate, pass over a folder named projections)",
+    )
     project.add_argument(
         "--fallback-device",
         metavar="NAME",

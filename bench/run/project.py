@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Self
 from bench.predict.collectives import Network
 from bench.predict.device import DeviceProfile
 from bench.predict.op_projection import project_priced_step, step_prices
+from bench.predict.overlap import overlapped_pairs
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import Schedule
@@ -58,7 +59,8 @@ from bench.run.breakdown import step_breakdown
 from bench.run.proxy_rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
-from moe_engine.config import DataParallelMode, DispatchKind, RoutingMode
+from bench.units import gib
+from moe_engine.config import DataParallelMode, DispatchKind, ExpertOverlap, RoutingMode
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
 
@@ -123,17 +125,19 @@ def traced_scenario(scenario: Scenario, microbatches: int | None) -> Scenario:
     m = parallel.microbatches
     assert m is not None  # ParallelConfig.__post_init__ resolves None to pp
     one_stage = parallel.pp == 1 or parallel.schedule.value in TRACED_SCHEDULES
-    if (microbatches is None or microbatches >= m) and one_stage:
+    overlapped = parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
+    if (microbatches is None or microbatches >= m) and one_stage and not overlapped:
         return scenario
     spec = copy.deepcopy(scenario.spec)
+    if overlapped:
+        # The same ops one microbatch after the other: the projection prices the interleaving.
+        spec["parallel"]["overlap"] = "none"
     if microbatches is not None and microbatches < m:
         spec["parallel"]["microbatches"] = microbatches
         spec["run"]["tokens_per_step"] = scenario.run.tokens_per_step // m * microbatches
     if not one_stage:
         spec["parallel"]["schedule"] = "1f1b"
         spec["parallel"]["virtual_stages"] = 1
-        # The traced rank's overlap is the projection's; the layout's own rule may not apply to 1F1B.
-        spec["parallel"].pop("overlap", None)
     # Trace as an execute-free plan: its mode only decides which sections it needs.
     return scenario_from_dict(spec, file=scenario.file)
 
@@ -418,7 +422,7 @@ def project_on_device(
         raise DoesNotFit(
             f"{scenario.name}: does not fit {profile.name} ({profile.file}: memory_gb = {profile.memory_gb:g}): "
             f"the most loaded rank (stage {fit['most_loaded_stage']}) needs "
-            f"{fit['memory_need_bytes'] / 1e9:.1f} GB by the plan"
+            f"{gib(fit['memory_need_bytes'], decimals=1)} by the plan, the device holds {gib(profile.memory_bytes, decimals=1)}"
         )
     traced = traced_scenario(scenario, microbatches)
     staged = stage_traces(traced, profile, share_stages, progress)
@@ -467,6 +471,9 @@ def projection_document(
             flops_per_token,
             skew,
             overlap,
+            overlapped_pairs(schedule.kind, schedule.pp, staged.pipeline_rank, schedule.microbatches)
+            if overlap == "microbatches"
+            else None,
         )
         projections.append(stage_projection)
         stages.append(
@@ -579,7 +586,8 @@ def summary(doc: dict[str, Any]) -> str:
     text = (
         f"{doc['scenario']} on {doc['world_size']} x {doc['device']}: step {doc['step_s']:.3f} s, "
         f"{doc['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {doc['tflops_per_gpu']:.0f} TFLOP/s/GPU, "
-        f"MFU {doc['mfu']:.1%}; memory {mem['memory_need_bytes'] / 1e9:.1f} of {mem['device_memory_bytes'] / 1e9:.0f} GB\n"
+        f"MFU {doc['mfu']:.1%}; memory {gib(mem['memory_need_bytes'], decimals=1)} of "
+        f"{gib(mem['device_memory_bytes'], decimals=1)}\n"
         f"  step: {parts}"
     )
     if len(doc["stages"]) > 1:

@@ -71,7 +71,26 @@ def test_a_layout_that_does_not_fit_is_not_projected(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "does not fit h100-sxm" in err and "memory_gb = 80" in err
+    # In GiB, as moe-bench plan gives the same rank's memory: 80 GB is 74.5 GiB.
+    assert re.search(r"needs [\d.]+ GiB by the plan, the device holds 74\.5 GiB", err), err
+    assert " GB " not in err.split("memory_gb = 80")[1]
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_projection_documents_under_results_leave_the_result_loaders_alone(tmp_path):
+    """``moe-bench project``'s default folder is results/projections: the report and the gate read
+    the results folder around it without a warning."""
+    from result_docs import make_doc
+
+    from bench.results import load_nonempty, write_result
+
+    write_result(make_doc("smoke-e8"), tmp_path / "results" / "0.1.0" / "1xnvidia-h200")
+    projections = tmp_path / "results" / "projections"
+    projections.mkdir()
+    (projections / "moe-128e-47b.b300.json").write_text('{"scenario": "moe-128e-47b", "step_s": 1.0}\n')
+    warned: list = []
+    loaded = load_nonempty(tmp_path / "results", on_bad_file=warned.append)
+    assert [d.name for d in loaded.docs] == ["smoke-e8"] and warned == [] and loaded.skipped == []
 
 
 def test_cluster_device_fills_the_cluster_and_refuses_a_contradiction():
