@@ -7,7 +7,9 @@ whatever rounding or saturation mode a built-in fp32 -> float8 conversion would 
 
 Any axis of any tensor is supported: the tensor is viewed as (outer, size, inner) with the quantized
 axis in the middle, and each block is read with stride ``inner`` (1 for the last axis, the row
-length for axis 0 of a matrix). Outputs are contiguous, shaped as ``mxfp8.quantize`` shapes them.
+length for axis 0 of a matrix). Along the last axis a program reads whole blocks; along another
+(the weights' dgrad operands) it reads a tile of neighbouring blocks row by row, so that its loads
+stay coalesced. Outputs are contiguous, shaped as ``mxfp8.quantize`` shapes them.
 
 The kernel is compiled for CUDA tensors; with ``TRITON_INTERPRET=1`` set before this module is
 imported, Triton's interpreter runs it on CPU tensors instead (that is how it is tested without a GPU).
@@ -58,6 +60,36 @@ def _quantize_kernel(
     codes, scale_code = mx_blocks(bits, CEIL)
     tl.store(data_ptr + offsets, codes.to(tl.uint8), mask=mask)
     tl.store(scales_ptr + b, scale_code.to(tl.uint8), mask=live)
+
+
+@triton.jit
+def _quantize_strided_kernel(
+    x_ptr,
+    data_ptr,
+    scales_ptr,
+    inner,
+    BLOCK: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    CEIL: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    # A non-last axis: the (outer, size, inner) view's blocks (o, l, i0 .. i0 + BLOCK_I) side by side.
+    # The tile is loaded as [E, BLOCK_I], contiguous along its last dim, so that each thread reads
+    # consecutive elements of one row (coalesced, vectorised); the block reduction then runs on its
+    # transpose.
+    group = tl.program_id(0).to(tl.int64)  # o * size / BLOCK + l
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [I]
+    j = tl.arange(0, BLOCK_P2)  # [E]
+    offsets = group * BLOCK * inner + j.to(tl.int64)[:, None] * inner + i[None, :]  # [E, I]
+    mask = (j < BLOCK)[:, None] & (i < inner)[None, :]
+    if BF16_BITS:
+        bits = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32) << 16
+    else:
+        bits = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+    codes, scale_code = mx_blocks(tl.trans(bits), CEIL)  # [I, E], [I]
+    tl.store(data_ptr + offsets, tl.trans(codes).to(tl.uint8), mask=mask)
+    tl.store(scales_ptr + group * inner + i, scale_code.to(tl.uint8), mask=i < inner)
 
 
 @triton.jit
@@ -142,10 +174,25 @@ def quantize_triton(
         block_p2 = triton.next_power_of_2(block)
         per_program = max(1, _TILE_ELEMENTS // block_p2)
         inner = math.prod(x.shape[axis + 1 :])
-        grid = (triton.cdiv(n_blocks, per_program),)
         # Imported here: moe_engine.kernels imports this module (the MXFP8 gather uses its blocks).
         from moe_engine.kernels.storage import on_device
 
+        if inner > 1:
+            block_i = min(triton.next_power_of_2(inner), max(16, _TILE_ELEMENTS // block_p2))
+            with on_device(x):
+                _quantize_strided_kernel[(n_blocks // inner, triton.cdiv(inner, block_i))](
+                    x,
+                    data,
+                    scales,
+                    inner,
+                    BLOCK=block,
+                    BLOCK_P2=block_p2,
+                    BLOCK_I=block_i,
+                    CEIL=ScaleRounding(rounding) is ScaleRounding.CEIL,
+                    BF16_BITS=bf16,
+                )
+            return data.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)
+        grid = (triton.cdiv(n_blocks, per_program),)
         with on_device(x):
             _quantize_kernel[grid](
                 x,

@@ -73,6 +73,8 @@ def cases() -> dict[str, tuple[torch.Tensor, int, int]]:
         "axis0": (random_bits_near_block_exponent(g, 64).reshape(64, 32), 0, BLOCK),
         "axis0_bf16": (magnitudes.reshape(128, 16).bfloat16(), 0, BLOCK),
         "axis1_of_3d": (random_bits_near_block_exponent(g, 48).reshape(2, 96, 8), 1, BLOCK),
+        # inner 200: two tiles of neighbouring blocks, the second one partly masked.
+        "axis1_inner_200_bf16": (random_bits_near_block_exponent(g, 400).reshape(2, 32, 200).bfloat16(), 1, BLOCK),
         "non_contiguous": (magnitudes.reshape(32, 64).t(), -1, BLOCK),
         "block16": (magnitudes, -1, 16),
         "block24_padded_lanes": (magnitudes.reshape(64, 32)[:, :24], -1, 24),
