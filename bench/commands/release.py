@@ -21,6 +21,8 @@ def cmd_release(args: argparse.Namespace) -> int:
                 print(release.version if args.latest else f"{release.version}  {release.commit}  {release.date}")
                 for acceptance in [] if args.latest else release.accepted:
                     print(f"  accepted: {acceptance.spec}")
+                if not args.latest:
+                    print(f"  {release.baseline_text()}")
             return EXIT_OK
         if accepted and any(r.version == args.version for r in releases):
             release = record.record_acceptances(args.version, accepted, record.RELEASES_PATH)
@@ -32,7 +34,29 @@ def cmd_release(args: argparse.Namespace) -> int:
         return fail(str(err))
     tagged = f", tagged v{release.version}" if args.tag else ""
     print(f"recorded release {release.version} = {release.commit} in releases.json{tagged}")
+    if args.suite:
+        return _record_baseline(release, args.suite)
+    print(f"  {release.baseline_text()}")
     return EXIT_OK
+
+
+def _record_baseline(release, suite: str) -> int:
+    """Run ``suite`` on this machine into results/ as the release's baseline, and record where it is."""
+    from bench.release import record
+    from bench.results import REPO_ROOT
+    from bench.run.runner import Runner, load_all, resolve_device, suite_files
+
+    device = resolve_device("auto")
+    runner = Runner(device, REPO_ROOT / "results")
+    outcomes = runner.run(load_all(suite_files(suite, device)))
+    folder = runner.out_dir.relative_to(REPO_ROOT).as_posix()
+    release = record.record_baseline(release.version, runner.machine["name"], folder)
+    bad = [o.scenario.name for o in outcomes if o.status != "ok" or o.noisy]
+    print(f"  baseline: {len(outcomes)} scenario(s) of the {suite} suite in {folder}; commit them with releases.json")
+    if bad:
+        print(f"  not ok or noisy: {', '.join(bad)}: rerun them on a quiet machine before committing")
+    print(f"  elsewhere: {release.compare_elsewhere()}")
+    return 1 if bad else EXIT_OK
 
 
 def cmd_version(args: argparse.Namespace) -> int:
@@ -50,6 +74,15 @@ def register(sub) -> None:
     release.add_argument("version", nargs="?", help="the version to release (default: list the recorded releases)")
     release.add_argument("--latest", action="store_true", help="print only the latest release's version")
     release.add_argument("--no-tag", dest="tag", action="store_false", help="do not create the tag vVERSION")
+    release.add_argument(
+        "--suite",
+        default="ci",
+        help="after recording VERSION, run this suite here into results/ as the release's baseline and record "
+        "where it is (default: ci; the release carries its results, elsewhere it is compared with moe-bench ab)",
+    )
+    release.add_argument(
+        "--no-results", dest="suite", action="store_const", const=None, help="record the release without running a suite"
+    )
     release.add_argument(
         "--accept",
         action="append",

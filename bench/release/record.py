@@ -7,6 +7,13 @@ so neither depends on git tags having been fetched. Format::
                   {"version": "0.2.0", "commit": "...", "date": "...",
                    "accepted": ["peak_tensor_bytes@e8-random-bf16<=6%: fp32 gradient buffers"]}]}
 
+``baseline`` (optional) says where the release's own results are: measured on the machine that cut
+it (``moe-bench release VERSION`` runs the ci suite there), ``{"machine": ..., "results":
+"results/<version>/<machine>", "commit": <the commit that holds them, or null: the tree from the
+release on>}``. Results are compared on one machine only, so elsewhere a release is compared with
+``moe-bench ab --baseline-ref v<VERSION>`` (both versions on that machine) or its image
+(``moe-bench versions``); ``compare_elsewhere`` says so. A release without a baseline is shown as such.
+
 ``accepted`` (optional) lists the changes the release makes on purpose, in the form of ``moe-bench gate
 --accept`` (``bench.gate.accept.parse_acceptance``): a gate whose baseline is older than the release
 and whose candidate is that release or newer reports them as accepted instead of regressed.
@@ -53,6 +60,27 @@ class Release:
     """The day it was recorded (UTC, ``YYYY-MM-DD``)."""
     accepted: tuple[Acceptance, ...] = ()
     """The changes it makes on purpose (each with ``release`` set to this version)."""
+    baseline: dict | None = None
+    """Where its results from the machine that cut it are (module doc); None: none were stored."""
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.version}"
+
+    def compare_elsewhere(self) -> str:
+        """The commands that compare this release with a checkout on any one machine."""
+        return (
+            f"moe-bench ab --baseline-ref {self.tag} (this checkout and the release, on this machine), "
+            f"or moe-bench versions <image of {self.version}> <image of the checkout>"
+        )
+
+    def baseline_text(self) -> str:
+        """One line: where its stored results are, or that there are none."""
+        if not self.baseline:
+            return f"no stored results; compare with {self.compare_elsewhere()}"
+        where = self.baseline["results"]
+        at = f" at commit {self.baseline['commit'][:12]}" if self.baseline.get("commit") else ""
+        return f"results of {self.baseline['machine']} in {where}{at}; elsewhere: {self.compare_elsewhere()}"
 
 
 def release_version(text: str) -> Version:
@@ -100,7 +128,14 @@ def load_releases(path: Path = RELEASES_PATH) -> list[Release]:
                 accepted.append(parse_acceptance(spec, release=entry["version"]))
             except ValueError as err:
                 raise ReleaseError(f"{where}.accepted[{number}]: {err}") from None
-        releases.append(Release(entry["version"], entry["commit"], entry["date"], tuple(accepted)))
+        baseline = entry.get("baseline")
+        if baseline is not None and not (
+            isinstance(baseline, dict)
+            and isinstance(baseline.get("machine"), str)
+            and isinstance(baseline.get("results"), str)
+        ):
+            raise ReleaseError(f"{where}.baseline: expected an object with the strings machine and results")
+        releases.append(Release(entry["version"], entry["commit"], entry["date"], tuple(accepted), baseline))
     return sorted(releases, key=lambda r: Version(r.version))
 
 
@@ -118,6 +153,7 @@ def write_releases(releases: list[Release], path: Path = RELEASES_PATH) -> None:
             "commit": r.commit,
             "date": r.date,
             **({"accepted": [a.spec for a in r.accepted]} if r.accepted else {}),
+            **({"baseline": r.baseline} if r.baseline else {}),
         }
         for r in ordered
     ]
@@ -188,5 +224,18 @@ def record_acceptances(version: str, accepted: tuple[Acceptance, ...], path: Pat
     added = [replace(a, release=version) for a in accepted]
     new = [a for a in dict.fromkeys(added) if a not in release.accepted]
     updated = replace(release, accepted=(*release.accepted, *new))
+    write_releases([updated if r is release else r for r in releases], path)
+    return updated
+
+
+def record_baseline(
+    version: str, machine: str, results: str, commit: str | None = None, path: Path = RELEASES_PATH
+) -> Release:
+    """Record where release ``version``'s own results are (module doc)."""
+    releases = load_releases(path)
+    release = next((r for r in releases if r.version == version), None)
+    if release is None:
+        raise ReleaseError(f"{version} is not a recorded release")
+    updated = replace(release, baseline={"machine": machine, "results": results, "commit": commit})
     write_releases([updated if r is release else r for r in releases], path)
     return updated

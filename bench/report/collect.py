@@ -95,6 +95,9 @@ class VersionPair:
     why: str
     """How they were chosen, for the page (``release 0.1.0, the last release before 0.2.0, against release
     0.2.0, the newest results``)."""
+    unmeasured: tuple[str, ...] = ()
+    """Recorded releases between ``base`` and ``new`` that have no results in the folder: shown as such
+    on the page (with the command that compares them), never silently passed over."""
 
 
 def choose_versions(results: ResultSet, base: str | None = None, new: str | None = None) -> VersionPair | None:
@@ -121,6 +124,23 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
     if not older:
         return None
     released = [v for v in older if v in results.releases]
+    key = version_sort_key(chosen_new)
+    unmeasured = tuple(
+        r
+        for r in results.releases
+        if r not in versions and (not released or version_sort_key(r) > version_sort_key(released[-1]))
+    )
+    between = [r for r in unmeasured if version_sort_key(r) < key]
+    if released and between:
+        return VersionPair(
+            released[-1],
+            chosen_new,
+            f"release {released[-1]}, the latest release with results here (release{'s' * (len(between) > 1)} "
+            f"{', '.join(between)}: no results here), against "
+            + (f"release {chosen_new}" if chosen_new in results.releases else chosen_new)
+            + (" (--new)" if new else ", the newest results"),
+            unmeasured,
+        )
     if released:
         # "The latest release" only where it is: the newest version may be a later release itself.
         base_text = (
@@ -133,6 +153,7 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
             released[-1],
             chosen_new,
             f"{base_text} against {new_text}" + (" (--new)" if new else ", the newest results"),
+            unmeasured,
         )
     return VersionPair(
         older[-1],

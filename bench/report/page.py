@@ -148,7 +148,7 @@ def build_report(
     page = _Page()
     _header(page, results, warnings)
     _problems(page, results)
-    _comparison(page, results, comparison)
+    _comparison(page, results, comparison, {r.version: r for r in releases if isinstance(r, Release)})
     _trends(page, results)
     _experiments(page, results, comparisons)
 
@@ -232,7 +232,10 @@ def _noise(row: MetricRow) -> str:
     return f"{format_percent(row.noise, 1)}" + (f" ({', '.join(sides)})" if sides else "")
 
 
-def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison | None) -> None:
+def _comparison(
+    page: _Page, results: ResultSet, comparison: ReleaseComparison | None, releases_by_version: dict | None = None
+) -> None:
+    releases_by_version = releases_by_version or {}
     page.add("<h2 id='comparison'>Release comparison</h2>")
     if comparison is None:
         page.add(f"<p>One version only ({_e(results.versions[0])}): nothing to compare yet.</p>")
@@ -245,6 +248,13 @@ def _comparison(page: _Page, results: ResultSet, comparison: ReleaseComparison |
         f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
         "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>"
     )
+    for version in v.unmeasured:
+        release = releases_by_version.get(version)
+        where = release.baseline_text() if release else f"compare with moe-bench ab --baseline-ref v{version}"
+        page.add(
+            f"<p class='unmeasured-release' data-release='{_e(version)}'><b>Release {_e(version)}: not compared, "
+            f"it has no results in this folder.</b> {_e(where)}.</p>"
+        )
     if comparison.one_version_machines:
         alone = "; ".join(f"{m} ({version} only)" for m, version in comparison.one_version_machines)
         page.add(
