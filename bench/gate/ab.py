@@ -431,7 +431,13 @@ def run_ab(
                 f"{len(comparison.pairs)} worker pairs, {comparison.block_pairs} block pairs of "
                 f"{comparison.steps_per_block} steps in {comparison.seconds:.0f} s: {comparison.verdict}"
             )
-    baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
+    if plan.label.startswith("release "):
+        # One label a side: the release's own version, not what the baseline's checkout (a commit from
+        # before its release record and tag) computes for itself.
+        versions["baseline"] = plan.label.removeprefix("release ")
+        baseline = f"{plan.label} ({plan.commit[:12]})"
+    else:
+        baseline = f"{plan.label} ({plan.commit[:12]}{', ' + versions['baseline'] if 'baseline' in versions else ''})"
     applicable = [a for a in plan.acceptances if a.applies(versions.get("baseline"), versions.get("candidate"))]
     report = paired_gate(
         runs,
