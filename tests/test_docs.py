@@ -611,8 +611,13 @@ def test_the_readme_gives_the_two_jobs_and_ci_runs_its_test_command():
     readme = [str(c) for c in COMMANDS if c.page == "README.md"]
     for job in ("docker compose run --rm bench", "docker compose run --rm test", "moe-bench run", "python -m pytest"):
         assert job in readme, f"the README lost {job!r}"
-    ci = [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
-    assert "python -m pytest" in ci, ".ci/run no longer runs the README's test command"
+    # CI runs the README's test command as its two lanes, the fast one first: "not slow" and "slow"
+    # select every test between them, so together they are `python -m pytest`.
+    ci = [shlex.split(line) for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines() if "pytest" in line]
+    lanes = [words[words.index("-m", 3) + 1] for words in ci if words[:3] == ["python", "-m", "pytest"]]
+    assert lanes == ["not slow", "slow"], f".ci/run no longer runs the README's test command as its two lanes: {lanes}"
+    fast_lane = ["python", "-m", "pytest", "-m", "not slow"]
+    assert any(list(c.words) == fast_lane for c in COMMANDS if c.page == "README.md"), "the README lost the fast lane"
 
 
 @pytest.mark.parametrize(

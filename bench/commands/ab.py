@@ -45,6 +45,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
             accept_work=accept,
             accept_increase=accept_increase,
             acceptances=acceptances,
+            warn_above=parse_tolerance(args.warn_above) if args.warn_above else None,
         )
     except (ABError, ScenarioError, ValueError, WorkerDied) as err:
         return fail(str(err))
@@ -98,7 +99,17 @@ def register(sub) -> None:
         metavar="SPEC",
         help=ACCEPT_HELP + "; the resident blocks measure step_time_s",
     )
-    ab.add_argument("--tolerance", default="5%")
+    ab.add_argument(
+        "--tolerance",
+        default="5%",
+        help="a step-time slowdown beyond this fails the gate (default 5%%; CI's operating point: "
+        "docs/gates-and-releases.md#the-operating-point)",
+    )
+    ab.add_argument(
+        "--warn-above",
+        metavar="PERCENT",
+        help="a step-time slowdown beyond this but within --tolerance is a WARNING that passes (default: none)",
+    )
     ab.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     ab.add_argument("--out", help="keep every run's result document here (default: discarded)")
     ab.set_defaults(func=cmd_ab)

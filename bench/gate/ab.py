@@ -58,12 +58,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.gate import paired
 from bench.gate.ab_plan import ABError, ABPlan
 from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
 from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
 from bench.gate.compare import classify, is_work_metric, paired_ratio
 from bench.gate.formatting import format_noise
-from bench.gate.paired import PooledEstimate, fails
+from bench.gate.paired import PooledEstimate, fails, scenario_level, se_limit_false_alarms, warns
 from bench.gate.resident import (
     ResidentComparison,
     WorkerDied,
@@ -131,6 +132,20 @@ class ABReport:
     acceptances: list[Acceptance] = field(default_factory=list)
     """The accepted changes that apply to the two sides (``bench.gate.accept``);
     the resident blocks' step time is accepted by those naming ``step_time_s``."""
+    warn_above: float | None = None
+    """A passing step-time estimate beyond this is a WARNING line (``bench.gate.paired.warns``)."""
+
+    def warned(self, r: ResidentComparison) -> bool:
+        """Whether the blocks passed with an estimate beyond the warning threshold."""
+        return (
+            r.estimate is not None and not self.resident_fails(r) and warns(r.estimate, self.warn_above, self.tolerance)
+        )
+
+    def noise_limit(self) -> float:
+        """The standard error up to which the gate's false-alarm rate holds for this many scenarios
+        (``bench.gate.paired.se_limit_false_alarms`` at the suite's level per scenario)."""
+        scenarios = max(1, sum(r.estimate is not None for r in self.resident))
+        return se_limit_false_alarms(self.tolerance, scenario_level(paired.SUITE_FALSE_ALARMS, scenarios))
 
     def resident_verdict(self, r: ResidentComparison) -> str:
         """The blocks' verdict, ``accepted`` for a failing slowdown within the accepted changes of its step time."""
@@ -168,13 +183,34 @@ class ABReport:
         counts = {v: verdicts.count(v) for v in ("regressed", "improved", "unchanged", "inconclusive", "accepted")}
         scenarios = len({m.scenario for m in self.metrics} | {r.scenario for r in self.resident})
         accepted = f", {counts['accepted']} accepted" if counts["accepted"] else ""
+        warned = [r for r in self.resident if self.warned(r)]
+        warning = (
+            f", {len(warned)} warned (warning above {format_percent(self.warn_above)})"
+            if self.warn_above is not None
+            else ""
+        )
         header = (
             f"{'FAIL' if self.exit_code else 'PASS'}: A/B {self.baseline} -> {self.candidate}, "
             f"{scenarios} scenario(s) compared: {counts['regressed']} regressed, {counts['improved']} improved, "
             f"{counts['unchanged']} unchanged, {counts['inconclusive']} inconclusive{accepted}; "
             f"{len(self.failures)} not ok "
-            f"(tolerance {format_percent(self.tolerance)})"
+            f"(tolerance {format_percent(self.tolerance)}{warning})"
         )
+        limit = self.noise_limit() if self.resident else 0.0
+        cautions = [
+            f"WARNING {r.scenario} step time: x{format_ratio(1 + r.estimate.slowdown)}, interval "
+            f"[{format_ratio(1 + r.estimate.interval[0])}, {format_ratio(1 + r.estimate.interval[1])}] over "
+            f"{len(r.pairs)} worker pairs: beyond the warning threshold {format_percent(self.warn_above)}, within "
+            f"the tolerance {format_percent(self.tolerance)} (passed)"
+            for r in warned
+            if r.estimate is not None and self.warn_above is not None
+        ] + [
+            f"NOTE {r.scenario} step time: standard error {format_percent(r.estimate.se, 1)} over "
+            f"{len(r.pairs)} worker pairs, beyond the {format_percent(limit, 1)} up to which the gate keeps its "
+            "false-alarm rate (a noisy machine: docs/gates-and-releases.md#the-operating-point)"
+            for r in self.resident
+            if r.estimate is not None and r.estimate.se > limit
+        ]
         columns = ("scenario", "metric", "unit", "base", "cand", "ratio", "interval / noise", "blocks", "verdict")
         rows = [
             (
@@ -257,7 +293,7 @@ class ABReport:
             ]
         )
         table = lines if rows else ["(no metrics compared)"]
-        return "\n".join([header, *table, *findings, *self.work, *self.failures, *self.notes]) + "\n"
+        return "\n".join([header, *table, *findings, *cautions, *self.work, *self.failures, *self.notes]) + "\n"
 
 
 def _estimate(r: ResidentComparison) -> PooledEstimate:
@@ -449,6 +485,7 @@ def run_ab(
         acceptances=applicable,
     )
     report.resident = comparisons
+    report.warn_above = plan.warn_above
     report.failures += resident_failures
     report.notes += report_notes
     report.work = _work_findings(runs, plan.accept_work, applicable)

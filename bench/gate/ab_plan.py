@@ -44,6 +44,9 @@ class ABPlan:
     """Exact metrics (peak memory, optimizer bytes) whose regression is accepted."""
     acceptances: tuple[Acceptance, ...] = ()
     """Accepted changes: the command line's and every release's, applied by the two sides' versions."""
+    warn_above: float | None = None
+    """A step-time slowdown beyond this (and within the tolerance) is a warning that passes
+    (docs/gates-and-releases.md#the-operating-point); None: no warnings."""
 
 
 def check_budget(budget_s: float) -> None:
@@ -64,10 +67,15 @@ def plan_ab(
     accept_work: frozenset[str] | None = None,
     accept_increase: frozenset[str] = frozenset(),
     acceptances: tuple[Acceptance, ...] = (),
+    warn_above: float | None = None,
 ) -> ABPlan:
     """Check everything before any work; raises ABError with a one-line reason. ``acceptances``: the
     command line's; the releases' (``releases_path``) are added, to apply where the versions say."""
     check_budget(budget_s)
+    if warn_above is not None and not 0 < warn_above < tolerance:
+        raise ABError(
+            f"--warn-above {warn_above:.2%} must lie between 0 and the tolerance ({tolerance:.2%}), which fails the gate"
+        )
     if not scenarios:
         raise ABError("no scenarios to run")
     if try_git(root, "rev-parse", "--is-inside-work-tree") is None:
@@ -96,8 +104,9 @@ def plan_ab(
             accept_work,
             accept_increase,
             acceptances,
+            warn_above,
         )
     commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
     if commit is None:
         raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
-    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances)
+    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances, warn_above)

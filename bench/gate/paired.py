@@ -66,6 +66,10 @@ standard error ``se``), identical code fails only if ``e1 > tol`` and ``(e1 + e2
 slowdown is still caught in 89% (90% unconfirmed) and 83% (86%) of runs (``fail_rates``). A suite of four scenarios, each at 5% false alarms, would
 fail one CI run in five on identical code; the confirmation costs time only where a scenario fails.
 
+The operating point (``operating_point``): the tolerance that fails the gate is chosen from the
+error budget of the whole suite, not per scenario, and a lower warning threshold (``warns``) reports
+what lies between; the rule and its arithmetic: docs/gates-and-releases.md#the-operating-point.
+
 Stopping rule: after at least ``MIN_WORKER_PAIRS`` worker pairs, stop as soon as the interval is
 narrower than the tolerance, or when the budget is spent; the verdict is read once, at the stop.
 The rule looks only at the interval's width, never at where it lies, so stopping early does not
@@ -214,6 +218,86 @@ def fail_rates(slowdown: float, se: float, tolerance: float, steps: int = 4000) 
     return above(bound), confirmed
 
 
+def warns(est: LogInterval, warn_above: float | None, tolerance: float) -> bool:
+    """Whether a passing estimate is beyond the warning threshold: reported, never failed."""
+    return warn_above is not None and math.log1p(warn_above) < est.estimate <= math.log1p(tolerance)
+
+
+# --------------------------------------------------------------------------------------------
+# The operating point: the suite's error budget (docs/gates-and-releases.md#the-operating-point)
+# --------------------------------------------------------------------------------------------
+
+SUITE_FALSE_ALARMS = 0.05
+"""The share of CI runs on identical code that the whole suite may fail, after the confirmation."""
+PLANTED_SLOWDOWN, PLANTED_CAUGHT = 0.10, 0.95
+"""A slowdown of ``PLANTED_SLOWDOWN`` in any one scenario is caught in ``PLANTED_CAUGHT`` of runs."""
+
+
+def scenario_level(suite_rate: float, scenarios: int) -> float:
+    """The false-alarm rate per scenario that keeps a suite of independent scenarios at ``suite_rate``
+    (Sidak: ``1 - (1 - suite_rate)^(1/m)``; 1.274% for 5% over four, Bonferroni's 5%/4 = 1.25% below it)."""
+    return 1 - (1 - suite_rate) ** (1 / scenarios)
+
+
+def suite_rate(rates: list[float]) -> float:
+    """The share of suite runs that fail when scenario i fails with ``rates[i]``, independently."""
+    return 1 - math.prod(1 - p for p in rates)
+
+
+LIMIT_STEPS = 400
+"""Midpoint steps of ``fail_rates`` inside the bisections (the rates to about 1e-5: the limits to 0.01%)."""
+
+
+def _largest_se(holds, low: float = 1e-4, high: float = 0.2) -> float:
+    """The largest standard error at which ``holds(se)`` (true below it, false above), by bisection."""
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if holds(middle) else (low, middle)
+    return low
+
+
+def se_limit_false_alarms(tolerance: float, level: float) -> float:
+    """The largest standard error at which identical code fails the confirmed rule in at most ``level``."""
+    return _largest_se(lambda se: fail_rates(0.0, se, tolerance, LIMIT_STEPS)[1] <= level)
+
+
+def se_limit_detection(tolerance: float, slowdown: float = PLANTED_SLOWDOWN, caught: float = PLANTED_CAUGHT) -> float:
+    """The largest standard error at which ``slowdown`` fails the confirmed rule in at least ``caught`` of runs."""
+    return _largest_se(lambda se: fail_rates(slowdown, se, tolerance, LIMIT_STEPS)[1] >= caught)
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """The tolerance at which the suite's two targets hold over the widest range of noise."""
+
+    tolerance: float
+    """The blocking threshold (a fraction): an estimate beyond it fails, confirmed."""
+    se_limit: float
+    """The standard error of a scenario's estimate (log space) up to which both targets hold."""
+    level: float
+    """The false-alarm rate per scenario (``scenario_level``)."""
+
+
+def operating_point(
+    scenarios: int,
+    suite_false_alarms: float = SUITE_FALSE_ALARMS,
+    slowdown: float = PLANTED_SLOWDOWN,
+    caught: float = PLANTED_CAUGHT,
+) -> OperatingPoint:
+    """The tolerance where the noise limits of the two targets meet: a lower tolerance catches the
+    slowdown at more noise but keeps the false alarms at less, a higher one the other way round."""
+    level = scenario_level(suite_false_alarms, scenarios)
+    low, high = 0.0, slowdown
+    for _ in range(20):
+        middle = (low + high) / 2
+        if se_limit_false_alarms(middle, level) < se_limit_detection(middle, slowdown, caught):
+            low = middle
+        else:
+            high = middle
+    tolerance = (low + high) / 2
+    return OperatingPoint(tolerance, se_limit_false_alarms(tolerance, level), level)
+
+
 def decided(est: PairedEstimate, tolerance: float) -> bool:
     """One pair of workers' stopping rule: enough block pairs, and an interval narrower than the tolerance."""
     return est.pairs >= MIN_PAIRS and est.width < math.log1p(tolerance)
@@ -279,6 +363,11 @@ class PooledEstimate(LogInterval):
     """Standard deviation of the pair centres (log space): pair bias and block noise together."""
     within_sd: float
     """Pooled standard deviation of one block pair's log-ratio around its pair's centre (log space)."""
+
+    @property
+    def se(self) -> float:
+        """The standard error of the estimate (log space): the pair centres' spread over sqrt(P)."""
+        return self.between_sd / math.sqrt(self.worker_pairs)
 
 
 def centre(values: list[float]) -> float:

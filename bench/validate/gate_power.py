@@ -22,6 +22,17 @@ temporary folder, then a text patch), never by a flag in the engine; the baselin
 ``--records PATH`` appends each run's record as one JSON line as soon as it is done, and a run
 already there is not run again: hours of measurement survive an interrupted session and add up
 across sessions (the table says which machines the records came from).
+
+``--suite-runs``: each record is one whole gate of the suite, as CI runs it (``bench.gate.ab.run_ab``
+per scenario: its full runs, exact metrics and work counters, then the resident comparison with the
+extension and the confirmation), a CI run failing when any scenario fails. A/A runs give the suite's
+false-alarm rate; a planted slowdown goes into one scenario at a time (the candidate of that scenario
+is the planted clone, of the others the identical one). The table puts the suite-level false-alarm
+rate first, with its exact 95% interval (``clopper_pearson``); the operating point these runs measure:
+docs/gates-and-releases.md#the-operating-point.
+
+    python -m bench.validate.gate_power --suite-runs [--aa-runs 20] [--runs 10] [--slowdowns 5%,10%]
+        [--budget 45] [--tolerance 4.5%] [--warn-above 3%] --records PATH
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -152,6 +164,75 @@ def timing_run(
     }
 
 
+def suite_run(
+    scenarios: list,
+    trees: dict[float, Path],
+    planted: tuple[str, float] | None,
+    tolerance: float,
+    warn_above: float | None,
+    budget_s: float,
+    device: str,
+) -> dict:
+    """One whole gate of ``scenarios`` as CI runs it, against HEAD: the candidate of scenario ``planted[0]``
+    is the clone slowed by ``planted[1]`` (``trees[fraction]``), of every other the identical clone
+    (``trees[0.0]``). The suite fails when any scenario's gate does."""
+    from bench.gate.ab import run_ab
+    from bench.gate.ab_plan import ABPlan
+
+    commit = head_commit(trees[0.0])
+    started = time.monotonic()
+    rows = []
+    for scenario in scenarios:
+        fraction = planted[1] if planted is not None and planted[0] == scenario.name else 0.0
+        plan = ABPlan("HEAD", commit, [scenario], tolerance, budget_s, warn_above=warn_above)
+        scenario_started = time.monotonic()
+        report = run_ab(plan, device=device, root=trees[fraction], log=lambda line: None)
+        r = report.resident[0] if report.resident else None
+        estimate = r.estimate if r is not None else None
+        rows.append(
+            {
+                "scenario": scenario.name,
+                "planted": fraction,
+                "fails": report.exit_code != 0,
+                "failures": [line for line in report.render().splitlines() if line.startswith(_FAILING)],
+                "warned": r is not None and report.warned(r),
+                "verdict": r.verdict if r is not None else None,
+                "estimate": estimate.slowdown if estimate is not None else None,
+                "se": estimate.se if estimate is not None else None,
+                "worker_pairs": len(r.pairs) if r is not None else 0,
+                "stopped_by": r.stopped_by if r is not None else None,
+                "unconfirmed_estimate": None if r is None or r.unconfirmed is None else r.unconfirmed.slowdown,
+                "seconds": time.monotonic() - scenario_started,
+            }
+        )
+    return {
+        "kind": "suite",
+        "planted": planted[1] if planted is not None else 0.0,
+        "planted_scenario": planted[0] if planted is not None else None,
+        "fails": any(row["fails"] for row in rows),
+        "warned": any(row["warned"] for row in rows),
+        "scenarios": rows,
+        "seconds": time.monotonic() - started,
+        "tolerance": tolerance,
+        "warn_above": warn_above,
+        "budget_s": budget_s,
+        "commit": commit,
+        "machine": machine(),
+    }
+
+
+def head_commit(tree: Path) -> str:
+    """The commit a clone's HEAD is at: the baseline of every suite run."""
+    done = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=True, timeout=60
+    )
+    return done.stdout.strip()
+
+
+_FAILING = ("REGRESSION", "INCONCLUSIVE", "NOT-OK")
+"""The report lines that fail a gate (``bench.gate.ab.ABReport.render``)."""
+
+
 def machine() -> str:
     """The CPU model and core count the record was measured on."""
     import os
@@ -223,13 +304,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", default="3%", help="the gate's tolerance (CI: 3%%)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--records", help="append every run's record here (JSON lines); runs already there are skipped")
+    parser.add_argument(
+        "--suite-runs",
+        action="store_true",
+        help="each run is the whole suite's gate (A/A, or a planted slowdown in one scenario at a time)",
+    )
+    parser.add_argument("--warn-above", help="the gate's warning threshold (CI: 3%%; with --suite-runs)")
     parser.add_argument("--json", help="also write this invocation's records here, as one JSON document")
     args = parser.parse_args(argv)
     tolerance = parse_tolerance(args.tolerance)
     slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
     files = args.scenario or [str(f) for f in suite_files(args.suite, torch_device(args.device))]
-    scenarios = [s for s in (load_scenario(f) for f in files) if s.mode == "execute"]
+    loaded = [load_scenario(f) for f in files]
+    scenarios = [s for s in loaded if s.mode == "execute"]
     records = load_records(Path(args.records)) if args.records else []
+    if args.suite_runs:
+        warn_above = parse_tolerance(args.warn_above) if args.warn_above else None
+        return suite_main(args, loaded, records, tolerance, warn_above, slowdowns)
+    records = [r for r in records if r.get("kind") != "suite"]
     missing = {
         (scenario.name, fraction): max(
             0,
@@ -279,6 +371,111 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(render([r for r in records if r["tolerance"] == tolerance and r["budget_s"] == args.budget], work_records))
     return 0
+
+
+def suite_main(args, scenarios: list, records: list[dict], tolerance: float, warn_above, slowdowns) -> int:
+    """``--suite-runs``: the missing whole-suite runs, A/A and each (execute scenario, slowdown), round-robin;
+    ``scenarios``: every scenario of the suite (a plan scenario's gate is its two full runs)."""
+    settings = dict(tolerance=tolerance, warn_above=warn_above, budget_s=args.budget)
+    records = [r for r in records if r.get("kind") == "suite" and all(r.get(k) == v for k, v in settings.items())]
+    cells: list[tuple[str, float] | None] = [None] + [
+        (s.name, f) for f in slowdowns for s in scenarios if s.mode == "execute"
+    ]
+
+    def wanted(cell) -> int:
+        done = sum(
+            r["planted_scenario"] == (cell[0] if cell else None) and r["planted"] == (cell[1] if cell else 0.0)
+            for r in records
+        )
+        return max(0, (args.aa_runs if cell is None else args.runs) - done)
+
+    missing = {cell: wanted(cell) for cell in cells}
+    # Round-robin, A/A first in each round: a measurement cut short has the false-alarm rate first.
+    todo = [cell for i in range(max(missing.values(), default=0)) for cell in cells if i < missing[cell]]
+    with contextlib.ExitStack() as stack:
+        trees = {
+            fraction: stack.enter_context(candidate_copy(slowdown_patch(fraction) if fraction else None))
+            for fraction in {0.0, *slowdowns}
+        }
+        for index, cell in enumerate(todo, 1):
+            record = suite_run(scenarios, trees, cell, tolerance, warn_above, args.budget, args.device)
+            records.append(record)
+            if args.records:
+                with Path(args.records).open("a") as out:
+                    out.write(json.dumps(record) + "\n")
+            label = "A/A" if cell is None else f"{cell[0]} +{cell[1]:.0%}"
+            failed_in = [row["scenario"] for row in record["scenarios"] if row["fails"]]
+            print(
+                f"[{index}/{len(todo)}] suite, {label}: {'FAIL (' + ', '.join(failed_in) + ')' if failed_in else 'PASS'}"
+                f"{', warned' if record['warned'] else ''} ({record['seconds']:.0f} s)",
+                flush=True,
+            )
+    print(render_suite(records))
+    return 0
+
+
+def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a binomial proportion.
+
+    Its ends are the ``p`` at which ``P(X >= successes) = alpha / 2`` and ``P(X <= successes) = alpha / 2``
+    (0 and 1 at the edges), found by bisection on the binomial tail, summed exactly with ``math.comb``:
+    the same numbers as the beta quantiles ``scipy.stats.beta.ppf`` would give, without a dependency
+    the project does not otherwise need, for the few dozen runs a measurement holds. Exact rather than
+    Wilson's, because with counts of 0 or 1 in 20 the normal-based intervals undercover.
+    """
+    if not 0 <= successes <= trials or trials < 1:
+        raise ValueError(f"{successes} of {trials}: not a binomial count")
+    alpha = 1 - confidence
+
+    def at_most(k: int, p: float) -> float:
+        return sum(math.comb(trials, i) * p**i * (1 - p) ** (trials - i) for i in range(k + 1))
+
+    def solve(tail, target: float) -> float:
+        """The p where the increasing function ``tail(p)`` reaches ``target``."""
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            middle = (low + high) / 2
+            low, high = (middle, high) if tail(middle) < target else (low, middle)
+        return (low + high) / 2
+
+    lower = 0.0 if successes == 0 else solve(lambda p: 1 - at_most(successes - 1, p), alpha / 2)
+    upper = 1.0 if successes == trials else solve(lambda p: 1 - at_most(successes, p), 1 - alpha / 2)
+    return lower, upper
+
+
+def _rate(count: int, runs: int) -> str:
+    low, high = clopper_pearson(count, runs)
+    return f"{count} of {runs} ({count / runs:.0%}; 95% interval {low:.1%} to {high:.1%})"
+
+
+def render_suite(records: list[dict]) -> str:
+    """The suite-level table: the false-alarm rate of identical code first, then each planted slowdown
+    per scenario; how often each scenario failed or warned, and the whole gate's time."""
+    rows = [
+        "| planted | runs | suite failed (95% interval) | warned, passed | failed in | gate seconds: median, max |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    cells = sorted(
+        {(r["planted_scenario"], r["planted"]) for r in records}, key=lambda c: (c[0] is not None, c[1], c[0] or "")
+    )
+    for scenario, fraction in cells:
+        runs = [r for r in records if r["planted_scenario"] == scenario and r["planted"] == fraction]
+        failed = sum(r["fails"] for r in runs)
+        warned = sum(r["warned"] and not r["fails"] for r in runs)
+        culprits: dict[str, int] = {}
+        for r in runs:
+            for row in r["scenarios"]:
+                if row["fails"]:
+                    culprits[row["scenario"]] = culprits.get(row["scenario"], 0) + 1
+        label = "none (A/A)" if scenario is None else f"+{fraction:.0%} in {scenario}"
+        seconds = [r["seconds"] for r in runs]
+        rows.append(
+            f"| {label} | {len(runs)} | {_rate(failed, len(runs))} | {warned} | "
+            f"{', '.join(f'{name} {n}' for name, n in sorted(culprits.items())) or '-'} | "
+            f"{statistics.median(seconds):.0f}, {max(seconds):.0f} |"
+        )
+    machines = sorted({r["machine"] for r in records if "machine" in r})
+    return "\n".join(rows) + ("\n\nmeasured on: " + "; ".join(machines) if machines else "")
 
 
 def torch_device(name: str):

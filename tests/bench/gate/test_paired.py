@@ -55,6 +55,17 @@ def test_an_outlier_moves_the_estimate_little():
     assert abs(sum(spiked) / 8 - sum(values) / 8) > 0.1  # the mean would have moved ten times as much
 
 
+def test_a_worker_pairs_centre_ignores_one_outlier_block():
+    """The pooled gate's per-pair centre is the Hodges-Lehmann estimate, not the mean: one block slowed
+    40% by another job does not move it (Walsh averages of [0, 0, 0, 0.4]: six 0, three 0.2, one 0.4)."""
+    assert paired.centre([0.0, 0.0, 0.0, 0.4]) == 0.0
+    # Ten Walsh averages 0.01 .. 0.5; their median (0.025 + 0.03) / 2, where the mean is 0.14.
+    assert paired.centre([0.01, 0.02, 0.03, 0.5]) == pytest.approx(0.0275)
+    # Over worker pairs: one wild block in one pair leaves the pooled estimate where the others put it.
+    pairs = [[0.01, 0.01, 0.01, 0.01], [0.0, 0.0, 0.0, 0.4], [-0.01, -0.01, -0.01, -0.01]]
+    assert paired.pooled(pairs).estimate == pytest.approx(0.0, abs=1e-12)
+
+
 @pytest.mark.parametrize(
     "estimate, low, high, expected",
     [
