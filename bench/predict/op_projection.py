@@ -49,9 +49,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.predict.collectives import Collective, Network
+from bench.predict.collectives import Collective, Network, collective_seconds
 from bench.predict.ops import TracedOp
-from bench.predict.overlap import ExpertOverlap, SyncBucket
+from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Program, SyncBucket
 from bench.predict.pricing import PricedOp, is_stand_in
 from bench.predict.projection import Projection, RankTiming, Schedule, project_step
 from bench.predict.skew import SkewModel
@@ -104,6 +104,64 @@ class StepPrices:
     """Seconds of the forward and backward ops that run once per step (``ONCE_PER_STEP``), in optimizer_s."""
     stand_ins: int = 0
     """Ops of the trace that stand in for the proxy's simulated peers, priced at 0."""
+    programs: dict[str, TracedProgram] = dataclasses.field(default_factory=dict)
+    """One microbatch's forward and backward cut at its expert all-to-alls (``traced_programs``)."""
+
+
+@dataclass(frozen=True)
+class TracedProgram:
+    """``bench.predict.overlap.Program`` before the network prices its all-to-alls."""
+
+    segments: tuple[tuple[float, Collective], ...]
+    """(compute seconds before the all-to-all, the all-to-all), in issue order."""
+    tail_s: float
+    """Compute after the last all-to-all, seconds."""
+
+    def priced(self, rank: int, net: Network) -> Program:
+        return Program(tuple((c, collective_seconds(a, rank, net)) for c, a in self.segments), self.tail_s)
+
+
+def traced_programs(
+    priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]
+) -> dict[str, TracedProgram]:
+    """One microbatch's forward and backward as the overlapped step interleaves them (module docstring):
+    the compute of the ops that run every microbatch, cut at each expert all-to-all (counts and rows),
+    each segment the mean over the traced microbatches, the tail the last one's; none for a direction
+    whose all-to-alls do not split evenly over them."""
+    points: dict[str, list[tuple[float, Collective]]] = {"forward": [], "backward": []}
+    since = {"forward": 0.0, "backward": 0.0}
+    total = {"forward": 0.0, "backward": 0.0}
+    for p in priced:
+        stage = p.op.stage
+        if stage not in points or not runs_every_microbatch(p.op):
+            continue
+        if p.work.kind != "collective":
+            since[stage] += p.seconds
+            total[stage] += p.seconds
+            continue
+        phase, account = collective_account(p.op, group_phases)
+        if account == "expert" and p.op.collective is not None and p.op.collective["op"] == "all_to_all":
+            points[stage].append((since[stage], _collective(p.op, phase)))
+            since[stage] = 0.0
+    programs = {}
+    for stage, found in points.items():
+        if len(found) % microbatches_traced:
+            continue
+        k = len(found) // microbatches_traced
+        if k == 0:
+            programs[stage] = TracedProgram((), total[stage] / microbatches_traced)
+            continue
+        # The compute after a microbatch's last all-to-all counts into the next one's first segment;
+        # the last microbatch's shows it alone (every microbatch runs the same ops).
+        tail = since[stage]
+        segments = []
+        for j in range(k):
+            at = [found[i * k + j] for i in range(microbatches_traced)]
+            before = [c - (tail if j == 0 and i > 0 else 0.0) for i, (c, _) in enumerate(at)]
+            nbytes = round(statistics.fmean(c.nbytes for _, c in at))
+            segments.append((max(0.0, statistics.fmean(before)), dataclasses.replace(at[0][1], nbytes=nbytes)))
+        programs[stage] = TracedProgram(tuple(segments), tail)
+    return programs
 
 
 def _collective(op, phase: str) -> Collective:
@@ -200,6 +258,7 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
         overlap,
         once_per_step,
         stand_ins,
+        traced_programs(priced, microbatches_traced, group_phases),
     )
 
 
@@ -251,7 +310,7 @@ def expert_overlap(
             for ranks, sizes in by_group.items()
         )
         passes = rows[stage] / (2 * chunks) / microbatches_traced
-        overlaps.append(ExpertOverlap(chunks, passes, calls, compute[stage] / microbatches_traced))
+        overlaps.append(ExpertOverlap(chunks, passes, calls, compute[stage] / microbatches_traced, stage))
     return overlaps
 
 
@@ -265,8 +324,23 @@ def project_priced_step(
     flops_per_token: float,
     skew: SkewModel | None = None,
     overlap: str = "chunks",
+    pairs: tuple[float, float, float] | None = None,
 ) -> Projection:
-    """The projected step of a priced trace (module docstring); ``overlap``: ``project_step``'s."""
+    """The projected step of a priced trace (module docstring); ``overlap``: ``project_step``'s;
+    ``pairs``: under the microbatches overlap, (pairs, forwards alone, backwards alone) of the rank's
+    step (``bench.predict.overlap.overlapped_pairs``)."""
+    microbatch_overlap = None
+    if overlap == "microbatches":
+        if pairs is None:
+            raise ValueError("pairs: the microbatches overlap needs the rank's pairs")
+        if set(prices.programs) != {"forward", "backward"}:
+            raise ValueError(
+                "trace: the expert all-to-alls of a direction do not split evenly over the traced microbatches; "
+                "the microbatches overlap cannot be priced"
+            )
+        microbatch_overlap = MicrobatchOverlap(
+            prices.programs["forward"].priced(rank, net), prices.programs["backward"].priced(rank, net), *pairs
+        )
     projection = project_step(
         rank,
         prices.timing,
@@ -282,6 +356,7 @@ def project_priced_step(
         skew,
         prices.expert_overlap,
         overlap,
+        microbatch_overlap,
     )
     projection.assumptions.extend(_trace_assumptions(prices))
     return projection

@@ -2,7 +2,7 @@
 gradient reductions and ZeRO-1 gathers of a step queue on one link by bucket (``SyncBucket``,
 ``simulate_sync``); a microbatch's chunked expert all-to-alls run under its experts (``ExpertOverlap``,
 ``chunked_exposed_s``, ``expert_hidden_s``), or under another microbatch's compute
-(``microbatch_exposed_s``).
+(``Program``, ``interleaved_exposed_s``, ``MicrobatchOverlap``, ``overlapped_pairs``).
 
 Formulas: ``bench.predict.projection``'s docstring, sections "Overlapped syncs" and "Overlapped expert all-to-alls". Pure arithmetic.
 """
@@ -16,12 +16,16 @@ from dataclasses import dataclass
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int, is_number
 
 __all__ = [
+    "NOTHING",
     "ExpertOverlap",
+    "MicrobatchOverlap",
+    "Program",
     "SyncBucket",
     "SyncTimes",
     "chunked_exposed_s",
     "expert_hidden_s",
-    "microbatch_exposed_s",
+    "interleaved_exposed_s",
+    "overlapped_pairs",
     "simulate_sync",
 ]
 
@@ -56,6 +60,8 @@ class ExpertOverlap:
     """Their row all-to-alls (phase expert; ``count``: calls in one microbatch)."""
     compute_s: float
     """X: seconds of the experts' own ops in these passes, one microbatch."""
+    direction: str = ""
+    """forward or backward (empty: not said)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "exchanges", tuple(self.exchanges))
@@ -90,27 +96,129 @@ def chunked_exposed_s(alltoall_s: float, compute_s: float, chunks: int) -> float
     return min(link - compute_s, alltoall_s)
 
 
-def expert_hidden_s(overlaps: Iterable[ExpertOverlap], rank: int, net: Network) -> float:
-    """c_exp_hidden: the expert all-to-all seconds of one microbatch that its experts hide."""
+def expert_hidden_s(overlaps: Iterable[ExpertOverlap], rank: int, net: Network, direction: str = "") -> float:
+    """c_exp_hidden: the expert all-to-all seconds of one microbatch that its experts hide (``direction``:
+    only that direction's)."""
     hidden = 0.0
     for o in overlaps:
+        if direction and o.direction != direction:
+            continue
         a = sum(collective_seconds(c, rank, net) for c in o.exchanges) / o.passes
         hidden += o.passes * (a - chunked_exposed_s(a, o.compute_s / o.passes, o.chunks))
     return hidden
 
 
-def microbatch_exposed_s(alltoall_s: float, compute_s: float, microbatches: int) -> float:
-    """Seconds of a step's expert all-to-alls that the compute does not hide when each microbatch's run
-    beside another microbatch's compute (``ExpertOverlap.MICROBATCHES``): m - 1 overlapped pairs, each
-    exposing what its all-to-alls (``alltoall_s``, one microbatch's) outlast its compute (``compute_s``,
-    one microbatch's), and the first forward's and the last backward's all-to-alls, which have no
-    partner, whole (the rule in ``bench.predict.projection``'s docstring)."""
-    if not is_int(microbatches) or microbatches < 1:
-        raise ValueError(f"microbatches: must be an integer >= 1, got {microbatches!r}")
-    for name, value in (("alltoall_s", alltoall_s), ("compute_s", compute_s)):
-        if not is_number(value) or not value >= 0:
-            raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
-    return (microbatches - 1) * max(0.0, alltoall_s - compute_s) + alltoall_s
+@dataclass(frozen=True)
+class Program:
+    """One direction (forward or backward) of one microbatch as the overlapped step interleaves it: its
+    compute cut at each expert all-to-all it issues."""
+
+    segments: tuple[tuple[float, float], ...]
+    """(compute seconds before the all-to-all, the all-to-all's seconds), in issue order."""
+    tail_s: float
+    """Compute after its last all-to-all, seconds."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple((float(c), float(a)) for c, a in self.segments))
+        for c, a in self.segments:
+            if not c >= 0 or not a >= 0:
+                raise ValueError(f"program.segments: seconds must be >= 0, got ({c}, {a})")
+        if not is_number(self.tail_s) or not self.tail_s >= 0:
+            raise ValueError(f"program.tail_s: must be a number >= 0, got {self.tail_s!r}")
+
+    @property
+    def compute_s(self) -> float:
+        return sum(c for c, _ in self.segments) + self.tail_s
+
+    @property
+    def alltoall_s(self) -> float:
+        return sum(a for _, a in self.segments)
+
+
+NOTHING = Program((), 0.0)
+"""A partner with no work: a program beside it waits for each of its all-to-alls at once."""
+
+
+def interleaved_exposed_s(first: Program, second: Program) -> float:
+    """Seconds the compute waits when ``first`` and ``second`` run as the overlapped step runs them
+    (the rule in ``bench.predict.projection``'s docstring, "Expert all-to-alls overlapped across
+    microbatches"): one computes at a time; each starts its all-to-all, hands over, and waits for it
+    when the other has started its own next one (or finished); the all-to-alls queue on one link."""
+    programs = (first, second)
+    position, in_flight, done = [0, 0], [0.0, 0.0], [False, False]
+    clock = link = 0.0
+    running = 0
+    while not all(done):
+        program = programs[running]
+        # Resuming: its all-to-all in flight must have arrived.
+        clock = max(clock, in_flight[running])
+        if position[running] < len(program.segments):
+            compute, alltoall = program.segments[position[running]]
+            position[running] += 1
+            clock += compute
+            link = max(clock, link) + alltoall
+            in_flight[running] = link
+        else:
+            clock += program.tail_s
+            done[running] = True
+        if not done[1 - running]:
+            running = 1 - running
+    return clock - first.compute_s - second.compute_s
+
+
+@dataclass(frozen=True)
+class MicrobatchOverlap:
+    """A step's microbatches overlapped pairwise (``moe_engine.config.ExpertOverlap.MICROBATCHES``):
+    one microbatch's programs, and how many of them run beside a partner and how many alone."""
+
+    forward: Program
+    """One microbatch's forward."""
+    backward: Program
+    """One microbatch's backward."""
+    pairs: float
+    """Microbatches whose forward runs beside another's backward, per step."""
+    alone_forward: float
+    """Microbatch forwards that run alone, per step."""
+    alone_backward: float
+    """Microbatch backwards that run alone, per step."""
+
+    def __post_init__(self) -> None:
+        for name in ("pairs", "alone_forward", "alone_backward"):
+            value = getattr(self, name)
+            if not is_number(value) or not value >= 0:
+                raise ValueError(f"microbatch_overlap.{name}: must be a number >= 0, got {value!r}")
+
+    def exposed_s(self, alone_hidden_forward_s: float = 0.0, alone_hidden_backward_s: float = 0.0) -> float:
+        """The step's exposed all-to-all seconds; ``alone_hidden_*``: what a direction that runs alone
+        hides by itself (its layers' chunked dispatch), per microbatch."""
+        paired = interleaved_exposed_s(self.forward, self.backward)
+        alone_f = interleaved_exposed_s(self.forward, NOTHING) - alone_hidden_forward_s
+        alone_b = interleaved_exposed_s(self.backward, NOTHING) - alone_hidden_backward_s
+        return self.pairs * paired + self.alone_forward * alone_f + self.alone_backward * alone_b
+
+
+def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int) -> tuple[float, float, float]:
+    """(pairs, forwards alone, backwards alone) of one rank's step, in microbatches: pp = 1, the
+    overlapped data-parallel step pairs microbatch i's forward with i - 1's backward (m - 1 pairs, the
+    first forward and the last backward alone); dualpipev, the rank's OVERLAP_F_B actions in torch's
+    own ScheduleDualPipeV plan, each a pair of stage chunks (half a microbatch of the rank's blocks)."""
+    m = microbatches
+    if pp == 1:
+        return float(m - 1), 1.0, 1.0
+    if kind != "dualpipev":
+        raise ValueError(f"overlap: microbatches overlap with pp > 1 runs under dualpipev, got {kind}")
+    from types import SimpleNamespace
+
+    # torch's plan of the rank's actions (private, but it is what the engine's schedule runs).
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType
+
+    actions = ScheduleDualPipeV._calculate_single_rank_operations(
+        SimpleNamespace(pp_group_size=pp, _n_microbatches=m),  # type: ignore[arg-type]
+        pipeline_rank,
+    )
+    pairs = sum(1 for a in actions if a is not None and a.computation_type == _ComputationType.OVERLAP_F_B)
+    chunks = 2 * m  # each rank runs every microbatch through its two stages
+    return pairs / 2, (chunks - pairs) / 2, (chunks - pairs) / 2
 
 
 @dataclass(frozen=True)

@@ -88,16 +88,61 @@ Overlapped expert all-to-alls (chunked dispatch: ``parallel.a2a_chunks`` = C > 1
     c_exp_hidden = the sum over directions of P * hidden. Compute and the all-to-alls do not slow
     each other (no contention for SMs or memory bandwidth is modelled).
 
+Expert all-to-alls overlapped across microbatches (``ExpertOverlap.MICROBATCHES``: pp = 1 with m >= 2,
+or dualpipev)
+    The engine runs a microbatch's forward beside another's backward as two programs, one computing at
+    a time: the running one starts an expert all-to-all (counts, rows, chunks: every one), hands over;
+    the other runs until it has started its own next one (or finished), hands back; the first then
+    waits for its all-to-all (``moe_engine.parallel.overlap``). A program is its compute cut at its
+    all-to-alls, segments (x_j, a_j) then a tail (``bench.predict.op_projection.traced_programs``: the
+    mean over the traced microbatches). Simulated with the all-to-alls queued on one link:
+        on resuming:   clock = max(clock, end of its all-to-all in flight)
+        a segment:     clock += x_j; link = max(clock, link) + a_j; its all-to-all ends at link; hand over
+        the tail:      clock += tail; done (the other runs on alone, waiting for each of its own)
+        exposed(F, B) = clock at the end - the compute of both
+    So each all-to-all hides behind the other program's compute segment, bounded segment by segment;
+    a program alone (partner NOTHING) waits for each of its all-to-alls: exposed = its all-to-alls. Per
+    step: p pairs, u_f forwards and u_b backwards alone (microbatches):
+        pp = 1:     p = m - 1, u_f = u_b = 1 (the first forward, the last backward)
+        dualpipev:  p = OVERLAP_F_B actions of the rank in torch's ScheduleDualPipeV plan / 2 (an action
+                    pairs two stage chunks, half a microbatch of the rank's blocks), u_f = u_b = (2m - 2p) / 2
+        exposed_step = p exposed(F, B) + u_f (A_F - h_F) + u_b (A_B - h_B)
+    A_F, A_B = a direction's all-to-alls, h_F, h_B = what its chunks hide alone (the chunked rule above);
+    c_exp - c_exp_hidden = exposed_step / m.
+
+Dispatch rows (``bench.predict.dispatch_rows``; what a row carries: ``DispatchRows``)
+    A token picks k of E experts without replacement; a rank holds L = E / ep consecutive experts, a
+    node g L (g = ranks_per_node; None: the profile's gpus_per_node where g < ep). Random routing's
+    expected distinct destinations (hypergeometric):
+        D_r = ep (1 - C(E - L, k) / C(E, k))        D_n = N (1 - C(E - gL, k) / C(E, k)),  N = ep / g
+    measured routing: the counts over the drawn routes. Rows per token: per-expert k, per-rank D_r;
+    per-node D_n across nodes (to the rank with the same local index there: a group of N ranks, one a
+    node, so (N - 1)/N of the bytes leave the node) and then D_r inside the node (a group of g ranks:
+    (g - 1)/g of the bytes move over NVLink), one level after the other. Each is an all_to_all priced
+    as above. The projection prices the all-to-alls the engine's trace records (bytes as sent: sync
+    dispatch's from the replayed routes, no-sync's buffers); these rows are the expectation they are
+    checked against.
+
 Step (times in seconds; c_exp, c_pipe, c_fsdp = summed seconds of one microbatch's "expert", "pipeline"
 and "fsdp" entries)
     t_mb      = microbatch_s + c_exp - c_exp_hidden + c_pipe + max(0, c_fsdp - microbatch_s)
                 (dispatch all-to-alls and stage messages sit on the critical path: no overlap with
-                 compute is assumed but the chunked dispatch's above; FSDP's parameter gathers are
-                 prefetched, each unit's under the compute of the unit before, so only what
-                 outlasts the microbatch's compute shows)
+                 compute is assumed but the chunked dispatch's or the microbatches' above; FSDP's
+                 parameter gathers are prefetched, each unit's under the compute of the unit
+                 before, so only what outlasts the microbatch's compute shows)
     bubble    = 0                          pp = 1
                 (pp - 1) t_mb              gpipe, 1f1b   (pipeline time (m + pp - 1) t_mb)
                 (pp - 1) t_mb / v          interleaved1f1b
+                zero-bubble schedules, from F (forward), B (input gradients) and W (weight gradients)
+                of one microbatch: t_mb split in the proportions of its compute (F = forward_s, W =
+                weight_grad_s, B = the rest), a chunk 1/v of each (v = 2 for zbv and dualpipev):
+                (pp - 1) max(0, F + B - W) / v       interleaved-zb (ZB1P: (pp-1)(F + B_full - 2W),
+                                                     B_full = B + W; Qi et al., Zero Bubble Pipeline
+                                                     Parallelism, 2024; torch's ScheduleInterleavedZeroBubble)
+                (pp - 1) max(0, F + B - 2W) / 2      zbv (ZB-V: zero when F = B = W; same paper, section 6)
+                (pp - 1) max(0, F + 2B - W) / 2      dualpipev ((PP/2 - 1)(F&B + B_full - 3W) of the DeepSeek-V3
+                                                     report over its 2 pp stages, F&B = F + B_full: the pair's
+                                                     all-to-alls hidden)
     pipeline  = m t_mb + bubble            (every stage is assumed as slow as the measured rank)
     grad      = the overlapped-sync simulation of the reduction buckets, then the unbucketed per-step
                 "grad" entries at w = 0: grad_sync_exposed, grad_sync_hidden
@@ -148,7 +193,7 @@ from bench.predict.collectives import (
     is_int,
     is_number,
 )
-from bench.predict.overlap import ExpertOverlap, SyncBucket, expert_hidden_s, microbatch_exposed_s, simulate_sync
+from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, SyncBucket, expert_hidden_s, simulate_sync
 from bench.predict.skew import SkewModel, skew_seconds, sync_points
 
 __all__ = [
@@ -340,10 +385,11 @@ def bubble_s(schedule: Schedule, t_mb: float, timing: RankTiming) -> float:
 def _overlap_assumption(overlaps: list[ExpertOverlap], overlap: str) -> str:
     if overlap == "microbatches":
         return (
-            "expert all-to-alls overlapped across microbatches: each microbatch's all-to-alls run beside another "
-            "microbatch's compute (m - 1 pairs), exposing max(0, A - X) a pair (A = a microbatch's all-to-all "
-            "seconds, X = its compute); the first forward's and the last backward's, with no partner, are exposed "
-            "whole; no contention between the all-to-alls and compute"
+            "expert all-to-alls overlapped across microbatches: a microbatch's forward runs beside another's "
+            "backward, one computing at a time, handing over at each expert all-to-all it starts and waiting for "
+            "it when the other has started its next (or finished); the all-to-alls queue on one link; forwards "
+            "and backwards with no partner (the first and last of pp = 1, dualpipev's lone actions) wait for "
+            "theirs, less what their chunks hide; no contention between the all-to-alls and compute"
         )
     chunked = [o for o in overlaps if o.chunks > 1] if overlap == "chunks" else []
     if not chunked:
@@ -456,6 +502,7 @@ def project_step(
     skew: SkewModel | None = None,
     expert_overlap: Iterable[ExpertOverlap] = (),
     overlap: str = "chunks",
+    microbatch_overlap: MicrobatchOverlap | None = None,
 ) -> Projection:
     """The projected step of ``rank`` (formulas in the module docstring).
 
@@ -466,7 +513,8 @@ def project_step(
     ``expert_overlap``: the chunked expert all-to-alls of a microbatch, by direction (they are among
     ``per_microbatch``'s expert entries too; none: nothing overlapped). ``overlap``: how the expert
     all-to-alls overlap compute, one of ``OVERLAPS``: none (all exposed), chunks (``expert_overlap``'s
-    chunked rule) or microbatches (behind another microbatch's compute).
+    chunked rule) or microbatches (behind another microbatch's compute: ``microbatch_overlap`` holds
+    the interleaved programs and the pairs; a direction that runs alone still hides what its chunks do).
     """
     grad_buckets, gather_buckets, expert_overlap = list(grad_buckets), list(gather_buckets), list(expert_overlap)
     if overlap not in OVERLAPS:
@@ -497,8 +545,14 @@ def project_step(
     m = schedule.microbatches
     expert_total = _seconds(per_microbatch, "expert", rank, net)
     if overlap == "microbatches":
+        if microbatch_overlap is None:
+            raise ValueError("microbatch_overlap: the microbatches overlap needs the interleaved programs")
+        exposed = microbatch_overlap.exposed_s(
+            expert_hidden_s(expert_overlap, rank, net, "forward"),
+            expert_hidden_s(expert_overlap, rank, net, "backward"),
+        )
         # Per microbatch: the step's exposed seconds spread over its m microbatches.
-        expert = microbatch_exposed_s(expert_total, timing.microbatch_s, m) / m
+        expert = min(expert_total, max(0.0, exposed / m))
         expert_hidden = expert_total - expert
     else:
         expert_hidden = expert_hidden_s(expert_overlap, rank, net) if overlap == "chunks" else 0.0

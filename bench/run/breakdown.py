@@ -12,9 +12,9 @@ Counting (m = the scenario's microbatches, m_t = the traced ones)
     collectives     each priced alone on the network (``collective_seconds``), times m / m_t for the
                     per-microbatch ones (expert all-to-alls, stage messages, FSDP's gathers). The
                     step counts of each account of collectives (``ACCOUNTS``) what the projection
-                    counts: all of the expert all-to-alls, stage messages and once-per-step others
-                    (no overlap), only the exposed part of the gradient sync, the ZeRO-1 gathers and
-                    the FSDP gathers. Each collective gets the share of its account's counted time
+                    counts: all of the stage messages and once-per-step others (no overlap), only the
+                    exposed part of the expert all-to-alls (chunks, or another microbatch's compute),
+                    the gradient sync, the ZeRO-1 gathers and the FSDP gathers. Each collective gets the share of its account's counted time
                     that its own price has of the account's; the rest is ``hidden_s``: time it runs
                     under compute, not in the step. Bytes are the messages' (what the rank sends or
                     receives, ``Collective.nbytes``); a call is a kernel.
@@ -237,7 +237,7 @@ def step_breakdown(
         else:
             weight = per_microbatch if account in PER_MICROBATCH_ACCOUNTS else 1.0
             time_s = seconds_alone * counted_share[account]
-            hidden_s = seconds_alone - time_s if account in ("grad_sync", "param_gather", "fsdp") else 0.0
+            hidden_s = seconds_alone - time_s if account in ("expert", "grad_sync", "param_gather", "fsdp") else 0.0
             assert op.collective is not None  # only collectives are charged to an account
             kernels, nbytes, flops = weight, op.collective["nbytes"] * weight, 0.0
         for table, key in ((by_kind, kind), (by_module, module), (by_op, op.packet)):

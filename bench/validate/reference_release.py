@@ -3,10 +3,10 @@
     python -m bench.validate.reference_release [--device b300] [--out docs/measurements/reference-release-b300.json]
 
 Each published comparison (DESIGN.md section 2) is projected with ``moe-bench project`` on the device
-profile, from the olmo-core3 scenario that mirrors it, twice: as the scenario file says (the eager
-step: ``fused_kernels`` off, one all-to-all per dispatch) and as the engine runs on GPUs when asked
-to be lean (``LEAN``: fused kernels on, and each MoE layer's all-to-alls in 2 overlapped chunks where
-ep > 1; the same patch for every row). The error is reported as it comes: projected / published - 1
+profile, from the olmo-core3 scenario that mirrors it, twice: as shipped (the scenario file as it is,
+with the engine's defaults: fused kernels, rows per destination rank or node, the overlap the layout
+chooses) and on the engine's reference path (``REFERENCE``: the eager composition, one row per
+(token, expert), every all-to-all exposed; the same patch for every row). The error is reported as it comes: projected / published - 1
 for a figure, the projected value itself for a ratio or a bound. Nothing is tuned per row: the
 profile's efficiencies are its declared, sourced ones (``devices/b300.yaml``), and no skew is added
 (no multi-rank GPU run has measured a step-time spread).
@@ -37,8 +37,11 @@ from bench.validate.variants import patched
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 DEFAULT_OUT = Path("docs/measurements/reference-release-b300.json")
-LEAN = {"model": {"fused_kernels": True}}
-"""The lean engine's patch of every scenario; ``parallel.a2a_chunks: 2`` is added where ep > 1."""
+REFERENCE = {
+    "model": {"fused_kernels": False},
+    "parallel": {"dispatch_rows": "per-expert", "overlap": "none", "a2a_chunks": 1},
+}
+"""The reference path's patch of every scenario: what the tests compare the fast path against."""
 QWEN_ON_H100 = {
     "parallel": {
         "dp": 16,
@@ -56,12 +59,10 @@ QWEN_ON_H100 = {
 MEGATRON_BRIDGE_TOKENS_PER_S = 13_000
 
 
-def lean(scenario: Scenario) -> Scenario:
-    """``scenario`` as the lean engine runs it (``LEAN``)."""
-    patch: dict[str, dict[str, Any]] = dict(LEAN)
-    if scenario.parallel_config.ep > 1:
-        patch["parallel"] = {"a2a_chunks": 2}
-    return patched(scenario, patch)
+def reference_path(scenario: Scenario) -> Scenario:
+    """``scenario`` on the engine's reference path (``REFERENCE``); a schedule whose layout needs the
+    overlap across microbatches keeps its placement but runs every all-to-all exposed."""
+    return patched(scenario, REFERENCE)
 
 
 def _assumed(scenario) -> str:
@@ -75,7 +76,8 @@ def _assumed(scenario) -> str:
     )
 
 
-ENGINES = ("eager", "lean")
+ENGINES = ("reference", "shipped")
+"""The two projections of each row: the reference path, and as shipped."""
 
 
 def _error(published: Any, projected: Any, metric: str) -> float | str | None:
@@ -96,7 +98,7 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
         key = f"{name} ({engine})"
         if key not in docs:
             scenario = base or load_scenario(SCENARIOS / "olmo-core3" / f"{name}.yaml")
-            scenario = lean(scenario) if engine == "lean" else scenario
+            scenario = reference_path(scenario) if engine == "reference" else scenario
             progress(f"projecting {key} on {on.name}")
             try:
                 docs[key] = project_on_device(scenario, on) | {"assumed": _assumed(scenario)}
@@ -105,11 +107,11 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
         return docs[key]
 
     def figures(name: str, field: str) -> tuple[float, float]:
-        return project(name, "eager")[field], project(name, "lean")[field]
+        return project(name, "reference")[field], project(name, "shipped")[field]
 
     def ratio(num: str, den: str, field: str = "tokens_per_s_per_gpu") -> tuple[float, float]:
-        (n_eager, n_lean), (d_eager, d_lean) = figures(num, field), figures(den, field)
-        return n_eager / d_eager, n_lean / d_lean
+        (n_ref, n_shipped), (d_ref, d_shipped) = figures(num, field), figures(den, field)
+        return n_ref / d_ref, n_shipped / d_shipped
 
     gib = 2**30
 
@@ -164,21 +166,23 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
             "metric": "GiB per GPU",
             "published": "103 -> 95",
             "projected": tuple(
-                f"{memory('moe-bf16-4gpu', e):.1f} -> {memory('moe-mxfp8-4gpu', e):.1f}" for e in ("eager", "lean")
+                f"{memory('moe-bf16-4gpu', e):.1f} -> {memory('moe-mxfp8-4gpu', e):.1f}" for e in ENGINES
             ),
             "scenarios": ["moe-bf16-4gpu", "moe-mxfp8-4gpu"],
         },
     ]
     qwen = patched(load_scenario(SCENARIOS / "models" / "qwen3-30b-a3b.yaml"), QWEN_ON_H100)
     h100 = load_profile("h100-sxm")
-    qwen_docs = [project("qwen3-30b-a3b-h100x16", e, qwen, h100) for e in ("eager", "lean")]
+    qwen_docs = [project("qwen3-30b-a3b-h100x16", e, qwen, h100) for e in ENGINES]
     rows += [
         {
             "comparison": "Qwen3-30B-A3B on 16 H100, EP 16, microbatch 1, no recompute: memory per rank "
             "(Megatron-Bridge trains it on 80 GB)",
             "metric": "GiB per GPU",
             "published": "fits 74.5",
-            "projected": tuple(f"{memory_fit(s, h100)['memory_need_bytes'] / gib:.1f}" for s in (qwen, lean(qwen))),
+            "projected": tuple(
+                f"{memory_fit(s, h100)['memory_need_bytes'] / gib:.1f}" for s in (reference_path(qwen), qwen)
+            ),
             "scenarios": ["qwen3-30b-a3b-h100x16"],
         },
         {
@@ -190,9 +194,9 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
         },
     ]
     for row in rows:
-        row["projected_eager"], row["projected_lean"] = row.pop("projected")
+        row["projected_reference"], row["projected_shipped"] = row.pop("projected")
         row["error"] = {e: _error(row["published"], row[f"projected_{e}"], row["metric"]) for e in ENGINES}
-        row["assumed"] = [docs[f"{name} (eager)"]["assumed"] for name in row["scenarios"]]
+        row["assumed"] = [docs[f"{name} (shipped)"]["assumed"] for name in row["scenarios"]]
     return {
         "command": f"python -m bench.validate.reference_release --device {device}",
         "machine": "arithmetic (fake-tensor traces priced on the profile) on a 2-core CPU machine; no GPU ran",
@@ -201,8 +205,8 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
         "device_measured": profile.measured is not None,
         "rows": rows,
         "engines": {
-            "eager": "the scenario files as they are",
-            "lean": f"patched with {LEAN}, and parallel.a2a_chunks 2 where ep > 1",
+            "reference": f"the reference path: patched with {REFERENCE}",
+            "shipped": "as shipped: the scenario files as they are, the engine's defaults",
         },
         "projections": {
             name: {
@@ -247,15 +251,35 @@ def table(report: dict[str, Any]) -> str:
         return f"{value:+.0%}" if isinstance(value, float) else (value or "")
 
     lines = [
-        "| comparison | metric | published | projected, eager | error | projected, lean | error |",
+        "| comparison | metric | published | projected, reference path | error | projected, as shipped | error |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         m = row["metric"]
         lines.append(
             f"| {row['comparison']} | {m} | {fmt(row['published'], m)} | "
-            f"{fmt(row['projected_eager'], m)} | {err(row['error']['eager'])} | "
-            f"{fmt(row['projected_lean'], m)} | {err(row['error']['lean'])} |"
+            f"{fmt(row['projected_reference'], m)} | {err(row['error']['reference'])} | "
+            f"{fmt(row['projected_shipped'], m)} | {err(row['error']['shipped'])} |"
+        )
+    return "\n".join(lines)
+
+
+def breakdown_table(report: dict[str, Any]) -> str:
+    """Where each projection's step goes: compute, the expert all-to-alls (total, exposed), the bubble."""
+    lines = [
+        "| projection | step s | compute s | expert all-to-all: total s, exposed s (share) | bubble s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, doc in report["projections"].items():
+        b = doc.get("breakdown_s")
+        if b is None:
+            lines.append(f"| {name} | does not fit | | | |")
+            continue
+        total, exposed = b["expert_comm_total"], b["expert_comm"]
+        share = f" ({exposed / total:.0%})" if total else ""
+        lines.append(
+            f"| {name} | {doc['step_s']:.2f} | {b['compute']:.2f} | {total:.2f}, {exposed:.2f}{share} | "
+            f"{b['bubble']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -271,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report))
+    print()
+    print(breakdown_table(report))
     print(f"written to {args.out}")
     return 0
 

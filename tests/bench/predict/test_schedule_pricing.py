@@ -8,7 +8,10 @@ import random
 import pytest
 
 from bench.predict.collectives import Collective, Network
-from bench.predict.overlap import microbatch_exposed_s
+from bench.predict.op_projection import step_prices
+from bench.predict.ops import OpWork, TensorSpec, TracedOp
+from bench.predict.overlap import NOTHING, MicrobatchOverlap, Program, interleaved_exposed_s, overlapped_pairs
+from bench.predict.pricing import PricedOp
 from bench.predict.projection import KINDS, STEP_KEYS, RankTiming, Schedule, bubble_s, project_step
 
 SEED = 7
@@ -18,58 +21,106 @@ NET = Network(gpus_per_node=2, intra_node_gbps=1.0, inter_node_gbps=1.0, latency
 PAIR = (0, 1)
 
 
-@pytest.mark.parametrize(
-    "alltoall_s, compute_s, microbatches, exposed",
-    [
-        # Compute longer than the all-to-alls: each of the 3 pairs hides all; the first forward's and
-        # the last backward's (one microbatch's worth, 2 s) show.
-        (2.0, 3.0, 4, 2.0),
-        # Compute shorter: each pair shows 5 - 3 = 2 s, 3 pairs, plus the unpaired 5 s: 11.
-        (5.0, 3.0, 4, 11.0),
-        # One microbatch has no partner: all of it shows.
-        (5.0, 30.0, 1, 5.0),
-        # Equal: nothing of a pair shows.
-        (3.0, 3.0, 10, 3.0),
-    ],
-)
-def test_microbatch_overlap_by_hand(alltoall_s, compute_s, microbatches, exposed):
-    assert microbatch_exposed_s(alltoall_s, compute_s, microbatches) == pytest.approx(exposed, rel=1e-12)
+# A program: (compute before an all-to-all, the all-to-all) segments, then its tail of compute.
+LONG_F = Program(((1.0, 2.0),), 1.0)
+LONG_B = Program(((3.0, 1.0),), 1.0)
 
 
-def test_microbatch_overlap_never_hides_more_than_the_compute():
+def test_interleaving_compute_longer_than_the_all_to_alls_hides_them():
+    # F computes 0-1, starts its 2 s all-to-all (link 1-3), hands over; B computes 1-4, starts its 1 s
+    # one (link 4-5), hands over; F's arrived at 3, its tail 4-5; B's arrived at 5, its tail 5-6.
+    # Compute 6 s, makespan 6 s: nothing exposed.
+    assert interleaved_exposed_s(LONG_F, LONG_B) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_interleaving_compute_shorter_than_the_all_to_alls_shows_the_rest():
+    # F 0-1, all-to-all 1-6; B 1-2, its all-to-all queues behind F's on the link: 6-11; F waits to 6,
+    # tail 6-7; B waits to 11, tail 11-12. Compute 4 s, makespan 12: 8 s of the 10 exposed.
+    short = Program(((1.0, 5.0),), 1.0)
+    assert interleaved_exposed_s(short, short) == pytest.approx(8.0, rel=1e-12)
+
+
+def test_segment_by_segment_not_in_total():
+    # F: 1 s then a 3 s all-to-all, then 0.1 s then a 3 s one, tail 1 s; B: 3 s, a 0.1 s all-to-all, tail 3 s.
+    # Totals (F 2.1 s compute, 6 s all-to-all; B 6 s compute) would hide all but 0.1 s; segment by
+    # segment: F 0-1, a1 1-4; B 1-4, b1 4-4.1; F waits a1 (4), 4-4.1, a2 4.1-7.1; B waits b1 (4.1), tail
+    # 4.1-7.1; F waits a2 (7.1), tail 7.1-8.1. Compute 8.1 s, makespan 8.1: 0 exposed.
+    f = Program(((1.0, 3.0), (0.1, 3.0)), 1.0)
+    b = Program(((3.0, 0.1),), 3.0)
+    assert interleaved_exposed_s(f, b) == pytest.approx(0.0, abs=1e-12)
+    # The same forward beside a backward whose all-to-all comes late: F 0-1, a1 1-4; B 1-6.9, b1 6.9-7;
+    # F waits a1 (arrived), 6.9-7.0, a2 7-10; B waits b1 (7), tail 7-7.1; F waits a2 to 10, tail 10-11.
+    # Compute 8.1 s, makespan 11: 2.9 exposed (a2 had only B's 0.1 s tail to hide behind).
+    late = Program(((5.9, 0.1),), 0.1)
+    assert interleaved_exposed_s(f, late) == pytest.approx(2.9, rel=1e-12)
+
+
+def test_alone_waits_for_every_all_to_all():
+    assert interleaved_exposed_s(LONG_F, NOTHING) == pytest.approx(2.0, rel=1e-12)
+    assert interleaved_exposed_s(NOTHING, LONG_B) == pytest.approx(1.0, rel=1e-12)
+
+
+def test_interleaving_never_hides_more_than_the_partner_computes():
     rng = random.Random(SEED)
     print(f"seed {SEED}")
-    for _ in range(2000):
-        a, x, m = rng.uniform(0, 10), rng.uniform(0, 10), rng.randint(1, 64)
-        exposed = microbatch_exposed_s(a, x, m)
-        hidden = m * a - exposed
-        assert -1e-9 <= hidden <= (m - 1) * x + 1e-9, (a, x, m)
-        assert exposed >= a - 1e-12
+    for _ in range(500):
+        programs = [
+            Program(
+                tuple((rng.uniform(0, 2), rng.uniform(0, 2)) for _ in range(rng.randint(0, 6))),
+                rng.uniform(0, 2),
+            )
+            for _ in range(2)
+        ]
+        exposed = interleaved_exposed_s(*programs)
+        total = sum(p.alltoall_s for p in programs)
+        assert -1e-9 <= exposed <= total + 1e-9
+        hidden = total - exposed
+        assert hidden <= programs[0].compute_s + programs[1].compute_s + 1e-9
 
 
-def _step(overlap: str, rows_bytes: int, microbatch_s: float = 3.0, m: int = 4):
-    rows = Collective("all_to_all", PAIR, rows_bytes, "expert", count=1)
-    timing = RankTiming(microbatch_s=microbatch_s, optimizer_s=0.5)
+def test_overlapped_pairs():
+    # pp = 1: m - 1 pairs, the first forward and the last backward alone.
+    assert overlapped_pairs("1f1b", 1, 0, 8) == (7.0, 1.0, 1.0)
+    # dualpipev, pp 2, 4 microbatches: rank 0 runs 3 OVERLAP_F_B actions of its 8 forward and 8
+    # backward stage chunks (torch's plan): 1.5 microbatches paired, 2.5 alone each way.
+    assert overlapped_pairs("dualpipev", 2, 0, 4) == (1.5, 2.5, 2.5)
+    with pytest.raises(ValueError, match="dualpipev"):
+        overlapped_pairs("1f1b", 2, 0, 4)
+
+
+def _step(overlap: str, forward: Program, backward: Program, m: int = 4):
+    # The trace's all-to-alls: what the programs carry (1 s = 2e9 bytes on NET).
+    a2a_s = forward.alltoall_s + backward.alltoall_s
+    rows = Collective("all_to_all", PAIR, round(a2a_s * 2e9), "expert", count=1)
+    timing = RankTiming(microbatch_s=forward.compute_s + backward.compute_s, optimizer_s=0.5)
     schedule = Schedule(pp=1, virtual_stages=1, microbatches=m, kind="1f1b")
-    return project_step(0, timing, [rows], [], schedule, NET, 4096, 2, 1e6, overlap=overlap)
+    pairing = MicrobatchOverlap(forward, backward, *overlapped_pairs("1f1b", 1, 0, m))
+    return project_step(0, timing, [rows], [], schedule, NET, 4096, 2, 1e6, overlap=overlap, microbatch_overlap=pairing)
 
 
 def test_a_step_overlapped_across_microbatches_by_hand():
-    # 4e9 bytes a microbatch: 2 s of all-to-alls under 3 s of compute: 2 s exposed in the step, 6 s hidden.
-    shorter = _step("microbatches", 4 * 10**9)
-    b = shorter.breakdown_s
-    assert (b["expert_comm"], b["expert_comm_hidden"], b["expert_comm_total"]) == pytest.approx((2.0, 6.0, 8.0))
-    assert shorter.step_s == pytest.approx(4 * 3.0 + 2.0 + 0.5, rel=1e-12)
-    # 10e9 bytes: 5 s under 3 s: 3 pairs show 2 s each, plus 5 s: 11 of 20.
-    longer = _step("microbatches", 10 * 10**9)
+    # Compute longer: 3 pairs hide everything; the first forward (2 s) and the last backward (1 s) wait.
+    longer = _step("microbatches", LONG_F, LONG_B)
     b = longer.breakdown_s
-    assert (b["expert_comm"], b["expert_comm_hidden"], b["expert_comm_total"]) == pytest.approx((11.0, 9.0, 20.0))
-    assert longer.step_s == pytest.approx(4 * 3.0 + 11.0 + 0.5, rel=1e-12)
+    assert (b["expert_comm"], b["expert_comm_hidden"], b["expert_comm_total"]) == pytest.approx((3.0, 9.0, 12.0))
+    assert longer.step_s == pytest.approx(4 * 6.0 + 3.0 + 0.5, rel=1e-12)
+    # Compute shorter: each pair exposes 8 s of its 10, plus 5 + 5 alone: 34 of 40.
+    short = Program(((1.0, 5.0),), 1.0)
+    shorter = _step("microbatches", short, short)
+    b = shorter.breakdown_s
+    assert (b["expert_comm"], b["expert_comm_hidden"], b["expert_comm_total"]) == pytest.approx((34.0, 6.0, 40.0))
+    assert shorter.step_s == pytest.approx(4 * 4.0 + 34.0 + 0.5, rel=1e-12)
     # Without overlap all of it shows.
-    plain = _step("none", 10 * 10**9)
-    assert plain.breakdown_s["expert_comm"] == pytest.approx(20.0)
+    plain = _step("none", LONG_F, LONG_B)
+    assert plain.breakdown_s["expert_comm"] == pytest.approx(12.0)
     assert plain.breakdown_s["expert_comm_hidden"] == 0.0
-    assert any("another microbatch's compute" in a for a in shorter.assumptions)
+    assert any("another's backward" in a for a in longer.assumptions)
+
+
+def test_microbatches_overlap_needs_the_programs():
+    timing = RankTiming(microbatch_s=1.0, optimizer_s=0.0)
+    with pytest.raises(ValueError, match="interleaved programs"):
+        project_step(0, timing, [], [], Schedule(1, 1, 2, "1f1b"), NET, 4096, 2, 1e6, overlap="microbatches")
 
 
 TIMINGS = {
@@ -129,8 +180,72 @@ def test_breakdown_adds_up_to_the_step(kind, overlap):
     ]
     per_step = [Collective("all_reduce", ranks, rng.randrange(10**9), "grad")]
     net = Network(gpus_per_node=2, intra_node_gbps=100.0, inter_node_gbps=10.0, latency_us=5.0)
-    projection = project_step(0, timing, per_mb, per_step, Schedule(2, v, 8, kind), net, 8192, 8, 1e9, overlap=overlap)
+    if overlap == "microbatches" and kind != "dualpipev":
+        overlap = "chunks"  # the engine runs the microbatches overlap under pp > 1 with dualpipev only
+    pairing = None
+    if overlap == "microbatches":
+        forward = Program(((rng.uniform(0, 0.5), rng.uniform(0, 0.5)),), microbatch_s * 0.3)
+        backward = Program(((rng.uniform(0, 0.5), rng.uniform(0, 0.5)),), microbatch_s * 0.2)
+        pairing = MicrobatchOverlap(forward, backward, *overlapped_pairs(kind, 2, 0, 8))
+    projection = project_step(
+        0,
+        timing,
+        per_mb,
+        per_step,
+        Schedule(2, v, 8, kind),
+        net,
+        8192,
+        8,
+        1e9,
+        overlap=overlap,
+        microbatch_overlap=pairing,
+    )
     b = projection.breakdown_s
     assert sum(b[k] for k in STEP_KEYS) == pytest.approx(projection.step_s, rel=1e-12)
     assert b["expert_comm"] + b["expert_comm_hidden"] == pytest.approx(b["expert_comm_total"], rel=1e-12)
     assert b["bubble"] >= 0.0
+
+
+def _traced_compute(stage, seconds):
+    op = TracedOp("aten.mm.default", X, X, stage, location="Transformer/Block/Attention")
+    return PricedOp(op, OpWork("gemm", 1.0, 1.0, "torch.bfloat16"), seconds)
+
+
+def _traced_a2a(stage, nbytes):
+    op = TracedOp(
+        "c10d.alltoall_base_.default",
+        X,
+        X,
+        stage,
+        location="Transformer/Block/MoELayer",
+        collective={"op": "all_to_all", "ranks": list(PAIR), "nbytes": nbytes, "group_name": "ep"},
+    )
+    return PricedOp(op, OpWork("collective", 0.0, nbytes, "torch.bfloat16"), 0.0)
+
+
+X = (TensorSpec((4,), "torch.bfloat16"),)
+
+
+def test_programs_read_from_a_trace():
+    # Two traced microbatches: forward 1 s, a2a, 2 s, a2a, 0.5 s; backward 3 s, a2a, 1 s; the second
+    # microbatch's a2a bytes differ (routes): the program holds their mean.
+    trace = []
+    for nbytes in (1000, 3000):
+        trace += [
+            _traced_compute("forward", 1.0),
+            _traced_a2a("forward", nbytes),
+            _traced_compute("forward", 2.0),
+            _traced_a2a("forward", nbytes),
+            _traced_compute("forward", 0.5),
+        ]
+        trace += [_traced_compute("backward", 3.0), _traced_a2a("backward", nbytes), _traced_compute("backward", 1.0)]
+    programs = step_prices(trace, 2, {"ep": "expert"}).programs
+    forward, backward = programs["forward"], programs["backward"]
+    assert [c for c, _ in forward.segments] == [1.0, 2.0] and forward.tail_s == pytest.approx(0.5)
+    assert [a.nbytes for _, a in forward.segments] == [2000, 2000]
+    assert [c for c, _ in backward.segments] == [3.0] and backward.tail_s == pytest.approx(1.0)
+    # On NET a 2000-byte all-to-all costs 1e-6 s.
+    priced = forward.priced(0, NET)
+    assert priced.segments == ((1.0, pytest.approx(1e-6)), (2.0, pytest.approx(1e-6)))
+    # A direction whose all-to-alls do not split over the traced microbatches has no program.
+    assert "backward" not in step_prices(trace[:-3], 2, {"ep": "expert"}).programs

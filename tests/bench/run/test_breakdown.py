@@ -269,7 +269,8 @@ def test_breakdown_adds_up_to_the_projected_step(layout):
         rel=1e-12,
     )
     assert b["total"]["hidden_s"] == pytest.approx(
-        steps["grad_sync_hidden"]
+        steps["expert_comm_hidden"]
+        + steps["grad_sync_hidden"]
         + steps["param_gather_hidden"]
         + steps["fsdp_gather_total"]
         - steps["fsdp_gather_exposed"],
