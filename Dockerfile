@@ -70,9 +70,15 @@ RUN f=/usr/local/share/moe-engine/results-schema.json && mkdir -p "${f%/*}" \
 
 USER ${UID}:${GID}
 # The image has no .git: record the version of the checkout it was built from, then drop the
-# history. Without git in the base, or built from a git worktree (whose .git points outside the
-# build context) or a source tree, nothing is recorded and results say <version>+unknown.
-RUN if command -v git >/dev/null && [ -e .git ] && python3 -m bench.release.version > /tmp/engine.json; then \
+# history. ENGINE_RECORD, the host's own record of its checkout (docker-compose.yml passes
+# MOE_ENGINE_RECORD: MOE_ENGINE_RECORD="$(python -m bench.release.version)" docker compose build),
+# comes first: it needs no git in the base and works from a git worktree. Else git in the image;
+# else nothing is recorded and results say <version>+unknown.
+ARG ENGINE_RECORD=
+RUN if [ -n "$ENGINE_RECORD" ] && printf '%s' "$ENGINE_RECORD" > /tmp/engine.json \
+      && python3 -c "import json, sys; json.load(open(sys.argv[1]))['version']" /tmp/engine.json; then \
+      mv /tmp/engine.json bench/engine.json && cat bench/engine.json; \
+    elif command -v git >/dev/null && [ -e .git ] && python3 -m bench.release.version > /tmp/engine.json; then \
       mv /tmp/engine.json bench/engine.json && cat bench/engine.json; \
     else echo "no version recorded: results of this image are labelled <version>+unknown"; fi; rm -rf .git
 
