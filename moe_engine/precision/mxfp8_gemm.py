@@ -56,9 +56,9 @@ from enum import Enum
 
 import torch
 
-from moe_engine.kernels.storage import on_device
+from moe_engine.kernels.storage import as_bits, on_device, store_f32
 from moe_engine.moe.grouped_gemm import grouped_mm as grouped_mm_checked
-from moe_engine.precision.mxfp8 import MXTensor, pad_to_block
+from moe_engine.precision.mxfp8 import BLOCK, MXTensor, pad_to_block
 from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
 
 try:
@@ -126,7 +126,11 @@ def quantize_weight(w_EOI: torch.Tensor, transposed: bool = False) -> MXTensor:
 
 @torch.profiler.record_function("mxfp8.dequantize")
 def dequantize_rows(t: MXTensor, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The (M, size) values a ``quantize_rows`` operand stands for (its K padding dropped)."""
+    """The (M, size) values a ``quantize_rows`` operand stands for (its K padding dropped): one Triton
+    kernel on CUDA (what the experts' backward reads its saved operands with), the eager composition
+    with its fp32 temporaries elsewhere; the same values either way."""
+    if t.data.is_cuda and dtype in (torch.float32, torch.bfloat16) and triton is not None:
+        return dequantize_rows_triton(t.data, t.scales, size, dtype)
     return t.dequantize(dtype)[:, :size]
 
 
@@ -206,7 +210,73 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, blo
     return out_MN
 
 
+_DEQUANTIZE_TILE = 4096
+"""Elements one program of the dequantize kernel writes."""
+
 if triton is not None:
+
+    @triton.jit
+    def _dequantize_kernel(
+        data_ptr,
+        scales_ptr,
+        out_ptr,
+        rows,
+        width,
+        size,
+        BLOCK: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        BLOCK_COLS: tl.constexpr,
+        BF16: tl.constexpr,
+    ):
+        # One pass: E4M3 code and E8M0 scale -> fp32 by integer operations (exact), one fp32 product (the
+        # eager composition's only rounding), then the output dtype. Columns at or past ``size`` (the
+        # operand's K padding) are neither read nor written.
+        r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        mask = (r < rows)[:, None] & (c < size)[None, :]
+        r64 = r.to(tl.int64)[:, None]
+        code = tl.load(data_ptr + r64 * width + c[None, :], mask=mask, other=0).to(tl.int32) & 0xFF
+        biased = tl.load(scales_ptr + r64 * (width // BLOCK) + (c // BLOCK)[None, :], mask=mask, other=127)
+        biased = biased.to(tl.int32) & 0xFF
+        sign = (code & 0x80) << 24
+        exponent = (code >> 3) & 0xF
+        mantissa = code & 0x7
+        normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+        subnormal = mantissa.to(tl.float32) * 0.001953125  # m * 2^-9
+        subnormal = tl.where(sign != 0, -subnormal, subnormal)
+        value = tl.where(exponent == 0, subnormal, normal)
+        value = tl.where((code & 0x7F) == 0x7F, float("nan"), value)
+        # 2^(biased - 127): a normal fp32 from 2^-126 up, 2^-127 is the subnormal 0x00400000.
+        scale_bits = tl.where(biased >= 1, biased << 23, 0x00400000)
+        scale = tl.where(biased == 255, float("nan"), scale_bits.to(tl.float32, bitcast=True))
+        store_f32(out_ptr, r64 * size + c[None, :], value * scale, mask, BF16)
+
+    def dequantize_rows_triton(data_MK: torch.Tensor, scales_MS: torch.Tensor, size: int, dtype: torch.dtype):
+        """(M, size) in ``dtype`` from an MXFP8 operand blocked along its last dim (K >= size, K padding
+        dropped): the same values as ``mxfp8.dequantize(...).to(dtype)[:, :size]``, without its fp32
+        temporaries. CUDA tensors, or CPU ones under TRITON_INTERPRET=1."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"MXFP8 dequantization writes float32 or bfloat16, not {dtype}")
+        rows, width = data_MK.shape
+        out = torch.empty(rows, size, dtype=dtype, device=data_MK.device)
+        if rows and size:
+            block_cols = min(triton.next_power_of_2(size), 256)
+            block_rows = max(1, _DEQUANTIZE_TILE // block_cols)
+            grid = (triton.cdiv(rows, block_rows), triton.cdiv(size, block_cols))
+            with on_device(data_MK):
+                _dequantize_kernel[grid](
+                    data_MK.contiguous().view(torch.uint8),
+                    scales_MS.contiguous().view(torch.uint8),
+                    as_bits(out),
+                    rows,
+                    width,
+                    size,
+                    BLOCK=BLOCK,
+                    BLOCK_ROWS=block_rows,
+                    BLOCK_COLS=block_cols,
+                    BF16=dtype == torch.bfloat16,
+                )
+        return out
 
     @triton.jit
     def _expert_tile(offsets_ptr, num_experts, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
