@@ -35,6 +35,7 @@ ORDER = [
     "ruff format --check .",
     "mypy",
     "python -m pytest -m not slow --durations=15",
+    "python -m bench.validate.kernel_compile",
     "python -m pytest -m slow --durations=30",
     "moe-bench report results --out docs/report --screenshot docs/report.png",
     "moe-bench release --latest",
@@ -78,6 +79,7 @@ def test_ci_runs_the_cheap_checks_first_then_the_tests_the_report_and_the_gate(t
         ("ruff format", "ruff format --check ."),
         ("mypy", "mypy"),
         ("python -m pytest -m not slow", "python -m pytest -m not slow --durations=15"),
+        ("python -m bench.validate.kernel_compile", "python -m bench.validate.kernel_compile"),
         ("python -m pytest -m slow", "python -m pytest -m slow --durations=30"),
     ],
 )

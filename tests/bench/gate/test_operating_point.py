@@ -78,7 +78,6 @@ def suite_fails(tolerance: float, seed: int, slow: int | None = None) -> bool:
     return any(paired.fails(r.estimate, tolerance) for r in results)
 
 
-@pytest.mark.slow
 def test_a_suite_of_identical_scenarios_fails_at_most_the_designed_rate():
     """100 seeded CI runs of four identical scenarios: at most 5 fail at CI's operating point, where
     the one-tolerance gate before it (3% for each scenario) failed about one in ten at this noise."""
@@ -87,7 +86,6 @@ def test_a_suite_of_identical_scenarios_fails_at_most_the_designed_rate():
     assert sum(suite_fails(0.03, seed) for seed in range(runs)) > 0.05 * runs
 
 
-@pytest.mark.slow
 def test_a_ten_percent_slowdown_in_any_one_scenario_fails_the_suite():
     """40 seeded CI runs, the slow scenario taking turns: at least 95% fail."""
     runs = 40
