@@ -68,6 +68,39 @@ class PipelineSchedule(str, Enum):
     """One forward, one backward in steady state (fewer microbatches in flight)."""
     INTERLEAVED_1F1B = "interleaved1f1b"
     """1F1B over several stages per rank (smaller bubble)."""
+    INTERLEAVED_ZB = "interleaved-zb"
+    """Interleaved 1F1B with each backward split into input and weight gradients, the weight
+    gradients run in the bubble (``ScheduleInterleavedZeroBubble``)."""
+    ZBV = "zbv"
+    """Zero bubble over two stages per rank in a V (rank r holds stages r and 2pp-1-r;
+    ``ScheduleZBVZeroBubble``)."""
+    DUALPIPEV = "dualpipev"
+    """DualPipeV: the V placement, and one microbatch's forward run beside another's backward
+    (``ScheduleDualPipeV``; see ``ExpertOverlap``)."""
+
+    @property
+    def v_shaped(self) -> bool:
+        """Two stages per rank in a V: the first pp stages down the ranks, the next pp back up."""
+        return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
+
+    @property
+    def multi_stage(self) -> bool:
+        """Whether the schedule runs several stages per rank (``virtual_stages``)."""
+        return self.v_shaped or self in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.INTERLEAVED_ZB)
+
+
+class ExpertOverlap(str, Enum):
+    """What hides the expert all-to-alls (ep > 1)."""
+
+    NONE = "none"
+    """Every all-to-all exposed: each waits before anything else runs (the reference)."""
+    CHUNKS = "chunks"
+    """Only the layer's own chunked dispatch (``a2a_chunks``): chunk k+1 moves while chunk k computes."""
+    MICROBATCHES = "microbatches"
+    """One microbatch's all-to-alls in flight while another microbatch computes: DualPipeV's overlapped
+    forward/backward (pp > 1), or the overlapped data-parallel step (pp = 1, two or more microbatches)."""
+    AUTO = "auto"
+    """Chosen by the layout (``ParallelConfig.resolved_overlap``)."""
 
 
 class DataParallelMode(str, Enum):
@@ -518,6 +551,8 @@ class ParallelConfig:
     """Precision of gradient accumulation and reduction (fp32 by default, also for bf16 parameters)."""
     a2a_chunks: int = 1
     """Chunks of each MoE layer's expert all-to-alls (ep > 1): chunk k+1 moves while chunk k's experts compute."""
+    overlap: ExpertOverlap = ExpertOverlap.AUTO
+    """What hides the expert all-to-alls: none, the layer's chunks, or another microbatch's compute."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "parallel.")
@@ -545,9 +580,27 @@ class ParallelConfig:
         _require(self.capacity_factor > 0, "parallel.capacity_factor", f"must be > 0, got {self.capacity_factor}")
         _require(self.dp % self.ep == 0, "parallel.ep", f"ep={self.ep} does not divide dp={self.dp}")
         _require(
-            self.virtual_stages == 1 or self.schedule is PipelineSchedule.INTERLEAVED_1F1B,
+            self.virtual_stages == 1 or self.schedule.multi_stage,
             "parallel.virtual_stages",
-            "more than one stage per rank needs schedule interleaved1f1b",
+            "more than one stage per rank needs schedule interleaved1f1b, interleaved-zb, zbv or dualpipev",
+        )
+        _require(
+            self.pp == 1 or not self.schedule.v_shaped or self.virtual_stages == 2,
+            "parallel.virtual_stages",
+            f"schedule {self.schedule.value} runs exactly two stages per rank (a V); got {self.virtual_stages}",
+        )
+        _require(
+            self.overlap is not ExpertOverlap.MICROBATCHES
+            or (self.pp == 1 and (self.microbatches or 1) >= 2)
+            or (self.pp > 1 and self.schedule is PipelineSchedule.DUALPIPEV),
+            "parallel.overlap",
+            "microbatches overlap needs two or more microbatches (pp = 1) or schedule dualpipev (pp > 1); got "
+            f"pp={self.pp}, microbatches={self.microbatches}, schedule={self.schedule.value}",
+        )
+        _require(
+            self.overlap is not ExpertOverlap.MICROBATCHES or self.dp_mode is DataParallelMode.DDP,
+            "parallel.overlap",
+            "microbatches overlap runs with dp_mode ddp (fsdp's per-block gathers are not interleaved)",
         )
         if self.dp_mode is DataParallelMode.FSDP:
             _require(
@@ -572,6 +625,20 @@ class ParallelConfig:
             f"tied embeddings need the embedding and the LM head on one pipeline rank; pp={self.pp} puts them on "
             f"ranks 0 and {self.pp - 1} (untie them or use pp=1)",
         )
+
+    @property
+    def resolved_overlap(self) -> ExpertOverlap:
+        """The overlap that runs (never AUTO). AUTO: none without expert parallelism; else microbatches
+        where the layout has two microbatches to pair (pp = 1 with two or more microbatches, or pp > 1
+        under dualpipev); else chunks where a2a_chunks > 1; else none."""
+        if self.overlap is not ExpertOverlap.AUTO:
+            return self.overlap
+        if self.ep == 1:
+            return ExpertOverlap.NONE
+        assert self.microbatches is not None  # __post_init__ resolves None to pp
+        if (self.pp == 1 and self.microbatches >= 2) or (self.pp > 1 and self.schedule is PipelineSchedule.DUALPIPEV):
+            return ExpertOverlap.MICROBATCHES
+        return ExpertOverlap.CHUNKS if self.a2a_chunks > 1 else ExpertOverlap.NONE
 
     def validate_batch(self, sequences: int, field: str = "sequences") -> None:
         """A step of ``sequences`` sequences splits over dp, and each rank's share into equal microbatches
@@ -611,12 +678,20 @@ class ParallelConfig:
                 "parallel.microbatches",
                 f"schedule 1f1b needs at least one microbatch per stage, pp={pp}; got {m}",
             )
-        elif self.schedule is PipelineSchedule.INTERLEAVED_1F1B and m % _interleaved_rounds(m, pp):
+        elif self.schedule.v_shaped:
+            # ScheduleDualPipeV refuses m < 2pp; ScheduleZBVZeroBubble plans 2pp - 1 microbatches at least.
+            least = 2 * pp if self.schedule is PipelineSchedule.DUALPIPEV else 2 * pp - 1
+            _require(
+                m >= least,
+                "parallel.microbatches",
+                f"schedule {self.schedule.value} needs at least {least} microbatches with pp={pp}; got {m}",
+            )
+        elif self.schedule.multi_stage and m % _interleaved_rounds(m, pp):
             # m > pp here (up to pp microbatches make one round); every multiple of pp splits evenly.
             lower = next(n for n in range(m - 1, 0, -1) if n % _interleaved_rounds(n, pp) == 0)
             upper = next(n for n in range(m + 1, m + pp + 1) if n % _interleaved_rounds(n, pp) == 0)
             raise ValueError(
-                f"parallel.microbatches: schedule interleaved1f1b runs microbatches in rounds of about pp={pp}: "
+                f"parallel.microbatches: schedule {self.schedule.value} runs microbatches in rounds of about pp={pp}: "
                 f"{m} microbatches make {_interleaved_rounds(m, pp)} rounds and do not split into them "
                 f"(the nearest counts that do: {lower}, {upper})"
             )
@@ -690,6 +765,7 @@ _ENUM_FIELDS: dict[str, type[Enum]] = {
     "backend": ExpertBackendKind,
     "dtype": Precision,
     "schedule": PipelineSchedule,
+    "overlap": ExpertOverlap,
     "dp_mode": DataParallelMode,
     "optimizer_sharding": OptimizerSharding,
     "dispatch": DispatchKind,

@@ -94,12 +94,24 @@ class LocalDispatcher(Dispatcher):
         return combine(y_ND, route.weight_TK, plan.rows, experts.fused_kernels), _no_drops(x_TD.device)
 
 
+in_flight_hook: Callable[[], None] | None = None
+"""Called while a row all-to-all is in flight, between its start and its wait: another microbatch's
+compute runs there during an overlapped step (``moe_engine.parallel.overlap`` sets it); None: wait at once."""
+
+
 def all_to_all_rows(
     x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group
 ) -> torch.Tensor:
     rows = x.shape[0] if recv_splits is None else sum(recv_splits)
     out = x.new_empty(rows, *x.shape[1:])
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+    hook = in_flight_hook
+    if hook is None:
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+    send = x.contiguous()  # held until the wait: the collective in flight reads it
+    work = dist.all_to_all_single(out, send, recv_splits, send_splits, group=group, async_op=True)
+    hook()
+    work.wait()
     return out
 
 
@@ -145,6 +157,8 @@ class _InFlight:
     def wait(self) -> None:
         if self.work is None:
             raise RuntimeError("row all-to-all: wait() with none in flight (waited twice, or never started)")
+        if in_flight_hook is not None:
+            in_flight_hook()
         self.work.wait()
         self.work, self.buffers = None, ()
 

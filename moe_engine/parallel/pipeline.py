@@ -23,15 +23,27 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import (
+    OVERLAP_F_B,
+    PipelineScheduleMulti,
+    _Action,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _wait_batch_p2p,
 )
 
 from moe_engine import kernels
-from moe_engine.config import ParallelConfig, PipelineSchedule
+from moe_engine.config import ExpertOverlap, ParallelConfig, PipelineSchedule
 from moe_engine.model import Transformer
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
 from moe_engine.parallel.layout import stage_blocks
+from moe_engine.parallel.overlap import Interleaver
 
 
 class _Stage(PipelineStage):
@@ -109,7 +121,56 @@ _SCHEDULES = {
     PipelineSchedule.GPIPE: ScheduleGPipe,
     PipelineSchedule.ONE_F_ONE_B: Schedule1F1B,
     PipelineSchedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    PipelineSchedule.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+    PipelineSchedule.ZBV: ScheduleZBVZeroBubble,
+    PipelineSchedule.DUALPIPEV: ScheduleDualPipeV,
 }
+
+
+def rank_stages(config: ParallelConfig, pp_rank: int) -> list[int]:
+    """The pipeline stages ``pp_rank`` runs, in order: r, r + pp, ... (looped), or r and 2pp-1-r under a
+    V-shaped schedule (zbv, dualpipev: the first and the last stage on rank 0, so the loss and the
+    embedding meet there)."""
+    if config.schedule.v_shaped:
+        return [pp_rank, 2 * config.pp - 1 - pp_rank]
+    return list(range(pp_rank, config.num_stages, config.pp))
+
+
+def _overlap_forward_backward(action: _Action, ctx: _PipelineContext) -> None:
+    """DualPipeV's OVERLAP_F_B: one microbatch's forward beside another's full backward, switching at
+    each expert all-to-all (``moe_engine.parallel.overlap``). Each half is what the schedule's runtime
+    does for a FORWARD / FULL_BACKWARD action (torch 2.13's ``_PipelineScheduleRuntime``), receives,
+    loss and the hand-over between a rank's two adjacent stages included."""
+    schedule = ctx.schedule_ref
+    assert isinstance(schedule, _PipelineScheduleRuntime) and action.sub_actions is not None
+    forward, backward = action.sub_actions
+    stages = {stage.stage_index: stage for stage in schedule._stages}
+
+    def run_forward() -> None:
+        index, mb = forward.stage_index, forward.microbatch_index
+        assert mb is not None and ctx.arg_mbs is not None and ctx.kwarg_mbs is not None
+        stage = stages[index]
+        if not stage.is_first and index - 1 not in stages:
+            _wait_batch_p2p(schedule.fwd_recv_ops.pop((index, mb)))
+        output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+        schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+        if index + 1 in stages:
+            stages[index + 1].set_local_fwd_input(output, mb)
+
+    def run_backward() -> None:
+        index, mb = backward.stage_index, backward.microbatch_index
+        assert mb is not None
+        stage = stages[index]
+        if not stage.is_last and index + 1 not in stages:
+            _wait_batch_p2p(schedule.bwd_recv_ops.pop((index, mb)))
+        loss = schedule._maybe_get_loss(stage, mb)
+        schedule.backward_counter[index] += 1
+        last = schedule.backward_counter[index] == schedule._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+        if index - 1 in stages:
+            stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    Interleaver().run(run_forward, run_backward)
 
 
 class Pipeline:
@@ -141,8 +202,11 @@ class Pipeline:
         # Only the rank holding the last stage calls the loss.
         last = next((m for m in self.modules if m.is_last), None)
         loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / microbatches)
-        stages = self.stages if schedule is ScheduleInterleaved1F1B else self.stages[0]
+        stages = self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0]
         self.schedule = schedule(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+        if config.schedule is PipelineSchedule.DUALPIPEV and config.resolved_overlap is ExpertOverlap.MICROBATCHES:
+            assert isinstance(self.schedule, ScheduleDualPipeV)
+            self.schedule.register_custom_function(OVERLAP_F_B, _overlap_forward_backward)
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every microbatch; the mean loss on the last stage, else None."""

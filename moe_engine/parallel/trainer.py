@@ -10,6 +10,7 @@ updates the parameters. With no process groups it is the single-process trainer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import cast
 
@@ -18,14 +19,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from moe_engine.config import DataParallelMode, ModelConfig, ParallelConfig, Precision, RecomputeConfig
+from moe_engine.config import DataParallelMode, ExpertOverlap, ModelConfig, ParallelConfig, Precision, RecomputeConfig
 from moe_engine.model import Transformer, build_model
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.data_parallel import DataParallelOptimizer, build_data_parallel_optimizer
 from moe_engine.parallel.fsdp import apply_fsdp, clip_fsdp_grad_norm_
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
-from moe_engine.parallel.pipeline import Pipeline, cross_entropy
+from moe_engine.parallel.overlap import Interleaver
+from moe_engine.parallel.pipeline import Pipeline, cross_entropy, rank_stages
 from moe_engine.recompute import apply_recompute
 from moe_engine.train import OptimizerConfig, adamw_param_groups
 
@@ -106,13 +108,15 @@ def build_rank_model(
                 parallel.dispatch,
                 parallel.capacity_factor,
                 parallel.a2a_chunks,
+                parallel.resolved_dispatch_rows,
+                groups.nodes,
             )
     if fsdp:
         assert groups is not None  # part of fsdp's definition above
         apply_fsdp(model, groups.dp, config.dtype.torch_dtype)
     if parallel.pp > 1:
         assert groups is not None  # pp > 1 is a layout of several ranks (checked above)
-        stages = groups.layout.stage_indices(groups.coords.pp_rank)
+        stages = rank_stages(parallel, groups.coords.pp_rank)
         pipeline = Pipeline(model, parallel, stages, groups.pp, device)
         return RankModel(module=pipeline.parameters_module, model=None, pipeline=pipeline)
     return RankModel(module=model, model=model, pipeline=None)
@@ -155,6 +159,10 @@ class ParallelTrainer:
         for layer in rank_model.moe_layers():
             layer.loss_scale = 1 / self.microbatches
         self._fsdp_grad_norm: torch.Tensor | None = None
+        self.overlapped = (
+            rank_model.pipeline is None and not self.fsdp and parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
+        )
+        """Whether a step runs the overlapped data-parallel step (``_accumulate_overlapped``)."""
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -181,6 +189,8 @@ class ParallelTrainer:
         return loss
 
     def _accumulate(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        if self.overlapped:
+            return self._accumulate_overlapped(tokens_BS, labels_BS)
         model, m = self.rank_model.model, self.microbatches
         assert model is not None  # without a pipeline the rank runs the whole model
         losses = []
@@ -194,6 +204,31 @@ class ParallelTrainer:
             (loss if m == 1 else loss / m).backward()
             losses.append(loss.detach())
         return losses[0] if m == 1 else torch.stack(losses).mean()
+
+    def _accumulate_overlapped(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        """The overlapped data-parallel step: microbatch i+1's forward runs beside microbatch i's backward,
+        switching at each expert all-to-all (``moe_engine.parallel.overlap``), so each one's all-to-alls
+        move while the other computes. The first forward and the last backward run alone."""
+        model, m = self.rank_model.model, self.microbatches
+        assert model is not None  # without a pipeline the rank runs the whole model
+        batches = list(zip(tokens_BS.chunk(m), labels_BS.chunk(m)))
+        # With fused kernels the LM head and the loss are one op inside the model's forward.
+        fused = getattr(model, "fused_kernels", False)
+
+        def forward(i: int) -> torch.Tensor:
+            tokens, labels = batches[i]
+            return model(tokens, labels) if fused else cross_entropy(model(tokens), labels)
+
+        def backward(loss: torch.Tensor) -> None:
+            (loss / m).backward()
+
+        losses = [forward(0)]
+        for i in range(1, m):
+            loss, _ = Interleaver().run(functools.partial(forward, i), functools.partial(backward, losses[-1]))
+            losses[-1] = losses[-1].detach()
+            losses.append(loss)
+        backward(losses[-1])
+        return torch.stack([loss.detach() for loss in losses]).mean()
 
     def _update_expert_bias(self) -> None:
         layers = self.rank_model.moe_layers()

@@ -1,0 +1,135 @@
+"""Overlap across microbatches: one microbatch's expert all-to-alls in flight while another computes.
+
+``Interleaver.run(a, b)`` runs two programs (say the forward of microbatch i+1 and the backward of
+microbatch i) on two threads, exactly one at a time, and hands over at every expert all-to-all:
+
+    a computes ... a starts an all-to-all  -> b runs, up to its own next all-to-all start
+    b starts an all-to-all                 -> a waits for its all-to-all (done by now, or nearly), computes on
+    ...
+    a program that has finished hands over for good; the other then waits for each all-to-all at once.
+
+The overlap rule: every expert all-to-all of one program (dispatch and combine in forward, their
+reverses in backward, the per-expert counts) is in flight while the other program computes
+everything up to its own next all-to-all; it is exposed only by what exceeds that compute, and
+only where the other program has already finished. Handing over is strict alternation, so every
+rank of a group issues its collectives in the same order, whatever the timing.
+
+The seam is ``moe_engine.moe.dispatch.in_flight_hook``: the dispatcher starts each row all-to-all
+asynchronously and calls the hook before waiting for it. The engine's collectives run on their own
+threads (gloo) or streams (NCCL), so an all-to-all moves while the other program computes. Only one
+program runs Python at a time, so none of the model's state sees two microbatches at once except as
+the sequential steps would: each microbatch's forward draws its routes in the same per-layer order.
+
+The programs' threads inherit the caller's torch function and dispatch modes (the host-sync guard
+of ``moe_engine.host_sync`` sees them), and the caller's grad mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from moe_engine.moe import dispatch
+
+Event = tuple[str, int]
+"""A recorded event: ("run", p) when program p takes over, ("done", p) when it finishes."""
+
+
+class Interleaver:
+    """Runs two programs one at a time, switching at each expert all-to-all in flight (module docstring).
+
+    ``events``, when given a list, records the hand-overs (``Event``), so a test can check what ran while
+    each all-to-all was in flight."""
+
+    def __init__(self, events: list[Event] | None = None):
+        self.events = events
+        self._cv = threading.Condition()
+        self._active = -1
+        self._done = [False, False]
+        self._error: BaseException | None = None
+
+    @property
+    def active(self) -> int:
+        """The program running now (0 or 1), -1 outside ``run``."""
+        return self._active
+
+    def run(self, first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, Any]:
+        """Run ``first`` then, at its first all-to-all, ``second``, alternating; both results."""
+        if dispatch.in_flight_hook is not None:
+            raise RuntimeError("an overlapped region is already running")
+        modes = _get_current_function_mode_stack(), _get_current_dispatch_mode_stack()
+        grad = torch.is_grad_enabled()
+        results: list[Any] = [None, None]
+        self._active, self._done, self._error = 0, [False, False], None
+        self._record("run", 0)
+
+        def body(p: int, program: Callable[[], Any]) -> None:
+            with self._cv:
+                self._cv.wait_for(lambda: self._active == p)
+            try:
+                if self._error is None:
+                    with _entered(modes), torch.set_grad_enabled(grad):
+                        results[p] = program()
+            except BaseException as error:  # handed to the caller once both threads are joined
+                self._error = self._error or error
+            finally:
+                with self._cv:
+                    self._done[p] = True
+                    self._record("done", p)
+                    if not self._done[1 - p]:
+                        self._active = 1 - p
+                        self._record("run", 1 - p)
+                    self._cv.notify_all()
+
+        threads = [threading.Thread(target=body, args=(p, f), daemon=True) for p, f in enumerate((first, second))]
+        dispatch.in_flight_hook = self._hand_over
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            dispatch.in_flight_hook = None
+            self._active = -1
+        if self._error is not None:
+            raise self._error
+        return results[0], results[1]
+
+    def _hand_over(self) -> None:
+        # Called by the running program (on whatever thread runs it: autograd may run a backward on
+        # its device thread) with an all-to-all in flight: the other runs until its own next one.
+        with self._cv:
+            me = self._active
+            other = 1 - me
+            if self._done[other] or self._error is not None:
+                return
+            self._active = other
+            self._record("run", other)
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self._active == me)
+
+    def _record(self, kind: str, program: int) -> None:
+        if self.events is not None:
+            self.events.append((kind, program))
+
+
+@contextlib.contextmanager
+def _entered(modes: tuple[list, list]) -> Iterator[None]:
+    """The caller's torch function and dispatch modes, entered on this thread (modes are thread-local)."""
+    with contextlib.ExitStack() as stack:
+        for mode in (*modes[0], *modes[1]):
+            stack.enter_context(mode)
+        yield
+
+
+def run_overlapped(first: Callable[[], Any], second: Callable[[], Any], overlap: bool) -> tuple[Any, Any]:
+    """``first`` beside ``second`` through an ``Interleaver`` when ``overlap``, else one after the other."""
+    if overlap:
+        return Interleaver().run(first, second)
+    return first(), second()
