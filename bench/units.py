@@ -41,6 +41,16 @@ def gib(n_bytes: float, decimals: int = 2) -> str:
     return f"{n_bytes / GIB:,.{decimals}f} GiB"
 
 
+def count(n: float, digits: int = 3) -> str:
+    """A count (parameters) in T, B, M or K with ``digits`` significant digits: 1193.9e9 -> "1.19T",
+    47.1e9 -> "47.1B", 3.2e6 -> "3.2M", 512 -> "512"."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            text = significant(n / scale, digits)
+            return (text.rstrip("0").rstrip(".") if "." in text else text) + suffix
+    return f"{n:,.0f}"
+
+
 def memory(n_bytes: float, decimals: int = 2) -> str:
     """GiB from 1 GiB up (``decimals`` of them), else MiB with one decimal (or KiB, B): 52428800 -> "50.0 MiB"."""
     magnitude = abs(n_bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
 from bench.metrics import headline_memory
-from bench.units import gib
+from bench.units import count, gib
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
@@ -83,7 +83,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
             print(summary_line(o.name, o.metrics, o.details))
     else:
         print_summary(outcomes)
-        print_comparisons(outcomes, comparisons)
+        print_comparisons(outcomes, comparisons, on_cpu=device.type == "cpu")
     failed = [o for o in outcomes if o.status not in ("ok", "skipped")]
     print(f"{len(outcomes)} scenarios, {len(failed)} not ok; results in {runner.out_dir}")
     if getattr(args, "report", False):
@@ -121,8 +121,13 @@ def print_summary(outcomes) -> None:
         "MFU",
         "peak memory",
         "params (total/active)",
+        *(["fits the GPU"] if any(o.details.get("fits") is not None for o in outcomes) else []),
     ):
-        table.add_column(column, justify="left" if column in ("scenario", "mode", "status") else "right", no_wrap=True)
+        table.add_column(
+            column,
+            justify="left" if column in ("scenario", "mode", "status", "fits the GPU") else "right",
+            no_wrap=True,
+        )
     for o in outcomes:
         m = o.metrics
 
@@ -132,7 +137,7 @@ def print_summary(outcomes) -> None:
         memory = headline_memory(m)
         params = ""
         if "total_params" in m:
-            params = f"{m['total_params']['median'] / 1e9:.2f}B / {m['active_params']['median'] / 1e9:.2f}B"
+            params = f"{count(m['total_params']['median'])} / {count(m['active_params']['median'])}"
         tokens = med("tokens_per_s_per_gpu", lambda v: f"{v:,.0f}")
         tflops = med("tflops_per_gpu", lambda v: f"{v:.3f}")
         if o.scenario.mode == "proxy":
@@ -146,9 +151,25 @@ def print_summary(outcomes) -> None:
             med("mfu", lambda v: f"{v:.1%}"),
             gib(m[memory]["median"]) if memory else "",
             params,
+            *([fit_verdict(o.details)] if table.columns[-1].header == "fits the GPU" else []),
         )
     # Wide enough for the longest scenario names and marked projections whole (logs are read in editors).
     Console(width=max(170, Console().width)).print(table)
+
+
+def fit_verdict(details: dict) -> str:
+    """A plan's verdict on its most loaded rank against its cluster's GPU: ``fits b300 (85.2 of 268.2 GiB)``,
+    ``DOES NOT FIT b300 (279.4 > 268.2 GiB)``; empty for a result without one (an execute run, which ran)."""
+    fits, cluster = details.get("fits"), details.get("cluster") or {}
+    if fits is None:
+        return ""
+    device = cluster.get("device") or cluster.get("name") or "the GPU"
+    need, have = details.get("memory_total_gib"), cluster.get("gpu_memory_gib")
+    if need is None or have is None:
+        return f"fits {device}" if fits else f"DOES NOT FIT {device}"
+    if fits:
+        return f"fits {device} ({need:.1f} of {have:.1f} GiB)"
+    return f"DOES NOT FIT {device} ({need:.1f} > {have:.1f} GiB)"
 
 
 def _proxy_figures(o) -> tuple[str, str]:
@@ -164,19 +185,14 @@ def _proxy_figures(o) -> tuple[str, str]:
     return f"{projection['tokens_per_s_per_gpu']:,.0f}{mark}", f"{projection['tflops_per_gpu']:.1f}{mark}"
 
 
-def print_comparisons(outcomes, comparisons) -> None:
-    """Each pair of the reference release's comparisons that ran: its ratio, beside the published figure."""
-    from bench.report.comparisons import pair_ratios
+def print_comparisons(outcomes, comparisons, on_cpu: bool = False) -> None:
+    """Each pair of the reference release's comparisons that ran: its ratio, beside the published figure
+    (``bench.report.comparisons.comparison_lines``; ``on_cpu``: the runs ran on a CPU)."""
+    from bench.report.comparisons import comparison_lines, pair_ratios
 
     rows = pair_ratios(comparisons, {o.name: (o.status, o.metrics) for o in outcomes})
-    if not rows:
-        return
-    print("comparisons (ratio of the medians, numerator / denominator, [95% interval from the two runs' steps]):")
-    for row in rows:
-        print(
-            f"  {row.comparison.label}: {row.numerator} / {row.denominator} = {row.describe()}"
-            f"  [published: {row.comparison.reference}; {row.comparison.mirrors}]"
-        )
+    for line in comparison_lines(rows, on_cpu=on_cpu):
+        print(line)
 
 
 def register(sub) -> None:

@@ -95,6 +95,54 @@ class PairRatio:
         return self.interval is not None and self.interval[0] <= 1.0 <= self.interval[1]
 
 
+CONSOLE_WIDTH = 120
+"""The widest line ``comparison_lines`` writes (logs are read in terminals and editors)."""
+
+
+def published_text(comparison: Comparison) -> str:
+    """The published figure, labelled as what it is: every figure the reference release published was
+    measured on GPUs (B300 clusters), none on a CPU."""
+    if comparison.reference.strip().lower().startswith("none"):
+        return "none published"
+    return f"published GPU figure {comparison.reference} ({comparison.mirrors})"
+
+
+def comparison_lines(rows: Sequence[PairRatio], on_cpu: bool = False, width: int = CONSOLE_WIDTH) -> list[str]:
+    """The console's comparisons: one heading per comparison with its published figure (a GPU figure,
+    so said), its pairs below it, every line at most ``width`` columns. ``on_cpu``: the runs ran on a
+    CPU, whose ratios a GPU's published figures do not predict (another machine balance), said once."""
+    import textwrap
+
+    if not rows:
+        return []
+    lines = ["comparisons (numerator / denominator: ratio of the medians [95% interval from the two runs' steps]):"]
+    if on_cpu:
+        lines += textwrap.wrap(
+            "measured on a CPU: the published figures are GPU figures, which a CPU is not expected to match "
+            "(compare the ratios' direction, not their size)",
+            width,
+            initial_indent="  ",
+            subsequent_indent="  ",
+        )
+    by_comparison: dict[str, list[PairRatio]] = {}
+    for row in rows:
+        by_comparison.setdefault(row.comparison.name, []).append(row)
+    for group in by_comparison.values():
+        comparison = group[0].comparison
+        lines += textwrap.wrap(
+            f"{comparison.label}: {published_text(comparison)}", width, initial_indent="  ", subsequent_indent="      "
+        )
+        for row in group:
+            lines += textwrap.wrap(
+                f"{row.numerator} / {row.denominator} = {row.describe()}",
+                width,
+                initial_indent="    ",
+                subsequent_indent="        ",
+                break_on_hyphens=False,
+            )
+    return lines
+
+
 def load_comparisons(path: Path | None = None) -> list[Comparison]:
     """The comparisons section of ``path`` (default: scenarios/suites.yaml); a malformed entry raises
     ComparisonError naming its field."""
