@@ -10,9 +10,15 @@ are ``MXTensor``s blocked along K. Two implementations compute the same thing on
 - ``GemmPath.EMULATION``: dequantize both operands to fp32 and run ``torch._grouped_mm`` (fp32 in,
   fp32 accumulate). Dequantized E4M3 x 2^k values are exact in fp32, so only the summation order differs.
 
-``available_path(device)`` picks Triton on CUDA and the emulation elsewhere. GPUs with MX tensor
-cores (Blackwell) run ``tl.dot_scaled`` natively; on others (Hopper) Triton decomposes it into an
-upcast to bf16 (exact for E4M3 x 2^k) and a bf16 MMA: the same numbers, without the FP8 speed-up.
+``available_path(device)`` picks Triton on CUDA from capability 8.9 (Triton has no e4m3 type below
+it: an A100's first MXFP8 forward would raise) and the emulation elsewhere. GPUs with MX tensor
+cores (Blackwell) run ``tl.dot_scaled`` natively, but only for tiles of at least 128 rows: smaller
+ones Triton decomposes (compiled for sm_100a, 64 x 64 tiles gave ``tc_gen5_mma``, 128 x 128
+``tc_gen5_mma_scaled``), hence 128 x 128 tiles on 8 warps (no spills on sm_90a or sm_100a,
+``bench.validate.kernel_compile``). Hopper has no MX tensor cores: Triton decomposes the scaled dot
+into an upcast to bf16 (exact for E4M3 x 2^k) and a bf16 MMA, the same numbers without the FP8
+speed-up. ``path_label`` says which of the two ran from the compiled kernel's IR, never from the
+capability.
 
 The kernel also runs in the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors), which is how it
 is tested without a GPU. There ``tl.dot_scaled`` decodes both operands and their scales to fp32 and
@@ -52,6 +58,7 @@ zeros there, whatever the input rows held (even NaN).
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
 import torch
@@ -77,25 +84,44 @@ class GemmPath(str, Enum):
     """Dequantize to fp32, then ``torch._grouped_mm`` (any device)."""
 
 
+FP8_MIN_CAPABILITY = (8, 9)
+"""Triton's e4m3 type, which ``tl.dot_scaled`` takes, exists from this CUDA capability on."""
+SCALED_MMA = "tc_gen5_mma_scaled"
+"""The TTGIR op of Blackwell's block-scaled tensor-core MMA."""
+_compiled_mma: dict[torch.device, str] = {}
+"""Per CUDA device, the tensor-core op the last compiled MXFP8 GEMM holds (``note_compiled``)."""
+
+
 def available_path(device: torch.device | str) -> GemmPath:
-    """The fastest implementation on ``device``: Triton on CUDA, the emulation elsewhere."""
-    if triton is not None and torch.device(device).type == "cuda":
+    """The fastest implementation on ``device``: Triton on CUDA from capability 8.9, else the emulation."""
+    device = torch.device(device)
+    if triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY:
         return GemmPath.TRITON
     return GemmPath.EMULATION
 
 
-def path_label(path: GemmPath | str, device: torch.device | str) -> str:
-    """``path`` and how the hardware runs it, as results record it (``details.expert_backend_path``).
+def note_compiled(device: torch.device | str, ttgir: str) -> None:
+    """Record what the MXFP8 GEMM compiled to on ``device`` (its TTGIR): the scaled MMA or not."""
+    _compiled_mma[torch.device(device)] = "native" if re.search(rf"\b{SCALED_MMA}\b", ttgir) else "emulated"
 
-    ``tl.dot_scaled`` uses MX tensor cores on sm100 and newer (``triton-dot-scaled-native-sm100``);
-    Hopper (sm90) has none, and Triton emulates the scaled dot there (``...-emulated-sm90``): such a
-    run measures the emulation, not MXFP8 hardware, and is no comparison for a B200/B300 figure.
+
+def path_label(path: GemmPath | str, device: torch.device | str) -> str:
+    """``path`` and how the hardware ran it, as results record it (``details.expert_backend_path``).
+
+    ``...-native-smXY`` when the compiled GEMM holds the block-scaled tensor-core MMA
+    (``tc_gen5_mma_scaled``), ``...-emulated-smXY`` when Triton decomposed the scaled dot into an
+    upcast and a bf16 MMA (Hopper, or tiles too small for it): such a run measures the emulation, not
+    MXFP8 hardware, and is no comparison for a B200/B300 figure. Before the first compile on the
+    device, ``...-smXY`` alone: nothing has shown yet how it runs.
     """
     path, device = GemmPath(path), torch.device(device)
     if path is not GemmPath.TRITON or device.type != "cuda":
         return path.value
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     major, minor = torch.cuda.get_device_capability(device)
-    return f"{path.value}-{'native' if major >= 10 else 'emulated'}-sm{major}{minor}"
+    how = _compiled_mma.get(device)
+    return f"{path.value}-{how}-sm{major}{minor}" if how else f"{path.value}-sm{major}{minor}"
 
 
 # --- operands -----------------------------------------------------------------------------------
@@ -173,7 +199,7 @@ def _block_k(k: int) -> int:
     return next(b for b in (128, 64, 32) if k % b == 0)
 
 
-def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, block_n: int = 64):
+def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 128, block_n: int = 128):
     if triton is None:
         raise RuntimeError("the Triton MXFP8 grouped GEMM needs triton, which is not installed")
     m, k = a_MK.data.shape
@@ -186,7 +212,7 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, blo
     b_scales = b_ENK.scales.view(torch.uint8)
     grid = (triton.cdiv(m, block_m) + num_experts, triton.cdiv(n, block_n))
     with on_device(out_MN):
-        _mx_grouped_mm_kernel[grid](
+        compiled = _mx_grouped_mm_kernel[grid](
             a_MK.data,
             a_scales,
             b_ENK.data,
@@ -206,7 +232,10 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 64, blo
             BLOCK_N=block_n,
             BLOCK_K=_block_k(k),
             BLOCK_E=max(triton.next_power_of_2(num_experts), 2),
+            num_warps=8,
         )
+    if out_MN.is_cuda:  # the interpreter compiles nothing
+        note_compiled(out_MN.device, compiled.asm["ttgir"])
     return out_MN
 
 

@@ -99,9 +99,20 @@ def test_padding_k_is_exact():
     assert torch.equal(out, padded)
 
 
-def test_path_selection():
+@pytest.mark.parametrize(
+    "capability, path",
+    [
+        ((8, 0), "torch-emulation"),
+        ((8, 6), "torch-emulation"),
+        ((8, 9), "triton-dot-scaled"),
+        ((10, 0), "triton-dot-scaled"),
+    ],
+)
+def test_path_selection(capability, path, monkeypatch):
+    """Triton has e4m3 only from capability 8.9: an A100 gets the emulation."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert mx.available_path("cpu") is mx.GemmPath.EMULATION
-    assert mx.available_path("cuda") is mx.GemmPath.TRITON
+    assert mx.available_path("cuda") is mx.GemmPath(path)
     assert mx.GemmPath("torch-emulation") is mx.GemmPath.EMULATION
 
 
@@ -181,17 +192,51 @@ def test_compiled_triton_kernel_matches_emulation(transposed):
 
 
 @pytest.mark.parametrize(
-    "capability, expected",
+    "capability, ttgir, expected",
     [
-        ((9, 0), "triton-dot-scaled-emulated-sm90"),
-        ((10, 0), "triton-dot-scaled-native-sm100"),
-        ((10, 3), "triton-dot-scaled-native-sm103"),
-        ((8, 0), "triton-dot-scaled-emulated-sm80"),
+        ((10, 0), "%d = ttng.tc_gen5_mma_scaled %a, %b", "triton-dot-scaled-native-sm100"),
+        # A Blackwell whose kernel decomposed the scaled dot (tiles under 128 rows): not native.
+        ((10, 0), "%d = ttng.tc_gen5_mma %a, %b", "triton-dot-scaled-emulated-sm100"),
+        ((10, 3), "ttng.tc_gen5_mma_scaled", "triton-dot-scaled-native-sm103"),
+        ((9, 0), "%d = ttng.warp_group_dot %a, %b", "triton-dot-scaled-emulated-sm90"),
+        ((9, 0), None, "triton-dot-scaled-sm90"),  # nothing compiled yet: no claim
     ],
 )
-def test_path_label_says_native_or_emulated(capability, expected, monkeypatch):
-    """Hopper has no MX tensor cores: its MXFP8 results are labelled as Triton's emulation."""
+def test_path_label_comes_from_the_compiled_ir(capability, ttgir, expected, monkeypatch):
+    """The label says what the compiled kernel holds, on a faked device with a faked compile."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mx, "_compiled_mma", {})
+    if ttgir is not None:
+        mx.note_compiled("cuda:0", ttgir)
     assert mx.path_label(mx.GemmPath.TRITON, "cuda") == expected
+    assert mx.path_label(mx.GemmPath.TRITON, "cuda:0") == expected
     assert mx.path_label(mx.GemmPath.EMULATION, "cuda") == "torch-emulation"
     assert mx.path_label(mx.GemmPath.TRITON, "cpu") == "triton-dot-scaled"  # the Triton interpreter
+
+
+@pytest.mark.slow
+def test_the_engine_tiles_reach_the_scaled_mma_on_sm100(monkeypatch):
+    """The GEMM as the engine launches it (its tile, warps, specialisation), compiled for sm_100a
+    without a GPU: the IR holds the block-scaled MMA, and the label that IR gives says native."""
+    from bench.validate.kernel_compile import compile_launch, describe_launch
+
+    a = mx.quantize_rows(torch.randn(256, 256))
+    b = mx.quantize_weight(torch.randn(4, 256, 256))
+    offsets = torch.tensor([64, 128, 192, 256], dtype=torch.int32)
+    launches, kernel = [], mx._mx_grouped_mm_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(describe_launch(kernel.fn, args, kwargs))
+                return type("Compiled", (), {"asm": {"ttgir": ""}})()
+
+            return launch
+
+    monkeypatch.setattr(mx, "_mx_grouped_mm_kernel", Recorder())
+    mx._triton_grouped_mm(a, b, offsets, torch.bfloat16)
+    monkeypatch.undo()  # Triton's compiler resolves the kernel's module globals
+    (launch,) = launches
+    compiled = compile_launch(launch, "sm_100a", fn=kernel)
+    assert compiled.ok and not compiled.spills and mx.SCALED_MMA in compiled.ir_ops, compiled
