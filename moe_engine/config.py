@@ -130,6 +130,20 @@ class DispatchKind(str, Enum):
     """Fixed-capacity buffers per destination rank, no host synchronisation, tail drop over capacity."""
 
 
+class DispatchRows(str, Enum):
+    """What one expert-parallel all-to-all row carries."""
+
+    PER_EXPERT = "per-expert"
+    """One row per (token, expert), outputs back one row per expert (the reference)."""
+    PER_RANK = "per-rank"
+    """One row per (token, destination rank); the destination sums its experts' weighted outputs into one row back."""
+    PER_NODE = "per-node"
+    """One inter-node row per (token, destination node), to the rank with the same local index there,
+    spread inside the node per rank; combine reduces inside the node first (needs ranks_per_node < ep)."""
+    AUTO = "auto"
+    """per-node when the expert-parallel group spans nodes (ranks_per_node < ep), else per-rank."""
+
+
 class GradDtype(str, Enum):
     """Precision gradients are accumulated over microbatches and reduced over data-parallel ranks in."""
 
@@ -553,6 +567,10 @@ class ParallelConfig:
     """Chunks of each MoE layer's expert all-to-alls (ep > 1): chunk k+1 moves while chunk k's experts compute."""
     overlap: ExpertOverlap = ExpertOverlap.AUTO
     """What hides the expert all-to-alls: none, the layer's chunks, or another microbatch's compute."""
+    dispatch_rows: DispatchRows = DispatchRows.AUTO
+    """What an expert all-to-all row carries: a (token, expert), a (token, rank) or a (token, node) pair."""
+    ranks_per_node: int | None = None
+    """Consecutive global ranks per node (divides ep where smaller); None: every rank on one node."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "parallel.")
@@ -602,6 +620,19 @@ class ParallelConfig:
             "parallel.overlap",
             "microbatches overlap runs with dp_mode ddp (fsdp's per-block gathers are not interleaved)",
         )
+        if self.ranks_per_node is not None:
+            _require(self.ranks_per_node >= 1, "parallel.ranks_per_node", f"must be >= 1, got {self.ranks_per_node}")
+            _require(
+                self.ranks_per_node >= self.ep or self.ep % self.ranks_per_node == 0,
+                "parallel.ranks_per_node",
+                f"ranks_per_node={self.ranks_per_node} does not divide ep={self.ep}",
+            )
+        _require(
+            self.dispatch_rows is not DispatchRows.PER_NODE or self.ep == 1 or self.spans_nodes,
+            "parallel.dispatch_rows",
+            f"per-node needs an expert-parallel group that spans nodes (ranks_per_node < ep={self.ep}); "
+            f"got ranks_per_node={self.ranks_per_node}",
+        )
         if self.dp_mode is DataParallelMode.FSDP:
             _require(
                 self.optimizer_sharding is OptimizerSharding.NONE,
@@ -625,6 +656,18 @@ class ParallelConfig:
             f"tied embeddings need the embedding and the LM head on one pipeline rank; pp={self.pp} puts them on "
             f"ranks 0 and {self.pp - 1} (untie them or use pp=1)",
         )
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether an expert-parallel group spans nodes (ranks_per_node < ep)."""
+        return self.ranks_per_node is not None and self.ranks_per_node < self.ep
+
+    @property
+    def resolved_dispatch_rows(self) -> DispatchRows:
+        """The rows that travel (never AUTO): per-node where the expert-parallel group spans nodes, else per-rank."""
+        if self.dispatch_rows is not DispatchRows.AUTO:
+            return self.dispatch_rows
+        return DispatchRows.PER_NODE if self.spans_nodes else DispatchRows.PER_RANK
 
     @property
     def resolved_overlap(self) -> ExpertOverlap:
@@ -769,6 +812,7 @@ _ENUM_FIELDS: dict[str, type[Enum]] = {
     "dp_mode": DataParallelMode,
     "optimizer_sharding": OptimizerSharding,
     "dispatch": DispatchKind,
+    "dispatch_rows": DispatchRows,
     "grad_dtype": GradDtype,
     "mode": RecomputeMode,
 }

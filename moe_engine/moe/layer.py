@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_engine.config import DispatchKind, MoEConfig, ParallelConfig
+from moe_engine.config import DispatchKind, DispatchRows, MoEConfig, ParallelConfig
 from moe_engine.modules.mlp import SwiGLU
+from moe_engine.moe.dedup_dispatch import DedupDispatcher, DispatchLevel
 from moe_engine.moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.router import Router
+
+if TYPE_CHECKING:
+    from moe_engine.parallel.groups import NodeGroups
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -70,10 +75,14 @@ class MoELayer(nn.Module):
         kind: DispatchKind = DispatchKind.NO_SYNC,
         capacity_factor: float = 1.25,
         a2a_chunks: int = 1,
+        rows: DispatchRows = DispatchRows.PER_EXPERT,
+        nodes: NodeGroups | None = None,
     ) -> None:
         """Become rank ``ep_rank``'s shard of an expert-parallel group: keep only its block of experts
         (new parameters, same values) and send tokens to their experts over all-to-all in ``group``,
-        in ``a2a_chunks`` chunks overlapped with the experts (``moe_engine.moe.dispatch``)."""
+        in ``a2a_chunks`` chunks overlapped with the experts (``moe_engine.moe.dispatch``), one row per
+        ``rows`` (``moe_engine.moe.dedup_dispatch``; per-node travels over ``nodes``, ``group`` split
+        by node; auto: per-node where ``nodes`` is given, else per-rank)."""
         num_experts = self.config.num_experts
         if num_experts % ep != 0:
             raise ValueError(f"ep={ep} does not divide num_experts={num_experts}")
@@ -85,7 +94,19 @@ class MoELayer(nn.Module):
         from moe_engine.parallel.layout import Layout
 
         self.experts.keep_only(Layout(ParallelConfig(dp=ep, ep=ep)).local_experts(ep_rank, num_experts))
-        self.dispatcher = AllToAllDispatcher(group, kind, capacity_factor, a2a_chunks)
+        rows = DispatchRows(rows)
+        if rows is DispatchRows.AUTO:
+            rows = DispatchRows.PER_RANK if nodes is None else DispatchRows.PER_NODE
+        if rows is DispatchRows.PER_EXPERT:
+            self.dispatcher = AllToAllDispatcher(group, kind, capacity_factor, a2a_chunks)
+        elif rows is DispatchRows.PER_RANK:
+            self.dispatcher = DedupDispatcher([DispatchLevel(group, 1)], kind, capacity_factor, a2a_chunks)
+        else:
+            if nodes is None:
+                raise ValueError("per-node dispatch needs the expert-parallel group's node groups")
+            per_node = dist.get_world_size(nodes.intra)
+            levels = [DispatchLevel(nodes.inter, per_node), DispatchLevel(nodes.intra, 1)]
+            self.dispatcher = DedupDispatcher(levels, kind, capacity_factor, a2a_chunks)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])

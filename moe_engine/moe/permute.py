@@ -181,6 +181,9 @@ def plan_slots(plan: RoutingPlan, num_ranks: int, capacity: int) -> SlotPlan:
     sorted by destination. Over capacity, a destination keeps its first ``capacity`` assignments in
     the order (expert, then flattened assignment index t*k + j) and drops the rest: the tail is the
     last tokens of its highest-numbered experts.
+
+    ``plan`` may leave assignments to no destination: sorted after every destination's (a key past
+    the last expert, not counted in ``plan.groups``), they get no slot and are not counted as dropped.
     """
     counts_SL = plan.groups.counts_E.view(num_ranks, -1)
     before_SL = torch.cumsum(counts_SL, dim=1) - counts_SL
@@ -191,11 +194,14 @@ def plan_slots(plan: RoutingPlan, num_ranks: int, capacity: int) -> SlotPlan:
     end_S = torch.cumsum(sent_S, dim=0)
     start_S = end_S - sent_S
     position_P = torch.arange(plan.rows.row_N.numel(), device=sent_S.device)
-    dest_P = torch.searchsorted(end_S, position_P, right=True)
+    # Positions past the last destination's (unrouted assignments) count as the last destination's
+    # overflow: in range for every gather, never kept.
+    dest_P = torch.searchsorted(end_S, position_P, right=True).clamp(max=num_ranks - 1)
     within_P = position_P - start_S.index_select(0, dest_P)
     slot_P = dest_P * capacity + within_P.clamp(max=capacity - 1)
     row_N = slot_P.index_select(0, plan.rows.row_N)
-    kept_N = (within_P < capacity).index_select(0, plan.rows.row_N)
+    kept_P = within_P < sent_S.clamp(max=capacity).index_select(0, dest_P)
+    kept_N = kept_P.index_select(0, plan.rows.row_N)
 
     # Slot s*C + c holds the sorted position start_s + c, if destination s has that many.
     c_1C = torch.arange(capacity, device=sent_S.device).unsqueeze(0)

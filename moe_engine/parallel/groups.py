@@ -25,6 +25,39 @@ class ProcessGroups:
     """Expert-data-parallel group: expert gradients are averaged over it."""
     pp: dist.ProcessGroup
     """Pipeline group: activations pass along it."""
+    nodes: NodeGroups | None = None
+    """The expert-parallel group split by node, where it spans nodes (``ranks_per_node`` < ep)."""
+
+
+@dataclass
+class NodeGroups:
+    """An expert-parallel group that spans nodes, split for node-aware dispatch."""
+
+    intra: dist.ProcessGroup
+    """This rank's node's ranks of its expert-parallel group, in order (group rank = local index)."""
+    inter: dist.ProcessGroup
+    """The ranks with this rank's local index on every node of its expert-parallel group (group rank = node)."""
+
+
+def build_node_groups(ep_groups: list[list[int]], ranks_per_node: int) -> NodeGroups:
+    """Split every expert-parallel group (each as its sorted ranks, a node holding ``ranks_per_node``
+    consecutive ones) into intra- and inter-node groups; keep this rank's. Collective: every rank of
+    the world calls it with the same arguments."""
+    rank = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for ranks in ep_groups:
+        if len(ranks) % ranks_per_node != 0:
+            raise ValueError(
+                f"ranks_per_node={ranks_per_node} does not divide an expert-parallel group of {len(ranks)}"
+            )
+        nodes = [ranks[n : n + ranks_per_node] for n in range(0, len(ranks), ranks_per_node)]
+        for name, members in [("intra", node) for node in nodes] + [
+            ("inter", [node[i] for node in nodes]) for i in range(ranks_per_node)
+        ]:
+            group = dist.new_group(members)
+            if rank in members:
+                mine[name] = group
+    return NodeGroups(**mine)
 
 
 def build_process_groups(layout: Layout) -> ProcessGroups:
@@ -42,4 +75,7 @@ def build_process_groups(layout: Layout) -> ProcessGroups:
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine[kind] = group
+    per_node = layout.config.ranks_per_node
+    if per_node is not None and per_node < layout.config.ep:
+        mine["nodes"] = build_node_groups(layout.groups("ep"), per_node)
     return ProcessGroups(layout=layout, coords=layout.coords(rank), **mine)

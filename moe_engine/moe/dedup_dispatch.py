@@ -1,0 +1,261 @@
+"""Expert-parallel dispatch that sends each token once per destination, not once per expert.
+
+``AllToAllDispatcher`` sends one row per (token, expert): a token with three of its top-k experts on
+one rank travels there three times and three output rows come back. ``DedupDispatcher`` sends one row
+per (token, destination) and lets the destination expand it:
+
+- per rank (``DispatchRows.PER_RANK``): one level, the expert-parallel group. The destination runs
+  the row through each of its local experts the token chose and sends back one row, the sum of those
+  experts' outputs weighted by the router weights.
+- per node (``DispatchRows.PER_NODE``): two levels. A token crosses the inter-node group once per
+  destination node, to the rank with this rank's local index there; that rank spreads it over the
+  intra-node group, one row per destination rank; combine sums inside the node first (each rank's
+  local experts, then the node's ranks) and one row goes back across nodes.
+
+Each level is one ``hop``: rows in (with, per row, the ids of the experts it still has to reach,
+relative to the level's scope, and their router weights), one row out per (row, destination) that
+holds any of them. The router weights travel with the row in a side buffer (fp32: the weights, then
+the expert ids relative to the destination's scope, exact in fp32 below 2**24, sentinel = the
+scope's expert count for an unused column), ``min(width, experts per destination)`` columns wide;
+the weights multiply at the destination, and their gradients come back through the same exchange.
+
+Variants, per level:
+
+- ``sync``: rows per destination exchanged and read on the host (uneven all-to-all). Dropless.
+- ``no-sync``: C rows per destination, C = ceil(f * rows in) with f the expected share of rows a
+  destination gets under uniform routing (``destination_share``: hypergeometric) times
+  ``capacity_factor`` at the first level, and the ratio of the two levels' shares at the second (its
+  rows in are the first level's slots, whose headroom it inherits). Over capacity, a destination
+  keeps its rows in the order of their first entry's (row, column): the tail of the source's rows
+  is dropped, and every assignment the dropped row carried is counted, at the rank that dropped it
+  (per node: a source's inter-node drops at the source, intra-node drops at the forwarding rank).
+  Empty slots carry the sentinel in every id column, so no counts travel and nothing reads device
+  data on the host.
+
+Chunked exchanges (``chunks`` > 1) cut the first level's rows per destination as
+``AllToAllDispatcher`` does (``permute.chunk_major_order``): chunk k+1 travels while chunk k runs
+through the rest (the node's spread and the experts), and chunk k's combine while chunk k+1's do.
+At the node level the second level's no-sync capacity is then per chunk (its rows in are the chunk's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_engine.config import DispatchKind
+from moe_engine.moe.dispatch import Dispatcher, all_to_all_rows, start_all_to_all
+from moe_engine.moe.experts import GroupedExperts
+from moe_engine.moe.permute import (
+    ExpertGroups,
+    RoutingPlan,
+    RowMap,
+    chunk_major_order,
+    chunk_rows,
+    combine,
+    gather_tokens,
+    plan_routing,
+    plan_slots,
+    reorder_rows,
+)
+
+
+def destination_share(num_experts: int, top_k: int, destinations: int) -> float:
+    """Probability that a token's ``top_k`` distinct experts, drawn uniformly from ``num_experts``,
+    include at least one of a given destination's ``num_experts / destinations``: hypergeometric,
+    1 - C(E - E/G, k) / C(E, k)."""
+    per_destination = num_experts // destinations
+    return 1.0 - math.comb(num_experts - per_destination, top_k) / math.comb(num_experts, top_k)
+
+
+def expected_destinations(num_experts: int, top_k: int, destinations: int) -> float:
+    """Expected distinct destinations (ranks or nodes, of ``destinations`` equal blocks of experts) of
+    a token under uniform random top-k routing: the rows it is sent as, per token."""
+    return destinations * destination_share(num_experts, top_k, destinations)
+
+
+@dataclass(frozen=True)
+class DispatchLevel:
+    """One exchange of a ``DedupDispatcher``."""
+
+    group: dist.ProcessGroup
+    """The group rows travel in; its rank g is destination g."""
+    ranks_below: int
+    """Expert-parallel ranks each destination stands for (1: a rank; ranks per node: a node)."""
+
+
+@dataclass
+class _HopPlan:
+    """Where one level's rows go: the send buffer's map, its cuts per chunk and what was dropped."""
+
+    rows: RowMap
+    """Input entries (row r, column j: r*width + j) <-> send buffer rows; an entry has a send row
+    when it is the first of its row's entries for that destination (and, no-sync, got a slot)."""
+    send_chunks: list[list[int]]
+    """[chunk][destination] rows sent."""
+    recv_chunks: list[list[int]]
+    """[chunk][source] rows received."""
+    dropped: torch.Tensor
+    """int64 scalar: assignments (valid entries) whose row got no slot."""
+
+
+class DedupDispatcher(Dispatcher):
+    """Expert parallelism with one row per (token, destination) at each of ``levels`` (module docstring).
+
+    The levels' sizes multiply to the expert-parallel degree ep; this rank's expert-parallel rank is
+    its rank in the first level's group times the second's size plus its rank there (ranks of a node
+    consecutive), and it holds experts [ep_rank * L, (ep_rank + 1) * L). In the no-sync variant every
+    rank must pass the same number of tokens; every rank must use the same ``chunks``.
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[DispatchLevel],
+        kind: DispatchKind = DispatchKind.NO_SYNC,
+        capacity_factor: float = 1.25,
+        chunks: int = 1,
+    ):
+        if capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"a2a_chunks must be an integer >= 1, got {chunks!r}")
+        self.levels = list(levels)
+        self.sizes = [dist.get_world_size(level.group) for level in self.levels]
+        self.ep = math.prod(self.sizes)
+        below = self.ep
+        for level, size in zip(self.levels, self.sizes):
+            below //= size
+            if level.ranks_below != below:
+                raise ValueError(f"level of {size} destinations stands for {level.ranks_below} ranks, expected {below}")
+        self.kind = DispatchKind(kind)
+        self.capacity_factor = capacity_factor
+        self.chunks = chunks
+
+    def __deepcopy__(self, memo):
+        # Process groups cannot be copied; a copied model talks over the same groups.
+        return self
+
+    def __call__(self, x_TD, route, experts):
+        shares = [destination_share(experts.num_experts * self.ep, route.expert_TK.shape[1], s) for s in self._dests()]
+        return self._hop(0, x_TD, route.expert_TK, route.weight_TK, experts, shares, self.chunks)
+
+    def _dests(self) -> list[int]:
+        """Destinations of each level's kind in the whole expert-parallel group (nodes, then ranks)."""
+        return [self.ep // level.ranks_below for level in self.levels]
+
+    def _slots(self, level: int, rows_in: int, shares: list[float]) -> int:
+        """No-sync rows per destination at ``level`` for ``rows_in`` input rows (module docstring)."""
+        factor = shares[0] * self.capacity_factor if level == 0 else shares[level] / shares[level - 1]
+        # Rounded first so that e.g. 0.1 * 30 counts as 3, not 3.0000000000000004 -> 4.
+        return max(1, math.ceil(round(factor * rows_in, 9)))
+
+    def plan(self, level: int, ids_RK: torch.Tensor, block: int, shares: list[float], chunks: int) -> _HopPlan:
+        """The rows ``level`` sends for the entries ``ids_RK`` (expert ids in the level's scope of
+        ``size * block`` experts; that count itself marks an unused entry)."""
+        size, group = self.sizes[level], self.levels[level].group
+        rows_in, width = ids_RK.shape
+        dest_RK = torch.div(ids_RK, block, rounding_mode="floor")
+        # Each entry's first entry in its row with the same destination: the one that carries the row.
+        first_RK = (dest_RK.unsqueeze(2) == dest_RK.unsqueeze(1)).to(torch.int8).argmax(dim=2)
+        column_K = torch.arange(width, device=ids_RK.device)
+        leader_RK = (first_RK == column_K) & (dest_RK < size)
+        # Non-leading entries sort after every destination: no row (plan_slots' unrouted assignments).
+        sorted_plan = plan_routing(torch.where(leader_RK, dest_RK, size), size + 1)
+        counts_S = sorted_plan.groups.counts_E[:size]
+        if self.kind is DispatchKind.SYNC:
+            recv_counts_S = all_to_all_rows(counts_S, None, None, group)
+            # The one host synchronisation of this level: both sides' split sizes.
+            send_S, recv_S = torch.stack([counts_S, recv_counts_S]).tolist()
+            leader_N = leader_RK.flatten()
+            rows = RowMap(
+                row_N=torch.where(leader_N, sorted_plan.rows.row_N, 0),
+                assignment_R=sorted_plan.rows.assignment_R[: sum(send_S)],
+                top_k=width,
+                kept_N=leader_N,
+            )
+            rows_S, dropped = counts_S, torch.zeros((), dtype=torch.int64, device=ids_RK.device)
+        else:
+            slots = self._slots(level, rows_in, shares)
+            slot_plan = plan_slots(RoutingPlan(sorted_plan.rows, ExpertGroups.from_counts(counts_S)), size, slots)
+            rows = slot_plan.rows
+            assert rows.kept_N is not None  # plan_slots always marks kept assignments
+            row_kept_RK = rows.kept_N.view(rows_in, width).gather(1, first_RK)
+            dropped = ((dest_RK < size) & ~row_kept_RK).sum()
+            send_S = recv_S = [slots] * size
+            rows_S = torch.full((size,), slots, dtype=torch.int64, device=ids_RK.device)
+        if chunks > 1:
+            rows = reorder_rows(rows, chunk_major_order(rows_S, rows.assignment_R.numel(), chunks))
+        return _HopPlan(rows, chunk_rows(send_S, chunks), chunk_rows(recv_S, chunks), dropped)
+
+    def _hop(self, level, x_RD, ids_RK, w_RK, experts: GroupedExperts, shares, chunks):
+        """(rows_in, D) weighted sum of each input row's experts' outputs, and the assignments dropped."""
+        if level == len(self.levels):
+            return _local_experts(x_RD, ids_RK, w_RK, experts), torch.zeros((), dtype=torch.int64, device=x_RD.device)
+        group, fused = self.levels[level].group, experts.fused_kernels
+        block = self.levels[level].ranks_below * experts.num_experts
+        plan = self.plan(level, ids_RK, block, shares, chunks)
+        width_out = min(ids_RK.shape[1], block)
+        sends = gather_tokens(x_RD, plan.rows, fused).split([sum(rows) for rows in plan.send_chunks])
+        sides = _side_rows(plan.rows, ids_RK, w_RK, block, width_out).split([sum(r) for r in plan.send_chunks])
+        # Equal splits (no-sync) travel as such.
+        splits = (lambda rows: rows) if self.kind is DispatchKind.SYNC else (lambda rows: None)
+
+        def start_dispatch(k: int):
+            recv, send = splits(plan.recv_chunks[k]), splits(plan.send_chunks[k])
+            return start_all_to_all(sends[k], group, recv, send), start_all_to_all(sides[k], group, recv, send)
+
+        pending, returns, dropped = start_dispatch(0), [], plan.dropped
+        for k in range(chunks):
+            wait_x, wait_side = pending
+            recv_MD, side_MW = wait_x(), wait_side()
+            if k + 1 < chunks:
+                pending = start_dispatch(k + 1)
+            ids_MW = side_MW[:, width_out:].detach().round().to(torch.int64)
+            y_MD, dropped_below = self._hop(
+                level + 1, recv_MD, ids_MW, side_MW[:, :width_out], experts, shares, chunks=1
+            )
+            dropped = dropped + dropped_below
+            returns.append(start_all_to_all(y_MD, group, splits(plan.send_chunks[k]), splits(plan.recv_chunks[k])))
+        y_SD = torch.cat([wait() for wait in returns])
+        # Each destination's row already holds its experts' weighted sum: the rows add with weight 1.
+        ones_RK = torch.ones(ids_RK.shape, dtype=y_SD.dtype, device=y_SD.device)
+        return combine(y_SD, ones_RK, plan.rows, fused), dropped
+
+
+def _side_rows(rows: RowMap, ids_RK: torch.Tensor, w_RK: torch.Tensor, block: int, width_out: int) -> torch.Tensor:
+    """(send rows, 2 * width_out) fp32: each send row's router weights, then its expert ids relative to
+    its destination (``block`` where unused), the destination's entries first in their column order."""
+    width = ids_RK.shape[1]
+    token_R = torch.div(rows.assignment_R, width, rounding_mode="floor")
+    dest_RK = torch.div(ids_RK, block, rounding_mode="floor")
+    dest_R = dest_RK.flatten().index_select(0, rows.assignment_R)
+    on_RK = dest_RK.index_select(0, token_R) == dest_R.unsqueeze(1)
+    if rows.filled_R is not None:
+        on_RK = on_RK & rows.filled_R.unsqueeze(1)
+    order_RW = torch.argsort((~on_RK).to(torch.int8), dim=1, stable=True)[:, :width_out]
+    on_RW = on_RK.gather(1, order_RW)
+    ids_RW = ids_RK.index_select(0, token_R).gather(1, order_RW) - dest_R.unsqueeze(1) * block
+    ids_RW = torch.where(on_RW, ids_RW, block)
+    w_RW = torch.where(on_RW, w_RK.index_select(0, token_R).gather(1, order_RW), 0)
+    return torch.cat([w_RW.float(), ids_RW.float()], dim=1)
+
+
+def _local_experts(
+    x_RD: torch.Tensor, ids_RW: torch.Tensor, w_RW: torch.Tensor, experts: GroupedExperts
+) -> torch.Tensor:
+    """(R, D): row r's weighted sum over its entries j with ids_RW[r, j] < L of that local expert's output."""
+    num_local = experts.num_experts
+    rows_in, width = ids_RW.shape
+    plan = plan_routing(ids_RW, num_local + 1)
+    groups = ExpertGroups.from_counts(plan.groups.counts_E[:num_local])
+    # Unused entries (id L) sort last, past the last offset: padding rows, zero in and never read.
+    filled_P = torch.arange(rows_in * width, device=ids_RW.device) < groups.offsets_E[-1]
+    rows = RowMap(
+        plan.rows.row_N, plan.rows.assignment_R, width, kept_N=ids_RW.flatten() < num_local, filled_R=filled_P
+    )
+    y_PD = experts(x_RD, groups, rows=rows)
+    return combine(y_PD, w_RW, rows, experts.fused_kernels)
