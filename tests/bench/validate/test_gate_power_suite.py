@@ -64,7 +64,7 @@ def test_the_suite_table_puts_the_false_alarm_rate_first():
     rows = [line.split(" | ") for line in lines[2:5]]
     assert [r[0] for r in rows] == ["| none (A/A)", "| +5% in a", "| +10% in b"]
     assert rows[0][1:5] == ["20", "1 of 20 (5%; 95% interval 0.1% to 24.9%)", "1", "c 1"]
-    assert rows[2][1:6] == ["2", "2 of 2 (100%; 95% interval 15.8% to 100.0%)", "0", "b 2, d 1", "560, 620 |"]
+    assert rows[2][1:6] == ["2", "2 of 2 (100%; 95% interval 15.8% to 100.0%)", "0", "b 2, d 1", "560, 620 (1) |"]
     assert lines[-1] == "measured on: a CPU"
 
 
