@@ -52,7 +52,10 @@ Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * i
         gpipe:           m * v (every microbatch's forward runs before any backward)
         1f1b:            min(m, pp - r)
         interleaved1f1b: min(m * v, 2 (pp - r - 1) + (v - 1) pp + 1) (Megatron's warm-up count + 1;
-                         on rank 0 it is pp*v + pp - 1 chunks, 1F1B's memory times 1 + (pp-1)/(pp v))
+                         on rank 0 it is pp*v + pp - 1 chunks, 1F1B's memory times 1 + (pp-1)/(pp v));
+                         interleaved-zb and zbv by the same rule
+        dualpipev:       min(2m, 2 pp + 1) (v = 2; every rank: the peak of torch's ScheduleDualPipeV plan,
+                         a stage's activations held from its F until its full backward or its W)
 
 Activation recompute (the ``recompute`` section; ``RecomputeConfig.blocks`` over the pp * v chunks
 picks the blocks, as the engine does). A recomputed block keeps, instead of the above:

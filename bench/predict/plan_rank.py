@@ -109,6 +109,8 @@ def in_flight_microbatches(schedule: str, pp: int, virtual_stages: int, microbat
         chunks = m * v
     elif schedule == "1f1b":
         chunks = min(m, pp - rank) * v
+    elif schedule == "dualpipev":
+        chunks = min(m * v, 2 * pp + 1)
     else:
         chunks = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
     return chunks / v

@@ -80,8 +80,9 @@ class NotTraceable(ValueError):
 
 
 def check_traceable(scenario: Scenario) -> None:
-    """The layouts a trace builds: a proxy rank's (ddp, zero1; gpipe or 1f1b, one stage per rank), and
-    FSDP without pipeline stages (the real build path, whose pipeline would wait for its neighbours)."""
+    """The layouts a trace builds: a proxy rank's (ddp, zero1; gpipe or 1f1b, one stage per rank, or a
+    multi-stage schedule's rank as its one-stage 1F1B twin), and FSDP without pipeline stages (the real
+    build path, whose pipeline would wait for its neighbours)."""
     if scenario.precision == "fp32":
         # torch's fake-tensor kernel of the grouped GEMM takes bf16 operands only.
         raise NotTraceable(f"{scenario.file}: precision: the trace prices bf16 and mxfp8 layouts, got fp32")
@@ -93,7 +94,8 @@ def check_traceable(scenario: Scenario) -> None:
             )
         return
     try:
-        check_proxy_layout(parallel)
+        # A rank of a multi-stage schedule is traced as its one-stage 1F1B twin (``traced_scenario``).
+        check_proxy_layout(traced_scenario(scenario, None).parallel_config)
     except ValueError as err:
         raise NotTraceable(f"{scenario.file}: {err}") from None
 
@@ -416,7 +418,7 @@ def project_on_device(
     ``NotTraceable`` for a layout the trace cannot build.
     """
     scenario = on_cluster(scenario, profile)
-    check_traceable(traced_scenario(scenario, None))
+    check_traceable(scenario)
     fit = memory_fit(scenario, profile)
     if not fit["fits"]:
         raise DoesNotFit(

@@ -239,6 +239,13 @@ class StepTracer(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         fakes = [t for t in inputs if isinstance(t, FakeTensor)]
         outs = [t for t in _tensors(out) if isinstance(t, FakeTensor)]
+        if not outs and fakes and all(self._shadows.get(t) is not None for t in fakes):
+            # An in-place op that returns nothing (torch._foreach_add_ of the optimizer's step counts):
+            # run it on the shadows, which it updates in place.
+            real_args, real_kwargs = _map_tensors(self._shadow, (args, kwargs))
+            with unset_fake_temporarily():
+                func(*real_args, **real_kwargs)
+            return
         if not outs or any(t.numel() > SHADOW_MAX_ELEMENTS for t in outs):
             self._forget_written(func, args, kwargs)
             return
@@ -312,7 +319,12 @@ class StepTracer(TorchDispatchMode):
             out = self._data_dependent(func, args, kwargs)
             self._record(func, args, kwargs, out)
             return out
-        if any(isinstance(t, FakeTensor) for t in _tensors(out)) or func._schema.name == "aten::copy_":
+        writes_in_place = not _tensors(out) and any(isinstance(t, FakeTensor) for t in _tensors((args, kwargs)))
+        if (
+            writes_in_place
+            or any(isinstance(t, FakeTensor) for t in _tensors(out))
+            or func._schema.name == "aten::copy_"
+        ):
             self._run_shadow(func, args, kwargs, out)
         self._record(func, args, kwargs, out)
         return out
@@ -463,20 +475,26 @@ def _batch(scenario: Scenario, dp: int, seed: int) -> tuple[torch.Tensor, torch.
 
 def group_phases(groups: ProcessGroups) -> dict[str, str]:
     """Process group name -> projection phase of its collectives (``bench.predict.projection``)."""
-    return {
+    phases: dict[str, str] = {
         groups.dp.group_name: "grad",
         groups.edp.group_name: "grad",
         groups.ep.group_name: "expert",
         groups.pp.group_name: "pipeline",
     }
+    nodes = getattr(groups, "nodes", None)
+    if nodes is not None:
+        # Node-aware dispatch's two levels of the expert group.
+        phases |= {nodes.intra.group_name: "expert", nodes.inter.group_name: "expert"}
+    return phases
 
 
 def rank_groups(groups: ProcessGroups) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``StepTrace.groups`` of a rank's process groups."""
-    return {
-        kind: (group.group_name, tuple(dist.get_process_group_ranks(group)))
-        for kind, group in (("dp", groups.dp), ("ep", groups.ep), ("edp", groups.edp), ("pp", groups.pp))
-    }
+    kinds = [("dp", groups.dp), ("ep", groups.ep), ("edp", groups.edp), ("pp", groups.pp)]
+    nodes = getattr(groups, "nodes", None)
+    if nodes is not None:
+        kinds += [("ep_intra", nodes.intra), ("ep_inter", nodes.inter)]
+    return {kind: (group.group_name, tuple(dist.get_process_group_ranks(group))) for kind, group in kinds}
 
 
 def _build_rank(scenario: Scenario, groups: ProcessGroups, seed: int):

@@ -160,7 +160,7 @@ def test_an_execute_scenario_with_a_cluster_is_compared_with_its_gpus():
 def test_a_plan_says_when_the_engine_would_not_execute_the_layout():
     # 1F1B with fewer microbatches than stages: priced by the plan, refused by torch's Schedule1F1B.
     spec = yaml.safe_load((REPO_ROOT / "scenarios/olmo-core3/moe-1.2t-512gpu.yaml").read_text())
-    spec["parallel"]["microbatches"] = 4
+    spec["parallel"] |= {"schedule": "1f1b", "virtual_stages": 1, "microbatches": 4}
     _, details = plan_scenario(scenario_from_dict(spec, file="x.yaml"))
     runs = details["engine_runs_layout"]
     assert runs["ok"] is False and runs["reason"].startswith("parallel.microbatches: schedule 1f1b needs")

@@ -249,3 +249,29 @@ def test_programs_read_from_a_trace():
     assert priced.segments == ((1.0, pytest.approx(1e-6)), (2.0, pytest.approx(1e-6)))
     # A direction whose all-to-alls do not split over the traced microbatches has no program.
     assert "backward" not in step_prices(trace[:-3], 2, {"ep": "expert"}).programs
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (8, 64)])
+def test_dualpipev_activations_in_flight_match_torchs_plan(pp, m):
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    from bench.predict.plan_rank import in_flight_microbatches
+
+    for rank in range(pp):
+        actions = ScheduleDualPipeV._calculate_single_rank_operations(
+            SimpleNamespace(pp_group_size=pp, _n_microbatches=m), rank
+        )
+        held = peak = 0
+        for action in actions:
+            if action is None:
+                continue
+            for step in action.sub_actions if action.computation_type == Kind.OVERLAP_F_B else (action,):
+                # A stage chunk's activations live from its forward to its full backward or its W.
+                held += {Kind.FORWARD: 1, Kind.FULL_BACKWARD: -1, Kind.BACKWARD_WEIGHT: -1}.get(
+                    step.computation_type, 0
+                )
+                peak = max(peak, held)
+        assert in_flight_microbatches("dualpipev", pp, 2, m, rank) == peak / 2
