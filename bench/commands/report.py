@@ -36,17 +36,17 @@ def cmd_report(args: argparse.Namespace) -> int:
         )
     print(f"wrote {report.path} ({len(report.charts)} charts)")
     if args.screenshot:
-        from bench.report.screenshot import BrowserMissing, chromium, undrawn, view_page
+        from bench.report.screenshot import BrowserMissing, chromium, illegible, undrawn, view_page
 
         try:
             with chromium() as browser:
                 view = view_page(browser, report.path, Path(args.screenshot))
         except (BrowserMissing, OSError) as err:
             return fail(f"--screenshot: {err}")
-        problems = undrawn(view) + [f"browser console: {e}" for e in view.errors]
+        problems = undrawn(view) + illegible(view) + [f"browser console: {e}" for e in view.errors]
         if problems:
             return fail(f"--screenshot: the page did not render cleanly: {'; '.join(problems)}")
-        print(f"wrote {view.screenshot} (every chart drawn in headless Chromium)")
+        print(f"wrote {view.screenshot} (every chart drawn in headless Chromium, no label over another)")
     return EXIT_OK
 
 

@@ -242,12 +242,42 @@ def _error_bar(bar: PairBar) -> tuple[float, float]:
 # --------------------------------------------------------------------------------------------
 
 
+ROW_PX = 22
+"""Height of one legend row or one horizontal bar's row of text, pixels: 11-12 px text with air around it."""
+
+
+def _legend_below(fig: go.Figure, names: list[str], height: int, plot_bottom_px: int = 70) -> int:
+    """Put the legend under the plot, clear of the x axis's tick labels and title (``plot_bottom_px``
+    below the plot area), one entry per row when the names would not fit one row; returns the figure's
+    height grown by the legend's rows."""
+    one_row = sum(len(n) * 7 + 40 for n in names) < 1100
+    rows = 1 if one_row else len(names)
+    bottom = plot_bottom_px + rows * ROW_PX + 10
+    height += rows * ROW_PX
+    plot_px = height - 80 - bottom
+    fig.update_layout(
+        height=height,
+        margin={"b": bottom, "t": 80},
+        legend={
+            "orientation": "h" if one_row else "v",
+            "yanchor": "top",
+            "y": -plot_bottom_px / max(plot_px, 1),
+            "x": 0,
+            "traceorder": "normal",
+        },
+    )
+    return height
+
+
 def sweep_figure(groups: list[VariantGroup]) -> go.Figure:
-    """Throughput and memory against the number of experts, a line per group of scenarios."""
+    """Throughput and memory against the number of experts on one machine, a line per group of scenarios
+    (each of one version: the newest that has the group)."""
     panels = [("throughput", "throughput_metric"), ("memory", "memory_metric")]
     panels = [(title, attr) for title, attr in panels if any(getattr(g, attr) for g in groups)]
     fig = make_subplots(rows=1, cols=len(panels), horizontal_spacing=0.12, subplot_titles=[t for t, _ in panels])
     counts = sorted({v.value for g in groups for v in g.variants})
+    versions = {g.version for g in groups}
+    names = [g.label + (f" ({g.version})" if len(versions) > 1 else "") for g in groups]
     for col, (_, attr) in enumerate(panels, start=1):
         drawn = [g for g in groups if getattr(g, attr)]
         unit = drawn[0].variants[0].metrics[getattr(drawn[0], attr)]["unit"]
@@ -267,7 +297,7 @@ def sweep_figure(groups: list[VariantGroup]) -> go.Figure:
                     x=[v.value for v in group.variants],
                     y=[m / scale.factor for m in medians],
                     mode="lines+markers",
-                    name=f"{group.label} ({group.machine}, {group.version})",
+                    name=names[i],
                     line={"color": _color(i)},
                     hovertext=hover,
                     hoverinfo="text",
@@ -288,61 +318,78 @@ def sweep_figure(groups: list[VariantGroup]) -> go.Figure:
             type="log", tickvals=counts, ticktext=[str(c) for c in counts], title_text="experts", row=1, col=col
         )
     mode = {"execute": "runs", "plan": "plans", "proxy": "proxies"}.get(groups[0].mode, groups[0].mode)
-    return _layout(fig, f"Expert-count sweep ({mode}): the same active size, more experts", height=HEIGHT + 60)
+    only = f", version {next(iter(versions))}" if len(versions) == 1 else ""
+    _layout(fig, f"Expert-count sweep ({mode} on {groups[0].machine}{only}): the same active size, more experts")
+    _legend_below(fig, names, HEIGHT)
+    return fig
 
 
 def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
-    """Throughput and memory of each activation-recompute mode, grouped by scenario."""
+    """Throughput and memory of each activation-recompute mode: a row per scenario, a bar per mode,
+    one panel per metric under the other (the scenario names need the width)."""
     panels = [
         (title, attr)
         for title, attr in (("throughput", "throughput_metric"), ("memory", "memory_metric"))
         if any(getattr(g, attr) for g in groups)
     ]
-    fig = make_subplots(rows=1, cols=len(panels), horizontal_spacing=0.12, subplot_titles=[t for t, _ in panels])
     modes = [str(m) for m in sorted({v.value for g in groups for v in g.variants}, key=variant_order)]
-    for col, (_, attr) in enumerate(panels, start=1):
+    places = {(g.machine, g.version) for g in groups}
+    labels = [g.variants[0].scenario + (f" ({g.machine}, {g.version})" if len(places) > 1 else "") for g in groups]
+    # Each panel holds a row of bars per scenario: as many bars as modes, ROW_PX / 2 apiece plus a gap.
+    panel_px = len(groups) * (len(modes) * ROW_PX // 2 + 12) + 40
+    fig = make_subplots(
+        rows=len(panels),
+        cols=1,
+        vertical_spacing=min(0.3, 90 / (panel_px * len(panels) + 90)),
+        subplot_titles=[t for t, _ in panels],
+    )
+    for row, (_, attr) in enumerate(panels, start=1):
         drawn = [g for g in groups if getattr(g, attr)]
         unit = drawn[0].variants[0].metrics[getattr(drawn[0], attr)]["unit"]
         scale = axis_scale(unit, [v.metrics[getattr(g, attr)]["median"] for g in drawn for v in g.variants])
         for i, mode in enumerate(modes):
-            xs: list[list[str]] = [[], []]
-            ys: list[float] = []
+            ys: list[str] = []
+            xs: list[float] = []
             hover: list[str] = []
-            for group in drawn:
+            for group, label in zip(groups, labels):
                 name = getattr(group, attr)
                 for v in group.variants:
-                    if str(v.value) != mode:
+                    if not name or str(v.value) != mode:
                         continue
                     value = float(v.metrics[name]["median"])
-                    xs[0].append(f"{group.variants[0].scenario} ({group.machine}, {group.version})")
-                    xs[1].append(mode)
-                    ys.append(value / scale.factor)
+                    ys.append(label)
+                    xs.append(value / scale.factor)
                     hover.append(
                         f"<b>{v.scenario}</b> on {group.machine}, version {group.version}<br>"
                         f"recompute {mode}: {metric_title(name)} {format_value(value, unit)}"
                     )
             fig.add_trace(
                 go.Bar(
-                    x=xs,
                     y=ys,
+                    x=xs,
+                    orientation="h",
                     name=f"recompute {mode}",
                     marker_color=_color(i),
                     hovertext=hover,
                     hoverinfo="text",
-                    showlegend=col == 1,
+                    showlegend=row == 1,
                     legendgroup=mode,
                 ),
-                row=1,
-                col=col,
+                row=row,
+                col=1,
             )
-        fig.update_yaxes(
+        fig.update_xaxes(
             title_text=f"{metric_title(getattr(drawn[0], attr))} ({scale.label})",
             tickformat=scale.tickformat,
-            row=1,
-            col=col,
+            row=row,
+            col=1,
         )
-    fig.update_layout(barmode="stack")
-    return _layout(fig, "Activation recompute: what each mode costs and saves", height=HEIGHT + 80)
+        fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(labels)), automargin=True, row=row, col=1)
+    fig.update_layout(barmode="group")
+    where = "" if len(places) > 1 else f" ({next(iter(places))[0]}, {next(iter(places))[1]})"
+    _layout(fig, f"Activation recompute: what each mode costs and saves{where}")
+    _legend_below(fig, [f"recompute {m}" for m in modes], 80 + panel_px * len(panels) + 90 * (len(panels) - 1) + 80)
+    return fig
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,10 +398,13 @@ def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
 
 
 def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
-    """Stacked bars of each plan's memory per rank, the GPU's memory drawn across each bar."""
+    """Each plan's memory per rank as a horizontal stacked bar, a row per plan, the GPU's memory marked
+    across each row and the verdict written after it."""
     fig = go.Figure()
     labels = list(dict.fromkeys(label for s in stacks for label, _ in s.segments))
-    xs = list(range(len(stacks)))
+    versions = {s.version for s in stacks}
+    rows = [s.scenario + (f" ({s.version})" if len(versions) > 1 else "") for s in stacks]
+    ys = list(range(len(stacks)))
     for i, label in enumerate(labels):
         values = [dict(s.segments).get(label, 0.0) for s in stacks]
         hover = [
@@ -364,8 +414,9 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
         ]
         fig.add_trace(
             go.Bar(
-                x=xs,
-                y=[v / GIB for v in values],
+                y=ys,
+                x=[v / GIB for v in values],
+                orientation="h",
                 name=label,
                 marker_color=_color(i),
                 hovertext=hover,
@@ -373,38 +424,39 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
             )
         )
     line_x, line_y = [], []
-    for x, s in zip(xs, stacks):
-        line_x += [x - 0.45, x + 0.45, None]
-        line_y += [_capacity(s) / GIB, _capacity(s) / GIB, None]
+    for y, s in zip(ys, stacks):
+        line_x += [_capacity(s) / GIB, _capacity(s) / GIB, None]
+        line_y += [y - 0.45, y + 0.45, None]
     fig.add_trace(
         go.Scatter(
             x=line_x,
             y=line_y,
             mode="lines",
             name="GPU memory",
-            line={"color": "black", "width": 3, "dash": "dash"},
+            line={"color": "black", "width": 3},
             hoverinfo="skip",
         )
     )
-    for x, s in zip(xs, stacks):
+    top = max(max(s.total, _capacity(s)) for s in stacks) / GIB
+    for y, s in zip(ys, stacks):
         capacity = _capacity(s)
         fits = "fits" if s.total <= capacity else "does not fit"
         fig.add_annotation(
-            x=x,
-            y=max(s.total, capacity) / GIB,
-            yshift=14,
+            x=max(s.total, capacity) / GIB,
+            y=y,
+            xanchor="left",
+            xshift=6,
             showarrow=False,
             font={"size": 11},
-            text=f"{gib(s.total)}: {percent(s.total / capacity, 0)} of {gib(capacity)} ({fits})",
+            text=f"{gib(s.total, decimals=1)}: {percent(s.total / capacity, 0)} of {gib(capacity, decimals=1)} ({fits})",
         )
     fig.update_layout(barmode="stack")
-    fig.update_xaxes(tickvals=xs, ticktext=[f"{s.scenario}<br>{s.version}" for s in stacks])
-    fig.update_yaxes(title_text="memory per GPU (GiB)", tickformat=",.0f")
-    top = max(max(s.total, _capacity(s)) for s in stacks) / GIB
-    fig.update_yaxes(range=[0, top * 1.15])
-    return _layout(
-        fig, f"Plan memory per rank (most loaded rank) against the GPU's memory: plans on {machine}", height=HEIGHT + 80
-    )
+    fig.update_yaxes(tickvals=ys, ticktext=rows, autorange="reversed", automargin=True)
+    # Room on the right of the longest bar for its verdict (about 230 px of text at 11 px).
+    fig.update_xaxes(title_text="memory per GPU (GiB)", tickformat=",.0f", range=[0, top * 1.6])
+    _layout(fig, f"Plan memory per rank (most loaded rank) against the GPU's memory: plans on {machine}")
+    _legend_below(fig, [*labels, "GPU memory"], 120 + len(stacks) * ROW_PX + 60, plot_bottom_px=60)
+    return fig
 
 
 def _capacity(stack: MemoryStack) -> float:

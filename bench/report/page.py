@@ -421,10 +421,11 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[Comparison] 
                 "scenarios identical except model.moe.num_experts (e.g. smoke/e8-random-bf16 and e64-random-bf16)",
             )
         )
-    for mode in dict.fromkeys(g.mode for g in sweep):  # a plan's GiB and a CPU run's MiB never share an axis
+    # A plan's GiB and a CPU run's MiB never share an axis, nor do two machines a chart.
+    for mode, machine in dict.fromkeys((g.mode, g.machine) for g in sweep):
         page.chart(
             "sweep",
-            charts.sweep_figure([g for g in sweep if g.mode == mode]),
+            charts.sweep_figure([g for g in sweep if (g.mode, g.machine) == (mode, machine)]),
             f"{_MODE_TEXT.get(mode, mode)} identical except for the number of experts (top-k and the expert "
             "size stay, so the active parameters per token do).",
         )

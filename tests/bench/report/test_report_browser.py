@@ -18,7 +18,7 @@ from report_results import BASE, EXPECTED_CHARTS, EXPECTED_VERDICTS, NEW, write_
 from bench.cli import main
 from bench.report.comparisons import load_comparisons
 from bench.report.page import build_report
-from bench.report.screenshot import BrowserMissing, chromium, undrawn, view_page
+from bench.report.screenshot import BrowserMissing, chromium, illegible, undrawn, view_page
 from bench.results import REPO_ROOT
 
 pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install -e '.[dev]')")
@@ -53,6 +53,7 @@ def test_the_report_renders_in_chromium(tmp_path):
     assert view.errors == []
     assert [c["kind"] for c in view.charts] == report.charts and len(view.charts) == sum(EXPECTED_CHARTS.values())
     assert undrawn(view) == []
+    assert illegible(view) == []
     assert {key: verdicts.get(key) for key in EXPECTED_VERDICTS} == EXPECTED_VERDICTS
     assert gate == "regressed"
     assert screenshot.stat().st_size > 50_000
@@ -94,6 +95,7 @@ def test_the_repositorys_own_results_read_right_in_chromium(tmp_path, capsys):
         text = browser.find_element("tag name", "body").text
         gate = browser.find_element("css selector", "[data-gate]").get_attribute("data-gate")
     assert view.errors == [] and undrawn(view) == [] and view.charts
+    assert illegible(view) == []
     empty = [title for _, title, filled in sections if not filled]
     assert empty == [], f"sections with nothing under them: {empty}"
     assert "Nothing to draw" not in text
@@ -106,3 +108,60 @@ def test_the_repositorys_own_results_read_right_in_chromium(tmp_path, capsys):
     for release in load_releases():
         for accepted in release.accepted:
             assert f"accepted: {accepted.reason}" in text
+
+
+def _planted_page(path):
+    """Four charts at the page's width: tick labels forced level and crowded, two points' text labels over
+    each other, a trace entirely outside its axis range, and one chart that reads right."""
+    import plotly.graph_objects as go
+    from plotly.offline import get_plotlyjs
+
+    names = [f"scenario-with-a-long-name-{i}" for i in range(30)]
+    crowded = go.Figure(go.Bar(x=names, y=list(range(30))), layout={"xaxis_tickangle": 0})
+    labelled = go.Figure(
+        go.Scatter(
+            x=[1, 1.02, 2],
+            y=[1, 1, 1],
+            mode="markers+text",
+            text=["a long label here", "and another", ""],
+            textposition="top center",
+        )
+    )
+    nothing = go.Figure(go.Scatter(x=[1, 2, 3], y=[5, 6, 7]), layout={"yaxis_range": [100, 200]})
+    fine = go.Figure(go.Bar(x=["a", "b"], y=[1, 2]))
+    figures = {"crowded": crowded, "labelled": labelled, "nothing": nothing, "fine": fine}
+    body = "".join(
+        f"<figure class='chart' data-chart='{kind}'>{figure.to_html(full_html=False, include_plotlyjs=False)}</figure>"
+        for kind, figure in figures.items()
+    )
+    path.write_text(f"<html><head><script>{get_plotlyjs()}</script></head><body>{body}</body></html>")
+    return path
+
+
+@pytest.mark.slow
+def test_the_legibility_check_finds_overlapping_labels_and_a_chart_that_draws_nothing(tmp_path):
+    page = _planted_page(tmp_path / "planted.html")
+    with _chromium() as browser:
+        view = view_page(browser, page)
+    found = illegible(view)
+    assert undrawn(view) == []  # every trace drawn: only the legibility check sees these
+    assert any(line.startswith("chart 1 (crowded): 'scenario-with-a-long-name-0' drawn over") for line in found)
+    assert any(line.startswith("chart 2 (labelled): 'a long label here' drawn over") for line in found)
+    assert "chart 3 (nothing): plot area xy shows nothing" in found
+    assert not any("(fine)" in line for line in found)
+
+
+@pytest.mark.slow
+def test_the_plans_of_every_scenario_read_right_in_chromium(tmp_path):
+    """The page of the largest results folder a CPU machine writes quickly: the plan of every scenario of
+    the repository (the expert-count sweep, the recompute modes and plan memory per rank crowd with
+    them): no labels over each other, no empty plot area."""
+    from bench.results import REPO_ROOT as root
+
+    files = sorted(str(p) for p in (root / "scenarios").glob("*/*.yaml"))
+    assert main(["plan", *files, "--out", str(tmp_path / "plans")]) == 0
+    report = build_report(tmp_path / "plans", tmp_path / "page", releases=[])
+    with _chromium() as browser:
+        view = view_page(browser, report.path)
+    assert view.errors == [] and undrawn(view) == []
+    assert illegible(view) == []
