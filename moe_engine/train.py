@@ -16,6 +16,15 @@ def adamw_param_groups(params: list[torch.Tensor], config: OptimizerConfig) -> l
     ]
 
 
+def build_adamw(param_groups: list[dict], config: OptimizerConfig) -> torch.optim.AdamW:
+    """torch's AdamW over ``param_groups`` in its foreach implementation (a few multi-tensor kernels per
+    step) instead of the per-parameter loop torch picks by default on a CPU (on CUDA it picks foreach
+    already). The foreach update is the loop's bit for bit; torch's fused one is not (on a CPU it
+    differed from the loop in the last bit of some fp32 masters), so it is not used: the masters stay
+    exactly today's (``tests/parallel/test_adamw.py``)."""
+    return torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
+
+
 class MasterWeightAdamW:
     """AdamW that keeps an fp32 master copy of every low-precision parameter.
 
@@ -26,19 +35,17 @@ class MasterWeightAdamW:
     def __init__(self, params, config: OptimizerConfig):
         self.params = [p for p in params if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in self.params]
-        self.inner = torch.optim.AdamW(
-            adamw_param_groups(self.masters, config), lr=config.lr, betas=config.betas, eps=config.eps
-        )
+        self.inner = build_adamw(adamw_param_groups(self.masters, config), config)
+        self._low_precision = [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
 
     @torch.no_grad()
     def step(self) -> None:
-        for param, master in zip(self.params, self.masters):
-            if master is not param:
-                master.grad = None if param.grad is None else param.grad.float()
+        for param, master in self._low_precision:
+            master.grad = None if param.grad is None else param.grad.float()
         self.inner.step()
-        for param, master in zip(self.params, self.masters):
-            if master is not param:
-                param.copy_(master)
+        if self._low_precision:
+            params, masters = zip(*self._low_precision)
+            torch._foreach_copy_(list(params), list(masters))
 
     def zero_grad(self) -> None:
         for param, master in zip(self.params, self.masters):

@@ -87,7 +87,7 @@ from torch import nn
 from moe_engine.config import GradDtype, OptimizerSharding, ParallelConfig
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.parallel.groups import ProcessGroups
-from moe_engine.train import OptimizerConfig
+from moe_engine.train import OptimizerConfig, build_adamw
 
 # torch 2.13 renamed the flat collectives; older releases only have the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -390,14 +390,12 @@ class DataParallelOptimizer:
             param.grad = view if view.dtype == param.dtype else None
         self._segments_by_bucket = [_segments(b) for b in self.buckets]
         self.segments = [seg for segments in self._segments_by_bucket for seg in segments]
-        self.inner = torch.optim.AdamW(
+        self.inner = build_adamw(
             [
                 {"params": [s.master_N for s in self.segments if s.decay], "weight_decay": config.weight_decay},
                 {"params": [s.master_N for s in self.segments if not s.decay], "weight_decay": 0.0},
             ],
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
+            config,
         )
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in in_backward_order]
         self._backwards: dict[int, int] = {}
@@ -455,6 +453,20 @@ class DataParallelOptimizer:
             view.add_(param.grad)
             param.grad = None
 
+    @torch.no_grad()
+    def _gather_hookless_grads(self) -> None:
+        """Move into the buffer every gradient that reached ``param.grad`` past autograd's accumulator,
+        hence past the hooks: torch's zero-bubble weight phase (``stage_backward_weight``) adds the
+        weights' gradients to ``.grad`` itself. Where the buffer has the parameter's dtype it added to
+        the view in place; otherwise the gradient sits in ``.grad`` until moved here."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                if param.grad is None or param.grad is self._grad_views[id(param)]:
+                    continue
+                if bucket.launched:
+                    raise RuntimeError("a gradient arrived after its bucket was reduced (past the hooks)")
+                self._accumulate(param)
+
     def _launch_complete_buckets(self) -> None:
         # In the fixed order only: a complete bucket waits for earlier incomplete ones.
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].complete:
@@ -471,6 +483,7 @@ class DataParallelOptimizer:
         """Launch every reduction not launched yet (in order) and wait for all of them."""
         if self._synced:
             return
+        self._gather_hookless_grads()
         if self.sync_observer is not None:
             self.sync_observer.backward_ended()
         for index in range(self._next_launch, len(self.buckets)):
