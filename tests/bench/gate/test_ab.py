@@ -295,9 +295,10 @@ def test_other_bad_input(tmp_path, argv, message, capsys):
 def test_ab_against_head(tmp_path, tiny, capsys, monkeypatch):
     """Same engine on both sides (HEAD's code in a worktree vs this checkout): one full run per side,
     then resident blocks in alternation; the gate passes. The tolerance is wide on purpose: this tests the mechanism, and a timing
-    verdict on a shared machine would test the machine's load (the gate's power is a benchmark). Two
-    worker pairs, not the gate's three: both places of the sides and the pooled interval are there, one
-    pair's two worker start-ups less (the number of pairs is the fake sides' to test, test_resident.py)."""
+    verdict on a shared machine would test the machine's load (the gate's power is a benchmark). At
+    least two worker pairs, not the gate's three: both places of the sides and the pooled interval are
+    there, one pair's two worker start-ups less on a quiet machine (a loaded one extends the budget for
+    more; the number of pairs is the fake sides' to test, test_resident.py)."""
     monkeypatch.setattr(paired, "MIN_WORKER_PAIRS", 2)
     before = worktrees()
     keep = tmp_path / "kept"
@@ -330,7 +331,6 @@ def test_ab_against_head(tmp_path, tiny, capsys, monkeypatch):
     assert len(base) == len(cand) == 1 and all(d["status"] == "ok" for d in base + cand)
     blocks = next(line for line in out.splitlines() if line.startswith("tiny-ab ") and " step_time_s " in line)
     assert " x " in blocks and " steps, " in blocks  # the resident blocks ran and were counted
-    assert "2 worker pairs" in blocks, blocks
     # Same seed, same code: the state bytes agree exactly, the losses to fp32 rounding (the CPU's
     # threaded reductions are not bit-reproducible from process to process).
     for b, c in zip(base, cand):
