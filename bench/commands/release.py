@@ -81,7 +81,11 @@ def register(sub) -> None:
         "where it is (default: ci; the release carries its results, elsewhere it is compared with moe-bench ab)",
     )
     release.add_argument(
-        "--no-results", dest="suite", action="store_const", const=None, help="record the release without running a suite"
+        "--no-results",
+        dest="suite",
+        action="store_const",
+        const=None,
+        help="record the release without running a suite",
     )
     release.add_argument(
         "--accept",
