@@ -31,6 +31,8 @@
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).
+#                      Two GPUs run the overlapped data-parallel step (node2-e8-ddp-ep2-bf16, overlap auto)
+#                      beside the plain one (node2-e8-ddp-ep2-no-overlap-bf16): suites.yaml's microbatch-overlap.
 #   profile      45 s: the quick CUDA sweep (cuda_quick_sweep in bench/run/device_sweep.py) times 365
 #                      points, 8.0 s by estimate_seconds: each call at the H200's peaks (estimates: 989
 #                      TFLOP/s bf16; 67 fp32, TF32 being off as in the engine; 4.8 TB/s), 3 calls of
