@@ -21,7 +21,8 @@ program runs Python at a time, so none of the model's state sees two microbatche
 the sequential steps would: each microbatch's forward draws its routes in the same per-layer order.
 
 The programs' threads inherit the caller's torch function and dispatch modes (the host-sync guard
-of ``moe_engine.host_sync`` sees them), and the caller's grad mode.
+of ``moe_engine.host_sync`` sees them), its grad mode, and on CUDA its current device and stream
+(each thread otherwise starts on device 0's default stream).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Interleaver:
             raise RuntimeError("an overlapped region is already running")
         modes = _get_current_function_mode_stack(), _get_current_dispatch_mode_stack()
         grad = torch.is_grad_enabled()
+        stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         results: list[Any] = [None, None]
         self._active, self._done, self._error = 0, [False, False], None
         self._record("run", 0)
@@ -74,7 +76,7 @@ class Interleaver:
                 self._cv.wait_for(lambda: self._active == p)
             try:
                 if self._error is None:
-                    with _entered(modes), torch.set_grad_enabled(grad):
+                    with _entered(modes), torch.set_grad_enabled(grad), _on_stream(stream):
                         results[p] = program()
             except BaseException as error:  # handed to the caller once both threads are joined
                 self._error = self._error or error
@@ -128,8 +130,11 @@ def _entered(modes: tuple[list, list]) -> Iterator[None]:
         yield
 
 
-def run_overlapped(first: Callable[[], Any], second: Callable[[], Any], overlap: bool) -> tuple[Any, Any]:
-    """``first`` beside ``second`` through an ``Interleaver`` when ``overlap``, else one after the other."""
-    if overlap:
-        return Interleaver().run(first, second)
-    return first(), second()
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """The caller's CUDA device and stream on this thread (None: not on CUDA)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
