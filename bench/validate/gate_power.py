@@ -23,6 +23,10 @@ temporary folder, then a text patch), never by a flag in the engine; the baselin
 already there is not run again: hours of measurement survive an interrupted session and add up
 across sessions (the table says which machines the records came from).
 
+``--replay RECORDS`` runs nothing: it draws the recorded runs' worker pairs afresh from their own
+pair spread and reads the confirmed rule at ``--tolerance`` (``replay``), the offline arithmetic
+behind the choice of CI's operating point.
+
 ``--suite-runs``: each record is one whole gate of the suite, as CI runs it (``bench.gate.ab.run_ab``
 per scenario: its full runs, exact metrics and work counters, then the resident comparison with the
 extension and the confirmation), a CI run failing when any scenario fails. A/A runs give the suite's
@@ -309,11 +313,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each run is the whole suite's gate (A/A, or a planted slowdown in one scenario at a time)",
     )
+    parser.add_argument(
+        "--replay",
+        metavar="RECORDS",
+        help="run nothing: draw the recorded runs' worker pairs afresh at --tolerance (the confirmed rule)",
+    )
     parser.add_argument("--warn-above", default="3%", help="the gate's warning threshold (CI: 3%%; with --suite-runs)")
     parser.add_argument("--json", help="also write this invocation's records here, as one JSON document")
     args = parser.parse_args(argv)
     tolerance = parse_tolerance(args.tolerance)
     slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
+    if args.replay:
+        timing = [r for r in load_records(Path(args.replay)) if r.get("kind") != "suite"]
+        print(render_replay(replay(timing, tolerance, (0.0, *slowdowns)), tolerance))
+        return 0
     files = args.scenario or [str(f) for f in suite_files(args.suite, torch_device(args.device))]
     loaded = [load_scenario(f) for f in files]
     scenarios = [s for s in loaded if s.mode == "execute"]
@@ -412,6 +425,57 @@ def suite_main(args, scenarios: list, records: list[dict], tolerance: float, war
             )
     print(render_suite(records))
     return 0
+
+
+def replay(
+    records: list[dict],
+    tolerance: float,
+    slowdowns: tuple[float, ...] = (0.0, 0.05, 0.10),
+    draws: int = 200,
+    seed: int = 0,
+) -> dict[tuple[str, float], float]:
+    """How often the confirmed rule at ``tolerance`` would fail each scenario at each slowdown, by drawing
+    each recorded run's worker pairs afresh: as many pair centres as it ran, normal about the slowdown
+    with the run's own pair spread (``pair_sd``), then as many again where the first mean exceeds the
+    tolerance (the confirmation). Offline arithmetic over the records' variance components: what an
+    operating point would have done on the machine states the records saw (the stopping rule's pair
+    counts as they were)."""
+    import random
+
+    rng, bound = random.Random(seed), math.log1p(tolerance)
+
+    def fails_once(delta: float, pairs: int, sd: float) -> bool:
+        centres = [rng.gauss(delta, sd) for _ in range(pairs)]
+        if statistics.fmean(centres) <= bound:
+            return False
+        centres += [rng.gauss(delta, sd) for _ in range(pairs)]
+        return statistics.fmean(centres) > bound
+
+    rates = {}
+    for scenario in sorted({r["scenario"] for r in records}):
+        runs = [r for r in records if r["scenario"] == scenario and r.get("pair_sd")]
+        for slowdown in slowdowns:
+            delta = math.log1p(slowdown)
+            hits = sum(fails_once(delta, r["worker_pairs"], r["pair_sd"]) for r in runs for _ in range(draws))
+            rates[scenario, slowdown] = hits / (draws * len(runs))
+    return rates
+
+
+def render_replay(rates: dict[tuple[str, float], float], tolerance: float) -> str:
+    """The replayed rates per scenario, and the suite's false-alarm rate over the scenarios."""
+    from bench.gate.paired import suite_rate
+
+    slowdowns = sorted({s for _, s in rates})
+    rows = [
+        f"| scenario (tolerance {tolerance:.1%}) | "
+        + " | ".join("A/A failed" if s == 0 else f"+{s:.0%} caught" for s in slowdowns)
+        + " |",
+        "| --- |" + " --- |" * len(slowdowns),
+    ]
+    for scenario in sorted({name for name, _ in rates}):
+        rows.append(f"| {scenario} | " + " | ".join(f"{rates[scenario, s]:.1%}" for s in slowdowns) + " |")
+    aa = [rate for (_, s), rate in rates.items() if s == 0]
+    return "\n".join(rows) + (f"\n\nsuite false alarms: {suite_rate(aa):.1%}" if aa else "")
 
 
 GATE_LIMIT_S = 600.0

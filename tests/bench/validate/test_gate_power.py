@@ -1,5 +1,8 @@
 """The power table of ``bench.validate.gate_power``: what it counts as the gate failing, on hand-made records."""
 
+import math
+
+from bench.gate import paired
 from bench.validate import gate_power
 
 
@@ -28,3 +31,18 @@ def test_the_table_counts_what_the_gate_fails():
     rows = {line.split(" | ")[1]: line.split(" | ") for line in gate_power.render(timing, []).splitlines()[2:4]}
     assert rows["none (A/A)"][2:7] == ["4", "1 (25%)", "0 / 1", "1", "0 / 1 (1)"]
     assert rows["+5%"][2:7] == ["4", "2 (50%)", "2 / 0", "1", "1 / 0 (2)"]
+
+
+def test_the_replay_agrees_with_the_confirmed_rules_arithmetic():
+    """One recorded run of 4 worker pairs with a pair spread of 4% (a standard error of 2%), drawn
+    afresh 20,000 times: the replayed rates are ``paired.fail_rates``'s confirmed ones, within four
+    binomial standard errors, at no change and at a planted 5% and 10%."""
+    run = {"scenario": "s", "planted": 0.0, "worker_pairs": 4, "pair_sd": 0.04}
+    rates = gate_power.replay([run], 0.045, (0.0, 0.05, 0.10), draws=20_000, seed=3)
+    for slowdown in (0.0, 0.05, 0.10):
+        _, expected = paired.fail_rates(slowdown, 0.02, 0.045)
+        binomial_se = math.sqrt(max(expected * (1 - expected), 1e-4) / 20_000)
+        assert abs(rates["s", slowdown] - expected) < 4 * binomial_se, (slowdown, rates["s", slowdown], expected)
+    table = gate_power.render_replay(rates, 0.045).splitlines()
+    assert table[0] == "| scenario (tolerance 4.5%) | A/A failed | +5% caught | +10% caught |"
+    assert table[-1] == f"suite false alarms: {rates['s', 0.0]:.1%}"
