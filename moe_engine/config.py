@@ -550,7 +550,7 @@ class ParallelConfig:
     pipeline stage (1 without pipelining): the fewest 1f1b runs, and a count every schedule runs
     (``validate_executable`` lists what each schedule needs)."""
     virtual_stages: int = 1
-    """Pipeline stages per rank (more than one needs the interleaved schedule)."""
+    """Pipeline stages per rank: any for interleaved1f1b and interleaved-zb, exactly 2 (a V) for zbv and dualpipev."""
     dp_mode: DataParallelMode = DataParallelMode.DDP
     """Replicated parameters with gradient all-reduce, or FSDP2 sharding."""
     optimizer_sharding: OptimizerSharding = OptimizerSharding.NONE
@@ -701,9 +701,10 @@ class ParallelConfig:
 
         With pp > 1 the engine runs torch.distributed.pipelining's schedules, whose constructors
         (torch 2.13) refuse: for 1f1b, fewer microbatches m than stages (``Schedule1F1B``: m >= pp);
-        for interleaved1f1b, a count that does not split into its rounds of pp microbatches
-        (``ScheduleInterleaved1F1B``: m % max(1, m // pp) == 0, so any m <= pp and e.g. 2pp, 3pp).
-        gpipe takes any m. A proxy rank replays its stage without these schedules, and the plan's
+        for interleaved1f1b and interleaved-zb, a count that does not split into its rounds of pp
+        microbatches (``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``: m % max(1, m // pp)
+        == 0, so any m <= pp and e.g. 2pp, 3pp); for dualpipev fewer than 2pp (``ScheduleDualPipeV``); for
+        zbv fewer than 2pp - 1 (``ScheduleZBVZeroBubble`` plans that many at least). gpipe takes any m. A proxy rank replays its stage without these schedules, and the plan's
         arithmetic covers any m, so ``validate`` does not refuse them.
         """
         _require(
