@@ -7,11 +7,11 @@ standard library.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int
+from moe_engine.moe.dedup_dispatch import expected_destinations
 
 __all__ = [
     "ROW_KINDS",
@@ -22,7 +22,9 @@ __all__ = [
     "expected_distinct",
     "expected_rows_per_token",
     "measured_rows_per_token",
+    "node_groups",
     "resolve_rows",
+    "side_bytes",
 ]
 
 ROW_KINDS = ("per-expert", "per-rank", "per-node")
@@ -40,10 +42,8 @@ def expected_distinct(experts: int, per_group: int, top_k: int) -> float:
         raise ValueError(f"per_group: {per_group} does not divide experts={experts}")
     if top_k > experts:
         raise ValueError(f"top_k: {top_k} exceeds experts={experts}")
-    groups = experts // per_group
-    # P(a group is missed) = C(E - L, k) / C(E, k); math.comb returns 0 when E - L < k.
-    missed = math.comb(experts - per_group, top_k) / math.comb(experts, top_k)
-    return groups * (1 - missed)
+    # The engine's own formula (its no-sync buffers are sized by it): one implementation.
+    return expected_destinations(experts, top_k, experts // per_group)
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,23 @@ def resolve_rows(kind: str, shape: DispatchShape) -> str:
     return kind
 
 
+def node_groups(shape: DispatchShape, rank: int, first_rank: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(across, inside): the ranks with ``rank``'s local index on every node of its expert group, and
+    its node's ranks of the group (the group is ``first_rank`` .. ``first_rank + ep - 1``)."""
+    g = shape.node_ranks
+    local = (rank - first_rank) % g
+    node_start = rank - local
+    across = tuple(first_rank + n * g + local for n in range(shape.nodes))
+    inside = tuple(range(node_start, node_start + g))
+    return across, inside
+
+
+def side_bytes(shape: DispatchShape, level_experts: int) -> int:
+    """Bytes a row carries beside its activations: the router weights and expert ids (fp32 each) of
+    min(k, experts a destination holds) columns (``moe_engine.moe.dedup_dispatch``)."""
+    return 8 * min(shape.top_k, level_experts)
+
+
 def dispatch_exchanges(
     kind: str, shape: DispatchShape, rows: RowsPerToken, tokens: int, row_bytes: int, rank: int, first_rank: int = 0
 ) -> list[Collective]:
@@ -141,11 +158,7 @@ def dispatch_exchanges(
     if kind != "per-node" or shape.nodes == 1:
         per_token = rows.experts if kind == "per-expert" else rows.ranks
         return [Collective("all_to_all", group, round(tokens * per_token * row_bytes), "expert")]
-    g = shape.node_ranks
-    local = (rank - first_rank) % g
-    node_start = rank - local
-    across = tuple(first_rank + n * g + local for n in range(shape.nodes))
-    inside = tuple(range(node_start, node_start + g))
+    across, inside = node_groups(shape, rank, first_rank)
     return [
         Collective("all_to_all", across, round(tokens * rows.nodes * row_bytes), "expert"),
         Collective("all_to_all", inside, round(tokens * rows.ranks * row_bytes), "expert"),

@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from bench.predict.collectives import Collective, Network, collective_seconds
+from bench.predict.dispatch_rows import DispatchShape, expected_rows_per_token, node_groups, resolve_rows, side_bytes
 from bench.predict.ops import TracedOp
 from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Program, SyncBucket
 from bench.predict.pricing import PricedOp, is_stand_in
@@ -185,8 +186,14 @@ def collective_account(op, group_phases: dict[str, str]) -> tuple[str, str]:
     return phase, "other"
 
 
-def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]) -> StepPrices:
-    """Fold a priced trace (module docstring)."""
+def step_prices(
+    priced: Sequence[PricedOp],
+    microbatches_traced: int,
+    group_phases: dict[str, str],
+    chunks: int | None = None,
+    levels: int = 1,
+) -> StepPrices:
+    """Fold a priced trace (module docstring); ``chunks``, ``levels``: ``expert_overlap``'s."""
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
     forward_matmuls = 0.0
     by_kind: dict[str, float] = {}
@@ -246,7 +253,7 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
         forward_s=compute["forward"] / microbatches_traced,
         weight_grad_s=min(forward_matmuls, compute["backward"]) / microbatches_traced,
     )
-    overlap = expert_overlap(priced, microbatches_traced, group_phases)
+    overlap = expert_overlap(priced, microbatches_traced, group_phases, chunks, levels)
     return StepPrices(
         timing,
         per_microbatch,
@@ -262,14 +269,75 @@ def step_prices(priced: Sequence[PricedOp], microbatches_traced: int, group_phas
     )
 
 
+def engine_dispatch(
+    priced: Sequence[PricedOp],
+    group_phases: dict[str, str],
+    kind: str,
+    shape: DispatchShape,
+    sync: bool,
+    rank: int,
+) -> tuple[list[PricedOp], dict[str, str]]:
+    """A trace of per-expert rows (what a proxy rank's dispatcher runs) as the engine's ``kind`` rows
+    run it at ``rank`` (module docstring, "Dispatch rows"): each row exchange of the expert group
+    carries D / k of its rows (D = the expected distinct destinations, ``expected_rows_per_token``),
+    each with its side buffer; per-node's two levels replace it, inter-node then intra-node; a
+    routing-counts exchange stays (one per level) under sync dispatch and goes under no-sync (the
+    dedup buffers carry no counts). Returns the ops and the group phases with the levels' groups."""
+    kind = resolve_rows(kind, shape)
+    if kind == "per-expert":
+        return list(priced), group_phases
+    rows = expected_rows_per_token(shape)
+    per_rank = shape.experts // shape.ep
+    phases = dict(group_phases)
+    out: list[PricedOp] = []
+    for p in priced:
+        call = p.op.collective
+        if p.work.kind != "collective" or call is None or call["op"] != "all_to_all":
+            out.append(p)
+            continue
+        if collective_account(p.op, group_phases)[1] != "expert":
+            out.append(p)
+            continue
+        ranks = tuple(call["ranks"])
+        levels: list[tuple[str, tuple[int, ...], float, int]] = [("", ranks, rows.ranks, per_rank)]
+        if kind == "per-node" and shape.nodes > 1:
+            across, inside = node_groups(shape, rank, min(ranks))
+            levels = [
+                ("inter", across, rows.nodes, per_rank * shape.node_ranks),
+                ("intra", inside, rows.ranks, per_rank),
+            ]
+        counts = bool(p.op.inputs) and not p.op.inputs[0].dtype.startswith(("torch.float", "torch.bfloat"))
+        if counts and not sync:
+            continue
+        for level, group, per_token, level_experts in levels:
+            name = call["group_name"] + (f":{level}" if level else "")
+            phases[name] = "expert"
+            nbytes = int(call["nbytes"])
+            if not counts:
+                # The send buffer's rows: its bytes over one row's (the buffers' trailing sizes).
+                spec = p.op.inputs[0]
+                row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
+                traced_rows = nbytes / row_bytes if row_bytes else 0.0
+                nbytes = round(traced_rows * per_token / shape.top_k * (row_bytes + side_bytes(shape, level_experts)))
+            collective = {**call, "ranks": list(group), "group_name": name, "nbytes": nbytes}
+            out.append(dataclasses.replace(p, op=dataclasses.replace(p.op, collective=collective)))
+    return out, phases
+
+
 def _in_experts(location: str) -> bool:
     return any(part.partition(">")[0] == "GroupedExperts" for part in location.split("/"))
 
 
 def expert_overlap(
-    priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]
+    priced: Sequence[PricedOp],
+    microbatches_traced: int,
+    group_phases: dict[str, str],
+    chunks: int | None = None,
+    levels: int = 1,
 ) -> list[ExpertOverlap]:
-    """The chunked expert all-to-alls of one microbatch, forward and backward (module docstring)."""
+    """The chunked expert all-to-alls of one microbatch, forward and backward (module docstring):
+    ``chunks`` given (a layout's ``a2a_chunks``) or read from the routing-counts exchanges; ``levels``:
+    the row exchanges one chunk's dispatch makes (per-node: 2)."""
     exchanges: dict[str, dict[tuple[int, ...], list[int]]] = {"forward": {}, "backward": {}}
     counts = {"forward": 0, "backward": 0}
     compute = {"forward": 0.0, "backward": 0.0}
@@ -292,12 +360,13 @@ def expert_overlap(
             continue
         exchanges[stage].setdefault(tuple(call["ranks"]), []).append(int(call["nbytes"]))
     rows = {stage: sum(map(len, by_group.values())) for stage, by_group in exchanges.items()}
-    if not counts["forward"] or rows["forward"] % (2 * counts["forward"]):
-        return []
-    chunks = rows["forward"] // (2 * counts["forward"])
+    if chunks is None:
+        if not counts["forward"] or rows["forward"] % (2 * counts["forward"] * levels):
+            return []
+        chunks = rows["forward"] // (2 * counts["forward"] * levels)
     overlaps = []
     for stage, by_group in exchanges.items():
-        if not rows[stage] or rows[stage] % (2 * chunks):
+        if not rows[stage] or rows[stage] % (2 * chunks * levels):
             continue
         calls = tuple(
             Collective(
@@ -309,7 +378,7 @@ def expert_overlap(
             )
             for ranks, sizes in by_group.items()
         )
-        passes = rows[stage] / (2 * chunks) / microbatches_traced
+        passes = rows[stage] / (2 * chunks * levels) / microbatches_traced
         overlaps.append(ExpertOverlap(chunks, passes, calls, compute[stage] / microbatches_traced, stage))
     return overlaps
 

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 from bench.predict.collectives import Network
 from bench.predict.device import DeviceProfile
-from bench.predict.op_projection import project_priced_step, step_prices
+from bench.predict.dispatch_rows import DispatchShape
+from bench.predict.op_projection import engine_dispatch, project_priced_step, step_prices
 from bench.predict.overlap import overlapped_pairs
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
@@ -446,6 +447,17 @@ def projection_document(
     net = Network.from_cluster(profile.cluster())
     schedule = Schedule(parallel.pp, parallel.virtual_stages, parallel.microbatches, parallel.schedule.value)
     overlap = parallel.resolved_overlap.value
+    # The proxy rank a trace builds sends per-expert rows; the engine's rows are priced from them.
+    shape = DispatchShape(
+        scenario.model.moe.num_experts, scenario.model.moe.top_k, parallel.ep, parallel.ranks_per_node or parallel.ep
+    )
+    rows_kind = parallel.resolved_dispatch_rows.value if parallel.ep > 1 else "per-expert"
+    sync = parallel.dispatch is DispatchKind.SYNC
+    per_node = rows_kind == "per-node" and shape.nodes > 1
+    levels = 2 if per_node else 1
+    # Dedup no-sync buffers carry no routing counts to read the chunks from.
+    chunks = parallel.a2a_chunks if rows_kind != "per-expert" else None
+    dispatched: dict[int, tuple[list[PricedOp], dict[str, str]]] = {}
     flops_per_token = training_flops_per_token(scenario.model)
     staged_steps = list(staged_steps)
     m_traced = staged_steps[0].trace.microbatches
@@ -453,7 +465,10 @@ def projection_document(
     projections = []
     for staged in staged_steps:
         rank = staged.rank
-        prices = step_prices(staged.priced, m_traced, staged.trace.group_phases)
+        priced, phases = dispatched[staged.pipeline_rank] = engine_dispatch(
+            staged.priced, staged.trace.group_phases, rows_kind, shape, sync, staged.rank
+        )
+        prices = step_prices(priced, m_traced, phases, chunks, levels)
         if schedule.chunks > 1:
             # A rank of v stages sends and receives each microbatch's activations and gradients at each.
             prices = dataclasses.replace(
@@ -514,8 +529,7 @@ def projection_document(
         extra["breakdown"] = {
             "pipeline_rank": slowest["pipeline_rank"],
             **step_breakdown(
-                staged.priced,
-                staged.trace.group_phases,
+                *dispatched[staged.pipeline_rank],
                 m_traced,
                 parallel.microbatches,
                 projections[i],

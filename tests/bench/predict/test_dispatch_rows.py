@@ -19,6 +19,9 @@ from bench.predict.dispatch_rows import (
     measured_rows_per_token,
     resolve_rows,
 )
+from bench.predict.op_projection import engine_dispatch
+from bench.predict.ops import OpWork, TensorSpec, TracedOp
+from bench.predict.pricing import PricedOp
 
 SEED = 41
 
@@ -95,3 +98,40 @@ def test_one_node_group_sends_once_over_the_group():
     (only,) = dispatch_exchanges("per-node", shape, rows, 10, 100, rank=2)
     assert only.ranks == (0, 1, 2, 3)
     assert only.nbytes == round(10 * rows.ranks * 100)
+
+
+def _exchange(nbytes, spec, group=(0, 1, 2, 3)):
+    op = TracedOp(
+        "c10d.alltoall_base_.default",
+        (spec,),
+        (spec,),
+        "forward",
+        location="Transformer/Block/MoELayer",
+        collective={"op": "all_to_all", "ranks": list(group), "nbytes": nbytes, "group_name": "ep"},
+    )
+    return PricedOp(op, OpWork("collective", 0.0, nbytes, spec.dtype), 0.0)
+
+
+def test_the_engines_rows_from_a_per_expert_trace_by_hand():
+    # 8 experts on ep 4 (2 a rank), top-2, 2 ranks a node. A per-expert send buffer of 100 rows of
+    # 16 bf16 values (32 bytes): 3,200 bytes, and a routing-counts exchange of 4 int64.
+    shape = DispatchShape(experts=8, top_k=2, ep=4, ranks_per_node=2)
+    rows_spec, counts_spec = TensorSpec((100, 16), "torch.bfloat16"), TensorSpec((4,), "torch.int64")
+    trace = [_exchange(32, counts_spec), _exchange(3200, rows_spec)]
+    d_r, d_n = 4 * (1 - 15 / 28), 2 * (1 - 6 / 28)  # C(6,2)/C(8,2) = 15/28, C(4,2)/C(8,2) = 6/28
+    # Per-rank, no-sync: the counts go; 100 * D_r / 2 rows of 32 + 8 * min(2, 2) bytes.
+    out, phases = engine_dispatch(trace, {"ep": "expert"}, "per-rank", shape, sync=False, rank=1)
+    (rows,) = out
+    assert rows.op.collective["ranks"] == [0, 1, 2, 3]
+    assert rows.op.collective["nbytes"] == round(100 * d_r / 2 * (32 + 16))
+    # Per-node, sync: counts on each level; rows across nodes (ranks 1, 3) then inside node 0 (0, 1).
+    out, phases = engine_dispatch(trace, {"ep": "expert"}, "auto", shape, sync=True, rank=1)
+    counts_inter, counts_intra, inter, intra = out
+    assert (inter.op.collective["ranks"], intra.op.collective["ranks"]) == ([1, 3], [0, 1])
+    assert counts_inter.op.collective["nbytes"] == counts_intra.op.collective["nbytes"] == 32
+    # Inter: a node holds 4 experts, side 8 * min(2, 4); intra: a rank 2, side 8 * 2.
+    assert inter.op.collective["nbytes"] == round(100 * d_n / 2 * (32 + 16))
+    assert intra.op.collective["nbytes"] == round(100 * d_r / 2 * (32 + 16))
+    assert phases["ep:inter"] == phases["ep:intra"] == "expert"
+    # Per-expert: the trace as it is.
+    assert engine_dispatch(trace, {"ep": "expert"}, "per-expert", shape, sync=False, rank=1)[0] == trace
