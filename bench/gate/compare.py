@@ -55,6 +55,12 @@ sides run the same scenario when their hashes agree, or when both sides' specs, 
 touch comparable with the releases before it, and a changed default is an engine change the
 comparison measures.
 
+Metrics of the same runs get one verdict: tokens/s and TFLOP/s per GPU are the step times of the
+runs divided into constants (tokens, FLOPs per step), so a row of either takes the step time's verdict
+(``SAME_RUNS_AS_STEP_TIME``): the same runs never read "inconclusive" on tokens/s and "regressed" on
+step time, which a threshold on ``ratio - 1`` alone would give near the tolerance (x1.052 on step
+time is x0.951 on tokens/s).
+
 Two more scenario-level outcomes, ``not_compared``, fail the gate because it cannot vouch for what it
 did not compare: ``noisy`` (a run on either side was recorded noisy, ``bench.run.conditions``: other
 processes shared its cores, or its calibration moved) and ``different_machines`` (the sides' machine
@@ -239,7 +245,7 @@ class Comparison:
         """The same comparison with verdicts recomputed for another tolerance."""
         if tolerance == self.tolerance:
             return self
-        rows = tuple(_evaluate(r, tolerance) for r in self.rows)
+        rows = _one_verdict_per_run(tuple(_evaluate(r, tolerance) for r in self.rows))
         return replace(self, rows=rows, tolerance=tolerance)
 
     def to_dict(self) -> dict[str, Any]:
@@ -409,7 +415,7 @@ def compare(
         for name in sorted(set(b.metrics) | set(c.metrics)):
             rows.append(_row(key[0], key[1], name, b.metrics.get(name), c.metrics.get(name), tolerance))
     return Comparison(
-        rows=tuple(rows),
+        rows=_one_verdict_per_run(tuple(rows)),
         compared=tuple(compared),
         missing_in_candidate=tuple(missing_c),
         missing_in_baseline=tuple(missing_b),
@@ -420,6 +426,31 @@ def compare(
         base_groups=base,
         cand_groups=cand,
     )
+
+
+SAME_RUNS_AS_STEP_TIME = ("tokens_per_s_per_gpu", "tflops_per_gpu")
+"""Metrics that are a scenario's step times divided into a constant: they take ``step_time_s``'s verdict."""
+
+
+def _one_verdict_per_run(rows: tuple[MetricRow, ...]) -> tuple[MetricRow, ...]:
+    """Rows with the step time's verdict on the metrics derived from the same step times (module doc)."""
+    step = {
+        (r.scenario, r.machine): r
+        for r in rows
+        if r.metric == "step_time_s" and r.verdict in ("regressed", "improved", "inconclusive", "unchanged")
+    }
+    out = []
+    for row in rows:
+        ref = step.get((row.scenario, row.machine))
+        if (
+            ref is not None
+            and row.metric in SAME_RUNS_AS_STEP_TIME
+            and row.better is not None
+            and row.ratio is not None
+        ):
+            row = replace(row, verdict=ref.verdict, outside_noise=ref.outside_noise)
+        out.append(row)
+    return tuple(out)
 
 
 def _not_comparable(b: Group, c: Group, common: dict[str, Any]) -> ScenarioIssue | None:
