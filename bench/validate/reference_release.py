@@ -78,9 +78,12 @@ def _assumed(scenario) -> str:
 
 ENGINES = ("reference", "shipped")
 """The two projections of each row: the reference path, and as shipped."""
+NOT_RUN = "not run"
 
 
 def _error(published: Any, projected: Any, metric: str) -> float | str | None:
+    if projected == NOT_RUN:
+        return None
     if isinstance(published, (int, float)) and isinstance(projected, (int, float)):
         return projected / published - 1
     if metric == "throughput loss" and isinstance(projected, float):
@@ -90,12 +93,15 @@ def _error(published: Any, projected: Any, metric: str) -> float | str | None:
     return None
 
 
-def compare(device: str = "b300", progress=print) -> dict[str, Any]:
+def compare(device: str = "b300", progress=print, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
+    """The report; ``engines``: which of ``ENGINES`` to project (the others' cells say "not run")."""
     profile = load_profile(device)
     docs: dict[str, dict[str, Any]] = {}
 
     def project(name: str, engine: str, base: Scenario | None = None, on=profile) -> dict[str, Any]:
         key = f"{name} ({engine})"
+        if engine not in engines:
+            return {}
         if key not in docs:
             scenario = base or load_scenario(SCENARIOS / "olmo-core3" / f"{name}.yaml")
             scenario = reference_path(scenario) if engine == "reference" else scenario
@@ -106,17 +112,22 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
                 docs[key] = {"does_not_fit": str(err), "assumed": _assumed(scenario)}
         return docs[key]
 
-    def figures(name: str, field: str) -> tuple[float, float]:
-        return project(name, "reference")[field], project(name, "shipped")[field]
+    def figures(name: str, field: str) -> tuple[Any, Any]:
+        reference, shipped = (project(name, e).get(field, NOT_RUN) for e in ENGINES)
+        return reference, shipped
 
-    def ratio(num: str, den: str, field: str = "tokens_per_s_per_gpu") -> tuple[float, float]:
-        (n_ref, n_shipped), (d_ref, d_shipped) = figures(num, field), figures(den, field)
-        return n_ref / d_ref, n_shipped / d_shipped
+    def ratio(num: str, den: str, field: str = "tokens_per_s_per_gpu") -> tuple[Any, Any]:
+        reference, shipped = (
+            n / d if isinstance(n, float) and isinstance(d, float) else NOT_RUN
+            for n, d in zip(figures(num, field), figures(den, field))
+        )
+        return reference, shipped
 
     gib = 2**30
 
-    def memory(name: str, engine: str) -> float:
-        return project(name, engine)["memory"]["memory_need_bytes"] / gib
+    def memory(name: str, engine: str) -> str:
+        doc = project(name, engine)
+        return f"{doc['memory']['memory_need_bytes'] / gib:.1f}" if doc else NOT_RUN
 
     rows: list[dict[str, Any]] = [
         {
@@ -144,7 +155,7 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
             "comparison": "8 -> 128 experts (top-4, EP 8)",
             "metric": "throughput loss",
             "published": "< 5%",
-            "projected": tuple(1 - r for r in ratio("moe-128e-47b", "moe-8e-4.6b")),
+            "projected": tuple(1 - r if isinstance(r, float) else r for r in ratio("moe-128e-47b", "moe-8e-4.6b")),
             "scenarios": ["moe-8e-4.6b", "moe-128e-47b"],
         },
         {
@@ -166,7 +177,8 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
             "metric": "GiB per GPU",
             "published": "103 -> 95",
             "projected": tuple(
-                f"{memory('moe-bf16-4gpu', e):.1f} -> {memory('moe-mxfp8-4gpu', e):.1f}" for e in ENGINES
+                f"{memory('moe-bf16-4gpu', e)} -> {memory('moe-mxfp8-4gpu', e)}" if e in engines else NOT_RUN
+                for e in ENGINES
             ),
             "scenarios": ["moe-bf16-4gpu", "moe-mxfp8-4gpu"],
         },
@@ -189,16 +201,17 @@ def compare(device: str = "b300", progress=print) -> dict[str, Any]:
             "comparison": "Qwen3-30B-A3B on 16 H100 (Megatron-Bridge, measured, all-to-all overlap)",
             "metric": "tokens/s/GPU",
             "published": MEGATRON_BRIDGE_TOKENS_PER_S,
-            "projected": tuple(d.get("tokens_per_s_per_gpu", "does not fit") for d in qwen_docs),
+            "projected": tuple(d.get("tokens_per_s_per_gpu", "does not fit") if d else NOT_RUN for d in qwen_docs),
             "scenarios": ["qwen3-30b-a3b-h100x16"],
         },
     ]
     for row in rows:
         row["projected_reference"], row["projected_shipped"] = row.pop("projected")
         row["error"] = {e: _error(row["published"], row[f"projected_{e}"], row["metric"]) for e in ENGINES}
-        row["assumed"] = [docs[f"{name} (shipped)"]["assumed"] for name in row["scenarios"]]
+        row["assumed"] = [docs[f"{name} ({engines[-1]})"]["assumed"] for name in row["scenarios"]]
     return {
-        "command": f"python -m bench.validate.reference_release --device {device}",
+        "command": f"python -m bench.validate.reference_release --device {device}"
+        + ("" if engines == ENGINES else f" --engines {' '.join(engines)}"),
         "machine": "arithmetic (fake-tensor traces priced on the profile) on a 2-core CPU machine; no GPU ran",
         "device": profile.name,
         "device_file": profile.file,
@@ -290,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="b300")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument(
+        "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="project only these (default: both)"
+    )
     args = parser.parse_args(argv)
-    report = compare(args.device, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    engines = tuple(e for e in ENGINES if e in args.engines)
+    report = compare(args.device, progress=lambda line: print(line, file=sys.stderr, flush=True), engines=engines)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report))
