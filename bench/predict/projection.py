@@ -118,10 +118,12 @@ Dispatch rows (``bench.predict.dispatch_rows``; what a row carries: ``DispatchRo
     measured routing: the counts over the drawn routes. Rows per token: per-expert k, per-rank D_r;
     per-node D_n across nodes (to the rank with the same local index there: a group of N ranks, one a
     node, so (N - 1)/N of the bytes leave the node) and then D_r inside the node (a group of g ranks:
-    (g - 1)/g of the bytes move over NVLink), one level after the other. Each is an all_to_all priced
-    as above. The projection prices the all-to-alls the engine's trace records (bytes as sent: sync
-    dispatch's from the replayed routes, no-sync's buffers); these rows are the expectation they are
-    checked against.
+    (g - 1)/g of the bytes move over NVLink), one level after the other; each row also carries 8 min(k,
+    experts a destination holds) bytes of router weights and expert ids. Each is an all_to_all priced
+    as above. A traced proxy rank sends per-expert rows (B bytes, sync dispatch's from the replayed
+    routes, no-sync's capacity buffers); ``bench.predict.op_projection.engine_dispatch`` prices the
+    engine's exchanges from them: B / row bytes * D / k rows (no-sync: the engine sizes its buffers by
+    the same expectation times capacity_factor), routing counts per level under sync, none under no-sync.
 
 Step (times in seconds; c_exp, c_pipe, c_fsdp = summed seconds of one microbatch's "expert", "pipeline"
 and "fsdp" entries)
