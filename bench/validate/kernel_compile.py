@@ -224,6 +224,7 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     b = mxfp8_gemm.quantize_weight(torch.randn(local_experts, 64, d, generator=g).to(dtype))
     offsets = torch.full((local_experts,), rows, dtype=torch.int32)
     mxfp8_gemm.grouped_mm(a, b, offsets, dtype, path=mxfp8_gemm.GemmPath.TRITON)
+    mxfp8_gemm.dequantize_rows_triton(a.data, a.scales, d, dtype)
 
 
 def record(python: str = sys.executable, timeout: float = 900) -> list[Launch]:

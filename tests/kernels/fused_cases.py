@@ -11,6 +11,7 @@ then ``grad_<input>`` for each differentiable input.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -215,6 +216,85 @@ def case_id(case: dict) -> str:
 # --- running -------------------------------------------------------------------------------------------
 
 
+# --- deterministic failures: poisoned outputs, guarded buffers ------------------------------------------
+
+GUARD = 64
+"""Elements of poison past the end of every input and output a fused op's run sees, at least: each
+buffer's tail is as long as the buffer itself, so that a mask off by one row stays inside it."""
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with what no kernel writes by accident: NaN, the largest integer, True."""
+    if t.is_floating_point():
+        return t.fill_(float("nan"))
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).max)
+
+
+GUARD_BYTE = 0xA5
+"""The tails' bytes: finite values in every float dtype (-2.9e-16 in fp32 and bf16), unlike the NaN
+outputs start as, so that a kernel writing a NaN it read past an end still changes them."""
+
+
+class _Guards:
+    """Buffers with a guarded tail: a kernel that reads past a buffer's end reads values that spoil
+    its output, one that writes there changes the tail (``check``)."""
+
+    def __init__(self):
+        self.buffers: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+
+    def allocate(self, shape, dtype, device, requires_grad: bool = False) -> torch.Tensor:
+        n = math.prod(shape)
+        base = _poison(_REAL_EMPTY(2 * n + GUARD, dtype=dtype, device=device))
+        # A bool holds 0 or 1 (torch's copies normalise other bytes): its tail stays True.
+        base[n:].view(torch.uint8).fill_(1 if dtype == torch.bool else GUARD_BYTE)
+        self.buffers.append((base, n, base[n:].view(torch.uint8).clone()))
+        return base[:n].view(shape).requires_grad_(requires_grad)
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        return self.allocate(tuple(t.shape), t.dtype, t.device).copy_(t)
+
+    def check(self) -> None:
+        for base, n, tail in self.buffers:
+            same = torch.equal(base[n:].view(torch.uint8), tail)
+            assert same, f"a kernel wrote past the end of a buffer of {n} {base.dtype} elements"
+
+
+_REAL_EMPTY, _REAL_EMPTY_LIKE = torch.empty, torch.empty_like
+_guards: _Guards | None = None
+
+
+@contextlib.contextmanager
+def poisoned_run():
+    """Inputs (``_prepare``) and every ``torch.empty``/``torch.empty_like`` output of the fused ops get a
+    poisoned tail, and outputs start as poison (NaN for floats): an element a kernel leaves unwritten
+    fails the comparison every time, not only when the allocator returns garbage, and a row mask off
+    by one fails an assertion instead of reading or writing unowned memory."""
+    global _guards
+    guards = _guards = _Guards()
+
+    def empty(*size, dtype=None, device=None, requires_grad=False, **kwargs):
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+        if kwargs.get("out") is not None or kwargs.get("memory_format") not in (None, torch.contiguous_format):
+            return _REAL_EMPTY(*size, dtype=dtype, device=device, requires_grad=requires_grad, **kwargs)
+        return guards.allocate(shape, dtype or torch.get_default_dtype(), device or "cpu", requires_grad)
+
+    def empty_like(t, *, dtype=None, device=None, requires_grad=False, **kwargs):
+        if not t.is_contiguous() or kwargs.get("memory_format") not in (None, torch.preserve_format):
+            # Kernels may follow the strides empty_like preserves: poisoned, without a guard.
+            return _poison(_REAL_EMPTY_LIKE(t, dtype=dtype, device=device, requires_grad=requires_grad, **kwargs))
+        return guards.allocate(tuple(t.shape), dtype or t.dtype, device or t.device, requires_grad)
+
+    torch.empty, torch.empty_like = empty, empty_like
+    try:
+        yield guards
+    finally:
+        torch.empty, torch.empty_like = _REAL_EMPTY, _REAL_EMPTY_LIKE
+        _guards = None
+    guards.check()
+
+
 def _prepare(case: dict, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in case["tensors"].items():
@@ -223,6 +303,8 @@ def _prepare(case: dict, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
         keep = ("cos", "sin", "grad_loss") + (("weight",) if case["params"].get("weight_dtype") else ())
         if t.is_floating_point() and name not in keep:
             t = t.to(dtype)
+        if _guards is not None:
+            t = _guards.copy(t)
         # The packed SwiGLU has no autograd (the experts' hand-written backward calls it).
         if name in ("x", "residual", "weight", "gate", "up", "h", "y") and case["op"] != "swiglu_packed":
             t.requires_grad_()
@@ -244,7 +326,13 @@ def _backward(outputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], 
 
 
 def run_fused(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
-    """Outputs and gradients through the fused ops (whichever path ``moe_engine.kernels`` picks here)."""
+    """Outputs and gradients through the fused ops (whichever path ``moe_engine.kernels`` picks here),
+    with poisoned outputs and guarded buffers (``poisoned_run``)."""
+    with poisoned_run():
+        return _run_fused(case, dtype, device)
+
+
+def _run_fused(case: dict, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
     t = _prepare(case, dtype, device)
     op, p = case["op"], case["params"]
     if op == "rms_norm":
