@@ -61,7 +61,7 @@ from bench.run.proxy_rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
 from bench.units import gib
-from moe_engine.config import DataParallelMode, DispatchKind, ExpertOverlap, RoutingMode
+from moe_engine.config import DataParallelMode, DispatchKind, ExpertOverlap, RecomputeMode, RoutingMode
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
 
@@ -446,7 +446,7 @@ def projection_document(
     assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     net = Network.from_cluster(profile.cluster())
     schedule = Schedule(parallel.pp, parallel.virtual_stages, parallel.microbatches, parallel.schedule.value)
-    overlap = parallel.resolved_overlap.value
+    overlap = _overlap(scenario)
     # The proxy rank a trace builds sends per-expert rows; the engine's rows are priced from them.
     shape = DispatchShape(
         scenario.model.moe.num_experts, scenario.model.moe.top_k, parallel.ep, parallel.ranks_per_node or parallel.ep
@@ -569,6 +569,19 @@ def projection_document(
         ],
         **extra,
     }
+
+
+def _overlap(scenario: Scenario) -> str:
+    """The overlap the engine runs (``moe_engine.parallel.overlap.overlaps_microbatches``): the layout's,
+    but a fully recomputed MoE block replays routes, so auto falls back from microbatches to the plain
+    order (chunks where a2a_chunks > 1)."""
+    parallel, model = scenario.parallel_config, scenario.model
+    overlap = parallel.resolved_overlap
+    if overlap is ExpertOverlap.MICROBATCHES and scenario.recompute.mode is RecomputeMode.FULL:
+        recomputed = scenario.recompute.blocks(stage_blocks(model.n_layers, parallel.num_stages))
+        if any(model.is_moe_layer(i) for i in recomputed):
+            overlap = ExpertOverlap.CHUNKS if parallel.a2a_chunks > 1 else ExpertOverlap.NONE
+    return overlap.value
 
 
 def _peak_dtype(precision: str) -> str:
