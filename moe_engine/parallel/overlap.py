@@ -36,7 +36,10 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from moe_engine.config import ExpertOverlap, ParallelConfig
 from moe_engine.moe import dispatch
+from moe_engine.moe.layer import MoELayer
+from moe_engine.recompute import is_recomputed
 
 Event = tuple[str, int]
 """A recorded event: ("run", p) when program p takes over, ("done", p) when it finishes."""
@@ -138,3 +141,26 @@ def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
         return
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         yield
+
+
+def replays_routes(module: torch.nn.Module) -> bool:
+    """Whether a block of ``module`` is fully recomputed with MoE layers inside: its recompute sets the
+    layers' routing streams back to the forward's and restores them after, a window in which the other
+    microbatch's forward would draw from (and count into) the replayed state."""
+    return any(is_recomputed(m) and any(isinstance(x, MoELayer) for x in m.modules()) for m in module.modules())
+
+
+def overlaps_microbatches(parallel: ParallelConfig, module: torch.nn.Module) -> bool:
+    """Whether the rank holding ``module`` runs microbatches beside each other (``resolved_overlap``), which
+    it does unless a full recompute replays routes (``replays_routes``): then auto runs the plain order,
+    and an explicit ``microbatches`` is refused."""
+    if parallel.resolved_overlap is not ExpertOverlap.MICROBATCHES:
+        return False
+    if not replays_routes(module):
+        return True
+    if parallel.overlap is ExpertOverlap.MICROBATCHES:
+        raise ValueError(
+            "parallel.overlap: microbatches cannot run beside a full recompute of MoE blocks (the replay swaps "
+            "the routing streams the other microbatch draws from); use recompute mode selective, or overlap auto"
+        )
+    return False

@@ -39,11 +39,11 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from moe_engine import kernels
-from moe_engine.config import ExpertOverlap, ParallelConfig, PipelineSchedule
+from moe_engine.config import ParallelConfig, PipelineSchedule
 from moe_engine.model import Transformer
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
 from moe_engine.parallel.layout import stage_blocks
-from moe_engine.parallel.overlap import Interleaver
+from moe_engine.parallel.overlap import Interleaver, overlaps_microbatches
 
 
 class _Stage(PipelineStage):
@@ -204,7 +204,7 @@ class Pipeline:
         loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / microbatches)
         stages = self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0]
         self.schedule = schedule(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-        if config.schedule is PipelineSchedule.DUALPIPEV and config.resolved_overlap is ExpertOverlap.MICROBATCHES:
+        if config.schedule is PipelineSchedule.DUALPIPEV and overlaps_microbatches(config, self.parameters_module):
             assert isinstance(self.schedule, ScheduleDualPipeV)
             self.schedule.register_custom_function(OVERLAP_F_B, _overlap_forward_backward)
 

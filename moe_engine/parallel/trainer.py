@@ -19,14 +19,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from moe_engine.config import DataParallelMode, ExpertOverlap, ModelConfig, ParallelConfig, Precision, RecomputeConfig
+from moe_engine.config import DataParallelMode, ModelConfig, ParallelConfig, Precision, RecomputeConfig
 from moe_engine.model import Transformer, build_model
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.data_parallel import DataParallelOptimizer, build_data_parallel_optimizer
 from moe_engine.parallel.fsdp import apply_fsdp, clip_fsdp_grad_norm_
 from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
-from moe_engine.parallel.overlap import Interleaver
+from moe_engine.parallel.overlap import Interleaver, overlaps_microbatches
 from moe_engine.parallel.pipeline import Pipeline, cross_entropy, rank_stages
 from moe_engine.recompute import apply_recompute
 from moe_engine.train import OptimizerConfig, adamw_param_groups
@@ -160,7 +160,7 @@ class ParallelTrainer:
             layer.loss_scale = 1 / self.microbatches
         self._fsdp_grad_norm: torch.Tensor | None = None
         self.overlapped = (
-            rank_model.pipeline is None and not self.fsdp and parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
+            rank_model.pipeline is None and not self.fsdp and overlaps_microbatches(parallel, rank_model.module)
         )
         """Whether a step runs the overlapped data-parallel step (``_accumulate_overlapped``)."""
 

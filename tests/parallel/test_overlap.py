@@ -61,3 +61,32 @@ def test_the_programs_keep_the_callers_grad_mode():
     assert not out.requires_grad
     out, _ = Interleaver().run(lambda: w * 2, lambda: None)
     assert out.requires_grad
+
+
+def test_a_full_recompute_of_moe_blocks_runs_the_plain_order():
+    # The replay sets a layer's routing streams back to its forward's for the recompute: the other
+    # microbatch's forward must not run inside that window.
+    from moe_engine import build_model
+    from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig
+    from moe_engine.parallel.overlap import overlaps_microbatches
+    from moe_engine.parallel.trainer import prepare_blocks
+
+    config = ModelConfig(
+        vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, seq_len=4,
+        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=8),
+    )  # fmt: skip
+    auto = ParallelConfig(dp=2, ep=2, microbatches=2)
+    explicit = ParallelConfig(dp=2, ep=2, microbatches=2, overlap="microbatches")
+
+    def model(**recompute):
+        built = build_model(config)
+        prepare_blocks(built, auto, RecomputeConfig(**recompute) if recompute else None, compile=False)
+        return built
+
+    assert overlaps_microbatches(auto, model()) and overlaps_microbatches(explicit, model())
+    selective = model(mode="selective", parts=["experts"])
+    assert overlaps_microbatches(auto, selective)
+    full = model(mode="full")
+    assert not overlaps_microbatches(auto, full)
+    with pytest.raises(ValueError, match="full recompute"):
+        overlaps_microbatches(explicit, full)
