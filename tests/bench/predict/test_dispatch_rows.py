@@ -135,3 +135,22 @@ def test_the_engines_rows_from_a_per_expert_trace_by_hand():
     assert phases["ep:inter"] == phases["ep:intra"] == "expert"
     # Per-expert: the trace as it is.
     assert engine_dispatch(trace, {"ep": "expert"}, "per-expert", shape, sync=False, rank=1)[0] == trace
+
+
+def test_a_projection_takes_ranks_per_node_from_the_profile_and_traces_a_twin():
+    from bench.predict.device import load_profile
+    from bench.run.project import on_cluster, traced_scenario
+    from bench.scenario import load_scenario
+
+    big = load_scenario("scenarios/olmo-core3/moe-1.2t-512gpu.yaml")
+    assert big.parallel_config.ranks_per_node is None
+    placed = on_cluster(big, load_profile("b300"))  # 8 GPUs a node, ep 64: 8 nodes
+    assert placed.parallel_config.ranks_per_node == 8
+    assert placed.parallel_config.resolved_dispatch_rows.value == "per-node"
+    # One node's group keeps the default (every rank on one node).
+    one_node = load_scenario("scenarios/olmo-core3/moe-128e-47b.yaml")
+    assert on_cluster(one_node, load_profile("b300")).parallel_config.ranks_per_node is None
+    # DualPipeV's rank is traced as its one-stage 1F1B twin, one microbatch after the other.
+    twin = traced_scenario(placed, 2).parallel_config
+    assert (twin.schedule.value, twin.virtual_stages, twin.microbatches, twin.overlap.value) == ("1f1b", 1, 2, "none")
+    assert twin.ranks_per_node == 8
