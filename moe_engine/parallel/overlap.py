@@ -10,8 +10,8 @@ microbatch i) on two threads, exactly one at a time, and hands over at every exp
 
 The overlap rule: every expert all-to-all of one program (dispatch and combine in forward, their
 reverses in backward, the per-expert counts) is in flight while the other program computes
-everything up to its own next all-to-all; it is exposed only by what exceeds that compute, and
-only where the other program has already finished. Handing over is strict alternation, so every
+everything up to its own next all-to-all; it is exposed by what exceeds that compute, and whole
+once the other program has finished. Handing over is strict alternation, so every
 rank of a group issues its collectives in the same order, whatever the timing.
 
 The seam is ``moe_engine.moe.dispatch.in_flight_hook``: the dispatcher starts each row all-to-all
