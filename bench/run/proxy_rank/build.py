@@ -67,7 +67,8 @@ def build_proxy_rank(
     """This rank's share of the model on ``device``, its dispatchers and pipeline standing in for peers;
     its blocks recompute and compile as ``build_rank_model``'s do.
 
-    Each MoE layer's ``dispatcher.peers`` is a ``SimulatedPeers``; a caller may replace it.
+    Each MoE layer's ``dispatcher.peers`` is a ``SimulatedPeers``; a caller may replace it. Its rows
+    are per (token, expert) whatever ``parallel.dispatch_rows`` says (``ProxyDispatcher``).
     """
     parallel.validate(config)
     check_proxy_layout(parallel)

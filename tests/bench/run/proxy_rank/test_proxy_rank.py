@@ -225,9 +225,12 @@ def _proxy_rank(layout: dict, rank: int, steps: int, real: dict | None, replay: 
     return {"counts": counts, "outputs": capture.outputs, "calls": [(c.op, c.ranks, c.nbytes) for c in recorder.calls]}
 
 
+# A proxy rank replays rows per (token, expert) (``ProxyDispatcher``): the real ranks send the same rows.
 LAYOUTS = {
-    "dp2-ep2-nosync-zero1": dict(dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0, optimizer_sharding="zero1"),
-    "dp2-ep2-sync": dict(dp=2, ep=2, dispatch="sync"),
+    "dp2-ep2-nosync-zero1": dict(
+        dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0, optimizer_sharding="zero1", dispatch_rows="per-expert"
+    ),
+    "dp2-ep2-sync": dict(dp=2, ep=2, dispatch="sync", dispatch_rows="per-expert"),
     "pp2-1f1b": dict(dp=1, pp=2, schedule="1f1b", microbatches=2),
 }
 
