@@ -327,7 +327,12 @@ def _backward(outputs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], 
 
 def run_fused(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.Tensor]:
     """Outputs and gradients through the fused ops (whichever path ``moe_engine.kernels`` picks here),
-    with poisoned outputs and guarded buffers (``poisoned_run``)."""
+    with poisoned outputs and guarded buffers (``poisoned_run``) on real tensors (fake ones, which a
+    trace runs, hold no data to poison)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if any(isinstance(t, FakeTensor) for t in case["tensors"].values()):
+        return _run_fused(case, dtype, device)
     with poisoned_run():
         return _run_fused(case, dtype, device)
 
