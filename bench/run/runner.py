@@ -201,6 +201,10 @@ def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> 
     return f"{reason} ({members[0].source}); not started", rows
 
 
+CONSOLE_WIDTH = 120
+"""The widest line the runner's own messages take (logs are read in terminals and editors)."""
+
+
 class Reporter:
     """Progress output: plain lines (CI, pipes) or a rich live display on a terminal."""
 
@@ -257,7 +261,15 @@ class Reporter:
         if outcome.error:
             message += f"\n     {outcome.error}"
         if outcome.noisy:
-            message += f"\n     NOISY (not compared by the gate or the report): {outcome.noisy}"
+            import textwrap
+
+            lines = textwrap.wrap(
+                f"NOISY (not compared by the gate or the report): {outcome.noisy}",
+                CONSOLE_WIDTH,
+                initial_indent="     ",
+                subsequent_indent="       ",
+            )
+            message += "\n" + "\n".join(lines)
         if self._progress:
             self._progress.advance(self._suite)
             self._progress.console.print(f"{outcome.scenario.name}{message}")
