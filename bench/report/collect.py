@@ -135,8 +135,8 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
         return VersionPair(
             released[-1],
             chosen_new,
-            f"release {released[-1]}, the latest release with results here (release{'s' * (len(between) > 1)} "
-            f"{', '.join(between)}: no results here), against "
+            f"release {released[-1]} (the newest release with results here; release{'s' * (len(between) > 1)} "
+            f"{', '.join(between)}: none here), against "
             + (f"release {chosen_new}" if chosen_new in results.releases else chosen_new)
             + (" (--new)" if new else ", the newest results"),
             unmeasured,

@@ -53,7 +53,7 @@ def test_the_page_names_a_release_without_results_and_how_to_compare_it(tmp_path
     report = build_report(tmp_path / "r", tmp_path / "page", releases=releases)
     versions = report.comparison.versions
     assert (versions.base, versions.new, versions.unmeasured) == ("0.1.0", "0.2.0+5.gabcdef0", ("0.2.0",))
-    assert "release 0.1.0, the latest release with results here (release 0.2.0: no results here)" in versions.why
+    assert "release 0.1.0 (the newest release with results here; release 0.2.0: none here)" in versions.why
     page = report.path.read_text()
     assert "<b>Release 0.2.0: not compared, it has no results in this folder.</b>" in page
     assert "moe-bench ab --baseline-ref v0.2.0" in page
