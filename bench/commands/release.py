@@ -50,7 +50,7 @@ def _record_baseline(release, suite: str) -> int:
     runner = Runner(device, REPO_ROOT / "results")
     outcomes = runner.run(load_all(suite_files(suite, device)))
     folder = runner.out_dir.relative_to(REPO_ROOT).as_posix()
-    release = record.record_baseline(release.version, runner.machine["name"], folder)
+    release = record.record_baseline(release.version, runner.machine["name"], folder, path=record.RELEASES_PATH)
     bad = [o.scenario.name for o in outcomes if o.status != "ok" or o.noisy]
     print(f"  baseline: {len(outcomes)} scenario(s) of the {suite} suite in {folder}; commit them with releases.json")
     if bad:
