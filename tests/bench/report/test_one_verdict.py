@@ -39,3 +39,22 @@ def test_the_same_runs_get_one_verdict(tmp_path):
         write_result(data, tmp_path / "r" / data["engine"]["version"] / "1xnvidia-h200")
     page = build_report(tmp_path / "r", tmp_path / "page", releases=["0.1.0"]).path.read_text()
     assert page.count("class='verdict verdict-regressed'") == 3 and "class='verdict verdict-unchanged'" not in page
+
+
+def test_the_expert_count_sweep_draws_one_machine_a_chart_and_one_version_a_line(tmp_path):
+    """Two machines, each with the sweep in two versions: a chart per machine, each line of the newest
+    version that has it, named with no machine (the chart's title has it)."""
+    for machine in ("cpu-2c-amd-epyc", "cpu-2c-intel-r-xeon"):
+        for version in ("0.1.0", "0.2.0"):
+            for experts in (8, 64):
+                spec = {"mode": "execute", "model": {"moe": {"num_experts": experts}}}
+                tokens = metric([1000.0, 1010.0, 990.0], "tokens/s", "higher")
+                data = make_doc(f"e{experts}", {"tokens_per_s_per_gpu": tokens}, spec=spec, version=version)
+                data["machine"] = {**data["machine"], "name": machine, "gpu_name": None, "gpu_count": 0}
+                write_result(data, tmp_path / "r" / version / machine)
+    report = build_report(tmp_path / "r", tmp_path / "page", releases=[])
+    sweeps = [f for kind, f in zip(report.charts, report.figures) if kind == "sweep"]
+    assert len(sweeps) == 2
+    for figure, machine in zip(sweeps, ("cpu-2c-amd-epyc", "cpu-2c-intel-r-xeon")):
+        assert f"runs on {machine}, version 0.2.0" in figure.layout.title.text
+        assert [t.name for t in figure.data] == ["e8 / e64"]
