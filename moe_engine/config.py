@@ -359,8 +359,9 @@ class ModelConfig:
     """Parameter and compute precision (the router always computes in fp32)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """The MoE feed-forward layers."""
-    fused_kernels: bool = False
-    """Fused ops (moe_engine.kernels) for RMSNorm and the residual add, SwiGLU, RoPE, the LM head's loss."""
+    fused_kernels: bool = True
+    """Fused ops (moe_engine.kernels) for RMSNorm and the residual add, SwiGLU, RoPE, the LM head's loss
+    (Triton on CUDA, the eager composition elsewhere); False: the reference path the tests compare against."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "")

@@ -50,9 +50,9 @@ def test_fused_model_equals_unfused_model(config, device):
         assert_close_to_scale(fused_grads[name], grad, tol, msg=f"{name}, seed {SEED}")
 
 
-def test_switch_is_off_by_default_and_says_so(device):
+def test_switch_is_on_by_default_and_off_says_so(device):
+    assert ModelConfig().fused_kernels is True
     model = build_model(dataclasses.replace(GQA, fused_kernels=False), device)
-    assert ModelConfig().fused_kernels is False
     assert not any(getattr(m, "fused_kernels", False) for m in model.modules())
     assert all(p.details == "reference: fused_kernels is off" for p in model.fused_kernel_paths().values())
 

@@ -116,6 +116,8 @@ def spec(
             "n_dense_layers": dense_layers,
             "dense_hidden": 192,
             "moe": {"num_experts": 16, "top_k": TOP_K, "expert_hidden": 64, "shared_expert_hidden": shared},
+            # The reference (unfused) step unless a case asks for the fused kernels: both are checked.
+            "fused_kernels": False,
             **(model or {}),
         },
         "routing": {"mode": "random", "seed": 0},

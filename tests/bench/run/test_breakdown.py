@@ -21,6 +21,7 @@ from bench.run.op_kinds import op_kind_of
 from bench.run.project import project_on_device, traced_scenario
 from bench.run.trace import trace_step
 from bench.scenario import load_scenario, scenario_from_dict
+from bench.validate.variants import patched
 
 T = 1024  # tokens of one rank of e8-ep2-nosync-bf16 (2048 per step, dp 2)
 
@@ -123,6 +124,13 @@ def test_a_stage_message_is_the_pipelines_wherever_it_was_sent():
     assert module_of("@proxy_peers", "backward", pipeline_message=True) == "pipeline"
 
 
+def _unfused(scenario):
+    """The reference (unfused) step, whose ATen ops these tests name one by one (the fused ops' modules
+    are checked in tests/kernels/test_fused_trace.py; the projection prices a fused op as the several
+    kernels it launches on a GPU, where the count below takes one kernel per traced op)."""
+    return patched(scenario, {"model": {"fused_kernels": False}})
+
+
 def _modules(trace, name, stage=None, shape=None):
     """Modules of the ops called ``name`` (optionally of one stage and output shape), in trace order."""
     return [
@@ -144,7 +152,7 @@ def _alltoalls(trace, stage):
 def test_ops_land_in_the_modules_they_ran_in(fake):
     # Two MoE blocks, expert parallelism over 2 ranks (no-sync), d_model 256, vocab 1024, 8 experts,
     # T = 1024 tokens per rank, one microbatch.
-    scenario = load_scenario("scenarios/smoke/e8-ep2-nosync-bf16.yaml")
+    scenario = _unfused(load_scenario("scenarios/smoke/e8-ep2-nosync-bf16.yaml"))
     trace = trace_step(scenario, rank=1, fake=fake)
     d, e, v = 256, 8, 1024
     # The router's scores (fp32 T x E) and its weight's gradient (E x D): the router's, in each block.
@@ -172,7 +180,7 @@ def test_ops_land_in_the_modules_they_ran_in(fake):
     assert set(_modules(trace, "aten._scaled_dot_product_flash_attention_for_cpu_backward.default")) == {"attention"}
     assert set(_modules(trace, "aten.rsqrt.default")) == {"norms"}
     # AdamW's updates; the gradient buffers' accumulation and bucket reductions in the backward.
-    for name in ("aten.addcdiv_.default", "aten.lerp_.Scalar", "aten.addcmul_.default"):
+    for name in ("aten._foreach_addcdiv_.ScalarList", "aten._foreach_lerp_.Scalar", "aten._foreach_addcmul_.Scalar"):
         assert set(_modules(trace, name)) == {"optimizer"}, name
     reductions = [
         module_of(op.location, op.stage)
@@ -188,7 +196,7 @@ def test_ops_land_in_the_modules_they_ran_in(fake):
 
 @pytest.mark.parametrize("name", ["e8-ep2-nosync-bf16-recompute-full", "e8-ep2-nosync-bf16-recompute-selective"])
 def test_recomputed_ops_land_in_their_modules(name):
-    trace = trace_step(load_scenario(f"scenarios/smoke/{name}.yaml"), rank=1)
+    trace = trace_step(_unfused(load_scenario(f"scenarios/smoke/{name}.yaml")), rank=1)
     # The recompute runs the experts' forward again inside the backward: 2 blocks x (2 forward + 4 backward).
     assert _modules(trace, "aten._grouped_mm.default", "backward") == ["experts"] * 12
     assert set(_modules(trace, "aten._scaled_dot_product_flash_attention_for_cpu.default", "backward")) == {"attention"}
@@ -229,9 +237,11 @@ def _pipeline(**changes):
 LAYOUTS = {
     # Four stages (bubble, stage messages), ZeRO-1 gathers under the optimizer, expert all-to-alls,
     # 4 microbatches of which 2 are traced.
-    "pipeline": lambda: _pipeline(**{"parallel.microbatches": 4, "run.tokens_per_step": 2 * 4 * 32}),
+    "pipeline": lambda: _pipeline(
+        **{"parallel.microbatches": 4, "run.tokens_per_step": 2 * 4 * 32, "model.fused_kernels": False}
+    ),
     # No pipeline: gradient buckets overlapped with the backward.
-    "ep2": lambda: load_scenario("scenarios/smoke/e8-ep2-nosync-bf16.yaml"),
+    "ep2": lambda: _unfused(load_scenario("scenarios/smoke/e8-ep2-nosync-bf16.yaml")),
 }
 
 

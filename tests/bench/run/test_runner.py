@@ -386,7 +386,7 @@ def test_mxfp8_scenario_records_the_path_that_ran(tmp_path):
     code, docs = run_cli(
         tmp_path,
         ("mx", variant(precision="mxfp8")),
-        ("bf", variant(precision="bf16")),
+        ("bf", variant(precision="bf16", model__fused_kernels=False)),
         ("fused", variant(precision="bf16", model__fused_kernels=True)),
     )
     assert code == 0
