@@ -157,6 +157,7 @@ def _overlap_forward_backward(action: _Action, ctx: _PipelineContext) -> None:
         stage = stages[index]
         if not stage.is_first and index - 1 not in stages:
             _wait_batch_p2p(schedule.fwd_recv_ops.pop((index, mb)))
+        # Pipeline.step never asks the schedule for the outputs (return_outputs=False).
         output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
         schedule._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
         if index + 1 in stages:
