@@ -56,6 +56,8 @@ CONFIG = ModelConfig(
     seq_len=8,
     dtype="fp32",
     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, routing="random", shared_expert_hidden=16),
+    # The reference step: the graph-break table below is the unfused model's.
+    fused_kernels=False,
 )
 # lr 1 and eps 1 make the updates nearly proportional to the gradients (as in tests/parallel/test_trainer.py):
 # Adam's normalisation would turn the rounding noise of near-zero gradients into full-size updates.
