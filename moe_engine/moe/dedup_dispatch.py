@@ -40,6 +40,7 @@ At the node level the second level's no-sync capacity is then per chunk (its row
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,7 +138,7 @@ class DedupDispatcher(Dispatcher):
 
     def __deepcopy__(self, memo):
         # Process groups cannot be copied; a copied model talks over the same groups.
-        return self
+        return copy.copy(self)
 
     def __call__(self, x_TD, route, experts):
         shares = [destination_share(experts.num_experts * self.ep, route.expert_TK.shape[1], s) for s in self._dests()]
