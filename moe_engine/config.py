@@ -42,6 +42,8 @@ class ExpertBackendKind(str, Enum):
     """``torch._grouped_mm`` with device-side offsets (the default)."""
     MXFP8 = "mxfp8"
     """MXFP8 grouped GEMMs (Triton ``tl.dot_scaled`` on GPUs, a torch emulation elsewhere)."""
+    FP8 = "fp8"
+    """Rowwise-scaled FP8 (e4m3) fprop/dgrad GEMMs: ``scaled_grouped_mm`` on sm90/sm100, else emulated."""
 
 
 class Precision(str, Enum):

@@ -479,3 +479,7 @@ class GroupedExperts(nn.Module):
             new = old.detach()[first : first + len(experts)].clone()
             setattr(self, name, nn.Parameter(new, requires_grad=old.requires_grad))
         self.global_experts = experts
+
+
+# The FP8 backend registers itself in BACKENDS; imported last, as it builds on this module.
+from moe_engine.precision import fp8_experts as _fp8_experts  # noqa: E402, F401
