@@ -272,6 +272,8 @@ def recompute_config() -> ModelConfig:
         qk_norm=True,
         dtype="fp32",
         moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=48, routing="balanced"),
+        # The reference step: the counts below name its ATen ops (the combine's bmm among them).
+        fused_kernels=False,
     )
 
 
