@@ -87,6 +87,9 @@ DROP_CASES = [
     ("per-rank-drops-chunks", "per-rank", "no-sync", 0.5, 2),
 ]
 
+# Tight capacity at both levels of per-node rows (4 ranks as 2 nodes of 2), against the rule by hand.
+NODE_DROP_CASES = [("per-node-drops", "per-node", "no-sync", 0.6, 1)]
+
 
 def _compare_job(cases, ranks_per_node: int) -> dict:
     rank = dist.get_rank()
@@ -97,9 +100,9 @@ def _compare_job(cases, ranks_per_node: int) -> dict:
         reference = step(sharded("per-expert", kind, capacity_factor, 1, None), x_TD, grad_TD)
         dedup = step(sharded(rows, kind, capacity_factor, chunks, nodes), x_TD, grad_TD)
         out[name] = (reference, dedup)
-    for name, rows, kind, capacity_factor, chunks in DROP_CASES if ranks_per_node == 1 else []:
+    for name, rows, kind, capacity_factor, chunks in DROP_CASES if ranks_per_node == 1 else NODE_DROP_CASES:
         x_TD, grad_TD = batch(rank, name)
-        out[name] = step(sharded(rows, kind, capacity_factor, chunks, None, routing="random"), x_TD, grad_TD)
+        out[name] = step(sharded(rows, kind, capacity_factor, chunks, nodes, routing="random"), x_TD, grad_TD)
     # No host sync in the no-sync variant, in forward and backward.
     for rows in ("per-rank", "per-node"):
         layer = sharded(rows, "no-sync", 1.0, 2, nodes)
@@ -191,6 +194,74 @@ def test_per_rank_no_sync_drops_the_tail_rows(results, name):
             y=refs[rank]["y"],
             grad_x=refs[rank]["grad_x"],
             # An expert's gradient sums every source rank's tokens.
+            grad_gate_up=sum(ref["grad_gate_up"][experts] for ref in refs),
+            grad_down=sum(ref["grad_down"][experts] for ref in refs),
+        )
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                got[rank][key], value, **FP32_TOL, msg=lambda m, r=rank, k=key: f"rank {r} {k}: {m}"
+            )
+
+
+def kept_per_node_by_hand(expert_TK: list[torch.Tensor], ranks_per_node: int, capacity_factor: float):
+    """Per source rank, bool (T, k) kept assignments, and the assignments each rank dropped, by the
+    two-level rule: a source's rows to a node, in token order, keep the first C1 slots; the forwarding
+    rank (same local index on that node) receives its C1 slots from each node's source in node order
+    and spreads each kept row to the ranks of its node holding its experts, each keeping its first C2."""
+    ep = len(expert_TK)
+    nodes, per_rank = ep // ranks_per_node, EXPERTS // ep
+    p_node, p_rank = destination_share(EXPERTS, TOP_K, nodes), destination_share(EXPERTS, TOP_K, ep)
+    c1 = math.ceil(round(capacity_factor * TOKENS * p_node, 9))
+    c2 = math.ceil(round(nodes * c1 * p_rank / p_node, 9))
+    kept = [torch.ones_like(e, dtype=torch.bool) for e in expert_TK]
+    dropped = [0] * ep
+
+    def drop(source: int, token: int, rank: int, at: int) -> None:
+        for j, e in enumerate(expert_TK[source][token].tolist()):
+            if e // per_rank == rank and kept[source][token, j]:
+                kept[source][token, j] = False
+                dropped[at] += 1
+
+    def node_ranks(node: int) -> range:
+        return range(node * ranks_per_node, (node + 1) * ranks_per_node)
+
+    for node in range(nodes):
+        for local in range(ranks_per_node):
+            forwarder = node * ranks_per_node + local
+            arrived = []  # (source, token) in arrival order
+            for source_node in range(nodes):
+                source = source_node * ranks_per_node + local
+                rows = [
+                    t
+                    for t, es in enumerate(expert_TK[source].tolist())
+                    if any(e // per_rank in node_ranks(node) for e in es)
+                ]
+                for t in rows[c1:]:
+                    for rank in node_ranks(node):
+                        drop(source, t, rank, source)
+                arrived += [(source, t) for t in rows[:c1]]
+            taken = dict.fromkeys(node_ranks(node), 0)
+            for source, t in arrived:
+                for rank in sorted({e // per_rank for e in expert_TK[source][t].tolist()} & set(node_ranks(node))):
+                    taken[rank] += 1
+                    if taken[rank] > c2:
+                        drop(source, t, rank, forwarder)
+    return kept, dropped
+
+
+def test_per_node_no_sync_drops_the_tail_rows_at_both_levels(results):
+    name, capacity_factor = NODE_DROP_CASES[0][0], NODE_DROP_CASES[0][3]
+    got = [rank_results[name] for rank_results in results["ep4"]]
+    kept, dropped = kept_per_node_by_hand([g["expert_TK"] for g in got], 2, capacity_factor)
+    assert [int(g["dropped"]) for g in got] == dropped, "assignments dropped, counted where dropped"
+    assert sum(dropped) > 0, "the capacity is tight enough to drop"
+    refs = [reference_with_drops(rank, *batch(rank, name), kept[rank]) for rank in range(4)]
+    per_rank = EXPERTS // 4
+    for rank in range(4):
+        experts = slice(rank * per_rank, (rank + 1) * per_rank)
+        expected = dict(
+            y=refs[rank]["y"],
+            grad_x=refs[rank]["grad_x"],
             grad_gate_up=sum(ref["grad_gate_up"][experts] for ref in refs),
             grad_down=sum(ref["grad_down"][experts] for ref in refs),
         )
