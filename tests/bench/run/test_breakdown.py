@@ -234,14 +234,25 @@ def _pipeline(**changes):
     return scenario_from_dict(spec)
 
 
+# Per-expert rows: the rows a proxy rank's trace sends, so that the independent counts below take the
+# traced exchanges as they are (the projection's pricing of the engine's rows per destination from them
+# is tests/bench/predict/test_dispatch_rows.py's).
 LAYOUTS = {
     # Four stages (bubble, stage messages), ZeRO-1 gathers under the optimizer, expert all-to-alls,
     # 4 microbatches of which 2 are traced.
     "pipeline": lambda: _pipeline(
-        **{"parallel.microbatches": 4, "run.tokens_per_step": 2 * 4 * 32, "model.fused_kernels": False}
+        **{
+            "parallel.microbatches": 4,
+            "parallel.dispatch_rows": "per-expert",
+            "run.tokens_per_step": 2 * 4 * 32,
+            "model.fused_kernels": False,
+        }
     ),
     # No pipeline: gradient buckets overlapped with the backward.
-    "ep2": lambda: _unfused(load_scenario("scenarios/smoke/e8-ep2-nosync-bf16.yaml")),
+    "ep2": lambda: patched(
+        _unfused(load_scenario("scenarios/smoke/e8-ep2-nosync-bf16.yaml")),
+        {"parallel": {"dispatch_rows": "per-expert"}},
+    ),
 }
 
 
@@ -284,7 +295,9 @@ def test_breakdown_adds_up_to_the_projected_step(layout):
         + steps["param_gather_hidden"]
         + steps["fsdp_gather_total"]
         - steps["fsdp_gather_exposed"],
-        rel=1e-12,
+        # The projection prices a microbatch's expert all-to-alls as their mean call, rounded to whole
+        # bytes; the breakdown prices each call: their hidden parts differ in the rounding.
+        rel=1e-6,
         abs=1e-15,
     )
     assert kinds.get("bubble", {"time_s": 0.0})["time_s"] == steps["bubble"]
