@@ -204,6 +204,7 @@ __all__ = [
     "KINDS",
     "OVERLAPS",
     "STEP_KEYS",
+    "ZERO_BUBBLE",
     "Projection",
     "RankTiming",
     "Schedule",

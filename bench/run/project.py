@@ -54,7 +54,7 @@ from bench.predict.op_projection import engine_dispatch, project_priced_step, st
 from bench.predict.overlap import overlapped_pairs
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
-from bench.predict.projection import Schedule
+from bench.predict.projection import ZERO_BUBBLE, Schedule
 from bench.predict.skew import SkewModel
 from bench.run.breakdown import step_breakdown
 from bench.run.proxy_rank.pipeline import stage_order
@@ -469,6 +469,12 @@ def projection_document(
             staged.priced, staged.trace.group_phases, rows_kind, shape, sync, staged.rank
         )
         prices = step_prices(priced, m_traced, phases, chunks, levels)
+        if schedule.kind in ZERO_BUBBLE and schedule.pp > 1:
+            # W actions write the weights' gradients past autograd's hooks: the buckets launch when the
+            # backward ends (the optimizer's _gather_hookless_grads), not under it.
+            prices = dataclasses.replace(
+                prices, grad_buckets=[dataclasses.replace(b, window_s=0.0) for b in prices.grad_buckets]
+            )
         if schedule.chunks > 1:
             # A rank of v stages sends and receives each microbatch's activations and gradients at each.
             prices = dataclasses.replace(
@@ -564,6 +570,14 @@ def projection_document(
             "same ops (only routes differ); the last is where the gradient buckets launch",
             "memory from the plan (bench/predict/plan.py); the step is the slowest pipeline stage's",
             *sharing,
+            *(
+                [
+                    f"{schedule.kind}: its W actions write the weights' gradients past autograd's hooks, so every "
+                    "gradient bucket launches when the backward ends (window 0), not under it"
+                ]
+                if schedule.kind in ZERO_BUBBLE and schedule.pp > 1
+                else []
+            ),
             f"MFU = TFLOP/s per GPU (model FLOPs, Megatron's convention) / the {_peak_dtype(scenario.precision)} "
             f"dense peak {peak:g} TFLOP/s",
         ],

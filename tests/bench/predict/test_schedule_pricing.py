@@ -275,3 +275,21 @@ def test_dualpipev_activations_in_flight_match_torchs_plan(pp, m):
                 )
                 peak = max(peak, held)
         assert in_flight_microbatches("dualpipev", pp, 2, m, rank) == peak / 2
+
+
+def test_zero_bubble_layouts_reduce_their_gradients_after_the_backward():
+    # A 4-layer pipeline of 2 ranks under ZB-V (two stages a rank) against 1F1B, projected on H100: the W
+    # actions write gradients past autograd's hooks, so no bucket hides under the backward.
+    from bench.predict.device import load_profile
+    from bench.run.project import project_on_device
+    from bench.scenario import load_scenario
+    from bench.validate.variants import patched
+
+    base = load_scenario("scenarios/smoke/e8-pp2-ep2-bf16.yaml")
+    base = patched(base, {"model": {"n_layers": 4}, "parallel": {"microbatches": 4}})
+    zbv = patched(base, {"parallel": {"schedule": "zbv", "virtual_stages": 2}})
+    profile = load_profile("h100-sxm")
+    plain, zero_bubble = (project_on_device(s, profile)["breakdown_s"] for s in (base, zbv))
+    assert plain["grad_sync_hidden"] > 0
+    assert zero_bubble["grad_sync_hidden"] == 0.0
+    assert zero_bubble["grad_sync_exposed"] == pytest.approx(zero_bubble["grad_sync_total"])
