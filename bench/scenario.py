@@ -167,12 +167,14 @@ def _model_config(spec: dict[str, Any], file) -> ModelConfig:
     model = copy.deepcopy(spec["model"])
     routing = spec["routing"]
     model["moe"].update(routing=routing["mode"], routing_seed=routing["seed"], zipf_exponent=routing["zipf_exponent"])
-    if spec["precision"] == "mxfp8":
-        # bf16 parameters and dense compute (fp32 masters, fp32 router); the experts run MXFP8 GEMMs.
-        backend = model["moe"].setdefault("backend", "mxfp8")
-        if backend != "mxfp8":
+    if spec["precision"] in ("mxfp8", "fp8"):
+        # bf16 parameters and dense compute (fp32 masters, fp32 router); the experts run MXFP8 or
+        # rowwise FP8 GEMMs (the expert backend of the same name).
+        precision = spec["precision"]
+        backend = model["moe"].setdefault("backend", precision)
+        if backend != precision:
             raise ScenarioError(
-                file, "model.moe.backend", f"precision mxfp8 runs the mxfp8 expert backend, not {backend!r}"
+                file, "model.moe.backend", f"precision {precision} runs the {precision} expert backend, not {backend!r}"
             )
         model["dtype"] = "bf16"
     else:

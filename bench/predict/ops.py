@@ -88,7 +88,7 @@ _FREE = {
     "aten.is_same_size",
     "aten.resize_",
 }
-REGIONS = ("mxfp8.grouped_mm", "mxfp8.quantize", "mxfp8.dequantize")
+REGIONS = ("mxfp8.grouped_mm", "mxfp8.quantize", "mxfp8.dequantize", "fp8.grouped_mm", "fp8.quantize", "fp8.dequantize")
 """Engine functions that run as one kernel on a GPU and as several ATen ops on a CPU."""
 
 
@@ -214,6 +214,8 @@ def region_op(ops: Iterable[TracedOp], region: str) -> OpWork:
     it reads (what the GPU kernel reads: fp8 values + scales) and the output it writes.
     mxfp8.quantize: a memory-bound pass reading the input, writing fp8 values and scales.
     mxfp8.dequantize: a memory-bound pass reading fp8 values and scales, writing the output.
+    fp8.*: the same for rowwise FP8 (``moe_engine.precision.fp8_experts``): the grouped GEMM at the fp8
+    rate (a grouped_gemm of dtype e4m3), its operands 1 byte per value plus one fp32 scale per row.
     """
     ops = list(ops)
     if region == "mxfp8.grouped_mm":
@@ -235,4 +237,34 @@ def region_op(ops: Iterable[TracedOp], region: str) -> OpWork:
         last = next((o for o in reversed(ops) if o.outputs and op_kind(o) != "free"), None)
         out = last.outputs[0] if last is not None else TensorSpec((0,), "torch.bfloat16")
         return OpWork("memory", 0.0, out.numel * (1 + 1 / 32) + out.nbytes, out.dtype)
+    if region.startswith("fp8."):
+        return _fp8_region_op(ops, region)
     raise ValueError(f"unknown region {region!r}; expected one of {', '.join(REGIONS)}")
+
+
+_E4M3 = "torch.float8_e4m3fn"
+
+
+def _fp8_region_op(ops: list[TracedOp], region: str) -> OpWork:
+    if region == "fp8.grouped_mm":
+        gemms = [o for o in ops if op_kind(o) == "grouped_gemm"]
+        if not gemms:
+            raise ValueError("an fp8.grouped_mm region without a grouped GEMM")
+        g = gemms[-1]
+        work = op_work(g)
+        a, b, out = g.inputs[0], g.inputs[1], g.outputs[0]
+        # e4m3 operands, fp32 scales per row of a and per output column of each expert's b; the
+        # output in the dtype the region hands back (the emulation accumulates in fp32, then casts).
+        scales = a.shape[0] + (b.numel // b.shape[-2] if len(b.shape) == 3 else b.shape[-1])
+        out_dtype = next((o.outputs[0].dtype for o in reversed(ops) if o.outputs and op_kind(o) != "free"), out.dtype)
+        nbytes = a.numel + b.numel + 4 * scales + out.numel * dtype_bytes(out_dtype)
+        return OpWork("grouped_gemm", work.flops, nbytes, _E4M3, work.groups, shape=work.shape)
+    if region == "fp8.quantize":
+        first = next((o for o in ops if o.inputs), None)
+        source = first.inputs[0] if first is not None else TensorSpec((0,), "torch.bfloat16")
+        rows = source.numel // source.shape[-1] if source.shape and source.shape[-1] else 0
+        return OpWork("memory", 0.0, source.nbytes + source.numel + 4 * rows, source.dtype)
+    last = next((o for o in reversed(ops) if o.outputs and op_kind(o) != "free"), None)
+    out = last.outputs[0] if last is not None else TensorSpec((0,), "torch.bfloat16")
+    rows = out.numel // out.shape[-1] if out.shape and out.shape[-1] else 0
+    return OpWork("memory", 0.0, out.numel + 4 * rows + out.nbytes, out.dtype)

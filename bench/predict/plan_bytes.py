@@ -53,6 +53,8 @@ BYTES = {
     "mxfp8": PrecisionBytes(
         param=2, grad=2, optimizer=12, activation=2, expert_input=1 + 1 / 32, comm=2, optimizer_step_temp=4
     ),
+    # Rowwise FP8 saves x in e4m3 but h in bf16 (``moe_engine.precision.fp8_experts``): counted as bf16.
+    "fp8": PrecisionBytes(param=2, grad=2, optimizer=12, activation=2, expert_input=2, comm=2, optimizer_step_temp=4),
 }
 """Bytes by precision with gradient buffers in the parameters' dtype (``grad_dtype: param``)."""
 

@@ -32,6 +32,7 @@ from enum import Enum
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from moe_engine.moe import experts as ex
 from moe_engine.moe.grouped_gemm import grouped_mm
@@ -84,8 +85,11 @@ def scaled_grouped_mm_emulated(
     computes (2d x 3d): row m of expert e is ``sum_k a[m,k] scale_a[m] b[e,k,n] scale_b[e,n]``, the
     scales multiplying (decode scales, the reciprocals of the quantization's). fp32 accumulation, then
     ``out_dtype``; rows after the last offset are zero."""
-    a_MK = mat_a_MK.to(torch.float32) * scale_a_M.unsqueeze(1)
-    b_EKN = mat_b_EKN.to(torch.float32) * scale_b_EN.unsqueeze(1)
+    # torch's fake kernel of ``_grouped_mm`` takes bf16 only; a traced step (fake tensors) needs the
+    # shapes, and the projection prices the region as one fp8 GEMM whatever it computes in.
+    compute = torch.bfloat16 if is_fake(mat_a_MK) else torch.float32
+    a_MK = (mat_a_MK.to(torch.float32) * scale_a_M.unsqueeze(1)).to(compute)
+    b_EKN = (mat_b_EKN.to(torch.float32) * scale_b_EN.unsqueeze(1)).to(compute)
     out_MN = grouped_mm(a_MK, b_EKN, offs_E)
     real_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offs_E[-1]).unsqueeze(1)
     return torch.where(real_M1, out_MN, 0.0).to(out_dtype)
@@ -103,12 +107,22 @@ def gemm_op(path: FP8Path) -> Callable[..., torch.Tensor]:
     return _scaled_grouped_mm_op if path is FP8Path.SCALED_GROUPED_MM else scaled_grouped_mm_emulated
 
 
+# Each function below runs as one kernel on a GPU and as several ATen ops on a CPU; the profiler mark
+# names it, for profiles and for ``bench.run.trace``, which prices it as one kernel on a GPU.
+@torch.profiler.record_function("fp8.grouped_mm")
+def run_gemm(path: FP8Path, mat_a, mat_b, scale_a, scale_b, offs, out_dtype) -> torch.Tensor:
+    """``gemm_op(path)`` on the op's arguments."""
+    return gemm_op(path)(mat_a, mat_b, scale_a, scale_b, offs, out_dtype)
+
+
+@torch.profiler.record_function("fp8.quantize")
 def quantize_rows(t_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 (M, K) row-major, fp32 (M,) decode scales): the op's ``mat_a`` and ``scale_a``."""
     data, scale = fp8.quantize(t_MK, axis=-1)
     return data, scale.reciprocal().squeeze(1)
 
 
+@torch.profiler.record_function("fp8.quantize")
 def quantize_weight(w_ENK: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``mat_b`` (E, K, N) column-major and its (E, N) decode scales for ``x @ w[e].T`` (w stored
     (E, N, K), scaled along K); with ``transposed``, for ``g @ w[e]`` (reduction along w's dim 1)."""
@@ -119,6 +133,12 @@ def quantize_weight(w_ENK: torch.Tensor, transposed: bool = False) -> tuple[torc
     return data.contiguous().transpose(1, 2), scale.reciprocal().squeeze(2)
 
 
+@torch.profiler.record_function("fp8.dequantize")
+def dequantize_rows(data_MK: torch.Tensor, scale_M: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``quantize_rows`` stands for, in ``dtype``."""
+    return (data_MK.to(torch.float32) * scale_M.unsqueeze(1)).to(dtype)
+
+
 def fp8_grouped_mm(
     x_MK: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], offsets_E: torch.Tensor, dtype, path: FP8Path
 ) -> torch.Tensor:
@@ -126,7 +146,7 @@ def fp8_grouped_mm(
     weight ``w`` (``quantize_weight``), expert by expert."""
     x_MK = torch.where(_real_rows(x_MK, offsets_E), x_MK, 0)
     a, scale_a = quantize_rows(x_MK)
-    return gemm_op(path)(a, w[0], scale_a, w[1], offsets_E, dtype)
+    return run_gemm(path, a, w[0], scale_a, w[1], offsets_E, dtype)
 
 
 def _real_rows(x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -144,7 +164,7 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
         x_ND = torch.where(_real_rows(x_ND, offsets_E), x_ND, 0)
         x_q, x_scale = quantize_rows(x_ND)
         w_q, w_scale = quantize_weight(gate_up_EHD)
-        h_NH = gemm_op(path)(x_q, w_q, x_scale, w_scale, offsets_E, x_ND.dtype)
+        h_NH = run_gemm(path, x_q, w_q, x_scale, w_scale, offsets_E, x_ND.dtype)
         y_ND = fp8_grouped_mm(ex.swiglu(h_NH, fused), quantize_weight(down_EDF), offsets_E, x_ND.dtype, path)
         if any(ctx.needs_input_grad):
             ctx.save_for_backward(x_q, x_scale, h_NH, offsets_E, gate_up_EHD, down_EDF)
@@ -166,7 +186,7 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
         if stash.wanted:
 
             def weight_grads():
-                x_ND = (x_q.to(torch.float32) * x_scale.unsqueeze(1)).to(dtype)
+                x_ND = dequantize_rows(x_q, x_scale, dtype)
                 grad_gate_up_EHD = ex.zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
                 grad_down_EDF = ex.zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
                 return grad_gate_up_EHD, grad_down_EDF

@@ -17,7 +17,7 @@ from bench.run.worker_protocol import WorkerRequest
 
 GIB = 2**30
 GPU_SUITE = load_all(suite_files("gpu", torch.device("cuda")))
-ONE_GPU_SET = {"e8-top4-random-bf16", "e128-top4-random-bf16", "e8-top4-random-mxfp8"}
+ONE_GPU_SET = {"e8-top4-random-bf16", "e128-top4-random-bf16", "e8-top4-random-mxfp8", "e8-top4-random-fp8"}
 
 
 def planned_per_gpu(scenario) -> int:
