@@ -15,8 +15,8 @@ of two and a GEMM on them differs from the scaled GEMM's only in summation order
 gets a NaN scale (all its values NaN); a row holding Inf gets a zero scale (its finite values 0, the
 Inf ones NaN), as torchao's formula gives.
 
-This module holds the format and its CPU emulation; the experts' backend that trains with it is not
-built yet.
+This module holds the format and its CPU emulation; the experts' backend that trains with it is
+``moe_engine.precision.fp8_experts``.
 """
 
 from __future__ import annotations
