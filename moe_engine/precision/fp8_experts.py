@@ -142,26 +142,23 @@ def dequantize_rows(data_MK: torch.Tensor, scale_M: torch.Tensor, dtype: torch.d
 def fp8_grouped_mm(
     x_MK: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], offsets_E: torch.Tensor, dtype, path: FP8Path
 ) -> torch.Tensor:
-    """(M, N) ``dtype``: the rows of x (quantized here, padding rows zeroed first) times the quantized
-    weight ``w`` (``quantize_weight``), expert by expert."""
-    x_MK = torch.where(_real_rows(x_MK, offsets_E), x_MK, 0)
+    """(M, N) ``dtype``: the rows of x (quantized here) times the quantized weight ``w``
+    (``quantize_weight``), expert by expert."""
     a, scale_a = quantize_rows(x_MK)
     return run_gemm(path, a, w[0], scale_a, w[1], offsets_E, dtype)
 
 
-def _real_rows(x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    return (torch.arange(x_ND.shape[0], device=x_ND.device) < offsets_E[-1]).unsqueeze(1)
-
-
 class _FP8GroupedSwiGLU(torch.autograd.Function):
     """fprop and dgrad GEMMs in rowwise FP8, wgrad in bf16; the main node of the split backward.
+
+    Padding rows (after the last offset) are not zeroed: each row has its own scale, so whatever they
+    hold (NaN included) stays in their own rows, which no GEMM reads and callers mask.
 
     Saves x in FP8 (the fprop operand itself, so wgrad of gate_up sees the x the forward multiplied)
     and h in the input's dtype; backward recomputes the activation from h."""
 
     @staticmethod
     def forward(ctx, x_ND, offsets_E, gate_up_EHD, down_EDF, stash, token, path, fused=False):
-        x_ND = torch.where(_real_rows(x_ND, offsets_E), x_ND, 0)
         x_q, x_scale = quantize_rows(x_ND)
         w_q, w_scale = quantize_weight(gate_up_EHD)
         h_NH = run_gemm(path, x_q, w_q, x_scale, w_scale, offsets_E, x_ND.dtype)
@@ -180,7 +177,7 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
         x_q, x_scale, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         dtype, path = grad_y_ND.dtype, ctx.path
         # Contiguous: a zero-stride gradient (from y.sum()) breaks the grouped GEMM's kernels.
-        grad_y_ND = torch.where(_real_rows(grad_y_ND, offsets_E), grad_y_ND, 0).contiguous()
+        grad_y_ND = grad_y_ND.contiguous()
         grad_a_NF = fp8_grouped_mm(grad_y_ND, quantize_weight(down_EDF, transposed=True), offsets_E, dtype, path)
         a_NF, grad_h_NH = ex.swiglu_backward(h_NH, grad_a_NF, ctx.fused)
         if stash.wanted:

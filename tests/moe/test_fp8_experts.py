@@ -219,3 +219,19 @@ def test_the_op_gets_rowwise_operands(monkeypatch):
     assert layer_emulated.backend.path == "torch-emulation"
     assert torch.equal(recorded[0], layer_emulated(x2.detach(), groups))
     assert torch.equal(recorded[1], x2.grad)
+
+
+def test_nan_padding_rows_stay_in_their_rows():
+    """Padding rows are not zeroed before quantization: a NaN there must reach no real row's output or
+    input gradient, nor any weight gradient."""
+    layer, groups = _layer(ExpertBackendKind.FP8), _groups()
+    x = _rows()
+    x[sum(COUNTS) :] = float("nan")
+    x.requires_grad_()
+    y = layer(x, groups)
+    grad_y = torch.ones_like(y)
+    grad_y[sum(COUNTS) :] = float("nan")
+    y.backward(grad_y)
+    real = sum(COUNTS)
+    assert torch.isfinite(y[:real]).all() and torch.isfinite(x.grad[:real]).all()
+    assert torch.isfinite(layer.gate_up.grad).all() and torch.isfinite(layer.down.grad).all()
