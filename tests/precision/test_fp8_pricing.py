@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bench.predict.device import load_profile
-from bench.predict.ops import TensorSpec, TracedOp, region_op
+from bench.predict.ops import REGIONS, TensorSpec, TracedOp, region_op
 from bench.predict.pricing import op_seconds
 from moe_engine.config import ExpertBackendKind
 from moe_engine.moe.experts import GroupedExperts
@@ -70,6 +70,7 @@ def test_the_backend_marks_its_regions():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         layer(x, groups).sum().backward()
     names = [e.name for e in prof.events()]
+    assert {"fp8.grouped_mm", "fp8.quantize", "fp8.dequantize"} <= set(REGIONS)
     assert names.count("fp8.grouped_mm") == 4  # fprop h, y; dgrad a, x
     assert names.count("fp8.quantize") >= 8  # each GEMM's two operands
     assert names.count("fp8.dequantize") == 1  # x for the bf16 weight gradient
