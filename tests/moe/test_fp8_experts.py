@@ -235,3 +235,37 @@ def test_nan_padding_rows_stay_in_their_rows():
     real = sum(COUNTS)
     assert torch.isfinite(y[:real]).all() and torch.isfinite(x.grad[:real]).all()
     assert torch.isfinite(layer.gate_up.grad).all() and torch.isfinite(layer.down.grad).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bf16_model_trains_with_fp8_experts(fused):
+    """The backend inside a whole model (router, dispatch, gather, shared expert), fused kernels or
+    not: the loss within the layer's forward bound of the same model with bf16 experts, and every
+    parameter a finite, non-zero gradient."""
+    from moe_engine import ModelConfig, build_model
+    from moe_engine.config import MoEConfig
+
+    losses, models = {}, {}
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
+    for backend in ("torch", "fp8"):
+        torch.manual_seed(0)
+        moe = MoEConfig(num_experts=8, top_k=2, expert_hidden=32, shared_expert_hidden=32, backend=backend)
+        config = ModelConfig(
+            vocab_size=96,
+            d_model=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            seq_len=16,
+            dense_hidden=96,
+            dtype="bf16",
+            moe=moe,
+            fused_kernels=fused,
+        )
+        model = build_model(config, torch.device("cpu"))
+        loss = model.loss(tokens, tokens.roll(-1, dims=1))
+        loss.backward()
+        losses[backend], models[backend] = loss.item(), model
+    assert abs(losses["fp8"] - losses["torch"]) / losses["torch"] < LAYER_BOUNDS["y"]
+    for name, param in models["fp8"].named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all() and param.grad.abs().sum() > 0, name
