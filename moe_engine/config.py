@@ -43,7 +43,7 @@ class ExpertBackendKind(str, Enum):
     MXFP8 = "mxfp8"
     """MXFP8 grouped GEMMs (Triton ``tl.dot_scaled`` on GPUs, a torch emulation elsewhere)."""
     FP8 = "fp8"
-    """Rowwise-scaled FP8 (e4m3) fprop/dgrad GEMMs: ``scaled_grouped_mm`` on sm90/sm100, else emulated
+    """Rowwise-scaled FP8 (e4m3) fprop/dgrad GEMMs: ``scaled_grouped_mm`` on sm90, else emulated
     (``moe_engine.precision.fp8_experts``)."""
 
 

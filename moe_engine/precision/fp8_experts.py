@@ -16,8 +16,10 @@ The weight gradients stay bf16: FP8 there needs scales per (expert, row) along t
 ``scaled_grouped_mm``'s 2d-2d form wants each expert's token group to start at a multiple of 16
 rows (torchao pads the groups to get that), which the engine's offsets do not promise.
 
-On CUDA capability 9.x and 10.x the GEMMs run ``torch.nn.functional.scaled_grouped_mm`` with
-``ScalingType.RowWise`` (CUTLASS); elsewhere ``scaled_grouped_mm_emulated``, the same arithmetic on
+On CUDA capability 9.x the GEMMs run ``torch.nn.functional.scaled_grouped_mm`` with
+``ScalingType.RowWise`` (CUTLASS); torch 2.13 supports its rowwise grouped GEMM on sm90 only (its
+tests' ``PLATFORM_SUPPORTS_FP8_GROUPED_GEMM`` is "sm90 or later and not sm100 or later"), so
+Blackwell runs the emulation like every other device: ``scaled_grouped_mm_emulated``, the same arithmetic on
 the dequantized operands in fp32 (exact: power-of-two scales), differing from the op only in
 summation order. ``FP8Backend.path`` names the op the last forward called.
 
@@ -38,15 +40,15 @@ from moe_engine.moe import experts as ex
 from moe_engine.moe.grouped_gemm import grouped_mm
 from moe_engine.precision import fp8_rowwise as fp8
 
-SCALED_GROUPED_MM_MAJORS = (9, 10)
-"""CUDA capability majors where torch's rowwise ``scaled_grouped_mm`` runs (CUTLASS, sm90/sm100)."""
+SCALED_GROUPED_MM_MAJORS = (9,)
+"""CUDA capability majors where torch's rowwise ``scaled_grouped_mm`` runs (CUTLASS, sm90 only)."""
 
 
 class FP8Path(str, Enum):
     """The op that runs the FP8 grouped GEMMs."""
 
     SCALED_GROUPED_MM = "scaled-grouped-mm-rowwise"
-    """``torch.nn.functional.scaled_grouped_mm`` with RowWise scales (CUTLASS on sm90/sm100)."""
+    """``torch.nn.functional.scaled_grouped_mm`` with RowWise scales (CUTLASS on sm90)."""
     EMULATION = "torch-emulation"
     """Dequantize, then ``torch._grouped_mm`` in fp32 (``scaled_grouped_mm_emulated``)."""
 

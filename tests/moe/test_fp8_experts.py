@@ -161,14 +161,16 @@ def _fake_cuda(monkeypatch, capability):
 
 @pytest.mark.parametrize(
     ("capability", "want"),
-    [((9, 0), fx.FP8Path.SCALED_GROUPED_MM), ((10, 3), fx.FP8Path.SCALED_GROUPED_MM), ((8, 9), fx.FP8Path.EMULATION)],
+    [((9, 0), fx.FP8Path.SCALED_GROUPED_MM), ((10, 3), fx.FP8Path.EMULATION), ((8, 9), fx.FP8Path.EMULATION)],
 )
 def test_path_from_a_faked_device(monkeypatch, capability, want):
     _fake_cuda(monkeypatch, capability)
     assert fx.available_path("cuda") is want
     assert fx.available_path("cpu") is fx.FP8Path.EMULATION
     label = fx.path_label(want, "cuda")
-    assert label == (f"scaled-grouped-mm-rowwise-sm{capability[0]}{capability[1]}" if capability >= (9, 0) else want)
+    assert label == (
+        f"scaled-grouped-mm-rowwise-sm{capability[0]}{capability[1]}" if want is fx.FP8Path.SCALED_GROUPED_MM else want
+    )
 
 
 def test_path_without_the_op(monkeypatch):
