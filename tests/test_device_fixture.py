@@ -66,7 +66,5 @@ def test_the_check_tells_modules_apart():
     assert not runs_on_the_device("import pytest\n@pytest.mark.slow\ndef test_a(tmp_path):\n    pass\n")
     assert not runs_on_the_device("def helper(device):\n    pass\ndef test_a():\n    pass\n")
     script = "x=1\ncuda_tests=(tests/test_model.py\n            tests/precision)  # comment\nrun_step a b\n"
-    assert [m.relative_to(REPO).as_posix() for m in cuda_test_modules(script)][:2] == [
-        "tests/test_model.py",
-        "tests/precision/test_mxfp8.py",
-    ]
+    found = [m.relative_to(REPO).as_posix() for m in cuda_test_modules(script)]
+    assert found[0] == "tests/test_model.py" and "tests/precision/test_mxfp8.py" in found[1:]

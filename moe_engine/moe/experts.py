@@ -23,230 +23,26 @@ weights (all experts, or an expert-parallel rank's block of them) and picks the 
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_engine import kernels
 from moe_engine.config import ExpertBackendKind
+from moe_engine.moe.expert_backend import (
+    ExpertBackend,
+    LoopBackend,
+    input_grad_wanted,
+    split_token_grad,
+    split_weights,
+    swiglu,
+    swiglu_backward,
+    weights_only_reentry,
+    zero_empty_experts_,
+)
 from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
-from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
+from moe_engine.moe.permute import ExpertGroups, RowMap
 from moe_engine.precision import mxfp8_gemm as mx
 from moe_engine.precision.mxfp8 import MXTensor
-
-
-class ExpertBackend(ABC):
-    """The seam: compute the experts' SwiGLU for rows already sorted by expert."""
-
-    fused_swiglu: bool = False
-    """Run the activation as the fused op (backends built on ``swiglu``/``swiglu_backward`` honour it)."""
-
-    @abstractmethod
-    def forward(
-        self,
-        x_ND: torch.Tensor,
-        groups: ExpertGroups,
-        gate_up_EHD: torch.Tensor,
-        down_EDF: torch.Tensor,
-    ) -> torch.Tensor:
-        """(N, D) expert outputs for the (N, D) rows, row i by the expert that owns it."""
-
-    def forward_gathered(
-        self,
-        x_TD: torch.Tensor,
-        rows: RowMap,
-        groups: ExpertGroups,
-        gate_up_EHD: torch.Tensor,
-        down_EDF: torch.Tensor,
-    ) -> torch.Tensor:
-        """``forward`` of the rows ``gather_tokens(x_TD, rows)`` places in expert order. A backend that
-        can read its first operand straight from the token rows overrides it."""
-        return self.forward(gather_tokens(x_TD, rows, self.fused_swiglu), groups, gate_up_EHD, down_EDF)
-
-
-class LoopBackend(ExpertBackend):
-    """Per-expert matmuls with ordinary autograd: the reference. Reads counts on the host; padding
-    rows after the last expert's get zero outputs."""
-
-    def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
-        counts = groups.counts_E.tolist()
-        *per_expert, padding = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])
-        outputs = []
-        for e, x_expert in enumerate(per_expert):
-            gate, up = F.linear(x_expert, gate_up_EHD[e]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, down_EDF[e]))
-        outputs.append(padding.new_zeros(padding.shape[0], down_EDF.shape[1]))
-        return torch.cat(outputs)
-
-
-def swiglu(h_NH: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    if fused:
-        return kernels.swiglu_packed(h_NH)
-    gate_NF, up_NF = h_NH.chunk(2, dim=-1)
-    return F.silu(gate_NF) * up_NF
-
-
-def swiglu_backward(
-    h_NH: torch.Tensor, grad_a_NF: torch.Tensor, fused: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Recomputes a = silu(gate) * up and returns (a, d/dh), each written once, no concatenation."""
-    if fused:
-        return kernels.swiglu_packed_backward(h_NH, grad_a_NF)
-    gate_NF, up_NF = h_NH.chunk(2, dim=-1)
-    silu_NF = F.silu(gate_NF)
-    grad_h_NH = torch.empty_like(h_NH)
-    grad_gate_NF, grad_up_NF = grad_h_NH.chunk(2, dim=-1)
-    torch.mul(grad_a_NF, silu_NF, out=grad_up_NF)
-    grad_gate_NF.copy_(torch.ops.aten.silu_backward(grad_a_NF * up_NF, gate_NF))
-    return silu_NF.mul_(up_NF), grad_h_NH
-
-
-def kernel_zeroes_empty_groups(device: torch.device) -> bool:
-    """Whether ``torch._grouped_mm`` on ``device`` writes an empty group's weight gradient itself.
-
-    The CPU kernel computes each group with its own matmul, so an empty group gets the empty sum, 0
-    (``tests/moe/test_grouped_gemm.py`` checks it). On CUDA, ``torch._grouped_mm`` on B200 is
-    reported to leave it unwritten, so the engine zeroes it there.
-    """
-    return device.type == "cpu"
-
-
-def zero_empty_experts_(grad_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Zero the weight gradient of every expert that received no rows, in place, on the device,
-    where the kernel does not already (``kernel_zeroes_empty_groups``): a pass over the whole
-    gradient, about 3% of a CPU step of the 64-expert smoke model, is not paid where it is not needed.
-    """
-    if kernel_zeroes_empty_groups(grad_EXY.device):
-        return grad_EXY
-    counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
-    return grad_EXY.masked_fill_((counts_E == 0).view(-1, 1, 1), 0)
-
-
-class _WeightGradStash:
-    """One expert call's weight gradients, between its two backward nodes.
-
-    The main node's backward (dX) leaves ``compute``, a closure over the tensors dW needs (grad_y, a,
-    grad_h, x); the weight node's backward runs it once and drops it.
-    """
-
-    __slots__ = ("compute", "wanted")
-
-    def __init__(self, wanted: bool):
-        self.wanted = wanted
-        """Whether a weight gradient is wanted (some weight requires grad under grad mode)."""
-        self.compute: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
-
-
-class _ExpertWeightGrads(torch.autograd.Function):
-    """The weight node: its inputs are the experts' weights, its output an empty token that the main
-    node takes as an input, so autograd's graph carries dW as a node of its own. A backward that only
-    wants the inputs' gradients (``stage_backward_input`` of the zero-bubble schedules) never reaches
-    it; ``stage_backward_weight`` and a plain backward do."""
-
-    @staticmethod
-    def forward(ctx, stash, gate_up_EHD, down_EDF):
-        ctx.stash = stash
-        return gate_up_EHD.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, _grad_token):
-        compute, ctx.stash.compute = ctx.stash.compute, None
-        if compute is None:
-            raise RuntimeError("the experts' weight gradients ran without their input-gradient pass, or twice")
-        grad_gate_up_EHD, grad_down_EDF = compute()
-        return (
-            None,
-            grad_gate_up_EHD if ctx.needs_input_grad[1] else None,
-            grad_down_EDF if ctx.needs_input_grad[2] else None,
-        )
-
-
-class DeferredWeightGrads:
-    """The experts' weight gradients of the calls made inside ``defer_weight_grads()``: backward
-    computes their input gradients only, ``run_all()`` their weight gradients."""
-
-    def __init__(self) -> None:
-        self._calls: list[tuple[_WeightGradStash, torch.Tensor]] = []
-
-    @property
-    def pending(self) -> int:
-        """Expert calls whose weight gradients have not run yet."""
-        return len(self._calls)
-
-    def add(self, stash: _WeightGradStash, token: torch.Tensor) -> None:
-        self._calls.append((stash, token))
-
-    def run_all(self) -> None:
-        """Compute every queued weight gradient once, in queue order, and accumulate it into the
-        weights' ``.grad`` through autograd (post-accumulate-grad hooks fire as in a backward).
-        Raises if a queued call's backward has not run yet."""
-        calls, self._calls = self._calls, []
-        if any(stash.compute is None for stash, _ in calls):
-            self._calls = calls
-            raise RuntimeError("run_all() before the backward of every deferred experts call")
-        with torch.enable_grad():
-            for _, token in calls:
-                torch.autograd.backward(token, token.new_empty(0))
-
-
-_deferrals: list[DeferredWeightGrads] = []
-
-
-@contextmanager
-def defer_weight_grads() -> Iterator[DeferredWeightGrads]:
-    """Defer the experts' weight gradients of the forwards run inside: their backward (inside or
-    after) computes dX only; ``run_all()`` computes dW. Only the grouped backends split; the loop
-    backend (the reference) and every other parameter get their gradients during backward."""
-    deferred = DeferredWeightGrads()
-    _deferrals.append(deferred)
-    try:
-        yield deferred
-    finally:
-        _deferrals.remove(deferred)
-
-
-def _input_grad_wanted(ctx, index: int) -> bool:
-    """Whether this backward pass wants the gradient of input ``index`` (``ctx.needs_input_grad`` says
-    only whether it requires grad). ``stage_backward_weight`` re-enters the main node for the weights
-    alone; the engine then does not execute x's producer. The engine does not answer for a leaf under
-    ``autograd.grad``: wanted, to be safe."""
-    if not ctx.needs_input_grad[index]:
-        return False
-    node = ctx.next_functions[index][0]
-    try:
-        return node is None or bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
-        return True
-
-
-def _split_weights(
-    x: torch.Tensor, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor
-) -> tuple[_WeightGradStash, torch.Tensor | None]:
-    """The stash and the weight node's token for one expert call (no token where no weight gradient
-    is wanted). Under ``defer_weight_grads()`` the token is queued there instead of given to the main
-    node, unless x does not require grad (the output would then carry no graph)."""
-    stash = _WeightGradStash(torch.is_grad_enabled() and (gate_up_EHD.requires_grad or down_EDF.requires_grad))
-    if not stash.wanted:
-        return stash, None
-    token = _ExpertWeightGrads.apply(stash, gate_up_EHD, down_EDF)
-    if _deferrals and x.requires_grad:
-        _deferrals[-1].add(stash, token)
-        return stash, None
-    return stash, token
-
-
-def _weights_only_reentry(ctx, stash: _WeightGradStash) -> bool:
-    """True when ``stage_backward_weight`` re-enters the main node: dX ran in the input pass, the
-    closure waits in the stash, and x's gradient is not wanted now."""
-    return stash.compute is not None and not _input_grad_wanted(ctx, 0)
-
-
-def _token_grad(ctx, like: torch.Tensor, index: int) -> torch.Tensor | None:
-    return like.new_empty(0) if ctx.needs_input_grad[index] else None
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -266,8 +62,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_ND):
         stash = ctx.stash
-        token_grad = _token_grad(ctx, grad_y_ND, 5)
-        if _weights_only_reentry(ctx, stash):
+        token_grad = split_token_grad(ctx, grad_y_ND, 5)
+        if weights_only_reentry(ctx, stash):
             return None, None, None, None, None, token_grad, None
         x_ND, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         # A zero-stride gradient (from y.sum()) breaks the grouped GEMM's backward kernels.
@@ -282,7 +78,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 return grad_gate_up_EHD, grad_down_EDF
 
             stash.compute = weight_grads
-        grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E) if _input_grad_wanted(ctx, 0) else None
+        grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E) if input_grad_wanted(ctx, 0) else None
         return grad_x_ND, None, None, None, None, token_grad, None
 
 
@@ -299,7 +95,7 @@ class TorchGroupedBackend(ExpertBackend):
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         self.path = grouped_mm_path(x_ND.device, x_ND.dtype).value
-        stash, token = _split_weights(x_ND, gate_up_EHD, down_EDF)
+        stash, token = split_weights(x_ND, gate_up_EHD, down_EDF)
         return _GroupedSwiGLU.apply(
             x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, self.fused_swiglu
         )
@@ -359,8 +155,8 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_ND):
         stash = ctx.stash
-        token_grad = _token_grad(ctx, grad_y_ND, 5)
-        if _weights_only_reentry(ctx, stash):
+        token_grad = split_token_grad(ctx, grad_y_ND, 5)
+        if weights_only_reentry(ctx, stash):
             return None, None, None, None, None, token_grad, None, None, None
         x_data, x_scales, h_data, h_scales, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         _, hidden2, d_model = gate_up_EHD.shape
@@ -383,7 +179,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
             stash.compute = weight_grads
         grad_x_ND = None
-        if _input_grad_wanted(ctx, 0):
+        if input_grad_wanted(ctx, 0):
             gate_up_dgrad = mx.quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = mx.grouped_mm(mx.quantize_rows(grad_h_NH), gate_up_dgrad, offsets_E, dtype, path)
             if ctx.rows is not None:  # back to the token rows: each token's kept rows summed
@@ -408,7 +204,7 @@ class MXFP8Backend(ExpertBackend):
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         path = mx.available_path(x_ND.device)
         self.path = mx.path_label(path, x_ND.device)
-        stash, token = _split_weights(x_ND, gate_up_EHD, down_EDF)
+        stash, token = split_weights(x_ND, gate_up_EHD, down_EDF)
         return _MXFP8GroupedSwiGLU.apply(
             x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, self.fused_swiglu
         )
@@ -419,7 +215,7 @@ class MXFP8Backend(ExpertBackend):
             return super().forward_gathered(x_TD, rows, groups, gate_up_EHD, down_EDF)
         path = mx.available_path(x_TD.device)
         self.path = mx.path_label(path, x_TD.device)
-        stash, token = _split_weights(x_TD, gate_up_EHD, down_EDF)
+        stash, token = split_weights(x_TD, gate_up_EHD, down_EDF)
         return _MXFP8GroupedSwiGLU.apply(
             x_TD, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, True, rows
         )
@@ -432,6 +228,17 @@ BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {
 }
 
 
+def backend_class(kind: ExpertBackendKind) -> type[ExpertBackend]:
+    """The backend class of ``kind``."""
+    if kind is ExpertBackendKind.FP8:
+        # Imported here: the FP8 backend builds on this module's split backward, so a module-level
+        # import either way would be a circle.
+        from moe_engine.precision.fp8_experts import FP8Backend
+
+        return FP8Backend
+    return BACKENDS[kind]
+
+
 class GroupedExperts(nn.Module):
     """SwiGLU experts of hidden size F, stored as two stacked weight tensors."""
 
@@ -439,7 +246,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
         self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.backend = BACKENDS[ExpertBackendKind(backend)]()
+        self.backend = backend_class(ExpertBackendKind(backend))()
         # Global indices of the experts held here (all of them until sharded for expert parallelism).
         self.global_experts = range(num_experts)
         self.total_experts = num_experts
@@ -479,7 +286,3 @@ class GroupedExperts(nn.Module):
             new = old.detach()[first : first + len(experts)].clone()
             setattr(self, name, nn.Parameter(new, requires_grad=old.requires_grad))
         self.global_experts = experts
-
-
-# The FP8 backend registers itself in BACKENDS; imported last, as it builds on this module.
-from moe_engine.precision import fp8_experts as _fp8_experts  # noqa: E402, F401

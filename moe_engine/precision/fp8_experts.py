@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from moe_engine.moe import experts as ex
+import moe_engine.moe.expert_backend as ex
 from moe_engine.moe.grouped_gemm import grouped_mm
 from moe_engine.precision import fp8_rowwise as fp8
 
@@ -173,8 +173,8 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_ND):
         stash = ctx.stash
-        token_grad = ex._token_grad(ctx, grad_y_ND, 5)
-        if ex._weights_only_reentry(ctx, stash):
+        token_grad = ex.split_token_grad(ctx, grad_y_ND, 5)
+        if ex.weights_only_reentry(ctx, stash):
             return None, None, None, None, None, token_grad, None, None
         x_q, x_scale, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         dtype, path = grad_y_ND.dtype, ctx.path
@@ -192,7 +192,7 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
 
             stash.compute = weight_grads
         grad_x_ND = None
-        if ex._input_grad_wanted(ctx, 0):
+        if ex.input_grad_wanted(ctx, 0):
             gate_up_dgrad = quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = fp8_grouped_mm(grad_h_NH, gate_up_dgrad, offsets_E, dtype, path)
         return grad_x_ND, None, None, None, None, token_grad, None, None
@@ -211,10 +211,7 @@ class FP8Backend(ex.ExpertBackend):
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         path = available_path(x_ND.device)
         self.path = path_label(path, x_ND.device)
-        stash, token = ex._split_weights(x_ND, gate_up_EHD, down_EDF)
+        stash, token = ex.split_weights(x_ND, gate_up_EHD, down_EDF)
         return _FP8GroupedSwiGLU.apply(
             x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, self.fused_swiglu
         )
-
-
-ex.BACKENDS[ex.ExpertBackendKind.FP8] = FP8Backend

@@ -143,7 +143,7 @@ def test_a_wrong_scale_axis_fails_the_bound(monkeypatch):
 
 
 def test_split_backward_defers_weight_grads():
-    from moe_engine.moe.experts import defer_weight_grads
+    from moe_engine.moe.expert_backend import defer_weight_grads
 
     layer, groups = _layer(ExpertBackendKind.FP8), _groups()
     x = _rows().requires_grad_()

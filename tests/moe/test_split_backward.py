@@ -11,7 +11,8 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from moe_engine.config import ExpertBackendKind
 from moe_engine.moe import experts as experts_module
-from moe_engine.moe.experts import GroupedExperts, defer_weight_grads
+from moe_engine.moe.expert_backend import defer_weight_grads
+from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups
 
 SEED = 20261205

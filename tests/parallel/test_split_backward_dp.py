@@ -9,7 +9,8 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from moe_engine.config import ExpertBackendKind, OptimizerConfig
-from moe_engine.moe.experts import GroupedExperts, defer_weight_grads
+from moe_engine.moe.expert_backend import defer_weight_grads
+from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.parallel.data_parallel import DataParallelOptimizer
 

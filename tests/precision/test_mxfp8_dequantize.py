@@ -71,7 +71,7 @@ def test_interpreted_dequantize_equals_eager(interpreted, dtype):
     assert_same_bits(interpreted[str(dtype)], expected(data, scales, dtype))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; this machine has none")
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_dequantize_rows_equals_eager(dtype):
     from moe_engine.precision.mxfp8 import MXTensor

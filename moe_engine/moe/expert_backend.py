@@ -1,0 +1,227 @@
+"""What every expert backend builds on: the seam (``ExpertBackend``), the per-expert loop that is the
+reference, SwiGLU and its backward, empty experts' weight gradients, and the split of a backend's
+backward into an input-gradient node and a weight-gradient node (``moe_engine.moe.experts`` explains
+the split; ``docs/engine.md`` how the zero-bubble schedules use it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from moe_engine import kernels
+from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
+
+
+class ExpertBackend(ABC):
+    """The seam: compute the experts' SwiGLU for rows already sorted by expert."""
+
+    fused_swiglu: bool = False
+    """Run the activation as the fused op (backends built on ``swiglu``/``swiglu_backward`` honour it)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        x_ND: torch.Tensor,
+        groups: ExpertGroups,
+        gate_up_EHD: torch.Tensor,
+        down_EDF: torch.Tensor,
+    ) -> torch.Tensor:
+        """(N, D) expert outputs for the (N, D) rows, row i by the expert that owns it."""
+
+    def forward_gathered(
+        self,
+        x_TD: torch.Tensor,
+        rows: RowMap,
+        groups: ExpertGroups,
+        gate_up_EHD: torch.Tensor,
+        down_EDF: torch.Tensor,
+    ) -> torch.Tensor:
+        """``forward`` of the rows ``gather_tokens(x_TD, rows)`` places in expert order. A backend that
+        can read its first operand straight from the token rows overrides it."""
+        return self.forward(gather_tokens(x_TD, rows, self.fused_swiglu), groups, gate_up_EHD, down_EDF)
+
+
+class LoopBackend(ExpertBackend):
+    """Per-expert matmuls with ordinary autograd: the reference. Reads counts on the host; padding
+    rows after the last expert's get zero outputs."""
+
+    def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
+        counts = groups.counts_E.tolist()
+        *per_expert, padding = torch.split(x_ND, counts + [x_ND.shape[0] - sum(counts)])
+        outputs = []
+        for e, x_expert in enumerate(per_expert):
+            gate, up = F.linear(x_expert, gate_up_EHD[e]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, down_EDF[e]))
+        outputs.append(padding.new_zeros(padding.shape[0], down_EDF.shape[1]))
+        return torch.cat(outputs)
+
+
+def swiglu(h_NH: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    if fused:
+        return kernels.swiglu_packed(h_NH)
+    gate_NF, up_NF = h_NH.chunk(2, dim=-1)
+    return F.silu(gate_NF) * up_NF
+
+
+def swiglu_backward(
+    h_NH: torch.Tensor, grad_a_NF: torch.Tensor, fused: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recomputes a = silu(gate) * up and returns (a, d/dh), each written once, no concatenation."""
+    if fused:
+        return kernels.swiglu_packed_backward(h_NH, grad_a_NF)
+    gate_NF, up_NF = h_NH.chunk(2, dim=-1)
+    silu_NF = F.silu(gate_NF)
+    grad_h_NH = torch.empty_like(h_NH)
+    grad_gate_NF, grad_up_NF = grad_h_NH.chunk(2, dim=-1)
+    torch.mul(grad_a_NF, silu_NF, out=grad_up_NF)
+    grad_gate_NF.copy_(torch.ops.aten.silu_backward(grad_a_NF * up_NF, gate_NF))
+    return silu_NF.mul_(up_NF), grad_h_NH
+
+
+def kernel_zeroes_empty_groups(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` on ``device`` writes an empty group's weight gradient itself.
+
+    The CPU kernel computes each group with its own matmul, so an empty group gets the empty sum, 0
+    (``tests/moe/test_grouped_gemm.py`` checks it). On CUDA, ``torch._grouped_mm`` on B200 is
+    reported to leave it unwritten, so the engine zeroes it there.
+    """
+    return device.type == "cpu"
+
+
+def zero_empty_experts_(grad_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Zero the weight gradient of every expert that received no rows, in place, on the device,
+    where the kernel does not already (``kernel_zeroes_empty_groups``): a pass over the whole
+    gradient, about 3% of a CPU step of the 64-expert smoke model, is not paid where it is not needed.
+    """
+    if kernel_zeroes_empty_groups(grad_EXY.device):
+        return grad_EXY
+    counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    return grad_EXY.masked_fill_((counts_E == 0).view(-1, 1, 1), 0)
+
+
+class _WeightGradStash:
+    """One expert call's weight gradients, between its two backward nodes.
+
+    The main node's backward (dX) leaves ``compute``, a closure over the tensors dW needs (grad_y, a,
+    grad_h, x); the weight node's backward runs it once and drops it.
+    """
+
+    __slots__ = ("compute", "wanted")
+
+    def __init__(self, wanted: bool):
+        self.wanted = wanted
+        """Whether a weight gradient is wanted (some weight requires grad under grad mode)."""
+        self.compute: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+
+
+class _ExpertWeightGrads(torch.autograd.Function):
+    """The weight node: its inputs are the experts' weights, its output an empty token that the main
+    node takes as an input, so autograd's graph carries dW as a node of its own. A backward that only
+    wants the inputs' gradients (``stage_backward_input`` of the zero-bubble schedules) never reaches
+    it; ``stage_backward_weight`` and a plain backward do."""
+
+    @staticmethod
+    def forward(ctx, stash, gate_up_EHD, down_EDF):
+        ctx.stash = stash
+        return gate_up_EHD.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad_token):
+        compute, ctx.stash.compute = ctx.stash.compute, None
+        if compute is None:
+            raise RuntimeError("the experts' weight gradients ran without their input-gradient pass, or twice")
+        grad_gate_up_EHD, grad_down_EDF = compute()
+        return (
+            None,
+            grad_gate_up_EHD if ctx.needs_input_grad[1] else None,
+            grad_down_EDF if ctx.needs_input_grad[2] else None,
+        )
+
+
+class DeferredWeightGrads:
+    """The experts' weight gradients of the calls made inside ``defer_weight_grads()``: backward
+    computes their input gradients only, ``run_all()`` their weight gradients."""
+
+    def __init__(self) -> None:
+        self._calls: list[tuple[_WeightGradStash, torch.Tensor]] = []
+
+    @property
+    def pending(self) -> int:
+        """Expert calls whose weight gradients have not run yet."""
+        return len(self._calls)
+
+    def add(self, stash: _WeightGradStash, token: torch.Tensor) -> None:
+        self._calls.append((stash, token))
+
+    def run_all(self) -> None:
+        """Compute every queued weight gradient once, in queue order, and accumulate it into the
+        weights' ``.grad`` through autograd (post-accumulate-grad hooks fire as in a backward).
+        Raises if a queued call's backward has not run yet."""
+        calls, self._calls = self._calls, []
+        if any(stash.compute is None for stash, _ in calls):
+            self._calls = calls
+            raise RuntimeError("run_all() before the backward of every deferred experts call")
+        with torch.enable_grad():
+            for _, token in calls:
+                torch.autograd.backward(token, token.new_empty(0))
+
+
+_deferrals: list[DeferredWeightGrads] = []
+
+
+@contextmanager
+def defer_weight_grads() -> Iterator[DeferredWeightGrads]:
+    """Defer the experts' weight gradients of the forwards run inside: their backward (inside or
+    after) computes dX only; ``run_all()`` computes dW. Only the grouped backends split; the loop
+    backend (the reference) and every other parameter get their gradients during backward."""
+    deferred = DeferredWeightGrads()
+    _deferrals.append(deferred)
+    try:
+        yield deferred
+    finally:
+        _deferrals.remove(deferred)
+
+
+def input_grad_wanted(ctx, index: int) -> bool:
+    """Whether this backward pass wants the gradient of input ``index`` (``ctx.needs_input_grad`` says
+    only whether it requires grad). ``stage_backward_weight`` re-enters the main node for the weights
+    alone; the engine then does not execute x's producer. The engine does not answer for a leaf under
+    ``autograd.grad``: wanted, to be safe."""
+    if not ctx.needs_input_grad[index]:
+        return False
+    node = ctx.next_functions[index][0]
+    try:
+        return node is None or bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
+
+
+def split_weights(
+    x: torch.Tensor, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor
+) -> tuple[_WeightGradStash, torch.Tensor | None]:
+    """The stash and the weight node's token for one expert call (no token where no weight gradient
+    is wanted). Under ``defer_weight_grads()`` the token is queued there instead of given to the main
+    node, unless x does not require grad (the output would then carry no graph)."""
+    stash = _WeightGradStash(torch.is_grad_enabled() and (gate_up_EHD.requires_grad or down_EDF.requires_grad))
+    if not stash.wanted:
+        return stash, None
+    token = _ExpertWeightGrads.apply(stash, gate_up_EHD, down_EDF)
+    if _deferrals and x.requires_grad:
+        _deferrals[-1].add(stash, token)
+        return stash, None
+    return stash, token
+
+
+def weights_only_reentry(ctx, stash: _WeightGradStash) -> bool:
+    """True when ``stage_backward_weight`` re-enters the main node: dX ran in the input pass, the
+    closure waits in the stash, and x's gradient is not wanted now."""
+    return stash.compute is not None and not input_grad_wanted(ctx, 0)
+
+
+def split_token_grad(ctx, like: torch.Tensor, index: int) -> torch.Tensor | None:
+    return like.new_empty(0) if ctx.needs_input_grad[index] else None
