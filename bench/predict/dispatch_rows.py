@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int
-from moe_engine.moe.dedup_dispatch import expected_destinations
+from moe_engine.parallel.layout import expected_destinations
 
 __all__ = [
     "ROW_KINDS",

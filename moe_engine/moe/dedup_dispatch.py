@@ -63,20 +63,7 @@ from moe_engine.moe.permute import (
     plan_slots,
     reorder_rows,
 )
-
-
-def destination_share(num_experts: int, top_k: int, destinations: int) -> float:
-    """Probability that a token's ``top_k`` distinct experts, drawn uniformly from ``num_experts``,
-    include at least one of a given destination's ``num_experts / destinations``: hypergeometric,
-    1 - C(E - E/G, k) / C(E, k)."""
-    per_destination = num_experts // destinations
-    return 1.0 - math.comb(num_experts - per_destination, top_k) / math.comb(num_experts, top_k)
-
-
-def expected_destinations(num_experts: int, top_k: int, destinations: int) -> float:
-    """Expected distinct destinations (ranks or nodes, of ``destinations`` equal blocks of experts) of
-    a token under uniform random top-k routing: the rows it is sent as, per token."""
-    return destinations * destination_share(num_experts, top_k, destinations)
+from moe_engine.parallel.layout import destination_share
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ The plan (arithmetic over huge layouts) and the process groups (real runs) both 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moe_engine.config import DataParallelMode, ParallelConfig
@@ -98,3 +99,17 @@ def check_proxy_layout(parallel: ParallelConfig) -> None:
         raise ValueError("parallel.virtual_stages: a proxy rank runs one pipeline stage per rank")
     if parallel.pp > 1 and parallel.schedule.value not in ("gpipe", "1f1b"):
         raise ValueError(f"parallel.schedule: a proxy rank runs gpipe or 1f1b, not {parallel.schedule.value}")
+
+
+def destination_share(num_experts: int, top_k: int, destinations: int) -> float:
+    """Probability that a token's ``top_k`` distinct experts, drawn uniformly from ``num_experts``,
+    include at least one of a given destination's ``num_experts / destinations``: hypergeometric,
+    1 - C(E - E/G, k) / C(E, k)."""
+    per_destination = num_experts // destinations
+    return 1.0 - math.comb(num_experts - per_destination, top_k) / math.comb(num_experts, top_k)
+
+
+def expected_destinations(num_experts: int, top_k: int, destinations: int) -> float:
+    """Expected distinct destinations (ranks or nodes, of ``destinations`` equal blocks of experts) of
+    a token under uniform random top-k routing: the rows it is sent as, per token."""
+    return destinations * destination_share(num_experts, top_k, destinations)

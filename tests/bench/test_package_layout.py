@@ -32,6 +32,7 @@ ARITHMETIC = (
     "bench.predict.plan_bytes",
     "bench.predict.plan_activations",
     "bench.predict.plan_rank",
+    "bench.predict.dispatch_rows",
     "bench.gate.compare",
     "bench.gate.groups",
     "bench.gate.work",

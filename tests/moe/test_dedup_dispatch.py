@@ -14,10 +14,10 @@ from distributed_harness import run_ranks
 
 from moe_engine.config import DispatchKind, DispatchRows, MoEConfig, ParallelConfig
 from moe_engine.host_sync import HostSyncError, forbid_host_sync, profile_host_syncs
-from moe_engine.moe.dedup_dispatch import destination_share, expected_destinations
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.router import RouterOutput
 from moe_engine.parallel.groups import build_node_groups
+from moe_engine.parallel.layout import destination_share, expected_destinations
 
 pytestmark = pytest.mark.slow
 
