@@ -64,6 +64,8 @@ def run_ci(tmp_path: Path, fail: str = "-no such command-") -> tuple[int, list[s
     done = subprocess.run(["bash", str(tree / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
     lines = [line.rstrip() for line in log.read_text().splitlines()]
     steps = [line for line in lines if not line.startswith(("python3", "python -m pip", "python -c"))]
+    # The gate's acceptances of unreleased changes come and go with releases: the step is its command.
+    steps = [line.split(" --accept ")[0] for line in steps]
     return done.returncode, [line for line in steps if not line.startswith(("chromium", "chromedriver"))]
 
 
