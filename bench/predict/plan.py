@@ -41,7 +41,7 @@ from bench.predict.plan_rank import (
     plan_rank,
     rank_holdings,
 )
-from bench.units import GIB, memory
+from bench.units import GIB, count, memory
 from moe_engine.config import DataParallelMode, DispatchKind, GradDtype, OptimizerSharding, RecomputeMode
 from moe_engine.flops import parameter_counts, recompute_flops_per_token, training_flops_per_token
 from moe_engine.parallel.layout import stage_blocks, stage_layers
@@ -270,10 +270,6 @@ def _bytes(n: float) -> str:
     return memory(n, decimals=1)
 
 
-def _count(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-
 def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -> str:
     """One line per plan: the counts, the most loaded rank's memory against the GPU's, the traffic, the checkpoint."""
     med = {k: v["median"] for k, v in metrics.items()}
@@ -293,7 +289,7 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
             "fits" if details["fits"] else "DOES NOT FIT"
         )
     line = (
-        f"{what}: {_count(med['total_params'])} parameters ({_count(med['active_params'])} active), "
+        f"{what}: {count(med['total_params'])} parameters ({count(med['active_params'])} active), "
         f"{per_rank}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
         f"{_bytes(med['checkpoint_bytes_total'])} ({_bytes(med['checkpoint_bytes_per_rank'])} per rank)"
     )

@@ -12,7 +12,7 @@ import math
 import pytest
 import yaml
 
-from bench.predict.plan import in_flight_microbatches, plan_scenario, stage_layers
+from bench.predict.plan import in_flight_microbatches, plan_scenario, stage_layers, summary_line
 from bench.results import REPO_ROOT
 from bench.scenario import load_scenario, scenario_from_dict
 from moe_engine.flops import parameter_counts
@@ -273,6 +273,16 @@ def test_small_counts():
     assert (layout["layers_per_rank"], layout["local_experts"], layout["tokens_per_microbatch_per_rank"]) == (2, 4, 16)
     assert details["per_rank"]["dense_params"] == 161088 + 1024
     assert details["per_rank"]["local_expert_params"] == 49152
+
+
+def test_summary_line_counts_in_t_b_m():
+    # 64000 + 64064 + 2 * 16512 + 2 * 512 = 162112 dense; + 2 * 8 * 6144 experts = 260416, 2 * 2 * 6144 active.
+    metrics, details = small_plan()
+    assert summary_line("small", metrics, details).startswith("small: 260K parameters (187K active), ")
+    # The 1.2T layout: 1,193,900,875,776 parameters, 58,016,243,712 active -> 1.19T and 58B, never "1193.90B".
+    metrics, details = plan_scenario(load_scenario(OLMO_DIR / "moe-1.2t-512gpu.yaml"))
+    assert median(metrics, "total_params") == 1193900875776
+    assert summary_line("big", metrics, details).startswith("big: 1.19T parameters (58B active), ")
 
 
 def test_small_ddp_state_bytes():
