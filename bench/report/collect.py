@@ -162,6 +162,61 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
     )
 
 
+AB_SIDES = ("baseline", "candidate")
+"""The side folders ``moe-bench ab --out FOLDER`` writes: ``FOLDER/baseline/<scenario>/...`` and ``FOLDER/candidate/...``."""
+VERSIONS_TABLE = Path("report") / "versions.md"
+"""What ``moe-bench versions --out FOLDER`` writes beside its images' results: it marks FOLDER as one machine's."""
+
+
+@dataclass(frozen=True)
+class SameMachineSource:
+    """Results whose versions were measured on one machine in one job: a ``moe-bench ab --out`` folder (the
+    baseline ref and the checkout) or a ``moe-bench versions`` folder (release images)."""
+
+    kind: str
+    """``ab`` or ``images``."""
+    folder: str
+    """Where it lies, relative to the results folder (``.`` for the folder itself)."""
+    docs: tuple[ResultDocument, ...]
+
+    def docs_of(self, version: str) -> list[ResultDocument]:
+        return [d for d in self.docs if d.version == version]
+
+    @property
+    def command(self) -> str:
+        return "moe-bench ab --out" if self.kind == "ab" else "moe-bench versions"
+
+
+def _source_of(doc: ResultDocument, root: Path) -> tuple[str, str] | None:
+    """(kind, folder relative to ``root``) of the same-machine source holding ``doc``, None for a stored result."""
+    if doc.path is None:
+        return None
+    try:
+        parts = Path(doc.path).resolve().relative_to(root.resolve()).parts[:-1]
+    except ValueError:
+        return None
+    for i, part in enumerate(parts):
+        if part in AB_SIDES and all((root.joinpath(*parts[:i]) / side).is_dir() for side in AB_SIDES):
+            return "ab", Path(*parts[:i]).as_posix() if i else "."
+    for i in range(len(parts), -1, -1):
+        if (root.joinpath(*parts[:i]) / VERSIONS_TABLE).is_file():
+            return "images", Path(*parts[:i]).as_posix() if i else "."
+    return None
+
+
+def same_machine_sources(results: ResultSet) -> list[SameMachineSource]:
+    """Every A/B and image folder under the results folder: A/B folders first, then by folder name."""
+    found: dict[tuple[str, str], list[ResultDocument]] = {}
+    for doc in results.docs:
+        source = _source_of(doc, results.root)
+        if source is not None:
+            found.setdefault(source, []).append(doc)
+    return [
+        SameMachineSource(kind, folder, tuple(docs))
+        for (kind, folder), docs in sorted(found.items(), key=lambda item: (item[0][0] != "ab", item[0][1]))
+    ]
+
+
 @dataclass(frozen=True)
 class Problem:
     """A scenario whose newest run in a version did not finish ok."""

@@ -248,6 +248,12 @@ def _comparison(
         f"{_e(format_percent(comparison.comparison.tolerance))}: a change counts when it is larger than both "
         "the tolerance and the measured noise (the two runs' interquartile ranges added).</p>"
     )
+    if comparison.sources:
+        page.add(
+            "<ul class='small comparison-sources'>"
+            + "".join(f"<li>Compared from {_e(line)}</li>" for line in comparison.sources)
+            + "</ul>"
+        )
     for version in v.unmeasured:
         release = releases_by_version.get(version)
         where = release.baseline_text() if release else f"compare with moe-bench ab --baseline-ref v{version}"

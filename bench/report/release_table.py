@@ -5,7 +5,10 @@ The verdicts come from ``bench.gate.compare.compare`` and ``bench.gate.verdict.g
 releases' accepted changes), on the documents of the two versions: the page and the gate never
 disagree. Only machines that ran both versions are compared (the gate of the two versions' folders on each
 such machine): a machine that measured one version only has nothing to compare there, which is not a
-scenario gone missing; the page names it. The page shows, per compared scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
+scenario gone missing; the page names it. Results measured on one machine in one job win over stored
+results from different runs: a scenario that a ``moe-bench ab --out`` folder or a ``moe-bench versions``
+folder under the results holds in both versions is compared from that folder (an A/B folder before an image
+folder, then the first by name), and the page says which source each scenario came from. The page shows, per compared scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
 metrics reported but never gated (``better: null``) are counted, not listed.
 """
 
@@ -18,7 +21,7 @@ from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, Comparison, MetricRow, ScenarioIssue, compare
 from bench.gate.verdict import GateResult, gate
 from bench.metrics import HEADLINE_ORDER
-from bench.report.collect import ResultSet, VersionPair
+from bench.report.collect import ResultSet, SameMachineSource, VersionPair, same_machine_sources
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class ReleaseComparison:
     tables: tuple[ScenarioTable, ...]
     one_version_machines: tuple[tuple[str, str], ...] = ()
     """(machine, the version it ran) for machines with results of only one of the two versions."""
+    sources: tuple[str, ...] = ()
+    """Where the compared results came from, one line each for the page: the same-machine folders used
+    (which scenarios) and the stored results (how many scenarios)."""
 
     @property
     def issues(self) -> tuple[ScenarioIssue, ...]:
@@ -86,19 +92,50 @@ def release_comparison(
 ) -> ReleaseComparison:
     """``moe-bench gate`` of the two versions' documents on the machines that ran both (module docstring);
     ``acceptances``: the releases' accepted changes."""
-    base_docs, new_docs = results.docs_of(versions.base), results.docs_of(versions.new)
+    pairs = same_machine_sources(results)
+    in_pairs = {id(d) for source in pairs for d in source.docs}
+    chosen: dict[str, SameMachineSource] = {}
+    for source in pairs:
+        both_sides = {d.name for d in source.docs_of(versions.base)} & {d.name for d in source.docs_of(versions.new)}
+        for scenario in sorted(both_sides):
+            chosen.setdefault(scenario, source)
+
+    def stored(version: str) -> list:
+        return [d for d in results.docs_of(version) if id(d) not in in_pairs and d.name not in chosen]
+
+    def paired(version: str) -> list:
+        return [d for s in pairs for d in s.docs_of(version) if chosen.get(d.name) is s]
+
+    base_docs, new_docs = stored(versions.base), stored(versions.new)
     base_machines, new_machines = {d.machine for d in base_docs}, {d.machine for d in new_docs}
     both = base_machines & new_machines
     alone = tuple(
         sorted([(m, versions.base) for m in base_machines - both] + [(m, versions.new) for m in new_machines - both])
     )
     comparison = compare(
-        [d for d in base_docs if d.machine in both], [d for d in new_docs if d.machine in both], tolerance
+        paired(versions.base) + [d for d in base_docs if d.machine in both],
+        paired(versions.new) + [d for d in new_docs if d.machine in both],
+        tolerance,
     )
+    sources = []
+    for source in pairs:
+        names = sorted(n for n, s in chosen.items() if s is source)
+        if names:
+            what = "A/B results" if source.kind == "ab" else "image results"
+            sources.append(
+                f"{what} ({source.command}) in {source.folder}, both versions on one machine: {', '.join(names)}"
+            )
+    stored_names = sorted(
+        {d.name for d in base_docs if d.machine in both} | {d.name for d in new_docs if d.machine in both}
+    )
+    if sources and stored_names:
+        sources.append(
+            f"stored results of each version: {len(stored_names)} other scenario{'s' * (len(stored_names) != 1)}"
+        )
     verdict = gate(comparison, tolerance, None, acceptances)
     tables = []
     for scenario, machine in comparison.compared:
         rows = [r for r in verdict.comparison.rows if (r.scenario, r.machine) == (scenario, machine)]
         shown = sorted((r for r in rows if r.better is not None), key=_row_order)
         tables.append(ScenarioTable(scenario, machine, tuple(shown), len(rows) - len(shown)))
-    return ReleaseComparison(versions, verdict.comparison, verdict, tuple(tables), alone)
+    return ReleaseComparison(versions, verdict.comparison, verdict, tuple(tables), alone, tuple(sources))
