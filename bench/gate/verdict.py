@@ -22,12 +22,18 @@ from bench.gate.formatting import check_tolerance, format_noise
 from bench.gate.work import accepted_work_names, has_work_counters, work_findings
 from bench.units import format_number, format_percent, format_ratio
 
+EXIT_NOT_COMPARED = 3
+"""The gate's exit status when nothing regressed or failed but a scenario could not be compared (noisy, or
+two machines): not a pass, never a regression."""
+HEADER_WORDS = {0: "PASS", 1: "FAIL", EXIT_NOT_COMPARED: "NOT COMPARED"}
+
 
 @dataclass(frozen=True)
 class GateResult:
     exit_code: int
     """1 on any regression, scenario missing in the candidate, not ok in the candidate or
-    mismatched; 0 otherwise."""
+    mismatched; else 3 (``EXIT_NOT_COMPARED``) when a scenario was not compared (a noisy run, or two
+    machines): a busy or different machine is never read as a regression; 0 otherwise."""
     report: str
     """Readable text: a header line with the counts, then one line per finding."""
     comparison: Comparison
@@ -69,6 +75,7 @@ def gate(
     }
 
     failures: list[str] = []
+    not_compared: list[str] = []
     for row in comparison.regressions:
         if not is_work_metric(row.metric):
             applying = applicable(comparison, (row.scenario, row.machine), acceptances)
@@ -78,6 +85,8 @@ def gate(
     for issue in comparison.missing_in_candidate + comparison.not_ok + comparison.mismatched + comparison.not_compared:
         if issue.fails_gate:
             failures.append(issue.describe())
+            if issue.kind in ("noisy", "different_machines"):
+                not_compared.append(failures[-1])
 
     notes: list[str] = []
     for issue in comparison.not_ok:
@@ -98,9 +107,9 @@ def gate(
 
     counts = comparison.counts()
     accepted_work = sum("work increased (accepted" in line for line in work)
-    exit_code = 1 if failures else 0
+    exit_code = (1 if len(failures) > len(not_compared) else EXIT_NOT_COMPARED) if failures else 0
     header = (
-        f"{'FAIL' if exit_code else 'PASS'}: {len(comparison.compared)} scenario(s) compared, "
+        f"{HEADER_WORDS[exit_code]}: {len(comparison.compared)} scenario(s) compared, "
         f"{len(comparison.rows)} metric(s): {counts['regressed']} regressed, {counts['accepted']} accepted"
         f"{f' ({accepted_work} accepted work increase' + 's' * (accepted_work != 1) + ')' if accepted_work else ''}, "
         f"{counts['inconclusive']} inconclusive, {counts['improved']} improved, "

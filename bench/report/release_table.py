@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, Comparison, MetricRow, ScenarioIssue, compare
-from bench.gate.verdict import GateResult, gate
+from bench.gate.verdict import EXIT_NOT_COMPARED, GateResult, gate
 from bench.metrics import HEADLINE_ORDER
 from bench.report.collect import ResultSet, SameMachineSource, VersionPair, same_machine_sources
 
@@ -59,16 +59,17 @@ class ReleaseComparison:
     @property
     def outcome(self) -> str:
         """The banner's word, the first that holds of: ``regressed`` (a metric or the work regressed),
-        ``missing`` (a scenario of the base is not in the new version), ``not-compared`` (a run on either
-        side was noisy, or the two versions ran on different machines of one name: the gate cannot vouch
-        either way), ``not-ok`` (not ok in the new version, or a changed scenario), ``inconclusive`` (a change within the noise), ``accepted`` (a
+        ``missing`` (a scenario of the base is not in the new version), ``not-ok`` (not ok in the new
+        version, or a changed scenario), ``not-compared`` (nothing else failed, but a run on either side
+        was noisy or the two versions ran on different machines of one name: the gate cannot vouch either
+        way and exits 3), ``inconclusive`` (a change within the noise), ``accepted`` (a
         change accepted), ``pass``."""
         counts = self.comparison.counts()
         if counts["regressed"]:
             return "regressed"
         if self.comparison.missing_in_candidate:
             return "missing"
-        if self.comparison.not_compared:
+        if self.gate.exit_code == EXIT_NOT_COMPARED:
             return "not-compared"
         if not self.gate.passed:
             return "not-ok"

@@ -245,6 +245,7 @@ def test_two_crafted_machines_are_not_compared_and_the_gate_and_page_say_how_to_
     assert comparison.regressions == () and comparison.compared == ()
     (issue,) = comparison.not_compared
     assert issue.kind == "different_machines" and "calibration 100.0 vs 80.0" in issue.reason
+    assert gate(comparison).exit_code == 3  # not compared: neither a pass nor a regression
     line = gate(comparison).failures[0]
     assert line.startswith("DIFFERENT MACHINES e8-skewed-fp32: different machines: not compared")
     assert "moe-bench ab scenarios/smoke/e8-skewed-fp32.yaml --baseline-ref 695ee76d8b6a" in line
@@ -279,3 +280,32 @@ def test_the_repositorys_0_2_0_results_are_not_compared_with_a_run_here(tmp_path
     assert issue.kind == "different_machines" and comparison.rows == ()
     assert "the baseline records no machine identity" in issue.reason
     assert "--baseline-ref 695ee76d8b6a" in issue.command
+
+
+def test_the_gate_exits_3_when_not_compared_and_1_when_something_also_regressed(tmp_path, capsys):
+    """``moe-bench gate``: two machines alone exit 3 (NOT COMPARED); a real regression beside them exits 1."""
+    from bench.cli import main
+
+    _side(tmp_path / "base", "0.2.0", gflops=100.0, tokens=18617.0)
+    _side(tmp_path / "cand", "0.3.0", gflops=80.0, tokens=14678.0)
+    assert main(["gate", "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")]) == 3
+    out = capsys.readouterr().out
+    assert out.startswith("NOT COMPARED: 0 scenario(s) compared") and "DIFFERENT MACHINES e8-skewed-fp32" in out
+
+    # A second scenario on one machine (calibrations 2% apart) that regressed: the regression decides.
+    from result_docs import make_doc
+
+    from bench.results import metric, write_result
+
+    for side, version, tokens in (("base", "0.2.0", 1000.0), ("cand", "0.3.0", 800.0)):
+        data = make_doc(
+            "e64-random-bf16",
+            {"tokens_per_s_per_gpu": metric([tokens] * 3, "tokens/s", "higher")},
+            version=version,
+            machine="other-box",
+        )
+        data["machine"] = {**data["machine"], "identity": _identity(gflops=100.0 if side == "base" else 98.0)}
+        write_result(data, tmp_path / side / version / "other-box")
+    assert main(["gate", "--baseline", str(tmp_path / "base"), "--candidate", str(tmp_path / "cand")]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL: 1 scenario(s) compared") and "REGRESSION e64-random-bf16" in out
