@@ -34,6 +34,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             f"release comparison {report.comparison.versions.base} -> {report.comparison.versions.new}: "
             f"{report.comparison.header}"
         )
+        for line in report.comparison.sources:
+            print(f"  compared from {line}")
     print(f"wrote {report.path} ({len(report.charts)} charts)")
     if args.screenshot:
         from bench.report.screenshot import BrowserMissing, chromium, illegible, undrawn, view_page

@@ -82,6 +82,20 @@ def test_the_release_comparison_uses_the_ab_pair_and_says_so(tmp_path):
     assert "Compared from A/B results (moe-bench ab --out) in ab-0.2.0" in page
 
 
+def test_moe_bench_report_names_the_ab_pair_it_compared(tmp_path, capsys):
+    from bench.cli import main
+
+    _stored_pair(tmp_path)
+    _ab_pair(tmp_path)
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "page")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("release comparison 0.2.0 -> 0.3.0: PASS: 1 scenario(s) compared")
+    assert (
+        "  compared from A/B results (moe-bench ab --out) in ab-0.2.0, both versions on one machine: e8-skewed-fp32"
+        in out
+    )
+
+
 def test_image_results_are_preferred_and_stored_results_fill_the_rest(tmp_path):
     """A ``moe-bench versions`` folder (its report/versions.md beside the images' results) covers one
     scenario; a second scenario has stored results from one machine only, compared as before."""
