@@ -6,7 +6,8 @@ unreachable engine or a missing image is bad input: nothing runs, nothing is wri
 requested when the host has them. Each image writes under ``<out>/<its version>/<machine>/`` as a
 local run would; the table compares every later image with the first (``bench.gate.compare`` verdicts,
 so a single-sample metric such as peak memory is compared as an exact value) and is written to
-``<out>/report/versions.md``, next to the report page of every version under ``<out>``
+``<out>/report/versions.md``, with the list of the result files the images wrote
+(``<out>/report/versions-results.txt``: the report compares those, one machine's, before stored results), next to the report page of every version under ``<out>``
 (``bench.report.page``). A result file that
 cannot be read back is reported (one line naming it) and left out: its scenario shows as missing.
 """
@@ -25,7 +26,7 @@ from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, compare
 from bench.gate.verdict import accept_changes
 from bench.release.record import ReleaseError, load_releases
-from bench.results import ResultDocument, ResultFileError, load_results
+from bench.results import ResultDocument, ResultFileError, load_results, write_text_atomic
 from bench.units import format_number, format_ratio
 
 CONTAINER_RESULTS = "/moe-results"
@@ -157,6 +158,7 @@ def run_versions(
     images: list[str], suite: str, out: Path, gpus: str = "auto", log: Callable[[str], None] = print
 ) -> tuple[int, str]:
     """Check, run every image, compare, write the report. Returns (exit code, the table). Raises VersionsError first."""
+    from bench.report.collect import VERSIONS_MANIFEST
     from bench.report.page import build_report
 
     if len(images) < 2:
@@ -170,6 +172,7 @@ def run_versions(
     use_gpus = host_has_gpus() if gpus == "auto" else gpus == "all"
     out.mkdir(parents=True, exist_ok=True)
     docs_by_image: dict[str, list[ResultDocument]] = {}
+    written: list[Path] = []
     failed = []
 
     reported: set[Path] = set()
@@ -189,6 +192,7 @@ def run_versions(
             log(f"versions: {image}: {_first_line(err)}")
             code = -1
         new = sorted(set(out.rglob("*.json")) - before)
+        written += new
         docs_by_image[image] = [d for path in new for d in load_results(path, on_bad_file=skip)]
         if code != 0:
             failed.append(image)
@@ -199,7 +203,12 @@ def run_versions(
         log(f"versions: warning: {err}")
         acceptances = []
     table = compare_versions(docs_by_image, acceptances=acceptances)
+    # The list of the images' result files first: they are one machine's, which the page's release
+    # comparison prefers over stored results of other machines (bench.report.collect.same_machine_sources).
+    (out / "report").mkdir(exist_ok=True)
+    listed = "".join(f"{path.relative_to(out).as_posix()}\n" for path in written)
+    write_text_atomic(out / VERSIONS_MANIFEST, listed)
+    write_text_atomic(out / "report" / "versions.md", table)
     report = build_report(out, out / "report", on_warning=lambda text: log(f"versions: warning: {text}"))
-    (out / "report" / "versions.md").write_text(table)
     log(f"versions: table {out / 'report' / 'versions.md'}, report {report.path}")
     return (1 if failed else 0), table

@@ -164,14 +164,15 @@ def choose_versions(results: ResultSet, base: str | None = None, new: str | None
 
 AB_SIDES = ("baseline", "candidate")
 """The side folders ``moe-bench ab --out FOLDER`` writes: ``FOLDER/baseline/<scenario>/...`` and ``FOLDER/candidate/...``."""
-VERSIONS_TABLE = Path("report") / "versions.md"
-"""What ``moe-bench versions --out FOLDER`` writes beside its images' results: it marks FOLDER as one machine's."""
+VERSIONS_MANIFEST = Path("report") / "versions-results.txt"
+"""What ``moe-bench versions --out FOLDER`` writes beside its table: the result files its images wrote (paths
+relative to FOLDER, one a line). Those files are one machine's; the folder's other results are stored ones."""
 
 
 @dataclass(frozen=True)
 class SameMachineSource:
     """Results whose versions were measured on one machine in one job: a ``moe-bench ab --out`` folder (the
-    baseline ref and the checkout) or a ``moe-bench versions`` folder (release images)."""
+    baseline ref and the checkout) or the files a ``moe-bench versions`` run wrote (release images)."""
 
     kind: str
     """``ab`` or ``images``."""
@@ -183,32 +184,51 @@ class SameMachineSource:
         return [d for d in self.docs if d.version == version]
 
     @property
+    def where(self) -> str:
+        return "this results folder" if self.folder == "." else self.folder
+
+    @property
     def command(self) -> str:
         return "moe-bench ab --out" if self.kind == "ab" else "moe-bench versions"
 
 
-def _source_of(doc: ResultDocument, root: Path) -> tuple[str, str] | None:
-    """(kind, folder relative to ``root``) of the same-machine source holding ``doc``, None for a stored result."""
-    if doc.path is None:
-        return None
+def _ab_folder(path: Path, root: Path) -> str | None:
+    """The ``moe-bench ab --out`` folder (relative to ``root``) holding the result file ``path``, if any."""
     try:
-        parts = Path(doc.path).resolve().relative_to(root.resolve()).parts[:-1]
+        parts = path.relative_to(root).parts[:-1]
     except ValueError:
         return None
     for i, part in enumerate(parts):
         if part in AB_SIDES and all((root.joinpath(*parts[:i]) / side).is_dir() for side in AB_SIDES):
-            return "ab", Path(*parts[:i]).as_posix() if i else "."
-    for i in range(len(parts), -1, -1):
-        if (root.joinpath(*parts[:i]) / VERSIONS_TABLE).is_file():
-            return "images", Path(*parts[:i]).as_posix() if i else "."
+            return Path(*parts[:i]).as_posix() if i else "."
     return None
 
 
+def _image_files(root: Path) -> dict[Path, str]:
+    """Every result file a ``moe-bench versions`` run under ``root`` lists, to the folder (relative to ``root``)."""
+    found = {}
+    for manifest in sorted(root.rglob(VERSIONS_MANIFEST.name)):
+        if manifest.parent.name != VERSIONS_MANIFEST.parent.name:
+            continue
+        folder = manifest.parent.parent
+        where = folder.relative_to(root).as_posix()
+        for line in manifest.read_text().splitlines():
+            if line.strip():
+                found[(folder / line.strip()).resolve()] = where
+    return found
+
+
 def same_machine_sources(results: ResultSet) -> list[SameMachineSource]:
-    """Every A/B and image folder under the results folder: A/B folders first, then by folder name."""
+    """Every A/B folder and ``moe-bench versions`` run under the results folder: A/B first, then by folder name."""
+    root = results.root.resolve()
+    images = _image_files(root)
     found: dict[tuple[str, str], list[ResultDocument]] = {}
     for doc in results.docs:
-        source = _source_of(doc, results.root)
+        if doc.path is None:
+            continue
+        path = Path(doc.path).resolve()
+        ab = _ab_folder(path, root)
+        source = ("ab", ab) if ab is not None else ("images", images[path]) if path in images else None
         if source is not None:
             found.setdefault(source, []).append(doc)
     return [

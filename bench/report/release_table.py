@@ -124,11 +124,9 @@ def release_comparison(
         if names:
             what = "A/B results" if source.kind == "ab" else "image results"
             sources.append(
-                f"{what} ({source.command}) in {source.folder}, both versions on one machine: {', '.join(names)}"
+                f"{what} ({source.command}) in {source.where}, both versions on one machine: {', '.join(names)}"
             )
-    stored_names = sorted(
-        {d.name for d in base_docs if d.machine in both} | {d.name for d in new_docs if d.machine in both}
-    )
+    stored_names = sorted({scenario for scenario, _ in comparison.compared} - set(chosen))
     if sources and stored_names:
         sources.append(
             f"stored results of each version: {len(stored_names)} other scenario{'s' * (len(stored_names) != 1)}"

@@ -108,3 +108,47 @@ def test_the_versions_table_says_accepted_for_a_change_a_release_between_the_ima
     row = "| s | peak_tensor_bytes | bytes | 100 | 105.5 (x1.055, {}) |"
     assert row.format("accepted") in compare_versions(images, acceptances=accepted).splitlines()
     assert row.format("regressed") in compare_versions(images).splitlines()
+
+
+def test_versions_marks_its_folder_so_the_page_compares_the_images_before_stored_results(tmp_path, monkeypatch):
+    """Two fake images write one result each into a folder that already holds stored results of the two
+    versions from two machines: the versions table is there before the page, and the page compares the
+    images' results (one machine, 1,000 -> 1,000 tokens/s) instead of the stored ones (1,000 -> 500)."""
+    import copy
+
+    from result_docs import make_doc
+
+    from bench.release import images
+    from bench.results import metric, write_result
+
+    identity = {"cpu_model": "x", "cpu_cores": 2, "isa_flags": ["avx"], "memory_gib": 8.0, "gpu": None}
+
+    def doc(version, tokens, gflops):
+        data = make_doc(
+            "e8-skewed-fp32",
+            {"tokens_per_s_per_gpu": metric([tokens] * 3, "tokens/s", "higher")},
+            version=version,
+            machine="box",
+        )
+        ident = copy.deepcopy(identity)
+        ident["calibration"] = {"kernel": "k", "gflops": gflops, "samples": [gflops]}
+        data["machine"] = {**data["machine"], "identity": ident}
+        return data
+
+    out = tmp_path / "results"
+    write_result(doc("0.1.0", 1000.0, 100.0), out / "stored" / "0.1.0" / "box")
+    write_result(doc("0.2.0", 500.0, 60.0), out / "stored" / "0.2.0" / "box")
+    versions = {"img:0.1.0": "0.1.0", "img:0.2.0": "0.2.0"}
+
+    def fake_run(client, image, command, folder, gpus, log):
+        write_result(doc(versions[image], 1000.0, 90.0), folder / "images" / versions[image] / "box")
+        return 0
+
+    monkeypatch.setattr(images, "connect", lambda: object())
+    monkeypatch.setattr(images, "check_images", lambda client, names: None)
+    monkeypatch.setattr(images, "run_image", fake_run)
+    code, _ = images.run_versions(list(versions), "ci", out, gpus="none", log=lambda line: None)
+    assert code == 0 and (out / "report" / "versions.md").is_file()
+    page = (out / "report" / "index.html").read_text()
+    assert "Compared from image results (moe-bench versions) in this results folder" in page
+    assert "data-gate='pass'" in page

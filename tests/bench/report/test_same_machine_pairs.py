@@ -97,14 +97,20 @@ def test_moe_bench_report_names_the_ab_pair_it_compared(tmp_path, capsys):
 
 
 def test_image_results_are_preferred_and_stored_results_fill_the_rest(tmp_path):
-    """A ``moe-bench versions`` folder (its report/versions.md beside the images' results) covers one
-    scenario; a second scenario has stored results from one machine only, compared as before."""
+    """A ``moe-bench versions`` run (its report/versions-results.txt lists the images' result files) covers
+    one scenario; a second scenario has stored results from one machine only, compared as before."""
     _stored_pair(tmp_path)
     images = tmp_path / "images"
-    _result(images, "0.2.0", gflops=90.0, tokens=10000.0)
-    _result(images, "0.3.0", gflops=90.0, tokens=12000.0)
+    written = [
+        _result(images, "0.2.0", gflops=90.0, tokens=10000.0),
+        _result(images, "0.3.0", gflops=90.0, tokens=12000.0),
+    ]
     (images / "report").mkdir()
-    (images / "report" / "versions.md").write_text("| scenario |\n")
+    (images / "report" / "versions-results.txt").write_text(
+        "".join(f"{p.relative_to(images).as_posix()}\n" for p in written)
+    )
+    # A stored result in the same folder that the versions run did not write: not one of the images'.
+    _result(images / "stored", "0.3.0", gflops=50.0, tokens=1.0, scenario="e8-random-bf16")
     _result(tmp_path, "0.2.0", gflops=100.0, tokens=500.0, scenario="e64-random-bf16")
     _result(tmp_path, "0.3.0", gflops=99.0, tokens=500.0, scenario="e64-random-bf16")
 
