@@ -334,7 +334,8 @@ def test_smoke_run_end_to_end_is_consistent(tmp_path):
 
 @pytest.mark.slow
 def test_failures_are_recorded_and_the_suite_goes_on(tmp_path):
-    nan = variant(model__init_std=1e30)
+    # The reference path: its backward turns the overflow into NaN at once (the fused loss does not, yet).
+    nan = variant(model__init_std=1e30, model__fused_kernels=False)
     slow = variant(run__timeout_s=0.5)
     code, docs = run_cli(tmp_path, ("nan", nan), ("slow", slow), ("tiny", TINY))
     assert code == 1
