@@ -2,23 +2,29 @@
 
 One function, ``grouped_mm``, computes ``out[rows of e] = A[rows of e] @ B[e]^T`` for rows sorted by
 expert (``offsets_E`` int32 cumulative ends, read on the device only), where A (M, K) and B (E, N, K)
-are ``MXTensor``s blocked along K. Two implementations compute the same thing on the quantized values:
+are ``MXTensor``s blocked along K. Three implementations compute the same thing on the quantized values:
 
+- ``GemmPath.SCALED_GROUPED_MM``: torch's ``scaled_grouped_mm`` with ``ScalingType.BlockWise1x32``
+  (CUTLASS's sm100 block-scaled grouped GEMM), on CUDA capability 10.x only; the operand and scale
+  layouts it wants are ``moe_engine.precision.mxfp8_scaled_mm``'s. Where it does not take the
+  operands (``mxfp8_scaled_mm.accepts``: an fp32 output, N not a multiple of 16, fewer rows than
+  experts) that call runs the Triton kernel instead.
 - ``GemmPath.TRITON``: a Triton grouped GEMM on ``tl.dot_scaled`` (e4m3 operands, e8m0 scales, fp32
   accumulation). Each program finds its expert and row tile from the offsets on the device; the grid
   is the worst case ``cdiv(M, BLOCK_M) + E`` row tiles, the programs past the real tiles return at once.
 - ``GemmPath.EMULATION``: dequantize both operands to fp32 and run ``torch._grouped_mm`` (fp32 in,
   fp32 accumulate). Dequantized E4M3 x 2^k values are exact in fp32, so only the summation order differs.
 
-``available_path(device)`` picks Triton on CUDA from capability 8.9 (Triton has no e4m3 type below
-it: an A100's first MXFP8 forward would raise) and the emulation elsewhere. GPUs with MX tensor
+``available_path(device)`` picks torch's op on capability 10.x, Triton on other CUDA devices from
+capability 8.9 (Triton has no e4m3 type below it: an A100's first MXFP8 forward would raise) and the
+emulation elsewhere. GPUs with MX tensor
 cores (Blackwell) run ``tl.dot_scaled`` natively, but only for tiles of at least 128 rows: smaller
 ones Triton decomposes (compiled for sm_100a, 64 x 64 tiles gave ``tc_gen5_mma``, 128 x 128
 ``tc_gen5_mma_scaled``), hence 128 x 128 tiles on 8 warps (no spills on sm_90a or sm_100a,
 ``bench.validate.kernel_compile``). Hopper has no MX tensor cores: Triton decomposes the scaled dot
 into an upcast to bf16 (exact for E4M3 x 2^k) and a bf16 MMA, the same numbers without the FP8
 speed-up. ``path_label`` says which of the two ran from the compiled kernel's IR, never from the
-capability.
+capability; for torch's op, it names what the last call on the device ran (the op, or its fallback).
 
 The kernel also runs in the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors), which is how it
 is tested without a GPU. There ``tl.dot_scaled`` decodes both operands and their scales to fp32 and
@@ -62,9 +68,11 @@ import re
 from enum import Enum
 
 import torch
+import torch.nn.functional as F
 
 from moe_engine.kernels.storage import as_bits, on_device, store_f32
 from moe_engine.moe.grouped_gemm import grouped_mm as grouped_mm_checked
+from moe_engine.precision import mxfp8_scaled_mm as scaled_mm
 from moe_engine.precision.mxfp8 import BLOCK, MXTensor, pad_to_block
 from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
 
@@ -78,6 +86,8 @@ except ImportError:  # a platform without Triton still has the emulation
 class GemmPath(str, Enum):
     """Implementation of the MXFP8 grouped GEMM."""
 
+    SCALED_GROUPED_MM = "scaled-grouped-mm-mxfp8"
+    """``torch.nn.functional.scaled_grouped_mm`` with BlockWise1x32 scales (CUTLASS, capability 10.x)."""
     TRITON = "triton-dot-scaled"
     """Triton grouped GEMM on ``tl.dot_scaled`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
     EMULATION = "torch-emulation"
@@ -90,14 +100,34 @@ SCALED_MMA = "tc_gen5_mma_scaled"
 """The TTGIR op of Blackwell's block-scaled tensor-core MMA."""
 _compiled_mma: dict[torch.device, str] = {}
 """Per CUDA device, the tensor-core op the last compiled MXFP8 GEMM holds (``note_compiled``)."""
+_ran: dict[torch.device, GemmPath] = {}
+"""Per device, what the last call asked for torch's scaled op ran: the op or its fallback."""
 
 
 def available_path(device: torch.device | str) -> GemmPath:
-    """The fastest implementation on ``device``: Triton on CUDA from capability 8.9, else the emulation."""
+    """The fastest implementation on ``device``: torch's scaled op on capability 10.x where torch has
+    it, Triton on CUDA from capability 8.9, else the emulation."""
     device = torch.device(device)
-    if triton is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY:
+    if device.type != "cuda":
+        return GemmPath.EMULATION
+    capability = torch.cuda.get_device_capability(device)
+    if getattr(F, "scaled_grouped_mm", None) is not None and capability[0] in scaled_mm.SCALED_GROUPED_MM_MAJORS:
+        return GemmPath.SCALED_GROUPED_MM
+    if triton is not None and capability >= FP8_MIN_CAPABILITY:
         return GemmPath.TRITON
     return GemmPath.EMULATION
+
+
+def _fallback_path(device: torch.device) -> GemmPath:
+    """What runs where torch's scaled op does not take the operands."""
+    return GemmPath.TRITON if triton is not None and device.type == "cuda" else GemmPath.EMULATION
+
+
+def _device_key(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def note_compiled(device: torch.device | str, ttgir: str) -> None:
@@ -113,13 +143,21 @@ def path_label(path: GemmPath | str, device: torch.device | str) -> str:
     upcast and a bf16 MMA (Hopper, or tiles too small for it): such a run measures the emulation, not
     MXFP8 hardware, and is no comparison for a B200/B300 figure. Before the first compile on the
     device, ``...-smXY`` alone: nothing has shown yet how it runs.
+
+    ``scaled-grouped-mm-mxfp8-smXY`` when the last call on the device asked for torch's op and ran
+    it (or before any call); the fallback's label when that call ran the fallback.
     """
     path, device = GemmPath(path), torch.device(device)
-    if path is not GemmPath.TRITON or device.type != "cuda":
+    if device.type != "cuda" or path is GemmPath.EMULATION:
         return path.value
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _device_key(device)
+    if path is GemmPath.SCALED_GROUPED_MM:
+        ran = _ran.get(device, path)
+        if ran is not path:
+            return path_label(ran, device)
     major, minor = torch.cuda.get_device_capability(device)
+    if path is GemmPath.SCALED_GROUPED_MM:
+        return f"{path.value}-sm{major}{minor}"
     how = _compiled_mma.get(device)
     return f"{path.value}-{how}-sm{major}{minor}" if how else f"{path.value}-sm{major}{minor}"
 
@@ -178,6 +216,13 @@ def grouped_mm(
     if a_MK.data.shape[1] != b_ENK.data.shape[2]:
         raise ValueError(f"K mismatch: A is {tuple(a_MK.data.shape)}, B is {tuple(b_ENK.data.shape)}")
     path = available_path(a_MK.data.device) if path is None else GemmPath(path)
+    if path is GemmPath.SCALED_GROUPED_MM:
+        device = a_MK.data.device
+        ran = path if scaled_mm.accepts(a_MK, b_ENK, out_dtype) else _fallback_path(device)
+        _ran[_device_key(device)] = ran
+        if ran is path:
+            return scaled_mm.grouped_mm(a_MK, b_ENK, offsets_E)
+        path = ran
     if path is GemmPath.TRITON:
         return _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype)
     return _emulated_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype)

@@ -105,11 +105,15 @@ def test_padding_k_is_exact():
         ((8, 0), "torch-emulation"),
         ((8, 6), "torch-emulation"),
         ((8, 9), "triton-dot-scaled"),
-        ((10, 0), "triton-dot-scaled"),
+        ((9, 0), "triton-dot-scaled"),
+        ((10, 0), "scaled-grouped-mm-mxfp8"),
+        ((10, 3), "scaled-grouped-mm-mxfp8"),
+        ((12, 0), "triton-dot-scaled"),  # torch's MXFP8 grouped GEMM is major 10 only
     ],
 )
 def test_path_selection(capability, path, monkeypatch):
-    """Triton has e4m3 only from capability 8.9: an A100 gets the emulation."""
+    """Triton has e4m3 only from capability 8.9: an A100 gets the emulation; torch's scaled op runs on
+    capability 10.x only (``mxfp8_scaled_mm``)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert mx.available_path("cpu") is mx.GemmPath.EMULATION
     assert mx.available_path("cuda") is mx.GemmPath(path)

@@ -1,0 +1,134 @@
+"""The MXFP8 grouped GEMM through torch's ``scaled_grouped_mm`` (block-32 e8m0 scales, CUTLASS, sm100).
+
+``torch.nn.functional.scaled_grouped_mm`` with ``ScalingType.BlockWise1x32`` on both operands runs
+the sm100 block-scaled tensor-core GEMM (torch's ``_scaled_grouped_mm_cuda_v2`` dispatches it to the
+MXFP8 grouped kernel of FBGEMM's GenAI library, later MSLK, for devices of CUDA capability 10.x). Its
+contract for the 2d x 3d form the experts use, as torch 2.13's checks and that kernel's argument
+setup (``set_grouped_gemm_args_kernel``, case ``_2D3D``) state it:
+
+- ``mat_a`` (M, K) float8_e4m3fn, row-major; ``mat_b`` (E, K, N) float8_e4m3fn, column-major (an
+  (E, N, K) contiguous tensor viewed transposed); K and N multiples of 16; ``offs`` (E,) int32
+  cumulative group ends along M, rows after ``offs[-1]`` read by no group and their output left
+  unwritten; output bf16 only.
+- Scales float8_e8m0fnu in the "blocked" layout (``SwizzleType.SWIZZLE_32_4_4``, ``to_blocked``):
+  a (R, C) scale matrix (C = K / 32) is padded to (round_up(R, 128), round_up(C, 4)) and stored as
+  128 x 4 tiles, tile after tile in row-major tile order, each tile of 512 bytes with the scale of
+  its row i = 32 a + b and column j at byte 16 b + 4 a + j.
+- ``scale_b`` (E, round_up(N, 128) * round_up(C, 4)): each expert's (N, C) scales blocked on their own.
+- ``scale_a`` 2d, at least M rows, read group by group: group e's blocked scales start at row
+  sum_{i<e} round_up(rows_i, 128) (times round_up(C, 4) bytes). So each expert's scale rows are
+  padded to a multiple of 128 (``group_padded_rows``); the data rows need no padding: the kernel
+  offsets A and the output by the group's first row, and with K and N multiples of 16 every group's
+  rows start 16-byte aligned.
+
+``accepts`` says when the op takes the operands; ``mxfp8_gemm.grouped_mm`` runs its fallback
+otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_engine.precision.mxfp8 import BLOCK, MXTensor
+
+SCALED_GROUPED_MM_MAJORS = (10,)
+"""CUDA capability majors where torch runs the MXFP8 grouped GEMM (its ``_scaled_mm_allowed_device``
+with ``sm100_only``: major 10, so B200 (10.0) and B300 (10.3))."""
+TILE_ROWS, TILE_COLS = 128, 4
+"""A blocked scale tile: 128 rows of 4 scales (each scale covers 32 elements along K)."""
+MAX_GROUPS = 1024
+"""The kernel sets up each group's arguments in one thread of one block (at most 1024 threads)."""
+ALIGNMENT = 16
+"""K and N must be multiples of this (torch's checks; 16 bytes of e4m3)."""
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """(..., R, C) e8m0 scales -> (..., round_up(R, 128) * round_up(C, 4)) in the blocked layout
+    (module docstring), zero-padded (scale byte 0, read by no element)."""
+    *batch, rows, cols = scales.shape
+    rows_p, cols_p = _round_up(rows, TILE_ROWS), _round_up(cols, TILE_COLS)
+    # Padding on the bytes: the e8m0 dtype has no fill kernels.
+    padded = F.pad(scales.view(torch.uint8), (0, cols_p - cols, 0, rows_p - rows))
+    # Row i of a tile is 32 a + b: (row tile, a, b, column tile, j) -> (row tile, column tile, b, a, j).
+    tiles = padded.reshape(*batch, rows_p // TILE_ROWS, 4, 32, cols_p // TILE_COLS, TILE_COLS)
+    n = len(batch)
+    order = (*range(n), n, n + 3, n + 2, n + 1, n + 4)
+    return tiles.permute(order).reshape(*batch, rows_p * cols_p).view(scales.dtype)
+
+
+def group_padded_rows(scales_MC: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """(round_up(M, 128) + 128 E, C): the rows of each expert moved to start at a multiple of 128
+    (expert e at sum_{i<e} round_up(rows_i, 128)), zeros between; rows after the last offset dropped.
+    Computed from the offsets on the device: the row count is a bound, not the groups' sum."""
+    rows, cols = scales_MC.shape
+    experts = offsets_E.numel()
+    ends = offsets_E.to(torch.int64)
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (sizes + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+    padded_starts = torch.cumsum(padded, 0) - padded
+    r = torch.arange(rows, device=scales_MC.device)
+    expert = torch.searchsorted(ends, r, right=True)
+    owned = expert < experts
+    e = expert.clamp(max=experts - 1)
+    out_rows = _round_up(rows, TILE_ROWS) + TILE_ROWS * experts
+    # Rows no expert owns go to one extra row, cut off below.
+    dest = torch.where(owned, padded_starts[e] + r - (ends[e] - sizes[e]), out_rows)
+    out = scales_MC.new_zeros((out_rows + 1, cols), dtype=torch.uint8)
+    out.index_copy_(0, dest, scales_MC.view(torch.uint8))
+    return out[:out_rows].view(scales_MC.dtype)
+
+
+def accepts(a_MK: MXTensor, b_ENK: MXTensor, out_dtype: torch.dtype) -> bool:
+    """Whether ``scaled_grouped_mm`` takes these operands (module docstring): bf16 output, K and N
+    multiples of 16, e4m3 blocks of 32, 1 to 1024 experts, and at least as many rows as experts
+    (FBGEMM's 2d x 3d entry divides M by the group count for its tile heuristics and, in the
+    versions that test that quotient for emptiness, returns an unwritten output when it is 0)."""
+    if out_dtype != torch.bfloat16 or a_MK.data.dim() != 2 or b_ENK.data.dim() != 3:
+        return False
+    if a_MK.block != BLOCK or b_ENK.block != BLOCK:
+        return False
+    if a_MK.data.dtype != torch.float8_e4m3fn or b_ENK.data.dtype != torch.float8_e4m3fn:
+        return False
+    m, k = a_MK.data.shape
+    experts, n, _ = b_ENK.data.shape
+    return k % ALIGNMENT == 0 and n % ALIGNMENT == 0 and 1 <= experts <= MAX_GROUPS and m >= experts
+
+
+def operands(a_MK: MXTensor, b_ENK: MXTensor, offsets_E: torch.Tensor):
+    """(mat_a, mat_b, scale_a, scale_b) as ``scaled_grouped_mm`` takes them (module docstring)."""
+    k = a_MK.data.shape[1]
+    cols = _round_up(k // BLOCK, TILE_COLS)
+    # A transposed weight (the dgrad operand) is a strided view; the op wants (E, N, K) contiguous.
+    mat_b = b_ENK.data.contiguous().transpose(1, 2)
+    scale_a = to_blocked(group_padded_rows(a_MK.scales, offsets_E)).view(-1, cols)
+    scale_b = to_blocked(b_ENK.scales)
+    return a_MK.data.contiguous(), mat_b, scale_a, scale_b
+
+
+def grouped_mm(a_MK: MXTensor, b_ENK: MXTensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """bf16 (M, N): rows of expert e times B[e]^T through ``scaled_grouped_mm``; zero rows after the
+    last offset (the op leaves them unwritten). The caller's ``mxfp8.grouped_mm`` profiler region
+    covers the scale layout and the op: the projection prices the region as the GEMM."""
+    mat_a, mat_b, scale_a, scale_b = operands(a_MK, b_ENK, offsets_E)
+    blockwise, swizzle = F.ScalingType.BlockWise1x32, F.SwizzleType.SWIZZLE_32_4_4
+    # Looked up at call time: tests put a checking stand-in there; torch's stubs do not export it.
+    op = F.scaled_grouped_mm  # type: ignore[attr-defined]
+    out_MN = op(
+        mat_a,
+        mat_b,
+        scale_a,
+        blockwise,
+        scale_b,
+        blockwise,
+        swizzle_a=swizzle,
+        swizzle_b=swizzle,
+        offs=offsets_E,
+        output_dtype=torch.bfloat16,
+    )
+    real_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offsets_E[-1]).unsqueeze(1)
+    return torch.where(real_M1, out_MN, 0)
