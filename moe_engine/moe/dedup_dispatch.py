@@ -32,6 +32,11 @@ Variants, per level:
   Empty slots carry the sentinel in every id column, so no counts travel and nothing reads device
   data on the host.
 
+In an overlapped step (``moe_engine.parallel.overlap``) the per-node levels form a chain: the
+dispatch hands over at the intra-node exchange, the combine at the inter-node one, the backward the
+other way round; the counts and the side buffers never hand over, and on a GPU the chain's inside
+runs on a side stream (``moe_engine.moe.chain_streams``).
+
 Chunked exchanges (``chunks`` > 1) cut the first level's rows per destination as
 ``AllToAllDispatcher`` does (``permute.chunk_major_order``): chunk k+1 travels while chunk k runs
 through the rest (the node's spread and the experts), and chunk k's combine while chunk k+1's do.
@@ -49,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 from moe_engine.config import DispatchKind
-from moe_engine.moe.dispatch import Dispatcher, all_to_all_rows, start_all_to_all
+from moe_engine.moe.chain_streams import ChainStreams
+from moe_engine.moe.dispatch import Dispatcher, HandOver, all_to_all_rows, start_all_to_all
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import (
     ExpertGroups,
@@ -129,7 +135,8 @@ class DedupDispatcher(Dispatcher):
 
     def __call__(self, x_TD, route, experts):
         shares = [destination_share(experts.num_experts * self.ep, route.expert_TK.shape[1], s) for s in self._dests()]
-        return self._hop(0, x_TD, route.expert_TK, route.weight_TK, experts, shares, self.chunks)
+        streams = ChainStreams.for_device(x_TD.device, len(self.levels) > 1)
+        return self._hop(0, x_TD, route.expert_TK, route.weight_TK, experts, shares, self.chunks, streams)
 
     def _dests(self) -> list[int]:
         """Destinations of each level's kind in the whole expert-parallel group (nodes, then ranks)."""
@@ -155,7 +162,7 @@ class DedupDispatcher(Dispatcher):
         sorted_plan = plan_routing(torch.where(leader_RK, dest_RK, size), size + 1)
         counts_S = sorted_plan.groups.counts_E[:size]
         if self.kind is DispatchKind.SYNC:
-            recv_counts_S = all_to_all_rows(counts_S, None, None, group)
+            recv_counts_S = all_to_all_rows(counts_S, None, None, group, hand_over=False)
             # The one host synchronisation of this level: both sides' split sizes.
             send_S, recv_S = torch.stack([counts_S, recv_counts_S]).tolist()
             leader_N = leader_RK.flatten()
@@ -179,11 +186,20 @@ class DedupDispatcher(Dispatcher):
             rows = reorder_rows(rows, chunk_major_order(rows_S, rows.assignment_R.numel(), chunks))
         return _HopPlan(rows, chunk_rows(send_S, chunks), chunk_rows(recv_S, chunks), dropped)
 
-    def _hop(self, level, x_RD, ids_RK, w_RK, experts: GroupedExperts, shares, chunks):
-        """(rows_in, D) weighted sum of each input row's experts' outputs, and the assignments dropped."""
+    def _hop(self, level, x_RD, ids_RK, w_RK, experts: GroupedExperts, shares, chunks, streams: ChainStreams):
+        """(rows_in, D) weighted sum of each input row's experts' outputs, and the assignments dropped.
+
+        Between two levels nothing computes but the next level's plan: the exchanges form a chain
+        (module docstring) that hands over once per direction, and on a GPU its inside runs on the
+        side stream (``streams.chain``), so that the other program's compute never queues behind it."""
         if level == len(self.levels):
             return _local_experts(x_RD, ids_RK, w_RK, experts), torch.zeros((), dtype=torch.int64, device=x_RD.device)
         group, fused = self.levels[level].group, experts.fused_kernels
+        last = level == len(self.levels) - 1
+        # The dispatch's chain ends at the last level, the combine's at the first; the backward runs
+        # each the other way round. The side buffer travels beside its rows: it never hands over.
+        dispatch_hand_over, combine_hand_over = HandOver(last, level == 0), HandOver(level == 0, last)
+        quiet = HandOver(False, False)
         block = self.levels[level].ranks_below * experts.num_experts
         plan = self.plan(level, ids_RK, block, shares, chunks)
         width_out = min(ids_RK.shape[1], block)
@@ -194,20 +210,30 @@ class DedupDispatcher(Dispatcher):
 
         def start_dispatch(k: int):
             recv, send = splits(plan.recv_chunks[k]), splits(plan.send_chunks[k])
-            return start_all_to_all(sends[k], group, recv, send), start_all_to_all(sides[k], group, recv, send)
+            return (
+                start_all_to_all(sends[k], group, recv, send, dispatch_hand_over),
+                start_all_to_all(sides[k], group, recv, send, quiet),
+            )
 
+        # The last level's experts run on the compute stream; the levels above it wait and plan on the chain's.
+        region = streams.compute if last else streams.chain
         pending, returns, dropped = start_dispatch(0), [], plan.dropped
         for k in range(chunks):
-            wait_x, wait_side = pending
-            recv_MD, side_MW = wait_x(), wait_side()
-            if k + 1 < chunks:
-                pending = start_dispatch(k + 1)
-            ids_MW = side_MW[:, width_out:].detach().round().to(torch.int64)
-            y_MD, dropped_below = self._hop(
-                level + 1, recv_MD, ids_MW, side_MW[:, :width_out], experts, shares, chunks=1
-            )
-            dropped = dropped + dropped_below
-            returns.append(start_all_to_all(y_MD, group, splits(plan.send_chunks[k]), splits(plan.recv_chunks[k])))
+            with region():
+                wait_x, wait_side = pending
+                recv_MD, side_MW = wait_x(), wait_side()
+                if k + 1 < chunks:
+                    pending = start_dispatch(k + 1)
+                ids_MW = side_MW[:, width_out:].detach().round().to(torch.int64)
+                y_MD, dropped_below = self._hop(
+                    level + 1, recv_MD, ids_MW, side_MW[:, :width_out], experts, shares, 1, streams
+                )
+                dropped = dropped + dropped_below
+                returns.append(
+                    start_all_to_all(
+                        y_MD, group, splits(plan.send_chunks[k]), splits(plan.recv_chunks[k]), combine_hand_over
+                    )
+                )
         y_SD = torch.cat([wait() for wait in returns])
         # Each destination's row already holds its experts' weighted sum: the rows add with weight 1.
         ones_RK = torch.ones(ids_RK.shape, dtype=y_SD.dtype, device=y_SD.device)

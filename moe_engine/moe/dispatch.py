@@ -44,6 +44,7 @@ import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -99,12 +100,30 @@ in_flight_hook: Callable[[], None] | None = None
 compute runs there during an overlapped step (``moe_engine.parallel.overlap`` sets it); None: wait at once."""
 
 
+@dataclass(frozen=True)
+class HandOver:
+    """Whether an exchange's wait hands over to the other program of an overlapped step
+    (``in_flight_hook``), in each direction. A chain of exchanges with nothing to compute between
+    them (the per-node dispatch's levels) hands over once, at its last exchange in that direction."""
+
+    forward: bool = True
+    """The forward's wait for the rows."""
+    backward: bool = True
+    """The backward's wait for the rows' gradients."""
+
+
 def all_to_all_rows(
-    x: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, group
+    x: torch.Tensor,
+    recv_splits: list[int] | None,
+    send_splits: list[int] | None,
+    group,
+    hand_over: bool = True,
 ) -> torch.Tensor:
+    """``all_to_all_single`` of rows (equal splits when None); ``hand_over`` False: waited at once even
+    in an overlapped step (routing counts: a few bytes the next op needs)."""
     rows = x.shape[0] if recv_splits is None else sum(recv_splits)
     out = x.new_empty(rows, *x.shape[1:])
-    hook = in_flight_hook
+    hook = in_flight_hook if hand_over else None
     if hook is None:
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
         return out
@@ -140,8 +159,11 @@ def all_to_all(
 class _InFlight:
     """One row all-to-all started asynchronously, and (in backward) its reverse."""
 
-    def __init__(self, group, recv_splits: list[int] | None, send_splits: list[int] | None):
+    def __init__(
+        self, group, recv_splits: list[int] | None, send_splits: list[int] | None, hand_over: HandOver = HandOver()
+    ):
         self.group, self.recv_splits, self.send_splits = group, recv_splits, send_splits
+        self.hand_over = hand_over
         self.work: dist.Work | None = None
         self.buffers: tuple = ()
         """Tensors the collective in flight reads or writes: held until it is waited for."""
@@ -154,12 +176,17 @@ class _InFlight:
         self.buffers = (send_RD, recv_RD)
         return recv_RD
 
-    def wait(self) -> None:
+    def wait(self, hand_over: bool) -> None:
         if self.work is None:
             raise RuntimeError("row all-to-all: wait() with none in flight (waited twice, or never started)")
-        if in_flight_hook is not None:
+        if hand_over and in_flight_hook is not None:
             in_flight_hook()
         self.work.wait()
+        for buffer in self.buffers:
+            if buffer.is_cuda:
+                # Read on the stream that waited, which a chain's may not be the allocating one
+                # (``moe_engine.moe.chain_streams``): not reused before that stream is done with it.
+                buffer.record_stream(torch.cuda.current_stream(buffer.device))
         self.work, self.buffers = None, ()
 
 
@@ -178,7 +205,7 @@ class _StartAllToAll(torch.autograd.Function):
         # arrives, in the buffer it started receiving into: complete after the wait.
         flight = ctx.flight
         grad_send_RD = flight.buffers[1]
-        flight.wait()
+        flight.wait(flight.hand_over.backward)
         return grad_send_RD, None
 
 
@@ -187,7 +214,7 @@ class _WaitAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, recv_RD, flight: _InFlight):
-        flight.wait()
+        flight.wait(flight.hand_over.forward)
         ctx.flight = flight
         return recv_RD.view_as(recv_RD)
 
@@ -200,12 +227,16 @@ class _WaitAllToAll(torch.autograd.Function):
 
 
 def start_all_to_all(
-    send_RD: torch.Tensor, group, recv_splits: list[int] | None = None, send_splits: list[int] | None = None
+    send_RD: torch.Tensor,
+    group,
+    recv_splits: list[int] | None = None,
+    send_splits: list[int] | None = None,
+    hand_over: HandOver = HandOver(),
 ) -> Callable[[], torch.Tensor]:
     """Differentiable ``all_to_all_single`` of rows, started now: returns the function that waits for
     it and gives the received rows. Its backward starts the gradients' exchange when they are ready
     and waits for it only where the sent rows' gradients are needed."""
-    flight = _InFlight(group, recv_splits, send_splits)
+    flight = _InFlight(group, recv_splits, send_splits, hand_over)
     recv_RD = _StartAllToAll.apply(send_RD, flight)
     return lambda: _WaitAllToAll.apply(recv_RD, flight)
 
@@ -308,7 +339,7 @@ class AllToAllDispatcher(Dispatcher):
     # The two exchanges are methods so that a proxy rank (``bench.run.proxy_rank``) can stand in for its peers.
     def exchange_counts(self, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
         """(ep, L) rows each source sends this rank's local experts."""
-        return all_to_all_rows(send_counts_SL, None, None, self.group)
+        return all_to_all_rows(send_counts_SL, None, None, self.group, hand_over=False)
 
     def exchange_rows(
         self, send_RD: torch.Tensor, recv_splits: list[int] | None, send_splits: list[int] | None, combine: bool

@@ -8,10 +8,12 @@ microbatch i) on two threads, exactly one at a time, and hands over at every exp
     ...
     a program that has finished hands over for good; the other then waits for each all-to-all at once.
 
-The overlap rule: every expert all-to-all of one program (dispatch and combine in forward, their
-reverses in backward, the per-expert counts) is in flight while the other program computes
-everything up to its own next all-to-all; it is exposed by what exceeds that compute, and whole
-once the other program has finished. Handing over is strict alternation, so every
+The overlap rule: every expert row all-to-all of one program (dispatch and combine in forward,
+their reverses in backward) is in flight while the other program computes everything up to its own
+next hand-over; it is exposed by what exceeds that compute, and whole once the other program has
+finished. Routing counts and side buffers are waited at once, and a chain of exchanges with nothing
+to compute between them (the per-node dispatch's two levels) hands over once
+(``moe_engine.moe.dispatch.HandOver``, ``moe_engine.moe.chain_streams``). Handing over is strict alternation, so every
 rank of a group issues its collectives in the same order, whatever the timing.
 
 The seam is ``moe_engine.moe.dispatch.in_flight_hook``: the dispatcher starts each row all-to-all

@@ -401,3 +401,86 @@ def test_config_resolves_and_validates_dispatch_rows():
     assert ParallelConfig.from_dict({"dp": 2, "ep": 2, "dispatch_rows": "per-rank"}).to_dict()["dispatch_rows"] == (
         "per-rank"
     )
+
+
+# ---- where an overlapped step hands over (moe_engine.moe.dispatch.HandOver) ------------------------------
+
+
+def _hand_over_job(cases) -> dict:
+    """Per case: the groups of the exchanges in flight at each hand-over, in forward and in backward."""
+    from moe_engine.moe import dispatch
+
+    rank = dist.get_rank()
+    nodes = build_node_groups([list(range(4))], 2)
+    names = {id(nodes.inter): "inter", id(nodes.intra): "intra"}
+    out = {}
+    started: list[str] = []
+    calls: list[str] = []
+    original = dist.all_to_all_single
+
+    def recording(*args, group=None, async_op=False, **kwargs):
+        started.append(names.get(id(group), "ep") + ("" if async_op else " at once"))
+        return original(*args, group=group, async_op=async_op, **kwargs)
+
+    def hand_over() -> None:
+        # The exchanges started since the last hand-over: the one in flight is last.
+        calls.append(" ".join(started))
+        started.clear()
+
+    for rows, kind, chunks in cases:
+        layer = sharded(rows, kind, 4.0, chunks, nodes)
+        started.clear()
+        calls.clear()
+        dist.all_to_all_single = recording
+        dispatch.in_flight_hook = hand_over
+        try:
+            x_TD, grad_TD = batch(rank, f"hand-over-{rows}-{kind}-{chunks}")
+            y = layer(x_TD.requires_grad_())
+            forward = list(calls)
+            calls.clear()
+            started.clear()
+            (y * grad_TD).sum().backward()
+        finally:
+            dispatch.in_flight_hook = None
+            dist.all_to_all_single = original
+        out[(rows, kind, chunks)] = (forward, list(calls))
+    return out
+
+
+HAND_OVER_CASES = [
+    ("per-expert", "sync", 1),
+    ("per-rank", "sync", 1),
+    ("per-node", "sync", 1),
+    ("per-node", "no-sync", 1),
+    ("per-node", "no-sync", 2),
+]
+
+
+def test_an_overlapped_step_hands_over_once_per_exchange_or_chain_never_at_counts():
+    ranks = run_ranks(_hand_over_job, 4, HAND_OVER_CASES, timeout=180)
+    # Hand-worked: per-expert and per-rank rows hand over at the dispatch and at the combine, in each
+    # direction; the counts travel at once before the rows (sync), the per-rank side buffer beside its
+    # rows. Per node the dispatch is a chain inter -> intra and the combine intra -> inter: each hands
+    # over once, with its last exchange in flight (the backward runs each chain the other way round);
+    # the side buffers and the intra-node counts travel inside the chain. Chunks: once per chunk and chain.
+    want = {
+        ("per-expert", "sync", 1): (["ep at once ep", "ep"], ["ep", "ep"]),
+        ("per-rank", "sync", 1): (["ep at once ep ep", "ep"], ["ep", "ep ep"]),
+        ("per-node", "sync", 1): (
+            ["inter at once inter inter intra at once intra intra", "intra inter"],
+            ["inter intra", "intra intra inter inter"],
+        ),
+        ("per-node", "no-sync", 1): (
+            ["inter inter intra intra", "intra inter"],
+            ["inter intra", "intra intra inter inter"],
+        ),
+        ("per-node", "no-sync", 2): (
+            # Chunk 1's inter-node rows leave inside chunk 0's chain; the combine waits chunk 0's return
+            # (handing over), then chunk 1's with nothing new started (handing over again).
+            ["inter inter inter inter intra intra", "intra inter intra intra", "intra inter", ""],
+            ["inter inter intra", "intra intra inter inter intra", "intra intra", "inter inter"],
+        ),
+    }
+    for rank, got in enumerate(ranks):
+        for case, (forward, backward) in want.items():
+            assert got[case] == (forward, backward), (rank, case, got[case])

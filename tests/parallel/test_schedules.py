@@ -45,18 +45,27 @@ TIMEOUT = 240
 
 
 def overlap_violations(events: list[tuple]) -> list[str]:
-    """Expert all-to-alls waited for with nothing of the other microbatch run since their start.
+    """Expert all-to-alls waited for with nothing of the other microbatch run since their start, where
+    the rule does not allow it.
 
-    ``events``: ("run", p) when program p takes over, ("done", p), ("start", p) and ("wait", p) for an
-    all-to-all program p started / waits for; outside an overlapped region p is -1 (not checked).
+    ``events``: ("run", p) when program p takes over, ("done", p), ("start", p[, id]) and ("wait", p[, id])
+    for an all-to-all program p started / waits for; outside an overlapped region p is -1 (not checked).
     An all-to-all started while the other program still had work must see that program run (a
-    ("run", other) event) before its wait; one started after the other finished has nothing to hide
-    behind."""
+    ("run", other) event) before its wait, unless it is waited at once inside a chain, as routing
+    counts or as a side buffer: then the program must still have an all-to-all in flight when it
+    hands over (``moe_engine.moe.dispatch.HandOver``). One started after the other finished has
+    nothing to hide behind."""
     problems, pending = [], {0: [], 1: []}
     done = {0: False, 1: False}
     runs = {0: 0, 1: 0}
-    for index, (kind, p) in enumerate(events):
+    # Per program: exchanges waited at once in the current slice.
+    unfollowed: dict[int, list[int]] = {0: [], 1: []}
+    for index, (kind, p, *exchange) in enumerate(events):
         if kind == "run":
+            other = 1 - p
+            if unfollowed[other] and not pending[other] and not done[p]:
+                problems.append(f"program {other} waited at once at events {unfollowed[other]} and handed over")
+            unfollowed[other] = []
             runs[p] += 1
             continue
         if kind == "done":
@@ -66,13 +75,14 @@ def overlap_violations(events: list[tuple]) -> list[str]:
             continue
         other = 1 - p
         if kind == "start":
-            pending[p].append((index, runs[other], done[other]))
+            pending[p].append((index, runs[other], done[other], exchange))
         elif kind == "wait":
-            start, runs_then, other_done = pending[p].pop(0)
+            # Paired by the exchange's id where recorded (one waited at once may have started after one
+            # still in flight), else first in, first out.
+            at = next(i for i, entry in enumerate(pending[p]) if entry[3] == exchange) if exchange else 0
+            _, runs_then, other_done, _ = pending[p].pop(at)
             if not other_done and runs[other] == runs_then:
-                problems.append(
-                    f"all-to-all of program {p} started at event {start}, waited at {index}: the other never ran"
-                )
+                unfollowed[p].append(index)
     if any(pending.values()):
         problems.append(f"all-to-alls never waited for: {pending}")
     return problems
@@ -100,15 +110,16 @@ class _Recorder:
             )
             recorder.collectives.setdefault(ranks, []).append(name)
             program = recorder._program()
+            exchange = len(recorder.events)
             if name == "all_to_all_single":
-                recorder.events.append(("start", program))
+                recorder.events.append(("start", program, exchange))
             work = fn(*args, group=group, async_op=async_op, **kwargs)
             if name != "all_to_all_single":
                 return work
             if not async_op:
-                recorder.events.append(("wait", program))
+                recorder.events.append(("wait", program, exchange))
                 return work
-            return _RecordedWork(work, recorder, program)
+            return _RecordedWork(work, recorder, program, exchange)
 
         return wrapped
 
@@ -121,11 +132,11 @@ class _Recorder:
 
 
 class _RecordedWork:
-    def __init__(self, work, recorder: _Recorder, program: int):
-        self.work, self.recorder, self.program = work, recorder, program
+    def __init__(self, work, recorder: _Recorder, program: int, exchange: int):
+        self.work, self.recorder, self.program, self.exchange = work, recorder, program, exchange
 
     def wait(self, *args, **kwargs):
-        self.recorder.events.append(("wait", self.program))
+        self.recorder.events.append(("wait", self.program, self.exchange))
         return self.work.wait(*args, **kwargs)
 
 
@@ -248,6 +259,12 @@ def test_overlap_checker_accepts_a_hidden_exchange_and_refuses_an_early_wait():
     # The wait moved before the hand-over: nothing of program 1 ran while program 0's exchange moved.
     early = [("run", 0), ("start", 0), ("wait", 0), ("run", 1), ("start", 1), ("run", 0), ("done", 0), ("wait", 1)]
     assert len(overlap_violations(early)) == 1
+    # A chain: the first exchange waited at once, the second started before the hand-over and hidden.
+    chain = [("run", 0), ("start", 0), ("wait", 0), ("start", 0), ("run", 1), ("start", 1), ("run", 0), ("wait", 0)]
+    assert overlap_violations(chain + [("done", 0), ("wait", 1)]) == []
+    # The same chain handing over with nothing in flight: both waits at once.
+    unhidden = [("run", 0), ("start", 0), ("wait", 0), ("start", 0), ("wait", 0), ("run", 1), ("start", 1)]
+    assert len(overlap_violations(unhidden + [("run", 0), ("done", 0), ("wait", 1)])) == 1
     # After the other program finished there is nothing to hide behind: waiting at once is right.
     alone = [("run", 0), ("done", 0), ("run", 1), ("start", 1), ("wait", 1), ("done", 1)]
     assert overlap_violations(alone) == []
@@ -316,6 +333,21 @@ def test_overlapped_data_parallel_step_trains_like_the_plain_step(dispatch):
     assert parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
     got = _run(parallel)
     assert all(r["overlapped"] for r in got) and not any(r["overlapped"] for r in reference)
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+    for rank in got:
+        assert ("run", 1) in rank["events"], "the second microbatch never ran beside the first"
+        assert overlap_violations(rank["events"]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["no-sync", "sync"])
+def test_overlapped_step_with_rows_per_node_trains_like_the_plain_step(dispatch):
+    # Four ranks as two nodes of two: each dispatch and combine is a chain of two levels.
+    base = dict(dp=4, ep=4, microbatches=2, ranks_per_node=2, dispatch=dispatch, capacity_factor=4.0)
+    reference = _run(ParallelConfig(**base, overlap="none"))
+    got = _run(ParallelConfig(**base))
+    assert ParallelConfig(**base).resolved_dispatch_rows.value == "per-node"
     assert_same_training(got, reference)
     assert_same_collective_order(got)
     for rank in got:
