@@ -8,7 +8,10 @@
    kernels only as runtime integers) and records every launch the engine's own launch sites make:
    the kernel, its argument types and Triton's specialisation of each (``native_specialize_impl``,
    what the JIT keys its cache on: 16-byte alignment, integers divisible by 16, integers equal to 1),
-   its constexprs and launch options. Identical launches count once: one specialisation each.
+   its constexprs and launch options. Identical launches count once: one specialisation each. An
+   autotuned kernel (``triton.autotune``) runs every config once under the interpreter (the
+   engine's tuning does so there), so each config is recorded as its own specialisation, as each is
+   compiled on a GPU's first call.
 2. Compile: each specialisation ahead of time with Triton's compiler for a ``GPUTarget`` (``sm_90a``
    and ``sm_100a``; ``sm_80`` for the kernels that claim it: those without fp8 operands, as Triton
    has e4m3 only from capability 8.9), then the ``ptxas`` bundled with Triton, ``-v``, on its PTX for
@@ -16,7 +19,8 @@
 3. Judge: a compile error fails the check, and so does a spill (every recorded launch is at a
    reference model's size). The report lists each kernel's specialisations, registers and spills per
    target, whether the MXFP8 GEMM's sm_100a IR holds the scaled tensor-core MMA
-   (``tc_gen5_mma_scaled``), and the number of specialisations: each is one compile on a GPU's first
+   (``tc_gen5_mma_scaled``; a config whose tile ``mxfp8_gemm.SCALED_MMA_TILES`` names, the ones
+   Blackwell's tuning keeps, fails the check without it), and the number of specialisations: each is one compile on a GPU's first
    run (0.2-2.3 s on a 2-core host), which is what ``bench/gpu-check.sh``'s CUDA test step budgets.
 """
 
@@ -251,7 +255,16 @@ _TC_OPS = ("tc_gen5_mma_scaled", "tc_gen5_mma", "warp_group_dot")
 
 
 def _jit_function(launch: Launch):
-    return getattr(importlib.import_module(launch.module), launch.name)
+    return unwrap(getattr(importlib.import_module(launch.module), launch.name))
+
+
+def unwrap(fn):
+    """The ``JITFunction`` under Triton's launch wrappers (``triton.autotune``, ``triton.heuristics``)."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    return fn
 
 
 def compile_launch(launch: Launch, target: str, fn=None) -> Compiled:
@@ -262,7 +275,7 @@ def compile_launch(launch: Launch, target: str, fn=None) -> Compiled:
     from triton.compiler import ASTSource
 
     capability = TARGETS[target]
-    fn = fn if fn is not None else _jit_function(launch)
+    fn = unwrap(fn) if fn is not None else _jit_function(launch)
     names = [name for name, _ in launch.signature]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in launch.divisible}
     source = ASTSource(fn=fn, signature=dict(launch.signature), constexprs=dict(launch.constexprs), attrs=attrs)
@@ -304,17 +317,35 @@ def compile_all(launches: list[Launch], targets: Iterable[str]) -> list[tuple[La
 # --- 3. judging ----------------------------------------------------------------------------------------
 
 
-def failures(results: list[tuple[Launch, Compiled]]) -> list[str]:
-    """What fails the check: compile errors and spills."""
+MXFP8_GEMM = "moe_engine.precision.mxfp8_gemm._mx_grouped_mm_kernel"
+SCALED_MMA = "tc_gen5_mma_scaled"
+
+
+def scaled_mma_tiles() -> tuple[tuple[int, int], ...]:
+    """The MXFP8 GEMM's (BLOCK_M, BLOCK_N) that Blackwell's tuning keeps: they must reach the scaled MMA."""
+    from moe_engine.precision.mxfp8_gemm import SCALED_MMA_TILES
+
+    return SCALED_MMA_TILES
+
+
+def failures(results: list[tuple[Launch, Compiled]], tiles: tuple[tuple[int, int], ...] | None = None) -> list[str]:
+    """What fails the check: compile errors, spills, and an MXFP8 GEMM config that Blackwell's tuning
+    keeps (``tiles``, default ``scaled_mma_tiles()``) without the scaled MMA in its sm_100a IR."""
     out = []
     for launch, c in results:
         if not c.ok:
             out.append(f"{c.kernel} on {c.target} does not compile: {c.error.splitlines()[0] if c.error else ''}")
-        elif c.spills:
+            continue
+        if c.spills:
             out.append(
                 f"{c.kernel} on {c.target} spills ({c.spill_stores} B stored, {c.spill_loads} B loaded, "
                 f"{c.registers} registers) at {dict(launch.constexprs)}"
             )
+        if c.kernel == MXFP8_GEMM and c.target == "sm_100a":
+            constexprs = dict(launch.constexprs)
+            tile = (constexprs.get("BLOCK_M"), constexprs.get("BLOCK_N"))
+            if tile in (scaled_mma_tiles() if tiles is None else tiles) and SCALED_MMA not in c.ir_ops:
+                out.append(f"{c.kernel} on sm_100a at {tile[0]} x {tile[1]} lacks {SCALED_MMA}: {c.ir_ops}")
     return out
 
 
@@ -327,11 +358,20 @@ def summary(launches: list[Launch], results: list[tuple[Launch, Compiled]]) -> d
         t["max_registers"] = max(t["max_registers"], c.registers)
         t["spills"] += int(c.spills)
         t["ir_ops"] = sorted(set(t["ir_ops"]) | set(c.ir_ops))
+    # Per target, the tensor-core ops each tile of the MXFP8 GEMM's configs compiled to.
+    tiles: dict[str, dict[str, list[str]]] = {}
+    for launch, c in results:
+        if c.kernel == MXFP8_GEMM and c.ok:
+            constexprs = dict(launch.constexprs)
+            tile = f"{constexprs.get('BLOCK_M')}x{constexprs.get('BLOCK_N')}"
+            ops = tiles.setdefault(c.target, {}).setdefault(tile, [])
+            ops[:] = sorted(set(ops) | set(c.ir_ops))
     return {
         "specialisations": len(launches),
         "compiles": len(results),
         "compile_seconds": sum(c.seconds for _, c in results),
         "kernels": per_kernel,
+        "mxfp8_gemm_tiles": tiles,
         "failures": failures(results),
     }
 
@@ -360,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             for t, v in info["targets"].items()
         )
         print(f"{kernel}: {info['specialisations']} specialisations; {cells}")
+    for target, tiles in report["mxfp8_gemm_tiles"].items():
+        print(f"MXFP8 GEMM tiles on {target}: " + ", ".join(f"{t} {'/'.join(ops) or '-'}" for t, ops in tiles.items()))
     print(
         f"{report['specialisations']} specialisations, {report['compiles']} compiles in "
         f"{report['compile_seconds']:.0f} s"

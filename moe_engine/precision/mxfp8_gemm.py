@@ -19,9 +19,10 @@ are ``MXTensor``s blocked along K. Three implementations compute the same thing 
 capability 8.9 (Triton has no e4m3 type below it: an A100's first MXFP8 forward would raise) and the
 emulation elsewhere. GPUs with MX tensor
 cores (Blackwell) run ``tl.dot_scaled`` natively, but only for tiles of at least 128 rows: smaller
-ones Triton decomposes (compiled for sm_100a, 64 x 64 tiles gave ``tc_gen5_mma``, 128 x 128
-``tc_gen5_mma_scaled``), hence 128 x 128 tiles on 8 warps (no spills on sm_90a or sm_100a,
-``bench.validate.kernel_compile``). Hopper has no MX tensor cores: Triton decomposes the scaled dot
+ones Triton decomposes (compiled for sm_100a, 64 x 64 and 64 x 128 tiles gave ``tc_gen5_mma``,
+128 x 128 and 128 x 64 ``tc_gen5_mma_scaled``), hence the tuning over ``GEMM_CONFIGS`` keeps to the
+latter on Blackwell (``bench.validate.kernel_compile`` checks both, and that no config spills on
+sm_90a or sm_100a). Hopper has no MX tensor cores: Triton decomposes the scaled dot
 into an upcast to bf16 (exact for E4M3 x 2^k) and a bf16 MMA, the same numbers without the FP8
 speed-up. ``path_label`` says which of the two ran from the compiled kernel's IR, never from the
 capability; for torch's op, it names what the last call on the device ran (the op, or its fallback).
@@ -244,7 +245,31 @@ def _block_k(k: int) -> int:
     return next(b for b in (128, 64, 32) if k % b == 0)
 
 
-def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 128, block_n: int = 128):
+GEMM_CONFIGS = ((128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 8, 3), (64, 64, 4, 4))
+"""(BLOCK_M, BLOCK_N, num_warps, num_stages) the Triton GEMM is tuned over, on its first call per
+(N, K, experts) on a device. Compiled for sm_90a, 128 x 64 and 64 x 128 tiles on 4 warps spilled
+(Hopper upcasts the e4m3 tiles to bf16 in registers); on 8 warps they do not."""
+SCALED_MMA_TILES = ((128, 128), (128, 64))
+"""The (BLOCK_M, BLOCK_N) of ``GEMM_CONFIGS`` whose sm_100a IR holds ``tc_gen5_mma_scaled``
+(``bench.validate.kernel_compile``); on capability 10.x the tuning keeps to those."""
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """On Blackwell, the tiles that run on its MX tensor cores; every config elsewhere."""
+    device = named_args["a_ptr"].device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) in SCALED_MMA_TILES]
+    return configs
+
+
+def _run_once(kernel_call, quantiles):
+    """The interpreter's stand-in for timing: every config runs once (so each is exercised and, for
+    ``bench.validate.kernel_compile``, recorded), and the first one is kept."""
+    kernel_call()
+    return [0.0] * len(quantiles)
+
+
+def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype):
     if triton is None:
         raise RuntimeError("the Triton MXFP8 grouped GEMM needs triton, which is not installed")
     m, k = a_MK.data.shape
@@ -255,7 +280,10 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 128, bl
         return out_MN
     a_scales = a_MK.scales.view(torch.uint8)
     b_scales = b_ENK.scales.view(torch.uint8)
-    grid = (triton.cdiv(m, block_m) + num_experts, triton.cdiv(n, block_n))
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) + num_experts, triton.cdiv(n, meta["BLOCK_N"]))
+
     with on_device(out_MN):
         compiled = _mx_grouped_mm_kernel[grid](
             a_MK.data,
@@ -273,11 +301,8 @@ def _triton_grouped_mm(a_MK, b_ENK, offsets_E, out_dtype, block_m: int = 128, bl
             *b_ENK.data.stride(),
             *b_scales.stride(),
             *out_MN.stride(),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
             BLOCK_K=_block_k(k),
             BLOCK_E=max(triton.next_power_of_2(num_experts), 2),
-            num_warps=8,
         )
     if out_MN.is_cuda:  # the interpreter compiles nothing
         note_compiled(out_MN.device, compiled.asm["ttgir"])
@@ -368,6 +393,17 @@ if triton is not None:
         row_end = tl.sum(tl.where(mine, ends, 0), 0)
         return expert, row_start, row_end
 
+    # Tuning runs each config on the output buffer: programs only store (no accumulation into it),
+    # and each writes the same rows whatever the tile, so the repeated runs leave the same result.
+    @triton.autotune(
+        configs=[
+            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+            for bm, bn, warps, stages in GEMM_CONFIGS
+        ],
+        key=["N", "K", "num_experts"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+        do_bench=_run_once if triton.knobs.runtime.interpret else None,
+    )
     @triton.jit
     def _mx_grouped_mm_kernel(
         a_ptr,

@@ -128,8 +128,13 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     from moe_engine.precision import mxfp8_gemm as mx
 
     cases = json.loads(sys.argv[1])
+    tuned = mx._mx_grouped_mm_kernel
+    configs = tuned.configs
     errors = []
-    for counts, padding, k, n, transposed, out_dtype in cases:
+    # Every case once per tuning config, that config alone: each tile is checked, not just the one
+    # the tuning would keep.
+    for (counts, padding, k, n, transposed, out_dtype), config in [(c, f) for c in cases for f in configs]:
+        tuned.configs, tuned.cache = [config], {}
         g = torch.Generator().manual_seed(len(errors))
         m = sum(counts)
         a = torch.randn(m + padding, k, generator=g) * torch.logspace(-3, 3, k)
@@ -171,7 +176,9 @@ def test_triton_kernel_in_interpreter_matches_emulation():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     errors = json.loads(result.stdout.strip().splitlines()[-1])
-    for case, error in zip(INTERPRETER_CASES, errors):
+    assert len(errors) == len(INTERPRETER_CASES) * len(mx.GEMM_CONFIGS)
+    cases = [case for case in INTERPRETER_CASES for _ in mx.GEMM_CONFIGS]
+    for case, error in zip(cases, errors):
         # fp32 output: both accumulate the same exact products in fp32, in other orders over K; bf16
         # output: one rounding apart.
         bound = tolerance(torch.float32, case[2]) if case[-1] == "float32" else 2**-7
@@ -221,19 +228,20 @@ def test_path_label_comes_from_the_compiled_ir(capability, ttgir, expected, monk
 
 @pytest.mark.slow
 def test_the_engine_tiles_reach_the_scaled_mma_on_sm100(monkeypatch):
-    """The GEMM as the engine launches it (its tile, warps, specialisation), compiled for sm_100a
-    without a GPU: the IR holds the block-scaled MMA, and the label that IR gives says native."""
-    from bench.validate.kernel_compile import compile_launch, describe_launch
+    """The GEMM as the engine launches it (its specialisation, each tuning config's tile, warps and
+    stages), compiled for sm_100a without a GPU: the tiles Blackwell's tuning keeps hold the
+    block-scaled MMA, and the label that IR gives says native."""
+    from bench.validate.kernel_compile import compile_launch, describe_launch, unwrap
 
     a = mx.quantize_rows(torch.randn(256, 256))
     b = mx.quantize_weight(torch.randn(4, 256, 256))
     offsets = torch.tensor([64, 128, 192, 256], dtype=torch.int32)
-    launches, kernel = [], mx._mx_grouped_mm_kernel
+    calls, kernel = [], mx._mx_grouped_mm_kernel
 
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launches.append(describe_launch(kernel.fn, args, kwargs))
+                calls.append((args, kwargs))
                 return type("Compiled", (), {"asm": {"ttgir": ""}})()
 
             return launch
@@ -241,6 +249,25 @@ def test_the_engine_tiles_reach_the_scaled_mma_on_sm100(monkeypatch):
     monkeypatch.setattr(mx, "_mx_grouped_mm_kernel", Recorder())
     mx._triton_grouped_mm(a, b, offsets, torch.bfloat16)
     monkeypatch.undo()  # Triton's compiler resolves the kernel's module globals
-    (launch,) = launches
-    compiled = compile_launch(launch, "sm_100a", fn=kernel)
-    assert compiled.ok and not compiled.spills and mx.SCALED_MMA in compiled.ir_ops, compiled
+    ((args, kwargs),) = calls
+    assert {"BLOCK_M", "BLOCK_N", "num_warps"}.isdisjoint(kwargs), "the tuning picks tile and warps"
+    tuned = [c for c in kernel.configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) in mx.SCALED_MMA_TILES]
+    assert tuned and len(kernel.configs) > len(tuned)
+    for config in tuned:
+        launch = describe_launch(unwrap(kernel).fn, args, {**kwargs, **config.all_kwargs()})
+        compiled = compile_launch(launch, "sm_100a", fn=kernel)
+        assert compiled.ok and not compiled.spills and mx.SCALED_MMA in compiled.ir_ops, (config, compiled)
+
+
+def test_blackwell_tunes_over_the_scaled_mma_tiles_only(monkeypatch):
+    """On capability 10.x the tuning keeps to the tiles that run on MX tensor cores; elsewhere all."""
+    configs = mx._mx_grouped_mm_kernel.configs
+    tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in configs}
+    assert (128, 128) in tiles and len(tiles) >= 3
+    args = {"a_ptr": torch.empty(0)}
+    assert mx._prune_configs(configs, args) == configs  # CPU tensors (the interpreter): every config
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    for capability, kept in [((10, 0), set(mx.SCALED_MMA_TILES)), ((9, 0), tiles)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        pruned = mx._prune_configs(configs, args)
+        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in pruned} == kept

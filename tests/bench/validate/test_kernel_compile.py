@@ -78,3 +78,34 @@ def test_a_kernel_that_spills_fails_the_check():
     assert compiled.ok and compiled.spills, compiled
     (failure,) = failures([(launch, compiled)])
     assert "_keeps_a_wide_row on sm_90a spills" in failure
+
+
+def test_an_autotuned_kernel_compiles_as_its_jit_function():
+    from triton.runtime.jit import JITFunction
+
+    from bench.validate.kernel_compile import unwrap
+    from moe_engine.precision import mxfp8_gemm
+
+    tuned = mxfp8_gemm._mx_grouped_mm_kernel
+    assert not isinstance(tuned, JITFunction) and unwrap(tuned) is tuned.fn and isinstance(unwrap(tuned), JITFunction)
+    assert unwrap(_scale) is _scale
+
+
+@pytest.mark.parametrize(
+    "tile, target, ir_ops, fails",
+    [
+        ((128, 128), "sm_100a", ["tc_gen5_mma_scaled"], False),
+        ((128, 128), "sm_100a", ["tc_gen5_mma"], True),  # a kept tile that lost the scaled MMA
+        ((64, 64), "sm_100a", ["tc_gen5_mma"], False),  # a tile Blackwell's tuning does not keep
+        ((128, 128), "sm_90a", ["warp_group_dot"], False),  # Hopper has no MX tensor cores
+    ],
+)
+def test_a_kept_mxfp8_tile_without_the_scaled_mma_fails_the_check(tile, target, ir_ops, fails):
+    from bench.validate.kernel_compile import MXFP8_GEMM, Compiled
+
+    module, name = MXFP8_GEMM.rsplit(".", 1)
+    launch = Launch(module, name, (), (("BLOCK_M", tile[0]), ("BLOCK_N", tile[1])), (), ())
+    compiled = Compiled(MXFP8_GEMM, target, True, ir_ops=ir_ops)
+    found = failures([(launch, compiled)], tiles=((128, 128), (128, 64)))
+    assert bool(found) is fails, found
+    assert failures([(launch, compiled)]) == found  # the engine's own list of kept tiles
