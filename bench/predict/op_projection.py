@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from bench.predict.collectives import Collective, Network, collective_seconds
 from bench.predict.dispatch_rows import DispatchShape, expected_rows_per_token, node_groups, resolve_rows, side_bytes
 from bench.predict.ops import TracedOp
-from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Program, SyncBucket
+from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Program, Segment, SyncBucket
 from bench.predict.pricing import PricedOp, is_stand_in
 from bench.predict.projection import Projection, RankTiming, Schedule, project_step
 from bench.predict.skew import SkewModel
@@ -109,27 +109,56 @@ class StepPrices:
     """One microbatch's forward and backward cut at its expert all-to-alls (``traced_programs``)."""
 
 
+CHAINED = "chained"
+"""Key of a traced collective record (``engine_dispatch``'s): true where the exchange follows the one
+before it with no compute between, in one chain that hands over once (``bench.predict.overlap``)."""
+
+
+@dataclass(frozen=True)
+class TracedSegment:
+    """``bench.predict.overlap.Segment`` before the network prices its all-to-alls."""
+
+    compute_s: float
+    """Compute before the all-to-all, seconds."""
+    exchanges: tuple[Collective, ...]
+    """The all-to-all, or a chain's, in issue order."""
+    hands_over: bool = True
+    """False: routing counts, waited for at once."""
+
+
 @dataclass(frozen=True)
 class TracedProgram:
     """``bench.predict.overlap.Program`` before the network prices its all-to-alls."""
 
-    segments: tuple[tuple[float, Collective], ...]
-    """(compute seconds before the all-to-all, the all-to-all), in issue order."""
+    segments: tuple[TracedSegment, ...]
+    """In issue order."""
     tail_s: float
     """Compute after the last all-to-all, seconds."""
 
     def priced(self, rank: int, net: Network) -> Program:
-        return Program(tuple((c, collective_seconds(a, rank, net)) for c, a in self.segments), self.tail_s)
+        return Program(
+            tuple(
+                Segment(s.compute_s, sum(collective_seconds(c, rank, net) for c in s.exchanges), s.hands_over)
+                for s in self.segments
+            ),
+            self.tail_s,
+        )
+
+
+def is_counts(op: TracedOp) -> bool:
+    """Whether an expert all-to-all exchanges routing counts (integers) rather than rows."""
+    return bool(op.inputs) and not op.inputs[0].dtype.startswith(("torch.float", "torch.bfloat"))
 
 
 def traced_programs(
     priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]
 ) -> dict[str, TracedProgram]:
     """One microbatch's forward and backward as the overlapped step interleaves them (module docstring):
-    the compute of the ops that run every microbatch, cut at each expert all-to-all (counts and rows),
+    the compute of the ops that run every microbatch, cut at each expert all-to-all (rows: one segment
+    per exchange, or per chain of them, ``CHAINED``; routing counts: a segment waited for at once),
     each segment the mean over the traced microbatches, the tail the last one's; none for a direction
-    whose all-to-alls do not split evenly over them."""
-    points: dict[str, list[tuple[float, Collective]]] = {"forward": [], "backward": []}
+    whose segments do not split evenly over them."""
+    points: dict[str, list[tuple[float, list[Collective], bool]]] = {"forward": [], "backward": []}
     since = {"forward": 0.0, "backward": 0.0}
     total = {"forward": 0.0, "backward": 0.0}
     for p in priced:
@@ -141,9 +170,16 @@ def traced_programs(
             total[stage] += p.seconds
             continue
         phase, account = collective_account(p.op, group_phases)
-        if account == "expert" and p.op.collective is not None and p.op.collective["op"] == "all_to_all":
-            points[stage].append((since[stage], _collective(p.op, phase)))
-            since[stage] = 0.0
+        if account != "expert" or p.op.collective is None or p.op.collective["op"] != "all_to_all":
+            continue
+        exchange = _collective(p.op, phase)
+        if p.op.collective.get(CHAINED):
+            if not points[stage] or since[stage] or not points[stage][-1][2]:
+                raise ValueError(f"traced op {p.op.name}: chained to no exchange of rows just before it")
+            points[stage][-1][1].append(exchange)
+            continue
+        points[stage].append((since[stage], [exchange], not is_counts(p.op)))
+        since[stage] = 0.0
     programs = {}
     for stage, found in points.items():
         if len(found) % microbatches_traced:
@@ -158,10 +194,16 @@ def traced_programs(
         segments = []
         for j in range(k):
             at = [found[i * k + j] for i in range(microbatches_traced)]
-            before = [c - (tail if j == 0 and i > 0 else 0.0) for i, (c, _) in enumerate(at)]
-            nbytes = round(statistics.fmean(c.nbytes for _, c in at))
-            segments.append((max(0.0, statistics.fmean(before)), dataclasses.replace(at[0][1], nbytes=nbytes)))
-        programs[stage] = TracedProgram(tuple(segments), tail)
+            if len({(len(chain), hands_over) for _, chain, hands_over in at}) > 1:
+                break  # the microbatches do not issue the same all-to-alls
+            before = [c - (tail if j == 0 and i > 0 else 0.0) for i, (c, _, _) in enumerate(at)]
+            chain = tuple(
+                dataclasses.replace(first, nbytes=round(statistics.fmean(c[n].nbytes for _, c, _ in at)))
+                for n, first in enumerate(at[0][1])
+            )
+            segments.append(TracedSegment(max(0.0, statistics.fmean(before)), chain, at[0][2]))
+        else:
+            programs[stage] = TracedProgram(tuple(segments), tail)
     return programs
 
 
@@ -280,17 +322,20 @@ def engine_dispatch(
     """A trace of per-expert rows (what a proxy rank's dispatcher runs) as the engine's ``kind`` rows
     run it at ``rank`` (module docstring, "Dispatch rows"): each row exchange of the expert group
     carries D / k of its rows (D = the expected distinct destinations, ``expected_rows_per_token``),
-    each with its side buffer; per-node's two levels replace it, inter-node then intra-node; a
-    routing-counts exchange stays (one per level) under sync dispatch and goes under no-sync (the
-    dedup buffers carry no counts). Returns the ops and the group phases with the levels' groups."""
+    each with its side buffer; per-node's two levels replace it in the order the engine runs them
+    (rows out to the experts: inter-node then intra-node; back: intra-node then inter-node;
+    ``returning_rows``), the second marked ``CHAINED`` to the first; a routing-counts exchange stays
+    (one per level) under sync dispatch and goes under no-sync (the dedup buffers carry no counts).
+    Returns the ops and the group phases with the levels' groups."""
     kind = resolve_rows(kind, shape)
     if kind == "per-expert":
         return list(priced), group_phases
     rows = expected_rows_per_token(shape)
+    returning = returning_rows(priced, group_phases)
     per_rank = shape.experts // shape.ep
     phases = dict(group_phases)
     out: list[PricedOp] = []
-    for p in priced:
+    for i, p in enumerate(priced):
         call = p.op.collective
         if p.work.kind != "collective" or call is None or call["op"] != "all_to_all":
             out.append(p)
@@ -306,10 +351,12 @@ def engine_dispatch(
                 ("inter", across, rows.nodes, per_rank * shape.node_ranks),
                 ("intra", inside, rows.ranks, per_rank),
             ]
-        counts = bool(p.op.inputs) and not p.op.inputs[0].dtype.startswith(("torch.float", "torch.bfloat"))
+        counts = is_counts(p.op)
         if counts and not sync:
             continue
-        for level, group, per_token, level_experts in levels:
+        if i in returning:
+            levels.reverse()
+        for n, (level, group, per_token, level_experts) in enumerate(levels):
             name = call["group_name"] + (f":{level}" if level else "")
             phases[name] = "expert"
             nbytes = int(call["nbytes"])
@@ -320,8 +367,50 @@ def engine_dispatch(
                 traced_rows = nbytes / row_bytes if row_bytes else 0.0
                 nbytes = round(traced_rows * per_token / shape.top_k * (row_bytes + side_bytes(shape, level_experts)))
             collective = {**call, "ranks": list(group), "group_name": name, "nbytes": nbytes}
+            if n and not counts:
+                collective[CHAINED] = True
             out.append(dataclasses.replace(p, op=dataclasses.replace(p.op, collective=collective)))
     return out, phases
+
+
+def returning_rows(priced: Sequence[PricedOp], group_phases: dict[str, str]) -> set[int]:
+    """Indices in ``priced`` of the expert row all-to-alls that carry rows back from the experts (a
+    combine, or the backward's gradients of a dispatch); the others carry rows out to them. By position
+    in a MoE layer pass: a forward pass (a routing-counts exchange, then 2 C row exchanges, C = the
+    forward's row exchanges / (2 * its count exchanges)) runs out, out, back, out, back, ..., back
+    (chunk k + 1's dispatch before chunk k's combine: d0, d1, c0, d2, c1, ..., c(C-1)); a backward
+    pass (2 C row exchanges with no count exchange before them: a recomputed forward's have one) runs
+    the same in reverse, each the other way (a combine's gradients go out). Where C does not come out
+    whole, every exchange is taken as going out."""
+    exchanges = []
+    for i, p in enumerate(priced):
+        call = p.op.collective
+        if p.work.kind != "collective" or call is None or call["op"] != "all_to_all":
+            continue
+        if collective_account(p.op, group_phases)[1] == "expert" and p.op.stage in ("forward", "backward"):
+            exchanges.append((i, p.op.stage, is_counts(p.op)))
+    forward_counts = sum(1 for _, stage, counts in exchanges if stage == "forward" and counts)
+    forward_rows = sum(1 for _, stage, counts in exchanges if stage == "forward" and not counts)
+    if not forward_counts or forward_rows % (2 * forward_counts):
+        return set()
+    chunks = forward_rows // (2 * forward_counts)
+    forward = [False] + [back for k in range(chunks) for back in ([False, True] if k + 1 < chunks else [True])]
+    backward = [not back for back in reversed(forward)]
+    returning: set[int] = set()
+    pending: dict[str, list[bool]] = {"forward": [], "backward": []}
+    reversed_seen = {"forward": 0, "backward": 0}
+    for i, stage, counts in exchanges:
+        if counts:
+            pending[stage] = list(forward)
+            continue
+        if pending[stage]:
+            back = pending[stage].pop(0)
+        else:
+            back = backward[reversed_seen[stage] % len(backward)]
+            reversed_seen[stage] += 1
+        if back:
+            returning.add(i)
+    return returning
 
 
 def _in_experts(location: str) -> bool:
@@ -355,7 +444,7 @@ def expert_overlap(
         _, account = collective_account(p.op, group_phases)
         if account != "expert" or call["op"] != "all_to_all":
             continue
-        if p.op.inputs and not p.op.inputs[0].dtype.startswith(("torch.float", "torch.bfloat")):
+        if is_counts(p.op):
             counts[stage] += 1  # the routing counts, once per forward pass
             continue
         exchanges[stage].setdefault(tuple(call["ranks"]), []).append(int(call["nbytes"]))

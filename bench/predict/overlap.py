@@ -2,7 +2,10 @@
 gradient reductions and ZeRO-1 gathers of a step queue on one link by bucket (``SyncBucket``,
 ``simulate_sync``); a microbatch's chunked expert all-to-alls run under its experts (``ExpertOverlap``,
 ``chunked_exposed_s``, ``expert_hidden_s``), or under another microbatch's compute
-(``Program``, ``interleaved_exposed_s``, ``MicrobatchOverlap``, ``overlapped_pairs``).
+(``Program``, ``interleaved_exposed_s``, ``MicrobatchOverlap``, ``overlapped_pairs``). There a program
+hands over once per exchange of rows, or once per chain of them (exchanges with no compute between,
+run back to back: the per-node dispatch's two levels, one ``Segment``), and waits at once for its
+routing counts (a segment that does not hand over).
 
 Formulas: ``bench.predict.projection``'s docstring, sections "Overlapped syncs" and "Overlapped expert all-to-alls". Pure arithmetic.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int, is_number
 
@@ -20,6 +24,7 @@ __all__ = [
     "ExpertOverlap",
     "MicrobatchOverlap",
     "Program",
+    "Segment",
     "SyncBucket",
     "SyncTimes",
     "chunked_exposed_s",
@@ -108,19 +113,31 @@ def expert_hidden_s(overlaps: Iterable[ExpertOverlap], rank: int, net: Network, 
     return hidden
 
 
+class Segment(NamedTuple):
+    """A program's compute up to one expert all-to-all (or chain of them), and how it waits there."""
+
+    compute_s: float
+    """Compute before the all-to-all, seconds."""
+    alltoall_s: float
+    """The all-to-all's seconds; a chain's: its exchanges' summed (back to back on the link)."""
+    hands_over: bool = True
+    """Whether the program hands over as it starts it; False: waited for at once (routing counts)."""
+
+
 @dataclass(frozen=True)
 class Program:
     """One direction (forward or backward) of one microbatch as the overlapped step interleaves it: its
-    compute cut at each expert all-to-all it issues."""
+    compute cut at each expert all-to-all (or chain of them) it issues."""
 
-    segments: tuple[tuple[float, float], ...]
-    """(compute seconds before the all-to-all, the all-to-all's seconds), in issue order."""
+    segments: tuple[Segment, ...]
+    """In issue order; a plain (compute, all-to-all) pair is a segment that hands over."""
     tail_s: float
     """Compute after its last all-to-all, seconds."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "segments", tuple((float(c), float(a)) for c, a in self.segments))
-        for c, a in self.segments:
+        segments = tuple(Segment(float(s[0]), float(s[1]), *(bool(h) for h in s[2:])) for s in self.segments)
+        object.__setattr__(self, "segments", segments)
+        for c, a, _ in segments:
             if not c >= 0 or not a >= 0:
                 raise ValueError(f"program.segments: seconds must be >= 0, got ({c}, {a})")
         if not is_number(self.tail_s) or not self.tail_s >= 0:
@@ -128,11 +145,16 @@ class Program:
 
     @property
     def compute_s(self) -> float:
-        return sum(c for c, _ in self.segments) + self.tail_s
+        return sum(s.compute_s for s in self.segments) + self.tail_s
 
     @property
     def alltoall_s(self) -> float:
-        return sum(a for _, a in self.segments)
+        return sum(s.alltoall_s for s in self.segments)
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds of the all-to-alls it waits for at once (routing counts), among ``alltoall_s``."""
+        return sum(s.alltoall_s for s in self.segments if not s.hands_over)
 
 
 NOTHING = Program((), 0.0)
@@ -142,8 +164,10 @@ NOTHING = Program((), 0.0)
 def interleaved_exposed_s(first: Program, second: Program) -> float:
     """Seconds the compute waits when ``first`` and ``second`` run as the overlapped step runs them
     (the rule in ``bench.predict.projection``'s docstring, "Expert all-to-alls overlapped across
-    microbatches"): one computes at a time; each starts its all-to-all, hands over, and waits for it
-    when the other has started its own next one (or finished); the all-to-alls queue on one link."""
+    microbatches"): one computes at a time; each starts its all-to-all (a chain's exchanges back to
+    back), hands over, and waits for it when the other has started its own next one (or finished);
+    routing counts are waited for at once, no hand-over, and count among the seconds returned; the
+    all-to-alls queue on one link."""
     programs = (first, second)
     position, in_flight, done = [0, 0], [0.0, 0.0], [False, False]
     clock = link = 0.0
@@ -152,8 +176,14 @@ def interleaved_exposed_s(first: Program, second: Program) -> float:
         program = programs[running]
         # Resuming: its all-to-all in flight must have arrived.
         clock = max(clock, in_flight[running])
-        if position[running] < len(program.segments):
-            compute, alltoall = program.segments[position[running]]
+        segments = program.segments
+        # Routing counts: behind what is in flight on the link, and the program waits for them there.
+        while position[running] < len(segments) and not segments[position[running]].hands_over:
+            compute, alltoall, _ = segments[position[running]]
+            position[running] += 1
+            link = clock = max(clock + compute, link) + alltoall
+        if position[running] < len(segments):
+            compute, alltoall, _ = segments[position[running]]
             position[running] += 1
             clock += compute
             link = max(clock, link) + alltoall
@@ -189,8 +219,8 @@ class MicrobatchOverlap:
                 raise ValueError(f"microbatch_overlap.{name}: must be a number >= 0, got {value!r}")
 
     def exposed_s(self, alone_hidden_forward_s: float = 0.0, alone_hidden_backward_s: float = 0.0) -> float:
-        """The step's exposed all-to-all seconds; ``alone_hidden_*``: what a direction that runs alone
-        hides by itself (its layers' chunked dispatch), per microbatch."""
+        """The step's exposed all-to-all seconds, the routing counts' waits included; ``alone_hidden_*``:
+        what a direction that runs alone hides by itself (its layers' chunked dispatch), per microbatch."""
         paired = interleaved_exposed_s(self.forward, self.backward)
         alone_f = interleaved_exposed_s(self.forward, NOTHING) - alone_hidden_forward_s
         alone_b = interleaved_exposed_s(self.backward, NOTHING) - alone_hidden_backward_s

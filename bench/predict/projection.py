@@ -91,17 +91,23 @@ Overlapped expert all-to-alls (chunked dispatch: ``parallel.a2a_chunks`` = C > 1
 Expert all-to-alls overlapped across microbatches (``ExpertOverlap.MICROBATCHES``: pp = 1 with m >= 2,
 or dualpipev)
     The engine runs a microbatch's forward beside another's backward as two programs, one computing at
-    a time: the running one starts an expert all-to-all (counts, rows, chunks: every one), hands over;
-    the other runs until it has started its own next one (or finished), hands back; the first then
-    waits for its all-to-all (``moe_engine.parallel.overlap``). A program is its compute cut at its
+    a time: the running one starts an exchange of rows (a chunk's included), hands over; the other
+    runs until it has started its own next one (or finished), hands back; the first then waits for
+    its exchange (``moe_engine.parallel.overlap``). Exchanges with no compute between form a chain
+    (per-node rows: the dispatch's inter-node then intra-node level, the combine's intra then inter):
+    it hands over once, as it starts, its exchanges back to back on the link. Routing counts (an
+    integer all-to-all) are waited for at once: no hand-over. A program is its compute cut at its
     all-to-alls, segments (x_j, a_j) then a tail (``bench.predict.op_projection.traced_programs``: the
-    mean over the traced microbatches). Simulated with the all-to-alls queued on one link:
+    mean over the traced microbatches; a chain is one segment, a_j its exchanges' seconds summed, as
+    ``engine_dispatch`` marks it). Simulated with the all-to-alls queued on one link:
         on resuming:   clock = max(clock, end of its all-to-all in flight)
+        counts:        clock = link = max(clock + x_j, link) + a_j; go on (its group's collectives run
+                       in issue order: it waits behind what is in flight)
         a segment:     clock += x_j; link = max(clock, link) + a_j; its all-to-all ends at link; hand over
         the tail:      clock += tail; done (the other runs on alone, waiting for each of its own)
-        exposed(F, B) = clock at the end - the compute of both
-    So each all-to-all hides behind the other program's compute segment, bounded segment by segment;
-    a program alone (partner NOTHING) waits for each of its all-to-alls: exposed = its all-to-alls. Per
+        exposed(F, B) = clock at the end - the compute of both (the counts' waits included)
+    So each exchange of rows hides behind the other program's compute segment, bounded segment by
+    segment; a program alone (partner NOTHING) waits for each of its all-to-alls: exposed = its all-to-alls. Per
     step: p pairs, u_f forwards and u_b backwards alone (microbatches):
         pp = 1:     p = m - 1, u_f = u_b = 1 (the first forward, the last backward)
         dualpipev:  p = OVERLAP_F_B actions of the rank in torch's ScheduleDualPipeV plan / 2 (an action
@@ -123,7 +129,8 @@ Dispatch rows (``bench.predict.dispatch_rows``; what a row carries: ``DispatchRo
     as above. A traced proxy rank sends per-expert rows (B bytes, sync dispatch's from the replayed
     routes, no-sync's capacity buffers); ``bench.predict.op_projection.engine_dispatch`` prices the
     engine's exchanges from them: B / row bytes * D / k rows (no-sync: the engine sizes its buffers by
-    the same expectation times capacity_factor), routing counts per level under sync, none under no-sync.
+    the same expectation times capacity_factor), routing counts per level under sync, none under no-sync;
+    per-node's levels in the engine's order (rows out: inter-node first; back: intra-node first), one chain.
 
 Step (times in seconds; c_exp, c_pipe, c_fsdp = summed seconds of one microbatch's "expert", "pipeline"
 and "fsdp" entries)
@@ -389,8 +396,10 @@ def _overlap_assumption(overlaps: list[ExpertOverlap], overlap: str) -> str:
     if overlap == "microbatches":
         return (
             "expert all-to-alls overlapped across microbatches: a microbatch's forward runs beside another's "
-            "backward, one computing at a time, handing over at each expert all-to-all it starts and waiting for "
-            "it when the other has started its next (or finished); the all-to-alls queue on one link; forwards "
+            "backward, one computing at a time, handing over at each exchange of rows it starts (a chain of "
+            "them with no compute between, per-node's two levels, once) and waiting for it when the other has "
+            "started its next (or finished); routing counts are waited for at once, exposed; the all-to-alls "
+            "queue on one link; forwards "
             "and backwards with no partner (the first and last of pp = 1, dualpipev's lone actions) wait for "
             "theirs, less what their chunks hide; no contention between the all-to-alls and compute"
         )

@@ -3,6 +3,7 @@ hand-computed numbers and a count over drawn routes."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -19,7 +20,7 @@ from bench.predict.dispatch_rows import (
     measured_rows_per_token,
     resolve_rows,
 )
-from bench.predict.op_projection import engine_dispatch
+from bench.predict.op_projection import CHAINED, engine_dispatch, traced_programs
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
 from bench.predict.pricing import PricedOp
 
@@ -154,3 +155,89 @@ def test_a_projection_takes_ranks_per_node_from_the_profile_and_traces_a_twin():
     twin = traced_scenario(placed, 2).parallel_config
     assert (twin.schedule.value, twin.virtual_stages, twin.microbatches, twin.overlap.value) == ("1f1b", 1, 2, "none")
     assert twin.ranks_per_node == 8
+
+
+def _compute(stage, seconds):
+    op = TracedOp("aten.mm.default", (), (), stage, location="Transformer/Block/MoELayer")
+    return PricedOp(op, OpWork("gemm", 1.0, 1.0, "torch.bfloat16"), seconds)
+
+
+def _staged(priced, stage):
+    return dataclasses.replace(priced, op=dataclasses.replace(priced.op, stage=stage))
+
+
+# 8 experts on ep 4, top-2, 2 ranks a node: rank 1 sends across nodes to (1, 3), inside its node to (0, 1).
+PER_NODE = DispatchShape(experts=8, top_k=2, ep=4, ranks_per_node=2)
+ACROSS, INSIDE = [1, 3], [0, 1]
+
+
+def _level_order(out):
+    """The level pairs of ``out``'s row exchanges: out (across, then inside) or back (inside, across)."""
+    rows = [p.op.collective for p in out if p.op.inputs and p.op.inputs[0].dtype == "torch.bfloat16"]
+    pairs = list(zip(rows[::2], rows[1::2], strict=True))
+    for first, second in pairs:
+        assert CHAINED not in first and second[CHAINED] is True
+    order = {(tuple(ACROSS), tuple(INSIDE)): "out", (tuple(INSIDE), tuple(ACROSS)): "back"}
+    return [order[tuple(first["ranks"]), tuple(second["ranks"])] for first, second in pairs]
+
+
+def test_per_node_levels_run_in_the_engines_order():
+    # Three chunks: a forward pass is counts, then d0, d1, c0, d2, c1, c2 (chunk k + 1's dispatch
+    # before chunk k's combine); its backward the same six in reverse, each the other way: the
+    # combines' gradients go out. A recomputed forward in the backward has its counts again.
+    rows_spec, counts_spec = TensorSpec((100, 16), "torch.bfloat16"), TensorSpec((4,), "torch.int64")
+    forward = [_exchange(32, counts_spec)] + [_exchange(3200, rows_spec) for _ in range(6)]
+    backward = [_staged(p, "backward") for p in [*forward, *forward[1:]]]
+    out, _ = engine_dispatch([*forward, *backward], {"ep": "expert"}, "per-node", PER_NODE, sync=False, rank=1)
+    pass_order = ["out", "out", "back", "out", "back", "back"]
+    assert _level_order(out) == pass_order * 3
+    # Under sync each pass keeps its counts, one per level, not chained.
+    out, _ = engine_dispatch([*forward, *backward], {"ep": "expert"}, "per-node", PER_NODE, sync=True, rank=1)
+    counts = [p.op.collective for p in out if p.op.inputs[0].dtype == "torch.int64"]
+    assert [c["ranks"] for c in counts] == [ACROSS, INSIDE] * 2 and not any(CHAINED in c for c in counts)
+
+
+def test_per_node_programs_hand_over_once_per_chain_by_hand():
+    # One microbatch (C = 1): forward 1 s, counts, 0.5 s, dispatch, 2 s (experts), combine, 0.25 s;
+    # backward 1 s, the combine's gradients (out), 3 s, the dispatch's (back), 0.5 s.
+    rows_spec, counts_spec = TensorSpec((100, 16), "torch.bfloat16"), TensorSpec((4,), "torch.int64")
+    dispatch, combine, counts = _exchange(3200, rows_spec), _exchange(3200, rows_spec), _exchange(32, counts_spec)
+    trace = [_compute("forward", 1.0), counts, _compute("forward", 0.5), dispatch, _compute("forward", 2.0)]
+    trace += [combine, _compute("forward", 0.25), _compute("backward", 1.0), _staged(combine, "backward")]
+    trace += [_compute("backward", 3.0), _staged(dispatch, "backward"), _compute("backward", 0.5)]
+    d_r, d_n = 4 * (1 - 15 / 28), 2 * (1 - 6 / 28)
+    inter, intra = round(100 * d_n / 2 * 48), round(100 * d_r / 2 * 48)
+
+    out, phases = engine_dispatch(trace, {"ep": "expert"}, "per-node", PER_NODE, sync=True, rank=1)
+    programs = traced_programs(out, 1, phases)
+    f, b = programs["forward"], programs["backward"]
+    # Forward: both levels' counts, each waited for at once; then one chain per way.
+    assert [(s.compute_s, s.hands_over) for s in f.segments] == [(1.0, False), (0.0, False), (0.5, True), (2.0, True)]
+    assert [[(c.ranks, c.nbytes) for c in s.exchanges] for s in f.segments] == [
+        [((1, 3), 32)],
+        [((0, 1), 32)],
+        [((1, 3), inter), ((0, 1), intra)],
+        [((0, 1), intra), ((1, 3), inter)],
+    ]
+    assert f.tail_s == 0.25
+    assert [(s.compute_s, s.hands_over, len(s.exchanges)) for s in b.segments] == [(1.0, True, 2), (3.0, True, 2)]
+    assert [c.ranks for c in b.segments[0].exchanges] == [(1, 3), (0, 1)]
+    assert [c.ranks for c in b.segments[1].exchanges] == [(0, 1), (1, 3)]
+    assert b.tail_s == 0.5
+    # Priced: a chain's seconds are its exchanges' summed. Rank 1's all-to-all over (1, 3) crosses
+    # nodes (1 GB/s: half its bytes leave), over (0, 1) stays inside (10 GB/s).
+    net = Network(gpus_per_node=2, intra_node_gbps=10.0, inter_node_gbps=1.0, latency_us=0.0)
+    chain_s = inter / 2 / 1e9 + intra / 2 / 10e9
+    priced = f.priced(1, net)
+    assert priced.segments == (
+        (1.0, pytest.approx(16 / 1e9), False),
+        (0.0, pytest.approx(16 / 10e9), False),
+        (0.5, pytest.approx(chain_s), True),
+        (2.0, pytest.approx(chain_s), True),
+    )
+    assert priced.waited_s == pytest.approx(16 / 1e9 + 16 / 10e9)
+
+    # No-sync: no counts; their compute joins the dispatch's segment.
+    out, phases = engine_dispatch(trace, {"ep": "expert"}, "per-node", PER_NODE, sync=False, rank=1)
+    f = traced_programs(out, 1, phases)["forward"]
+    assert [(s.compute_s, s.hands_over, len(s.exchanges)) for s in f.segments] == [(1.5, True, 2), (2.0, True, 2)]

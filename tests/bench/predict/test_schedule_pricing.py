@@ -66,16 +66,74 @@ def test_interleaving_never_hides_more_than_the_partner_computes():
     for _ in range(500):
         programs = [
             Program(
-                tuple((rng.uniform(0, 2), rng.uniform(0, 2)) for _ in range(rng.randint(0, 6))),
+                tuple((rng.uniform(0, 2), rng.uniform(0, 2), rng.random() < 0.7) for _ in range(rng.randint(0, 6))),
                 rng.uniform(0, 2),
             )
             for _ in range(2)
         ]
         exposed = interleaved_exposed_s(*programs)
         total = sum(p.alltoall_s for p in programs)
-        assert -1e-9 <= exposed <= total + 1e-9
+        # What is waited for at once (routing counts) always shows.
+        assert sum(p.waited_s for p in programs) - 1e-9 <= exposed <= total + 1e-9
         hidden = total - exposed
         assert hidden <= programs[0].compute_s + programs[1].compute_s + 1e-9
+
+
+# A chain: exchanges with no compute between (the per-node dispatch's inter-node rows, then the
+# intra-node ones) hands over once, as it starts, its exchanges back to back on the link.
+CHAIN_F = Program(((1.0, 1.0 + 1.0),), 2.0)
+CHAIN_B = Program(((2.0, 1.0),), 2.0)
+
+
+def test_a_chain_hands_over_once_by_hand():
+    # F 0-1, starts the chain (inter 1-2, intra 2-3 on the link), hands over; B 1-3, its all-to-all
+    # 3-4, hands over; F's chain arrived at 3, tail 3-5, done; B's arrived at 4, tail 5-7. Compute 7 s,
+    # makespan 7: nothing exposed.
+    assert interleaved_exposed_s(CHAIN_F, CHAIN_B) == pytest.approx(0.0, abs=1e-12)
+    # Handing over at each exchange of the chain instead: F 0-1, inter 1-2, hands over; B 1-3, b 3-4;
+    # F resumes at 3, starts intra at once (no compute), 4-5 behind b, hands over; B waits b to 4,
+    # tail 4-6; F waits intra (5), tail 6-8. Makespan 8: 1 s exposed.
+    two_hand_overs = Program(((1.0, 1.0), (0.0, 1.0)), 2.0)
+    assert interleaved_exposed_s(two_hand_overs, CHAIN_B) == pytest.approx(1.0, rel=1e-12)
+
+
+# Routing counts (0.5 s) waited for at once, then rows: F: 0.5 s, counts, 0.5 s, a 2 s all-to-all,
+# tail 1 s; B: 2 s, a 1 s all-to-all, tail 1 s.
+COUNTS_F = Program(((0.5, 0.5, False), (0.5, 2.0)), 1.0)
+COUNTS_B = Program(((2.0, 1.0),), 1.0)
+
+
+def test_routing_counts_are_waited_for_at_once_by_hand():
+    # F 0-0.5, counts 0.5-1.0, F waits for them (no hand-over), 1.0-1.5, rows 1.5-3.5, hands over;
+    # B 1.5-3.5, its all-to-all 3.5-4.5, hands over; F's arrived at 3.5, tail 3.5-4.5, done; B's at
+    # 4.5, tail 4.5-5.5. Compute 5 s, makespan 5.5: the counts' 0.5 s, all of it.
+    assert COUNTS_F.waited_s == 0.5 and COUNTS_F.alltoall_s == 2.5
+    assert interleaved_exposed_s(COUNTS_F, COUNTS_B) == pytest.approx(0.5, rel=1e-12)
+    # Handing over at the counts instead: F 0-0.5, counts 0.5-1.0, hands over; B 0.5-2.5, b 2.5-3.5;
+    # F resumes at 2.5, 2.5-3.0, rows 3.5-5.5 behind b; B waits b to 3.5, tail 3.5-4.5; F waits to
+    # 5.5, tail 5.5-6.5. Makespan 6.5: 1.5 s exposed.
+    counts_hand_over = Program(((0.5, 0.5), (0.5, 2.0)), 1.0)
+    assert interleaved_exposed_s(counts_hand_over, COUNTS_B) == pytest.approx(1.5, rel=1e-12)
+    # Counts queue behind what is in flight on the link: B 0-2, b 2-3, hands over; F at 2: 2-2.5,
+    # counts wait for b, 3-3.5, 3.5-4, rows 4-6, hands over; B's arrived at 3, tail 4-5, done; F waits
+    # to 6, tail 6-7. Compute 5 s, makespan 7: 2 s exposed, all of it while F waits for its counts
+    # (0.5 s behind b, then their own 0.5 s) or its rows (1 s).
+    assert interleaved_exposed_s(COUNTS_B, COUNTS_F) == pytest.approx(2.0, rel=1e-12)
+    # Alone: every all-to-all waited for, 2.5 s.
+    assert interleaved_exposed_s(COUNTS_F, NOTHING) == pytest.approx(2.5, rel=1e-12)
+
+
+def test_the_step_counts_the_routing_counts_as_exposed_by_hand():
+    # m = 4 on pp = 1: 3 pairs of 0.5 s exposed (the counts), the first forward alone 2.5 s, the last
+    # backward alone 1 s: 5 s of the step's 4 * 3.5 = 14 s exposed.
+    pairing = MicrobatchOverlap(COUNTS_F, COUNTS_B, *overlapped_pairs("1f1b", 1, 0, 4))
+    assert pairing.exposed_s() == pytest.approx(3 * 0.5 + 2.5 + 1.0, rel=1e-12)
+    step = _step("microbatches", COUNTS_F, COUNTS_B)
+    b = step.breakdown_s
+    assert (b["expert_comm"], b["expert_comm_hidden"], b["expert_comm_total"]) == pytest.approx((5.0, 9.0, 14.0))
+    # Compute 4 * 5 s, the exposed 5 s, the optimizer 0.5 s.
+    assert step.step_s == pytest.approx(4 * 5.0 + 5.0 + 0.5, rel=1e-12)
+    assert sum(b[k] for k in STEP_KEYS) == pytest.approx(step.step_s, rel=1e-12)
 
 
 def test_overlapped_pairs():
@@ -241,12 +299,12 @@ def test_programs_read_from_a_trace():
         trace += [_traced_compute("backward", 3.0), _traced_a2a("backward", nbytes), _traced_compute("backward", 1.0)]
     programs = step_prices(trace, 2, {"ep": "expert"}).programs
     forward, backward = programs["forward"], programs["backward"]
-    assert [c for c, _ in forward.segments] == [1.0, 2.0] and forward.tail_s == pytest.approx(0.5)
-    assert [a.nbytes for _, a in forward.segments] == [2000, 2000]
-    assert [c for c, _ in backward.segments] == [3.0] and backward.tail_s == pytest.approx(1.0)
-    # On NET a 2000-byte all-to-all costs 1e-6 s.
+    assert [s.compute_s for s in forward.segments] == [1.0, 2.0] and forward.tail_s == pytest.approx(0.5)
+    assert [[a.nbytes for a in s.exchanges] for s in forward.segments] == [[2000], [2000]]
+    assert [s.compute_s for s in backward.segments] == [3.0] and backward.tail_s == pytest.approx(1.0)
+    # On NET a 2000-byte all-to-all costs 1e-6 s; rows hand over.
     priced = forward.priced(0, NET)
-    assert priced.segments == ((1.0, pytest.approx(1e-6)), (2.0, pytest.approx(1e-6)))
+    assert priced.segments == ((1.0, pytest.approx(1e-6), True), (2.0, pytest.approx(1e-6), True))
     # A direction whose all-to-alls do not split over the traced microbatches has no program.
     assert "backward" not in step_prices(trace[:-3], 2, {"ep": "expert"}).programs
 
