@@ -173,13 +173,14 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     """Each Triton launch site of the engine at ``model``'s sizes, forward and backward, in bf16 (the
     GPU scenarios' dtype; the router computes in fp32): the fused ops through their public functions,
     the fused loss's row kernels on a chunk of logits of the model's vocabulary (the LM head's GEMMs
-    are torch's), the MXFP8 quantisation along both axes and its grouped GEMM."""
+    are torch's), the MXFP8 quantisation along both axes, its grouped GEMM and the zeroing of the rows torch's
+    scaled GEMM leaves unwritten."""
     import torch
 
     from moe_engine import kernels
     from moe_engine.kernels import cross_entropy
     from moe_engine.moe.permute import plan_routing, plan_slots
-    from moe_engine.precision import mxfp8_gemm
+    from moe_engine.precision import mxfp8_gemm, mxfp8_scaled_mm
     from moe_engine.precision.mxfp8_triton import quantize_triton
 
     g = torch.Generator().manual_seed(0)
@@ -229,6 +230,8 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     offsets = torch.full((local_experts,), rows, dtype=torch.int32)
     mxfp8_gemm.grouped_mm(a, b, offsets, dtype, path=mxfp8_gemm.GemmPath.TRITON)
     mxfp8_gemm.dequantize_rows_triton(a.data, a.scales, d, dtype)
+    # torch's scaled op (Blackwell) needs a GPU; the rows it leaves unwritten are zeroed by a kernel.
+    mxfp8_scaled_mm.zero_rows_after(torch.randn(rows, d, generator=g).to(dtype), offsets)
 
 
 def record(python: str = sys.executable, timeout: float = 900) -> list[Launch]:

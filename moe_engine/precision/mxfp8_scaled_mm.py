@@ -22,7 +22,8 @@ setup (``set_grouped_gemm_args_kernel``, case ``_2D3D``) state it:
   rows start 16-byte aligned.
 
 ``accepts`` says when the op takes the operands; ``mxfp8_gemm.grouped_mm`` runs its fallback
-otherwise.
+otherwise. The rows the op leaves unwritten are zeroed by ``zero_rows_after``: one Triton kernel that
+writes only those rows (a ``torch.where`` over the whole output would read and write all of it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moe_engine.kernels.storage import as_bits, on_device
 from moe_engine.precision.mxfp8 import BLOCK, MXTensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a platform without Triton zeroes the rows with torch
+    triton = None
 
 SCALED_GROUPED_MM_MAJORS = (10,)
 """CUDA capability majors where torch runs the MXFP8 grouped GEMM (its ``_scaled_mm_allowed_device``
@@ -130,5 +138,44 @@ def grouped_mm(a_MK: MXTensor, b_ENK: MXTensor, offsets_E: torch.Tensor) -> torc
         offs=offsets_E,
         output_dtype=torch.bfloat16,
     )
-    real_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offsets_E[-1]).unsqueeze(1)
-    return torch.where(real_M1, out_MN, 0)
+    return zero_rows_after(out_MN, offsets_E)
+
+
+_ZERO_TILE = (64, 128)
+"""Rows and columns one program of the zeroing kernel covers."""
+
+
+def zero_rows_after(out_MN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``out_MN`` with its rows from ``offsets_E[-1]`` on set to zero, in place where a kernel runs
+    (CUDA tensors, or CPU ones under TRITON_INTERPRET=1): it reads the end on the device (no host
+    sync) and writes only those rows. Elsewhere, ``torch.where`` into a new tensor."""
+    if triton is None or not (out_MN.is_cuda or _interpreted()):
+        real_M1 = (torch.arange(out_MN.shape[0], device=out_MN.device) < offsets_E[-1]).unsqueeze(1)
+        return torch.where(real_M1, out_MN, 0)
+    rows, cols = out_MN.shape
+    if rows and cols:
+        block_r, block_c = _ZERO_TILE[0], min(_ZERO_TILE[1], triton.next_power_of_2(cols))
+        with on_device(out_MN):
+            _zero_rows_after_kernel[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
+                as_bits(out_MN), offsets_E[-1:], rows, cols, out_MN.stride(0), BLOCK_R=block_r, BLOCK_C=block_c
+            )
+    return out_MN
+
+
+if triton is not None:
+
+    @triton.jit
+    def _zero_rows_after_kernel(out_ptr, end_ptr, rows, cols, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+        # A program whose rows all come before the end stops after one scalar load.
+        end = tl.load(end_ptr)
+        first = tl.program_id(0) * BLOCK_R
+        if first + BLOCK_R > end:
+            r = first + tl.arange(0, BLOCK_R)
+            c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            mask = ((r >= end) & (r < rows))[:, None] & (c < cols)[None, :]
+            zeros = tl.zeros((BLOCK_R, BLOCK_C), out_ptr.dtype.element_ty)
+            tl.store(out_ptr + r.to(tl.int64)[:, None] * stride + c[None, :], zeros, mask=mask)
+
+    def _interpreted() -> bool:
+        """Whether the kernel was defined under TRITON_INTERPRET=1 (and so runs on CPU tensors)."""
+        return not isinstance(_zero_rows_after_kernel, triton.runtime.JITFunction)

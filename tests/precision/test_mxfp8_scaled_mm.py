@@ -12,6 +12,13 @@ expert in fp32: the engine's output through the stand-in equals the plain per-ex
 if the operands and scales are laid out as the op reads them.
 """
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +27,8 @@ from moe_engine.moe.experts import MXFP8Backend
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.precision import mxfp8_gemm as mx
 from moe_engine.precision import mxfp8_scaled_mm as smm
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def blocked_index(row: torch.Tensor, col: torch.Tensor, cols_padded: int) -> torch.Tensor:
@@ -257,3 +266,52 @@ def test_experts_train_through_the_op_as_through_the_emulation(op, monkeypatch):
             assert torch.equal(g[m:], torch.zeros_like(g[m:])), name
         # The same exact products summed in another order: at most a bf16 rounding apart (equal on a CPU).
         assert ((g - w).norm() / w.norm()).item() < 2**-8, name
+
+
+# The interpreter is chosen when triton.jit runs, so the kernel module is imported in a fresh process.
+ZERO_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from moe_engine.precision import mxfp8_scaled_mm as smm
+
+    results = []
+    for rows, cols, end, dtype in json.loads(sys.argv[1]):
+        g = torch.Generator().manual_seed(rows + end)
+        out = torch.randn(rows, cols, generator=g).to(getattr(torch, dtype))
+        out[::3] = float("nan")  # garbage rows, as the op leaves them
+        before = out.clone()
+        offsets = torch.tensor([end // 2, end], dtype=torch.int32)
+        got = smm.zero_rows_after(out, offsets)
+        results.append({
+            "in_place": got.data_ptr() == out.data_ptr(),
+            "kept": bool(torch.equal(got[:end].view(torch.int16 if dtype == "bfloat16" else torch.int32),
+                                     before[:end].view(torch.int16 if dtype == "bfloat16" else torch.int32))),
+            "zeroed": bool((got[end:] == 0).all()) and not torch.signbit(got[end:]).any().item(),
+        })
+    print(json.dumps(results))
+    """
+)
+
+ZERO_CASES = [
+    # rows, columns, end of the last expert's rows, dtype
+    (200, 300, 130, "bfloat16"),  # a tail starting inside a program's rows, columns over two programs
+    (64, 48, 64, "bfloat16"),  # no tail
+    (70, 16, 0, "bfloat16"),  # no expert rows: all zeroed
+    (129, 8, 127, "float32"),
+]
+
+
+def test_zeroing_kernel_in_interpreter_writes_only_the_tail():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", ZERO_SCRIPT, json.dumps(ZERO_CASES)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for case, got in zip(ZERO_CASES, json.loads(result.stdout.strip().splitlines()[-1])):
+        assert got == {"in_place": True, "kept": True, "zeroed": True}, case
