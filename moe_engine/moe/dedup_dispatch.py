@@ -95,6 +95,9 @@ class _HopPlan:
     """[chunk][source] rows received."""
     dropped: torch.Tensor
     """int64 scalar: assignments (valid entries) whose row got no slot."""
+    below: list[tuple[list[int], list[int]]] | None = None
+    """Sync with a level below: per chunk, the rows this rank sends and receives there, by destination
+    and by source (``DedupDispatcher.sync_splits``); None: that level counts for itself."""
 
 
 class DedupDispatcher(Dispatcher):
@@ -148,10 +151,19 @@ class DedupDispatcher(Dispatcher):
         # Rounded first so that e.g. 0.1 * 30 counts as 3, not 3.0000000000000004 -> 4.
         return max(1, math.ceil(round(factor * rows_in, 9)))
 
-    def plan(self, level: int, ids_RK: torch.Tensor, block: int, shares: list[float], chunks: int) -> _HopPlan:
+    def plan(
+        self,
+        level: int,
+        ids_RK: torch.Tensor,
+        block: int,
+        shares: list[float],
+        chunks: int,
+        known: tuple[list[int], list[int]] | None = None,
+    ) -> _HopPlan:
         """The rows ``level`` sends for the entries ``ids_RK`` (expert ids in the level's scope of
-        ``size * block`` experts; that count itself marks an unused entry)."""
-        size, group = self.sizes[level], self.levels[level].group
+        ``size * block`` experts; that count itself marks an unused entry); ``known``: sync, the
+        rows per destination and per source, counted by the level above."""
+        size = self.sizes[level]
         rows_in, width = ids_RK.shape
         dest_RK = torch.div(ids_RK, block, rounding_mode="floor")
         # Each entry's first entry in its row with the same destination: the one that carries the row.
@@ -161,10 +173,14 @@ class DedupDispatcher(Dispatcher):
         # Non-leading entries sort after every destination: no row (plan_slots' unrouted assignments).
         sorted_plan = plan_routing(torch.where(leader_RK, dest_RK, size), size + 1)
         counts_S = sorted_plan.groups.counts_E[:size]
+        below = None
         if self.kind is DispatchKind.SYNC:
-            recv_counts_S = all_to_all_rows(counts_S, None, None, group, hand_over=False)
-            # The one host synchronisation of this level: both sides' split sizes.
-            send_S, recv_S = torch.stack([counts_S, recv_counts_S]).tolist()
+            if known is not None:
+                send_S, recv_S = known
+            else:
+                send_S, recv_S, below = self.sync_splits(
+                    level, ids_RK, block, leader_RK, sorted_plan.rows, counts_S, chunks
+                )
             leader_N = leader_RK.flatten()
             rows = RowMap(
                 row_N=torch.where(leader_N, sorted_plan.rows.row_N, 0),
@@ -184,9 +200,70 @@ class DedupDispatcher(Dispatcher):
             rows_S = torch.full((size,), slots, dtype=torch.int64, device=ids_RK.device)
         if chunks > 1:
             rows = reorder_rows(rows, chunk_major_order(rows_S, rows.assignment_R.numel(), chunks))
-        return _HopPlan(rows, chunk_rows(send_S, chunks), chunk_rows(recv_S, chunks), dropped)
+        return _HopPlan(rows, chunk_rows(send_S, chunks), chunk_rows(recv_S, chunks), dropped, below)
 
-    def _hop(self, level, x_RD, ids_RK, w_RK, experts: GroupedExperts, shares, chunks, streams: ChainStreams):
+    def sync_splits(
+        self,
+        level: int,
+        ids_RK: torch.Tensor,
+        block: int,
+        leader_RK: torch.Tensor,
+        sorted_rows: RowMap,
+        counts_S: torch.Tensor,
+        chunks: int,
+    ) -> tuple[list[int], list[int], list[tuple[list[int], list[int]]] | None]:
+        """Sync: (rows to each destination, rows from each source, and for the level below, per chunk,
+        its rows by destination and by source), read on the host at once. The level below's are
+        counted here, before any row travels: each row's destinations there travel with this level's
+        counts, so that the chain between the levels (module docstring) never waits on the host."""
+        size, group = self.sizes[level], self.levels[level].group
+        if level + 1 == len(self.levels):
+            recv_counts_S = all_to_all_rows(counts_S, None, None, group, hand_over=False)
+            send_S, recv_S = torch.stack([counts_S, recv_counts_S]).tolist()
+            return send_S, recv_S, None
+        below_size = self.sizes[level + 1]
+        # Each row's destinations below: the next level's ranks holding any of its entries for this
+        # row's destination (a row per (token, destination): its leader entry's row).
+        dest_RK = torch.div(ids_RK, block, rounding_mode="floor")
+        valid_RK = dest_RK < size
+        local_RK = torch.where(
+            valid_RK, torch.div(ids_RK % block, block // below_size, rounding_mode="floor"), below_size
+        )
+        hits_RKL = (local_RK.unsqueeze(2) == torch.arange(below_size, device=ids_RK.device)).float()
+        same_RKK = (dest_RK.unsqueeze(2) == dest_RK.unsqueeze(1)).float()
+        reach_NL = (torch.bmm(same_RKK, hits_RKL) > 0).flatten(0, 1).long()
+        # The chunk each row travels in: chunk_major_order's rule on its place in its destination's run.
+        leader_N = leader_RK.flatten()
+        dest_N = dest_RK.flatten().clamp(max=size - 1)
+        start_S = torch.cumsum(counts_S, dim=0) - counts_S
+        within_N = sorted_rows.row_N - start_S.index_select(0, dest_N)
+        chunk_N = torch.div(
+            (within_N + 1) * chunks - 1, counts_S.index_select(0, dest_N).clamp(min=1), rounding_mode="floor"
+        )
+        segment_N = torch.where(leader_N, chunk_N * size + dest_N, chunks * size)
+        reach_XL = torch.zeros(chunks * size + 1, below_size, dtype=torch.int64, device=ids_RK.device)
+        reach_XL = reach_XL.index_add_(0, segment_N, reach_NL)[:-1]
+        per_dest = reach_XL.view(chunks, size, below_size).transpose(0, 1).reshape(size, chunks * below_size)
+        recv_SX = all_to_all_rows(
+            torch.cat([counts_S.unsqueeze(1), per_dest], dim=1), None, None, group, hand_over=False
+        )
+        forward_CL = recv_SX[:, 1:].reshape(size, chunks, below_size).sum(dim=0)
+        below_group = self.levels[level + 1].group
+        arrive_LC = all_to_all_rows(forward_CL.t().contiguous(), None, None, below_group, hand_over=False)
+        # The one host synchronisation of a layer's exchanges.
+        flat = torch.cat([counts_S, recv_SX[:, 0], forward_CL.flatten(), arrive_LC.t().flatten()]).tolist()
+        send_S, recv_S = flat[:size], flat[size : 2 * size]
+        sends = flat[2 * size : 2 * size + chunks * below_size]
+        arrives = flat[2 * size + chunks * below_size :]
+        below = [
+            (sends[k * below_size : (k + 1) * below_size], arrives[k * below_size : (k + 1) * below_size])
+            for k in range(chunks)
+        ]
+        return send_S, recv_S, below
+
+    def _hop(
+        self, level, x_RD, ids_RK, w_RK, experts: GroupedExperts, shares, chunks, streams: ChainStreams, known=None
+    ):
         """(rows_in, D) weighted sum of each input row's experts' outputs, and the assignments dropped.
 
         Between two levels nothing computes but the next level's plan: the exchanges form a chain
@@ -201,7 +278,7 @@ class DedupDispatcher(Dispatcher):
         dispatch_hand_over, combine_hand_over = HandOver(last, level == 0), HandOver(level == 0, last)
         quiet = HandOver(False, False)
         block = self.levels[level].ranks_below * experts.num_experts
-        plan = self.plan(level, ids_RK, block, shares, chunks)
+        plan = self.plan(level, ids_RK, block, shares, chunks, known)
         width_out = min(ids_RK.shape[1], block)
         sends = gather_tokens(x_RD, plan.rows, fused).split([sum(rows) for rows in plan.send_chunks])
         sides = _side_rows(plan.rows, ids_RK, w_RK, block, width_out).split([sum(r) for r in plan.send_chunks])
@@ -225,8 +302,9 @@ class DedupDispatcher(Dispatcher):
                 if k + 1 < chunks:
                     pending = start_dispatch(k + 1)
                 ids_MW = side_MW[:, width_out:].detach().round().to(torch.int64)
+                below = None if plan.below is None else plan.below[k]
                 y_MD, dropped_below = self._hop(
-                    level + 1, recv_MD, ids_MW, side_MW[:, :width_out], experts, shares, 1, streams
+                    level + 1, recv_MD, ids_MW, side_MW[:, :width_out], experts, shares, 1, streams, below
                 )
                 dropped = dropped + dropped_below
                 returns.append(

@@ -364,9 +364,17 @@ def test_bytes_sent_equal_the_hand_count(rows):
             assert sum(r[3] for r in wide) == (dispatch[rank] + back[rank]) * ROW_BYTES
             # A dedup row carries its side row on dispatch.
             assert sum(r[3] for r in side) == (0 if rows == "per-expert" else dispatch[rank] * SIDE_BYTES)
-        # Sync counts: per expert (ep, L) int64 to each rank, dedup one int64 per destination.
-        per_destination = 2 * 8 if rows == "per-expert" else 8
-        assert sum(r[3] for r in counts) == per_destination * len({(r[0], r[1]) for r in counts})
+        # Sync counts: per expert (ep, L) int64 to each rank, per rank one int64 per destination; per node,
+        # to each node its rows and how many of them go on to each of its 2 ranks, then inside the node
+        # one int64 per rank (the rows forwarded there).
+        per_destination = {
+            "per-expert": {"rows": 2 * 8},
+            "per-rank": {"rows": 8},
+            "per-node": {"inter": 3 * 8, "intra": 8},
+        }
+        for level, nbytes in per_destination[rows].items():
+            sent = [r for r in counts if r[0] == level]
+            assert sent and sum(r[3] for r in sent) == nbytes * len({r[1] for r in sent}), (rank, level, sent)
         crossing = [r for r in floats if (r[1] // 2 != rank // 2) and r[3] == r[2] * ROW_BYTES]
         dispatch, back = HAND_CROSSING[rows]
         assert sum(r[2] for r in crossing) == dispatch[rank] + back[rank], f"rank {rank} rows across nodes"
@@ -467,7 +475,8 @@ def test_an_overlapped_step_hands_over_once_per_exchange_or_chain_never_at_count
         ("per-expert", "sync", 1): (["ep at once ep", "ep"], ["ep", "ep"]),
         ("per-rank", "sync", 1): (["ep at once ep ep", "ep"], ["ep", "ep ep"]),
         ("per-node", "sync", 1): (
-            ["inter at once inter inter intra at once intra intra", "intra inter"],
+            # Both levels' counts travel before any row: nothing in the chain waits on the host.
+            ["inter at once intra at once inter inter intra intra", "intra inter"],
             ["inter intra", "intra intra inter inter"],
         ),
         ("per-node", "no-sync", 1): (
@@ -484,3 +493,31 @@ def test_an_overlapped_step_hands_over_once_per_exchange_or_chain_never_at_count
     for rank, got in enumerate(ranks):
         for case, (forward, backward) in want.items():
             assert got[case] == (forward, backward), (rank, case, got[case])
+
+
+def _host_reads_job(chunks: int) -> list[str]:
+    nodes = build_node_groups([list(range(4))], 2)
+    layer = sharded("per-node", "sync", 1.0, chunks, nodes)
+    x_TD, _ = batch(dist.get_rank(), f"host-reads-{chunks}")
+    # Split sizes reach the host through tolist (no op the profiler sees), anything else through item.
+    reads: list[str] = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(f"tolist {tuple(self.shape)}")
+        return tolist(self)
+
+    torch.Tensor.tolist = counted  # type: ignore[method-assign]
+    try:
+        syncs = profile_host_syncs(lambda: layer(x_TD))
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    # On a CPU the grouped GEMM reads its offsets on the host (test_host_sync.py); nothing else may.
+    return reads + [str(s) for s in syncs if not s.inside("aten::_grouped_mm")]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_sync_rows_per_node_read_the_host_once_before_any_row_travels(chunks):
+    # Both levels' split sizes in one read: a read inside the chain would hold the other microbatch.
+    for rank, reads in enumerate(run_ranks(_host_reads_job, 4, chunks, timeout=120)):
+        assert len(reads) == 1, (rank, reads)
