@@ -173,8 +173,8 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     """Each Triton launch site of the engine at ``model``'s sizes, forward and backward, in bf16 (the
     GPU scenarios' dtype; the router computes in fp32): the fused ops through their public functions,
     the fused loss's row kernels on a chunk of logits of the model's vocabulary (the LM head's GEMMs
-    are torch's), the MXFP8 quantisation along both axes, its grouped GEMM and the zeroing of the rows torch's
-    scaled GEMM leaves unwritten."""
+    are torch's), the MXFP8 quantisation along both axes, its grouped GEMM, and the kernels around torch's scaled
+    GEMM (its A scales' layout, the zeroing of the rows it leaves unwritten)."""
     import torch
 
     from moe_engine import kernels
@@ -230,8 +230,9 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     offsets = torch.full((local_experts,), rows, dtype=torch.int32)
     mxfp8_gemm.grouped_mm(a, b, offsets, dtype, path=mxfp8_gemm.GemmPath.TRITON)
     mxfp8_gemm.dequantize_rows_triton(a.data, a.scales, d, dtype)
-    # torch's scaled op (Blackwell) needs a GPU; the rows it leaves unwritten are zeroed by a kernel.
+    # torch's scaled op (Blackwell) needs a GPU; the kernels around it do not.
     mxfp8_scaled_mm.zero_rows_after(torch.randn(rows, d, generator=g).to(dtype), offsets)
+    mxfp8_scaled_mm.blocked_group_scales(a.scales, offsets)
 
 
 def record(python: str = sys.executable, timeout: float = 900) -> list[Launch]:

@@ -113,7 +113,7 @@ def operands(a_MK: MXTensor, b_ENK: MXTensor, offsets_E: torch.Tensor):
     cols = _round_up(k // BLOCK, TILE_COLS)
     # A transposed weight (the dgrad operand) is a strided view; the op wants (E, N, K) contiguous.
     mat_b = b_ENK.data.contiguous().transpose(1, 2)
-    scale_a = to_blocked(group_padded_rows(a_MK.scales, offsets_E)).view(-1, cols)
+    scale_a = blocked_group_scales(a_MK.scales, offsets_E).view(-1, cols)
     scale_b = to_blocked(b_ENK.scales)
     return a_MK.data.contiguous(), mat_b, scale_a, scale_b
 
@@ -139,6 +139,36 @@ def grouped_mm(a_MK: MXTensor, b_ENK: MXTensor, offsets_E: torch.Tensor) -> torc
         output_dtype=torch.bfloat16,
     )
     return zero_rows_after(out_MN, offsets_E)
+
+
+def blocked_group_scales(scales_MC: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``to_blocked(group_padded_rows(scales_MC, offsets_E))``: where a kernel runs (CUDA tensors, or
+    CPU ones under TRITON_INTERPRET=1), one kernel in place of that composition's twenty-odd small
+    ones: a program per 128-row tile of the padded scales finds the tile's expert from the offsets
+    and writes the whole tile, zeros included, in the blocked layout."""
+    if triton is None or not (scales_MC.is_cuda or _interpreted()):
+        return to_blocked(group_padded_rows(scales_MC, offsets_E))
+    rows, cols = scales_MC.shape
+    experts = offsets_E.numel()
+    tiles = -(-rows // TILE_ROWS) + experts
+    cols_p = _round_up(cols, TILE_COLS)
+    out = torch.empty(tiles * TILE_ROWS * cols_p, dtype=torch.uint8, device=scales_MC.device)
+    if out.numel():
+        source = scales_MC.view(torch.uint8)
+        with on_device(out):
+            _blocked_group_scales_kernel[(tiles,)](
+                source,
+                out,
+                offsets_E,
+                experts,
+                cols,
+                cols_p,
+                source.stride(0),
+                source.stride(1),
+                BLOCK_E=max(triton.next_power_of_2(experts), 2),
+                BLOCK_C=min(triton.next_power_of_2(cols_p), 64),
+            )
+    return out.view(scales_MC.dtype)
 
 
 _ZERO_TILE = (64, 128)
@@ -175,6 +205,45 @@ if triton is not None:
             mask = ((r >= end) & (r < rows))[:, None] & (c < cols)[None, :]
             zeros = tl.zeros((BLOCK_R, BLOCK_C), out_ptr.dtype.element_ty)
             tl.store(out_ptr + r.to(tl.int64)[:, None] * stride + c[None, :], zeros, mask=mask)
+
+    @triton.jit
+    def _blocked_group_scales_kernel(
+        src_ptr,
+        out_ptr,
+        offsets_ptr,
+        num_experts,
+        cols,
+        cols_p,
+        stride_r,
+        stride_c,
+        BLOCK_E: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        # Expert e owns padded tiles [tiles_end[e] - tiles[e], tiles_end[e]), tiles[e] = cdiv(rows_e, 128):
+        # its scale rows start at a multiple of 128, so a tile never holds two experts' rows.
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        ends = tl.load(offsets_ptr + e, mask=e < num_experts, other=0)
+        starts = tl.load(offsets_ptr + e - 1, mask=(e > 0) & (e < num_experts), other=0)
+        tiles = tl.where(e < num_experts, (ends - starts + 127) // 128, 0)
+        tiles_end = tl.cumsum(tiles, 0)
+        expert = tl.sum((tiles_end <= t).to(tl.int32), 0)
+        mine = e == expert  # no expert past the last tile: every row of the tile is padding
+        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
+        size = tl.sum(tl.where(mine, ends - starts, 0), 0)
+        j = tl.arange(0, 128)
+        i = (t - first_tile) * 128 + j  # row within the expert's group
+        row_ok = i < size  # size 0 past the last expert's tiles
+        src_row = (tl.sum(tl.where(mine, starts, 0), 0) + i).to(tl.int64)
+        # Within a tile, row j = 32 a + b and column c sit at byte (c // 4) * 512 + 16 b + 4 a + c % 4.
+        row_byte = (j % 32) * 16 + (j // 32) * 4
+        base = out_ptr + t.to(tl.int64) * 128 * cols_p
+        for c0 in range(0, cols_p, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            mask = row_ok[:, None] & (c < cols)[None, :]
+            value = tl.load(src_ptr + src_row[:, None] * stride_r + c[None, :] * stride_c, mask=mask, other=0)
+            byte = row_byte[:, None] + ((c // 4) * 512 + c % 4)[None, :]
+            tl.store(base + byte, value, mask=(c < cols_p)[None, :] & (j < 128)[:, None])
 
     def _interpreted() -> bool:
         """Whether the kernel was defined under TRITON_INTERPRET=1 (and so runs on CPU tensors)."""

@@ -315,3 +315,48 @@ def test_zeroing_kernel_in_interpreter_writes_only_the_tail():
     assert result.returncode == 0, result.stderr[-3000:]
     for case, got in zip(ZERO_CASES, json.loads(result.stdout.strip().splitlines()[-1])):
         assert got == {"in_place": True, "kept": True, "zeroed": True}, case
+
+
+BLOCKED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from moe_engine.precision import mxfp8_scaled_mm as smm
+
+    results = []
+    for counts, padding, cols, strided in json.loads(sys.argv[1]):
+        g = torch.Generator().manual_seed(len(results))
+        rows = sum(counts) + padding
+        codes = torch.randint(0, 256, (cols, rows) if strided else (rows, cols), generator=g, dtype=torch.uint8)
+        scales = (codes.t() if strided else codes).view(torch.float8_e8m0fnu)
+        offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+        got = smm.blocked_group_scales(scales, offsets).view(torch.uint8)
+        want = smm.to_blocked(smm.group_padded_rows(scales, offsets)).view(torch.uint8)
+        results.append(bool(got.shape == want.shape and torch.equal(got, want)))
+    print(json.dumps(results))
+    """
+)
+
+BLOCKED_CASES = [
+    # counts per expert, padding rows, scale columns (K / 32), scales a transposed view
+    ((5, 0, 17, 9, 0), 6, 2, False),
+    ((130, 1, 0, 300), 3, 9, False),  # groups over one tile, columns not a multiple of 4
+    ((0, 0, 0), 4, 3, False),  # no expert rows: zero tiles only
+    ((40, 90), 0, 130, True),  # columns over several chunks, strided scales
+]
+
+
+def test_blocked_group_scales_kernel_in_interpreter_matches_the_composition():
+    """The one-kernel A-scale layout gives the bytes of ``to_blocked(group_padded_rows(...))``, which
+    the tests above check against the index formula and the op's contract."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKED_SCRIPT, json.dumps(BLOCKED_CASES)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [True] * len(BLOCKED_CASES)
