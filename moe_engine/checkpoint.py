@@ -1,33 +1,5 @@
 """A rank's training state as a torch.distributed.checkpoint (DCP) state dict: save, load, reshard.
-
-Every rank passes DCP the state it holds, named by the whole model: DCP writes each rank's share
-into its own files, keeps one copy of what several ranks hold (replicas over dp or edp), writes the
-metadata last, and on load reads each rank's boxes from whichever files hold them. So a checkpoint
-saved under one layout loads under another (ep2 into dp2, pp2 into pp1, ZeRO-1 into plain buffers).
-
-Keys (the buffer optimizer, ``DataParallelOptimizer``: every layout but FSDP)
----------------------------------------------------------------------------
-- ``model/<fqn>``: a parameter or persistent buffer, its global shape (all experts, all blocks),
-  in the model's dtype; a rank writes the box it holds (its local experts: rows
-  ``global_experts`` of dim 0).
-- ``optim/master/<fqn>``, ``optim/exp_avg/<fqn>``, ``optim/exp_avg_sq/<fqn>``: the fp32 master
-  (only for parameters that are not fp32 themselves) and the Adam moments, flattened to one
-  dimension: a ZeRO-1 share is a run of a parameter's elements, not a box of its shape. A rank's
-  run starts at its experts' first element plus the share's offset inside the local parameter.
-- ``optim/step``, ``optim/lr``: Adam's step count and the learning rates of the two groups.
-- ``routing/dp<r>/<router fqn>``: where the random or skewed routing stream of data-parallel rank r
-  stands (each dp rank draws its own routes; a layout with the same dp size continues them).
-- ``train/<key>``: what the caller adds (the runner: step count, data stream position).
-
-FSDP2 layouts save ``fsdp/model`` and ``fsdp/optim`` through DCP's own state-dict helpers
-(``get_state_dict``/``set_state_dict``: DTensor shards, resharded by DCP over any dp size), plus the
-same ``routing/`` and ``train/`` keys; the two formats do not load into each other.
-
-A ``GlobalChunk`` is how a box that is not a DTensor reaches DCP's planner: it answers the planner's
-``__create_write_items__`` / ``__create_chunk_list__`` protocol, and ``ChunkSavePlanner`` /
-``ChunkLoadPlanner`` resolve it to the live tensor, which DCP reads from and loads into in place.
-Asynchronous saves copy every tensor to the host first (``HostStager``), so training may change
-the live tensors while the copy is written.
+The keys, the FSDP2 format and how boxes reach DCP's planner: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
-"""Detect host synchronisation, with two checks that see different things.
-
-``forbid_host_sync()`` turns a host sync into an error where it is *issued*:
-
-- at the Python level: ``Tensor.item/tolist/cpu/numpy``, truth tests of tensors, ``nonzero``,
-  one-argument ``where`` and boolean-mask indexing;
-- at the dispatcher level (which also sees the C++ autograd engine's backward calls): every op
-  dispatched from Python or from autograd that reads device data on the host
-  (``aten._local_scalar_dense``, ``aten.nonzero``, ``aten.masked_select``) or whose output shape
-  depends on device data (``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``,
-  indexing with a boolean mask);
-- tensors made from host data (``torch.tensor``, ``torch.as_tensor``: ``aten::lift_fresh``) and blocking
-  copies from the host to a device: on a GPU both are a copy that waits for the host
-  (``memcpy_and_sync``). On CPU they cost nothing, but the guard refuses them anyway, so that a CPU
-  run finds what the first GPU run would fail on;
-- on CUDA, ``torch.cuda.set_sync_debug_mode("error")``, which sees the synchronising CUDA calls of
-  any kernel, but only for code running on a CUDA device.
-
-It cannot see a sync *inside* an ATen kernel: a dispatch mode sees the op it is handed
-(``aten._grouped_mm``), not the ops that op's kernel calls below the dispatcher. On CPU (and on
-CUDA for every grouped-GEMM input but bf16 on sm9x/sm10x) ``torch._grouped_mm`` reads its offsets
-on the host, one ``item()`` per group, and the guard lets it pass.
-
-``profile_host_syncs(fn)`` is the second line of defence: it runs ``fn`` under the profiler, which
-records every op at every depth, and returns each host-synchronising event with the ops it ran
-inside. It works on CPU and CUDA (where it adds the CUDA runtime's synchronising calls), so a test
-can require "no sync at all" or "syncs only inside ``aten::_grouped_mm``" and see what the guard
-cannot. It counts only what runs inside a ``record_function`` region around ``fn``: on CUDA the profiler
-itself calls ``torch.cuda.synchronize()`` on exit, before it stops recording, and that sync is not
-``fn``'s.
+"""Detect host synchronisation, with two checks that see different things: ``forbid_host_sync()``
+refuses a sync where it is issued, ``profile_host_syncs(fn)`` finds the ones inside kernels. What
+each sees: docs/compile-and-host-syncs.md.
 """
 
 from __future__ import annotations

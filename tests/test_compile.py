@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,14 +94,14 @@ def fresh_dynamo():
 
 
 def documented_breaks() -> dict[str, tuple[int, list[str]]]:
-    """The table of ``moe_engine.compile``'s docstring: backend -> (graphs, break sites)."""
-    lines = compile_module.__doc__.splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(r"\s+backend\s{2,}graphs\s{2,}breaks", line))
+    """The table of docs/compile-and-host-syncs.md: backend -> (graphs, break sites)."""
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "compile-and-host-syncs.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*backend\s*\|\s*graphs\s*\|\s*breaks", line))
     table = {}
-    for line in lines[start + 1 :]:
-        if not line.strip():
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
             break
-        backend, graphs, sites = re.split(r"\s{2,}", line.strip())
+        backend, graphs, sites = (cell.strip() for cell in line.strip("|").split("|"))
         table[backend] = (int(graphs), [s.strip() for s in sites.split(",")])
     return table
 
@@ -179,7 +180,7 @@ def test_compiled_training_matches_eager(mode, dtype):
     compiled = _train(config, ParallelConfig(), None, RECOMPUTE[mode], compiled=True)
     print(f"{mode} {dtype}: worst loss, gradient deviation {_worst(compiled, eager)}")
     _assert_close(compiled, eager, dtype)
-    # Compiled for real, and as the docstring says, whatever the recompute mode.
+    # Compiled for real, and as docs/compile-and-host-syncs.md says, whatever the recompute mode.
     _assert_breaks_as_documented("torch grouped-mm", compiled, graph_breaks())
 
 
@@ -192,7 +193,7 @@ GRAPH_BREAK_MODELS = {
         CONFIG, moe=dataclasses.replace(CONFIG.moe, routing="learned")
     ),
 }
-"""The single-process rows of the docstring's table; the expert-parallel row is measured on 2 ranks below."""
+"""The single-process rows of the docs page's table; the expert-parallel row is measured on 2 ranks below."""
 EP_ROW = "expert-parallel no-sync dispatch (ep 2)"
 
 
