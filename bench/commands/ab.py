@@ -9,11 +9,11 @@ from bench.commands.common import ACCEPT_HELP, EXIT_OK, accepted_increases, acce
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from bench.gate.ab import run_ab
-    from bench.gate.ab_calibration import render_calibration, run_calibration
-    from bench.gate.ab_plan import ABError, plan_ab
+    from bench.ab.calibration import render_calibration, run_calibration
+    from bench.ab.gate import run_ab
+    from bench.ab.plan import ABError, plan_ab
+    from bench.ab.resident import WorkerDied
     from bench.gate.formatting import parse_tolerance
-    from bench.gate.resident import WorkerDied
     from bench.run.runner import expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 

@@ -9,7 +9,7 @@ from bench.commands.common import fail
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from bench.release.images import VersionsError, run_versions
+    from bench.ab.images import VersionsError, run_versions
 
     try:
         code, table = run_versions(

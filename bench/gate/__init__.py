@@ -1,1 +1,1 @@
-"""Comparing result sets: verdicts, gates, and the A/B gate between two checkouts."""
+"""Comparing result sets: grouping, metric and work verdicts, accepted changes, the gate's verdict and its paired statistics."""

@@ -5,7 +5,7 @@ stopping rule. Pure arithmetic.
 Within a worker pair. The blocks of one side are bracketed by the other's (``O_1 I_1 O_2 ... I_n
 O_n+1``), and each inner block against the mean of its two neighbours, in log space, gives one
 log-ratio ``r = log(t_candidate / t_baseline)`` in which a drift linear over three blocks cancels
-(``bench.gate.resident.WorkerPairBlocks``). On a shared machine the distribution of ``r`` has heavy
+(``bench.ab.resident.WorkerPairBlocks``). On a shared machine the distribution of ``r`` has heavy
 tails: another job lands on a core for a second and one block is 2x slower. The mean follows those
 outliers; the Hodges-Lehmann estimator (the median of the Walsh averages ``(r_i + r_j) / 2, i <=
 j``) keeps 95% of the mean's efficiency on normal data and ignores a few wild blocks. Its
@@ -53,7 +53,7 @@ end of the budget (and its one extension) the decision is a threshold test on th
 identical code whenever the machine is noisier than the budget can average. The measured rates:
 ``python -m bench.validate.gate_power`` (its table counts what ``fails`` counts).
 
-Confirmation (``bench.gate.resident.compare_resident(confirm=True)``, as the gate runs it). A
+Confirmation (``bench.ab.resident.compare_resident(confirm=True)``, as the gate runs it). A
 scenario that would fail is measured again on as many fresh worker pairs as it ran, and ``fails``
 is read once more over all of them: identical code fails only if the first estimate ``e1`` and the
 mean ``(e1 + e2) / 2`` with the fresh pairs' ``e2`` both exceed the tolerance (``fail_rates``,

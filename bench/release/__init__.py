@@ -1,1 +1,1 @@
-"""Releases: the record, the version label of results, and comparison through container images."""
+"""Releases: the record, the version label of results, and the git queries both share."""

@@ -9,7 +9,7 @@ Each ratio carries a 95% interval from the two runs' own samples (``ratio_interv
 interval of the shift between the logarithms of the two sample sets, the distribution-free interval
 that goes with the Mann-Whitney test, exact for the small sample counts runs have. It answers "could
 step-to-step noise alone make these two runs differ this much?"; it does not cover the difference
-between two processes of the same code (a few percent on a CPU machine, ``bench.gate.ab``), which
+between two processes of the same code (a few percent on a CPU machine, ``bench.ab.gate``), which
 only repeated runs measure. Metrics of one sample per run (peak memory, counts) are exact values: no
 interval, no noise.
 """

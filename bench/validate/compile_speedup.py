@@ -4,7 +4,7 @@
         [--timeout-s 900] [--device cpu] [--out docs/measurements/compile-speedup-2core-cpu.json]
 
 For each execute scenario, two resident workers (``bench.validate.variants`` over
-``bench.gate.resident``: one process, or one per rank on gloo, each built by
+``bench.ab.resident``: one process, or one per rank on gloo, each built by
 ``bench.run.execute.build_trainer``): the scenario with ``run.compile`` false (the base) and true,
 started one after the other. A worker is ready after its warm-up steps, which on the
 compiled side include the compilation; then one step per side sizes the blocks (``--block-s``), one
@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench.gate.resident import ResidentSide
+from bench.ab.resident import ResidentSide
 from bench.scenario import Scenario
 from bench.validate import variants
 from bench.validate.variants import Variant

@@ -7,7 +7,7 @@ detection of planted slowdowns and planted extra work.
 Every planted change is applied to a candidate copy of this checkout's HEAD (a ``git clone`` in a
 temporary folder, then a text patch), never by a flag in the engine; the baseline is the same HEAD.
 
-- Timing: per run, the gate's resident comparison of one scenario (``bench.gate.resident.
+- Timing: per run, the gate's resident comparison of one scenario (``bench.ab.resident.
   compare_resident``: fresh worker pairs until the pooled interval decides, the budget and its one
   extension, the confirmation), exactly as ``moe-bench ab`` times a scenario. A/A runs (no plant) give the false-alarm
   rate; planted compute slowdowns (a busy loop after every training step for that fraction of the
@@ -27,7 +27,7 @@ across sessions (the table says which machines the records came from).
 pair spread and reads the confirmed rule at ``--tolerance`` (``replay``), the offline arithmetic
 behind the choice of CI's operating point.
 
-``--suite-runs``: each record is one whole gate of the suite, as CI runs it (``bench.gate.ab.run_ab``
+``--suite-runs``: each record is one whole gate of the suite, as CI runs it (``bench.ab.gate.run_ab``
 per scenario: its full runs, exact metrics and work counters, then the resident comparison with the
 extension and the confirmation), a CI run failing when any scenario fails. A/A runs give the suite's
 false-alarm rate; a planted slowdown goes into one scenario at a time (the candidate of that scenario
@@ -54,9 +54,9 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from bench.ab.resident import compare_resident, fresh_pair
 from bench.gate.formatting import parse_tolerance
 from bench.gate.paired import fails
-from bench.gate.resident import compare_resident, fresh_pair
 from bench.results import REPO_ROOT
 from bench.run.runner import suite_files
 from bench.scenario import load_scenario
@@ -180,8 +180,8 @@ def suite_run(
     """One whole gate of ``scenarios`` as CI runs it, against HEAD: the candidate of scenario ``planted[0]``
     is the clone slowed by ``planted[1]`` (``trees[fraction]``), of every other the identical clone
     (``trees[0.0]``). The suite fails when any scenario's gate does."""
-    from bench.gate.ab import run_ab
-    from bench.gate.ab_plan import ABPlan
+    from bench.ab.gate import run_ab
+    from bench.ab.plan import ABPlan
 
     commit = head_commit(trees[0.0])
     started = time.monotonic()
@@ -234,7 +234,7 @@ def head_commit(tree: Path) -> str:
 
 
 _FAILING = ("REGRESSION", "INCONCLUSIVE", "NOT-OK")
-"""The report lines that fail a gate (``bench.gate.ab.ABReport.render``)."""
+"""The report lines that fail a gate (``bench.ab.gate.ABReport.render``)."""
 
 
 def machine() -> str:

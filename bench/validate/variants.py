@@ -2,7 +2,7 @@
 
 A variant is a name and a patch of the scenario as its file says it (``patched``: mappings merge
 key by key, anything else replaces). Per execute scenario, ``measure`` starts one resident worker
-per variant (``bench.gate.resident.ResidentSide``: one process, or one per rank on gloo, each built
+per variant (``bench.ab.resident.ResidentSide``: one process, or one per rank on gloo, each built
 by ``bench.run.execute.build_trainer``), the base first, one after the other, each with a fresh
 empty inductor cache for the scenario. Only one worker runs at a time (the others wait on their
 command pipe, so every block has the whole machine); every worker answers within ``timeout_s`` or
@@ -49,8 +49,8 @@ from unittest import mock
 
 import yaml
 
+from bench.ab.resident import ResidentSide, WorkerDied
 from bench.gate import paired
-from bench.gate.resident import ResidentSide, WorkerDied
 from bench.results import REPO_ROOT
 from bench.scenario import Scenario, scenario_from_dict
 

@@ -4,7 +4,7 @@ against how much their blocks vary: the variance components behind ``bench.gate.
     python -m bench.validate.worker_bias SCENARIO [--workers 6] [--rounds 8] [--env KEY=VALUE ...]
         [--no-aslr] [--records PATH]
 
-Starts ``--workers`` resident workers of this checkout (``bench.gate.resident.ResidentSide``), all
+Starts ``--workers`` resident workers of this checkout (``bench.ab.resident.ResidentSide``), all
 alive at once, sizes blocks as the gate does, warms each with one unrecorded block, then runs
 ``--rounds`` rounds in which every worker runs one block (the order reversed every other round). In
 log space, each block minus its round's mean removes the machine's drift; the one-way random-effects
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.gate.resident import TARGET_BLOCK_S, ResidentSide
+from bench.ab.resident import TARGET_BLOCK_S, ResidentSide
 from bench.results import REPO_ROOT
 from bench.scenario import load_scenario
 from bench.validate.gate_power import machine

@@ -19,7 +19,7 @@ SCENARIO = "scenarios/smoke/e8-random-bf16.yaml"
 
 
 def test_image_runs_a_smoke_scenario(tmp_path):
-    from bench.release.images import CONTAINER_RESULTS, VersionsError, connect, run_image
+    from bench.ab.images import CONTAINER_RESULTS, VersionsError, connect, run_image
 
     try:
         client = connect()

@@ -8,13 +8,13 @@ import json
 import pytest
 from result_docs import make_doc
 
+from bench.ab.gate import ABReport, paired_gate
+from bench.ab.resident import ResidentComparison, WorkerPairBlocks
+from bench.ab.sides import SideRun
 from bench.cli import main
 from bench.gate import paired
-from bench.gate.ab import ABReport, paired_gate
-from bench.gate.ab_sides import SideRun
 from bench.gate.accept import Acceptance, parse_acceptance
 from bench.gate.compare import compare
-from bench.gate.resident import ResidentComparison, WorkerPairBlocks
 from bench.gate.verdict import gate
 from bench.gate.work import work_verdicts
 from bench.release import record

@@ -488,8 +488,8 @@ def test_pooled_single_sample_runs_stay_exact(tmp_path):
 
 
 def test_versions_table_compares_single_sample_metrics_exactly(tmp_path):
-    """bench.release.images' table takes compare's verdicts: the pooled case above, image against image."""
-    from bench.release.images import compare_versions
+    """bench.ab.images' table takes compare's verdicts: the pooled case above, image against image."""
+    from bench.ab.images import compare_versions
 
     def runs(label, version, *values):
         return side(

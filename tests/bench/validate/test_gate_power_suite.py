@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.gate.ab import ABReport
-from bench.gate.resident import ResidentComparison
+from bench.ab.gate import ABReport
+from bench.ab.resident import ResidentComparison
 from bench.validate import gate_power
 
 
@@ -75,7 +75,7 @@ def fake_tree(tmp_path: Path, name: str) -> Path:
 
 
 def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_path, monkeypatch):
-    from bench.gate import ab
+    from bench.ab import gate as ab
 
     trees = {0.0: fake_tree(tmp_path, "same"), 0.1: fake_tree(tmp_path, "slow")}
     monkeypatch.setattr(gate_power, "head_commit", lambda tree: "f" * 40)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from own_processes import owned_processes, owned_processes_after, owner_env
 
-from bench.gate import resident
+from bench.ab import resident
 from bench.scenario import SCENARIOS_DIR, load_scenario, scenario_from_dict
 from bench.validate import compile_speedup, recompute_cost, variants
 from bench.validate.variants import Variant

@@ -10,8 +10,8 @@ import pytest
 from fake_sides import run_fake
 from own_processes import owned_processes, owned_processes_after, owner_env
 
+from bench.ab.resident import ResidentSide, WorkerDied, WorkerFailedToStart
 from bench.gate import paired
-from bench.gate.resident import ResidentSide, WorkerDied, WorkerFailedToStart
 from bench.results import REPO_ROOT
 from bench.scenario import scenario_from_dict
 
@@ -85,7 +85,7 @@ def test_each_pair_warms_then_brackets_one_side_by_the_other_and_is_closed():
 
 
 def test_bracketing_by_hand():
-    from bench.gate.resident import WorkerPairBlocks
+    from bench.ab.resident import WorkerPairBlocks
 
     pair = WorkerPairBlocks([1.0, 1.2], [1.21], outer="baseline")
     assert pair.log_ratios == pytest.approx([math.log(1.21) - (math.log(1.0) + math.log(1.2)) / 2])
@@ -187,7 +187,7 @@ def test_the_worker_drives_the_latest_release_as_it_drives_this_checkout(tmp_pat
 
     import yaml
 
-    from bench.gate.ab import worktree
+    from bench.ab.gate import worktree
     from bench.release.git import try_git
     from bench.release.record import latest_release
 

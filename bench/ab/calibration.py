@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.ab.plan import check_budget
+from bench.ab.resident import ResidentComparison, compare_resident, fresh_pair
+from bench.ab.sides import START_MARGIN_S
 from bench.gate import paired
-from bench.gate.ab_plan import check_budget
-from bench.gate.ab_sides import START_MARGIN_S
-from bench.gate.resident import ResidentComparison, compare_resident, fresh_pair
 from bench.results import REPO_ROOT
 from bench.scenario import Scenario
 

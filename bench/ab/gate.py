@@ -10,7 +10,7 @@ Per execute scenario:
 1. one ``moe-bench run`` per side gives each side's result document: status, the exact metrics (one
    sample per run: peak memory, optimizer state bytes, the work counters) and, for a plan scenario,
    its estimates;
-2. fresh pairs of resident workers (``bench.gate.resident``), one worker per side, each built and
+2. fresh pairs of resident workers (``bench.ab.resident``), one worker per side, each built and
    warmed once, run short blocks of steps in alternation. Two processes of identical code differ by
    a few percent for their whole life (memory layout, thread placement), which no number of blocks
    on one pair averages away, so the worker pair is the unit: the verdict comes from the t interval
@@ -38,8 +38,8 @@ work counters by one naming them.
 (A/A) for the whole budget: its spread is the noise floor of the machine, and it gives the smallest
 tolerance that keeps false alarms at or below 5% within that budget.
 
-The modules: the job checked before anything runs (``bench.gate.ab_plan``), one side's full run
-(``bench.gate.ab_sides``), the A/A calibration (``bench.gate.ab_calibration``); this one holds the paired
+The modules: the job checked before anything runs (``bench.ab.plan``), one side's full run
+(``bench.ab.sides``), the A/A calibration (``bench.ab.calibration``); this one holds the paired
 gate's verdicts and report, and the run of both sides that feeds them.
 """
 
@@ -58,20 +58,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.gate import paired
-from bench.gate.ab_plan import ABError, ABPlan
-from bench.gate.ab_sides import START_MARGIN_S, SideRun, run_side, side_summary
-from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
-from bench.gate.compare import classify, is_work_metric, paired_ratio
-from bench.gate.formatting import format_noise
-from bench.gate.paired import PooledEstimate, fails, scenario_level, se_limit_false_alarms, warns
-from bench.gate.resident import (
+from bench.ab.plan import ABError, ABPlan
+from bench.ab.resident import (
     ResidentComparison,
     WorkerDied,
     WorkerFailedToStart,
     compare_resident,
     fresh_pair,
 )
+from bench.ab.sides import START_MARGIN_S, SideRun, run_side, side_summary
+from bench.gate import paired
+from bench.gate.accept import Acceptance, acceptance_of, describe_acceptances
+from bench.gate.compare import classify, is_work_metric, paired_ratio
+from bench.gate.formatting import format_noise
+from bench.gate.paired import PooledEstimate, fails, scenario_level, se_limit_false_alarms, warns
 from bench.gate.work import work_verdicts
 from bench.metrics import names, noise_floor
 from bench.results import REPO_ROOT

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.ab.gate import _estimate, paired_gate, paired_metric
+from bench.ab.plan import ABError, ABPlan, plan_ab
+from bench.ab.resident import ResidentComparison, WorkerPairBlocks
+from bench.ab.sides import SideRun
 from bench.cli import main
 from bench.gate import paired
-from bench.gate.ab import _estimate, paired_gate, paired_metric
-from bench.gate.ab_plan import ABError, ABPlan, plan_ab
-from bench.gate.ab_sides import SideRun
-from bench.gate.resident import ResidentComparison, WorkerPairBlocks
 from bench.results import REPO_ROOT, metric
 
 TINY = """\
@@ -209,7 +209,7 @@ def test_rss_is_gated_above_its_measured_noise_floor():
 
 def test_an_unreadable_side_result_is_a_failed_run(tmp_path, tiny, monkeypatch):
     """A side that leaves a truncated result file fails that run, naming the file; nothing raises."""
-    from bench.gate import ab_sides
+    from bench.ab import sides as ab_sides
     from bench.scenario import load_scenario
 
     def fake_run(command, cwd, env, timeout):
@@ -347,7 +347,7 @@ def comparison(name: str, slowdown: float, spread: float = 0.0) -> ResidentCompa
 
 def test_a_regression_in_one_scenario_only_fails_the_gate_naming_it(tmp_path, tiny, monkeypatch):
     """Three scenarios, one of them slower: the gate fails, and its finding names that one alone."""
-    from bench.gate import ab
+    from bench.ab import gate as ab
     from bench.run.runner import load_all
 
     files = []
@@ -372,7 +372,7 @@ def test_a_regression_in_one_scenario_only_fails_the_gate_naming_it(tmp_path, ti
 def test_a_slowdown_between_the_warning_and_the_tolerance_warns_and_passes(tmp_path, monkeypatch):
     """CI's operating point: 3.5% is beyond the 3% warning and within the 4.5% tolerance, so the gate
     passes with a WARNING line naming the scenario; 6% fails it. Without --warn-above, no warnings."""
-    from bench.gate import ab
+    from bench.ab import gate as ab
     from bench.run.runner import load_all
 
     files = []
@@ -416,7 +416,7 @@ def test_a_scenario_noisier_than_the_design_is_noted(tmp_path, monkeypatch, tiny
     """A standard error beyond the operating point's limit (4.3% at a 4.5% tolerance for a suite of one
     scenario, whose level is the suite's 5%) gets a NOTE that the gate's false-alarm rate does not hold
     there; it passes or fails as its estimate says."""
-    from bench.gate import ab
+    from bench.ab import gate as ab
     from bench.run.runner import load_all
 
     noisy = comparison("tiny-ab", 0.0, spread=0.08)
@@ -437,7 +437,7 @@ def test_an_inconclusive_scenario_fails_the_gate_only_beyond_the_tolerance(
     """An interval that still admits the tolerance after the budget and its extension is never
     "unchanged": centred on no change it passes with a note that says so; centred beyond the tolerance
     (but not excluding no change) it fails, naming the scenario."""
-    from bench.gate import ab
+    from bench.ab import gate as ab
     from bench.run.runner import load_all
 
     ok_doc = SideRun("ok", None, {}, "0.1.0")
@@ -463,7 +463,7 @@ def test_an_inconclusive_scenario_fails_the_gate_only_beyond_the_tolerance(
 def test_the_report_says_what_the_confirmation_did(tmp_path, tiny, monkeypatch, final_slowdown, fails):
     """A failing first reading (x1.080 on three worker pairs) that the fresh pairs withdraw passes with
     a note giving both readings; one they confirm fails, its finding giving the first reading too."""
-    from bench.gate import ab
+    from bench.ab import gate as ab
     from bench.run.runner import load_all
 
     first, final = comparison("tiny-ab", 0.08), comparison("tiny-ab", final_slowdown)
@@ -485,7 +485,7 @@ def test_the_report_says_what_the_confirmation_did(tmp_path, tiny, monkeypatch, 
 
 def test_the_gate_confirms_what_would_fail(monkeypatch, tiny):
     """``moe-bench ab`` times each scenario with the extension and the confirmation on."""
-    from bench.gate import ab
+    from bench.ab import gate as ab
     from bench.run.runner import load_all
 
     seen = {}

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.ab.resident import TARGET_BLOCK_S
 from bench.gate import paired
 from bench.gate.accept import Acceptance
-from bench.gate.resident import TARGET_BLOCK_S
 from bench.release.git import try_git
 from bench.release.record import RELEASES_PATH, ReleaseError, load_releases
 from bench.results import REPO_ROOT

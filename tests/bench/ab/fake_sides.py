@@ -7,7 +7,7 @@ import math
 import random
 from types import SimpleNamespace
 
-from bench.gate.resident import compare_resident
+from bench.ab.resident import compare_resident
 
 
 class FakeSide:

@@ -1,6 +1,6 @@
 """Resident A/B sides: one long-lived worker process (group) per side, timed in alternating blocks.
 
-Each side is ``bench/gate/resident_worker.py`` running on its own tree's code, built and warmed
+Each side is ``bench/ab/resident_worker.py`` running on its own tree's code, built and warmed
 once. The controller alternates short blocks of steps, one side's bracketed by the other's, so drift
 of the machine hits both sides within seconds and cancels in each ratio. A worker keeps a bias of its own for its whole life, so ``compare_resident``
 runs several fresh worker pairs (``fresh_pair``), a few block pairs each, until the pooled

@@ -1,6 +1,6 @@
 """One side of the A/B gate, resident: built and warmed once, then timed block by block on command.
 
-    PYTHONPATH=SIDE_TREE python bench/gate/resident_worker.py SCENARIO_JSON --device cpu
+    PYTHONPATH=SIDE_TREE python bench/ab/resident_worker.py SCENARIO_JSON --device cpu
 
 Run as a script by path, so that ``bench`` and ``moe_engine`` resolve to the side's own tree (the
 baseline's worktree, or this checkout): it uses only what every release has, ``bench.scenario.

@@ -42,7 +42,7 @@ def test_versions_missing_image_runs_nothing(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(docker, "from_env", lambda **kw: _FakeClient({"moe-engine:0.1.0"}))
     started = []
-    monkeypatch.setattr("bench.release.images.run_image", lambda *a, **kw: started.append(a) or 0)
+    monkeypatch.setattr("bench.ab.images.run_image", lambda *a, **kw: started.append(a) or 0)
     out = tmp_path / "results"
     assert main(["versions", "moe-engine:0.1.0", "moe-engine:nope", "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -51,7 +51,7 @@ def test_versions_missing_image_runs_nothing(tmp_path, monkeypatch, capsys):
 
 
 def test_versions_missing_image_on_a_real_engine(tmp_path, capsys):
-    from bench.release.images import VersionsError, connect
+    from bench.ab.images import VersionsError, connect
 
     try:
         connect()
@@ -71,7 +71,7 @@ def test_versions_needs_two_images(capsys):
 def test_compare_versions_table():
     from result_docs import make_doc
 
-    from bench.release.images import compare_versions
+    from bench.ab.images import compare_versions
     from bench.results import ResultDocument, metric
 
     def docs(version, tput):
@@ -93,8 +93,8 @@ def test_the_versions_table_says_accepted_for_a_change_a_release_between_the_ima
     """Peak 100 -> 105.5 bytes (+5.5%, beyond the 5% tolerance): accepted by release 0.2.0 up to 6%."""
     from result_docs import make_doc
 
+    from bench.ab.images import compare_versions
     from bench.gate.accept import parse_acceptance
-    from bench.release.images import compare_versions
     from bench.results import load_results, metric, write_result
 
     def docs(version: str, peak: float):
@@ -118,7 +118,7 @@ def test_versions_marks_its_folder_so_the_page_compares_the_images_before_stored
 
     from result_docs import make_doc
 
-    from bench.release import images
+    from bench.ab import images
     from bench.results import metric, write_result
 
     identity = {"cpu_model": "x", "cpu_cores": 2, "isa_flags": ["avx"], "memory_gib": 8.0, "gpu": None}
