@@ -1,32 +1,6 @@
 """The router's scores, combine weights and loss statistics as one op forward and one op backward.
-
-From the router's fp32 logits l (T, E) and the experts already selected for each token (``expert_TK``,
-chosen outside: the random and skewed modes draw from the layer's generator, whose stream must not
-move), with s the scores (softmax(l), or sigmoid(l)) and p the probabilities the balance loss reads
-(s, or s / sum_e s with sigmoid):
-
-    weight_TK[t, j] = c * s[t, e_j] / (sum_j s[t, e_j] if normalize else 1)   (c = routed_scaling_factor)
-    mean_probs_E[e] = mean over tokens of p[t, e]
-    lse_T[t]        = logsumexp(l[t])
-
-which is all the router needs: the balance loss is E * dot(counts_E / (T k), mean_probs_E) and the z-loss
-mean(lse_T^2), both tiny reductions outside the op. Backward, for the gradients g_w, g_P, g_lse of the
-three outputs, u the gathered scores, S their sum, g_p = g_P / T:
-
-    g_u = c / S * (g_w - sum_j g_w u / S)   (normalize; else c * g_w), scattered into the E columns
-    g_s = g_p + scatter(g_u)   (softmax);   (g_p - sum_e g_p p) / sum_e s + scatter(g_u)   (sigmoid)
-    g_l = s * (g_s - sum_e g_s s) (softmax), g_s * s * (1 - s) (sigmoid);  plus g_lse * softmax(l)
-
-Saved for backward: the logits and the selected experts only (4 T E + 8 T k bytes); the kernels
-recompute the row's max, sums and scores in registers. The eager composition keeps the logits, the
-scores (8 T E bytes in all) and a few (T, k) and (T,) tensors.
-
-fp32 only: the router computes its logits in fp32 whatever the model's dtype, so bf16 does not arise.
-Each program holds whole rows of up to MAX_EXPERTS experts (several rows to a tile), walks a
-contiguous run of rows, and sums its rows' probabilities into one fp32 partial row, divided by T; torch
-adds the partials (as ``norm``'s grad_weight): the mean's sum runs in another order than torch's mean,
-a difference of a T-term fp32 sum. The softmax, logsumexp and gathers are the eager ops' formulas
-(max-subtracted exponentials over the row), rounded in another order over the E columns.
+What each kernel computes and saves, and its rounding against the eager composition:
+docs/kernels.md.
 """
 
 from __future__ import annotations

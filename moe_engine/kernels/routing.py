@@ -1,35 +1,6 @@
 """The MoE dispatch gather and the weighted combine (``moe.permute``) as one op forward and one op backward.
-
-With a ``RowMap`` of T*k assignments (n = t*k + j) and R buffer rows (``row_N``, ``assignment_R``,
-the masks ``kept_N`` and ``filled_R``, None when all are true):
-
-    gather_rows:           rows_RD[r] = x_TD[assignment_R[r] // k]            (0 where not filled_R[r])
-    gather_rows_backward:  grad_x_TD[t] = sum_j grad_RD[row_N[t*k + j]]      (kept assignments only)
-    combine_rows:          y_TD[t] = sum_j cast(w_TK[t, j]) * y_RD[row_N[t*k + j]]   (kept only)
-    combine_rows_backward: grad_w_TK[t, j] = cast(sum_d grad_TD[t, d] * y_RD[row_N[t*k + j], d])
-                           grad_y_RD[row_N[t*k + j]] = cast(w_TK[t, j]) * grad_TD[t]  (kept; other rows 0)
-
-with ``cast`` the rounding to y's dtype (the eager ``weight_TK.to(y.dtype)``). Every kernel computes in
-fp32 and rounds where the eager composition stores, which gives its bits wherever the arithmetic is
-the same: the gathers are copies, a token's k gradient copies are summed j = 0, 1, ... in fp32 and
-rounded once (as torch's sum; the same bits for k <= 2, where the order cannot differ), grad_y is
-one product rounded once (as the eager outer-product bmm). The combine's weighted sum runs in fp32,
-j = 0, 1, ..., each product and partial sum rounded to fp32 (on a GPU the compiler may fuse a product
-and its add into one FMA); bmm's BLAS orders and fuses the k terms its own way, so in fp32 the two
-differ by a few roundings of a k-term fp32 sum (``tolerance(dtype, k)``); in bf16 the products are
-exact in fp32, so for k <= 2 both are the one rounding of the exact sum, and beyond that a tie can
-flip the final bf16 rounding by one unit. grad_w's sum over D is blocked (tl.sum per column block,
-added block by block), bmm's otherwise: ``tolerance(dtype, D)``.
-
-Saved for backward: the op's inputs only. The combine keeps y_RD (the experts' output, alive anyway
-until its own backward) and the indices, not the (T, k, D) gathered copy the eager composition keeps;
-its backward gathers the kept rows of y_RD again by ``row_N``.
-
-The kernels follow the map one way each: ``gather_rows`` walks buffer rows (by ``assignment_R``), the
-others walk tokens (by ``row_N``). ``combine_rows_backward`` writes grad_y for the kept assignments'
-rows and zeros the rows ``filled_R`` marks empty in the same launch: the kept assignments and the
-filled rows are each other's image under the map (``RowMap``'s contract), so every row is written
-once. ``assignment_R`` is an input of the combine only for the reference path.
+What each kernel computes and saves, and its rounding against the eager composition:
+docs/kernels.md.
 """
 
 from __future__ import annotations

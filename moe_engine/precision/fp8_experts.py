@@ -1,30 +1,5 @@
 """Experts' SwiGLU in rowwise FP8 (``ExpertBackendKind.FP8``): torchao's float8 MoE training recipe.
-
-Operands are e4m3 with one fp32 scale per row along the GEMM's reduction dim, computed from the
-tensor itself every step (current scaling, power-of-two scales: ``moe_engine.precision.fp8_rowwise``).
-Outputs are bf16 (fp32 accumulation). Which GEMM runs in which precision:
-
-===============  =======================================  ==========================================
-GEMM             operands                                 scales
-===============  =======================================  ==========================================
-fprop h, y       x (N, D), a (N, F); gate_up, down        per row of x / a; per output row of W
-dgrad a, x       grad_y (N, D), grad_h (N, 2F); W         per row of the gradient; per column of W
-wgrad            bf16 (as the MXFP8 backend)              --
-===============  =======================================  ==========================================
-
-The weight gradients stay bf16: FP8 there needs scales per (expert, row) along the token axis and
-``scaled_grouped_mm``'s 2d-2d form wants each expert's token group to start at a multiple of 16
-rows (torchao pads the groups to get that), which the engine's offsets do not promise.
-
-On CUDA capability 9.x the GEMMs run ``torch.nn.functional.scaled_grouped_mm`` with
-``ScalingType.RowWise`` (CUTLASS); torch 2.13 supports its rowwise grouped GEMM on sm90 only (its
-tests' ``PLATFORM_SUPPORTS_FP8_GROUPED_GEMM`` is "sm90 or later and not sm100 or later"), so
-Blackwell runs the emulation like every other device: ``scaled_grouped_mm_emulated``, the same arithmetic on
-the dequantized operands in fp32 (exact: power-of-two scales), differing from the op only in
-summation order. ``FP8Backend.path`` names the op the last forward called.
-
-The backward is the split one of ``moe_engine.moe.experts`` (a dX node and a dW node), so the
-zero-bubble schedules and ``defer_weight_grads()`` work as with the other grouped backends.
+The paths, the precision of each GEMM and the operands' layouts: docs/precision.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
 """The MXFP8 grouped GEMM through torch's ``scaled_grouped_mm`` (block-32 e8m0 scales, CUTLASS, sm100).
-
-``torch.nn.functional.scaled_grouped_mm`` with ``ScalingType.BlockWise1x32`` on both operands runs
-the sm100 block-scaled tensor-core GEMM (torch's ``_scaled_grouped_mm_cuda_v2`` dispatches it to the
-MXFP8 grouped kernel of FBGEMM's GenAI library, later MSLK, for devices of CUDA capability 10.x). Its
-contract for the 2d x 3d form the experts use, as torch 2.13's checks and that kernel's argument
-setup (``set_grouped_gemm_args_kernel``, case ``_2D3D``) state it:
-
-- ``mat_a`` (M, K) float8_e4m3fn, row-major; ``mat_b`` (E, K, N) float8_e4m3fn, column-major (an
-  (E, N, K) contiguous tensor viewed transposed); K and N multiples of 16; ``offs`` (E,) int32
-  cumulative group ends along M, rows after ``offs[-1]`` read by no group and their output left
-  unwritten; output bf16 only.
-- Scales float8_e8m0fnu in the "blocked" layout (``SwizzleType.SWIZZLE_32_4_4``, ``to_blocked``):
-  a (R, C) scale matrix (C = K / 32) is padded to (round_up(R, 128), round_up(C, 4)) and stored as
-  128 x 4 tiles, tile after tile in row-major tile order, each tile of 512 bytes with the scale of
-  its row i = 32 a + b and column j at byte 16 b + 4 a + j.
-- ``scale_b`` (E, round_up(N, 128) * round_up(C, 4)): each expert's (N, C) scales blocked on their own.
-- ``scale_a`` 2d, at least M rows, read group by group: group e's blocked scales start at row
-  sum_{i<e} round_up(rows_i, 128) (times round_up(C, 4) bytes). So each expert's scale rows are
-  padded to a multiple of 128 (``group_padded_rows``); the data rows need no padding: the kernel
-  offsets A and the output by the group's first row, and with K and N multiples of 16 every group's
-  rows start 16-byte aligned.
-
-``accepts`` says when the op takes the operands; ``mxfp8_gemm.grouped_mm`` runs its fallback
-otherwise. The rows the op leaves unwritten are zeroed by ``zero_rows_after``: one Triton kernel that
-writes only those rows (a ``torch.where`` over the whole output would read and write all of it).
+The paths, the precision of each GEMM and the operands' layouts: docs/precision.md.
 """
 
 from __future__ import annotations
