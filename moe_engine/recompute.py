@@ -1,26 +1,6 @@
 """Activation recompute: chosen blocks (or parts of them) keep only their inputs and run forward again
 in backward, through ``torch.utils.checkpoint`` (non-reentrant).
-
-What runs again, by mode (``RecomputeConfig``):
-
-- ``full``: the whole block, router and dispatch included. Under expert parallelism the dispatch's
-  all-to-alls run again in backward (every rank recomputes the same blocks in the same order, so
-  the collectives still match).
-- ``selective``: only the named parts (``attention``, ``experts``, ``norms``), none of which
-  holds a collective: no all-to-all runs twice. ``experts`` recomputes the routed experts' gather of
-  their rows into expert order and their SwiGLU (both grouped GEMMs), from the token rows (or, under
-  expert parallelism, the received rows) they gather from.
-
-A recomputed block must route exactly as its forward did. ``torch.utils.checkpoint`` restores the
-global RNG, not the router's own generator (random and skewed routing draw from it), and other
-forwards (later blocks, later microbatches) have moved that generator on by the time backward
-recomputes. So the full mode saves every router's generator state when the block's forward runs,
-sets it back for the recompute, and afterwards restores the state the stream had reached. The MoE
-layers' statistics (load counts for the expert bias, the last forward's losses and counts) are
-put back as well, so a recompute is not counted as another forward.
-
-The modules keep their classes and parameter names: a chosen module's ``forward`` is replaced on
-the instance by a checkpointed call of the original.
+More: docs/schedules-and-recompute.md.
 """
 
 from __future__ import annotations

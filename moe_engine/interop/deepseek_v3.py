@@ -1,26 +1,5 @@
 """Build engine models from transformers' DeepSeek-V3, weight for weight.
-
-DeepSeek-V3: multi-head latent attention (``mla``, with or without the query latent), the first
-``first_k_dense_replace`` blocks dense SwiGLUs of ``intermediate_size``, the others MoE blocks with
-``n_shared_experts`` shared experts (one shared SwiGLU of n_shared_experts * moe_intermediate_size)
-and a sigmoid router with group-limited selection (``n_group``, ``topk_group``), the selection bias
-``e_score_correction_bias`` (the engine's ``expert_bias``, copied), optional top-k renormalisation
-and ``routed_scaling_factor``. The multi-token-prediction module is not part of transformers' model
-and is not converted.
-
-Differences of definition, each handled here:
-
-- RoPE layout: with ``rope_interleave`` (the default) transformers rotates interleaved pairs
-  (x0, x1), (x2, x3), ... and the engine rotates halves (x_i, x_{i + r/2}). The two agree once the
-  RoPE rows of ``q_b_proj`` (``q_proj``) and ``kv_a_proj_with_mqa`` are reordered evens first, then
-  odds: the conversion does that, so the scores are the same.
-- Epsilon: transformers' latent norms (``q_a_layernorm``, ``kv_a_layernorm``) use 1e-6 whatever
-  ``rms_norm_eps`` says, and the engine uses one epsilon everywhere: a config with another
-  ``rms_norm_eps`` is rejected.
-- Scaled RoPE (YaRN, with its softmax mscale) is not implemented: rejected.
-- Losses: transformers' class has no router loss; the engine's weights are set to 0 (the
-  aux-loss-free bias is the balancing, and it is copied but not updated unless asked).
-- transformers renormalises the top-k weights by their sum + 1e-20, the engine by their sum.
+More: docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
 """Build engine models from transformers' Mixtral, weight for weight.
-
-Mixtral is the engine's plain layout: grouped-query attention without QK-norm, every block an MoE
-block, a softmax router whose top-k weights are always renormalised (``normalize_top_k``), no shared
-expert. Everything the engine cannot reproduce exactly is rejected up front.
-
-Known non-equivalences (none changes the fp32 forward pass):
-
-- The load-balancing loss: transformers adds one loss pooled over all layers (only with
-  ``output_router_logits``); the engine adds E * sum_e f_e P_e per layer. ``router_aux_loss_coef`` is
-  copied as the weight, so the magnitudes differ (see ``moe_engine.interop.olmoe``).
-- ``router_jitter_noise`` (multiplicative input noise in training) has no engine counterpart: a
-  config with it is rejected.
+More: docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
 """Build engine layers and models from transformers' OLMoE, weight for weight.
-
-transformers is only needed by the caller (it is a test-time dependency), so it appears here for
-type hints alone. Everything the engine cannot reproduce exactly is rejected up front rather than
-converted approximately.
-
-Known non-equivalences (none changes the fp32 forward pass):
-
-- The load-balancing loss: transformers adds one loss pooled over all layers, with f_e summing to k
-  and only when ``output_router_logits`` is set; the engine adds E * sum_e f_e P_e per layer, with
-  f_e summing to 1. ``router_aux_loss_coef`` is copied as the weight, so the magnitudes differ
-  (per layer by a factor of k).
-- transformers' embedding has ``padding_idx=pad_token_id``, whose row never receives a gradient;
-  the engine's embedding has none.
-- In bf16, transformers computes router logits in bf16 and the engine in fp32, so near-tied
-  experts may be picked differently.
+More: docs/interop.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
 """Build engine models from transformers' Qwen3-MoE, weight for weight.
-
-Qwen3-MoE: grouped-query attention with a head width of its own (``head_dim``, not hidden_size /
-heads) and QK-norm per head (one RMSNorm of head_dim for queries, one for keys, shared by the heads:
-``qk_norm_per_head``), a softmax router with optional top-k renormalisation, no shared expert, and
-MoE blocks where ``(layer + 1) % decoder_sparse_step == 0`` outside ``mlp_only_layers``, the others
-dense SwiGLUs of ``intermediate_size``. The engine expresses every such pattern that is a run of
-leading dense blocks followed by an MoE block every n-th (``n_dense_layers``, ``moe_every``);
-others are rejected, as is anything else the engine would compute differently.
-
-Known non-equivalences (none changes the fp32 forward pass):
-
-- The load-balancing loss: pooled over layers in transformers (only with ``output_router_logits``),
-  per layer in the engine (see ``moe_engine.interop.olmoe``).
-- transformers computes the router logits in the model's dtype and the softmax in fp32; the engine
-  computes both in fp32 (identical in fp32, near-ties may differ in bf16).
+More: docs/interop.md.
 """
 
 from __future__ import annotations

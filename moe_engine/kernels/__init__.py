@@ -1,20 +1,7 @@
 """Fused ops for the memory-bound work of a step, each one ``torch.library.custom_op`` forward and one
 backward (so a trace sees one op each), with a Triton kernel on CUDA and the eager PyTorch
 composition as the reference and CPU path (``dispatch`` holds the rule).
-
-    ``norm``           moe_engine::rms_norm, moe_engine::add_rms_norm, moe_engine::rms_norm_backward
-    ``activation``     moe_engine::swiglu, moe_engine::swiglu_backward, moe_engine::swiglu_packed_backward
-    ``cross_entropy``  moe_engine::linear_cross_entropy, moe_engine::linear_cross_entropy_backward
-    ``rotary``         moe_engine::rope, moe_engine::rope_backward
-    ``routing``        moe_engine::gather_rows, moe_engine::gather_rows_backward, moe_engine::combine_rows,
-                       moe_engine::combine_rows_backward
-    ``gather_mx``      moe_engine::gather_rows_mx (the gather fused with the MXFP8 experts' quantisation;
-                       its gradient goes through moe_engine::gather_rows_backward)
-    ``router``         moe_engine::router_scores, moe_engine::router_scores_backward (fp32 logits only)
-
-The model runs them with ``ModelConfig.fused_kernels`` (the routing ops, the MXFP8 gather among them,
-through its experts' switch, ``GroupedExperts.fused_kernels``, which the dispatchers read; the
-router's through ``Router.fused_kernels``).
+More: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """The SwiGLU activation a = silu(gate) * up as one op forward and one op backward.
-
-Saved for backward: the op's inputs, gate and up, and nothing else (the eager composition keeps
-silu(gate) as well). Backward recomputes sigma = sigmoid(gate) and silu = gate * sigma:
-
-    grad_up = grad_a * silu
-    grad_gate = (grad_a * up) * sigma * (1 + gate * (1 - sigma))
-
-rounding to the dtype wherever the eager ops (``F.silu``, ``mul``, ``silu_backward``) store.
-
-Two ops share the kernels: ``swiglu(gate, up)`` with autograd, for the dense feed-forward (gate and
-up from their own projections), and ``swiglu_packed_backward(h, grad_a)`` for the routed experts'
-hand-written backward, which keeps h = [gate | up] (N, 2F) and wants a = silu(gate) * up again for
-its weight gradient and d/dh written into one (N, 2F) buffer. Inputs may be row-strided views (the
-halves of h): the kernels take each tensor's row stride, with the last dim contiguous.
+More: docs/kernels.md.
 """
 
 from __future__ import annotations

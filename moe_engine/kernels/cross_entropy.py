@@ -1,23 +1,5 @@
 """Cross-entropy fused with the LM head, in chunks of rows, so the (N, V) logits never exist at once.
-
-    loss = sum over rows with label != ignore_index of (lse_i - logits_i[label_i]) / (their count)
-    logits = h @ weight^T  in h's dtype (``F.linear``), then taken to fp32 as ``Transformer.loss`` does
-
-Forward computes each chunk's logits (C, V) with one GEMM and reduces them to the row's logsumexp
-and loss. Saved for backward: h, the weight, the labels and the logsumexp (one fp32 per row), no
-logits. Backward recomputes each chunk's logits (one more GEMM of the LM head's size, 2 N V D
-FLOPs), turns them in place into the gradient (softmax - onehot) * grad_loss / count, rounded to the
-dtype as the eager ``.float()``'s backward rounds, and multiplies it into grad_h (written once per
-chunk) and grad_weight. grad_weight is summed over chunks in fp32 and cast to the weight's dtype once
-at the end, as the eager product (one GEMM with fp32 accumulation over all rows) rounds once: summed
-in bf16, 8,192 rows x 256 x 2,048 in 64 chunks gave 3x eager's error against fp64 (9.7e-3, 3.2e-3). On CUDA each
-chunk's product comes out of the GEMM in fp32 (``torch.mm(..., out_dtype=torch.float32)``); on CPU,
-whose GEMMs take no out_dtype, the chunk's operands are widened to fp32 first.
-
-The row-wise work on a chunk's logits is a Triton kernel on the Triton path (one pass over the
-logits with an online logsumexp forward, one in-place pass backward) and torch ops on the reference
-path; the GEMMs are torch's on both. Labels must lie in [0, V) or equal ``ignore_index``: the
-reference path's gather rejects others, the kernel (as CUDA's own cross-entropy) does not check.
+More: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,5 @@
 """The dispatch gather fused with the MXFP8 quantisation of the experts' first GEMM operand.
-
-One op reads each routed row from the token rows and writes its E4M3 codes and E8M0 scales straight
-into the expert-ordered buffer: no bf16 copy of the rows, and no separate masking and quantising
-passes over it. With a ``RowMap``'s ``assignment_R``, ``top_k`` and ``filled_R`` (``routing``):
-
-    gather_rows_mx:  codes_RD, scales_RB = mxfp8.quantize(rows_RD) along D, blocks of 32, where
-                     rows_RD[r] = x_TD[assignment_R[r] // k] if filled_R[r] and r < end, else 0
-
-``end`` is a one-element int32 tensor, the experts' last offset, read on the device: rows after it
-are the padding of an expert-parallel receive buffer and belong to no expert, so they quantize as
-zeros whatever they held (no NaN scale). B = D / 32 scale columns; a width that is not a multiple
-of 32 is zero-padded to one, as the experts' operands are (``mxfp8_gemm.quantize_rows``).
-
-The reference is the composition the MXFP8 experts ran before (``routing.reference_gather``, a
-``torch.where`` and ``mxfp8_triton.quantize_auto``); the Triton kernel gives its bytes exactly: the
-gather is a copy of bit patterns, and the quantisation is ``mxfp8_triton.mx_blocks``, the integer
-arithmetic of the plain quantize kernel. Widths that are not multiples of 32 take the reference.
-
-The op has no backward: its outputs are codes. The MXFP8 experts (``moe.experts``) take the token
-rows as their input and send the gradient of their input rows back through the gather's backward
-(``gather_rows_backward``): the straight-through rule the unfused composition followed as well.
+More: docs/kernels.md.
 """
 
 from __future__ import annotations

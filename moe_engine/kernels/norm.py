@@ -1,21 +1,5 @@
 """RMSNorm, alone or after the residual add, as one op forward and one op backward.
-
-    y = weight * cast(x * rstd),  rstd = 1 / sqrt(mean(x^2) + eps),  computed in fp32
-
-with ``cast`` the rounding to x's dtype before the weight multiplies (``modules.norm.RMSNorm``'s
-formula). ``add_rms_norm(x, residual)`` first forms h = residual + x (rounded to the dtype, as the
-eager add is) and returns h and the normalised h: the pre-norm block's residual add and the norm
-after it read x once and write h once.
-
-Saved for backward: the norm's input (x, or h) and rstd, one fp32 value per row. Backward, with
-xhat = x * rstd and g = cast(grad_y * weight):
-
-    grad_x = rstd * (g - xhat * mean(g * xhat)) (+ the gradient reaching h directly, with the add)
-    grad_weight = sum over rows of grad_y * cast(xhat)
-
-On the Triton path each program walks a contiguous run of rows, a tile of rows at a time (several
-narrow rows to a tile), keeping the weight in registers and summing its rows' grad_weight terms in
-fp32; the partial sums (one row per program) are added by torch afterwards.
+More: docs/kernels.md.
 """
 
 from __future__ import annotations

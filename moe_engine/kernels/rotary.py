@@ -1,15 +1,5 @@
 """Rotary position embedding (rotate-half convention) as one op forward and one op backward.
-
-    y = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
-
-with the (S, d) cos/sin tables of ``modules.rope.RotaryEmbedding`` rounded to x's dtype, as the eager
-``.to(dtype)`` rounds them, and each product and the sum rounded as the eager ops store them.
-Backward is the inverse rotation, grad_x = g * cos + [(g * sin)_2, -(g * sin)_1]. Nothing of the
-activations is saved (the tables are buffers), and the eager composition's copies of the tables in
-the compute dtype, its negation and concatenation never exist.
-
-x is (B, H, S, d) with any strides and a contiguous last dim: the attention hands over its
-(B, S, H, d) projections transposed, and the kernel reads them in place.
+More: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2/V3), causal, through SDPA.
-
-Per token: the query comes from the model width directly, or through a low-rank latent of width
-q_lora_rank with an RMSNorm on it (``q_a_proj``, ``q_a_norm``, ``q_b_proj``). One projection
-(``kv_a_proj``) makes the key-value latent of width kv_lora_rank and a RoPE key of width
-qk_rope_head_dim; the latent, RMS-normalised (``kv_a_norm``), is up-projected (``kv_b_proj``) into
-each head's no-RoPE key (qk_nope_head_dim) and value (v_head_dim). A head's query is its no-RoPE
-part and its RoPE part; its key is its no-RoPE key and the RoPE key every head shares. The softmax
-scale is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), as DeepSeek's (before any YaRN mscale,
-which the engine does not implement). RoPE is the rotate-half convention of ``modules.rope``.
-
-The fused SDPA kernels (flash attention on CPU, FlashAttention-2 on CUDA) take one head width for
-queries, keys and values; with other widths SDPA falls back to its math kernel, which keeps the
-whole (S, S) score matrix for backward. So the narrower side is zero-padded to the wider one
-(values to qk_nope + qk_rope in DeepSeek's shapes) and the output sliced back: the scores are
-unchanged, and AV runs over the padded width (more than the FLOPs formula's v_head_dim counts).
+More: docs/architectures.md.
 """
 
 import torch

@@ -1,16 +1,5 @@
 """The streams a chain of exchanges runs on (``moe_engine.moe.dedup_dispatch``).
-
-A chain is exchanges with nothing to compute between them but the next one's plan: the per-node
-dispatch's inter-node rows, then their spread inside the node. In an overlapped step the chain hands
-over to the other program once (``moe_engine.moe.dispatch.HandOver``), so the wait for its first
-exchange must not hold the other program's compute. On a GPU that wait is a stream wait: made on
-the compute stream, it would queue every kernel the other program launches behind the exchange.
-So the inside of a chain runs on a side stream, and only the waits that hand over run on the
-compute stream. On the CPU there are no streams: a chain's inner wait blocks the host there.
-
-Buffers that cross between the two streams are recorded on the stream that reads them
-(``moe_engine.moe.dispatch._InFlight.wait``), so the caching allocator does not hand them out
-again while that stream still reads them.
+More: docs/schedules-and-recompute.md.
 """
 
 from __future__ import annotations

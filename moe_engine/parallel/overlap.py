@@ -1,30 +1,5 @@
 """Overlap across microbatches: one microbatch's expert all-to-alls in flight while another computes.
-
-``Interleaver.run(a, b)`` runs two programs (say the forward of microbatch i+1 and the backward of
-microbatch i) on two threads, exactly one at a time, and hands over at every expert all-to-all:
-
-    a computes ... a starts an all-to-all  -> b runs, up to its own next all-to-all start
-    b starts an all-to-all                 -> a waits for its all-to-all (done by now, or nearly), computes on
-    ...
-    a program that has finished hands over for good; the other then waits for each all-to-all at once.
-
-The overlap rule: every expert row all-to-all of one program (dispatch and combine in forward,
-their reverses in backward) is in flight while the other program computes everything up to its own
-next hand-over; it is exposed by what exceeds that compute, and whole once the other program has
-finished. Routing counts and side buffers are waited at once, and a chain of exchanges with nothing
-to compute between them (the per-node dispatch's two levels) hands over once
-(``moe_engine.moe.dispatch.HandOver``, ``moe_engine.moe.chain_streams``). Handing over is strict alternation, so every
-rank of a group issues its collectives in the same order, whatever the timing.
-
-The seam is ``moe_engine.moe.dispatch.in_flight_hook``: the dispatcher starts each row all-to-all
-asynchronously and calls the hook before waiting for it. The engine's collectives run on their own
-threads (gloo) or streams (NCCL), so an all-to-all moves while the other program computes. Only one
-program runs Python at a time, so none of the model's state sees two microbatches at once except as
-the sequential steps would: each microbatch's forward draws its routes in the same per-layer order.
-
-The programs' threads inherit the caller's torch function and dispatch modes (the host-sync guard
-of ``moe_engine.host_sync`` sees them), its grad mode, and on CUDA its current device and stream
-(each thread otherwise starts on device 0's default stream).
+More: docs/schedules-and-recompute.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
 """Pipeline parallelism over ``torch.distributed.pipelining``: stage modules and schedules.
-
-A stage is a contiguous run of blocks (``layout.stage_blocks``); the first stage also embeds the
-tokens, the last also applies the final norm and the LM head. Stage modules keep the full model's
-parameter names (``blocks.3.attn.wq.weight``), so a stage's state compares directly with the
-single-process model. The loss of a step is the mean of the microbatch losses, which equals the
-full-batch mean because microbatches are equal. Each microbatch's loss is scaled by 1/m before its
-backward (the schedule's own rescaling after the last backward is off), so gradients are final as
-they arrive and a data-parallel bucket can reduce during the last microbatch's backward.
-
-The zero-bubble schedules (interleaved-zb, zbv, dualpipev) split each backward into an input and a
-weight step; zbv and dualpipev place a rank's two stages in a V (``rank_stages``). Under dualpipev
-with ``overlap`` microbatches, each of its OVERLAP_F_B actions runs its forward beside its backward
-(``moe_engine.parallel.overlap``).
-
-With fused kernels the last stage sends its normalised hidden states to the loss instead of logits,
-and the loss is the LM head fused with the cross-entropy (``moe_engine.kernels.linear_cross_entropy``,
-the head's weight taken from the stage): the (B, S, V) logits never exist, as in the one-process step.
+More: docs/schedules-and-recompute.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,5 @@
 """bf16 GEMMs on a CPU without bf16 arithmetic: computed in fp32 from the bf16 operands, rounded once.
-
-ATen hands a CPU bf16 GEMM to oneDNN only where the core has bf16 instructions (AVX512-BF16 or AMX
-on x86, BF16 on Arm: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``). Elsewhere, on an AVX2 core,
-it runs a generic loop: on a 2-core AMD EPYC (AVX2), a (2048 x 256) @ (256 x 1024) product took 73 ms
-in bf16, 9 ms in fp32 and 13 ms as upcast, fp32 product, round; a bf16 smoke step (e8-random-bf16)
-4.2 s, 90% of it in ``aten::mm``, and 0.26 s with ``BF16GemmsInFp32``.
-
-The result is the one a native bf16 GEMM gives: bf16 values are exact in fp32, the products add up
-in fp32, and the sum is rounded to bf16 once, as oneDNN's and cuBLAS's bf16 kernels do; only the
-order of the additions differs, as it does between any two BLAS. Autograd sees the bf16 op (the mode
-sits below it), so what backward saves is unchanged: the fp32 copies live only inside each op.
-
-The engine's own fused ops (``moe_engine.kernels``) run their inner GEMMs as ATen does: a dispatch
-mode steps aside while an op it passes on runs.
-
-The mode is the caller's choice. ``bench`` enters it around the steps it times, and first, below
-its counters and memory tracker (dispatch modes entered later see an op first), around the steps it
-counts: those see the program's own bf16 ops and count the same on every CPU.
+More: docs/precision.md.
 """
 
 from __future__ import annotations

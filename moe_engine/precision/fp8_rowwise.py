@@ -2,21 +2,7 @@
 recipe "rowwise" and of its float8 MoE training, which feed ``torch.nn.functional.scaled_grouped_mm``
 with ``ScalingType.RowWise`` (CUTLASS on sm90). One fp32 scale per row of the operand along the
 reduction dim, computed from the tensor being cast (no amax history):
-
-    amax_r  = max_i |x_ri|                                   (in the input's dtype, exact)
-    s_r     = fp32(448 / max(fp64(amax_r), 1e-12))           (torchao's ``amax_to_scale``)
-    s_r     = 2^floor(log2(s_r))                             (``round_scales_to_power_of_2``, on in
-                                                              the rowwise recipe)
-    q_ri    = e4m3(clamp(fp32(x_ri) * s_r, -448, 448))       (round to nearest even; ``to_fp8_saturated``)
-    x_ri   ~= fp32(q_ri) / s_r
-
-A power-of-two scale makes the scaling exact, so dequantized values are the e4m3 values times a power
-of two and a GEMM on them differs from the scaled GEMM's only in summation order. A row holding NaN
-gets a NaN scale (all its values NaN); a row holding Inf gets a zero scale (its finite values 0, the
-Inf ones NaN), as torchao's formula gives.
-
-This module holds the format and its CPU emulation; the experts' backend that trains with it is
-``moe_engine.precision.fp8_experts``.
+More: docs/precision.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,5 @@
 """MXFP8 (OCP Microscaling Formats v1.0): blocks of 32 E4M3 elements sharing one E8M0 scale.
-
-Conversion of a block V_1..V_32 (the specification's section 6.3):
-
-    shared_exp = floor(log2(max_i |V_i|)) - 8        (8 = the largest exponent of E4M3)
-    X          = 2^shared_exp                         (an E8M0 value, clamped to 2^-127 .. 2^127)
-    P_i        = E4M3(V_i / X)                        (round to nearest even, saturate to +-448)
-
-An all-zero block gets the smallest scale 2^-127. A block containing NaN or Inf gets the E8M0 NaN
-scale (0xFF), so every element of it decodes to NaN; a NaN element is also stored as E4M3 NaN.
-Elements that are too small for E4M3 become its subnormals or zero, as round-to-nearest gives.
-
-``ScaleRounding.CEIL`` is the "round the scale up" variant some training recipes use:
-X = 2^ceil(log2(amax / 448)), so no element saturates at the cost of up to one binade of range.
-The specification's ``FLOOR`` is the default.
-
-Sizes along the quantized axis must be multiples of the block size (a clear error otherwise):
-the expert GEMMs quantize along D and F, which models keep at multiples of 32.
+More: docs/precision.md.
 """
 
 from __future__ import annotations

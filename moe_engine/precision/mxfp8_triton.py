@@ -1,18 +1,5 @@
 """MXFP8 quantization as a Triton kernel, equal byte for byte to ``mxfp8.quantize``.
-
-The kernel never rounds with floating-point arithmetic: it reads each fp32 value's bit pattern and
-builds the E4M3 code with integer operations (round to nearest even, E4M3 subnormals, saturation to
-+-448). That keeps it exact whatever the hardware does with fp32 subnormals (flush-to-zero) and
-whatever rounding or saturation mode a built-in fp32 -> float8 conversion would use.
-
-Any axis of any tensor is supported: the tensor is viewed as (outer, size, inner) with the quantized
-axis in the middle, and each block is read with stride ``inner`` (1 for the last axis, the row
-length for axis 0 of a matrix). Along the last axis a program reads whole blocks; along another
-(the weights' dgrad operands) it reads a tile of neighbouring blocks row by row, so that its loads
-stay coalesced. Outputs are contiguous, shaped as ``mxfp8.quantize`` shapes them.
-
-The kernel is compiled for CUDA tensors; with ``TRITON_INTERPRET=1`` set before this module is
-imported, Triton's interpreter runs it on CPU tensors instead (that is how it is tested without a GPU).
+More: docs/precision.md.
 """
 
 from __future__ import annotations
