@@ -37,7 +37,7 @@ set to the threads one real rank uses (``threads``; the project's 2-rank CPU run
   "CPU max MHz"; then the clock is /proc/cpuinfo's, raised to the lowest clock the measured GEMMs
   need when one of their points beats it (a lower bound of the real turbo clock, said so in ``sources``). No FP8
   units on a CPU: fp8 and mxfp8 get the bf16 figure.
-- network (CPU): gloo between ``ranks`` local processes (``bench.validate.proxy_check.calibrate_network``,
+- network (CPU): gloo between ``ranks`` local processes (``bench.run.network.calibrate_network``,
   alpha from small all-reduces / all-to-alls, bandwidth from the large-minus-small slope), or the
   ``base`` profile's network when one is given.
 
@@ -81,6 +81,7 @@ from bench.run.device_curves import (
 )
 from bench.run.device_document import Measured, cpu_facts, gpu_facts, profile_document, write_profile
 from bench.run.device_sweep import QUICK, Sweep, cpu_sweep, cuda_quick_sweep, cuda_sweep, tiny_sweep
+from bench.run.network import calibrate_network
 
 __all__ = ["ProfileOptions", "profile_device", "profile_device_command"]
 
@@ -245,8 +246,6 @@ def _network(
     """The gloo calibration (given, or measured when there is no base either) and where it comes from."""
     if options.network is not None or base is not None:
         return options.network, "the gloo calibration passed in (a bench.validate.netcal result)"
-    from bench.validate.proxy_check import calibrate_network
-
     ranks = options.ranks
     progress(f"network: gloo between {ranks} local processes")
     network = calibrate_network(ranks, progress)

@@ -19,11 +19,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+from bench.machine import machine_info
 from bench.predict.plan import plan_scenario
+from bench.release.version import engine_info
 from bench.results import load_results
-from bench.run.runner import expand_paths, load_all, suite_files
+from bench.run.checkpointing import checkpoints_before_run
+from bench.run.runner import Runner, expand_paths, load_all, resolve_device, suite_files
 from bench.validate.variants import merge, spec_as_written
 
 _METRICS = (
@@ -35,17 +39,22 @@ _METRICS = (
 )
 
 
-def _run(spec: dict[str, Any], folder: Path, device: str, *extra: str) -> dict[str, Any]:
-    from bench.cli import main
-
+def _run(spec: dict[str, Any], folder: Path, device: str, resume: bool = False) -> dict[str, Any]:
+    """One ``moe-bench run`` of the scenario through the runner; ``resume``: from its latest checkpoint."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec))
-    before = {d.path for d in load_results(folder / "results")} if (folder / "results").exists() else set()
-    code = main(["run", str(path), "--out", str(folder / "results"), "--device", device, "--no-plots", *extra])
-    docs = [d for d in load_results(folder / "results") if d.path not in before]
-    if code != 0 or not docs:
-        return {"status": "failed", "exit_code": code}
+    out = folder / "results"
+    before = {d.path for d in load_results(out)} if out.exists() else set()
+    scenarios = load_all([path])
+    try:
+        resumes = checkpoints_before_run(scenarios, True if resume else None, out)
+    except ValueError:  # as ``moe-bench run`` answers bad input: exit code 2, nothing run
+        return {"status": "failed", "exit_code": 2}
+    outcomes = Runner(resolve_device(device), out, resume=resumes).run(scenarios)
+    docs = [d for d in load_results(out) if d.path not in before]
+    if any(o.status not in ("ok", "skipped") for o in outcomes) or not docs:
+        return {"status": "failed", "exit_code": 1}
     metrics = docs[0].data["metrics"]
     return {"status": docs[0].data["status"], **{k: metrics[k]["samples"] for k in _METRICS if k in metrics}}
 
@@ -63,7 +72,7 @@ def measure(scenario, every_steps: int, device: str, scratch: Path) -> dict[str,
         patched = merge(spec, {"checkpoint": {"every_steps": every_steps, "async": asynchronous}})
         row[label] = _run(patched, scratch / scenario.name / label, device)
     sync_spec = merge(spec, {"checkpoint": {"every_steps": every_steps, "async": False}})
-    row["resume"] = _run(sync_spec, scratch / scenario.name / "sync", device, "--resume")
+    row["resume"] = _run(sync_spec, scratch / scenario.name / "sync", device, resume=True)
     return row
 
 
@@ -78,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="write the measurement document here")
     args = parser.parse_args(argv)
-    import torch
-
     files = expand_paths(args.files) if args.files else suite_files(args.suite, torch.device(args.device))
     scenarios = [s for s in load_all(files) if s.mode == "execute"]
     with tempfile.TemporaryDirectory(prefix="moe-ckpt-cost-") as scratch:
@@ -94,9 +101,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{asy.get('checkpoint_stall_s')}; load {res.get('checkpoint_load_s')}"
         )
     if args.out:
-        from bench.machine import machine_info
-        from bench.release.version import engine_info
-
         document = {
             "what": __doc__.split("\n")[0],
             "command": " ".join(["python -m bench.validate.checkpoint_cost", *argv]),

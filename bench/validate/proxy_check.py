@@ -18,20 +18,17 @@ For each execute scenario given (default: the 2-rank smoke layouts), on this mac
 from __future__ import annotations
 
 import copy
-import json
 import statistics
-import sys
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from bench.predict.collectives import Collective
 from bench.predict.device import DeviceProfile
 from bench.predict.skew import SkewModel, skew_seconds, sync_points
+from bench.run.network import calibrate_network
 from bench.run.project import project_on_device
-from bench.run.runner import Runner, run_with_timeout
+from bench.run.runner import Runner
 from bench.scenario import Scenario, scenario_from_dict
 
 DEFAULT_SCENARIOS = (
@@ -40,26 +37,6 @@ DEFAULT_SCENARIOS = (
     "scenarios/smoke/e8-ep2-sync-bf16.yaml",
     "scenarios/smoke/e8-pp2-1f1b-bf16.yaml",
 )
-
-
-def calibrate_network(world_size: int, progress: Callable[[str], None], timeout: float = 300) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="moe-netcal-") as tmp:
-        out = Path(tmp) / "netcal.json"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={world_size}",
-            "--max-restarts=0",
-            "-m",
-            "bench.validate.netcal",
-            str(out),
-        ]
-        code, tail = run_with_timeout(command, timeout, progress)
-        if code != 0 or not out.exists():
-            raise RuntimeError(f"network calibration failed (exit {code}): {tail[-1] if tail else 'no output'}")
-        return json.loads(out.read_text())
 
 
 def proxy_spec(scenario: Scenario, rank: int, network: dict[str, Any]) -> dict[str, Any]:

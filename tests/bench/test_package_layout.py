@@ -3,6 +3,7 @@
 - the engine never imports ``bench``, and holds none of the benchmark's machinery;
 - no import circle between modules (imports inside functions count too);
 - no module imports another module's private name;
+- imports run down the layer list (``LAYERS``), imports inside functions included;
 - pure arithmetic (``bench.predict``, the gate's comparison modules, the proxy's projection) imports nothing
   that runs a model.
 """
@@ -17,6 +18,28 @@ import pytest
 from bench.results import REPO_ROOT
 
 PACKAGES = ("bench", "moe_engine")
+# ``bench``, top to bottom: a module imports its own layer or the layers below it. The commands
+# orchestrate everything; validate's experiments run whole suites through the A/B gate and the
+# runner; the A/B gate and release images run both sides and read the gate and the report; run
+# labels what it writes with the release record, which carries the gate's accepted changes, so
+# release sits between run and gate; scenario files take their device defaults from the device
+# profiles of predict, the arithmetic, which reads only the documents and numbers at the bottom.
+LAYERS = (
+    ("bench.cli", "bench.commands"),
+    ("bench.validate",),
+    ("bench.ab",),
+    ("bench.report",),
+    ("bench.run",),
+    ("bench.release",),
+    ("bench.gate",),
+    ("bench.scenario", "bench.scenario_sections"),
+    ("bench.predict",),
+    ("bench.results", "bench.metrics", "bench.units", "bench.machine", "bench.termination"),
+)
+# The one import allowed against LAYERS, with its reason.
+CLIMBS_ALLOWED = {
+    ("bench.predict.plan", "bench.scenario"): "``python -m bench.predict.plan FILE`` reads scenario files",
+}
 ARITHMETIC = (
     "bench.predict.plan",
     "bench.predict.projection",
@@ -194,3 +217,35 @@ def test_arithmetic_imports_nothing_that_runs_a_model(name):
                 reached.add(nxt)
                 todo.append(nxt)
     assert sorted(reached - {name} - set(ARITHMETIC) - set(ARITHMETIC_MAY_IMPORT)) == []
+
+
+def layer(name: str) -> int | None:
+    """Index in ``LAYERS`` of the module's layer (0 is the top), by its longest listed prefix."""
+    found = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".")
+    ]
+    return max(found)[1] if found else None
+
+
+def test_every_bench_module_has_a_layer():
+    assert [name for name in MODULES if name.startswith("bench.") and layer(name) is None] == []
+
+
+def test_imports_run_down_the_layers():
+    """Imports inside functions count: deferring one does not make it run the other way."""
+    climbs = sorted(
+        f"{name} (layer {layer(name)}) imports {m} (layer {layer(m)})"
+        for name in MODULES
+        if name.startswith("bench.")
+        for m, _ in imports_of(name)
+        if m.startswith("bench.") and (name, m) not in CLIMBS_ALLOWED and (layer(m) or 0) < (layer(name) or 0)
+    )
+    assert climbs == [], "\n".join(climbs)
+
+
+def test_the_allowed_climbs_are_still_there():
+    """An exception that no longer happens is removed from ``CLIMBS_ALLOWED``."""
+    assert [pair for pair in CLIMBS_ALLOWED if pair[1] not in {m for m, _ in imports_of(pair[0])}] == []
