@@ -12,8 +12,8 @@ from bench.commands.common import EXIT_BAD_INPUT, fail, unwritable
 def cmd_project(args: argparse.Namespace) -> int:
     import json
 
+    from bench.predict.breakdown import format_breakdown
     from bench.predict.device import DeviceProfile, ProfileError, load_profile
-    from bench.run.breakdown import format_breakdown
     from bench.run.project import (
         DoesNotFit,
         NotTraceable,

@@ -33,7 +33,7 @@ them at its ranks.
 While it traces, a ``TraceProgress`` tells which stage runs, whether it is traced or takes an identical
 stage's trace, and the ops traced so far: rich progress bars on a terminal, plain lines elsewhere
 (``trace_progress``). With ``breakdown`` the document also holds the slowest stage's step by op kind
-and by engine module (``bench.run.breakdown``).
+and by engine module (``bench.predict.breakdown``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
+from bench.predict.breakdown import step_breakdown
 from bench.predict.collectives import Network
 from bench.predict.device import DeviceProfile
 from bench.predict.dispatch_rows import DispatchShape
@@ -56,7 +57,6 @@ from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import ZERO_BUBBLE, Schedule
 from bench.predict.skew import SkewModel
-from bench.run.breakdown import step_breakdown
 from bench.run.proxy_rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
@@ -413,7 +413,7 @@ def project_on_device(
     breakdown: bool = False,
 ) -> dict[str, Any]:
     """The projection document of ``scenario`` on ``profile`` (module docstring); ``share_stages`` False
-    traces every pipeline stage; ``breakdown`` adds the step by op kind and module (``bench.run.breakdown``).
+    traces every pipeline stage; ``breakdown`` adds the step by op kind and module (``bench.predict.breakdown``).
 
     Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device, and
     ``NotTraceable`` for a layout the trace cannot build.
@@ -441,7 +441,7 @@ def projection_document(
     breakdown: bool = False,
 ) -> dict[str, Any]:
     """``project_on_device``'s document from every stage's priced step (``stage_traces``) and the memory fit;
-    with ``breakdown``, the slowest stage's step by op kind and module (``bench.run.breakdown``)."""
+    with ``breakdown``, the slowest stage's step by op kind and module (``bench.predict.breakdown``)."""
     parallel = scenario.parallel_config
     assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     net = Network.from_cluster(profile.cluster())

@@ -62,15 +62,15 @@ import torch
 from bench.metrics import entry
 from bench.predict.collectives import Collective, Network, summarize_collectives
 from bench.predict.plan import plan_scenario
-from bench.run.execute import ExecuteResult
-from bench.run.proxy_measure import bucket_measurements, measure_rank, phase_table, sync_table
-from bench.run.proxy_projection import (
+from bench.predict.proxy_projection import (
     ProjectionTarget,
     StageSize,
     StepMeasurement,
     project_full_scale,
     project_run_scale,
 )
+from bench.run.execute import ExecuteResult
+from bench.run.proxy_measure import bucket_measurements, measure_rank, phase_table, sync_table
 from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.run.proxy_scale import ProxyScale, run_spec
 from bench.run.trace import group_phases

@@ -14,11 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.run.collective_log import CollectiveCall, CollectiveRecorder
-from bench.run.execute import NonFiniteLoss, synchronize
-from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
-from bench.run.phase_timer import PhaseTimer, instrument_model
-from bench.run.proxy_projection import (
+from bench.predict.proxy_projection import (
     BLOCK_PHASES,
     EMBEDDING,
     FABRICATION,
@@ -26,6 +22,10 @@ from bench.run.proxy_projection import (
     WINDOW_CLASSES,
     BucketMeasurement,
 )
+from bench.run.collective_log import CollectiveCall, CollectiveRecorder
+from bench.run.execute import NonFiniteLoss, synchronize
+from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
+from bench.run.phase_timer import PhaseTimer, instrument_model
 from bench.run.proxy_rank.build import build_proxy_rank
 from bench.run.proxy_rank.peers import ProxyDispatcher
 from bench.run.proxy_rank.pipeline import ProxyPipeline

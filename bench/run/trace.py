@@ -24,7 +24,7 @@ two op lists at CPU scale.
 
 Each op also records where it ran (``TracedOp.location``, ``ModuleLocator``): the engine module or the
 named part of the step (optimizer, gradient sync, the proxy's stand-ins for its peers), for the
-projection's breakdown by module (``bench.run.breakdown``).
+projection's breakdown by module (``bench.predict.breakdown``).
 
 A rank whose step runs the same ops as a traced one (an identical pipeline stage, ``bench.run.project``)
 takes that trace through ``retarget``: the same ops, each collective on its own groups.

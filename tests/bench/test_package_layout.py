@@ -4,7 +4,7 @@
 - no import circle between modules (imports inside functions count too);
 - no module imports another module's private name;
 - imports run down the layer list (``LAYERS``), imports inside functions included;
-- pure arithmetic (``bench.predict``, the gate's comparison modules, the proxy's projection) imports nothing
+- pure arithmetic (``bench.predict``, the gate's comparison modules) imports nothing
   that runs a model.
 """
 
@@ -56,6 +56,8 @@ ARITHMETIC = (
     "bench.predict.plan_activations",
     "bench.predict.plan_rank",
     "bench.predict.dispatch_rows",
+    "bench.predict.op_kinds",
+    "bench.predict.breakdown",
     "bench.gate.compare",
     "bench.gate.groups",
     "bench.gate.work",
@@ -64,7 +66,7 @@ ARITHMETIC = (
     "bench.gate.formatting",
     "bench.gate.tables",
     "bench.report.comparisons",
-    "bench.run.proxy_projection",
+    "bench.predict.proxy_projection",
     "bench.metrics",
     "bench.units",
 )

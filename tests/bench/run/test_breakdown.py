@@ -13,11 +13,11 @@ import math
 import pytest
 from test_project_stages import PIPELINE
 
+from bench.predict.breakdown import module_of, step_breakdown
 from bench.predict.device import load_profile
+from bench.predict.op_kinds import op_kind_of
 from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work
 from bench.predict.pricing import PricedOp, price_ops
-from bench.run.breakdown import module_of, step_breakdown
-from bench.run.op_kinds import op_kind_of
 from bench.run.project import project_on_device, traced_scenario
 from bench.run.trace import trace_step
 from bench.scenario import load_scenario, scenario_from_dict

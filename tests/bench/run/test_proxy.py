@@ -13,10 +13,7 @@ import yaml
 from bench.predict.collectives import Collective, Network
 from bench.predict.device import load_profile
 from bench.predict.projection import STEP_KEYS
-from bench.results import REPO_ROOT
-from bench.run.collective_log import CollectiveCall
-from bench.run.project import project_on_device
-from bench.run.proxy_projection import (
+from bench.predict.proxy_projection import (
     BucketMeasurement,
     CallScaling,
     ProjectionTarget,
@@ -27,6 +24,9 @@ from bench.run.proxy_projection import (
     project_run_scale,
     scaled_sync_buckets,
 )
+from bench.results import REPO_ROOT
+from bench.run.collective_log import CollectiveCall
+from bench.run.project import project_on_device
 from bench.run.proxy_scale import ProxyScale, run_spec
 from bench.run.runner import Runner, SilentReporter
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
+from bench.predict.proxy_projection import unbucketed_calls
 from bench.run.proxy_measure import bucket_measurements, measure_rank, sync_table
-from bench.run.proxy_projection import unbucketed_calls
 from bench.run.proxy_rank import peers
 from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
 from bench.run.proxy_scale import run_spec

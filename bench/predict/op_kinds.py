@@ -27,7 +27,7 @@ OP_KINDS = {
     "fused": "the engine's own fused ops (custom ops outside ATen)",
     "collective": "collectives and stage messages (priced on the network)",
     "free": "views and metadata (no kernel; time only on a CPU profile)",
-    "other": "an ATen op none of the above names (add it to bench/run/op_kinds.py)",
+    "other": "an ATen op none of the above names (add it to bench/predict/op_kinds.py)",
 }
 """The op kinds of the breakdown, in table order, with what each holds."""
 

@@ -21,7 +21,7 @@ Counting (m = the scenario's microbatches, m_t = the traced ones)
     idle            the pipeline bubble and the rank-skew waits belong to no op: rows of their own
                     (``bubble``, ``skew``) in both tables, so that every table adds up to the step.
 
-Op kinds (``bench.run.op_kinds``: ``OP_KINDS``, ``op_kind_of``): the priced kind first (GEMMs, grouped GEMMs including the MX
+Op kinds (``bench.predict.op_kinds``: ``OP_KINDS``, ``op_kind_of``): the priced kind first (GEMMs, grouped GEMMs including the MX
 ones, attention kernels, collectives, free views), then the memory-bound ops by their ATen name; an op
 of another namespace (a custom op: the engine's fused kernels) is ``fused``.
 
@@ -37,10 +37,10 @@ from functools import cache
 from typing import Any
 
 from bench.predict.collectives import Collective, Network, collective_seconds
+from bench.predict.op_kinds import OP_KINDS, op_kind_of
 from bench.predict.op_projection import PER_MICROBATCH_ACCOUNTS, collective_account, runs_every_microbatch
 from bench.predict.pricing import PricedOp
 from bench.predict.projection import Projection
-from bench.run.op_kinds import OP_KINDS, op_kind_of
 
 __all__ = ["MODULES", "format_breakdown", "module_of", "step_breakdown"]
 
@@ -293,7 +293,7 @@ def step_breakdown(
             "bubble and skew: idle time of the pipeline schedule and waits for the slowest rank, in no op",
             "kernels: ops priced as a kernel (a region priced as one GPU kernel: one) and collective calls; "
             "bytes: read + written by compute ops, sent or received by collectives",
-            "module of an op: where it ran in the engine (bench/run/breakdown.py module_of); backward ops "
+            "module of an op: where it ran in the engine (bench/predict/breakdown.py module_of); backward ops "
             "with the forward op that made their autograd node",
         ],
     }
