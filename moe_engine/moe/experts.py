@@ -192,9 +192,10 @@ class MXFP8Backend(ExpertBackend):
     """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8_gemm``) with device-side offsets; no host sync
     where the bf16 weight-gradient GEMMs take the CUTLASS path (``moe_engine.moe.grouped_gemm``).
 
-    ``path`` names the implementation the last forward ran (``mx.path_label``: Triton's
-    ``dot_scaled`` on CUDA, native on sm100+ and emulated on sm90; "torch-emulation" elsewhere);
-    before any forward, the one the first CUDA device would get if present.
+    ``path`` names the implementation the last forward ran, read after it (``mx.path_label``: torch's
+    ``scaled_grouped_mm`` on capability 10.x, or its fallback where a call's operands were not the
+    op's; Triton's ``dot_scaled`` on other CUDA devices from 8.9, native or emulated as compiled;
+    "torch-emulation" elsewhere); before any forward, the one the first CUDA device would get if present.
     """
 
     def __init__(self):
@@ -203,22 +204,25 @@ class MXFP8Backend(ExpertBackend):
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
         path = mx.available_path(x_ND.device)
-        self.path = mx.path_label(path, x_ND.device)
         stash, token = split_weights(x_ND, gate_up_EHD, down_EDF)
-        return _MXFP8GroupedSwiGLU.apply(
+        y_ND = _MXFP8GroupedSwiGLU.apply(
             x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, self.fused_swiglu
         )
+        # Read after the call: torch's op may fall back per call, and Triton's IR exists once compiled.
+        self.path = mx.path_label(path, x_ND.device)
+        return y_ND
 
     def forward_gathered(self, x_TD, rows, groups, gate_up_EHD, down_EDF):
         """With fused kernels, the gather and x's quantization are one op (``kernels.gather_rows_mx``)."""
         if not self.fused_swiglu:
             return super().forward_gathered(x_TD, rows, groups, gate_up_EHD, down_EDF)
         path = mx.available_path(x_TD.device)
-        self.path = mx.path_label(path, x_TD.device)
         stash, token = split_weights(x_TD, gate_up_EHD, down_EDF)
-        return _MXFP8GroupedSwiGLU.apply(
+        y_ND = _MXFP8GroupedSwiGLU.apply(
             x_TD, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, True, rows
         )
+        self.path = mx.path_label(path, x_TD.device)
+        return y_ND
 
 
 BACKENDS: dict[ExpertBackendKind, type[ExpertBackend]] = {

@@ -29,6 +29,7 @@ from moe_engine.moe.experts import GroupedExperts, MXFP8Backend
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.precision import mxfp8
+from moe_engine.precision import mxfp8_gemm as mx
 
 TOLERANCE = 0.15
 MXFP8_RAN = 0.005
@@ -198,6 +199,34 @@ def test_no_host_sync_and_path_on_cpu():
     assert x.grad is not None and torch.isfinite(layer.experts.gate_up.grad).all()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_path_label_names_the_fallback_that_ran(fused, monkeypatch):
+    """On a faked capability-10.x device whose every call to torch's scaled op falls back (fp32 outputs
+    are not the op's), the label names the fallback that ran, not the op the forward asked for."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mx, "_ran", {})
+    monkeypatch.setattr(mx, "_compiled_mma", {})
+    # CPU tensors stand for the device: the path the GPU gets, recorded and labelled as cuda:0's.
+    monkeypatch.setattr(mx, "available_path", lambda device: mx.GemmPath.SCALED_GROUPED_MM)
+    monkeypatch.setattr(mx, "_device_key", lambda device: torch.device("cuda", 0))
+    label = mx.path_label
+    monkeypatch.setattr(mx, "path_label", lambda path, device: label(path, "cuda:0"))
+    assert label(mx.GemmPath.SCALED_GROUPED_MM, "cuda:0") == "scaled-grouped-mm-mxfp8-sm100"
+
+    config = ModelConfig(d_model=64, dtype="fp32", moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64))
+    layer = make_layer(config, "mxfp8")
+    layer.experts.fused_kernels = fused
+    reference = make_layer(config, "torch")
+    x_TD, grad_TD = torch.randn(32, 64), torch.randn(32, 64)
+    y, grads = run(layer, x_TD, grad_TD)
+    assert layer.experts.backend.path == "torch-emulation"  # the fallback of CPU tensors
+    # What ran is the MXFP8 emulation: within the MXFP8 tolerance of the fp32 layer, not equal to it.
+    y_ref, grads_ref = run(reference, x_TD, grad_TD)
+    assert MXFP8_RAN < normwise_error(y, y_ref) < TOLERANCE
+    assert normwise_error(grads["input"], grads_ref["input"]) < TOLERANCE
+
+
 def test_layer_cast_with_module_to_bf16_matches_cast_parameters():
     """``nn.Module.to(bf16)`` differs from ``cast_parameters`` only in rounding the router's weight:
     against a ``cast_parameters`` layer whose fp32 router holds those rounded values, the output and
@@ -284,7 +313,7 @@ def test_saved_expert_activations_shrink_in_mxfp8():
 
 
 @pytest.mark.cuda
-def test_layer_on_cuda_runs_the_triton_kernel_without_host_sync():
+def test_layer_on_cuda_runs_the_mxfp8_gemm_without_host_sync():
     config = ModelConfig(
         d_model=256,
         dtype="bf16",
@@ -303,8 +332,14 @@ def test_layer_on_cuda_runs_the_triton_kernel_without_host_sync():
         y = layer(x)
         (y * grad).sum().backward()
     major, minor = torch.cuda.get_device_capability()
-    mode = "native" if major >= 10 else "emulated"  # no MX tensor cores before sm100
-    assert layer.experts.backend.path == f"triton-dot-scaled-{mode}-sm{major}{minor}"
+    # What the code chooses on this capability; at these sizes torch's op takes every operand (bf16
+    # outputs, N and K multiples of 16, more rows than experts), so no call falls back.
+    if mx.available_path(x.device) is mx.GemmPath.SCALED_GROUPED_MM:
+        assert major == 10
+        assert layer.experts.backend.path == f"scaled-grouped-mm-mxfp8-sm{major}{minor}"
+    else:
+        mode = "native" if major >= 10 else "emulated"  # no MX tensor cores before sm100
+        assert layer.experts.backend.path == f"triton-dot-scaled-{mode}-sm{major}{minor}"
     assert normwise_error(y.cpu(), reference[0]) < TOLERANCE
     assert normwise_error(x.grad.cpu(), reference[1]["input"]) < TOLERANCE
     for name, p in layer.named_parameters():
