@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from moe_engine.config import DispatchKind
 from moe_engine.moe.chain_streams import ChainStreams
-from moe_engine.moe.dispatch import Dispatcher, HandOver, all_to_all_rows, start_all_to_all
+from moe_engine.moe.dispatch import Dispatcher, HandOver, SlicedReceive, all_to_all_rows, start_all_to_all
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import (
     ExpertGroups,
@@ -294,7 +294,9 @@ class DedupDispatcher(Dispatcher):
 
         # The last level's experts run on the compute stream; the levels above it wait and plan on the chain's.
         region = streams.compute if last else streams.chain
-        pending, returns, dropped = start_dispatch(0), [], plan.dropped
+        # Chunk k's outputs come back into its block of the chunk-major order: no final concatenation.
+        returns = SlicedReceive([sum(rows) for rows in plan.send_chunks])
+        pending, dropped = start_dispatch(0), plan.dropped
         for k in range(chunks):
             with region():
                 wait_x, wait_side = pending
@@ -307,12 +309,8 @@ class DedupDispatcher(Dispatcher):
                     level + 1, recv_MD, ids_MW, side_MW[:, :width_out], experts, shares, 1, streams, below
                 )
                 dropped = dropped + dropped_below
-                returns.append(
-                    start_all_to_all(
-                        y_MD, group, splits(plan.send_chunks[k]), splits(plan.recv_chunks[k]), combine_hand_over
-                    )
-                )
-        y_SD = torch.cat([wait() for wait in returns])
+                returns.start(y_MD, group, splits(plan.send_chunks[k]), splits(plan.recv_chunks[k]), combine_hand_over)
+        y_SD = returns.wait()
         # Each destination's row already holds its experts' weighted sum: the rows add with weight 1.
         ones_RK = torch.ones(ids_RK.shape, dtype=y_SD.dtype, device=y_SD.device)
         return combine(y_SD, ones_RK, plan.rows, fused), dropped

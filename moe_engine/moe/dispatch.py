@@ -25,6 +25,9 @@ contiguous block, and every rank cuts what it receives from each source the same
     for k: start chunk k+1's dispatch (async), run chunk k's experts, start chunk k's combine (async)
     wait for the combines; one weighted combine over the whole buffer
 
+Each chunk's combine receives straight into its block of one buffer (``SlicedReceive``), so the
+chunks' outputs are never concatenated (a copy of the whole buffer).
+
 In the backward, autograd runs the reverse: the combines' gradients are sent first (all chunks,
 async), each chunk's expert backward runs as soon as its gradients arrived, and its dispatch
 gradient is sent back (async) while the next chunk's experts run. Routes, slots and drops are those
@@ -168,10 +171,17 @@ class _InFlight:
         self.buffers: tuple = ()
         """Tensors the collective in flight reads or writes: held until it is waited for."""
 
-    def start(self, send_RD: torch.Tensor, recv_splits, send_splits) -> torch.Tensor:
+    def start(
+        self, send_RD: torch.Tensor, recv_splits, send_splits, recv_RD: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Starts the exchange into ``recv_RD`` (a contiguous block of rows, e.g. a slice of a bigger
+        buffer; None: a new one) and returns it."""
         send_RD = send_RD.contiguous()
         rows = send_RD.shape[0] if recv_splits is None else sum(recv_splits)
-        recv_RD = send_RD.new_empty(rows, *send_RD.shape[1:])
+        if recv_RD is None:
+            recv_RD = send_RD.new_empty(rows, *send_RD.shape[1:])
+        elif recv_RD.shape != (rows, *send_RD.shape[1:]) or not recv_RD.is_contiguous():
+            raise ValueError(f"row all-to-all: receive into {tuple(recv_RD.shape)}, want {rows} contiguous rows")
         self.work = dist.all_to_all_single(recv_RD, send_RD, recv_splits, send_splits, group=self.group, async_op=True)
         self.buffers = (send_RD, recv_RD)
         return recv_RD
@@ -239,6 +249,89 @@ def start_all_to_all(
     flight = _InFlight(group, recv_splits, send_splits, hand_over)
     recv_RD = _StartAllToAll.apply(send_RD, flight)
     return lambda: _WaitAllToAll.apply(recv_RD, flight)
+
+
+class _StartInto(torch.autograd.Function):
+    """Starts a row all-to-all that receives into a slice of ``SlicedReceive``'s buffer. Returns an
+    empty tensor: the edge that takes the slice's gradient to the sent rows (the slice itself is no
+    autograd output, so the exchanges writing the buffer's other slices cannot rewrite its history).
+    Backward: waits for the gradients that ``_WaitInto``'s backward started sending back."""
+
+    @staticmethod
+    def forward(ctx, send_RD, flight: _InFlight, recv_RD):
+        ctx.flight = flight
+        flight.start(send_RD, flight.recv_splits, flight.send_splits, recv_RD)
+        return send_RD.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        flight = ctx.flight
+        grad_send_RD = flight.buffers[1]
+        flight.wait(flight.hand_over.backward)
+        return grad_send_RD, None, None
+
+
+class _WaitInto(torch.autograd.Function):
+    """Waits for each exchange of a ``SlicedReceive`` in the order started; returns its buffer.
+    Backward: starts sending each slice of the gradient back (async), the last exchange's first."""
+
+    @staticmethod
+    def forward(ctx, receive: SlicedReceive, *edges):
+        for flight in receive.flights:
+            flight.wait(flight.hand_over.forward)
+        ctx.flights, ctx.rows = receive.flights, receive.rows
+        out_RD, receive.out_RD = receive.out_RD, None
+        return out_RD
+
+    @staticmethod
+    def backward(ctx, grad_out_RD):
+        grads = grad_out_RD.split(ctx.rows)
+        wanted = ctx.needs_input_grad[1:]
+        for k in reversed(range(len(ctx.flights))):
+            if wanted[k]:  # else no _StartInto backward would wait for it
+                flight = ctx.flights[k]
+                flight.start(grads[k], flight.send_splits, flight.recv_splits)
+        # Placeholders: each _StartInto's backward waits and returns what arrived instead.
+        return None, *(grad_out_RD.new_empty(0) if w else None for w in wanted)
+
+
+class SlicedReceive:
+    """Row all-to-alls whose receives fill consecutive row slices of one buffer, in the order started:
+    the chunks of a chunked combine land where a concatenation of them would put them, and ``wait``
+    gives the whole buffer without copying it. Differentiable like ``start_all_to_all``: the
+    gradient is cut by the same slices and each slice travels back in its exchange's reverse."""
+
+    def __init__(self, rows: list[int]):
+        self.rows = list(rows)
+        """Rows each exchange receives, in the order they start."""
+        self.flights: list[_InFlight] = []
+        self.edges: list[torch.Tensor] = []
+        self.out_RD: torch.Tensor | None = None
+
+    def start(
+        self,
+        send_RD: torch.Tensor,
+        group,
+        recv_splits: list[int] | None = None,
+        send_splits: list[int] | None = None,
+        hand_over: HandOver = HandOver(),
+    ) -> None:
+        """Starts the next exchange, receiving into its slice (the buffer takes the first one's dtype)."""
+        k = len(self.flights)
+        if k == len(self.rows):
+            raise RuntimeError(f"sliced receive: {k} exchanges started already, all it has rows for")
+        if self.out_RD is None:
+            self.out_RD = send_RD.new_empty(sum(self.rows), *send_RD.shape[1:])
+        begin = sum(self.rows[:k])
+        flight = _InFlight(group, recv_splits, send_splits, hand_over)
+        self.edges.append(_StartInto.apply(send_RD, flight, self.out_RD[begin : begin + self.rows[k]]))
+        self.flights.append(flight)
+
+    def wait(self) -> torch.Tensor:
+        """The buffer, once every exchange has arrived."""
+        if len(self.flights) != len(self.rows) or self.out_RD is None:
+            raise RuntimeError(f"sliced receive: {len(self.flights)} of {len(self.rows)} exchanges started")
+        return _WaitInto.apply(self, *self.edges)
 
 
 def capacity(num_assignments: int, ep: int, capacity_factor: float) -> int:
@@ -408,10 +501,10 @@ class AllToAllDispatcher(Dispatcher):
         """Whether chunks travel asynchronously: not where a subclass replaces the row exchange."""
         return type(self).exchange_rows is AllToAllDispatcher.exchange_rows
 
-    def _start_rows(self, send_RD, recv_splits, send_splits, combine: bool) -> Callable[[], torch.Tensor]:
+    def _start_rows(self, send_RD, recv_splits, send_splits) -> Callable[[], torch.Tensor]:
         if self._overlaps():
             return start_all_to_all(send_RD, self.group, recv_splits, send_splits)
-        recv_RD = self.exchange_rows(send_RD, recv_splits, send_splits, combine)
+        recv_RD = self.exchange_rows(send_RD, recv_splits, send_splits, combine=False)
         return lambda: recv_RD
 
     def _chunked(
@@ -434,14 +527,20 @@ class AllToAllDispatcher(Dispatcher):
         splits = (lambda rows: None) if padded else (lambda rows: rows)
 
         def start_dispatch(k: int) -> Callable[[], torch.Tensor]:
-            return self._start_rows(sends[k], splits(recv_rows[k]), splits(send_rows[k]), combine=False)
+            return self._start_rows(sends[k], splits(recv_rows[k]), splits(send_rows[k]))
 
-        pending, returns = start_dispatch(0), []
+        # Chunk k's outputs come back into its block of the chunk-major order: no final concatenation.
+        returns = SlicedReceive([sum(rows) for rows in send_rows])
+        replaced = []  # a replaced row exchange returns its own tensors, concatenated at the end
+        pending = start_dispatch(0)
         for k in range(self.chunks):
             recv_MD = pending()
             if k + 1 < self.chunks:
                 pending = start_dispatch(k + 1)
             counts_L = _expert_rows(locals_[k], num_local)
             y_MD = _run_received(recv_MD, locals_[k], counts_L, experts, padded)
-            returns.append(self._start_rows(y_MD, splits(send_rows[k]), splits(recv_rows[k]), combine=True))
-        return torch.cat([wait() for wait in returns])
+            if self._overlaps():
+                returns.start(y_MD, self.group, splits(send_rows[k]), splits(recv_rows[k]))
+            else:
+                replaced.append(self.exchange_rows(y_MD, splits(send_rows[k]), splits(recv_rows[k]), combine=True))
+        return returns.wait() if self._overlaps() else torch.cat(replaced)

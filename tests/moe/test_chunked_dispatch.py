@@ -196,9 +196,9 @@ def _order_job(case: dict, chunks: int) -> tuple[list, list]:
         events.append(("start", numbers[id(self)]))
         return start(self, *args)
 
-    def logged_wait(self):
+    def logged_wait(self, *args):
         events.append(("wait", numbers[id(self)]))
-        return wait(self)
+        return wait(self, *args)
 
     flight.__init__, flight.start, flight.wait = numbered_init, logged_start, logged_wait
     try:
