@@ -94,7 +94,7 @@ def _attention_projection_params(config: ModelConfig) -> int:
 
 
 def _attention_flop_params(config: ModelConfig) -> int:
-    """N_attn of the module docstring: the projections plus, with MLA, Megatron's one multiply-add per
+    """N_attn of docs/flops.md: the projections plus, with MLA, Megatron's one multiply-add per
     element of each latent norm."""
     mla = config.mla
     latent_norms = 0 if mla is None else mla.kv_lora_rank + (mla.q_lora_rank or 0)
@@ -113,7 +113,7 @@ def _attention_norm_params(config: ModelConfig) -> int:
 
 
 def _attention_core_width(config: ModelConfig) -> int:
-    """A_core of the module docstring: the widths QK^T and AV contract over, summed over the heads."""
+    """A_core of docs/flops.md: the widths QK^T and AV contract over, summed over the heads."""
     mla = config.mla
     if mla is None:
         return 2 * config.n_heads * _gqa_head_dim(config)
@@ -181,7 +181,7 @@ def training_flops_per_token(config: ModelConfig, seq_len: int | None = None) ->
     """Model FLOPs of one training step (forward + backward) per token, Megatron-LM convention.
 
     ``seq_len`` defaults to ``config.seq_len``; pass the length actually trained on when it differs,
-    since the attention term grows with it. The formula, with the notation of the module docstring::
+    since the attention term grows with it. The formula, with the notation of docs/flops.md::
 
         6 * (  L * N_attn
              + L_dense * 3 * D * F_dense
@@ -189,7 +189,7 @@ def training_flops_per_token(config: ModelConfig, seq_len: int | None = None) ->
              + D * V )
         + L * 6 * S * A_core / 2
 
-    The router, norms, embedding lookup and elementwise ops are left out (see the module docstring).
+    The router, norms, embedding lookup and elementwise ops are left out (see docs/flops.md).
     """
     s = _seq_len(config, seq_len)
     d = config.d_model
@@ -244,7 +244,7 @@ def block_forward_flops_per_token(config: ModelConfig, layer_idx: int, seq_len: 
 def recompute_flops_per_token(
     config: ModelConfig, recompute: RecomputeConfig, stages: Sequence[range], seq_len: int | None = None
 ) -> float:
-    """FLOPs per token that activation recompute adds in backward (see the module docstring).
+    """FLOPs per token that activation recompute adds in backward (see docs/flops.md).
 
     ``stages``: every pipeline stage's block indices, the pp * virtual_stages chunks
     (``moe_engine.parallel.layout.stage_blocks``; ``[range(n_layers)]`` without pipelining), which

@@ -127,6 +127,6 @@ def gather_rows_mx(
     x_TD: Tensor, assignment_R: Tensor, top_k: int, filled_R: Tensor | None, end_1: Tensor
 ) -> tuple[Tensor, Tensor]:
     """(codes float8_e4m3fn (R, D'), scales float8_e8m0fnu (R, D' / 32)) of the gathered rows, zero
-    rows where not ``filled_R`` and from ``end_1`` on: one op (module docstring)."""
+    rows where not ``filled_R`` and from ``end_1`` on: one op (docs/kernels.md)."""
     codes, scales = gather_rows_mx_op(x_TD, assignment_R, top_k, filled_R, end_1)
     return codes.view(torch.float8_e4m3fn), scales.view(torch.float8_e8m0fnu)

@@ -54,7 +54,7 @@ def reference_backward(
     normalize: bool,
     scale: float,
 ) -> Tensor:
-    """grad_logits (the module docstring's formulas)."""
+    """grad_logits (docs/kernels.md's formulas)."""
     softmax = torch.softmax(logits, dim=-1)
     scores = torch.sigmoid(logits) if sigmoid else softmax
     chosen = scores.gather(1, expert)
@@ -377,6 +377,6 @@ router_scores_op.register_autograd(_backward_router_scores, setup_context=_setup
 def router_scores(
     logits_TE: Tensor, expert_TK: Tensor, sigmoid: bool = False, normalize: bool = False, scale: float = 1.0
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(weight_TK, mean_probs_E, lse_T) of fp32 router logits for the selected experts (module docstring),
+    """(weight_TK, mean_probs_E, lse_T) of fp32 router logits for the selected experts (docs/kernels.md),
     one op forward and one backward, saving the logits and the experts only."""
     return router_scores_op(logits_TE, expert_TK, sigmoid, normalize, float(scale))

@@ -1,46 +1,5 @@
 """Expert-parallel dispatch that sends each token once per destination, not once per expert.
-
-``AllToAllDispatcher`` sends one row per (token, expert): a token with three of its top-k experts on
-one rank travels there three times and three output rows come back. ``DedupDispatcher`` sends one row
-per (token, destination) and lets the destination expand it:
-
-- per rank (``DispatchRows.PER_RANK``): one level, the expert-parallel group. The destination runs
-  the row through each of its local experts the token chose and sends back one row, the sum of those
-  experts' outputs weighted by the router weights.
-- per node (``DispatchRows.PER_NODE``): two levels. A token crosses the inter-node group once per
-  destination node, to the rank with this rank's local index there; that rank spreads it over the
-  intra-node group, one row per destination rank; combine sums inside the node first (each rank's
-  local experts, then the node's ranks) and one row goes back across nodes.
-
-Each level is one ``hop``: rows in (with, per row, the ids of the experts it still has to reach,
-relative to the level's scope, and their router weights), one row out per (row, destination) that
-holds any of them. The router weights travel with the row in a side buffer (fp32: the weights, then
-the expert ids relative to the destination's scope, exact in fp32 below 2**24, sentinel = the
-scope's expert count for an unused column), ``min(width, experts per destination)`` columns wide;
-the weights multiply at the destination, and their gradients come back through the same exchange.
-
-Variants, per level:
-
-- ``sync``: rows per destination exchanged and read on the host (uneven all-to-all). Dropless.
-- ``no-sync``: C rows per destination, C = ceil(f * rows in) with f the expected share of rows a
-  destination gets under uniform routing (``destination_share``: hypergeometric) times
-  ``capacity_factor`` at the first level, and the ratio of the two levels' shares at the second (its
-  rows in are the first level's slots, whose headroom it inherits). Over capacity, a destination
-  keeps its rows in the order of their first entry's (row, column): the tail of the source's rows
-  is dropped, and every assignment the dropped row carried is counted, at the rank that dropped it
-  (per node: a source's inter-node drops at the source, intra-node drops at the forwarding rank).
-  Empty slots carry the sentinel in every id column, so no counts travel and nothing reads device
-  data on the host.
-
-In an overlapped step (``moe_engine.parallel.overlap``) the per-node levels form a chain: the
-dispatch hands over at the intra-node exchange, the combine at the inter-node one, the backward the
-other way round; the counts and the side buffers never hand over, and on a GPU the chain's inside
-runs on a side stream (``moe_engine.moe.chain_streams``).
-
-Chunked exchanges (``chunks`` > 1) cut the first level's rows per destination as
-``AllToAllDispatcher`` does (``permute.chunk_major_order``): chunk k+1 travels while chunk k runs
-through the rest (the node's spread and the experts), and chunk k's combine while chunk k+1's do.
-At the node level the second level's no-sync capacity is then per chunk (its rows in are the chunk's).
+More: docs/dispatch.md.
 """
 
 from __future__ import annotations
@@ -101,7 +60,7 @@ class _HopPlan:
 
 
 class DedupDispatcher(Dispatcher):
-    """Expert parallelism with one row per (token, destination) at each of ``levels`` (module docstring).
+    """Expert parallelism with one row per (token, destination) at each of ``levels`` (docs/dispatch.md).
 
     The levels' sizes multiply to the expert-parallel degree ep; this rank's expert-parallel rank is
     its rank in the first level's group times the second's size plus its rank there (ranks of a node
@@ -146,7 +105,7 @@ class DedupDispatcher(Dispatcher):
         return [self.ep // level.ranks_below for level in self.levels]
 
     def _slots(self, level: int, rows_in: int, shares: list[float]) -> int:
-        """No-sync rows per destination at ``level`` for ``rows_in`` input rows (module docstring)."""
+        """No-sync rows per destination at ``level`` for ``rows_in`` input rows (docs/dispatch.md)."""
         factor = shares[0] * self.capacity_factor if level == 0 else shares[level] / shares[level - 1]
         # Rounded first so that e.g. 0.1 * 30 counts as 3, not 3.0000000000000004 -> 4.
         return max(1, math.ceil(round(factor * rows_in, 9)))
@@ -215,7 +174,7 @@ class DedupDispatcher(Dispatcher):
         """Sync: (rows to each destination, rows from each source, and for the level below, per chunk,
         its rows by destination and by source), read on the host at once. The level below's are
         counted here, before any row travels: each row's destinations there travel with this level's
-        counts, so that the chain between the levels (module docstring) never waits on the host."""
+        counts, so that the chain between the levels (docs/dispatch.md) never waits on the host."""
         size, group = self.sizes[level], self.levels[level].group
         if level + 1 == len(self.levels):
             recv_counts_S = all_to_all_rows(counts_S, None, None, group, hand_over=False)
@@ -267,7 +226,7 @@ class DedupDispatcher(Dispatcher):
         """(rows_in, D) weighted sum of each input row's experts' outputs, and the assignments dropped.
 
         Between two levels nothing computes but the next level's plan: the exchanges form a chain
-        (module docstring) that hands over once per direction, and on a GPU its inside runs on the
+        (docs/dispatch.md) that hands over once per direction, and on a GPU its inside runs on the
         side stream (``streams.chain``), so that the other program's compute never queues behind it."""
         if level == len(self.levels):
             return _local_experts(x_RD, ids_RK, w_RK, experts), torch.zeros((), dtype=torch.int64, device=x_RD.device)

@@ -1,44 +1,5 @@
 """Dispatch and combine: move each routed token row to its expert, and the expert outputs back.
-
-``Dispatcher`` is the seam the MoE layer calls. ``LocalDispatcher`` runs every expert on this
-device. ``AllToAllDispatcher`` is expert parallelism: rank i of an expert-parallel group of ep ranks
-holds the global experts [i*L, (i+1)*L), L = E/ep (``Layout.local_experts``), so global expert e
-lives on rank e // L as local expert e % L, and assignments sorted by global expert are also sorted
-by destination rank. Two variants:
-
-- ``sync``: per-(destination, local expert) counts are exchanged, the split sizes are read on the
-  host and the token rows travel in an uneven all-to-all. Dropless.
-- ``no-sync``: every rank sends each destination a fixed C = ceil(capacity_factor * T*k / ep) rows
-  (``SlotPlan``: over capacity, the tail of the destination's expert-sorted assignments is dropped
-  and counted). Counts and rows travel in equal-split all-to-alls; nothing reads device data on
-  the host, in forward or backward.
-
-A receiver gets rows ordered by source rank then local expert, sorts them (stably) by local
-expert for the grouped GEMM and unsorts the outputs before they travel back.
-
-Chunked exchanges (``chunks`` > 1, ``ParallelConfig.a2a_chunks``) overlap the all-to-alls with the
-experts. Every destination's rows (no-sync: its slots) are cut into ``chunks`` nearly equal pieces
-(``permute.chunk_bounds``); one gather writes the send buffer in chunk-major order, so chunk k is a
-contiguous block, and every rank cuts what it receives from each source the same way. Then
-
-    dispatch chunk 0, wait for it
-    for k: start chunk k+1's dispatch (async), run chunk k's experts, start chunk k's combine (async)
-    wait for the combines; one weighted combine over the whole buffer
-
-Each chunk's combine receives straight into its block of one buffer (``SlicedReceive``), so the
-chunks' outputs are never concatenated (a copy of the whole buffer).
-
-In the backward, autograd runs the reverse: the combines' gradients are sent first (all chunks,
-async), each chunk's expert backward runs as soon as its gradients arrived, and its dispatch
-gradient is sent back (async) while the next chunk's experts run. Routes, slots and drops are those
-of one chunk: only the order in which rows travel and meet their experts changes. A dispatcher that
-replaces the row exchange (a proxy rank fabricating its peers' rows, ``bench.run.proxy_rank``) exchanges
-each chunk through ``exchange_rows``, in the same order, one at a time.
-
-With the experts' ``fused_kernels`` set (``ModelConfig.fused_kernels`` reaches them) every gather of
-rows and the weighted combine run as fused ops (``permute.gather_tokens`` / ``combine``, ``fused``).
-The gather into expert order is the experts' own (``GroupedExperts.forward`` with ``rows``), so that
-the MXFP8 experts write it straight into their quantized operand.
+More: docs/dispatch.md.
 """
 
 from __future__ import annotations
@@ -387,7 +348,7 @@ class AllToAllDispatcher(Dispatcher):
 
     In the no-sync variant every rank of the group must pass the same number of tokens (the
     equal-split buffers are sized from it); the sync variant accepts any. Every rank of the group
-    must use the same ``chunks`` (chunked exchanges: the module docstring).
+    must use the same ``chunks`` (chunked exchanges: docs/dispatch.md).
     """
 
     def __init__(
@@ -492,7 +453,7 @@ class AllToAllDispatcher(Dispatcher):
         y_RD = self.exchange_rows(y_RD, None, None, combine=True)
         return combine(y_RD, route.weight_TK, slots.rows, fused), slots.dropped
 
-    # ---- chunked exchanges (module docstring) ----------------------------------------------------
+    # ---- chunked exchanges (docs/dispatch.md) ----------------------------------------------------
 
     def _chunk_major(self, rows_S: torch.Tensor, total: int) -> torch.Tensor:
         return chunk_major_order(rows_S, total, self.chunks)

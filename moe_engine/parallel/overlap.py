@@ -23,7 +23,7 @@ Event = tuple[str, int]
 
 
 class Interleaver:
-    """Runs two programs one at a time, switching at each expert all-to-all in flight (module docstring).
+    """Runs two programs one at a time, switching at each expert all-to-all in flight (docs/schedules-and-recompute.md).
 
     ``events``, when given a list, records the hand-overs (``Event``), so a test can check what ran while
     each all-to-all was in flight."""

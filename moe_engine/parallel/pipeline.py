@@ -61,7 +61,7 @@ class StageModule(nn.Module):
         self.norm = model.norm if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         self.fused_loss = self.is_last and model.fused_kernels
-        """The last stage ends at the final norm; the loss applies the LM head (module docstring)."""
+        """The last stage ends at the final norm; the loss applies the LM head (docs/schedules-and-recompute.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The first stage holds the embedding, the last the final norm (and the LM head).

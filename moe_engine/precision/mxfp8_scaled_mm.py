@@ -33,7 +33,7 @@ def _round_up(x: int, multiple: int) -> int:
 
 def to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """(..., R, C) e8m0 scales -> (..., round_up(R, 128) * round_up(C, 4)) in the blocked layout
-    (module docstring), zero-padded (scale byte 0, read by no element)."""
+    (docs/precision.md), zero-padded (scale byte 0, read by no element)."""
     *batch, rows, cols = scales.shape
     rows_p, cols_p = _round_up(rows, TILE_ROWS), _round_up(cols, TILE_COLS)
     # Padding on the bytes: the e8m0 dtype has no fill kernels.
@@ -68,7 +68,7 @@ def group_padded_rows(scales_MC: torch.Tensor, offsets_E: torch.Tensor) -> torch
 
 
 def accepts(a_MK: MXTensor, b_ENK: MXTensor, out_dtype: torch.dtype) -> bool:
-    """Whether ``scaled_grouped_mm`` takes these operands (module docstring): bf16 output, K and N
+    """Whether ``scaled_grouped_mm`` takes these operands (docs/precision.md): bf16 output, K and N
     multiples of 16, e4m3 blocks of 32, 1 to 1024 experts, and at least as many rows as experts
     (FBGEMM's 2d x 3d entry divides M by the group count for its tile heuristics and, in the
     versions that test that quotient for emptiness, returns an unwritten output when it is 0)."""
@@ -84,7 +84,7 @@ def accepts(a_MK: MXTensor, b_ENK: MXTensor, out_dtype: torch.dtype) -> bool:
 
 
 def operands(a_MK: MXTensor, b_ENK: MXTensor, offsets_E: torch.Tensor):
-    """(mat_a, mat_b, scale_a, scale_b) as ``scaled_grouped_mm`` takes them (module docstring)."""
+    """(mat_a, mat_b, scale_a, scale_b) as ``scaled_grouped_mm`` takes them (docs/precision.md)."""
     k = a_MK.data.shape[1]
     cols = _round_up(k // BLOCK, TILE_COLS)
     # A transposed weight (the dgrad operand) is a strided view; the op wants (E, N, K) contiguous.
