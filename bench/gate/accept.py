@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # an annotation only: compare imports nothing from here, and 
 
 GATED_METRICS = names(gated=True)
 """The metrics with a direction that execute, proxy and plan runs write (``bench.run.execute``,
-``bench.run.proxy``, ``bench.predict.plan``), and the work counters: an acceptance names one of them,
+``bench.run.proxy.run``, ``bench.predict.plan``), and the work counters: an acceptance names one of them,
 or a metric of the documents it is checked against (``check_metric_names``)."""
 
 

@@ -43,9 +43,9 @@ gathers under the optimizer's updates)
     use the same link, so their time hides nothing. Per-step "grad" entries not given as buckets
     (collectives with no known launch time) launch when the backward ends (w = 0), after the buckets.
 
-Overlap windows of a scaled-down run (``bench.run.proxy.scaled_sync_buckets``)
+Overlap windows of a scaled-down run (``bench.predict.proxy_projection.scaled_sync_buckets``)
     A proxy measures each bucket on a run of fewer blocks and tokens than the scenario's: R =
-    block_ratio, s = token_ratio (``bench.run.proxy.ProxyScale``), C = ceil(R) copies of the run's
+    block_ratio, s = token_ratio (``bench.run.proxy.scale.ProxyScale``), C = ceil(R) copies of the run's
     blocks. The compute a window holds is split as measured into a (block phases), r (rest: what no
     phase times), e (embedding) and g (later buckets' launches, scaling each by 1/dp), with the
     proxy's fabrication of peers' data left out. a scales as the blocks' compute does, by s R; e

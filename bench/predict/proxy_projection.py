@@ -1,7 +1,7 @@
 """The proxy's projection arithmetic: from one measured step of the rank (``StepMeasurement``) to the
 step at the run's scale and at the scenario's (``project_run_scale``, ``project_full_scale``), the
 collectives' scaling (``CallScaling``, ``classify_calls``) and the gradient buckets' overlap windows
-(``scaled_sync_buckets``). Rules in ``bench.run.proxy``'s docstring ("Projection", "Overlap windows at
+(``scaled_sync_buckets``). Rules in ``bench.run.proxy.run``'s docstring ("Projection", "Overlap windows at
 the scenario's scale"). Arithmetic only: nothing here runs a model."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ embedding, and gradient buckets' launches (scaling the bucket by 1/dp)."""
 
 if TYPE_CHECKING:  # annotations only: this module runs nothing
     from bench.run.collective_log import CollectiveCall
-    from bench.run.proxy_scale import ProxyScale
+    from bench.run.proxy.scale import ProxyScale
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import ZERO_BUBBLE, Schedule
 from bench.predict.skew import SkewModel
-from bench.run.proxy_rank.pipeline import stage_order
+from bench.run.proxy.rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
 from bench.units import gib

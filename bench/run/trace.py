@@ -3,7 +3,7 @@
 One module on purpose: the tracer (``StepTracer``, its shadows and ``ModuleLocator``) and the
 building of the rank it traces share the fake-tensor state of one trace.
 
-The rank is built as a proxy rank (``bench.run.proxy_rank``: its stage, its local experts, its optimizer
+The rank is built as a proxy rank (``bench.run.proxy.rank``: its stage, its local experts, its optimizer
 shard, peers simulated, a fake world whose collectives move nothing) under ``FakeTensorMode``, where
 tensors carry shapes and dtypes but no storage, so a 1.2T model's rank traces on a laptop. One whole
 optimizer step runs (every microbatch, the backward, the optimizer) and a ``TorchDispatchMode``
@@ -56,8 +56,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from bench.predict.ops import REGIONS, TensorSpec, TracedOp
 from bench.run.collective_log import CollectiveRecorder
-from bench.run.proxy_rank.build import build_proxy_rank
-from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
+from bench.run.proxy.rank.build import build_proxy_rank
+from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
 from bench.scenario import Scenario
 from moe_engine.config import DataParallelMode
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups

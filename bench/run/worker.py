@@ -37,7 +37,7 @@ def execute_outcome(scenario: Scenario, request: WorkerRequest, device: torch.de
     result: ExecuteResult | None
     try:
         if scenario.mode == "proxy":
-            from bench.run.proxy import run_proxy
+            from bench.run.proxy.run import run_proxy
 
             result = run_proxy(scenario, device, progress, list(request.project_devices))
         else:

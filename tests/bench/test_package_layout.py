@@ -85,7 +85,7 @@ ARITHMETIC_MAY_IMPORT = (
     "moe_engine.parallel",
 )
 # What measures or stands in for a run, used only by the benchmark: it lives in ``bench.run``
-# (collective_log, phase_timer, sync_timeline, proxy_rank), not in the engine.
+# (collective_log, phase_timer, sync_timeline, proxy.rank), not in the engine.
 BENCHMARK_MACHINERY = (
     "CollectiveRecorder",
     "CollectiveCall",

@@ -164,7 +164,7 @@ def _torch_schedule_accepts(schedule: str, pp: int, virtual_stages: int, microba
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
 
-    from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
+    from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
     from moe_engine.config import PipelineSchedule
     from moe_engine.parallel.pipeline import _SCHEDULES
 

@@ -85,7 +85,7 @@ RECOMPUTE_VARIANTS = {
 }
 
 
-# Proxy variants: one rank of the layout run for real (``bench.run.proxy``), same model and cluster.
+# Proxy variants: one rank of the layout run for real (``bench.run.proxy.run``), same model and cluster.
 PROXIES = {
     "moe-128e-47b-proxy": "moe-128e-47b-zero1",
     "moe-1.2t-512gpu-proxy": "moe-1.2t-512gpu",

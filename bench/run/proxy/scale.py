@@ -1,5 +1,5 @@
 """How a proxy runs one rank at CPU scale: the scenario as the proxy runs it (``run_spec``) and its
-``ProxyScale`` against the scenario's own sizes (rules in ``bench.run.proxy``'s docstring, "What runs")."""
+``ProxyScale`` against the scenario's own sizes (rules in ``bench.run.proxy.run``'s docstring, "What runs")."""
 
 from __future__ import annotations
 

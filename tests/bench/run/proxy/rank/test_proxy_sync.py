@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bench.predict.proxy_projection import unbucketed_calls
-from bench.run.proxy_measure import bucket_measurements, measure_rank, sync_table
-from bench.run.proxy_rank import peers
-from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
-from bench.run.proxy_scale import run_spec
+from bench.run.proxy.measure import bucket_measurements, measure_rank, sync_table
+from bench.run.proxy.rank import peers
+from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
+from bench.run.proxy.scale import run_spec
 from bench.scenario import scenario_from_dict
 
 SLEEP_S = 0.01

@@ -13,9 +13,9 @@ from distributed_harness import run_ranks
 from tolerances import assert_close_to_scale, tolerance
 
 from bench.run.collective_log import CollectiveRecorder
-from bench.run.proxy_rank.build import build_proxy_rank
-from bench.run.proxy_rank.peers import PeerTraffic
-from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
+from bench.run.proxy.rank.build import build_proxy_rank
+from bench.run.proxy.rank.peers import PeerTraffic
+from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.moe.dispatch import AllToAllDispatcher
@@ -290,7 +290,7 @@ def test_padding_gradients_never_reach_the_sent_rows():
     # lands in an empty slot, so the proxy's fabricated gradient must not carry it to a real row.
     parallel = ParallelConfig.from_dict(dict(dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0))
     with fake_rank(parallel, 1) as groups:
-        from bench.run.proxy_rank.peers import ProxyDispatcher
+        from bench.run.proxy.rank.peers import ProxyDispatcher
 
         dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, 1.0, _FewerFromPeerZero())
         expert_TK = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]])

@@ -13,8 +13,8 @@ import torch
 from tolerances import model_tolerance
 
 from bench.run.memory import TensorMemoryTracker
-from bench.run.proxy_rank.build import build_proxy_rank
-from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
+from bench.run.proxy.rank.build import build_proxy_rank
+from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout

@@ -1,6 +1,6 @@
 """Measuring one rank of a proxy: build its share in a fake world, run warm-up and measured steps with
 the phase timer and the collective recorder, and read each gradient bucket's overlap window as its
-reduction launches (``bench.run.proxy``'s docstring, "What is measured")."""
+reduction launches (``bench.run.proxy.run``'s docstring, "What is measured")."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from bench.run.collective_log import CollectiveCall, CollectiveRecorder
 from bench.run.execute import NonFiniteLoss, synchronize
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.run.phase_timer import PhaseTimer, instrument_model
-from bench.run.proxy_rank.build import build_proxy_rank
-from bench.run.proxy_rank.peers import ProxyDispatcher
-from bench.run.proxy_rank.pipeline import ProxyPipeline
-from bench.run.proxy_scale import ProxyScale
+from bench.run.proxy.rank.build import build_proxy_rank
+from bench.run.proxy.rank.peers import ProxyDispatcher
+from bench.run.proxy.rank.pipeline import ProxyPipeline
+from bench.run.proxy.scale import ProxyScale
 from bench.run.sync_timeline import SyncTimeline
 from bench.scenario import Scenario
 from moe_engine.model import Block

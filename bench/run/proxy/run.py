@@ -2,9 +2,9 @@
 
 What runs
     The process joins a fake world as ``proxy.rank`` of the layout's dp * pp ranks and builds only
-    that rank's share (``bench.run.proxy_rank``): its pipeline stage, its local experts, its optimizer
+    that rank's share (``bench.run.proxy.rank``): its pipeline stage, its local experts, its optimizer
     shard. Collectives are issued but move nothing; the recorder logs their sizes. Peers' traffic is
-    simulated from the routing mode (``bench.run.proxy_rank.peers``). On a CPU host ``proxy.cpu_scale``
+    simulated from the routing mode (``bench.run.proxy.rank.peers``). On a CPU host ``proxy.cpu_scale``
     shrinks the run: fewer blocks of the stage (every block of a stage has the same shapes), shorter
     sequences, fewer sequences per microbatch, fewer microbatches, and fp32 for a CPU without bf16 units
     (``cpu_scale.precision``: the plan it is checked against is then the fp32 plan of the same run);
@@ -70,9 +70,9 @@ from bench.predict.proxy_projection import (
     project_run_scale,
 )
 from bench.run.execute import ExecuteResult
-from bench.run.proxy_measure import bucket_measurements, measure_rank, phase_table, sync_table
-from bench.run.proxy_rank.world import join_fake_world, leave_fake_world
-from bench.run.proxy_scale import ProxyScale, run_spec
+from bench.run.proxy.measure import bucket_measurements, measure_rank, phase_table, sync_table
+from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
+from bench.run.proxy.scale import ProxyScale, run_spec
 from bench.run.trace import group_phases
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.flops import training_flops_per_token
