@@ -568,7 +568,7 @@ def projection_document(
             f", {profile.file}); network from the profile",
             f"traced {m_traced} of the {parallel.microbatches} microbatches at full size: every microbatch runs the "
             "same ops (only routes differ); the last is where the gradient buckets launch",
-            "memory from the plan (bench/predict/plan.py); the step is the slowest pipeline stage's",
+            "memory from the plan (bench/predict/plan/); the step is the slowest pipeline stage's",
             *sharing,
             *(
                 [

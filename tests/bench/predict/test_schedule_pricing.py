@@ -316,7 +316,7 @@ def test_dualpipev_activations_in_flight_match_torchs_plan(pp, m):
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV
     from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
-    from bench.predict.plan_rank import in_flight_microbatches
+    from bench.predict.plan.rank import in_flight_microbatches
 
     for rank in range(pp):
         actions = ScheduleDualPipeV._calculate_single_rank_operations(

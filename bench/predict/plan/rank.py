@@ -80,7 +80,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.predict.plan_activations import (
+from bench.predict.plan.activations import (
     BlockActivations,
     block_activations,
     dispatch_pad,
@@ -89,7 +89,7 @@ from bench.predict.plan_activations import (
     head_activation_bytes,
     kv_bytes_per_token,
 )
-from bench.predict.plan_bytes import BYTES, FP32_GRAD_BYTES, ROUTER_BYTES, Params, Pieces, PrecisionBytes
+from bench.predict.plan.bytes import BYTES, FP32_GRAD_BYTES, ROUTER_BYTES, Params, Pieces, PrecisionBytes
 from moe_engine.config import (
     DataParallelMode,
     ModelConfig,

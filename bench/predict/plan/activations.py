@@ -85,7 +85,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.predict.plan_bytes import PrecisionBytes
+from bench.predict.plan.bytes import PrecisionBytes
 from moe_engine.config import DispatchKind, ModelConfig, ParallelConfig, RecomputeConfig, RecomputeMode, RecomputePart
 
 

@@ -16,9 +16,9 @@ Layout
     A rank holds E / ep local experts of each MoE block it owns. Ranks of one pipeline stage are alike
     (balanced routing), so the plan evaluates each of the pp stages and reports the most loaded one.
 
-The formulas live beside their code: bytes per parameter (``bench.predict.plan_bytes``), activations
-(``bench.predict.plan_activations``), one rank's state, traffic, backward workspace, optimizer step and
-checkpoint (``bench.predict.plan_rank``).
+The formulas live beside their code: bytes per parameter (``bench.predict.plan.bytes``), activations
+(``bench.predict.plan.activations``), one rank's state, traffic, backward workspace, optimizer step and
+checkpoint (``bench.predict.plan.rank``).
 
 Any scenario has a plan: a plan scenario's, a proxy scenario's (the whole layout at the scenario's own
 sizes, not the proxy's CPU scale-down) and an execute scenario's. The GPU memory is the ``cluster``
@@ -31,9 +31,9 @@ from __future__ import annotations
 from typing import Any
 
 from bench.metrics import COMM_PARTS, PLAN_MEMORY_PARTS, entry
-from bench.predict.plan_activations import kv_bytes_per_token
-from bench.predict.plan_bytes import BYTES, PrecisionBytes, parameter_pieces, precision_bytes
-from bench.predict.plan_rank import (
+from bench.predict.plan.activations import kv_bytes_per_token
+from bench.predict.plan.bytes import BYTES, PrecisionBytes, parameter_pieces, precision_bytes
+from bench.predict.plan.rank import (
     ceil_div,
     checkpoint_bytes,
     checkpoint_counted,
@@ -100,7 +100,7 @@ def _recompute_assumption(scenario) -> str:
     if not recompute.enabled:
         return (
             "activations: tensors saved for backward with flash attention and no recomputation "
-            "(see bench/predict/plan.py); routing indices, norms' statistics and other small tensors are ignored"
+            "(see bench/predict/plan/__init__.py); routing indices, norms' statistics and other small tensors are ignored"
         )
     subset = (
         f"the first {recompute.first_per_stage} blocks of each pipeline chunk"
@@ -304,15 +304,3 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
     if not runs["ok"]:
         line += f"; the engine does not execute this layout ({runs['reason']})"
     return line
-
-
-def _main(argv: list[str] | None = None) -> int:
-    """``python -m bench.predict.plan FILE...``: print each plan's headline numbers."""
-    import sys
-
-    from bench.scenario import load_scenario
-
-    for path in sys.argv[1:] if argv is None else argv:
-        s = load_scenario(path)
-        print(summary_line(s.name, *plan_scenario(s)))
-    return 0
