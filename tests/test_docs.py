@@ -197,7 +197,7 @@ def ignored_by_git(path: str) -> bool:
 
 
 def check_scenarios(paths: list[str]) -> None:
-    from bench.run.runner import expand_paths
+    from bench.run.suites import expand_paths
     from bench.scenario import ScenarioError, load_scenario
 
     for path in paths:
@@ -216,7 +216,7 @@ def check_scenarios(paths: list[str]) -> None:
 def check_suite(name: str | None) -> None:
     import torch
 
-    from bench.run.runner import suite_files
+    from bench.run.suites import suite_files
     from bench.scenario import ScenarioError
 
     if name is None:
@@ -361,7 +361,7 @@ def expect_release_list(argv, code, out, err) -> None:
 
 
 def expect_plans(argv, code, out, err) -> None:
-    from bench.run.runner import expand_paths
+    from bench.run.suites import expand_paths
 
     assert code == 0, err
     files = expand_paths([REPO_ROOT / path for path in parse_moe_bench(list(argv))[1].files])

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 import yaml
 
 from bench.gate import paired
+from bench.run.process import kill_process_group
 from bench.scenario import Scenario
 
 WORKER_SCRIPT = Path(__file__).with_name("resident_worker.py")
@@ -168,9 +168,7 @@ class ResidentSide:
                 self.process.wait(timeout=10)
         if self.process is not None:
             # The worker's ranks share its session: nothing of either side outlives the scenario.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            kill_process_group(self.process)
         with contextlib.suppress(OSError, AttributeError):
             self._stderr.close()
         self._tmp.cleanup()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import ResultFileError, load_results
+from bench.run.process import kill_process_group
 from bench.scenario import Scenario
 
 __all__ = ["START_MARGIN_S", "SideRun", "run_side", "side_summary"]
@@ -80,8 +81,6 @@ def side_summary(run: SideRun) -> str:
 
 def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int | None, str]:
     """Run in a new session; on timeout or interrupt kill the whole session. (exit code or None, output)."""
-    from bench.run.runner import kill_process_group
-
     process = subprocess.Popen(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

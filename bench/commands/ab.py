@@ -14,7 +14,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from bench.ab.plan import ABError, plan_ab
     from bench.ab.resident import WorkerDied
     from bench.gate.formatting import parse_tolerance
-    from bench.run.runner import expand_paths, load_all, resolve_device, suite_files
+    from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
     try:

@@ -22,7 +22,7 @@ def cmd_project(args: argparse.Namespace) -> int:
         summary,
         trace_progress,
     )
-    from bench.run.runner import expand_paths, load_all
+    from bench.run.suites import expand_paths, load_all
     from bench.scenario import ScenarioError
 
     devices: list[tuple[DeviceProfile, str | None]] = []  # (profile, why it stands in for the --device given, or None)

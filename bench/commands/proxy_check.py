@@ -12,7 +12,9 @@ from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
 def cmd_proxy_check(args: argparse.Namespace) -> int:
     import json
 
-    from bench.run.runner import Reporter, Runner, expand_paths, load_all, resolve_device
+    from bench.run.console import Reporter
+    from bench.run.runner import Runner
+    from bench.run.suites import expand_paths, load_all, resolve_device
     from bench.scenario import ScenarioError
     from bench.validate.proxy_check import DEFAULT_SCENARIOS, check
 

@@ -44,7 +44,8 @@ def _record_baseline(release, suite: str) -> int:
     """Run ``suite`` on this machine into results/ as the release's baseline, and record where it is."""
     from bench.release import record
     from bench.results import REPO_ROOT
-    from bench.run.runner import Runner, load_all, resolve_device, suite_files
+    from bench.run.runner import Runner
+    from bench.run.suites import load_all, resolve_device, suite_files
 
     device = resolve_device("auto")
     runner = Runner(device, REPO_ROOT / "results")

@@ -14,8 +14,10 @@ from bench.units import count, gib
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     from bench.report.comparisons import ComparisonError, load_comparisons
     from bench.run.checkpointing import checkpoints_before_run
+    from bench.run.console import SilentReporter
     from bench.run.launch import detect_launch, join_launch, leave_launch
-    from bench.run.runner import Runner, SilentReporter, expand_paths, load_all, resolve_device, suite_files
+    from bench.run.runner import Runner
+    from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
     from bench.scenario import ScenarioError
 
     try:

@@ -1,15 +1,21 @@
-"""Peak memory of a training step: the CUDA allocator, or tracked tensor bytes and RSS on CPU."""
+"""Memory: the peak of a training step (the CUDA allocator, or tracked tensor bytes and RSS on CPU), and
+the check before an execute scenario starts that its plan fits the memory its ranks have free."""
 
 from __future__ import annotations
 
+import json
 import resource
+import subprocess
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from bench.units import gib
 
 # torch.tensor, torch.as_tensor and torch.from_numpy build their tensor outside the dispatcher and
 # hand it to this op: its output aliases its input, and is new.
@@ -99,3 +105,91 @@ class TensorMemoryTracker(TorchDispatchMode):
                 self.allocated_by_op[name] = self.allocated_by_op.get(name, 0) + grown
         self.peak = max(self.peak, self._bytes)
         return out
+
+
+# Memory check before an execute scenario starts. It is refused (recorded oom, nothing started) when
+# its planned memory is more than (1 + MEMORY_MARGIN) times what the device has free. The plan's
+# tensor total has come out 0.3-4.3% below the measured peak on every layout proxy-check ran
+# (docs/measurements/proxy-check-2core-cpu.json), and a process needs its RSS on top of its tensors
+# (libraries, allocator caches, a CUDA context), so a plan over the available memory does not fit.
+# The 10% allowance is for layouts the plan was not checked against, where it may overcount: such a
+# scenario runs and its own run decides. ``moe-bench run --force`` skips the refusal.
+MEMORY_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's planned memory and the memory it draws on."""
+
+    rank: int
+    host: str
+    """The host the rank runs on (only compared, never recorded)."""
+    device: str
+    """``cpu`` (the ranks of a host share its RAM) or ``cuda:<i>`` (one GPU's memory)."""
+    planned: int
+    """The plan's memory_total of the rank's pipeline stage, bytes."""
+    available: int
+    """What the device had free when asked, bytes."""
+    source: str
+    """Where ``available`` comes from."""
+
+
+# The free memory of the GPUs is asked in a process of its own, which exits with its answer: asking in
+# the runner would create a CUDA context on every GPU (about 0.5 GB each) and hold it for the whole
+# suite, memory the workers then lack. Inside a launch each rank asks for its own GPU, which it uses anyway.
+_CUDA_FREE_QUERY = (
+    "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1]))]))"
+)
+CUDA_FREE_SOURCE = "free memory of the GPU, torch.cuda.mem_get_info in a short-lived process"
+
+
+def cuda_free_bytes(count: int, timeout: float = 120) -> list[int]:
+    """The free memory of GPUs 0 to ``count - 1``, bytes, without a CUDA context in this process."""
+    command = [sys.executable, "-c", _CUDA_FREE_QUERY, str(count)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise OSError(f"the GPU memory query did not answer within {timeout:g} s") from err
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OSError(f"the GPU memory query exited with code {done.returncode}: {last}")
+    return [int(b) for b in json.loads(done.stdout.strip().splitlines()[-1])]
+
+
+def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> tuple[str | None, list[dict]]:
+    """Why the ranks cannot fit (the memory pool furthest over), or None; and every pool's figures.
+
+    A pool is a GPU, or the RAM of a host, which the CPU ranks on that host share: its ranks' plans
+    add up against what it has free.
+    """
+    hosts = list(dict.fromkeys(r.host for r in ranks))
+    pools: dict[str, list[RankMemory]] = {}
+    for r in ranks:
+        where = "this host" if len(hosts) == 1 else f"node {hosts.index(r.host)}"
+        label = f"{where}'s memory" if r.device == "cpu" else (r.device if len(hosts) == 1 else f"{where} {r.device}")
+        pools.setdefault(label, []).append(r)
+    rows, worst = [], None
+    for label, members in pools.items():
+        planned, available = sum(m.planned for m in members), min(m.available for m in members)
+        rows.append(
+            {
+                "pool": label,
+                "ranks": len(members),
+                "planned_bytes": planned,
+                "available_bytes": available,
+                "source": members[0].source,
+            }
+        )
+        if planned > available * (1 + margin) and (worst is None or planned / available > worst[0]):
+            worst = (planned / max(available, 1), label, members, planned, available)
+    if worst is None:
+        return None, rows
+    _, label, members, planned, available = worst
+    if len(members) == 1:
+        reason = f"planned {gib(planned, decimals=1)} per rank, {gib(available, decimals=1)} available"
+    else:
+        reason = (
+            f"planned {gib(planned, decimals=1)} for the {len(members)} ranks sharing {label} "
+            f"({gib(max(m.planned for m in members), decimals=1)} on the most loaded), {gib(available, decimals=1)} available"
+        )
+    return f"{reason} ({members[0].source}); not started", rows

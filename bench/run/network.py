@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.run.runner import run_with_timeout
+from bench.run.process import run_with_timeout
 
 
 def calibrate_network(world_size: int, progress: Callable[[str], None], timeout: float = 300) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from bench.predict.plan import plan_scenario
 from bench.release.version import engine_info
 from bench.results import load_results
 from bench.run.checkpointing import checkpoints_before_run
-from bench.run.runner import Runner, expand_paths, load_all, resolve_device, suite_files
+from bench.run.runner import Runner
+from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
 from bench.validate.variants import merge, spec_as_written
 
 _METRICS = (

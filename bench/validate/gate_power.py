@@ -58,7 +58,7 @@ from bench.ab.resident import compare_resident, fresh_pair
 from bench.gate.formatting import parse_tolerance
 from bench.gate.paired import fails
 from bench.results import REPO_ROOT
-from bench.run.runner import suite_files
+from bench.run.suites import suite_files
 from bench.scenario import load_scenario
 from bench.termination import sigterm_as_interrupt
 

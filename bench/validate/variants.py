@@ -52,6 +52,7 @@ import yaml
 from bench.ab.resident import ResidentSide, WorkerDied
 from bench.gate import paired
 from bench.results import REPO_ROOT
+from bench.run.process import session_processes
 from bench.scenario import Scenario, scenario_from_dict
 
 
@@ -125,20 +126,6 @@ def ratio_summary(base_s: list[float], variant_s: list[float]) -> dict[str, Any]
 def loss_gap(base: list[float], other: list[float]) -> float:
     """The largest relative difference between a worker's losses of a block and the base's."""
     return max((abs(o - b) / abs(b) for b, o in zip(base, other)), default=0.0)
-
-
-def session_processes(sid: int) -> list[int]:
-    """Live processes of a session: a worker (its session leader) and its ranks."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == sid and fields[0] != "Z":
-                found.append(int(entry.name))
-    return sorted(found)
 
 
 def _worker_pids(side: Any) -> list[int]:
@@ -336,7 +323,7 @@ def run_suite(parser, args, measure_one: Callable[[Scenario, Callable[[str], Non
     """Check the shared arguments, then measure every scenario in order; one row each."""
     import torch
 
-    from bench.run.runner import load_all, suite_files
+    from bench.run.suites import load_all, suite_files
 
     if args.pairs < 1 or args.block_s <= 0:
         parser.error("--pairs must be >= 1 and --block-s > 0")

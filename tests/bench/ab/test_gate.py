@@ -245,7 +245,7 @@ def test_nonexistent_ref(tmp_path, tiny, capsys):
 
 @needs_checkout
 def test_no_release_recorded(tmp_path, tiny):
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     with pytest.raises(ABError, match=re.escape("no release recorded in none.json: pass --baseline-ref")):
         plan_ab(None, load_all([tiny]), 0.3, releases_path=tmp_path / "none.json")
@@ -254,7 +254,7 @@ def test_no_release_recorded(tmp_path, tiny):
 @needs_checkout
 def test_latest_release_is_the_default_baseline(tmp_path, tiny):
     from bench.release.record import Release, write_releases
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
     path = tmp_path / "releases.json"
@@ -348,7 +348,7 @@ def comparison(name: str, slowdown: float, spread: float = 0.0) -> ResidentCompa
 def test_a_regression_in_one_scenario_only_fails_the_gate_naming_it(tmp_path, tiny, monkeypatch):
     """Three scenarios, one of them slower: the gate fails, and its finding names that one alone."""
     from bench.ab import gate as ab
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     files = []
     for name in ("tiny-a", "tiny-b", "tiny-c"):
@@ -373,7 +373,7 @@ def test_a_slowdown_between_the_warning_and_the_tolerance_warns_and_passes(tmp_p
     """CI's operating point: 3.5% is beyond the 3% warning and within the 4.5% tolerance, so the gate
     passes with a WARNING line naming the scenario; 6% fails it. Without --warn-above, no warnings."""
     from bench.ab import gate as ab
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     files = []
     for name in ("tiny-a", "tiny-b", "tiny-c"):
@@ -417,7 +417,7 @@ def test_a_scenario_noisier_than_the_design_is_noted(tmp_path, monkeypatch, tiny
     scenario, whose level is the suite's 5%) gets a NOTE that the gate's false-alarm rate does not hold
     there; it passes or fails as its estimate says."""
     from bench.ab import gate as ab
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     noisy = comparison("tiny-ab", 0.0, spread=0.08)
     assert noisy.estimate is not None and noisy.estimate.se > 0.045
@@ -438,7 +438,7 @@ def test_an_inconclusive_scenario_fails_the_gate_only_beyond_the_tolerance(
     "unchanged": centred on no change it passes with a note that says so; centred beyond the tolerance
     (but not excluding no change) it fails, naming the scenario."""
     from bench.ab import gate as ab
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     ok_doc = SideRun("ok", None, {}, "0.1.0")
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
@@ -464,7 +464,7 @@ def test_the_report_says_what_the_confirmation_did(tmp_path, tiny, monkeypatch, 
     """A failing first reading (x1.080 on three worker pairs) that the fresh pairs withdraw passes with
     a note giving both readings; one they confirm fails, its finding giving the first reading too."""
     from bench.ab import gate as ab
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     first, final = comparison("tiny-ab", 0.08), comparison("tiny-ab", final_slowdown)
     final.pairs, final.stopped_by, final.unconfirmed = first.pairs + final.pairs, "confirmation", first.estimate
@@ -486,7 +486,7 @@ def test_the_report_says_what_the_confirmation_did(tmp_path, tiny, monkeypatch, 
 def test_the_gate_confirms_what_would_fail(monkeypatch, tiny):
     """``moe-bench ab`` times each scenario with the extension and the confirmation on."""
     from bench.ab import gate as ab
-    from bench.run.runner import load_all
+    from bench.run.suites import load_all
 
     seen = {}
     monkeypatch.setattr(ab, "compare_resident", lambda *a, **k: seen.update(k))

@@ -13,7 +13,7 @@ import torch
 from bench.predict.device import load_profile
 from bench.predict.plan import plan_scenario
 from bench.report.comparisons import load_comparisons
-from bench.run.runner import suite_files
+from bench.run.suites import suite_files
 from bench.scenario import load_scenario
 
 HEADROOM = 0.15

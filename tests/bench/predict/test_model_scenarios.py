@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from bench.predict.plan import plan_scenario
-from bench.run.runner import suite_files
+from bench.run.suites import suite_files
 from bench.scenario import SCENARIOS_DIR, load_scenario
 from moe_engine.interop import deepseek_v3, mixtral, olmoe, qwen3_moe
 

@@ -190,7 +190,7 @@ def test_every_section_is_filled_after_the_default_suite(tmp_path):
 
     from bench.predict.plan import plan_scenario
     from bench.results import metric
-    from bench.run.runner import suite_files
+    from bench.run.suites import suite_files
     from bench.scenario import load_scenario
 
     folder = result_dir(tmp_path / "results", NEW, MACHINE)

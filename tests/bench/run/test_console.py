@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.run.runner import QUIET_LIBRARIES, worker_env
+from bench.run.process import QUIET_LIBRARIES, worker_env
 
 TWO_RANKS = {
     "schema_version": 1,

@@ -12,7 +12,10 @@ import torch
 from bench.predict.plan import plan_scenario
 from bench.results import load_results
 from bench.run import runner
-from bench.run.runner import MEMORY_MARGIN, Runner, load_all, suite_files
+from bench.run.console import SilentReporter
+from bench.run.memory import MEMORY_MARGIN
+from bench.run.runner import Runner
+from bench.run.suites import load_all, suite_files
 from bench.run.worker_protocol import WorkerRequest
 
 GIB = 2**30
@@ -53,7 +56,7 @@ class FakeNode:
 
 def run_suite(tmp_path: Path, node: FakeNode):
     out = tmp_path / "results"
-    Runner(torch.device("cuda"), out, reporter_factory=runner.SilentReporter).run(GPU_SUITE)
+    Runner(torch.device("cuda"), out, reporter_factory=SilentReporter).run(GPU_SUITE)
     return {d.name: d for d in load_results(out)}
 
 

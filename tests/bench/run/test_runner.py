@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from result_docs import make_doc
 from bench import results
 from bench.cli import main
 from bench.results import load_results, write_result
-from bench.run.runner import suite_files
+from bench.run.suites import suite_files
 from bench.scenario import SCENARIOS_DIR, load_scenario
 from moe_engine.flops import training_flops_per_token
 from moe_engine.precision.cpu_bf16 import gemm_details
@@ -448,14 +449,14 @@ def test_a_scenario_that_cannot_fit_is_recorded_oom_without_starting(tmp_path, m
 
     fake_host(monkeypatch, 22.8)
     monkeypatch.setattr(runner, "run_with_timeout", no_worker)
-    popen = runner.subprocess.Popen
+    popen = subprocess.Popen
 
     def no_worker_process(command, *args, **kwargs):  # git and platform queries may still run
         if any("bench.run.worker" in str(part) for part in command):
             no_worker()
         return popen(command, *args, **kwargs)
 
-    monkeypatch.setattr(runner.subprocess, "Popen", no_worker_process)
+    monkeypatch.setattr(subprocess, "Popen", no_worker_process)
     monkeypatch.setattr(execute, "measure_peak_tflops", no_worker)  # refused before any measurement too
     out = tmp_path / "results"
     assert main(["run", str(GPU_SCENARIO), "--out", str(out), "--device", "cpu", "--no-plots"]) == 1
@@ -502,7 +503,7 @@ def test_a_scenario_that_fits_is_started(tmp_path, monkeypatch):
 
 
 def test_ranks_sharing_a_host_are_summed_and_the_margin_is_kept():
-    from bench.run.runner import MEMORY_MARGIN, RankMemory, memory_shortfall
+    from bench.run.memory import MEMORY_MARGIN, RankMemory, memory_shortfall
 
     gib = 2**30
     assert MEMORY_MARGIN == 0.10
@@ -582,7 +583,8 @@ def fake_gpu_children(monkeypatch, tmp_path, answer: str):
 def test_the_runner_asks_the_gpus_free_memory_in_a_process_of_its_own(tmp_path, monkeypatch):
     import torch
 
-    from bench.run.runner import CUDA_FREE_SOURCE, Runner
+    from bench.run.memory import CUDA_FREE_SOURCE
+    from bench.run.runner import Runner
 
     fake_gpu_children(monkeypatch, tmp_path, "answer")
     scenario = load_scenario(write_scenario(tmp_path, "dp2", variant(parallel={"dp": 2})))
@@ -611,7 +613,7 @@ def test_a_gpu_memory_query_that_fails_leaves_the_check_to_the_run(tmp_path, mon
 
 QUERY_IN_A_FRESH_PROCESS = """
 import json, torch
-from bench.run.runner import cuda_free_bytes
+from bench.run.memory import cuda_free_bytes
 free = cuda_free_bytes(torch.cuda.device_count())
 initialized = torch.cuda.is_initialized()
 print(json.dumps({"free": free, "initialized": initialized,

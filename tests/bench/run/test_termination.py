@@ -47,7 +47,7 @@ def test_sigterm_stops_a_run_and_its_worker(tmp_path):
 def test_an_interrupt_while_relaying_a_worker_kills_its_session():
     """A worker that prints a line and then stays silent (a long step) would outlive its parent: it
     only notices a closed pipe when it next writes. The interrupt kills its session at once."""
-    from bench.run.runner import run_with_timeout
+    from bench.run.process import run_with_timeout
 
     env = {**os.environ, **owner_env()}
     silent = "import time; print('step 1', flush=True); time.sleep(120)"

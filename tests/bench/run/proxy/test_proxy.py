@@ -26,9 +26,10 @@ from bench.predict.proxy_projection import (
 )
 from bench.results import REPO_ROOT
 from bench.run.collective_log import CollectiveCall
+from bench.run.console import SilentReporter
 from bench.run.project import project_on_device
 from bench.run.proxy.scale import ProxyScale, run_spec
-from bench.run.runner import Runner, SilentReporter
+from bench.run.runner import Runner
 from bench.scenario import ScenarioError, load_scenario, scenario_from_dict
 
 OLMO_DIR = REPO_ROOT / "scenarios" / "olmo-core3"
