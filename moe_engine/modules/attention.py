@@ -28,8 +28,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, config.d_model, bias=False)
         self.per_head_norm = config.qk_norm_per_head
         q_norm_dim, k_norm_dim = (head_dim, head_dim) if self.per_head_norm else (q_dim, kv_dim)
-        self.q_norm = RMSNorm(q_norm_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_norm_dim, config.norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(q_norm_dim, config.norm_eps, config.fused_kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_dim, config.norm_eps, config.fused_kernels) if config.qk_norm else None
 
     def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         batch, seq_len, _ = x_BSD.shape

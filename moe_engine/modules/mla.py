@@ -32,10 +32,10 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             self.q_proj = None
             self.q_a_proj = nn.Linear(d, mla.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.norm_eps)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.norm_eps, config.fused_kernels)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
         self.kv_a_proj = nn.Linear(d, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
-        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.norm_eps)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.norm_eps, config.fused_kernels)
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, d, bias=False)
         self.softmax_scale = qk_dim**-0.5

@@ -8,15 +8,15 @@ from moe_engine import kernels
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); with ``fused_kernels`` set (``ModelConfig.fused_kernels``) the
+    """down(silu(gate(x)) * up(x)); with ``fused_kernels`` (``ModelConfig.fused_kernels``, given at construction) the
     activation is one fused op (``moe_engine.kernels.swiglu``) that keeps only gate(x) and up(x)."""
 
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, fused_kernels: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(d_model, hidden, bias=False)
         self.up_proj = nn.Linear(d_model, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
-        self.fused_kernels = False
+        self.fused_kernels = fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_kernels:

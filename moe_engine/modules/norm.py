@@ -10,15 +10,15 @@ class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in fp32 and cast back before the weight (as OLMoE does).
 
     With ``residual`` the norm follows a residual add: it returns (h, norm(h)) for h = residual + x.
-    With ``fused_kernels`` set (``ModelConfig.fused_kernels``) both forms run as one fused op
+    With ``fused_kernels`` (``ModelConfig.fused_kernels``, given at construction) both forms run as one fused op
     (``moe_engine.kernels.rms_norm``) forward and one backward.
     """
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fused_kernels: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.fused_kernels = False
+        self.fused_kernels = fused_kernels
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if self.fused_kernels:

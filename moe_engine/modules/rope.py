@@ -8,19 +8,19 @@ from moe_engine import kernels
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_len), built in fp32 and cast at use. With ``fused_kernels``
-    set (``ModelConfig.fused_kernels``) each of q and k is rotated by one fused op
+    (``ModelConfig.fused_kernels``, given at construction) each of q and k is rotated by one fused op
     (``moe_engine.kernels.rope``) that reads the fp32 tables directly."""
 
     cos_SH: torch.Tensor
     sin_SH: torch.Tensor
 
-    def __init__(self, head_dim: int, max_len: int, theta: float):
+    def __init__(self, head_dim: int, max_len: int, theta: float, fused_kernels: bool = False):
         super().__init__()
         self.head_dim, self.max_len, self.theta = head_dim, max_len, theta
         self.register_buffer("cos_SH", torch.empty(max_len, head_dim), persistent=False)
         self.register_buffer("sin_SH", torch.empty(max_len, head_dim), persistent=False)
         self.reset_tables()
-        self.fused_kernels = False
+        self.fused_kernels = fused_kernels
 
     @torch.no_grad()
     def reset_tables(self) -> None:

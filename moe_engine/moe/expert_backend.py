@@ -20,8 +20,9 @@ from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
 class ExpertBackend(ABC):
     """The seam: compute the experts' SwiGLU for rows already sorted by expert."""
 
-    fused_swiglu: bool = False
-    """Run the activation as the fused op (backends built on ``swiglu``/``swiglu_backward`` honour it)."""
+    def __init__(self, fused_swiglu: bool = False):
+        self.fused_swiglu = fused_swiglu
+        """Run the activation as the fused op (backends built on ``swiglu``/``swiglu_backward`` honour it)."""
 
     @abstractmethod
     def forward(

@@ -6,7 +6,7 @@ Weight layout (the (out, in) convention of ``nn.Linear``, also OLMoE's in transf
   projection, so ``h = x @ gate_up[e].T`` and ``silu(h[:, :F]) * h[:, F:]``.
 - ``down`` (E, D, F): ``y = a @ down[e].T``.
 
-With ``fused_kernels`` set (``ModelConfig.fused_kernels``) the grouped backends run the activation
+With ``fused_kernels`` (``ModelConfig.fused_kernels``, given at construction) the grouped backends run the activation
 and its backward as fused ops (``moe_engine.kernels.swiglu``); the loop backend stays the reference.
 
 Split backward (grouped backends): each call is two autograd nodes, a main node whose backward computes
@@ -90,7 +90,8 @@ class TorchGroupedBackend(ExpertBackend):
     forward ran; before any forward, the one bf16 would get on the first visible device.
     """
 
-    def __init__(self):
+    def __init__(self, fused_swiglu: bool = False):
+        super().__init__(fused_swiglu)
         self.path: str = grouped_mm_path("cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16).value
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
@@ -198,7 +199,8 @@ class MXFP8Backend(ExpertBackend):
     "torch-emulation" elsewhere); before any forward, the one the first CUDA device would get if present.
     """
 
-    def __init__(self):
+    def __init__(self, fused_swiglu: bool = False):
+        super().__init__(fused_swiglu)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.path: str = mx.path_label(mx.available_path(device), device)
 
@@ -244,15 +246,27 @@ def backend_class(kind: ExpertBackendKind) -> type[ExpertBackend]:
 
 
 class GroupedExperts(nn.Module):
-    """SwiGLU experts of hidden size F, stored as two stacked weight tensors."""
+    """SwiGLU experts of hidden size F, stored as two stacked weight tensors: all ``num_experts`` of
+    them, or the contiguous block ``held`` (global indices) an expert-parallel rank holds."""
 
-    def __init__(self, d_model: int, hidden: int, num_experts: int, backend: ExpertBackendKind):
+    def __init__(
+        self,
+        d_model: int,
+        hidden: int,
+        num_experts: int,
+        backend: ExpertBackendKind,
+        fused_kernels: bool = False,
+        held: range | None = None,
+    ):
         super().__init__()
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * hidden, d_model))
-        self.down = nn.Parameter(torch.empty(num_experts, d_model, hidden))
-        self.backend = backend_class(ExpertBackendKind(backend))()
-        # Global indices of the experts held here (all of them until sharded for expert parallelism).
-        self.global_experts = range(num_experts)
+        held = range(num_experts) if held is None else held
+        if held.step != 1 or not 0 <= held.start < held.stop <= num_experts:
+            raise ValueError(f"held experts {held} are not a contiguous block of range({num_experts})")
+        self.gate_up = nn.Parameter(torch.empty(len(held), 2 * hidden, d_model))
+        self.down = nn.Parameter(torch.empty(len(held), d_model, hidden))
+        self.backend = backend_class(ExpertBackendKind(backend))(fused_kernels)
+        # Global indices of the experts held here (all of them without expert parallelism).
+        self.global_experts = held
         self.total_experts = num_experts
 
     @property
@@ -263,6 +277,17 @@ class GroupedExperts(nn.Module):
     @fused_kernels.setter
     def fused_kernels(self, on: bool) -> None:
         self.backend.fused_swiglu = on
+
+    @torch.no_grad()
+    def normal_(self, param: nn.Parameter, std: float) -> None:
+        """Fill ``gate_up`` or ``down`` with N(0, std) as if all the experts were held: the whole
+        (E, ...) tensor is drawn and the held block kept, so a rank's experts get the values the
+        single-process model's have from the same random state."""
+        if self.num_experts == self.total_experts:
+            param.normal_(std=std)
+            return
+        whole = torch.empty(self.total_experts, *param.shape[1:], dtype=param.dtype, device=param.device)
+        param.copy_(whole.normal_(std=std)[self.global_experts.start : self.global_experts.stop])
 
     @property
     def num_experts(self) -> int:

@@ -12,7 +12,7 @@ the top_groups groups of each token are kept and its top-k experts chosen among 
 weights are the chosen experts' scores, renormalised when ``normalize_top_k`` asks, times
 ``routed_scaling_factor``.
 
-With ``Router.fused_kernels`` set, everything after the logits' GEMM but the expert selection (the
+With ``Router.fused_kernels`` (a constructor argument), everything after the logits' GEMM but the expert selection (the
 scores, the gathered and renormalised weights, the per-expert mean probability of the balance loss and
 each token's logsumexp for the z-loss) runs as one fused op each way (``moe_engine.kernels.router``),
 which keeps only the logits for backward; the selection is the same code on the same scores.
@@ -104,7 +104,7 @@ class Router(nn.Module):
     keep_fp32 = True
     expert_bias: torch.Tensor
 
-    def __init__(self, d_model: int, config: MoEConfig, layer_idx: int = 0):
+    def __init__(self, d_model: int, config: MoEConfig, layer_idx: int = 0, fused_kernels: bool = False):
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, d_model, dtype=torch.float32))
@@ -113,7 +113,7 @@ class Router(nn.Module):
         self.layer_idx = layer_idx
         self._seed = config.routing_seed + _LAYER_SEED_STRIDE * layer_idx
         self._generator: torch.Generator | None = None
-        self.fused_kernels = False
+        self.fused_kernels = fused_kernels
 
     def reset_routing_generator(self) -> None:
         """Restart the random/skewed routing stream from its seed."""

@@ -179,7 +179,8 @@ class FP8Backend(ex.ExpertBackend):
     ``path`` labels the op the last forward called (``path_label``); before any forward, the one the
     first CUDA device would get, or the emulation."""
 
-    def __init__(self):
+    def __init__(self, fused_swiglu: bool = False):
+        super().__init__(fused_swiglu)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.path: str = path_label(available_path(device), device)
 

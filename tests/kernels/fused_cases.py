@@ -635,11 +635,10 @@ def run_router(case: dict, fused: bool, device="cpu") -> dict[str, torch.Tensor]
 
     t = {name: v.detach().clone().to(device) for name, v in case["tensors"].items()}
     config = MoEConfig(**case["params"]["moe"])
-    router = Router(t["x"].shape[1], config, layer_idx=1).to(device)
+    router = Router(t["x"].shape[1], config, layer_idx=1, fused_kernels=fused).to(device)
     with torch.no_grad():
         router.weight.copy_(t["router_weight"])
         router.expert_bias.copy_(t["expert_bias"])
-    router.fused_kernels = fused
     x = t["x"].requires_grad_()
     route = router(x)
     out = {name: getattr(route, name) for name in ROUTER_OUTPUTS}

@@ -188,12 +188,11 @@ def experts_outputs(fused: bool, padded: bool) -> dict[str, torch.Tensor]:
     gather op as the engine's other paths) and the experts quantize them. ``padded``: a receiver's
     buffer, its padding rows NaN."""
     g = torch.Generator().manual_seed(SEED + 11)
-    experts = GroupedExperts(d_model=64, hidden=32, num_experts=4, backend="mxfp8")
+    experts = GroupedExperts(d_model=64, hidden=32, num_experts=4, backend="mxfp8", fused_kernels=True)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     experts = experts.to(torch.bfloat16)
-    experts.fused_kernels = True
     if padded:
         local_R = torch.randint(0, 4, (50,), generator=g)
         local_R[torch.randperm(50, generator=g)[:6]] = 4  # 6 padding rows, after the last offset once sorted

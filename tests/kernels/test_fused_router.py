@@ -162,9 +162,9 @@ def _moe_config(**moe) -> ModelConfig:
     ids=["softmax-learned", "sigmoid-normalised-scaled-skewed"],
 )
 def test_fused_moe_model_runs_the_router_op_and_equals_unfused(moe, device):
-    """fp32, on the run's device: with every router's switch on (``Transformer.use_fused_kernels`` does
-    not reach the routers: set here) the step runs the router op once per MoE layer each way, and no
-    eager logsumexp or softmax backward, with the unfused model's loss and gradients."""
+    """fp32, on the run's device: with fused kernels every router (built with the config's switch) runs
+    the router op once per MoE layer each way, and no eager logsumexp or softmax backward, with the
+    unfused model's loss and gradients."""
     config = _moe_config(**moe)
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
     tokens, labels = (t.to(device) for t in model_batch(vocab=config.vocab_size))
@@ -173,8 +173,7 @@ def test_fused_moe_model_runs_the_router_op_and_equals_unfused(moe, device):
         model = build_model(dataclasses.replace(config, fused_kernels=fused), device, seed=7)
         routers = [m for m in model.modules() if isinstance(m, Router)]
         assert len(routers) == moe_layers
-        for router in routers:
-            router.fused_kernels = fused
+        assert all(router.fused_kernels is fused for router in routers)
         with OpRecorder() as recorder:
             loss = model.loss(tokens, labels)
             loss.backward()

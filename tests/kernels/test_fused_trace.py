@@ -99,8 +99,8 @@ def test_dense_model_runs_fused_ops_only():
 
 def test_routed_experts_run_the_fused_activation():
     with FakeTensorMode() as mode:
-        experts = cast_parameters(GroupedExperts(d_model=32, hidden=24, num_experts=4, backend="torch"), Precision.BF16)
-        experts.fused_kernels = True
+        experts = GroupedExperts(d_model=32, hidden=24, num_experts=4, backend="torch", fused_kernels=True)
+        experts = cast_parameters(experts, Precision.BF16)
         x = mode.from_tensor(torch.randn(20, 32, dtype=torch.bfloat16)).requires_grad_()
         groups = ExpertGroups.from_counts(mode.from_tensor(torch.tensor([5, 0, 9, 6])))
         with OpRecorder() as recorder:
@@ -130,17 +130,15 @@ def test_moe_model_runs_the_fused_routing_ops():
 
 
 def test_moe_model_runs_the_fused_router_op():
-    """With the routers' switch on (``Transformer.use_fused_kernels`` does not reach them: set here), each
-    MoE layer's scores, weights and loss statistics are one op each way: no eager logsumexp or softmax
-    backward (the learned selection still takes its top-k of an eager softmax, saving nothing)."""
+    """With fused kernels (the routers built with the config's switch), each MoE layer's scores, weights
+    and loss statistics are one op each way: no eager logsumexp or softmax backward (the learned
+    selection still takes its top-k of an eager softmax, saving nothing)."""
     config = ModelConfig(**{**MODEL_CONFIG, "dtype": "bf16"})
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.n_layers))
     tokens, labels = model_batch()
     with FakeTensorMode() as mode:
         model = build_model(config)
-        for module in model.modules():
-            if isinstance(module, Router):
-                module.fused_kernels = True
+        assert all(module.fused_kernels for module in model.modules() if isinstance(module, Router))
         with OpRecorder() as recorder:
             model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
     fused = recorder.fused()

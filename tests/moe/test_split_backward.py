@@ -28,8 +28,7 @@ class _Stage(torch.nn.Module):
     def __init__(self, backend: ExpertBackendKind, fused: bool):
         super().__init__()
         self.scale = torch.nn.Parameter(torch.empty(D))
-        self.experts = GroupedExperts(D, F, len(COUNTS), backend)
-        self.experts.fused_kernels = fused
+        self.experts = GroupedExperts(D, F, len(COUNTS), backend, fused_kernels=fused)
 
     def forward(self, x_ND: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         # The padding rows' gradients are undefined: masked, as the dispatch's scatter does.
