@@ -15,30 +15,33 @@ from moe_engine.modules.mla import MultiHeadLatentAttention
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.layer import MoELayer
-from moe_engine.moe.router import Router
 
 _ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 
 class Block(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)). With fused kernels the residual add
-    h = x + attn(...) runs inside the feed-forward norm's fused op."""
+    """Pre-norm block: x + attn(norm(x)), then h + ffn(norm(h)). With fused kernels
+    (``config.fused_kernels``, handed to every module at construction) the residual add
+    h = x + attn(...) runs inside the feed-forward norm's fused op. An MoE block's layer reaches its
+    experts as ``dispatch`` says (default: all on this device)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, dispatch: DispatchSpec | None = None):
         super().__init__()
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        fused = self.fused_kernels = config.fused_kernels
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, fused)
         self.attn = Attention(config) if config.mla is None else MultiHeadLatentAttention(config)
-        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, fused)
         self.ffn: MoELayer | SwiGLU
         if config.is_moe_layer(layer_idx):
-            self.ffn = MoELayer(config.d_model, config.moe, layer_idx)
+            self.ffn = MoELayer(config.d_model, config.moe, layer_idx, fused, dispatch)
         else:
-            self.ffn = SwiGLU(config.d_model, config.dense_hidden)
+            self.ffn = SwiGLU(config.d_model, config.dense_hidden, fused)
 
     def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        if self.ffn_norm.fused_kernels:
+        if self.fused_kernels:
             h_BSD, normed_BSD = self.ffn_norm(self.attn(self.attn_norm(x_BSD), rope), residual=x_BSD)
             return h_BSD + self.ffn(normed_BSD)
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), rope)
@@ -48,33 +51,27 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Embedding, blocks, final norm and LM head. With ``tie_embeddings`` there is no ``lm_head``
     module: the logits multiply by the embedding's weight, so the model holds (and a checkpoint
-    names) that one matrix once, as ``embed.weight``."""
+    names) that one matrix once, as ``embed.weight``.
 
-    def __init__(self, config: ModelConfig):
+    Every component is chosen here, from ``config`` and ``dispatch``: the fused kernels or the eager
+    compositions (``config.fused_kernels``: every RMSNorm, SwiGLU, RoPE, router, the experts and their
+    dispatchers, the loss), and where each MoE layer's experts live and how tokens reach them
+    (``dispatch``, ``moe_engine.moe.dispatch_spec``; default: all on this device)."""
+
+    def __init__(self, config: ModelConfig, dispatch: DispatchSpec | None = None):
         super().__init__()
         self.config = config
+        self.fused_kernels = config.fused_kernels
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         if config.mla is None:
             assert config.head_dim is not None  # ModelConfig resolves it for grouped-query attention
             rope_dim = config.head_dim
         else:
             rope_dim = config.mla.qk_rope_head_dim
-        self.rope = RotaryEmbedding(rope_dim, config.seq_len, config.rope_theta)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.rope = RotaryEmbedding(rope_dim, config.seq_len, config.rope_theta, config.fused_kernels)
+        self.blocks = nn.ModuleList(Block(config, i, dispatch) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps, config.fused_kernels)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.fused_kernels = False
-        if config.fused_kernels:
-            self.use_fused_kernels(True)
-
-    def use_fused_kernels(self, on: bool) -> None:
-        """Run every RMSNorm (and the residual add before each block's second norm), SwiGLU, RoPE, the
-        router's score and loss chain, the experts' row movements and the loss as fused ops
-        (``moe_engine.kernels``), or as their eager compositions."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, SwiGLU, GroupedExperts, RotaryEmbedding, Router)):
-                module.fused_kernels = on
-        self.fused_kernels = on
 
     def fused_kernel_paths(self) -> dict[str, kernels.KernelPath]:
         """Where each fused op runs for this model's parameters' device and compute dtype (all on the
@@ -133,12 +130,18 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
+        """Norms 1, every matrix N(0, std) in parameter order; an expert-parallel rank's experts get
+        the values the single-process model's block of them gets from the same random state."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        experts = {id(p): m for m in self.modules() if isinstance(m, GroupedExperts) for p in (m.gate_up, m.down)}
         for param in self.parameters():
             if param.ndim >= 2:
-                nn.init.normal_(param, std=std)
+                if id(param) in experts:
+                    experts[id(param)].normal_(param, std)
+                else:
+                    nn.init.normal_(param, std=std)
 
 
 def _cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
@@ -159,10 +162,13 @@ def cast_parameters(model: _ModuleT, precision: Precision) -> _ModuleT:
     return model
 
 
-def build_model(config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0) -> Transformer:
-    """Build, initialise (seeded) and cast a model on ``device``."""
+def build_model(
+    config: ModelConfig, device: torch.device | str = "cpu", seed: int = 0, dispatch: DispatchSpec | None = None
+) -> Transformer:
+    """Build, initialise (seeded) and cast a model on ``device``, its MoE layers' experts and
+    dispatchers as ``dispatch`` says (default: all on this device)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Transformer(config)
+        model = Transformer(config, dispatch)
     model.init_weights(config.init_std)
     return cast_parameters(model, config.dtype)

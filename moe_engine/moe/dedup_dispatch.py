@@ -65,7 +65,8 @@ class DedupDispatcher(Dispatcher):
     The levels' sizes multiply to the expert-parallel degree ep; this rank's expert-parallel rank is
     its rank in the first level's group times the second's size plus its rank there (ranks of a node
     consecutive), and it holds experts [ep_rank * L, (ep_rank + 1) * L). In the no-sync variant every
-    rank must pass the same number of tokens; every rank must use the same ``chunks``.
+    rank must pass the same number of tokens; every rank must use the same ``chunks``. With
+    ``fused_kernels`` the row gathers and combines run as the fused ops.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class DedupDispatcher(Dispatcher):
         kind: DispatchKind = DispatchKind.NO_SYNC,
         capacity_factor: float = 1.25,
         chunks: int = 1,
+        fused_kernels: bool = False,
     ):
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
@@ -90,6 +92,7 @@ class DedupDispatcher(Dispatcher):
         self.kind = DispatchKind(kind)
         self.capacity_factor = capacity_factor
         self.chunks = chunks
+        self.fused_kernels = fused_kernels
 
     def __deepcopy__(self, memo):
         # Process groups cannot be copied; a copied model talks over the same groups.
@@ -229,8 +232,10 @@ class DedupDispatcher(Dispatcher):
         (docs/dispatch.md) that hands over once per direction, and on a GPU its inside runs on the
         side stream (``streams.chain``), so that the other program's compute never queues behind it."""
         if level == len(self.levels):
-            return _local_experts(x_RD, ids_RK, w_RK, experts), torch.zeros((), dtype=torch.int64, device=x_RD.device)
-        group, fused = self.levels[level].group, experts.fused_kernels
+            return _local_experts(x_RD, ids_RK, w_RK, experts, self.fused_kernels), torch.zeros(
+                (), dtype=torch.int64, device=x_RD.device
+            )
+        group, fused = self.levels[level].group, self.fused_kernels
         last = level == len(self.levels) - 1
         # The dispatch's chain ends at the last level, the combine's at the first; the backward runs
         # each the other way round. The side buffer travels beside its rows: it never hands over.
@@ -294,9 +299,10 @@ def _side_rows(rows: RowMap, ids_RK: torch.Tensor, w_RK: torch.Tensor, block: in
 
 
 def _local_experts(
-    x_RD: torch.Tensor, ids_RW: torch.Tensor, w_RW: torch.Tensor, experts: GroupedExperts
+    x_RD: torch.Tensor, ids_RW: torch.Tensor, w_RW: torch.Tensor, experts: GroupedExperts, fused: bool
 ) -> torch.Tensor:
-    """(R, D): row r's weighted sum over its entries j with ids_RW[r, j] < L of that local expert's output."""
+    """(R, D): row r's weighted sum over its entries j with ids_RW[r, j] < L of that local expert's
+    output; ``fused``: the combine as the fused op."""
     num_local = experts.num_experts
     rows_in, width = ids_RW.shape
     plan = plan_routing(ids_RW, num_local + 1)
@@ -307,4 +313,4 @@ def _local_experts(
         plan.rows.row_N, plan.rows.assignment_R, width, kept_N=ids_RW.flatten() < num_local, filled_R=filled_P
     )
     y_PD = experts(x_RD, groups, rows=rows)
-    return combine(y_PD, w_RW, rows, experts.fused_kernels)
+    return combine(y_PD, w_RW, rows, fused)

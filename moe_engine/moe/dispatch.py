@@ -51,12 +51,16 @@ def _no_drops(device: torch.device) -> torch.Tensor:
 
 
 class LocalDispatcher(Dispatcher):
-    """Every expert on this device: gather rows in expert order, grouped GEMM, weighted combine."""
+    """Every expert on this device: gather rows in expert order, grouped GEMM, weighted combine; the
+    combine as the fused op with ``fused_kernels``."""
+
+    def __init__(self, fused_kernels: bool = False):
+        self.fused_kernels = fused_kernels
 
     def __call__(self, x_TD, route, experts):
         plan = plan_routing(route.expert_TK, experts.num_experts)
         y_ND = experts(x_TD, plan.groups, rows=plan.rows)
-        return combine(y_ND, route.weight_TK, plan.rows, experts.fused_kernels), _no_drops(x_TD.device)
+        return combine(y_ND, route.weight_TK, plan.rows, self.fused_kernels), _no_drops(x_TD.device)
 
 
 in_flight_hook: Callable[[], None] | None = None
@@ -322,12 +326,17 @@ def _expert_rows(local_M: torch.Tensor, num_local: int) -> torch.Tensor:
 
 
 def _run_received(
-    recv_RD: torch.Tensor, local_R: torch.Tensor, counts_L: torch.Tensor, experts: GroupedExperts, padded: bool
+    recv_RD: torch.Tensor,
+    local_R: torch.Tensor,
+    counts_L: torch.Tensor,
+    experts: GroupedExperts,
+    padded: bool,
+    fused: bool,
 ) -> torch.Tensor:
-    """Expert outputs for received rows, in arrival order; padding rows (local id L) give zeros."""
+    """Expert outputs for received rows, in arrival order; padding rows (local id L) give zeros;
+    ``fused``: the gather back to arrival order as the fused op."""
     sort = sort_permutation(local_R)
     groups = ExpertGroups.from_counts(counts_L)
-    fused = experts.fused_kernels
     y_RD = experts(recv_RD, groups, rows=sort)
     back = sort.inverse()
     if padded:
@@ -348,11 +357,18 @@ class AllToAllDispatcher(Dispatcher):
 
     In the no-sync variant every rank of the group must pass the same number of tokens (the
     equal-split buffers are sized from it); the sync variant accepts any. Every rank of the group
-    must use the same ``chunks`` (chunked exchanges: docs/dispatch.md).
+    must use the same ``chunks`` (chunked exchanges: docs/dispatch.md). With ``fused_kernels`` the
+    row gathers and the combine run as the fused ops; None follows the experts' own setting at each
+    call, for a dispatcher built outside ``DispatchSpec`` and set on a layer after its build.
     """
 
     def __init__(
-        self, group, kind: DispatchKind = DispatchKind.NO_SYNC, capacity_factor: float = 1.25, chunks: int = 1
+        self,
+        group,
+        kind: DispatchKind = DispatchKind.NO_SYNC,
+        capacity_factor: float = 1.25,
+        chunks: int = 1,
+        fused_kernels: bool | None = None,
     ):
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
@@ -361,6 +377,7 @@ class AllToAllDispatcher(Dispatcher):
         self.kind = DispatchKind(kind)
         self.capacity_factor = capacity_factor
         self.chunks = chunks
+        self.fused_kernels = fused_kernels
 
     @property
     def chunks(self) -> int:
@@ -382,6 +399,9 @@ class AllToAllDispatcher(Dispatcher):
             return self._sync(x_TD, route, experts)
         return self._no_sync(x_TD, route, experts)
 
+    def _fused(self, experts: GroupedExperts) -> bool:
+        return experts.fused_kernels if self.fused_kernels is None else self.fused_kernels
+
     def send_counts(self, expert_TK: torch.Tensor, num_local: int) -> torch.Tensor:
         """(ep, L) rows these routes send each destination's local experts (after capacity drops)."""
         plan = plan_routing(expert_TK, self.ep * num_local)
@@ -402,7 +422,7 @@ class AllToAllDispatcher(Dispatcher):
         return all_to_all(send_RD, self.group, recv_splits, send_splits)
 
     def _sync(self, x_TD, route, experts):
-        ep, fused = self.ep, experts.fused_kernels
+        ep, fused = self.ep, self._fused(experts)
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
         send_counts_SL = plan.groups.counts_E.view(ep, -1)
         recv_counts_SL = self.exchange_counts(send_counts_SL, route.expert_TK)
@@ -425,12 +445,12 @@ class AllToAllDispatcher(Dispatcher):
 
         recv_MD = self.exchange_rows(gather_tokens(x_TD, plan.rows, fused), recv_splits, send_splits, combine=False)
         local_M = _received_local_experts_sync(recv_counts_SL, recv_MD.shape[0])
-        y_MD = _run_received(recv_MD, local_M, recv_counts_SL.sum(dim=0), experts, padded=False)
+        y_MD = _run_received(recv_MD, local_M, recv_counts_SL.sum(dim=0), experts, False, fused)
         y_ND = self.exchange_rows(y_MD, send_splits, recv_splits, combine=True)
         return combine(y_ND, route.weight_TK, plan.rows, fused), _no_drops(x_TD.device)
 
     def _no_sync(self, x_TD, route, experts):
-        ep, fused = self.ep, experts.fused_kernels
+        ep, fused = self.ep, self._fused(experts)
         num_tokens, top_k = route.expert_TK.shape
         slot_capacity = capacity(num_tokens * top_k, ep, self.capacity_factor)
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
@@ -449,7 +469,7 @@ class AllToAllDispatcher(Dispatcher):
         # One gather from x_TD writes each kept assignment straight into its slot.
         recv_RD = self.exchange_rows(gather_tokens(x_TD, slots.rows, fused), None, None, combine=False)
         local_R = received_local_experts(recv_counts_SL, slot_capacity)
-        y_RD = _run_received(recv_RD, local_R, recv_counts_SL.sum(dim=0), experts, padded=True)
+        y_RD = _run_received(recv_RD, local_R, recv_counts_SL.sum(dim=0), experts, True, fused)
         y_RD = self.exchange_rows(y_RD, None, None, combine=True)
         return combine(y_RD, route.weight_TK, slots.rows, fused), slots.dropped
 
@@ -499,7 +519,7 @@ class AllToAllDispatcher(Dispatcher):
             if k + 1 < self.chunks:
                 pending = start_dispatch(k + 1)
             counts_L = _expert_rows(locals_[k], num_local)
-            y_MD = _run_received(recv_MD, locals_[k], counts_L, experts, padded)
+            y_MD = _run_received(recv_MD, locals_[k], counts_L, experts, padded, self._fused(experts))
             if self._overlaps():
                 returns.start(y_MD, self.group, splits(send_rows[k]), splits(recv_rows[k]))
             else:

@@ -1,7 +1,8 @@
 """The MoE feed-forward layer: route, dispatch, experts, combine (plus an optional shared expert).
 
 Where the experts live is the dispatcher's business (``layer.dispatcher``): all on this device by
-default, or a block of them per rank under expert parallelism (``enable_expert_parallel``).
+default, or a block of them per rank under expert parallelism, both chosen at construction by a
+``DispatchSpec`` (``moe_engine.moe.dispatch_spec``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from moe_engine.config import DispatchKind, DispatchRows, MoEConfig, ParallelConfig
+from moe_engine.config import DispatchKind, DispatchRows, MoEConfig
 from moe_engine.modules.mlp import SwiGLU
-from moe_engine.moe.dedup_dispatch import DedupDispatcher, DispatchLevel
-from moe_engine.moe.dispatch import AllToAllDispatcher, Dispatcher, LocalDispatcher
+from moe_engine.moe.dispatch import Dispatcher
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.router import Router
 
@@ -46,17 +46,40 @@ class _AttachLoss(torch.autograd.Function):
 
 
 class MoELayer(nn.Module):
+    """Router, experts and dispatcher (plus an optional shared expert), each built with
+    ``fused_kernels``; ``dispatch`` says which experts live here and which dispatcher reaches them
+    (default: all of them, ``LocalDispatcher``)."""
+
     tokens_per_expert: torch.Tensor
 
-    def __init__(self, d_model: int, config: MoEConfig, layer_idx: int = 0):
+    def __init__(
+        self,
+        d_model: int,
+        config: MoEConfig,
+        layer_idx: int = 0,
+        fused_kernels: bool = False,
+        dispatch: DispatchSpec | None = None,
+    ):
         super().__init__()
+        dispatch = DispatchSpec() if dispatch is None else dispatch
         self.config = config
-        self.router = Router(d_model, config, layer_idx)
-        self.experts = GroupedExperts(d_model, config.expert_hidden, config.num_experts, config.backend)
-        self.shared_expert = SwiGLU(d_model, config.shared_expert_hidden) if config.shared_expert_hidden > 0 else None
+        self.d_model = d_model
+        self.fused_kernels = fused_kernels
+        self.router = Router(d_model, config, layer_idx, fused_kernels)
+        self.experts = GroupedExperts(
+            d_model,
+            config.expert_hidden,
+            config.num_experts,
+            config.backend,
+            fused_kernels,
+            held=dispatch.local_experts(config.num_experts),
+        )
+        self.shared_expert = (
+            SwiGLU(d_model, config.shared_expert_hidden, fused_kernels) if config.shared_expert_hidden > 0 else None
+        )
         # Assignments per expert since the last expert-bias update (device tensor, no sync).
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64), persistent=False)
-        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.dispatcher: Dispatcher = dispatch.build(config, d_model, layer_idx, fused_kernels)
         # Statistics of the last forward, for logging (detached, on the device).
         self.last_router_loss: torch.Tensor | None = None
         # The router's per-expert counts of this rank's tokens (all E experts, wherever they live).
@@ -78,35 +101,20 @@ class MoELayer(nn.Module):
         rows: DispatchRows = DispatchRows.PER_EXPERT,
         nodes: NodeGroups | None = None,
     ) -> None:
-        """Become rank ``ep_rank``'s shard of an expert-parallel group: keep only its block of experts
-        (new parameters, same values) and send tokens to their experts over all-to-all in ``group``,
-        in ``a2a_chunks`` chunks overlapped with the experts (``moe_engine.moe.dispatch``), one row per
-        ``rows`` (``moe_engine.moe.dedup_dispatch``; per-node travels over ``nodes``, ``group`` split
-        by node; auto: per-node where ``nodes`` is given, else per-rank)."""
+        """Become rank ``ep_rank``'s shard of an expert-parallel group after the build: keep only its
+        block of experts (new parameters, same values) and build the dispatcher
+        ``DispatchSpec(group, ep_rank, ep, kind, ...)`` gives.
+
+        The one path left that changes a layer after its build, kept while the benchmark's proxy rank
+        shards a model built on the meta device this way; everything else passes the ``DispatchSpec``
+        to the constructor."""
+        spec = DispatchSpec(group, ep_rank, ep, kind, capacity_factor, a2a_chunks, rows, nodes)
         num_experts = self.config.num_experts
-        if num_experts % ep != 0:
-            raise ValueError(f"ep={ep} does not divide num_experts={num_experts}")
-        if dist.get_world_size(group) != ep:
-            raise ValueError(f"the expert-parallel group has {dist.get_world_size(group)} ranks, expected ep={ep}")
+        held = spec.local_experts(num_experts)
         if self.experts.global_experts != range(num_experts):
             raise RuntimeError(f"experts are already sharded (holding {self.experts.global_experts})")
-        # Imported here: the parallel package builds on models, so a module-level import could cycle.
-        from moe_engine.parallel.layout import Layout
-
-        self.experts.keep_only(Layout(ParallelConfig(dp=ep, ep=ep)).local_experts(ep_rank, num_experts))
-        rows = DispatchRows(rows)
-        if rows is DispatchRows.AUTO:
-            rows = DispatchRows.PER_RANK if nodes is None else DispatchRows.PER_NODE
-        if rows is DispatchRows.PER_EXPERT:
-            self.dispatcher = AllToAllDispatcher(group, kind, capacity_factor, a2a_chunks)
-        elif rows is DispatchRows.PER_RANK:
-            self.dispatcher = DedupDispatcher([DispatchLevel(group, 1)], kind, capacity_factor, a2a_chunks)
-        else:
-            if nodes is None:
-                raise ValueError("per-node dispatch needs the expert-parallel group's node groups")
-            per_node = dist.get_world_size(nodes.intra)
-            levels = [DispatchLevel(nodes.inter, per_node), DispatchLevel(nodes.intra, 1)]
-            self.dispatcher = DedupDispatcher(levels, kind, capacity_factor, a2a_chunks)
+        self.experts.keep_only(held)
+        self.dispatcher = spec.build(self.config, self.d_model, self.router.layer_idx, self.fused_kernels)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])

@@ -1,8 +1,8 @@
 """One rank's share of a training step under any layout: build what the rank holds, then step it.
 
-``build_rank_model`` builds the full model from the seed (so every layout starts from the same
-weights as the single-process reference), then keeps this rank's share: its local experts (ep),
-its pipeline stages (pp), or its FSDP shards. ``ParallelTrainer.step`` runs forward and backward
+``build_rank_model`` builds the model from the seed with this rank's experts and dispatchers chosen
+at construction (``DispatchSpec.from_parallel``; every layout starts from the same weights as the
+single-process reference), then keeps this rank's share: its pipeline stages (pp), or its FSDP shards. ``ParallelTrainer.step`` runs forward and backward
 over the rank's microbatches (itself, or through the pipeline schedule), synchronises gradients and
 updates the parameters. With no process groups it is the single-process trainer.
 """
@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from moe_engine.config import DataParallelMode, ModelConfig, ParallelConfig, Precision, RecomputeConfig
 from moe_engine.model import Transformer, build_model
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.data_parallel import DataParallelOptimizer, build_data_parallel_optimizer
 from moe_engine.parallel.fsdp import apply_fsdp, clip_fsdp_grad_norm_
@@ -87,8 +88,9 @@ def build_rank_model(
     recompute: RecomputeConfig | None = None,
     compile: bool = False,
 ) -> RankModel:
-    """Build the model from ``seed`` and keep this rank's share of it; ``recompute`` and ``compile`` set
-    how its blocks run (activation recompute, regional ``torch.compile``)."""
+    """Build the model from ``seed`` with this rank's experts and dispatchers (``DispatchSpec.from_parallel``)
+    and keep this rank's share of it; ``recompute`` and ``compile`` set how its blocks run (activation
+    recompute, regional ``torch.compile``)."""
     parallel.validate(config)
     parallel.validate_executable()
     if groups is None and parallel.world_size > 1:
@@ -96,21 +98,9 @@ def build_rank_model(
     fsdp = parallel.dp_mode is DataParallelMode.FSDP and groups is not None
     config = rank_config(config, groups)
     # FSDP keeps fp32 shards as the master weights and casts the gathered copies itself.
-    model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed)
+    dispatch = DispatchSpec.from_parallel(parallel, groups)
+    model = build_model(dataclasses.replace(config, dtype=Precision.FP32) if fsdp else config, device, seed, dispatch)
     prepare_blocks(model, parallel, recompute, compile)
-    if parallel.ep > 1:
-        assert groups is not None  # ep > 1 is a layout of several ranks (checked above)
-        for layer in model.moe_layers():
-            layer.enable_expert_parallel(
-                groups.ep,
-                groups.coords.ep_rank,
-                parallel.ep,
-                parallel.dispatch,
-                parallel.capacity_factor,
-                parallel.a2a_chunks,
-                parallel.resolved_dispatch_rows,
-                groups.nodes,
-            )
     if fsdp:
         assert groups is not None  # part of fsdp's definition above
         apply_fsdp(model, groups.dp, config.dtype.torch_dtype)

@@ -60,10 +60,14 @@ def test_switch_is_on_by_default_and_off_says_so(device):
 def test_switch_reaches_every_fused_module(device):
     model = build_model(GQA, device)
     switched = {type(m).__name__ for m in model.modules() if getattr(m, "fused_kernels", False)}
-    assert switched == {"Transformer", "RMSNorm", "SwiGLU", "GroupedExperts", "RotaryEmbedding", "Router"}
-    assert all(layer.experts.backend.fused_swiglu for layer in model.moe_layers())
-    model.use_fused_kernels(False)
-    assert not any(getattr(m, "fused_kernels", False) for m in model.modules())
+    fused_modules = {"Transformer", "Block", "RMSNorm", "SwiGLU", "GroupedExperts", "RotaryEmbedding", "Router"}
+    assert switched == fused_modules | {"MoELayer"}
+    assert all(layer.experts.backend.fused_swiglu and layer.dispatcher.fused_kernels for layer in model.moe_layers())
+    # The other setting is another model, built from its config, with the same weights.
+    off = build_model(dataclasses.replace(GQA, fused_kernels=False), device, seed=1)
+    off.load_state_dict(model.state_dict())
+    assert not any(getattr(m, "fused_kernels", False) for m in off.modules())
+    assert not any(layer.experts.backend.fused_swiglu or layer.dispatcher.fused_kernels for layer in off.moe_layers())
 
 
 def test_config_round_trip_keeps_the_switch():

@@ -19,13 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
-from test_dispatch import _step, make_case, make_layer, relative_error
+from test_dispatch import _step, make_case, make_layer, relative_error, shard
 from tolerances import assert_moves_close, in_quadrature, model_tolerance, moe_layer_tolerance, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.host_sync import forbid_host_sync
 from moe_engine.moe import dispatch
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.permute import (
     RowMap,
     chunk_bounds,
@@ -129,9 +130,8 @@ def _layer_job(cases: list[dict], checks: bool) -> dict:
     for case in cases:
         for chunks in LAYER_CHUNKS:
             layer = make_layer(case["seed"], case["routing"], case["backend"], routing_seed=rank)
-            layer.enable_expert_parallel(
-                dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"], a2a_chunks=chunks
-            )
+            spec = DispatchSpec(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"], chunks)
+            layer = shard(layer, spec)
             results[case["name"], chunks] = _step(layer, case["x"][rank], case["grad"][rank])
     if checks:
         results["order"] = {kind: _order_job(case, ORDER_CHUNKS) for kind, case in ORDER_CASES.items()}
@@ -203,7 +203,8 @@ def _order_job(case: dict, chunks: int) -> tuple[list, list]:
     flight.__init__, flight.start, flight.wait = numbered_init, logged_start, logged_wait
     try:
         layer = make_layer(case["seed"], case["routing"], case["backend"], routing_seed=rank)
-        layer.enable_expert_parallel(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"], chunks)
+        spec = DispatchSpec(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"], chunks)
+        layer = shard(layer, spec)
         x = case["x"][rank].clone().requires_grad_()
         with _GemmLog(events):
             y = layer(x)
@@ -251,8 +252,10 @@ def test_every_exchange_but_the_first_and_last_runs_under_experts(layers, kind):
 def _host_sync_job(chunks: int) -> bool:
     rank = dist.get_rank()
     case = make_case("guard-chunks", 2, "no-sync", 1.0, "skewed")
-    layer = make_layer(case["seed"], case["routing"], routing_seed=rank)
-    layer.enable_expert_parallel(dist.group.WORLD, rank, 2, "no-sync", 1.0, a2a_chunks=chunks)
+    layer = shard(
+        make_layer(case["seed"], case["routing"], routing_seed=rank),
+        DispatchSpec(dist.group.WORLD, rank, 2, "no-sync", 1.0, chunks),
+    )
     x = case["x"][rank].clone().requires_grad_()
     with forbid_host_sync():
         layer(x).sum().backward()

@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed_harness import run_ranks
+from test_dispatch import shard
 
 from moe_engine.config import DispatchKind, DispatchRows, MoEConfig, ParallelConfig
 from moe_engine.host_sync import HostSyncError, forbid_host_sync, profile_host_syncs
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.router import RouterOutput
 from moe_engine.parallel.groups import build_node_groups
@@ -59,11 +61,8 @@ def step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
 
 def sharded(rows: str, kind: str, capacity_factor: float, chunks: int, nodes, routing: str = "learned") -> MoELayer:
     rank = dist.get_rank()
-    layer = make_layer(rank, routing)
-    layer.enable_expert_parallel(
-        dist.group.WORLD, rank, dist.get_world_size(), kind, capacity_factor, chunks, rows=rows, nodes=nodes
-    )
-    return layer
+    spec = DispatchSpec(dist.group.WORLD, rank, dist.get_world_size(), kind, capacity_factor, chunks, rows, nodes)
+    return shard(make_layer(rank, routing), spec)
 
 
 # (name, rows, kind, capacity_factor, a2a_chunks); each is compared with per-expert rows of the same kind.
@@ -320,8 +319,7 @@ def _record_job(rows: str) -> list[tuple]:
     """(level, destination global rank, bytes, direction) for every remote piece of every all-to-all."""
     rank = dist.get_rank()
     nodes = build_node_groups([list(range(4))], 2)
-    layer = make_layer(rank)
-    layer.enable_expert_parallel(dist.group.WORLD, rank, 4, DispatchKind.SYNC, 1.0, 1, rows=rows, nodes=nodes)
+    layer = shard(make_layer(rank), DispatchSpec(dist.group.WORLD, rank, 4, DispatchKind.SYNC, 1.0, 1, rows, nodes))
     sizes = {id(nodes.inter): "inter", id(nodes.intra): "intra"}
     records, original = [], dist.all_to_all_single
 

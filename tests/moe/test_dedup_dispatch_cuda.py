@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
+from test_dispatch import shard
 
 from moe_engine.config import MoEConfig
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.groups import NodeGroups, build_node_groups
 
@@ -31,9 +33,8 @@ def _layer(rank: int, device: torch.device, dtype: torch.dtype, rows: str, kind:
     layer = MoELayer(D_MODEL, moe)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    layer = layer.to(device=device, dtype=dtype)
-    layer.enable_expert_parallel(group, rank, 2, kind, 4.0, 1, rows=rows, nodes=nodes)
-    return layer
+    layer = shard(layer, DispatchSpec(group, rank, 2, kind, 4.0, 1, rows, nodes))
+    return layer.to(device=device, dtype=dtype)
 
 
 def _rank_job() -> dict:

@@ -16,6 +16,7 @@ from tolerances import moe_layer_tolerance, tolerance
 from moe_engine.config import DispatchKind, ExpertBackendKind, MoEConfig
 from moe_engine.host_sync import HostSyncError, forbid_host_sync
 from moe_engine.moe.dispatch import AllToAllDispatcher, LocalDispatcher, capacity
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.permute import ExpertGroups, combine, gather_tokens, plan_routing, plan_slots
@@ -42,6 +43,16 @@ def make_layer(seed: int, routing: str, backend: str = "torch", routing_seed: in
     layer = MoELayer(D_MODEL, moe)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.3)
+    return layer
+
+
+def shard(full: MoELayer, dispatch: DispatchSpec) -> MoELayer:
+    """A layer built with ``dispatch`` (its block of experts, its dispatcher) holding ``full``'s weights."""
+    layer = MoELayer(full.d_model, full.config, full.router.layer_idx, full.fused_kernels, dispatch)
+    held = layer.experts.global_experts
+    experts = {"experts.gate_up", "experts.down"}
+    state = {n: v[held.start : held.stop] if n in experts else v for n, v in full.state_dict().items()}
+    layer.load_state_dict(state)
     return layer
 
 
@@ -85,8 +96,7 @@ def _step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
 def _sharded(case: dict, rank: int) -> MoELayer:
     # Each rank draws its own random/skewed routing, as ranks with different data would.
     layer = make_layer(case["seed"], case["routing"], case["backend"], routing_seed=rank)
-    layer.enable_expert_parallel(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"])
-    return layer
+    return shard(layer, DispatchSpec(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"]))
 
 
 def _host_sync_checks(rank: int) -> dict:
@@ -348,7 +358,7 @@ def test_received_padding_rows_come_back_zero_with_no_gradient(fused):
     local_R = torch.tensor([2, 0, 3, 1, 0, 3, 3, 2, 1, 0])  # 3 local experts; id 3 is padding
     counts_L = torch.bincount(local_R, minlength=4)[:3]
     recv_RD = torch.randn(10, 6, requires_grad=True)
-    y_RD = _run_received(recv_RD, local_R, counts_L, _NanPadExperts(fused), padded=True)
+    y_RD = _run_received(recv_RD, local_R, counts_L, _NanPadExperts(fused), padded=True, fused=fused)
     real = local_R < 3
     expected = torch.where(real.unsqueeze(1), recv_RD.detach() * 2 + local_R.unsqueeze(1), 0.0)
     assert torch.equal(y_RD, expected), f"seed {seed}"

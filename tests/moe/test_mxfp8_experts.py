@@ -40,10 +40,10 @@ def normwise_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected).norm() / expected.norm()).item()
 
 
-def make_layer(config: ModelConfig, backend: str, seed: int = 0) -> MoELayer:
+def make_layer(config: ModelConfig, backend: str, seed: int = 0, fused: bool = False) -> MoELayer:
     torch.manual_seed(seed)
     moe = dataclasses.replace(config.moe, backend=backend)
-    layer = MoELayer(config.d_model, moe)
+    layer = MoELayer(config.d_model, moe, fused_kernels=fused)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=config.init_std)
     return cast_parameters(layer, config.dtype)
@@ -215,8 +215,7 @@ def test_path_label_names_the_fallback_that_ran(fused, monkeypatch):
     assert label(mx.GemmPath.SCALED_GROUPED_MM, "cuda:0") == "scaled-grouped-mm-mxfp8-sm100"
 
     config = ModelConfig(d_model=64, dtype="fp32", moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64))
-    layer = make_layer(config, "mxfp8")
-    layer.experts.fused_kernels = fused
+    layer = make_layer(config, "mxfp8", fused=fused)
     reference = make_layer(config, "torch")
     x_TD, grad_TD = torch.randn(32, 64), torch.randn(32, 64)
     y, grads = run(layer, x_TD, grad_TD)
