@@ -181,7 +181,7 @@ def _memory_gb() -> float:
 def machine_info() -> dict[str, Any]:
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpu_name = torch.cuda.get_device_name(0) if gpu_count else None
-    try:
+    try:  # optional and heavy: triton, only for its version
         import triton
 
         triton_version = triton.__version__

@@ -7,6 +7,7 @@ before any work starts.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any
 import jsonschema
 import yaml
 
+from bench.predict.device import ProfileError, load_profile
 from bench.results import REPO_ROOT
 from bench.scenario_sections import ClusterConfig, ProxyConfig, RunConfig
 from bench.units import GIB
 from moe_engine.config import ModelConfig, OptimizerConfig, ParallelConfig, RecomputeConfig
-from moe_engine.parallel.layout import stage_blocks
+from moe_engine.parallel.layout import check_proxy_layout, stage_blocks
 
 SCENARIO_SCHEMA_PATH = REPO_ROOT / "scenarios" / "schema.json"
 SCENARIOS_DIR = REPO_ROOT / "scenarios"
@@ -79,8 +81,6 @@ class Scenario:
 
 
 def _schema() -> dict[str, Any]:
-    import json
-
     return json.loads(SCENARIO_SCHEMA_PATH.read_text())
 
 
@@ -233,8 +233,6 @@ def _recompute_config(spec: dict[str, Any], model: ModelConfig, parallel: Parall
 
 
 def _check_proxy(spec: dict[str, Any], proxy: ProxyConfig, parallel: ParallelConfig, file) -> None:
-    from moe_engine.parallel.layout import check_proxy_layout
-
     rank = proxy.rank
     if rank >= parallel.world_size:
         raise ScenarioError(file, "proxy.rank", f"rank {rank} is outside the layout's {parallel.world_size} ranks")
@@ -255,7 +253,6 @@ def _check_proxy(spec: dict[str, Any], proxy: ProxyConfig, parallel: ParallelCon
 
 def _apply_device(cluster: dict[str, Any], file) -> None:
     """Fill a cluster's memory, peak and network from its device profile; a given value must agree."""
-    from bench.predict.device import ProfileError, load_profile
 
     try:
         profile = load_profile(cluster["device"])

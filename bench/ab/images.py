@@ -26,6 +26,8 @@ from bench.gate.accept import Acceptance
 from bench.gate.compare import DEFAULT_TOLERANCE, compare
 from bench.gate.verdict import accept_changes
 from bench.release.record import ReleaseError, load_releases
+from bench.report.collect import VERSIONS_MANIFEST
+from bench.report.page import build_report
 from bench.results import ResultDocument, ResultFileError, load_results, write_text_atomic
 from bench.units import format_number, format_ratio
 
@@ -40,7 +42,7 @@ class VersionsError(ValueError):
 
 def connect() -> Any:
     """A Docker SDK client to a reachable engine (``DOCKER_HOST`` or the local socket)."""
-    try:
+    try:  # optional: the Docker SDK, needed only to compare images
         from docker.errors import DockerException
 
         import docker
@@ -59,6 +61,7 @@ def connect() -> Any:
 
 def check_images(client: Any, images: list[str]) -> None:
     """Every image must exist on the engine already (no implicit pulls)."""
+    # optional: the Docker SDK (``connect`` checked it is there)
     from docker.errors import DockerException, ImageNotFound
 
     for image in images:
@@ -89,6 +92,7 @@ def container_user(out: Path) -> str:
 
 def run_image(client: Any, image: str, command: list[str], out: Path, gpus: bool, log: Callable[[str], None]) -> int:
     """``moe-bench COMMAND...`` in ``image`` with ``out`` mounted at CONTAINER_RESULTS; the exit code."""
+    # optional: the Docker SDK (``connect`` checked it is there)
     from docker.types import DeviceRequest
 
     container = client.containers.run(
@@ -158,8 +162,6 @@ def run_versions(
     images: list[str], suite: str, out: Path, gpus: str = "auto", log: Callable[[str], None] = print
 ) -> tuple[int, str]:
     """Check, run every image, compare, write the report. Returns (exit code, the table). Raises VersionsError first."""
-    from bench.report.collect import VERSIONS_MANIFEST
-    from bench.report.page import build_report
 
     if len(images) < 2:
         raise VersionsError("give at least two images to compare")
@@ -167,6 +169,7 @@ def run_versions(
         raise VersionsError("an image is listed twice")
     client = connect()  # the SDK is importable from here on
     check_images(client, images)
+    # optional: the Docker SDK (``connect`` checked it is there)
     from docker.errors import DockerException
 
     use_gpus = host_has_gpus() if gpus == "auto" else gpus == "all"

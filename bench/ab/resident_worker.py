@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sys.stdout = sys.stderr  # keep stdout for the protocol
 
+    # The side's own code, imported once stdout is the protocol's: whatever it prints goes to stderr.
     import torch.distributed as dist
 
     from bench.scenario import scenario_from_dict

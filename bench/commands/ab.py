@@ -5,18 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.ab.calibration import render_calibration, run_calibration
+from bench.ab.gate import run_ab
+from bench.ab.plan import ABError, plan_ab
+from bench.ab.resident import WorkerDied
 from bench.commands.common import ACCEPT_HELP, EXIT_OK, accepted_increases, accepted_work, fail, parse_accept_options
+from bench.gate.formatting import parse_tolerance
+from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
+from bench.scenario import ScenarioError
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from bench.ab.calibration import render_calibration, run_calibration
-    from bench.ab.gate import run_ab
-    from bench.ab.plan import ABError, plan_ab
-    from bench.ab.resident import WorkerDied
-    from bench.gate.formatting import parse_tolerance
-    from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
-    from bench.scenario import ScenarioError
-
     try:
         tolerance = parse_tolerance(args.tolerance)
         device = resolve_device(args.device)

@@ -7,8 +7,11 @@ import os
 import sys
 from pathlib import Path
 
+from bench.gate.accept import check_metric_names, parse_acceptance
 from bench.metrics import WORK_METRIC_NAMES
 from bench.metrics import names as metric_names
+from bench.release import record
+from bench.results import load_nonempty
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -47,8 +50,6 @@ def parse_accept_options(specs: list[str], docs=(), with_releases: bool = True) 
     """``--accept SPEC`` (each checked: its form, and a metric that is gated or in ``docs``), then the
     accepted changes of every recorded release (each applies only where its versions say). Raises
     ValueError (one line)."""
-    from bench.gate.accept import check_metric_names, parse_acceptance
-    from bench.release import record
 
     given = []
     for spec in specs:
@@ -70,7 +71,6 @@ def load_side(path: str, skip_bad: bool = False):
     raises ResultFileError (a ValueError: one line naming the file and the reason); with
     ``skip_bad`` it is left out with a warning on stderr instead. No documents at all is bad input
     (``NoResultDocuments``, a ValueError)."""
-    from bench.results import load_nonempty
 
     def warn(err) -> None:
         print(f"moe-bench: warning: {err}; skipped", file=sys.stderr)

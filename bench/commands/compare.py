@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+
 from bench.commands.common import (
     ACCEPT_HELP,
     ACCEPT_WORK_HELP,
@@ -13,14 +15,14 @@ from bench.commands.common import (
     load_side,
     parse_accept_options,
 )
+from bench.gate.compare import compare
+from bench.gate.formatting import parse_tolerance
+from bench.gate.tables import render_rich_table
+from bench.gate.verdict import accept_changes, accepted_lines, gate
+from bench.gate.work import work_findings
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from bench.gate.compare import compare
-    from bench.gate.tables import render_rich_table
-    from bench.gate.verdict import accept_changes, accepted_lines
-    from bench.gate.work import work_findings
-
     try:
         accept = accepted_work(args.accept_work)
         base, cand = load_side(args.base), load_side(args.cand)
@@ -28,7 +30,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         comparison = accept_changes(compare(base, cand), accept, acceptances)
     except (FileNotFoundError, ValueError) as err:
         return fail(str(err))
-    from rich.console import Console
 
     Console(width=160).print(render_rich_table(comparison, title=f"{args.base} -> {args.cand}"))
     for issue in comparison.issues:
@@ -39,10 +40,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from bench.gate.compare import compare
-    from bench.gate.formatting import parse_tolerance
-    from bench.gate.verdict import gate
-
     try:
         tolerance = parse_tolerance(args.tolerance)
         accept = accepted_work(args.accept_work)

@@ -6,11 +6,10 @@ import argparse
 from pathlib import Path
 
 from bench.commands.common import EXIT_OK, fail, load_side
+from bench.report.export import export_files
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from bench.report.export import export_files
-
     try:
         files = export_files(load_side(args.results, skip_bad=True), args.format, include_machine=args.include_machine)
     except (FileNotFoundError, ValueError) as err:

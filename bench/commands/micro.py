@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def cmd_micro(args: argparse.Namespace) -> int:
+    # heavy: torch and the engine, loaded only when this command runs
     from bench.run.micro import run_micro
 
     return run_micro(args.device, Path(args.out))

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 from bench.commands.common import EXIT_OK, fail
+from bench.results import ResultValidationError
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
+    # heavy: matplotlib, loaded only by this command
     from bench.report.plot import plot_results
-    from bench.results import ResultValidationError
 
     results_dir = Path(args.results_dir)
     if not results_dir.is_dir():

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from bench.commands.common import EXIT_OK, fail
+from bench.predict.device import ProfileError
 
 
 def cmd_profile_device(args: argparse.Namespace) -> int:
-    from bench.predict.device import ProfileError
+    # heavy: torch and the engine, loaded only when this command runs
     from bench.run.profile_device import ProfileOptions, profile_device_command
 
     if args.threads < 1 or args.ranks < 1:

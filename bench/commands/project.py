@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from bench.commands.common import EXIT_BAD_INPUT, fail, unwritable
+from bench.predict.breakdown import format_breakdown
+from bench.predict.device import DeviceProfile, ProfileError, load_profile
+from bench.run.suites import expand_paths, load_all
+from bench.scenario import ScenarioError
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    import json
 
-    from bench.predict.breakdown import format_breakdown
-    from bench.predict.device import DeviceProfile, ProfileError, load_profile
+    # heavy: torch and the engine, loaded only when this command runs
     from bench.run.project import (
         DoesNotFit,
         NotTraceable,
@@ -22,8 +25,6 @@ def cmd_project(args: argparse.Namespace) -> int:
         summary,
         trace_progress,
     )
-    from bench.run.suites import expand_paths, load_all
-    from bench.scenario import ScenarioError
 
     devices: list[tuple[DeviceProfile, str | None]] = []  # (profile, why it stands in for the --device given, or None)
     try:

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
+from bench.predict.device import ProfileError, load_profile
+from bench.run.console import Reporter
+from bench.run.suites import expand_paths, load_all, resolve_device
+from bench.scenario import ScenarioError
+from moe_engine.parallel.layout import check_proxy_layout
 
 
 def cmd_proxy_check(args: argparse.Namespace) -> int:
-    import json
 
-    from bench.run.console import Reporter
+    # heavy: torch and the engine, loaded only when this command runs
     from bench.run.runner import Runner
-    from bench.run.suites import expand_paths, load_all, resolve_device
-    from bench.scenario import ScenarioError
     from bench.validate.proxy_check import DEFAULT_SCENARIOS, check
 
     try:
@@ -25,7 +28,6 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
     bad = [s for s in scenarios if s.mode != "execute" or s.world_size < 2]
     if bad:
         return fail(f"{bad[0].file}: proxy-check needs execute scenarios of 2 ranks or more")
-    from moe_engine.parallel.layout import check_proxy_layout
 
     for scenario in scenarios:
         try:
@@ -41,8 +43,6 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
         return fail(f"--warmup-steps: must be at least 0, got {args.warmup_steps}")
     profile = None
     if args.device_profile:
-        from bench.predict.device import ProfileError, load_profile
-
         try:
             profile = load_profile(args.device_profile)
         except ProfileError as err:

@@ -6,11 +6,13 @@ import argparse
 import sys
 
 from bench.commands.common import EXIT_OK, fail, parse_accept_options
+from bench.release import record
+from bench.release.version import engine_version
+from bench.results import REPO_ROOT
+from bench.run.suites import load_all, resolve_device, suite_files
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from bench.release import record
-
     try:
         accepted = tuple(parse_accept_options(args.accept, with_releases=False))
         releases = record.load_releases(record.RELEASES_PATH)
@@ -42,10 +44,8 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 def _record_baseline(release, suite: str) -> int:
     """Run ``suite`` on this machine into results/ as the release's baseline, and record where it is."""
-    from bench.release import record
-    from bench.results import REPO_ROOT
+    # heavy: torch and the engine, loaded only when this command runs
     from bench.run.runner import Runner
-    from bench.run.suites import load_all, resolve_device, suite_files
 
     device = resolve_device("auto")
     runner = Runner(device, REPO_ROOT / "results")
@@ -61,8 +61,6 @@ def _record_baseline(release, suite: str) -> int:
 
 
 def cmd_version(args: argparse.Namespace) -> int:
-    from bench.release.version import engine_version
-
     version = engine_version()
     print(version.version)
     print(f"({version.source})", file=sys.stderr)

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 from bench.commands.common import EXIT_OK, fail, unwritable
+from bench.gate.formatting import parse_tolerance
+from bench.report.page import ReportError, build_report
+from bench.report.screenshot import BrowserMissing, chromium, illegible, undrawn, view_page
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from bench.gate.formatting import parse_tolerance
-    from bench.report.page import ReportError, build_report
-
     try:
         tolerance = parse_tolerance(args.tolerance)
         out = Path(args.out) if args.out else Path(args.results) / "report"
@@ -38,8 +38,6 @@ def cmd_report(args: argparse.Namespace) -> int:
             print(f"  compared from {line}")
     print(f"wrote {report.path} ({len(report.charts)} charts)")
     if args.screenshot:
-        from bench.report.screenshot import BrowserMissing, chromium, illegible, undrawn, view_page
-
         try:
             with chromium() as browser:
                 view = view_page(browser, report.path, Path(args.screenshot))

@@ -6,19 +6,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
 from bench.metrics import headline_memory
+from bench.predict.device import ProfileError, load_profile
+from bench.predict.plan import summary_line
+from bench.report.comparisons import ComparisonError, comparison_lines, load_comparisons, pair_ratios
+from bench.report.page import build_report
+from bench.run.checkpointing import checkpoints_before_run
+from bench.run.console import SilentReporter
+from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
+from bench.scenario import ScenarioError
 from bench.units import count, gib
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
-    from bench.report.comparisons import ComparisonError, load_comparisons
-    from bench.run.checkpointing import checkpoints_before_run
-    from bench.run.console import SilentReporter
+    # heavy: torch and the engine, loaded only when this command runs
     from bench.run.launch import detect_launch, join_launch, leave_launch
     from bench.run.runner import Runner
-    from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
-    from bench.scenario import ScenarioError
 
     try:
         comparisons = load_comparisons()
@@ -45,8 +52,6 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     resume: dict[str, Path] = {}
     project_on = getattr(args, "project_on", [])
     if project_on:
-        from bench.predict.device import ProfileError, load_profile
-
         try:
             for name in project_on:
                 load_profile(name)
@@ -79,8 +84,6 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
     if launch is not None:
         leave_launch()
     if plan_only:
-        from bench.predict.plan import summary_line
-
         for o in outcomes:
             print(summary_line(o.name, o.metrics, o.details))
     else:
@@ -98,7 +101,6 @@ def _report_after_run(out_root: Path) -> None:
 
     A result file there that cannot be read (an old, truncated one) is skipped with a warning.
     """
-    from bench.report.page import build_report
 
     try:
         report = build_report(
@@ -110,9 +112,6 @@ def _report_after_run(out_root: Path) -> None:
 
 
 def print_summary(outcomes) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="moe-bench results")
     for column in (
         "scenario",
@@ -190,7 +189,6 @@ def _proxy_figures(o) -> tuple[str, str]:
 def print_comparisons(outcomes, comparisons, on_cpu: bool = False) -> None:
     """Each pair of the reference release's comparisons that ran: its ratio, beside the published figure
     (``bench.report.comparisons.comparison_lines``; ``on_cpu``: the runs ran on a CPU)."""
-    from bench.report.comparisons import comparison_lines, pair_ratios
 
     rows = pair_ratios(comparisons, {o.name: (o.status, o.metrics) for o in outcomes})
     for line in comparison_lines(rows, on_cpu=on_cpu):

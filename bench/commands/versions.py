@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from bench.ab.images import VersionsError, run_versions
 from bench.commands.common import fail
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from bench.ab.images import VersionsError, run_versions
-
     try:
         code, table = run_versions(
             args.images, args.suite, Path(args.out), args.gpus, log=lambda line: print(line, flush=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.results import ResultDocument, age_key, metric
+from bench.scenario import ScenarioError, scenario_from_dict
 
 Key = tuple[str, str]  # (scenario name, machine name)
 
@@ -89,8 +90,6 @@ def _pool_metrics(docs: Sequence[ResultDocument]) -> dict[str, dict[str, Any]]:
 
 
 def _with_todays_defaults(spec: Mapping[str, Any]) -> dict[str, Any] | None:
-    from bench.scenario import ScenarioError, scenario_from_dict
-
     try:
         return scenario_from_dict(json.loads(json.dumps(spec))).spec
     except (ScenarioError, ValueError, KeyError, TypeError):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from rich.table import Table
+from rich.text import Text
+
 from bench.gate.compare import Comparison
 from bench.gate.work import work_findings
 from bench.units import format_number, format_percent, format_ratio
@@ -63,8 +66,6 @@ _VERDICT_STYLE = {
 
 def render_rich_table(comparison: Comparison, title: str | None = None):
     """The same table as a ``rich.table.Table`` (verdicts coloured)."""
-    from rich.table import Table
-    from rich.text import Text
 
     header, body = _table_rows(comparison)
     table = Table(title=title)

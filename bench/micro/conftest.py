@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from bench.micro import FUSED_OPS
+from bench.predict.device import load_profile
 
 # (numerator, denominator, metric): metric "flops" compares achieved FLOP/s, "tokens" tokens/s.
 # "bytes" compares achieved bytes/s: a fused op and its eager composition carry the fused op's bytes,
@@ -78,7 +79,6 @@ def memory_rates(benchmarks: list[dict]) -> dict[str, dict]:
     name = os.environ.get("MOE_BENCH_PROFILE")
     if not name:
         return {}
-    from bench.predict.device import load_profile
 
     profile = load_profile(name)
     declared = profile.hbm_gbps * 1e9 * profile.efficiency["memory"]

@@ -282,7 +282,7 @@ def _memory_kind(name: str) -> str:
 
 def _tagged_kind(name: str) -> str:
     """A name the tables miss: torch's own pointwise and reduction tags, else ``other``."""
-    import torch
+    import torch  # heavy: only for names the tables miss; the arithmetic runs without it
 
     namespace, packet, overload = (name.split(".") + ["default"])[:3]
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int, is_number
@@ -237,9 +238,8 @@ def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int) 
         return float(m - 1), 1.0, 1.0
     if kind != "dualpipev":
         raise ValueError(f"overlap: microbatches overlap with pp > 1 runs under dualpipev, got {kind}")
-    from types import SimpleNamespace
-
-    # torch's plan of the rank's actions (private, but it is what the engine's schedule runs).
+    # heavy: torch, only for DualPipeV; the rest of the arithmetic runs without it. torch's plan of the
+    # rank's actions (private, but it is what the engine's schedule runs).
     from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType
 
     actions = ScheduleDualPipeV._calculate_single_rank_operations(

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
+import moe_engine
 from bench.gate.accept import Acceptance, parse_acceptance
 from bench.release.git import NotACheckout, checkout_head, git, try_git
 from bench.results import REPO_ROOT
@@ -173,8 +174,6 @@ def cut_release(
 ) -> Release:
     """Record HEAD of the checkout at ``root`` as release ``version`` (see the module doc), with the
     changes it makes on purpose."""
-    from moe_engine import __version__
-
     root = Path(root)
     path = root / RELEASES_PATH.name
     parsed = release_version(version)
@@ -184,9 +183,9 @@ def cut_release(
         raise ReleaseError(f"{err}: a release is a commit") from None
     if dirty:
         raise ReleaseError("tracked files have uncommitted changes: commit (or stash) them, the release is HEAD")
-    if version != __version__:
+    if version != moe_engine.__version__:
         raise ReleaseError(
-            f"{version} differs from the package version {__version__}: set version in pyproject.toml, "
+            f"{version} differs from the package version {moe_engine.__version__}: set version in pyproject.toml, "
             "commit, reinstall (pip install -e .) and run this again"
         )
     releases = load_releases(path)

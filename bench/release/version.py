@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import moe_engine
 from bench.release.git import NotACheckout, checkout_head, git
 from bench.release.record import ReleaseError, load_releases
 from bench.results import REPO_ROOT
@@ -54,11 +55,9 @@ class EngineVersion:
 def engine_version(root: Path | None = None) -> EngineVersion:
     """The version of the code at ``root`` (default: this package's tree): its checkout, else the image
     build's record, else unknown."""
-    from moe_engine import __version__
-
     root = REPO_ROOT if root is None else root
     try:
-        return checkout_version(root, __version__)
+        return checkout_version(root, moe_engine.__version__)
     except NotACheckout as err:
         no_checkout = str(err)
     baked_path = Path(root) / BAKED_ENGINE_FILE
@@ -71,7 +70,7 @@ def engine_version(root: Path | None = None) -> EngineVersion:
             f"recorded by the image build in {BAKED_ENGINE_FILE}",
         )
     return EngineVersion(
-        f"{__version__}+{UNKNOWN}",
+        f"{moe_engine.__version__}+{UNKNOWN}",
         None,
         None,
         f"no provenance: {no_checkout}, and no {BAKED_ENGINE_FILE} was recorded by an image build "
@@ -134,10 +133,8 @@ def nearest_release(root: Path, commit: str) -> tuple[str, int] | None:
 
 def _main() -> int:
     """Print the checkout's ``engine`` record for the image build; exit 1 (and say why) outside a checkout."""
-    from moe_engine import __version__
-
     try:
-        print(json.dumps(checkout_version(REPO_ROOT, __version__).record()))
+        print(json.dumps(checkout_version(REPO_ROOT, moe_engine.__version__).record()))
     except NotACheckout as err:
         print(f"no version recorded: {err}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -111,7 +112,6 @@ def comparison_lines(rows: Sequence[PairRatio], on_cpu: bool = False, width: int
     """The console's comparisons: one heading per comparison with its published figure (a GPU figure,
     so said), its pairs below it, every line at most ``width`` columns. ``on_cpu``: the runs ran on a
     CPU, whose ratios a GPU's published figures do not predict (another machine balance), said once."""
-    import textwrap
 
     if not rows:
         return []

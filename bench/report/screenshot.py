@@ -103,7 +103,7 @@ class PageView:
 @contextlib.contextmanager
 def chromium() -> Iterator[Any]:
     """A headless Chromium driven by Selenium, quit on exit."""
-    try:
+    try:  # optional: selenium, a development dependency
         from selenium import webdriver
     except ImportError as err:
         raise BrowserMissing("selenium is not installed (pip install -e '.[dev]')") from err
@@ -135,6 +135,7 @@ def chromium() -> Iterator[Any]:
 def view_page(browser: Any, page: Path, screenshot: Path | None = None) -> PageView:
     """Load ``page``, wait (at most ``DRAW_TIMEOUT_S``) until every chart has drawn each of its traces, and
     report what was drawn; with ``screenshot``, save the whole page there."""
+    # optional: selenium (``chromium`` checked it is there)
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 

@@ -16,8 +16,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.run.device_sweep import DTYPES, Sweep, grouped_shapes, timed_fp32
+from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.moe.grouped_gemm import grouped_mm
+from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
 __all__ = [
     "Timer",
@@ -127,8 +131,6 @@ def gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> li
 
 
 def grouped_gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    from moe_engine.moe.grouped_gemm import grouped_mm
-
     sweep = timer.sweep
     points = []
     for experts, rows, n, k in grouped_shapes(sweep):
@@ -256,10 +258,6 @@ def host_op_seconds(timer: Timer, steps: int = 30) -> tuple[float, int]:
     host spends around each op (Python, autograd, the engine's own code) when the kernels cost nothing.
 
     Returns (median step seconds / ops, ops per step)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
-    from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
     class Count(TorchDispatchMode):
         ops = 0

@@ -60,6 +60,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from moe_engine.model import Block
+from moe_engine.modules.attention import Attention
+from moe_engine.modules.mla import MultiHeadLatentAttention
+from moe_engine.modules.mlp import SwiGLU
+from moe_engine.moe.experts import GroupedExperts
+from moe_engine.moe.layer import MoELayer
+from moe_engine.moe.router import Router
+
 FORWARD = "forward"
 BACKWARD = "backward"
 
@@ -278,13 +286,6 @@ def instrument_model(timer: PhaseTimer, module: nn.Module) -> None:
     and LM head are left to the caller's "other".
     """
     # Imported here so that the timer itself depends on torch only.
-    from moe_engine.model import Block
-    from moe_engine.modules.attention import Attention
-    from moe_engine.modules.mla import MultiHeadLatentAttention
-    from moe_engine.modules.mlp import SwiGLU
-    from moe_engine.moe.experts import GroupedExperts
-    from moe_engine.moe.layer import MoELayer
-    from moe_engine.moe.router import Router
 
     for sub in module.modules():
         if isinstance(sub, Block):

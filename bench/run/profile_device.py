@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +83,8 @@ from bench.run.device_curves import (
 from bench.run.device_document import Measured, cpu_facts, gpu_facts, profile_document, write_profile
 from bench.run.device_sweep import QUICK, Sweep, cpu_sweep, cuda_quick_sweep, cuda_sweep, tiny_sweep
 from bench.run.network import calibrate_network
+from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision
+from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
 __all__ = ["ProfileOptions", "profile_device", "profile_device_command"]
 
@@ -118,8 +121,6 @@ def _neighbour(threads: int, stop) -> None:
     """Another rank's load on a shared host: training steps of a CPU-sized model of the engine (the
     smoke suite's 8-expert model, 1024 tokens a step), until told to stop."""
     torch.set_num_threads(threads)
-    from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision
-    from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
     config = ModelConfig(
         vocab_size=1024,
@@ -142,8 +143,6 @@ class _Neighbours:
     """``count`` processes loading the host as the other ranks of a CPU run would, while it is measured."""
 
     def __init__(self, count: int, threads: int):
-        import multiprocessing
-
         context = multiprocessing.get_context("spawn")
         self.stop = context.Event()
         self.processes = [

@@ -47,6 +47,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
 from bench.predict.breakdown import step_breakdown
 from bench.predict.collectives import Network
 from bench.predict.device import DeviceProfile
@@ -267,8 +270,6 @@ class LiveTraceProgress(TraceProgress):
 
     def __init__(self, stream):
         super().__init__()
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         self._progress = Progress(
             SpinnerColumn(),

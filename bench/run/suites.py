@@ -4,11 +4,14 @@ every scenario loaded and validated before any work, and the device chosen."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 import yaml
 
 from bench.scenario import SCENARIOS_DIR, Scenario, ScenarioError, load_scenario
+
+if TYPE_CHECKING:
+    import torch
 
 SUITES_PATH = SCENARIOS_DIR / "suites.yaml"
 
@@ -47,6 +50,8 @@ def load_all(files: list[Path]) -> list[Scenario]:
 
 
 def resolve_device(choice: str) -> torch.device:
+    import torch  # heavy: the commands that only read results never load it
+
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "cuda" and not torch.cuda.is_available():

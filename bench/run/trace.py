@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
@@ -153,8 +154,6 @@ class ModuleLocator:
         self._handles: list = []
 
     def __enter__(self) -> Self:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
         self._handles = [
             register_module_forward_pre_hook(self._entered),
             register_module_forward_hook(self._returned, always_call=True),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from bench.run.execute import ExecuteResult, NonFiniteLoss, execute
 from bench.run.launch import detect_launch, join_launch
+from bench.run.proxy.run import run_proxy
 from bench.run.worker_protocol import WorkerOutcome, WorkerRequest
 from bench.scenario import Scenario, scenario_from_dict
 from moe_engine.parallel.groups import build_process_groups
@@ -37,8 +38,6 @@ def execute_outcome(scenario: Scenario, request: WorkerRequest, device: torch.de
     result: ExecuteResult | None
     try:
         if scenario.mode == "proxy":
-            from bench.run.proxy.run import run_proxy
-
             result = run_proxy(scenario, device, progress, list(request.project_devices))
         else:
             result = execute(

@@ -26,6 +26,7 @@ from unittest import mock
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
+from bench.machine import machine_info
 from moe_engine import checkpoint
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision, RoutingMode
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
@@ -102,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{report['stall_ratio']:.3f}"
     )
     if args.out:
-        from bench.machine import machine_info
-
         document = {
             "command": " ".join(["python -m bench.validate.async_save_stall", *argv]),
             "machine": machine_info(),

@@ -34,6 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.machine import machine_info
+from bench.run.trace import rank_trainer
 from bench.scenario import load_scenario
 
 DEFAULT_SCENARIO = "scenarios/smoke/e8-dp2-bf16.yaml"
@@ -76,7 +77,6 @@ class _GroupShapes(TorchDispatchMode):
 
 def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> list[dict[str, Any]]:
     """Median step time and new expert GEMM shapes per step, per block of steps (module docstring)."""
-    from bench.run.trace import rank_trainer
 
     scenario = load_scenario(scenario_path)
     times: list[float] = []

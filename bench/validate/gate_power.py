@@ -46,6 +46,9 @@ import contextlib
 import functools
 import json
 import math
+import os
+import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -54,9 +57,13 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import torch
+
+from bench.ab.gate import run_ab
+from bench.ab.plan import ABPlan
 from bench.ab.resident import compare_resident, fresh_pair
 from bench.gate.formatting import parse_tolerance
-from bench.gate.paired import fails
+from bench.gate.paired import fails, suite_rate
 from bench.results import REPO_ROOT
 from bench.run.suites import suite_files
 from bench.scenario import load_scenario
@@ -180,8 +187,6 @@ def suite_run(
     """One whole gate of ``scenarios`` as CI runs it, against HEAD: the candidate of scenario ``planted[0]``
     is the clone slowed by ``planted[1]`` (``trees[fraction]``), of every other the identical clone
     (``trees[0.0]``). The suite fails when any scenario's gate does."""
-    from bench.ab.gate import run_ab
-    from bench.ab.plan import ABPlan
 
     commit = head_commit(trees[0.0])
     started = time.monotonic()
@@ -239,8 +244,6 @@ _FAILING = ("REGRESSION", "INCONCLUSIVE", "NOT-OK")
 
 def machine() -> str:
     """The CPU model and core count the record was measured on."""
-    import os
-    import platform
 
     model = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
@@ -290,8 +293,6 @@ def work_run(scenario_file: Path, plant: str, tolerance: str, budget_s: float, d
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return dict(os.environ)
 
 
@@ -440,7 +441,6 @@ def replay(
     tolerance (the confirmation). Offline arithmetic over the records' variance components: what an
     operating point would have done on the machine states the records saw (the stopping rule's pair
     counts as they were)."""
-    import random
 
     rng, bound = random.Random(seed), math.log1p(tolerance)
 
@@ -463,7 +463,6 @@ def replay(
 
 def render_replay(rates: dict[tuple[str, float], float], tolerance: float) -> str:
     """The replayed rates per scenario, and the suite's false-alarm rate over the scenarios."""
-    from bench.gate.paired import suite_rate
 
     slowdowns = sorted({s for _, s in rates})
     rows = [
@@ -548,8 +547,6 @@ def render_suite(records: list[dict]) -> str:
 
 
 def torch_device(name: str):
-    import torch
-
     return torch.device(name)
 
 

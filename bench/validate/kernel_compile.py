@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import re
@@ -38,6 +39,22 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import BaseBackend, GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, native_specialize_impl
+
+from bench.scenario import load_scenario
+from moe_engine import kernels
+from moe_engine.kernels import cross_entropy
+from moe_engine.moe.permute import plan_routing, plan_slots
+from moe_engine.precision import mxfp8_gemm, mxfp8_scaled_mm
+from moe_engine.precision.mxfp8_gemm import SCALED_MMA_TILES
+from moe_engine.precision.mxfp8_triton import quantize_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILES = (
@@ -117,10 +134,6 @@ class Compiled:
 
 def describe_launch(fn, args: tuple, kwargs: dict) -> Launch:
     """The specialisation of ``fn`` (a Python function decorated by ``triton.jit``) for these arguments."""
-    import inspect
-
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import native_specialize_impl
 
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args))
@@ -144,7 +157,6 @@ def describe_launch(fn, args: tuple, kwargs: dict) -> Launch:
 
 def _record_launches() -> list[Launch]:
     """Run the representative ops with a hook on the interpreter's launches (TRITON_INTERPRET=1)."""
-    from triton.runtime.interpreter import InterpretedFunction
 
     launches: list[Launch] = []
     real_run = InterpretedFunction.run
@@ -164,8 +176,6 @@ def _record_launches() -> list[Launch]:
 
 
 def _model(path: Path):
-    from bench.scenario import load_scenario
-
     return load_scenario(path).model
 
 
@@ -175,13 +185,6 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     the fused loss's row kernels on a chunk of logits of the model's vocabulary (the LM head's GEMMs
     are torch's), the MXFP8 quantisation along both axes, its grouped GEMM, and the kernels around torch's scaled
     GEMM (its A scales' layout, the zeroing of the rows it leaves unwritten)."""
-    import torch
-
-    from moe_engine import kernels
-    from moe_engine.kernels import cross_entropy
-    from moe_engine.moe.permute import plan_routing, plan_slots
-    from moe_engine.precision import mxfp8_gemm, mxfp8_scaled_mm
-    from moe_engine.precision.mxfp8_triton import quantize_triton
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -264,7 +267,6 @@ def _jit_function(launch: Launch):
 
 def unwrap(fn):
     """The ``JITFunction`` under Triton's launch wrappers (``triton.autotune``, ``triton.heuristics``)."""
-    from triton.runtime.jit import JITFunction
 
     while not isinstance(fn, JITFunction):
         fn = fn.fn
@@ -273,10 +275,6 @@ def unwrap(fn):
 
 def compile_launch(launch: Launch, target: str, fn=None) -> Compiled:
     """Compile ``launch`` for ``target`` and read its registers and spills from ``ptxas -v``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
-    from triton.compiler import ASTSource
 
     capability = TARGETS[target]
     fn = unwrap(fn) if fn is not None else _jit_function(launch)
@@ -327,7 +325,6 @@ SCALED_MMA = "tc_gen5_mma_scaled"
 
 def scaled_mma_tiles() -> tuple[tuple[int, int], ...]:
     """The MXFP8 GEMM's (BLOCK_M, BLOCK_N) that Blackwell's tuning keeps: they must reach the scaled MMA."""
-    from moe_engine.precision.mxfp8_gemm import SCALED_MMA_TILES
 
     return SCALED_MMA_TILES
 

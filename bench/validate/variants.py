@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import os
 import statistics
@@ -47,12 +48,16 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
 import yaml
 
 from bench.ab.resident import ResidentSide, WorkerDied
 from bench.gate import paired
-from bench.results import REPO_ROOT
+from bench.machine import machine_info
+from bench.release.version import engine_info
+from bench.results import REPO_ROOT, utc_now
 from bench.run.process import session_processes
+from bench.run.suites import load_all, suite_files
 from bench.scenario import Scenario, scenario_from_dict
 
 
@@ -321,9 +326,6 @@ def add_run_arguments(parser, timeout_help: str) -> None:
 
 def run_suite(parser, args, measure_one: Callable[[Scenario, Callable[[str], None]], dict[str, Any]]) -> list[dict]:
     """Check the shared arguments, then measure every scenario in order; one row each."""
-    import torch
-
-    from bench.run.suites import load_all, suite_files
 
     if args.pairs < 1 or args.block_s <= 0:
         parser.error("--pairs must be >= 1 and --block-s > 0")
@@ -342,11 +344,6 @@ def log(line: str) -> None:
 
 def write_measurement(args, command: str, rows: list[dict], settings: Mapping[str, Any], **extra: Any) -> int:
     """Write the measurement document (when ``--out`` was given); the exit code of the rows."""
-    import json
-
-    from bench.machine import machine_info
-    from bench.release.version import engine_info
-    from bench.results import utc_now
 
     if args.out:
         document = {

@@ -4,6 +4,7 @@
 - no import circle between modules (imports inside functions count too);
 - no module imports another module's private name;
 - imports run down the layer list (``LAYERS``), imports inside functions included;
+- an import inside a function is rare and says why (heavy or optional);
 - pure arithmetic (``bench.predict``, the gate's comparison modules) imports nothing
   that runs a model.
 """
@@ -250,3 +251,46 @@ def test_the_allowed_climbs_are_still_there():
     """An exception that no longer happens is removed from ``CLIMBS_ALLOWED``; one at most."""
     assert len(CLIMBS_ALLOWED) <= 1
     assert [pair for pair in CLIMBS_ALLOWED if pair[1] not in {m for m, _ in imports_of(pair[0])}] == []
+
+
+# Imports inside functions: only where the import is heavy (torch, matplotlib, the engine: kept out of
+# ``moe-bench --help`` and the commands that need none of it) or optional (docker, selenium, a side's
+# older tree), each with its reason in a comment, and few of them.
+LOCAL_IMPORTS_PER_1000_LINES = 1.5
+
+
+def function_local_imports() -> list[tuple[Path, ast.stmt, list[str]]]:
+    """(file, import statement, the file's lines) for every import inside a function of ``bench``."""
+    found = []
+    for name, path in MODULES.items():
+        if not name.startswith("bench"):
+            continue
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found += [(path, sub, lines) for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))]
+    return found
+
+
+def test_few_imports_inside_functions():
+    lines = sum(len(path.read_text().splitlines()) for name, path in MODULES.items() if name.startswith("bench"))
+    count = len(function_local_imports())
+    assert count * 1000 / lines <= LOCAL_IMPORTS_PER_1000_LINES, f"{count} imports inside functions, {lines} lines"
+
+
+def test_every_import_inside_a_function_says_why():
+    """Its own line, or the line above its block of imports, carries a comment (or opens the ``try:`` of an
+    optional import)."""
+    unexplained = []
+    for path, node, lines in function_local_imports():
+        above = node.lineno - 2
+        while (above >= 0 and lines[above].strip().startswith(("from ", "import ", ")"))) or (
+            above >= 0 and lines[above].strip() == "" and lines[above - 1].strip().startswith(("from ", "import "))
+        ):
+            above -= 1
+        said = "#" in lines[node.lineno - 1] or (
+            above >= 0 and (lines[above].strip().startswith("#") or lines[above].strip().startswith("try:"))
+        )
+        if not said:
+            unexplained.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+    assert unexplained == []

@@ -61,6 +61,7 @@ import torch
 
 from bench.metrics import entry
 from bench.predict.collectives import Collective, Network, summarize_collectives
+from bench.predict.device import load_profile
 from bench.predict.plan import plan_scenario
 from bench.predict.proxy_projection import (
     ProjectionTarget,
@@ -70,6 +71,7 @@ from bench.predict.proxy_projection import (
     project_run_scale,
 )
 from bench.run.execute import ExecuteResult
+from bench.run.project import DoesNotFit, NotTraceable, project_on_device
 from bench.run.proxy.measure import bucket_measurements, measure_rank, phase_table, sync_table
 from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
 from bench.run.proxy.scale import ProxyScale, run_spec
@@ -214,8 +216,6 @@ def run_proxy(
 
 def _device_projections(scenario: Scenario, extra: Sequence[str], progress) -> dict[str, Any]:
     """The op-level projection (``bench.run.project``) on each device: the scenario's own, then ``extra``."""
-    from bench.predict.device import load_profile
-    from bench.run.project import DoesNotFit, NotTraceable, project_on_device
 
     assert scenario.cluster is not None  # run_proxy refuses a scenario without one
     names = [n for n in [scenario.cluster.device, *extra] if n]

@@ -75,8 +75,6 @@ def fake_tree(tmp_path: Path, name: str) -> Path:
 
 
 def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_path, monkeypatch):
-    from bench.ab import gate as ab
-
     trees = {0.0: fake_tree(tmp_path, "same"), 0.1: fake_tree(tmp_path, "slow")}
     monkeypatch.setattr(gate_power, "head_commit", lambda tree: "f" * 40)
     roots = {}
@@ -91,7 +89,7 @@ def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_p
         report.resident = [ResidentComparison(scenario.name, 1, verdict="unchanged")]
         return report
 
-    monkeypatch.setattr(ab, "run_ab", run_ab)
+    monkeypatch.setattr(gate_power, "run_ab", run_ab)
     scenarios = [SimpleNamespace(name=n, mode="execute") for n in ("a", "b", "c")]
     record = gate_power.suite_run(scenarios, trees, ("b", 0.1), 0.045, 0.03, 45.0, "cpu")
     assert roots == {"a": trees[0.0], "b": trees[0.1], "c": trees[0.0]}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from bench.run.proxy.rank.peers import ProxyDispatcher, SimulatedPeers
+from bench.run.proxy.rank.pipeline import ProxyPipeline
 from moe_engine.config import ModelConfig, ParallelConfig, RecomputeConfig
 from moe_engine.model import build_model
 from moe_engine.modules.norm import RMSNorm
@@ -94,7 +95,6 @@ def build_proxy_rank(
         pipeline = None
     else:
         # Imported here: the proxy pipeline is only needed for pipelined layouts.
-        from bench.run.proxy.rank.pipeline import ProxyPipeline
 
         stage = groups.coords.pp_rank
         module = StageModule(model, stage_blocks(config.n_layers, parallel.pp)[stage])

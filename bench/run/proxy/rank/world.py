@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
 
 def join_fake_world(rank: int, world_size: int) -> None:
@@ -16,7 +17,6 @@ def join_fake_world(rank: int, world_size: int) -> None:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised; a proxy needs a process of its own")
     # Importing the module registers the backend (it ships with torch but is not imported by default).
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401
 
     dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
 
