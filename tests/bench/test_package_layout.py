@@ -294,3 +294,19 @@ def test_every_import_inside_a_function_says_why():
         if not said:
             unexplained.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
     assert unexplained == []
+
+
+# Three or more sibling modules named ``<prefix>_...`` are a family that belongs in a subpackage. Pending, with
+# why: run/'s device profile modules (device_sweep, device_curves, device_document) move to run/profile/ once
+# tests/bench/test_gpu_check.py imports the sweep from there and pyproject's per-file lint ignore follows it.
+PREFIX_FAMILIES_PENDING = {("bench/run", "device")}
+
+
+def test_no_prefix_family_where_a_subpackage_belongs():
+    folders = {path.parent for name, path in MODULES.items() if name.startswith("bench.")}
+    families = set()
+    for folder in folders:
+        prefixes = [p.stem.split("_")[0] for p in folder.glob("*.py") if "_" in p.stem.strip("_")]
+        families |= {(str(folder.relative_to(REPO_ROOT)), p) for p in prefixes if prefixes.count(p) >= 3}
+    assert families - PREFIX_FAMILIES_PENDING == set()
+    assert families >= PREFIX_FAMILIES_PENDING, "a family that is gone leaves PREFIX_FAMILIES_PENDING"
