@@ -1,32 +1,5 @@
 """Where a projected step's time goes: by op kind and by engine module (``moe-bench project --breakdown``).
-
-The breakdown re-counts the step ``bench.predict.op_projection`` projects, op by op, so that its rows
-add up to the projected step: time, bytes moved, FLOPs and kernels.
-
-Counting (m = the scenario's microbatches, m_t = the traced ones)
-    compute ops     seconds, bytes, FLOPs and kernels as priced (``bench.predict.pricing``), times
-                    m / m_t in the forward and backward (the projection's microbatch_s * m), once
-                    in the optimizer and the rest of the step. A kernel is an op priced as one (views
-                    and metadata are none; a region priced as one GPU kernel is one; a fused op is
-                    the kernels it launches, ``bench.predict.fused_ops``).
-    collectives     each priced alone on the network (``collective_seconds``), times m / m_t for the
-                    per-microbatch ones (expert all-to-alls, stage messages, FSDP's gathers). The
-                    step counts of each account of collectives (``ACCOUNTS``) what the projection
-                    counts: all of the stage messages and once-per-step others (no overlap), only the
-                    exposed part of the expert all-to-alls (chunks, or another microbatch's compute),
-                    the gradient sync, the ZeRO-1 gathers and the FSDP gathers. Each collective gets the share of its account's counted time
-                    that its own price has of the account's; the rest is ``hidden_s``: time it runs
-                    under compute, not in the step. Bytes are the messages' (what the rank sends or
-                    receives, ``Collective.nbytes``); a call is a kernel.
-    idle            the pipeline bubble and the rank-skew waits belong to no op: rows of their own
-                    (``bubble``, ``skew``) in both tables, so that every table adds up to the step.
-
-Op kinds (``bench.predict.op_kinds``: ``OP_KINDS``, ``op_kind_of``): the priced kind first (GEMMs, grouped GEMMs including the MX
-ones, attention kernels, collectives, free views), then the memory-bound ops by their ATen name; an op
-of another namespace (a custom op: the engine's fused kernels) is ``fused``.
-
-Modules (``MODULES``, ``module_of``): from where the op ran (``TracedOp.location``, kept by
-``bench.run.trace.ModuleLocator``); the rule is ``module_of``'s docstring.
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -189,7 +162,7 @@ def step_breakdown(
     net: Network,
 ) -> dict[str, Any]:
     """The projected step (``projection``, of this priced trace of ``rank``) by op kind and by module
-    (module docstring): JSON-ready, each table's rows adding up to the step."""
+    (docs/projection-formulas.md): JSON-ready, each table's rows adding up to the step."""
     per_microbatch = microbatches / microbatches_traced
     steps = projection.breakdown_s
     step_s = projection.step_s

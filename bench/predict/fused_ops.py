@@ -1,64 +1,5 @@
 """The work of the engine's fused ops (``moe_engine::*``, ``moe_engine.kernels``) as their GPU path runs them.
-
-A trace sees each fused op as one op (a ``torch.library.custom_op``), but on a GPU one op can be
-several kernels: the fused cross-entropy runs its LM-head GEMMs chunk by chunk beside its row-wise
-Triton kernels. Each op's work is therefore a list of parts, each part a kernel repeated ``count``
-times (``FusedPart``); the profile prices every part by the rules of its kind (``bench.predict.pricing``)
-and the op costs their sum. Pure arithmetic on the standard library.
-
-Sizes: s the bytes of an element of the op's main input, N rows, D the hidden width, V the vocabulary,
-C the cross-entropy's rows per chunk (``chunk_rows``, recorded by the trace), c = ceil(N / C) chunks.
-
-    moe_engine::rms_norm, add_rms_norm, swiglu, swiglu_backward, swiglu_packed_backward, rope,
-    rope_backward, router_scores_backward
-        one memory-bound kernel that reads every input and writes every output once: the bytes of
-        the op's tensors (the generic rule of ``bench.predict.ops``)
-    moe_engine::rms_norm_backward
-        the same kernel, plus torch's sum of its per-program fp32 partial grad_weight rows and the
-        cast of that sum to the weight's dtype: 2 more kernels (1 with an fp32 weight), priced as
-        launches (programs x D partials are small against the N x D rows)
-    moe_engine::router_scores
-        the same kernel (reads the fp32 logits T x E and the int64 experts T x k, writes the weights
-        T x k, the mean probabilities E and the logsumexp T), plus torch's sum of its per-program fp32
-        partial mean-probability rows: 1 more kernel, priced as a launch (its backward is one pass:
-        logits, experts and the three gradients in, grad_logits out)
-    moe_engine::linear_cross_entropy (forward), per chunk of C rows
-        GEMM   logits (C, V) = h (C, D) @ W^T:   2 C V D FLOPs, (C D + V D + C V) s bytes
-        loss   one pass over the logits:         C V s + 8 C (labels) + 8 C (lse, loss) bytes
-        copy   lse and loss into the outputs:    2 kernels of 8 C bytes
-        and once: the count of labelled rows (labels != ignore_index 9 N bytes, its sum N + 8, the
-        cast 12), the loss's sum (4 N + 4) and the mean (12): 5 kernels
-        totals: 2 N V D FLOPs; N D s + c V D s + 2 N V s + 46 N + 36 bytes; 4 c + 5 kernels
-    moe_engine::linear_cross_entropy_backward, per chunk of C rows
-        GEMM   logits again (C, V):              2 C V D FLOPs, (C D + V D + C V) s
-        grad   softmax - onehot in place:        2 C V s + 8 C (labels) + 4 C (lse) + 4 (scale) bytes
-        GEMM   grad_h (C, D) = g (C, V) @ W:     2 C V D FLOPs, (C V + V D + C D) s
-        GEMM   grad_W += g^T @ h (accumulating): 2 C V D FLOPs, (C V + C D + 2 V D) s
-        and once: the count (3 kernels, 10 N + 20 bytes), the scale (12) and grad_W's zero fill
-        (V D s): 5 kernels (the incoming grad_loss is fp32 already: no cast)
-        totals: 6 N V D FLOPs; 3 N D s + (4 c + 1) V D s + 5 N V s + 22 N + 4 c + 32 bytes; 4 c + 5 kernels
-
-The last chunk may be shorter (N - (c - 1) C rows): its parts are priced at its own size.
-
-    moe_engine::gather_rows, gather_rows_backward, combine_rows, combine_rows_backward
-        one memory-bound kernel each (the combine's backward zeroes grad_y's empty rows in the same
-        launch), priced by the rows it moves rather than by its tensors' sizes: a gather reads a
-        source row once per copy, and the ops carry the map's other direction for their backward.
-        With T tokens, k assignments each (N = T k, dropped ones counted: an upper bound), R buffer
-        rows, D the width, s and s_w the bytes of a row's and a weight's element, I the bytes of the
-        op's int64 and bool inputs (all counted, read or not: a few bytes a row against D s):
-        gather_rows            2 R D s + I                              (R rows read, R written)
-        gather_rows_backward   (N + T) D s + I                          (N rows read, T written)
-        combine_rows           (N + T) D s + T k s_w + I;  2 N D FLOPs
-        combine_rows_backward  (T + N + R) D s + 2 T k s_w + I;  4 N D FLOPs (grad_weight, grad_y)
-        the FLOPs those of the eager bmms they replace.
-    moe_engine::gather_rows_mx
-        one memory-bound kernel: the gather fused with the MXFP8 quantisation of the experts' first
-        operand. It reads R rows of D elements (s bytes each) from the token rows, writes their E4M3
-        codes (1 byte an element) and E8M0 scales (1 byte per 32), and reads its indices (I, the bytes
-        of its int64, int32 and bool inputs), with D' the width padded to a multiple of 32:
-        gather_rows_mx         R D s + R D' + R D' / 32 + I             (replaces gather_rows, a
-                                                                         where and a quantize pass)
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -201,7 +142,7 @@ def _gather_mx_part(op: TracedOp) -> FusedPart:
 
 
 def fused_parts(op: TracedOp) -> list[FusedPart]:
-    """The kernels of one fused op as its GPU path runs them (module docstring)."""
+    """The kernels of one fused op as its GPU path runs them (docs/projection-formulas.md)."""
     base = _base(op)
     dtype = op.inputs[0].dtype if op.inputs else "torch.float32"
     if base in _ONE_PASS:

@@ -1,45 +1,5 @@
 """A rank's traced step, priced op by op on a device profile, assembled into a projected step.
-
-Inputs: the ops of a traced step (``bench.run.trace``: m_t microbatches of the scenario's own size,
-then the optimizer), the seconds of each on a profile (``bench.predict.pricing``), and the layout.
-
-    microbatch_s = (seconds of the forward and backward ops that run every microbatch) / m_t
-    forward_s    = (seconds of those forward ops) / m_t                                  (F, with B and W)
-    weight_grad_s = (seconds of the forward's weight matmuls: gemm, grouped_gemm, mx_gemm ops) / m_t
-                   (W: each weight's gradient is one matmul of the same sizes as its forward one; the
-                   zero-bubble schedules' bubble splits the backward into B = input gradients and W)
-    optimizer_s  = seconds of the optimizer ops + the once-per-step rest (zeroing gradient buffers;
-                   the forward and backward ops that run once per step, ``ONCE_PER_STEP``)
-    collectives  = the traced c10d ops (bytes from the traced tensors): expert (ep group) and pipeline
-                   (pp group) ones per microbatch, their count / m_t, and so are FSDP's parameter
-                   gathers (dp-group all-gathers in the forward and backward); gradient-group ones issued in the
-                   backward are the overlapped reduction buckets, each with the window w = the seconds
-                   of the backward ops traced after it; those issued in the optimizer are the ZeRO-1
-                   gather buckets, w = the optimizer ops' seconds after it; the rest are per step
-    step         = ``bench.predict.projection.project_step`` over the scenario's m microbatches and
-                   schedule, on the profile's network, with its rank-skew waits
-
-A traced step of m_t < m microbatches stands for m: every microbatch of a step runs the same ops
-(only the routes differ), and the last one is where the buckets launch, in the trace too. What a
-bucket's launch runs in that last backward runs once per step, not once per microbatch: its scaling
-by 1/dp (``div_`` of the bucket's flat gradient buffer, in the gradient buffers' hooks or the sync
-that finishes them; ``ONCE_PER_STEP``) counts once, with the optimizer's seconds.
-
-The proxy's stand-ins for its simulated peers are priced at 0 (``bench.predict.pricing``); the
-projection's assumptions say how many ops that left out.
-
-Chunked dispatch (``bench.predict.overlap.ExpertOverlap``): the trace shows what the engine ran.
-Each MoE layer's forward exchanges its routing counts once (an integer all-to-all) and its rows in C
-chunks out and C back, so
-
-    C             = the forward's row all-to-alls / (2 * its count exchanges)
-    P (direction) = its row all-to-alls / (2 C), per microbatch
-    X (direction) = the seconds of its ops inside the experts (``GroupedExperts``; a recomputed
-                    forward's count with the backward), per microbatch
-
-A trace whose rows do not come in whole passes (no count exchange, or a remainder) has none.
-
-The rank-skew waits are ``bench.predict.skew``'s (``SkewModel``), from the traced collectives.
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -153,7 +113,7 @@ def is_counts(op: TracedOp) -> bool:
 def traced_programs(
     priced: Sequence[PricedOp], microbatches_traced: int, group_phases: dict[str, str]
 ) -> dict[str, TracedProgram]:
-    """One microbatch's forward and backward as the overlapped step interleaves them (module docstring):
+    """One microbatch's forward and backward as the overlapped step interleaves them (docs/projection-formulas.md):
     the compute of the ops that run every microbatch, cut at each expert all-to-all (rows: one segment
     per exchange, or per chain of them, ``CHAINED``; routing counts: a segment waited for at once),
     each segment the mean over the traced microbatches, the tail the last one's; none for a direction
@@ -213,7 +173,7 @@ def _collective(op, phase: str) -> Collective:
 
 
 def collective_account(op, group_phases: dict[str, str]) -> tuple[str, str]:
-    """(phase, account) of a traced collective (module docstring): its phase from its group (an FSDP
+    """(phase, account) of a traced collective (docs/projection-formulas.md): its phase from its group (an FSDP
     parameter gather: fsdp), and where the step counts it: expert, pipeline, fsdp (per microbatch),
     grad_sync (the reductions, bucketed in the backward or not), param_gather (ZeRO-1's gathers in
     the optimizer) or other."""
@@ -235,7 +195,7 @@ def step_prices(
     chunks: int | None = None,
     levels: int = 1,
 ) -> StepPrices:
-    """Fold a priced trace (module docstring); ``chunks``, ``levels``: ``expert_overlap``'s."""
+    """Fold a priced trace (docs/projection-formulas.md); ``chunks``, ``levels``: ``expert_overlap``'s."""
     compute = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}
     forward_matmuls = 0.0
     by_kind: dict[str, float] = {}
@@ -320,7 +280,7 @@ def engine_dispatch(
     rank: int,
 ) -> tuple[list[PricedOp], dict[str, str]]:
     """A trace of per-expert rows (what a proxy rank's dispatcher runs) as the engine's ``kind`` rows
-    run it at ``rank`` (module docstring, "Dispatch rows"): each row exchange of the expert group
+    run it at ``rank`` (docs/projection-formulas.md, "Dispatch rows"): each row exchange of the expert group
     carries D / k of its rows (D = the expected distinct destinations, ``expected_rows_per_token``),
     each with its side buffer; per-node's two levels replace it in the order the engine runs them
     (rows out to the experts: inter-node then intra-node; back: intra-node then inter-node;
@@ -424,7 +384,7 @@ def expert_overlap(
     chunks: int | None = None,
     levels: int = 1,
 ) -> list[ExpertOverlap]:
-    """The chunked expert all-to-alls of one microbatch, forward and backward (module docstring):
+    """The chunked expert all-to-alls of one microbatch, forward and backward (docs/projection-formulas.md):
     ``chunks`` given (a layout's ``a2a_chunks``) or read from the routing-counts exchanges; ``levels``:
     the row exchanges one chunk's dispatch makes (per-node: 2)."""
     exchanges: dict[str, dict[tuple[int, ...], list[int]]] = {"forward": {}, "backward": {}}
@@ -484,7 +444,7 @@ def project_priced_step(
     overlap: str = "chunks",
     pairs: tuple[float, float, float] | None = None,
 ) -> Projection:
-    """The projected step of a priced trace (module docstring); ``overlap``: ``project_step``'s;
+    """The projected step of a priced trace (docs/projection-formulas.md); ``overlap``: ``project_step``'s;
     ``pairs``: under the microbatches overlap, (pairs, forwards alone, backwards alone) of the rank's
     step (``bench.predict.overlap.overlapped_pairs``)."""
     microbatch_overlap = None

@@ -1,29 +1,5 @@
 """The operations of a traced training step, and what each one costs in work: FLOPs or bytes.
-
-A trace (``bench.run.trace``) records every ATen op one rank's step dispatches, in order, with its
-tensors' shapes and dtypes. This module sorts them into the kinds a device profile prices
-(``bench.predict.pricing``) and counts their work. Pure arithmetic on the standard library.
-
-Kinds
-    free         no kernel: views, aliases, metadata (``prim.device``), scalar reads, profiler marks
-    gemm         mm, addmm, bmm, baddbmm: 2 * M * N * K per product
-    grouped_gemm ``_grouped_mm``: 2 * (rows in groups) * N * K, the rows read from the replayed routing
-                 (a grouped GEMM skips rows after the last offset, such as no-sync capacity padding)
-    mx_gemm      the engine's MXFP8 grouped GEMM (region ``mxfp8.grouped_mm``): one kernel on a GPU
-                 (``tl.dot_scaled``), several ATen ops in the CPU emulation; same FLOPs as a grouped GEMM
-    attention    fused SDPA kernels, forward and backward (flash / memory-efficient / cuDNN / CPU flash):
-                 forward 4 * B * H * Sq * Sk * d, halved under the causal mask; backward 2.5 times the
-                 forward (FlashAttention's count: five products instead of two)
-    collective   c10d ops (priced on the network, ``bench.predict.collectives``)
-    fused        the engine's fused ops (``moe_engine::*``): the kernels each runs on a GPU, its GEMMs
-                 and memory-bound passes, as ``bench.predict.fused_ops`` counts them
-    memory       everything else: bytes read + written = the bytes of every tensor argument and output
-                 (an in-place op reads and writes its destination: counted twice, as it moves twice)
-
-Regions
-    The engine runs a few GPU kernels as several ATen ops on a CPU (the MXFP8 quantization and
-    grouped GEMM). The trace tags the ops inside such a function with its region; on a GPU profile a
-    region is priced as its one kernel (``region_op``), on a CPU profile op by op, as it ran.
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -93,7 +69,7 @@ REGIONS = ("mxfp8.grouped_mm", "mxfp8.quantize", "mxfp8.dequantize", "fp8.groupe
 
 
 def op_kind(op: TracedOp) -> str:
-    """The kind a profile prices ``op`` as (module docstring)."""
+    """The kind a profile prices ``op`` as (docs/projection-formulas.md)."""
     namespace, _, rest = op.name.partition(".")
     base = rest.split(".")[0]
     if namespace == "c10d" or op.collective is not None:
@@ -179,7 +155,7 @@ def _is_causal(op: TracedOp) -> bool:
 
 
 def op_work(op: TracedOp) -> OpWork:
-    """The work of ``op`` (module docstring)."""
+    """The work of ``op`` (docs/projection-formulas.md)."""
     kind = op_kind(op)
     dtype = op.inputs[0].dtype if op.inputs else (op.outputs[0].dtype if op.outputs else "torch.float32")
     moved = _moved_bytes(op)

@@ -1,39 +1,5 @@
 """Seconds of each traced op on a device profile.
-
-Rules (W = the op's work, ``bench.predict.ops.op_work``; P = the profile's dense peak at the op's
-dtype; B = its memory bandwidth; e_* its declared efficiencies; o = its launch overhead)
-
-    with a measured curve of the op's kind and dtype (``DeviceProfile.curves``): the curve's seconds
-    at the op's work (piecewise linear in log-log, ``Curve.seconds``); a GEMM runs at the throughput
-    of the measured shape nearest its (M, N, K) (``Curve.seconds_at_shape``: skinny products run far
-    below square ones of the same FLOPs), a grouped GEMM at the nearest (groups, rows per group, N, K),
-    one whose groups run along the reduction dim (a weight gradient) as its groups' GEMMs on the gemm
-    curve (N x rows @ rows x K each); a grouped GEMM is priced per
-    group, at its FLOPs / groups, times the groups (the CPU emulation and per-group kernels run a
-    group at a time); an attention backward uses the ``attention_backward`` curve where there is one;
-    memory-bound ops use the memory curve of their dtype (fp32 for others; a curve keyed ``any`` fits all)
-    otherwise, declared efficiencies (a roofline with an overhead):
-        gemm:          max(W_flops / (P e_gemm), W_bytes / (B e_memory)) + o
-        grouped_gemm:  max(W_flops / (P e_grouped_gemm), W_bytes / (B e_memory)) + o
-        mx_gemm:       the same at P = peak_tflops.mxfp8
-        attention:     W_flops / (P e_attention) + o
-        memory:        W_bytes / (B e_memory) + o
-        fused:         the sum over its kernels (``bench.predict.fused_ops``) of each one's price by
-                       the rule of its kind (gemm or memory), curves included
-    free ops cost 0 on a GPU (the host queues kernels ahead of the device); on a CPU each costs the
-    profile's measured ``free_op_us`` (the host is the device). A CPU profile with ``host_op_us`` (the
-    host's time around each op of a training step, measured) adds it to every op, free ones
-    included, in place of ``free_op_us``. Collectives cost 0 here: the network
-    model prices them (``bench.predict.projection``).
-
-Regions: on a GPU profile the ATen ops of one call of an engine region (``bench.predict.ops.REGIONS``)
-are priced as the one kernel the GPU runs (``region_op``); on a CPU profile, op by op, as they run.
-
-Stand-ins (``STAND_IN_LOCATIONS``): a proxy rank fabricates what its simulated peers would send it
-(received rows, counts and stage messages, the peers' routers replayed to draw their routes). A real
-rank runs none of it: it receives those tensors through the collectives the network prices. Each
-such op costs 0 on every profile, and is priced as no kernel (kind free, no bytes).
-Pure arithmetic.
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -78,7 +44,7 @@ class PricedOp:
 
 
 def op_seconds(work: OpWork, profile: DeviceProfile) -> float:
-    """Seconds of one op's work on ``profile`` (module docstring)."""
+    """Seconds of one op's work on ``profile`` (docs/projection-formulas.md)."""
     if work.kind == "collective":
         return 0.0
     kernel = _kernel_seconds(work, profile)
@@ -127,7 +93,7 @@ def _kernel_seconds(work: OpWork, profile: DeviceProfile) -> float:
 
 
 def is_stand_in(op: TracedOp) -> bool:
-    """Whether ``op`` is the proxy's stand-in for its peers, run by no real rank (module docstring)."""
+    """Whether ``op`` is the proxy's stand-in for its peers, run by no real rank (docs/projection-formulas.md)."""
     return op.location in STAND_IN_LOCATIONS
 
 
@@ -137,7 +103,7 @@ def _no_work(op: TracedOp) -> OpWork:
 
 
 def price_ops(ops: Sequence[TracedOp], profile: DeviceProfile) -> list[PricedOp]:
-    """Every op of a trace with its seconds, in order (regions and stand-ins as the module docstring says)."""
+    """Every op of a trace with its seconds, in order (regions and stand-ins as docs/projection-formulas.md says)."""
     priced: list[PricedOp] = []
     i = 0
     while i < len(ops):

@@ -1,192 +1,5 @@
 """Projection: one rank's measured compute and collectives priced as a step time on a whole cluster.
-
-A run on a few ranks measures how long one rank computes a microbatch and records every collective it
-issued with its byte size. The projection prices those collectives on a target network with an
-alpha-beta model (a fixed cost per message plus bytes over bandwidth) and assembles the step the
-pipeline schedule would run. Pure arithmetic on the standard library: nothing here needs torch.
-
-Notation: B = bytes of a collective (see ``Collective.nbytes`` for which buffer), n = ranks in its group,
-g = gpus_per_node, alpha = latency_us * 1e-6 s, bw_intra / bw_inter = intra_node_gbps / inter_node_gbps
-* 1e9 bytes/s, m = microbatches, v = virtual_stages.
-
-Network
-    Rank r sits on node r // g. A group spans nodes when its ranks are not all on one node; it is then
-    priced at bw_inter, else at bw_intra (beta below). Bandwidths are per GPU, each direction.
-
-Collectives (seconds of one call, times ``count``; every op but send/recv costs 0 when n = 1)
-    all_to_all:      (n-1) alpha + max(B (l-1)/n / bw_intra, B (n-l)/n / bw_inter)
-                     l = the group's ranks on the projected rank's node (itself included); the (l-1)/n of
-                     the buffer that stays on the node and the (n-l)/n that leaves it move in parallel
-    all_reduce:      2 (n-1) alpha + 2 (n-1)/n B / beta                 (ring: reduce-scatter + all-gather)
-    reduce_scatter:  (n-1) alpha + (n-1)/n B / beta                     (ring; B = the whole input)
-    all_gather:      (n-1) alpha + (n-1)/n B / beta                     (ring; B = the whole output)
-    broadcast:       (n-1) alpha + B / beta                             (pipelined ring)
-    barrier:         2 ceil(log2 n) alpha                               (dissemination, no payload)
-    send, recv:      alpha + B / beta                                   (beta from whether the pair shares a node)
-    A send and its matching recv are recorded by the two ranks for different messages, so each entry is
-    priced on its own.
-
-Overlapped syncs (the gradient reductions under the last microbatch's backward, the ZeRO-1 parameter
-gathers under the optimizer's updates)
-    The engine launches one collective per bucket as soon as the bucket is ready, in a fixed order,
-    while the rank still computes: a reduction once its parameters have their last gradient (during
-    the last microbatch's backward, whatever m and pp), a gather once its update is written (during
-    the next buckets' updates). Buckets i = 1..N in launch order; c_i = the price of bucket i's
-    collective (formulas above); w_i = its window, the rank's compute still to run when it launches,
-    the compute ending at time 0, so it launches at -w_i. The collectives queue on one link, in launch
-    order (dense and expert groups share the GPU's NIC):
-        s_i = max(-w_i, e_(i-1))   (e_0 = -inf)       start of bucket i's collective
-        e_i = s_i + c_i                               its end
-        exposed = max(0, e_N)                         what the step waits for after the compute
-        hidden  = sum_i c_i - exposed
-    Windows hold compute only: the expert all-to-alls and stage messages of the backward still to run
-    use the same link, so their time hides nothing. Per-step "grad" entries not given as buckets
-    (collectives with no known launch time) launch when the backward ends (w = 0), after the buckets.
-
-Overlap windows of a scaled-down run (``bench.predict.proxy_projection.scaled_sync_buckets``)
-    A proxy measures each bucket on a run of fewer blocks and tokens than the scenario's: R =
-    block_ratio, s = token_ratio (``bench.run.proxy.scale.ProxyScale``), C = ceil(R) copies of the run's
-    blocks. The compute a window holds is split as measured into a (block phases), r (rest: what no
-    phase times), e (embedding) and g (later buckets' launches, scaling each by 1/dp), with the
-    proxy's fabrication of peers' data left out. a scales as the blocks' compute does, by s R; e
-    and g do not grow with the tokens (the embedding's backward makes a whole V x D gradient, a
-    launch scales a bucket); nor does r, which after the first launch is the trainer's own code
-    around the end of the backward (the final norm's backward on the last stage is the only token
-    work in it, and it is small). A = the blocks' backward of one microbatch in the run. A bucket of block parameters only that filled up (reached ``bucket_elements``)
-    stands for C buckets at full scale, one per copy of the blocks (copy k = 0 .. C-1 in backward
-    order), each with R / C of its bytes; any other bucket (embedding, LM head, final norm, one that
-    mixes them with block parameters, or one left open to the end of the walk, which at full scale
-    would collect the later copies' parameters as well and launch as late) stays one bucket, its
-    bytes (1 - f + f R) times the run's, f = the block share of its parameters.
-        reduction, block bucket, copy k:  w = (a + (C - 1 - k) A) s R / C + r + e + g
-        reduction, other bucket:          w = a s R + r + e + g
-    that is, after copy k the later copies' blocks still run; their launches and rest are not
-    counted (slightly pessimistic). A gather hides under the updates still to run after its own;
-    u_l = bucket l's measured update, which follows its share's bytes:
-        gather, block bucket j, copy k:   w = (U_j + (C - 1 - k) U_b) R / C + V_j
-        gather, other bucket j:           w = U_j R + V_j
-        U_j = sum of u_l over the block buckets after j, U_b = over all block buckets,
-        V_j = sum of u_l (1 - f_l + f_l R) over the other buckets after j
-    The buckets queue in the order of their windows, the longest first: the engine's fixed launch
-    order. At the run's own scale (R = s = C = 1) the windows are the measured ones.
-
-Overlapped expert all-to-alls (chunked dispatch: ``parallel.a2a_chunks`` = C > 1, ``ExpertOverlap``)
-    Each MoE layer pass (a forward, a backward, a recomputed forward) sends its rows out and back in
-    C chunks: chunk k+1's dispatch travels while chunk k's experts compute, chunk k's combine while
-    chunk k+1's do (``moe_engine.moe.dispatch``). Per direction (forward, backward) of one microbatch:
-    P = its MoE layer passes, A = the seconds of their row all-to-alls (formulas above), X = the
-    seconds of the experts' own ops; each pass has 1/P of both. A pass's link carries its messages one
-    at a time in the order the engine issues them, d_0, d_1, c_0, d_2, c_1, ..., d_(C-1), c_(C-2),
-    c_(C-1), each dispatch d_k and combine c_k of a/(2C) seconds (a = A/P: out and back move the same
-    rows); chunk k's experts (x/C, x = X/P) start when d_k has arrived and chunk k-1's are done; c_k
-    starts when chunk k's experts are done and the link is free:
-        e_k     = max(end(d_k), e_(k-1)) + x/C                 (e_(-1) = 0; d_0 starts at 0)
-        exposed = end(c_(C-1)) - x,   hidden = a - exposed     (per pass; C = 1: exposed = a)
-    With compute to spare only the first chunk's dispatch and the last chunk's combine show (a/C);
-    with none, all of a. The backward is priced by the same rule (its engine order differs: every
-    combine's gradient leaves first, then each chunk's dispatch gradient after its experts).
-    c_exp_hidden = the sum over directions of P * hidden. Compute and the all-to-alls do not slow
-    each other (no contention for SMs or memory bandwidth is modelled).
-
-Expert all-to-alls overlapped across microbatches (``ExpertOverlap.MICROBATCHES``: pp = 1 with m >= 2,
-or dualpipev)
-    The engine runs a microbatch's forward beside another's backward as two programs, one computing at
-    a time: the running one starts an exchange of rows (a chunk's included), hands over; the other
-    runs until it has started its own next one (or finished), hands back; the first then waits for
-    its exchange (``moe_engine.parallel.overlap``). Exchanges with no compute between form a chain
-    (per-node rows: the dispatch's inter-node then intra-node level, the combine's intra then inter):
-    it hands over once, as it starts, its exchanges back to back on the link. Routing counts (an
-    integer all-to-all) are waited for at once: no hand-over. A program is its compute cut at its
-    all-to-alls, segments (x_j, a_j) then a tail (``bench.predict.op_projection.traced_programs``: the
-    mean over the traced microbatches; a chain is one segment, a_j its exchanges' seconds summed, as
-    ``engine_dispatch`` marks it). Simulated with the all-to-alls queued on one link:
-        on resuming:   clock = max(clock, end of its all-to-all in flight)
-        counts:        clock = link = max(clock + x_j, link) + a_j; go on (its group's collectives run
-                       in issue order: it waits behind what is in flight)
-        a segment:     clock += x_j; link = max(clock, link) + a_j; its all-to-all ends at link; hand over
-        the tail:      clock += tail; done (the other runs on alone, waiting for each of its own)
-        exposed(F, B) = clock at the end - the compute of both (the counts' waits included)
-    So each exchange of rows hides behind the other program's compute segment, bounded segment by
-    segment; a program alone (partner NOTHING) waits for each of its all-to-alls: exposed = its all-to-alls. Per
-    step: p pairs, u_f forwards and u_b backwards alone (microbatches):
-        pp = 1:     p = m - 1, u_f = u_b = 1 (the first forward, the last backward)
-        dualpipev:  p = OVERLAP_F_B actions of the rank in torch's ScheduleDualPipeV plan / 2 (an action
-                    pairs two stage chunks, half a microbatch of the rank's blocks), u_f = u_b = (2m - 2p) / 2
-        exposed_step = p exposed(F, B) + u_f (A_F - h_F) + u_b (A_B - h_B)
-    A_F, A_B = a direction's all-to-alls, h_F, h_B = what its chunks hide alone (the chunked rule above);
-    c_exp - c_exp_hidden = exposed_step / m.
-
-Dispatch rows (``bench.predict.dispatch_rows``; what a row carries: ``DispatchRows``)
-    A token picks k of E experts without replacement; a rank holds L = E / ep consecutive experts, a
-    node g L (g = ranks_per_node; None: the profile's gpus_per_node where g < ep). Random routing's
-    expected distinct destinations (hypergeometric):
-        D_r = ep (1 - C(E - L, k) / C(E, k))        D_n = N (1 - C(E - gL, k) / C(E, k)),  N = ep / g
-    measured routing: the counts over the drawn routes. Rows per token: per-expert k, per-rank D_r;
-    per-node D_n across nodes (to the rank with the same local index there: a group of N ranks, one a
-    node, so (N - 1)/N of the bytes leave the node) and then D_r inside the node (a group of g ranks:
-    (g - 1)/g of the bytes move over NVLink), one level after the other; each row also carries 8 min(k,
-    experts a destination holds) bytes of router weights and expert ids. Each is an all_to_all priced
-    as above. A traced proxy rank sends per-expert rows (B bytes, sync dispatch's from the replayed
-    routes, no-sync's capacity buffers); ``bench.predict.op_projection.engine_dispatch`` prices the
-    engine's exchanges from them: B / row bytes * D / k rows (no-sync: the engine sizes its buffers by
-    the same expectation times capacity_factor), routing counts per level under sync, none under no-sync;
-    per-node's levels in the engine's order (rows out: inter-node first; back: intra-node first), one chain.
-
-Step (times in seconds; c_exp, c_pipe, c_fsdp = summed seconds of one microbatch's "expert", "pipeline"
-and "fsdp" entries)
-    t_mb      = microbatch_s + c_exp - c_exp_hidden + c_pipe + max(0, c_fsdp - microbatch_s)
-                (dispatch all-to-alls and stage messages sit on the critical path: no overlap with
-                 compute is assumed but the chunked dispatch's or the microbatches' above; FSDP's
-                 parameter gathers are prefetched, each unit's under the compute of the unit
-                 before, so only what outlasts the microbatch's compute shows)
-    bubble    = 0                          pp = 1
-                (pp - 1) t_mb              gpipe, 1f1b   (pipeline time (m + pp - 1) t_mb)
-                (pp - 1) t_mb / v          interleaved1f1b
-                zero-bubble schedules, from F (forward), B (input gradients) and W (weight gradients)
-                of one microbatch: t_mb split in the proportions of its compute (F = forward_s, W =
-                weight_grad_s, B = the rest), a chunk 1/v of each (v = 2 for zbv and dualpipev):
-                (pp - 1) max(0, F + B - W) / v       interleaved-zb (ZB1P: (pp-1)(F + B_full - 2W),
-                                                     B_full = B + W; Qi et al., Zero Bubble Pipeline
-                                                     Parallelism, 2024; torch's ScheduleInterleavedZeroBubble)
-                (pp - 1) max(0, F + B - 2W) / 2      zbv (ZB-V: zero when F = B = W; same paper, section 6)
-                (pp - 1) max(0, F + 2B - W) / 2      dualpipev ((PP/2 - 1)(F&B + B_full - 3W) of the DeepSeek-V3
-                                                     report over its 2 pp stages, F&B = F + B_full: the pair's
-                                                     all-to-alls hidden)
-    pipeline  = m t_mb + bubble            (every stage is assumed as slow as the measured rank)
-    grad      = the overlapped-sync simulation of the reduction buckets, then the unbucketed per-step
-                "grad" entries at w = 0: grad_sync_exposed, grad_sync_hidden
-    gather    = the overlapped-sync simulation of the gather buckets: param_gather_exposed,
-                param_gather_hidden
-    other     = summed seconds of the per-step "other" entries (never hidden)
-    step      = pipeline + grad_sync_exposed + optimizer_s + param_gather_exposed + other + skew
-
-Breakdown (sums to the step)
-    compute = m microbatch_s, expert_comm = m (c_exp - c_exp_hidden), pipeline_comm = m c_pipe,
-    fsdp_gather_exposed = m max(0, c_fsdp - microbatch_s), bubble, grad_sync_exposed, optimizer,
-    param_gather_exposed, other_comm, skew; beside them, not part of the sum: grad_sync_hidden,
-    grad_sync_total (= hidden + exposed), param_gather_hidden, param_gather_total, fsdp_gather_total =
-    m c_fsdp, expert_comm_hidden = m c_exp_hidden, expert_comm_total = m c_exp.
-
-Rank skew (``SkewModel``; the ``skew`` entry of the breakdown, 0 without a model)
-    A collective completes when the slowest rank of its group reaches it. Ranks' compute between two
-    consecutive blocking collectives (a segment) varies by independent noise; the step has S of them,
-    and the wait at each is E[max of n] - mean = z_n sigma_seg (z_n = E[max of n standard normals],
-    z_2 = 1/sqrt(pi)). With sigma_step^2 = S sigma_seg^2 the variance of a rank's step and
-    cv = sigma_step / step (the step-time spread real multi-rank runs record):
-        skew = z_n sqrt(S) cv compute
-    S = m * (the per-microbatch collectives' calls) + the per-step "other" calls + 1 (the step's end,
-    where the gradient sync completes); n = the largest group among them. The assumption: the noise
-    is independent between segments and ranks; shared slowdowns (the whole machine) count in cv too,
-    which makes this an upper estimate where they dominate.
-
-Throughput
-    tokens_per_s_per_gpu = tokens_per_step / step / world_size
-    tflops_per_gpu       = flops_per_token * tokens_per_step / step / world_size / 1e12
-
-The modules: the network and each collective's price (``bench.predict.collectives``), the overlapped syncs
-and chunked expert all-to-alls (``bench.predict.overlap``), the rank-skew waits (``bench.predict.skew``);
-this one holds the schedule, the rank's compute and the step they assemble (``project_step``), and the
-formulas of all four above.
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -369,7 +182,7 @@ def _seconds(items: list[Collective], phase: str, rank: int, net: Network) -> fl
 
 
 def bubble_s(schedule: Schedule, t_mb: float, timing: RankTiming) -> float:
-    """The pipeline's idle time of one step (the formulas in the module docstring, section "Step")."""
+    """The pipeline's idle time of one step (the formulas in docs/projection-formulas.md, section "Step")."""
     pp, v = schedule.pp, schedule.chunks
     if pp == 1:
         return 0.0
@@ -516,7 +329,7 @@ def project_step(
     overlap: str = "chunks",
     microbatch_overlap: MicrobatchOverlap | None = None,
 ) -> Projection:
-    """The projected step of ``rank`` (formulas in the module docstring).
+    """The projected step of ``rank`` (formulas in docs/projection-formulas.md).
 
     ``per_microbatch`` holds the collectives of one microbatch (phases expert and pipeline), ``per_step``
     those issued once per step (phases grad and other) that no bucket stands for; ``tokens_per_step``

@@ -1,39 +1,5 @@
 """``moe-bench project SCENARIO --device NAME``: a layout's step on a device, priced op by op.
-
-One module on purpose: tracing the stages, sharing identical ones, the progress lines and the document
-are one pass of ``moe-bench project`` over a layout's stages, each step feeding the next.
-
-For each pipeline stage, one rank's step is traced at the scenario's full size under fake tensors
-(``bench.run.trace``), every op priced on the device profile (``bench.predict.pricing``) and the
-step assembled on the profile's network (``bench.predict.op_projection``); the slowest stage sets
-the step, as every stage waits for it. Memory comes from the plan (``bench.predict.plan``, checked
-against measured peaks by the proxy tests): a layout whose most loaded rank needs more than the
-device holds is reported as "does not fit" and not projected.
-
-Identical stages share one trace and its op prices (``shared_traces``); each is still projected at its
-own rank, with its own place in the schedule. Two stages are identical when they hold
-
-- the same blocks in the same order, as far as the step can tell them apart: MoE or dense, recomputed
-  or not (their parameters are the same shapes; only their global indices differ);
-- the ends or neither: the first stage also embeds the tokens and has no stage before it to exchange
-  messages with, the last also runs the head and the loss and has none after it;
-- the same order of the traced microbatches' forwards and backwards (1F1B: pp - stage - 1 warm-up
-  forwards, capped at the microbatches traced);
-
-and only if routes cannot change the shapes of the ops: no expert parallelism, no-sync dispatch
-(fixed-capacity buffers) or balanced routing. Random and skewed routes are drawn per block, so a
-stage's blocks draw routes other than its twin's; under sync dispatch those decide the buffers'
-shapes, and every stage is traced. Otherwise all that routes decide is the rows of each expert inside
-the fixed buffers, and a stage that shares a trace is priced at its twin's rows: draws of the same law
-over the same number of blocks and microbatches (moe-1.2t-512gpu on b300: the middle stages' steps
-priced at their own routes are within 0.1% of their twin's). A shared trace's collectives are moved
-onto the sharing rank's own groups and neighbours (``bench.run.trace.retarget``): the network prices
-them at its ranks.
-
-While it traces, a ``TraceProgress`` tells which stage runs, whether it is traced or takes an identical
-stage's trace, and the ops traced so far: rich progress bars on a terminal, plain lines elsewhere
-(``trace_progress``). With ``breakdown`` the document also holds the slowest stage's step by op kind
-and by engine module (``bench.predict.breakdown``).
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -162,7 +128,7 @@ def memory_fit(scenario: Scenario, profile: DeviceProfile) -> dict[str, Any]:
 
 
 def _stage_kind(scenario: Scenario, stage: int) -> tuple:
-    """What tells a pipeline stage's traced step apart from another's (module docstring)."""
+    """What tells a pipeline stage's traced step apart from another's (docs/projection-formulas.md)."""
     model, parallel = scenario.model, scenario.parallel_config
     stages = stage_blocks(model.n_layers, parallel.pp)
     recomputed = set(scenario.recompute.blocks(stages))
@@ -177,7 +143,7 @@ def _stage_kind(scenario: Scenario, stage: int) -> tuple:
 
 def shared_traces(traced: Scenario) -> list[int]:
     """For each pipeline stage of ``traced`` (the scenario as traced), the stage whose trace it takes:
-    the first identical one (module docstring), itself when it is the first."""
+    the first identical one (docs/projection-formulas.md), itself when it is the first."""
     parallel = traced.parallel_config
     fixed_shapes = (
         parallel.ep == 1
@@ -363,7 +329,7 @@ def stage_traces(
     progress: Callable[[str], None] | TraceProgress = lambda line: None,
 ) -> Iterator[StageTrace]:
     """Each pipeline stage's step of ``traced`` (the scenario as traced) at rank (stage, 0, 0), priced on
-    ``profile``; with ``share``, identical stages trace once (module docstring). ``progress``: a
+    ``profile``; with ``share``, identical stages trace once (docs/projection-formulas.md). ``progress``: a
     ``TraceProgress``, or a function that takes its lines."""
     reporter = progress if isinstance(progress, TraceProgress) else TraceProgress(progress)
     parallel = traced.parallel_config
@@ -413,7 +379,7 @@ def project_on_device(
     share_stages: bool = True,
     breakdown: bool = False,
 ) -> dict[str, Any]:
-    """The projection document of ``scenario`` on ``profile`` (module docstring); ``share_stages`` False
+    """The projection document of ``scenario`` on ``profile`` (docs/projection-formulas.md); ``share_stages`` False
     traces every pipeline stage; ``breakdown`` adds the step by op kind and module (``bench.predict.breakdown``).
 
     Raises ``DoesNotFit`` (with the numbers) when the plan's rank does not fit the device, and

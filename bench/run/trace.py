@@ -1,33 +1,5 @@
 """Trace one rank's training step at the scenario's full size without allocating it.
-
-One module on purpose: the tracer (``StepTracer``, its shadows and ``ModuleLocator``) and the
-building of the rank it traces share the fake-tensor state of one trace.
-
-The rank is built as a proxy rank (``bench.run.proxy.rank``: its stage, its local experts, its optimizer
-shard, peers simulated, a fake world whose collectives move nothing) under ``FakeTensorMode``, where
-tensors carry shapes and dtypes but no storage, so a 1.2T model's rank traces on a laptop. One whole
-optimizer step runs (every microbatch, the backward, the optimizer) and a ``TorchDispatchMode``
-records every ATen and c10d op in order (``bench.predict.ops.TracedOp``).
-
-Routing is replayed for real. A fake tensor has no values, yet the routes decide the shapes of sync
-dispatch and the rows of each expert's GEMM. The mode keeps a real *shadow* of every small tensor
-whose inputs all have one: the routing generator's draws, the selected experts, the counts, offsets
-and slot plans (the routers' random, balanced and skewed modes draw from generators, which the
-shadows advance as a real run does). A host read of a fake tensor (``.tolist()`` of sync dispatch's
-split sizes) returns its shadow's value, and each grouped GEMM is recorded with the rows of its
-groups. Learned routing depends on activations, which a fake step does not compute: its routes
-have no shadow, so its grouped GEMMs are priced at their buffer's rows, and sync dispatch with
-learned routing cannot be traced (an error says so).
-
-The same mode records a real step when no fake mode is active (``fake=False``): tests compare the
-two op lists at CPU scale.
-
-Each op also records where it ran (``TracedOp.location``, ``ModuleLocator``): the engine module or the
-named part of the step (optimizer, gradient sync, the proxy's stand-ins for its peers), for the
-projection's breakdown by module (``bench.predict.breakdown``).
-
-A rank whose step runs the same ops as a traced one (an identical pipeline stage, ``bench.run.project``)
-takes that trace through ``retarget``: the same ops, each collective on its own groups.
+More: docs/projection-formulas.md.
 """
 
 from __future__ import annotations
@@ -212,7 +184,7 @@ class ModuleLocator:
 
 
 class StepTracer(TorchDispatchMode):
-    """Records ``TracedOp``s; keeps real shadows of small fake tensors (module docstring)."""
+    """Records ``TracedOp``s; keeps real shadows of small fake tensors (docs/projection-formulas.md)."""
 
     def __init__(self, on_ops: Callable[[int, str], None] = lambda count, stage: None):
         super().__init__()

@@ -1,29 +1,5 @@
 """``moe-bench plan``: parameters, FLOPs, per-rank memory, traffic and checkpoint bytes of a layout, by arithmetic.
-
-Nothing is allocated: a plan answers for a 2-trillion-parameter model on 1024 GPUs in milliseconds.
-Parameter counts and FLOPs come from ``moe_engine.flops`` (the project's one implementation of those
-formulas); this module only splits the counts over ranks and prices them in bytes.
-
-Notation: D = d_model, V = vocab, L = n_layers, E = experts, k = top_k, F = expert_hidden,
-F_s = shared_expert_hidden, F_d = dense_hidden, H = n_heads, q = H * head_dim, kv = n_kv_heads * head_dim,
-m = microbatches, v = virtual_stages, cf = capacity_factor.
-
-Layout
-    world = dp * pp; the ep ranks of an expert group sit inside dp; edp = dp / ep replicas of each expert.
-    The L blocks are cut into S = pp * v contiguous chunks (chunk c gets ceil(L/S) blocks when
-    c < L mod S, else floor(L/S)); pipeline rank r owns chunks r, r + pp, ..., r + (v-1)*pp. The input
-    embedding sits with the first chunk (rank 0), the final norm and LM head with the last (rank pp-1).
-    A rank holds E / ep local experts of each MoE block it owns. Ranks of one pipeline stage are alike
-    (balanced routing), so the plan evaluates each of the pp stages and reports the most loaded one.
-
-The formulas live beside their code: bytes per parameter (``bench.predict.plan.bytes``), activations
-(``bench.predict.plan.activations``), one rank's state, traffic, backward workspace, optimizer step and
-checkpoint (``bench.predict.plan.rank``).
-
-Any scenario has a plan: a plan scenario's, a proxy scenario's (the whole layout at the scenario's own
-sizes, not the proxy's CPU scale-down) and an execute scenario's. The GPU memory is the ``cluster``
-section's; a scenario without one (an execute scenario may leave it out) gets its per-rank memory
-without a fraction and ``fits`` None: ``moe-bench run`` compares it with the device it runs on.
+More: docs/memory-plan.md.
 """
 
 from __future__ import annotations

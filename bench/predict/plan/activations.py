@@ -1,84 +1,6 @@
 """Activation memory of a plan: what one microbatch keeps for backward, block by block
 (``bench.predict.plan``'s notation).
-
-Activation memory per rank: A_mb (one microbatch over all the rank's blocks) * in-flight / v
-    T = tokens_per_step / dp / m tokens per microbatch per rank; a = activation bytes (4 fp32, 2 otherwise);
-    e = bytes of a saved expert-GEMM input element (a; mxfp8: 1 + 1/32, an fp8 value plus one shared
-    8-bit scale per 32 elements). The tensors the engine keeps for backward (flash attention; the
-    experts recompute their SwiGLU product), as measured on a real block in every recompute mode by
-    tests/bench/predict/test_plan_saved_tensors.py:
-    RMSNorm over width w:       norm(w) = T * w * (4 + a)   (its input in fp32: a copy, or in fp32 the
-                                input itself; the normalised values). Its output is counted where a
-                                consumer saves it.
-    attention part of a block:  norm(D) + a * T * D (the norm's output, which q, k and v save)
-                              + attn, attn = [norm(q) + norm(kv) with qk_norm] + a * T * (2q + 2kv) + 4 * T * H
-                                             [+ 4 * T * (H + n_kv_heads) with qk_norm_per_head: the
-                                              norms' statistics, one fp32 value per head and token]
-        (q and k after RoPE, v and the attention output, kept by the kernel; o_proj's input is a view
-         of that output, which the kernel lays out (B, S, H, d); fp32 log-sum-exp. RoPE keeps only
-         its cos/sin tables)
-        with multi-head latent attention (Q = q_lora_rank, C = kv_lora_rank, n, r, v the head widths,
-        W = max(n + r, v) the width the kernel runs at, ``moe_engine.modules.mla``):
-        attn = [norm(Q) + a * T * Q with a query latent]   (its norm, and the norm's output q_b saves)
-             + norm(C) + a * T * C                          (the key-value latent's norm and output)
-             + [4 * T * r in fp32]                          (the norm saves its input itself: a view of
-                                                             kv_a's output, which holds the RoPE key too)
-             + 3 * a * T * H * W                            (q and k at width n + r, padded to W; v)
-             + a * T * H * W + 4 * T * H                    (the kernel's output and log-sum-exp)
-             + [a * T * H * v when v < W]                   (o_proj's input, a copy of the sliced output)
-        v counts at W when padded; unpadded (v = W) it is a view that keeps kv_b's whole output,
-        T * H * (n + v), alive: a * T * H * (n + v) in place of a * T * H * W.
-    SwiGLU of hidden F:         4 * a * T * F      (gate, up, silu(gate), product)
-    dense FFN:                  norm(D) + a * T * D (its input) + SwiGLU(F_d)   (every dense block: the
-                                leading ones and, with moe_every > 1, those between MoE blocks)
-    MoE FFN:                    norm(D) + 4 * T * D   (the router's fp32 input: a copy of the norm's
-                                                        output, or in fp32 the output itself)
-                              + 8 * T * E                                 (fp32 logits and scores)
-                              + R * e * (D + 2F)                          (expert-GEMM input, gate/up
-                                 pre-activations; the SwiGLU product is recomputed in backward)
-                              + a * T * k * D                             (expert outputs for combine)
-                              + [a * T * D when a < 4] + SwiGLU(F_s)      (shared expert, if any: its
-                                 input, the norm's output, which nothing else saves in bf16)
-        R = T * k rows, or cf * T * k under no-sync dispatch with ep > 1 (the capacity buffers)
-    last stage:                 norm(D) + a * T * D (the LM head's input) + 4 * T * V (fp32
-                                log-probabilities of the cross-entropy)
-    with fused kernels (``model.fused_kernels``): norm(w) = a * T * w (the input as it is), SwiGLU
-                                3 * a * T * F (no silu(gate)), the router 4 * T * E (its logits,
-                                no scores), the combine a * R * D (the buffer
-                                it reads, capacity rows included, in place of a * T * k * D), the
-                                last stage's cross-entropy no logits (4 * T * V drops out)
-    in flight (in chunk-microbatches, divided by v to count whole-rank microbatches), rank r:
-        pp = 1:          1 (gradient accumulation frees a microbatch's activations after its backward)
-        gpipe:           m * v (every microbatch's forward runs before any backward)
-        1f1b:            min(m, pp - r)
-        interleaved1f1b: min(m * v, 2 (pp - r - 1) + (v - 1) pp + 1) (Megatron's warm-up count + 1;
-                         on rank 0 it is pp*v + pp - 1 chunks, 1F1B's memory times 1 + (pp-1)/(pp v));
-                         interleaved-zb and zbv by the same rule
-        dualpipev:       min(2m, 2 pp + 1) (v = 2; every rank: the peak of torch's ScheduleDualPipeV plan,
-                         a stage's activations held from its F until its full backward or its W)
-
-Activation recompute (the ``recompute`` section; ``RecomputeConfig.blocks`` over the pp * v chunks
-picks the blocks, as the engine does). A recomputed block keeps, instead of the above:
-    full:                 a * T * D (its input, which the checkpoint holds), nothing else
-    selective attention:  its attention part less attn: norm(D) + a * T * D (the norm's output is
-                          the checkpoint's input)
-    selective experts:    the checkpoint's input in place of R * e * (D + 2F). The experts gather
-                          their own rows (the MXFP8 ones straight into their quantized operand),
-                          so that input is what they gather from: under expert parallelism the
-                          received rows, R * a * D; otherwise the token rows, a * T * D, which
-                          are kept anyway (0) in fp32 (the router's input) or beside a shared
-                          expert (its projections' input)
-    selective norms:      a * T * D (the norm's input) in place of each of its two norm(D)
-    Dense blocks have no routed experts: the experts part leaves them as they are. In backward the
-    recompute brings back, one block (full) or one part (selective) at a time, what the recomputed
-    forward saves beyond the kept input: full, the block's activations above (less a * T * D in
-    fp32, where the first norm's saved input is the kept input itself); attention, attn; experts,
-    R * e * (D + 2F) (the recomputed forward gathers its rows anew); norms, one norm(D) (less
-    a * T * D in fp32). That transient is in the backward workspace.
-    Full recompute runs the dispatch's all-to-alls again (its forward dispatch and combine); no
-    selective part holds a collective. Recompute FLOPs per token: moe_engine.flops
-    (``recompute_flops_per_token``), reported apart from the model FLOPs, which MFU uses; their sum
-    is ``hardware_flops_per_token``.
+More: docs/memory-plan.md.
 """
 
 from __future__ import annotations
@@ -97,7 +19,7 @@ def _norm_activation_bytes(width: int, tokens: int, b: PrecisionBytes, fused: bo
 
 
 def _mla_attention_bytes(model: ModelConfig, tokens: int, b: PrecisionBytes) -> float:
-    """What multi-head latent attention saves (the module docstring's MLA ``attn``)."""
+    """What multi-head latent attention saves (docs/memory-plan.md's MLA ``attn``)."""
     mla, a, heads, fused = model.mla, b.activation, model.n_heads, model.fused_kernels
     assert mla is not None  # _attention_bytes calls it only for a model with mla
     qk, v = mla.qk_head_dim, mla.v_head_dim
@@ -185,7 +107,7 @@ def block_activations(
     par: ParallelConfig,
     recompute: RecomputeConfig | None,
 ) -> BlockActivations:
-    """A dense or MoE block's activations (the module docstring's formulas); ``recompute`` None when
+    """A dense or MoE block's activations (docs/memory-plan.md's formulas); ``recompute`` None when
     the block is not recomputed."""
     a, d, moe, fused = b.activation, model.d_model, model.moe, model.fused_kernels
     norm = _norm_activation_bytes(d, tokens, b, fused)

@@ -1,21 +1,6 @@
 """Bytes per parameter and the parameters a plan splits over ranks (``bench.predict.plan``'s
 notation).
-
-Parameters of a rank (element counts, taken from ``parameter_counts``)
-    dense   = its blocks' attention + norms (+ dense FFN, shared expert, router) [+ embedding] [+ head]
-    experts = (its MoE blocks) * (E / ep) * 3 * D * F
-    Dense parameters are replicated over dp; expert parameters are sharded over ep, replicated over edp.
-
-Bytes per parameter (param / grad / optimizer), by precision and ``parallel.grad_dtype``
-    fp32:                           4 / 4 / 8   (Adam m and v; either grad_dtype)
-    bf16, mxfp8, grad_dtype fp32:   2 / 4 / 12  (bf16 weights, fp32 gradient buffers: the default;
-                                                 fp32 master + m + v)
-    bf16, mxfp8, grad_dtype param:  2 / 2 / 12  (bf16 gradient buffers)
-    The router is fp32 in every precision: 4 / 4 / 8 (its own master).
-    With an fp32 buffer each backward's bf16 gradient is made by autograd and then added into the
-    buffer; with a bf16 buffer autograd adds a fresh gradient into it in place. Either way the
-    transient is a parameter's whole gradient in its own dtype: the backward workspace (below)
-    holds the largest ones.
+More: docs/memory-plan.md.
 """
 
 from __future__ import annotations
@@ -71,7 +56,7 @@ def precision_bytes(precision: str, grad_dtype: str = "fp32", dp_mode: str = "dd
     """``BYTES[precision]`` with the gradients in the buffers ``grad_dtype`` asks for.
 
     fp32 buffers hold 4 bytes per gradient and need no fp32 copy for the optimizer step. FSDP has no
-    DDP buffers: it keeps the same 16 bytes per parameter whatever grad_dtype (see the module docstring).
+    DDP buffers: it keeps the same 16 bytes per parameter whatever grad_dtype (see docs/memory-plan.md).
     """
     b = BYTES[precision]
     if grad_dtype == "fp32" and dp_mode != "fsdp":

@@ -1,78 +1,6 @@
 """One pipeline rank of a plan: what it holds, its state memory, its traffic and its checkpoint bytes
 (``bench.predict.plan``'s notation).
-
-State memory per rank (P = parameter bytes, G = gradient bytes, O = optimizer bytes)
-    ddp:           P_dense + P_exp,  G_dense + G_exp,  O_dense + O_exp
-    ddp + zero1:   optimizer becomes ceil(O_dense / dp) + ceil(O_exp / edp); gradients gain the
-                   reduce-scatter outputs, at the buffer's dtype, ceil(G_dense / dp) (when dp > 1)
-                   + ceil(G_exp / edp) (when edp > 1)
-    fsdp:          every tensor sharded: P_dense / dp + P_exp / edp (= the stage's experts / dp), same for
-                   G and O, plus one transient gathered unit: the largest FSDP unit of the rank (a block
-                   with its E/ep local experts, the embedding, or final norm + LM head) counted once in
-                   params and once in grads (no prefetch of a second unit). The engine's FSDP mode keeps
-                   the fp32 master as the sharded parameter and reduces fp32 gradients whatever
-                   grad_dtype says (it has no DDP buffers), a 4/4/8 split of the same 16 bytes per
-                   parameter that the grad_dtype param row's 2/2/12 split prices.
-
-Communication: bytes one rank sends per optimizer step; c = 4 bytes for fp32, else 2 (mxfp8 dispatches bf16)
-    all-to-all per MoE block and microbatch: 4 * T * k * D * c * (ep - 1) / ep * pad
-        (dispatch and combine, forward and backward; pad = cf for no-sync dispatch, whose fixed-size
-         capacity buffers travel whole, 1 for sync dispatch, which sends exact balanced counts),
-        6 * T * k * D * c * (ep - 1) / ep * pad for a fully recomputed block (the forward's again)
-    data parallel (reported as comm_grad_reduce_bytes), with ring collectives r(n) = (n - 1) / n;
-    G at the gradient buffer's dtype (fsdp: fp32, its reduce dtype), P at the parameters':
-        ddp:           2 r(dp) G_dense + 2 r(edp) G_exp          (ring all-reduce once per step)
-        ddp + zero1:   r(dp) (G_dense + P_dense) + r(edp) (G_exp + P_exp)
-                       (reduce-scatter of grads + all-gather of updated params)
-        fsdp:          r(dp) (G_dense + 2 m P_dense) + r(edp) (G_exp + 2 m P_exp)
-                       (params all-gathered in forward and backward of every microbatch, grads
-                        reduce-scattered once per step)
-    pipeline: T * D * a per chunk boundary and microbatch, forward (activations) and backward (grads).
-
-Comm buffers memory: one MoE block's all-to-all send + receive buffers, 2 * T * k * D * c * pad (when
-ep > 1), plus one pipeline send and one receive buffer 2 * T * D * a (when pp > 1).
-
-Backward workspace: the most the rank's backward holds on top of the activations. Weight gradients
-are made whole (in the parameter's dtype) before they are added into their buffers. The largest of
-    one MoE block's expert backward: R * a * 4F (gradient of the SwiGLU product, the recomputed
-        product, gradient of the pre-activations) + a * (E / ep) * 3 * D * F (the local experts'
-        weight gradients), plus what a recompute of the block brought back when that is alive
-        during it (full recompute: the whole block; selective experts: the experts' share);
-    what a recomputed block's recompute brings back (selective attention or norms: one part);
-        on the last stage both less the LM head's activations of the microbatch (its backward ran
-        first and freed them);
-    on the last stage, the cross-entropy's backward, 8 * T * V (fp32 gradients of the
-        log-probabilities and of the logits), and the LM head's, a * T * V + a * V * D (the logits'
-        gradient and the weight gradient);
-    on the first stage, the embedding's gradient, a * V * D.
-
-Optimizer step (ddp): the engine updates one gradient bucket at a time. A bucket holds whole
-parameters of one family until it reaches bucket_elements (default 2^22), so the largest bucket
-share is S = min(family elements, max(bucket_elements, largest tensor)) / (n with zero1, else 1),
-n = dp for dense parameters and edp for experts; the step holds (t + 8) * S bytes: the fp32 copy of
-the gradients when the buffer is not fp32 (t = 4 for bf16 or mxfp8 with grad_dtype param; 0
-otherwise) and two fp32 temporaries of AdamW's per-tensor update.
-
-Checkpoint bytes (what ``moe_engine.checkpoint`` hands torch.distributed.checkpoint, DCP)
-    buffers format (every layout but fsdp): each parameter in its own dtype (``model/``), an fp32
-        master of each parameter that is not fp32 (``optim/master/``: none in fp32, none for routers)
-        and the two fp32 Adam moments (``optim/exp_avg/``, ``optim/exp_avg_sq/``): the param +
-        optimizer bytes of the table above, P + O; plus each MoE block's fp32 router expert_bias
-        buffer, 4 * E bytes.
-    fsdp (``fsdp2`` format): fp32 parameter shards (FSDP's masters are the parameters) and the two
-        fp32 moments, no separate master: 4 + 8 bytes per parameter, plus the expert biases.
-    The small pickled entries (step, lr, routing stream states, run progress) count as 0.
-    DCP writes a replicated tensor once: a stage's ranks hold its dense parameters (replicated over
-    dp) and all E of its experts (E / ep on each rank, replicated over edp), so the stage writes
-    C_stage = (P + O)(dense + E * experts of its blocks) + 4 * E * (its MoE blocks), and DCP's
-    deduplication (each duplicated item to the rank with the fewest planned bytes so far) spreads it
-    over the stage's dp ranks: per rank ceil(C_stage / dp), the largest over the stages reported;
-    total = the sum of C_stage over the stages, which does not depend on the layout.
-
-memory_total = params + grads + optimizer + max(activations + comm buffers + backward workspace,
-optimizer step); activations are freed before the optimizer step runs. It fits when it is at most the
-GPU's memory (no allowance for the CUDA context or allocator fragmentation).
-
+More: docs/memory-plan.md.
 """
 
 from __future__ import annotations
@@ -101,7 +29,7 @@ from moe_engine.config import (
 
 
 def in_flight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int) -> float:
-    """Whole-rank microbatches whose activations rank ``rank`` holds at its peak (see the module docstring)."""
+    """Whole-rank microbatches whose activations rank ``rank`` holds at its peak (see docs/memory-plan.md)."""
     v, m = virtual_stages, microbatches
     if pp == 1:
         return 1.0
@@ -132,7 +60,7 @@ def _backward_workspace_bytes(
     par: ParallelConfig,
     blocks: list[BlockActivations],
 ) -> float:
-    """The most the rank's backward holds on top of the activations (the module docstring's candidates).
+    """The most the rank's backward holds on top of the activations (docs/memory-plan.md's candidates).
 
     One MoE block's expert backward holds per row the gradient of the SwiGLU product, the recomputed
     product and the gradient of the pre-activations (4F) next to the local experts' weight gradients
@@ -226,7 +154,7 @@ def _state_memory(h: _Rank, b: PrecisionBytes, par: ParallelConfig) -> dict[str,
 
 
 def checkpoint_bytes(model: ModelConfig, h: _Rank, precision: str, par: ParallelConfig) -> int:
-    """Bytes a DCP checkpoint holds for pipeline stage ``h``, each replicated tensor once (module docstring).
+    """Bytes a DCP checkpoint holds for pipeline stage ``h``, each replicated tensor once (docs/memory-plan.md).
 
     The buffers format stores each parameter in its dtype plus its optimizer state (fp32 master when
     it is not fp32, Adam m and v): the param + optimizer bytes of ``BYTES[precision]`` (the router's
