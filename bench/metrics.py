@@ -1,13 +1,6 @@
 """Every metric a result document can hold, described once: its unit, which way is better, what it is
 called for people, whether the gate compares it, and how noisy it is.
-
-The runs build their metric entries from here (``entry``), so a unit or a direction cannot differ
-between the scenario that writes a metric and the gate, the report and the exports that read it. The
-gate's lists (gated, acceptable increases, noise floors), the report's headline order and titles,
-and the run summary's choice of a memory figure are all read from ``METRICS``.
-
-Names that a run makes up (``bench/micro``'s per-benchmark timings and ratios) are described by a
-family: a pattern and the spec its members share.
+More: docs/results.md.
 """
 
 from __future__ import annotations

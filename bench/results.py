@@ -1,25 +1,5 @@
 """Result documents: build, validate against results/schema.json, write atomically, load.
-
-A document records one scenario run. Files live at ``results/<version>/<machine>/<scenario>.json``
-and are never overwritten: a second run of the same scenario gets ``<scenario>.2.json`` and so on.
-
-Schema versions
----------------
-Version 2 (written now): a metric with one sample (a peak, a byte count, a plan's estimate) has
-``"spread": null``: one value has no measured spread, and the gates compare it as an exact value.
-A metric with two or more samples has ``spread`` {min, max, iqr, rel_iqr}.
-
-Version 1 (read, never written): every metric had a ``spread`` object, one with iqr 0 for a single
-sample. ``load_result`` validates such a document as it is stored (``results/schema.json`` describes
-both versions) and migrates it in memory: one-sample metrics get ``spread: null`` and the document
-reads as version 2. The file itself is left as it is.
-
-Bad files
----------
-``load_result`` raises ``ResultFileError`` (a ``ValueError``) whose text is one line, the file and
-the reason: unreadable, not valid JSON (truncated), not a JSON object, an unknown schema version or
-invalid against the schema. ``load_results`` raises it for the first bad file, or, given
-``on_bad_file``, hands each bad file to it and goes on with the rest.
+More: docs/results.md.
 """
 
 from __future__ import annotations

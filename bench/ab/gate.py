@@ -1,46 +1,5 @@
 """A/B gate: a baseline git ref against this checkout in one job, timed by resident workers.
-
-The baseline is checked out into a temporary ``git worktree`` and runs with ``PYTHONPATH`` pointing
-at it (same virtual environment, no reinstall); the candidate is this checkout, uncommitted changes
-included. Both sides run the candidate's scenario files, so the workload is the same and only the
-engine (and the runner) differ.
-
-Per execute scenario:
-
-1. one ``moe-bench run`` per side gives each side's result document: status, the exact metrics (one
-   sample per run: peak memory, optimizer state bytes, the work counters) and, for a plan scenario,
-   its estimates;
-2. fresh pairs of resident workers (``bench.ab.resident``), one worker per side, each built and
-   warmed once, run short blocks of steps in alternation. Two processes of identical code differ by
-   a few percent for their whole life (memory layout, thread placement), which no number of blocks
-   on one pair averages away, so the worker pair is the unit: the verdict comes from the t interval
-   over the pairs' estimates, which holds that pair bias (``bench.gate.paired``), after as many
-   pairs as it takes to decide or the scenario's time budget. An interval that still admits a
-   slowdown of the tolerance then gets the budget again, once; if it still does, the verdict is
-   inconclusive. A scenario fails the gate when its estimate exceeds the tolerance, regressed or
-   inconclusive; an inconclusive one within the tolerance passes with a note (``bench.gate.paired.
-   fails`` says why that is safe).
-
-Exact metrics of the two documents are gated as exact values (``bench.gate.compare``: beyond the
-tolerance in the worse direction regresses). A plan scenario's figures are arithmetic, not
-measurements: a changed figure is noted ("plan estimate changed x1.48 (not gated)"). A scenario that
-is not ok in the candidate fails the gate; one that fails only in the baseline (e.g. a scenario
-newer than the baseline's code) is reported and not compared. A side whose result file cannot be
-read back counts as a failed run, naming the file.
-
-Accepted changes (``bench.gate.accept``) apply as in ``moe-bench gate``: those of
-the command line (``--accept``) always, a release's when the baseline's version is older than that
-release and the candidate's is that release or newer. The resident blocks measure step time, so
-their verdict is accepted by an acceptance naming ``step_time_s``; the full runs' exact metrics and
-work counters by one naming them.
-
-``moe-bench ab --calibrate`` runs the same resident comparison with this checkout on both sides
-(A/A) for the whole budget: its spread is the noise floor of the machine, and it gives the smallest
-tolerance that keeps false alarms at or below 5% within that budget.
-
-The modules: the job checked before anything runs (``bench.ab.plan``), one side's full run
-(``bench.ab.sides``), the A/A calibration (``bench.ab.calibration``); this one holds the paired
-gate's verdicts and report, and the run of both sides that feeds them.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations

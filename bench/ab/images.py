@@ -1,15 +1,5 @@
 """Release comparison through images: the same suite in each engine image (Docker SDK), then one table.
-
-``moe-bench versions IMAGE IMAGE... [--suite NAME]`` checks the engine and every image first (an
-unreachable engine or a missing image is bad input: nothing runs, nothing is written), then runs
-``moe-bench run --suite NAME`` in each image in turn with the results folder mounted, GPUs
-requested when the host has them. Each image writes under ``<out>/<its version>/<machine>/`` as a
-local run would; the table compares every later image with the first (``bench.gate.compare`` verdicts,
-so a single-sample metric such as peak memory is compared as an exact value) and is written to
-``<out>/report/versions.md``, with the list of the result files the images wrote
-(``<out>/report/versions-results.txt``: the report compares those, one machine's, before stored results), next to the report page of every version under ``<out>``
-(``bench.report.page``). A result file that
-cannot be read back is reported (one line naming it) and left out: its scenario shows as missing.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations

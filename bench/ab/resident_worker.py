@@ -1,19 +1,5 @@
 """One side of the A/B gate, resident: built and warmed once, then timed block by block on command.
-
-    PYTHONPATH=SIDE_TREE python bench/ab/resident_worker.py SCENARIO_JSON --device cpu
-
-Run as a script by path, so that ``bench`` and ``moe_engine`` resolve to the side's own tree (the
-baseline's worktree, or this checkout): it uses only what every release has, ``bench.scenario.
-scenario_from_dict``, ``build_rank_model``, ``ParallelTrainer``, ``build_process_groups`` and the
-routers' ``reset_routing_generator``. Both sides therefore run the same harness on their own engine.
-
-Protocol (JSON lines; commands on stdin, replies on stdout; the engine's own output goes to stderr):
-    -> (on start)              <- {"ready": true, "ranks": N}
-    -> {"block": STEPS}        <- {"seconds": S, "losses": [...]}   S: the slowest rank's wall time
-    -> {"stop": true}          (exits)
-Every block starts from the same data and routing streams (each block replays the same STEPS
-steps), so both sides do the same work block after block. A multi-rank scenario is N processes on
-gloo: this one is rank 0 and starts the others; rank 0 relays each command to them.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,5 @@
 """Accepted changes: a change made on purpose, accepted by name.
-
-A change made on purpose is accepted by name: ``METRIC[,METRIC...]@SCENARIO[,SCENARIO...]<=N%:
-REASON`` (``parse_acceptance``), e.g. ``peak_tensor_bytes@e8-random-bf16<=6%: fp32 gradient
-buffers``. A regression of a named metric on a named scenario that is at most N% worse passes with
-the verdict ``accepted`` and the report says why (``accepted: fp32 gradient buffers (release 0.2.0,
-up to 6%)``); a larger change, another metric or another scenario regresses as before, and the
-failure names the acceptance it went beyond. A release records its acceptances in
-``releases.json`` (``bench.release.record``); they apply to a comparison whose baseline is older
-than that release and whose candidate is that release or newer (``Acceptance.applies``), so they
-stop applying once the baseline has the change. An acceptance given on the command line applies to
-every comparison. Several acceptances of one metric on one scenario compound (5% twice accepts
-10.25%).
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations

@@ -1,71 +1,5 @@
 """Compare two sets of result documents (baseline and candidate) and gate on regressions.
-
-A *side* is a file or a folder of result documents (``bench.results.load_results``). Documents are
-matched across the sides by ``(scenario name, machine name)``.
-
-The pieces: grouping and pooling a side (``bench.gate.groups``), the work counters' verdicts
-(``bench.gate.work``), accepted changes (``bench.gate.accept``), the gate's verdict
-(``bench.gate.verdict``), numbers as reports print them (``bench.gate.formatting``) and tables
-(``bench.gate.tables``).
-
-Noise model
------------
-For every metric present on both sides: ``ratio = cand_median / base_median`` (for a negative
-baseline, ``ratio = 1 + (cand - base) / |base|``, so that ``ratio > 1`` always means "went up";
-a zero baseline gives ratio 1 when the candidate is also 0 and +/-inf otherwise). The noise is
-the measured spread of the two runs::
-
-    noise = rel_iqr(base) + rel_iqr(cand)          # each metric's spread.rel_iqr
-
-and the threshold is ``max(tolerance, noise)``: a change counts only when ``|ratio - 1|`` exceeds
-BOTH the tolerance AND the noise.
-
-Exact values: a metric recorded with one sample (peak memory, optimizer state bytes, a plan's
-estimate, a derived ratio) has ``"spread": null`` in its document: one value measures nothing
-about its own noise. When neither side has a spread the row is ``exact``: ``noise = 0`` and the
-threshold is the tolerance alone, so any change beyond the tolerance in the worse direction is a
-regression and equal values are unchanged. Several runs of such a metric in one side are pooled to
-the median of their values, still exact: the difference between the runs is not taken as noise.
-(Were only one side without a spread, that side would add 0 to the noise.) For example, at
-tolerance 5%, peak memory 96 and 104 bytes in two baseline runs against 100 and 112 in two
-candidate runs gives ratio 106/100 = 1.06 and regresses; taken as timings, the same values would
-have had noise 4/100 + 6/106 = 9.7% and been unchanged.
-
-Direction comes from the metric's ``better`` field:
-
-* ``better == "higher"`` (throughput, MFU): regressed when ``ratio < 1 - threshold``, improved
-  when ``ratio > 1 + threshold``;
-* ``better == "lower"`` (peak memory, step time): regressed when ``ratio > 1 + threshold``,
-  improved when ``ratio < 1 - threshold``;
-* a change beyond the tolerance but within the noise: verdict ``inconclusive`` (the two runs are too
-  noisy to tell; reported, not gated); a change within the tolerance is ``unchanged``;
-* ``better is None``: verdict ``info``, reported and never gated (``outside_noise`` is still
-  computed);
-* a metric on one side only: verdict ``missing`` (reported, not gated).
-
-The direction (``better``) and unit are taken from the candidate when both sides have the metric.
-
-Scenario-level outcomes are listed explicitly, never silently passed: ``missing_in_candidate``,
-``missing_in_baseline`` (new scenario; not a failure), ``not_ok`` (status other than ``ok`` on
-either side, with status and error) and ``mismatched`` (the scenario differs between the sides: a
-changed scenario is not a like-for-like comparison, so no metric rows are produced for it). Two
-sides run the same scenario when their hashes agree, or when both sides' specs, loaded by today's
-``bench.scenario`` (which fills the fields added since each version at their defaults), are equal
-(``bench.gate.groups.same_scenario``): a release that adds a config field with a default leaves the scenario files it did not
-touch comparable with the releases before it, and a changed default is an engine change the
-comparison measures.
-
-Metrics of the same runs get one verdict: tokens/s and TFLOP/s per GPU are the step times of the
-runs divided into constants (tokens, FLOPs per step), so a row of either takes the step time's verdict
-(``SAME_RUNS_AS_STEP_TIME``): the same runs never read "inconclusive" on tokens/s and "regressed" on
-step time, which a threshold on ``ratio - 1`` alone would give near the tolerance (x1.052 on step
-time is x0.951 on tokens/s).
-
-Two more scenario-level outcomes, ``not_compared``, fail the gate because it cannot vouch for what it
-did not compare: ``noisy`` (a run on either side was recorded noisy, ``bench.run.conditions``: other
-processes shared its cores, or its calibration moved) and ``different_machines`` (the sides' machine
-identities differ beyond ``bench.results.IDENTITY_TOLERANCE``: one folder name, two machines). The
-latter names the ``moe-bench ab`` command that measures both versions on one machine.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations
@@ -273,7 +207,7 @@ def paired_ratio(base: float, cand: float) -> float:
 
 
 def classify(ratio: float, noise: float, better: str | None, tolerance: float) -> tuple[bool, str]:
-    """(outside_noise, verdict) for one metric; see the module docstring for the rule."""
+    """(outside_noise, verdict) for one metric; see docs/gate-statistics.md for the rule."""
     threshold = max(tolerance, noise)
     outside = abs(ratio - 1.0) > threshold + EPS
     if better is None:

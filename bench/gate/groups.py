@@ -1,17 +1,5 @@
 """Grouping one side's documents by (scenario, machine), and pooling several runs of one scenario.
-
-A side may hold several runs of one scenario on one machine (``x.json``, ``x.2.json``, ...). They
-are **pooled**: the newest document (by ``timestamp``, ties broken by the ``.N`` file-name suffix
-that ``write_result`` gives later runs) decides the status, scenario hash and engine version of
-the group; the samples of every ``ok`` document with that same scenario hash and engine version
-are concatenated per metric and the median and spread are recomputed over the pooled samples.
-Pooling gives the noise estimate more samples and includes run-to-run variation in it. A metric
-with no spread in every pooled document (one sample per run: see *Exact values* below) stays
-without one: its pooled value is the median of the runs' values. Documents
-with another hash or version (an older, different run kept in the same folder) are left out of
-the pool and listed in ``Group.ignored``. When the newest document is not ``ok`` the scenario is
-``not ok`` on that side, even if an older run succeeded: a fresh failure is never hidden by an
-older success.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations
@@ -97,7 +85,7 @@ def _with_todays_defaults(spec: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def same_scenario(base: Group, cand: Group) -> bool:
-    """Whether two sides ran the same scenario (module docstring, scenario-level outcomes)."""
+    """Whether two sides ran the same scenario (docs/gate-statistics.md, scenario-level outcomes)."""
     if base.hash == cand.hash:
         return True
     base_spec = base.newest.data["scenario"].get("spec")

@@ -1,74 +1,7 @@
 """The A/B gate's statistics: paired log-ratios of block times within one pair of workers, pooled
 over several fresh pairs of workers with the pair bias as a random effect; the verdict and the
 stopping rule. Pure arithmetic.
-
-Within a worker pair. The blocks of one side are bracketed by the other's (``O_1 I_1 O_2 ... I_n
-O_n+1``), and each inner block against the mean of its two neighbours, in log space, gives one
-log-ratio ``r = log(t_candidate / t_baseline)`` in which a drift linear over three blocks cancels
-(``bench.ab.resident.WorkerPairBlocks``). On a shared machine the distribution of ``r`` has heavy
-tails: another job lands on a core for a second and one block is 2x slower. The mean follows those
-outliers; the Hodges-Lehmann estimator (the median of the Walsh averages ``(r_i + r_j) / 2, i <=
-j``) keeps 95% of the mean's efficiency on normal data and ignores a few wild blocks. Its
-distribution-free confidence interval comes from the Wilcoxon signed-rank statistic: with ``M =
-n(n+1)/2`` Walsh averages sorted, the interval is ``[W_(k), W_(M+1-k)]`` where ``k - 1`` is the
-two-sided 5% critical value of the signed-rank statistic (from its exact distribution up to 60
-pairs, the normal approximation ``floor(M/2 - 1.96 sqrt(n(n+1)(2n+1)/24))`` beyond); it assumes
-log-ratios symmetric about their centre. (The A/B gate uses the estimator for each worker pair's
-centre; ``moe-bench run``'s variants use the interval too.)
-
-Over worker pairs. Two processes of identical code differ by a few percent for their whole life
-(memory layout, thread placement), which no number of blocks on one pair of processes averages away:
-on a 2-core AMD EPYC, six workers of e64-random-bf16 differed by a standard deviation of 1.1 to
-2.4% while their blocks varied by 0.5 to 1% (docs/measurements/gate-worker-bias-2core-amd-epyc-2026-12-03.md). So
-the unit of replication is the worker pair, and the model is the nested one,
-
-    centre of pair p = delta + b_p + e_p,   b_p ~ N(0, tau^2) (pair bias),   var(e_p) = sigma^2 / B,
-
-with ``B`` block pairs per worker pair. With the same ``B`` in every pair, the mean of the ``P``
-pair centres is the mixed model's estimate of ``delta``, and the Student t interval over them
-(``mean -/+ t_{P-1} s / sqrt(P)``, ``s`` their standard deviation) is its exact 95% interval under
-normal pair effects: it contains the between-pair variance by construction (``pooled``).
-
-Blocks per pair: the cost-optimal number of second-stage units of a two-stage design (Cochran,
-*Sampling Techniques*, 3rd ed., section 10.6), ``B = (sigma / tau) sqrt(c_pair / c_block)``, with
-``c_pair`` the seconds to start and warm a pair of workers and ``c_block`` the seconds of one block
-pair, both measured, and ``sigma^2``, ``tau^2`` the variance components estimated from the pairs run
-so far (``blocks_per_pair``).
-
-Verdict, for a tolerance ``tol`` (a slowdown of ``tol`` is ``log(1 + tol)`` in log space):
-- ``regressed``: the interval excludes no change (lower bound > 0) and the estimate exceeds the
-  tolerance;
-- ``improved``: the interval excludes no change (upper bound < 0) and the estimate is below
-  ``-log(1 + tol)``;
-- ``unchanged``: neither, and the interval excludes a slowdown of the tolerance (upper bound below
-  ``log(1 + tol)``);
-- ``inconclusive``: neither, and the interval still admits a slowdown of the tolerance: the gate
-  says so rather than guessing.
-
-What fails the gate (``fails``): an estimate beyond the tolerance, regressed or inconclusive. An
-inconclusive scenario whose estimate is within the tolerance passes, reported as inconclusive: at the
-end of the budget (and its one extension) the decision is a threshold test on the estimate,
-``fail iff estimate > log(1 + tol)``, whose error rates follow from the estimate's standard error
-``se`` (``fail_rates``). Failing every interval that admits the tolerance would instead fail
-identical code whenever the machine is noisier than the budget can average. The measured rates:
-``python -m bench.validate.gate_power`` (its table counts what ``fails`` counts).
-
-Confirmation (``bench.ab.resident.compare_resident(confirm=True)``, as the gate runs it). A
-scenario that would fail is measured again on as many fresh worker pairs as it ran, and ``fails``
-is read once more over all of them: identical code fails only if the first estimate ``e1`` and the
-mean ``(e1 + e2) / 2`` with the fresh pairs' ``e2`` both exceed the tolerance (``fail_rates``,
-``confirmed``). The confirmation costs time only where a scenario fails.
-
-The operating point (``operating_point``, ``warns``): the tolerance that fails the gate is chosen
-from the error budget of the whole suite, not per scenario, and a lower warning threshold reports
-what lies between. The rule and all its arithmetic, in one place:
-docs/gates-and-releases.md#the-operating-point.
-
-Stopping rule: after at least ``MIN_WORKER_PAIRS`` worker pairs, stop as soon as the interval is
-narrower than the tolerance, or when the budget is spent; the verdict is read once, at the stop.
-The rule looks only at the interval's width, never at where it lies, so stopping early does not
-pick the moment the interval happens to exclude no change (which repeated looks at the location
-would, raising the false-alarm rate above the nominal 2.5% per side).
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations
@@ -173,7 +106,7 @@ def hodges_lehmann(values: list[float], z: float = Z_95) -> PairedEstimate:
 
 
 def verdict(est: LogInterval, tolerance: float) -> str:
-    """regressed / improved / unchanged / inconclusive (see the module docstring)."""
+    """regressed / improved / unchanged / inconclusive (see docs/gate-statistics.md)."""
     bound = math.log1p(tolerance)
     if est.low > 0 and est.estimate > bound:
         return "regressed"
@@ -186,7 +119,7 @@ def verdict(est: LogInterval, tolerance: float) -> str:
 
 def fails(est: LogInterval, tolerance: float) -> bool:
     """Whether a scenario's timing fails the gate: its estimate beyond the tolerance (regressed, or
-    inconclusive with the estimate past it; see the module docstring for why the rest passes)."""
+    inconclusive with the estimate past it; see docs/gate-statistics.md for why the rest passes)."""
     return est.estimate > math.log1p(tolerance)
 
 

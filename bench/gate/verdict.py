@@ -1,14 +1,5 @@
 """The gate's verdict on a comparison.
-
-``gate`` fails (exit code 1) on any regressed metric, any work increase not accepted, any scenario
-missing in the candidate, any scenario not ``ok`` in the candidate, any mismatched scenario and any
-scenario not compared (a noisy run on either side, or the sides on different machines);
-otherwise it passes (0). The one exception: a scenario ``skipped`` on both sides (e.g. a CUDA-only
-scenario in two CPU runs) is listed in ``not_ok`` but does not fail. Scenarios only in the
-candidate, not ok only in the baseline, metrics on one side only, improvements, accepted changes,
-inconclusive and ``info`` metrics are reported, not failed.
-
-Everything here is a pure function over loaded documents; the ``moe-bench`` CLI does the I/O.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations

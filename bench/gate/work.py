@@ -1,16 +1,5 @@
 """The work counters' verdicts.
-
-The ``work_*`` metrics of an execute run (``bench.run.work``: matmul FLOPs, allocated bytes, ops,
-host syncs, collective calls and bytes of one step) are exact counts, the same on every run of the
-same code. They are gated exactly, whatever the tolerance and the noise: any increase is a
-regression, any decrease an improvement. Each increase is reported with its own verdict, drawn
-from the two sides' censuses (``details.work``): ``work increased: +1 all_reduce of 4 MiB per step
-(dp)``, ``work increased: +3.1% matmul FLOPs per step (...): aten.mm +1.6e+06``; a decrease is
-``work decreased: ...`` and does not fail. A change meant to do more work passes when its metrics
-are accepted (``accept_work``: the CLI's ``--accept-work``), and the report says so: ``work
-increased (accepted): ...``. ``work_verdicts`` gives these lines for any two documents (the A/B
-gate calls it for its two sides). Where one side has no work counters (a document from before
-them) there is no work verdict, only the note ``no work counters on one side``.
+More: docs/gate-statistics.md.
 """
 
 from __future__ import annotations

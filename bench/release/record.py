@@ -1,28 +1,5 @@
 """The release record: which commit each release is, kept in ``releases.json`` at the repository root.
-
-The A/B gate (``moe-bench ab`` without ``--baseline-ref``) and the version strings read this file,
-so neither depends on git tags having been fetched. Format::
-
-    {"releases": [{"version": "0.1.0", "commit": "<40 hex digits>", "date": "2025-12-01"},
-                  {"version": "0.2.0", "commit": "...", "date": "...",
-                   "accepted": ["peak_tensor_bytes@e8-random-bf16<=6%: fp32 gradient buffers"]}]}
-
-``baseline`` (optional) says where the release's own results are: measured on the machine that cut
-it (``moe-bench release VERSION`` runs the ci suite there), ``{"machine": ..., "results":
-"results/<version>/<machine>", "commit": <the commit that holds them, or null: the tree from the
-release on>}``. Results are compared on one machine only, so elsewhere a release is compared with
-``moe-bench ab --baseline-ref v<VERSION>`` (both versions on that machine) or its image
-(``moe-bench versions``); ``compare_elsewhere`` says so. A release without a baseline is shown as such.
-
-``accepted`` (optional) lists the changes the release makes on purpose, in the form of ``moe-bench gate
---accept`` (``bench.gate.accept.parse_acceptance``): a gate whose baseline is older than the release
-and whose candidate is that release or newer reports them as accepted instead of regressed.
-
-``cut_release`` (``moe-bench release VERSION``) records HEAD as release VERSION: the checkout must be
-clean, VERSION must be the package version (``pyproject.toml``) and newer than every recorded
-release. It also tags the commit ``v<VERSION>`` for ``git describe``. ``record_acceptances``
-(``moe-bench release VERSION --accept SPEC`` for a recorded VERSION) adds accepted changes to a
-release recorded before.
+More: docs/gates-and-releases.md.
 """
 
 from __future__ import annotations

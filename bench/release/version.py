@@ -1,13 +1,5 @@
 """The engine version a result is labelled with: the folder name under ``results/``.
-
-In a git checkout (see ``format_version``): ``0.1.0`` at a clean release commit, ``0.1.0+3.gabc1234``
-three commits after release 0.1.0, ``...dirty`` with uncommitted changes to tracked code,
-``0.1.0+gabc1234`` before any release (the package version). Outside a checkout: what the image
-build recorded in ``bench/engine.json``. Without either, the code's provenance is unknown and the
-version is ``<package version>+unknown``: it never equals a release's, so such results never land
-in a release's folder.
-
-``python -m bench.release.version`` prints the JSON the image build bakes into ``bench/engine.json``.
+More: docs/gates-and-releases.md#versions.
 """
 
 from __future__ import annotations

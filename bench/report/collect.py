@@ -1,14 +1,5 @@
 """The results a report is drawn from: every document under a results folder, by version.
-
-``load_result_set`` reads ``results/<version>/<machine>/<scenario>[.N].json`` (any layout: documents
-are found recursively and placed by their own ``engine.version`` and ``machine.name``). Within one
-version the documents of a (scenario, machine) are pooled exactly as ``moe-bench gate`` pools a side
-(``bench.gate.groups.group_documents``): the newest document decides the status, the ``ok`` runs
-of the same scenario hash are pooled. So a trend point, a chart bar and a release-comparison row
-of one version all show the same numbers.
-
-Bad input raises ``ReportError`` (one line): a folder that does not exist, a folder without a single
-readable result document, a version asked for that the folder does not hold.
+More: docs/report.md.
 """
 
 from __future__ import annotations

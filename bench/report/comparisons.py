@@ -1,17 +1,5 @@
 """The comparisons of the reference release: ratios of one metric between the two scenarios of a pair.
-
-The pairs are data, the ``comparisons`` section of ``scenarios/suites.yaml``: each comparison names a
-metric (or alternatives: the first one both results have) and pairs of scenario names, numerator
-first. ``pair_ratios`` turns a set of results into the ratio of each pair whose two scenarios are
-among them. The summary of ``moe-bench run`` and the report's page both show these rows.
-
-Each ratio carries a 95% interval from the two runs' own samples (``ratio_interval``): the Moses
-interval of the shift between the logarithms of the two sample sets, the distribution-free interval
-that goes with the Mann-Whitney test, exact for the small sample counts runs have. It answers "could
-step-to-step noise alone make these two runs differ this much?"; it does not cover the difference
-between two processes of the same code (a few percent on a CPU machine, ``bench.ab.gate``), which
-only repeated runs measure. Metrics of one sample per run (peak memory, counts) are exact values: no
-interval, no noise.
+More: docs/report.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,5 @@
 """The reference release's experiments, from whatever results a folder holds.
-
-Each function returns what one chart draws, from the gate's pooled groups of one version
-(``ResultSet.groups``), so every bar is a number the release comparison would show too; each item
-carries its version and machine. Where a scenario or a pair has results in several versions, the
-newest version's is drawn (the trends show the others).
-
-- ``pair_charts``: the comparisons of ``scenarios/suites.yaml`` (DDP+EP / FSDP, sync / no-sync,
-  MXFP8 / BF16, 128 / 8 experts, ...): both sides of each pair and their ratio
-  (``bench.report.comparisons.pair_ratios``, the ratio the run summary prints).
-- ``variant_groups``: scenarios identical but for one part of their spec (their name and description
-  aside): the expert-count sweep (``EXPERTS``: ``model.moe.num_experts``; top-k and the expert size
-  stay, so the active size does) and the recompute modes (``RECOMPUTE``: the ``recompute`` section,
-  ``none`` when absent).
-- ``plan_memory``: a plan's memory per rank of its most loaded rank, split as the plan adds it up
-  (``bench.predict.plan``: params + grads + optimizer + the larger of activations + communication
-  buffers + backward workspace and the optimizer step's temporaries), against the GPU's memory.
-- ``projection_stacks``: a proxy's projected step split into its parts (``STEP_KEYS`` of
-  ``bench.predict.projection``, which add up to the step), for the scenario's cluster and for each
-  device profile it was projected on.
+More: docs/report.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,5 @@
 """Export result documents to the formats of continuous-benchmarking services.
-
-Formats (``FORMATS``):
-
-``github-action-benchmark``
-    benchmark-action/github-action-benchmark's custom tools take a JSON array of
-    ``{"name", "unit", "value", "range", "extra"}`` objects (``range`` and ``extra`` are optional
-    strings shown in the chart tooltip). One file feeds one tool, so the metrics are split by
-    direction: ``better == "higher"`` goes to ``customBiggerIsBetter`` and ``better == "lower"`` to
-    ``customSmallerIsBetter``; metrics with ``better`` null are not exported (nothing to alert
-    on). ``name`` is ``"<scenario>/<metric>"``, ``value`` the median, ``range`` ``"± <iqr/2>"``
-    (left out for a metric without a spread: one sample, an exact value), ``extra`` the machine,
-    engine version/commit and sample count.
-
-``bencher``
-    Bencher Metric Format (BMF): ``{benchmark: {measure_slug: {"value", "lower_value",
-    "upper_value"}}}`` with ``value`` the median and lower/upper the sample min/max (both left out,
-    as BMF allows, for a metric without a spread: one sample, an exact value). The benchmark
-    name is the scenario; the measure slug is the metric name in kebab case
-    (``tokens_per_s_per_gpu`` -> ``tokens-per-s-per-gpu``; Bencher creates a Measure that does not
-    exist yet). The machine belongs in Bencher's ``--testbed``, not in the benchmark name. All
-    metrics are exported, ``better`` null included.
-
-Only documents with status ``ok`` are exported. Repeated runs of one scenario on one machine are
-pooled as ``bench.gate.groups`` pools them (newest run decides; samples of ok runs with the same
-scenario hash and engine version are concatenated). Names must be unique in one export: when the
-documents span several machines, pass ``include_machine=True`` (names become
-``"<machine>/<scenario>..."``) or export one machine at a time; a clash raises ``ValueError``.
+More: docs/report.md.
 """
 
 from __future__ import annotations

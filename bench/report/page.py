@@ -1,23 +1,5 @@
 """``moe-bench report``: one self-contained HTML page of a results folder.
-
-One module on purpose: the page is written top to bottom into one ``_Page``, each section's writer
-appending to it.
-
-``build_report(results_dir, out_dir)`` writes ``out_dir/index.html``: Plotly's JavaScript and every
-chart's data are inlined, so the page needs no network to be viewed. Top to bottom:
-
-1. problems: every scenario whose newest run in a version failed, ran out of memory, timed out or was
-   skipped, with its error; files that could not be read;
-2. the release comparison of two versions (``bench.report.release_table``: the gate's verdicts, the
-   releases' accepted changes applied), under a banner that says regressed, missing, not ok,
-   inconclusive, accepted or pass, with the counts of each;
-3. trends of each scenario's headline metrics across versions (``bench.report.trends``);
-4. the reference experiments drawn from whatever results are there (``bench.report.experiments``):
-   the expert-count sweep, the pair comparisons of ``scenarios/suites.yaml``, the recompute modes,
-   plan memory per rank against the GPU, projection breakdowns.
-
-Every number names its machine and version. Bad input raises ``ReportError`` (one line; the CLI
-exits 2): no such folder, no readable document, a version that is not in the folder.
+More: docs/report.md.
 """
 
 from __future__ import annotations

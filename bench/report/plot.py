@@ -1,24 +1,5 @@
 """Plot result documents: trends across engine versions, a summary, an expert-count sweep, an index page.
-
-``plot_results(results_dir, out_dir)`` reads every document under ``results_dir`` (laid out as
-``results/<version>/<machine>/<scenario>[.N].json``) and writes into ``out_dir``:
-
-* one PNG per (machine, scenario): a subplot per metric, x = engine version (semantic order),
-  y = median with min..max error bars, the IQR as a band and each sample as a faint dot; a metric
-  without a spread (one sample: a peak, a count, an estimate) is drawn as plain points, no bars
-  and no band;
-* ``summary.png``: each (machine, scenario)'s headline metric as a ratio to its first version;
-* ``expert_sweep.png``: throughput against the number of experts for scenarios of the newest
-  version that differ only in ``model.moe.num_experts`` (written only when such a group exists);
-* ``index.html`` (``bench.report.plot_index``): a self-contained page with every figure, the reference
-  release's comparisons (``bench.report.comparisons``: each pair's ratio per version and machine, from
-  the latest ok runs) and a table of every document.
-
-Documents whose status is not ``ok`` are left out of the figures and listed in the index. When a
-(version, machine, scenario) was run more than once, the figures use the latest ``ok`` run (by
-timestamp, then file name). A file that cannot be read as a result document (truncated, invalid,
-unreadable) does not stop the plots: it is skipped, handed to ``on_bad_file`` and listed in the
-index, and everything else is drawn.
+More: docs/report.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
 """The release comparison of the report: two versions of a results folder through ``moe-bench gate``.
-
-The verdicts come from ``bench.gate.compare.compare`` and ``bench.gate.verdict.gate`` called exactly as ``moe-bench gate
---baseline <base> --candidate <new>`` calls them (the same default tolerance, no work accepted, the
-releases' accepted changes), on the documents of the two versions: the page and the gate never
-disagree. Only machines that ran both versions are compared (the gate of the two versions' folders on each
-such machine): a machine that measured one version only has nothing to compare there, which is not a
-scenario gone missing; the page names it. Results measured on one machine in one job win over stored
-results from different runs: a scenario that a ``moe-bench ab --out`` folder or a ``moe-bench versions``
-folder under the results holds in both versions is compared from that folder (an A/B folder before an image
-folder, then the first by name), and the page says which source each scenario came from. The page shows, per compared scenario, the gated rows (a metric with a direction, and the work counters), headline metrics first;
-metrics reported but never gated (``better: null``) are counted, not listed.
+More: docs/report.md.
 """
 
 from __future__ import annotations
@@ -91,7 +81,7 @@ def release_comparison(
     tolerance: float = DEFAULT_TOLERANCE,
     acceptances: Sequence[Acceptance] = (),
 ) -> ReleaseComparison:
-    """``moe-bench gate`` of the two versions' documents on the machines that ran both (module docstring);
+    """``moe-bench gate`` of the two versions' documents on the machines that ran both (docs/report.md);
     ``acceptances``: the releases' accepted changes."""
     pairs = same_machine_sources(results)
     in_pairs = {id(d) for source in pairs for d in source.docs}

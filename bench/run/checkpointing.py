@@ -1,18 +1,6 @@
 """Checkpoints of an execute scenario: where they live, when they are taken, which one a resume loads,
 and the step journal that keeps every step's figures across attempts.
-
-A scenario's ``checkpoint`` section asks for a checkpoint every n steps into its folder (default
-``<results root>/checkpoints/<scenario>``). Each one is written as ``step-<n>.partial`` and renamed to
-``step-<n>`` once DCP has written its metadata and ``.moe-checkpoint.json`` is in place: a folder without
-the ``.partial`` suffix, with both files, is complete; anything else (a run killed while saving) is
-ignored by ``--resume`` and removed by the next run that saves. The newest ``keep`` complete ones
-are kept. A checkpoint is never written over: a fresh run refuses a folder that already holds
-checkpoints.
-
-The journal (``steps.jsonl`` in the folder) gets one line per step as it ends, from rank 0, and one
-per attempt's start and end (the end written by the runner, which outlives a killed worker). A
-resumed run takes the steps up to its checkpoint from it, so its result holds every step's loss
-and time, and lists every attempt.
+More: docs/step-measurement.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """Record every torch.distributed collective a rank issues: the op, its group and its bytes.
-
-torch.distributed's collectives reach the backend through dispatcher ops (``c10d::allreduce_``,
-``c10d::alltoall_base_`` ...), so a ``TorchDispatchMode`` sees each call with its tensors and its
-process group, whatever the backend (gloo, NCCL, or the ``fake`` backend of a proxy rank, whose
-collectives do nothing). The recorder does not change what the op does.
-
-Byte conventions (what the projection prices; see ``bench.predict.collectives.Collective``):
-    all_to_all: this rank's send buffer; all_reduce, broadcast: the tensors; reduce_scatter: the
-    whole input; all_gather: the whole output; send, recv: the message; barrier: 0.
+More: docs/step-measurement.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,5 @@
 """What the machine was doing while a scenario ran, and whether that makes the result ``noisy``.
-
-A timing taken while another program shares the cores is a measurement of the sharing: on a 2-core
-CPU machine a second benchmark running alongside made every step 27x slower, and the result read
-as a regression. So around every execute run the runner records (``Watch``):
-
-- the load average (1 minute) and the CPU steal (the hypervisor's share of the run's cores,
-  ``/proc/stat``) before and after;
-- the CPU time other processes spent on the cores this run may use: the busy time of those cores
-  (``/proc/stat``, one line per CPU) less the time of this process and the workers it waited for
-  (``os.times``);
-- the calibration (``bench.machine.calibrate``, a fixed fp32 matmul on every core) at the start
-  and at the end.
-
-The run is ``noisy`` when other processes used more than ``SHARED_CORES`` of its core time, steal
-took more than ``STEAL`` of it, or the calibration moved by more than ``CALIBRATION_MOVE`` between
-start and end. The result keeps its status and its metrics (they are what was measured) and says
-``conditions.noisy`` with the reasons; the gate and the report do not compare a noisy result (they
-say why), and the console prints the reasons as the run ends.
-
-Linux only: where ``/proc`` is missing the figures are None and the run is never called noisy for them.
+More: docs/step-measurement.md.
 """
 
 from __future__ import annotations

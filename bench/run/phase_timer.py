@@ -1,52 +1,5 @@
 """Wall-clock time of a training step split into phases, forward and backward, without editing modules.
-
-Method
-------
-A ``PhaseTimer`` keeps a stack of open phases. Every event (a phase entered or exited) reads the
-clock, charges the time since the previous event to the phase on top of the stack, then pushes or
-pops. Times are therefore *exclusive*: a nested phase's time is not counted in its parent (the
-MoE layer's "dispatch" is what remains of the layer once router, experts and shared expert are
-taken out). Time while the stack is empty is charged to nothing; the caller takes "other" as the
-step's time minus the sum of the totals.
-
-``instrument(module, phase)`` places the events without touching the module's code:
-
-- forward: a forward pre-hook enters the phase, a forward hook exits it;
-- backward: the pre-hook passes the module's first tensor input that requires grad through an
-  identity autograd node whose backward *exits* the phase, and the forward hook passes the first
-  output tensor that requires grad through an identity node whose backward *enters* it. Gradients
-  reach the output marker before the module's backward nodes run and the input marker after, so
-  the bracket holds the module's backward.
-
-``region(phase)`` times a code region directly (the optimizer step, a proxy fabricating peer
-traffic); it counts as backward when it runs inside an autograd backward pass.
-
-Limits
-------
-- Backward boundaries are the moments autograd runs the marker nodes. Autograd runs ready nodes
-  highest sequence number (latest created) first, so a module's nodes run between its two markers
-  as long as its backward is a connected chain from its marked output to its marked input. Work
-  reaching the module by another path runs whenever autograd schedules it: e.g. the router's
-  auxiliary loss gets its gradient from the MoE layer's ``_AttachLoss``, not through the marked
-  combine weights, but its nodes are older than the router's output marker, so they still run
-  inside the router's bracket. Gradient accumulation into leaf parameters (``AccumulateGrad``)
-  runs right after the node producing the gradient and is charged to that phase.
-- Only the first tensor requiring grad of a module's inputs and of its outputs is marked. A module
-  with no input requiring grad gets no backward markers (its backward time goes to whatever phase
-  is open), since nothing would close the phase.
-- The clock is the host's: on CUDA pass ``synchronize=torch.cuda.synchronize`` so that each event
-  waits for the queued kernels; this serialises the host with the device and removes the overlap
-  of host work with device work (and of compute with communication on other streams), so an
-  instrumented step is slower than a plain one. The method assumes one stream of execution; work
-  overlapping in time (async collectives, other streams, other threads) is charged to whichever
-  phase is on top when the clock is read.
-- Marker outputs are views made inside a custom autograd Function, so modifying a marked output
-  in place raises, as with ``register_full_backward_hook``. The markers do not change values or
-  gradients.
-- Phases left open by a backward pass that did not reach an input marker (``torch.autograd.grad``
-  of an intermediate tensor) are closed when that backward pass ends. A forward that raises leaves
-  its phases open: call ``reset()``.
-- Activation checkpointing recomputes forwards inside backward; their hooks then count as backward.
+More: docs/step-measurement.md.
 """
 
 from __future__ import annotations
@@ -137,7 +90,7 @@ class _Entry:
 
 
 class PhaseTimer:
-    """Exclusive wall-clock time per phase and direction (see the module docstring).
+    """Exclusive wall-clock time per phase and direction (see docs/step-measurement.md).
 
     ``clock`` returns seconds; ``synchronize`` runs before every clock read (pass
     ``torch.cuda.synchronize`` on CUDA). Not thread-safe: one forward or backward at a time.
@@ -229,7 +182,7 @@ class PhaseTimer:
             self._exit(phase, direction)
 
     def instrument(self, module: nn.Module, phase: str, open_ended: bool = False) -> None:
-        """Time ``module``'s forward and backward as ``phase`` (see the module docstring).
+        """Time ``module``'s forward and backward as ``phase`` (see docs/step-measurement.md).
 
         ``open_ended``: mark the output even when no input takes a gradient; the backward phase then
         runs until the backward pass ends. For a module whose backward is the last work of the pass,

@@ -1,46 +1,5 @@
 """Count the work of one training step exactly: FLOPs, allocations, ops, host syncs and collectives.
-
-``count_step_work(step, device, ...)`` runs ``step()`` once under five counters and returns a
-``StepWork``. The counts are exact integers, not timings: the same code on the same inputs gives the
-same numbers on every run, so a change in them is a change in what the code does (an extra copy, a
-recomputed GEMM, a new host sync, one more all-reduce), visible however noisy the machine.
-
-What is counted, per step of one rank:
-
-- **matmul FLOPs** (``torch.utils.flop_counter.FlopCounterMode``): every op with a FLOP formula,
-  torch's own (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, convolutions, the CUDA SDPA
-  kernels) plus two that torch 2.13 leaves out and this module adds through ``custom_mapping``:
-  ``torch._grouped_mm`` and the CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``
-  and its backward). A grouped GEMM counts the rows, columns or reduction length its offsets
-  actually cover (2 FLOPs per multiply-add), so the padding rows of a fixed-capacity buffer, which
-  the kernel skips, are not counted. The offsets are kept and read once after the step, outside
-  every counter: counting adds no host sync and no op to the step. Attention follows torch's
-  convention: the full S x S score matrix whatever the causal mask (twice what the masked half
-  needs), and a backward of 2.5 times the forward (it recomputes the scores). Kernels launched
-  outside the dispatcher (the MXFP8 Triton GEMM on GPUs) are not seen.
-- **allocated bytes**: every byte allocated during the step, freed or not. On CPU the tensor
-  tracker of ``bench.run.memory`` (new storages and the growth of tracked ones, by op); on CUDA the
-  caching allocator's counters before and after: ``requested_bytes.all.allocated``, the bytes
-  asked for, is the count (like the tracker's storage bytes); ``allocated_bytes.all.allocated``,
-  the blocks handed out, is kept next to it (``cuda_block_bytes``): its rounding to 512-byte blocks
-  and its unsplit cached blocks depend on the cache's state, not only on what the code asks for.
-- **ops**: every operator the dispatcher hands to Python dispatch modes, by name
-  (``aten.mm.default``): the ops the Python code issues, those the C++ autograd engine runs in
-  backward (the modes are thread-local state that autograd carries to its threads), the optimizer's,
-  and the ``c10d`` collectives. A composite op (``aten.linear``) is seen as what it decomposes to.
-- **host syncs** (``moe_engine.host_sync.profile_host_syncs``): every host-synchronising op at any
-  depth, by the outermost ATen op it ran inside (``aten::_grouped_mm``, whose CPU and fallback
-  kernels read each group's offset on the host; ``aten::item``), each once: the copies of a sync
-  that the other counters' re-dispatch adds, and on CUDA the runtime's synchronising call made by a
-  syncing op, are part of that sync. A syncing op counts whatever its tensor's device: on CPU there
-  is no device to wait for, and a CPU tensor's ``.item()`` counts on CUDA runs too (torch's AdamW
-  reads each parameter's CPU step counter so: 21 a step in the smoke models).
-- **collectives** (``bench.run.collective_log.CollectiveRecorder``): calls and bytes by
-  kind and group (``all_reduce`` over ``dp``), by that module's byte conventions.
-
-The counters are dispatch modes (FLOPs outermost, the op counter innermost, so each counts what the
-program issued, not what the other counters do) under the profiler. They slow the step several
-times: the step they count is never a timed one.
+More: docs/step-measurement.md.
 """
 
 from __future__ import annotations

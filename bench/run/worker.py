@@ -1,15 +1,5 @@
 """Worker process: execute one scenario and write its outcome as JSON.
-
-    python -m bench.run.worker REQUEST_JSON OUT_JSON
-
-REQUEST_JSON is a ``bench.run.worker_protocol.WorkerRequest`` (the scenario, the device, the peaks,
-the checkpoint run, the devices a proxy result is also projected onto); OUT_JSON gets a
-``WorkerOutcome``. Progress lines go to stdout (the runner relays them). Exit code 0 whenever the
-scenario ran to an outcome.
-
-Under torchrun (``WORLD_SIZE`` > 1) every rank runs this module: the ranks join one process group
-(gloo on CPU, NCCL on CUDA), execute their share of the layout, and rank 0 writes the outcome.
-A rank that fails writes ``OUT_JSON.rank<r>.error`` and exits non-zero so torchrun stops the others.
+More: docs/step-measurement.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
 """How long an async checkpoint save stalls training, against a sync save of the same state.
-
-    python -m bench.validate.async_save_stall [--write-delay-s 0.5] [--repeats 5] [--out FILE]
-
-A small model of the engine (one process, CPU) trains two steps, then saves its state sync and async,
-``repeats`` times each, with every storage write delayed by ``--write-delay-s`` (a slow filesystem):
-a sync save waits for its writes, an async one returns once its host copy is made and writes in a
-background thread. Reported: the sync saves' seconds, the async saves' stalls (until ``async_save``
-returns), their medians and the ratio stall / sync, well below 1 while the write is off the training
-thread. A timing, so measured here rather than asserted in the tests (``tests/test_checkpoint.py``
-checks which thread writes).
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """What checkpoints cost: save time, training stall (sync against async), load time, bytes per rank.
-
-    python -m bench.validate.checkpoint_cost [--suite ci | SCENARIO ...] [--every-steps 2]
-        [--device cpu] [--out docs/measurements/checkpoint-cost-2core-cpu.json]
-
-For each execute scenario, three ``moe-bench run``s in a temporary results root, the scenario given
-a ``checkpoint`` section: sync saves every n steps; the same with async saves (another folder);
-then ``--resume`` of the sync run from its latest checkpoint (the load). Recorded per scenario:
-the runs' checkpoint metrics (every save's time and stall, the load's time, the bytes each rank
-wrote) next to the plan's ``checkpoint_bytes_per_rank`` and ``checkpoint_bytes_total``.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
 """Speed-up of regional compilation (``run.compile``): compiled against eager, side by side, per scenario.
-
-    python -m bench.validate.compile_speedup [--suite ci | SCENARIO ...] [--pairs 10] [--block-s 1.0]
-        [--timeout-s 900] [--device cpu] [--out docs/measurements/compile-speedup-2core-cpu.json]
-
-For each execute scenario, two resident workers (``bench.validate.variants`` over
-``bench.ab.resident``: one process, or one per rank on gloo, each built by
-``bench.run.execute.build_trainer``): the scenario with ``run.compile`` false (the base) and true,
-started one after the other. A worker is ready after its warm-up steps, which on the
-compiled side include the compilation; then one step per side sizes the blocks (``--block-s``), one
-unrecorded block per side settles the allocators, and ``--pairs`` pairs of blocks alternate between
-the sides (eager first, then compiled first, and so on), every block replaying the same batches and
-routes. A pair's speed-up is eager seconds / compiled seconds: the compiled throughput over the
-eager one. Reported: the median speed-up, its range and quartiles, and the Hodges-Lehmann estimate
-with its 95% interval (``bench.gate.paired``); apart from them, the compile time: how much longer
-the compiled worker took to be ready (the same start-up and warm-up steps, plus compiling), each
-scenario with an empty inductor cache, so a cold compile. Both sides train the same steps, and
-their losses on the probe step (the first after the warm-up) and on the last block are reported as
-a check. They drift apart, fp32 included: the first step's losses agree, but Adam (eps 1e-8) turns
-the rounding differences of near-zero gradients into full-size updates (measured on e8-skewed-fp32:
-0, then 1.7e-5 after one update, 2e-4 on the probe step); ``tests/test_compile.py`` is the
-correctness check. Each side's peak resident memory over the measured blocks is kept too
-(``peak_rss_mib``, host memory of the whole process, see ``bench.validate.variants``).
-
-Plan scenarios have no execution: they are listed as skipped. Every worker answers within
-``--timeout-s`` or is killed with its ranks, and the scenario is recorded as failed.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations
@@ -62,7 +38,7 @@ def measure(
     log: Callable[[str], None],
     side_factory: Callable[..., Any] = ResidentSide,
 ) -> dict[str, Any]:
-    """One scenario's paired blocks, compiled against eager (see the module docstring)."""
+    """One scenario's paired blocks, compiled against eager (see docs/validation-tools.md)."""
     row = variants.measure(scenario, EAGER, [COMPILED], device, pairs, block_s, timeout_s, log, side_factory)
     common: dict[str, Any] = {
         key: row[key] for key in ("scenario", "file", "mode", "world_size", "status") if key in row

@@ -1,22 +1,5 @@
 """Why a CPU run's first steps are slow: GEMM kernels built per shape, and routes that keep making new ones.
-
-    python -m bench.validate.cpu_warmup [SCENARIO] [--steps 80] [--block 10]
-        [--out docs/measurements/cpu-warmup-2core-cpu.json]
-
-On a CPU, torch runs bf16 GEMMs through oneDNN, which builds (JIT-compiles) a kernel the first time
-it meets a shape and caches it. Dense layers have one shape each and pay that once. A grouped GEMM
-runs one GEMM per expert at that expert's rows, and random routes give the experts new row counts
-every step, so a run keeps meeting shapes it has not built until most of the likely counts are
-cached. Two measurements, one process, one thread (as one rank of a CPU run):
-
-- ``fresh_shape_us``: ``torch.mm`` of (M, 256) @ (256, 256) at 16 row counts M this process has not
-  run before: the first call (which builds the kernel) against an immediate repeat, median per dtype;
-- ``blocks``: rank 0 of SCENARIO (default the dp2 smoke layout) built as a proxy rank and stepped
-  ``steps`` times; per block of ``block`` steps, the median step time and the mean number of expert
-  GEMM shapes per step (rows, operand shapes and strides) that no earlier step ran.
-
-The steps run under a dispatch mode that reads the grouped GEMMs' offsets (a few microseconds per op
-on every step alike), so the step times are a little above a plain run's; the decay is the point.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations
@@ -76,7 +59,7 @@ class _GroupShapes(TorchDispatchMode):
 
 
 def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> list[dict[str, Any]]:
-    """Median step time and new expert GEMM shapes per step, per block of steps (module docstring)."""
+    """Median step time and new expert GEMM shapes per step, per block of steps (docs/validation-tools.md)."""
 
     scenario = load_scenario(scenario_path)
     times: list[float] = []

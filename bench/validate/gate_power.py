@@ -1,42 +1,6 @@
 """The A/B gate's measured power on this machine, per scenario: false alarms of identical code, and
 detection of planted slowdowns and planted extra work.
-
-    python -m bench.validate.gate_power [--suite ci | --scenario FILE ...] [--aa-runs 20] [--runs 10]
-        [--slowdowns 5%,10%] [--budget 45] [--tolerance 4.5%] [--records PATH] [--work-runs 3]
-
-Every planted change is applied to a candidate copy of this checkout's HEAD (a ``git clone`` in a
-temporary folder, then a text patch), never by a flag in the engine; the baseline is the same HEAD.
-
-- Timing: per run, the gate's resident comparison of one scenario (``bench.ab.resident.
-  compare_resident``: fresh worker pairs until the pooled interval decides, the budget and its one
-  extension, the confirmation), exactly as ``moe-bench ab`` times a scenario. A/A runs (no plant) give the false-alarm
-  rate; planted compute slowdowns (a busy loop after every training step for that fraction of the
-  step's own time) give the detection rates. The gate fails a scenario whose estimate exceeds the
-  tolerance (``bench.gate.paired.fails``: regressed, or inconclusive beyond it) and stays beyond it
-  on as many fresh worker pairs again (the confirmation); the table counts regressed and
-  inconclusive failures apart, the inconclusive runs it passed, and what the confirmations did.
-- Work: per run, the whole ``moe-bench ab`` gate (one full run per side: the work counters) on a
-  candidate with an extra all_reduce, an extra copy or an extra host sync in each MoE layer's
-  forward, which the work counters must report every time.
-
-``--records PATH`` appends each run's record as one JSON line as soon as it is done, and a run
-already there is not run again: hours of measurement survive an interrupted session and add up
-across sessions (the table says which machines the records came from).
-
-``--replay RECORDS`` runs nothing: it draws the recorded runs' worker pairs afresh from their own
-pair spread and reads the confirmed rule at ``--tolerance`` (``replay``), the offline arithmetic
-behind the choice of CI's operating point.
-
-``--suite-runs``: each record is one whole gate of the suite, as CI runs it (``bench.ab.gate.run_ab``
-per scenario: its full runs, exact metrics and work counters, then the resident comparison with the
-extension and the confirmation), a CI run failing when any scenario fails. A/A runs give the suite's
-false-alarm rate; a planted slowdown goes into one scenario at a time (the candidate of that scenario
-is the planted clone, of the others the identical one). The table puts the suite-level false-alarm
-rate first, with its exact 95% interval (``clopper_pearson``); the operating point these runs measure:
-docs/gates-and-releases.md#the-operating-point.
-
-    python -m bench.validate.gate_power --suite-runs [--aa-runs 20] [--runs 10] [--slowdowns 5%,10%]
-        [--budget 45] [--tolerance 4.5%] [--warn-above 3%] --records PATH
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

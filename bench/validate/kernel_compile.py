@@ -1,27 +1,5 @@
 """Compile every Triton kernel of the engine for the GPUs users have, on a machine without one.
-
-    python -m bench.validate.kernel_compile [--targets sm_90a,sm_100a,sm_80] [--json OUT]
-
-1. Record: a child process with ``TRITON_INTERPRET=1`` runs the engine's fused ops, forward and
-   backward, and its MXFP8 kernels at the sizes of the reference models (``MODEL_FILES``: their
-   widths, vocabularies, expert counts and top-k, with a few rows each, since row counts reach the
-   kernels only as runtime integers) and records every launch the engine's own launch sites make:
-   the kernel, its argument types and Triton's specialisation of each (``native_specialize_impl``,
-   what the JIT keys its cache on: 16-byte alignment, integers divisible by 16, integers equal to 1),
-   its constexprs and launch options. Identical launches count once: one specialisation each. An
-   autotuned kernel (``triton.autotune``) runs every config once under the interpreter (the
-   engine's tuning does so there), so each config is recorded as its own specialisation, as each is
-   compiled on a GPU's first call.
-2. Compile: each specialisation ahead of time with Triton's compiler for a ``GPUTarget`` (``sm_90a``
-   and ``sm_100a``; ``sm_80`` for the kernels that claim it: those without fp8 operands, as Triton
-   has e4m3 only from capability 8.9), then the ``ptxas`` bundled with Triton, ``-v``, on its PTX for
-   registers and spills.
-3. Judge: a compile error fails the check, and so does a spill (every recorded launch is at a
-   reference model's size). The report lists each kernel's specialisations, registers and spills per
-   target, whether the MXFP8 GEMM's sm_100a IR holds the scaled tensor-core MMA
-   (``tc_gen5_mma_scaled``; a config whose tile ``mxfp8_gemm.SCALED_MMA_TILES`` names, the ones
-   Blackwell's tuning keeps, fails the check without it), and the number of specialisations: each is one compile on a GPU's first
-   run (0.2-2.3 s on a 2-core host), which is what ``bench/gpu-check.sh``'s CUDA test step budgets.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

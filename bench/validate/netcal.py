@@ -1,13 +1,5 @@
 """Measure the alpha-beta constants of the links between this machine's ranks (a torchrun module).
-
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.validate.netcal OUT_JSON
-
-Every rank times all-reduces and all-to-alls of a small and a large buffer (median of several
-repeats after a warm-up); rank 0 fits ``alpha`` from the small messages and the bandwidth from the
-difference between large and small, using the same formulas as ``bench.predict.projection`` (all_reduce:
-2(n-1) alpha + 2(n-1)/n B / beta; all_to_all: (n-1) alpha + (n-1)/n B / beta, all ranks on one
-node), and writes ``{"latency_us", "gbps", "samples"}``. A gloo world on one host is what the
-small-scale check of the projection runs on.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

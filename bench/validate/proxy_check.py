@@ -1,18 +1,5 @@
 """``moe-bench proxy-check``: the projection against layouts that really run here.
-
-For each execute scenario given (default: the 2-rank smoke layouts), on this machine:
-
-1. measure the gloo links between ranks (``bench.validate.netcal``: alpha and bandwidth);
-2. run the scenario for real (``moe-bench run``: torchrun, gloo, one thread per rank);
-3. run a proxy of every rank of it (mode proxy, one thread, the scenario's own sizes) with the
-   measured links as the cluster, all at once so that they share the machine as the real ranks do,
-   and take the slowest rank's projected step, as a real step waits for its slowest rank;
-4. add the rank-skew waits (``bench.predict.projection``: z_n sqrt(S) cv compute) with cv the real
-   run's own step-time spread (1.4826 MAD / median of its steps);
-5. with ``--device-profile``, also project the scenario op by op on this machine's profile
-   (``bench.run.project``, the same skew) and compare that with the same real run;
-6. report projected / measured - 1 of every run and the medians per scenario, and each proxy's
-   plan-vs-measured memory gap.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

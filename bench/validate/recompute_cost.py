@@ -1,35 +1,5 @@
 """Throughput cost of each activation-recompute mode, against no recompute, side by side, per scenario.
-
-    python -m bench.validate.recompute_cost [--suite ci | SCENARIO ...] [--pairs 10] [--block-s 1.0]
-        [--variants NAME ...] [--no-control] [--timeout-s 900] [--device cpu]
-        [--out docs/measurements/recompute-cost-2core-cpu.json]
-
-For each execute scenario, one resident worker per variant (``bench.validate.variants``): the
-scenario as its file says it with its ``recompute`` section's mode and parts replaced (``every``
-and ``first_per_stage`` stay the file's):
-
-- ``none`` (the base): ``{mode: none}``;
-- ``full``: ``{mode: full}``;
-- ``selective-attention``, ``selective-experts``, ``selective-norms``: ``{mode: selective}`` with
-  that one part; ``selective-attention-experts``: with ``[attention, experts]``;
-- ``none-again``: the base once more, a second identical worker measured the same way (an A/A
-  control): its ratio to ``none`` shows what two identical workers give on this machine, the noise
-  floor against which the other ratios are read.
-
-All of a scenario's workers are alive at once (only one runs at a time), started one after the
-other; then rounds of block pairs, each variant next to the base in every round, the base first
-in even rounds, the pairs' order shifted every round. A pair's ratio is none seconds / variant
-seconds: the variant's throughput over none's (below 1: slower). Reported per variant: the median
-ratio, its range and quartiles, the Hodges-Lehmann estimate with its 95% interval, each worker's
-peak resident memory over the measured blocks (host memory of a whole rank process, read as the
-difference from none's), and the largest relative loss difference from none (recompute replays the
-same forward, so near 0; Adam amplifies rounding as the steps go on, see
-``bench.validate.compile_speedup``). Plan scenarios have no execution: they are listed as skipped.
-Every worker answers within ``--timeout-s`` (its start, and its wait while the others start, run
-and are started, included: it is also the gloo timeout of a multi-rank worker) or is killed with
-its ranks, and the scenario is recorded as failed. Memory: the seven workers of a scenario stay
-alive together, 0.4 to 1 GiB of resident memory per rank process for the smoke models (about 7 GiB
-for a one-rank scenario, 8 GiB for the 2-rank one); ``--variants`` measures fewer.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations

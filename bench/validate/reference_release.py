@@ -1,25 +1,5 @@
 """The reference release's published figures next to this engine's op-level projections on B300.
-
-    python -m bench.validate.reference_release [--device b300] [--out docs/measurements/reference-release-b300.json]
-
-Each published comparison (DESIGN.md section 2) is projected with ``moe-bench project`` on the device
-profile, from the olmo-core3 scenario that mirrors it, twice: as shipped (the scenario file as it is,
-with the engine's defaults: fused kernels, rows per destination rank or node, the overlap the layout
-chooses) and on the engine's reference path (``REFERENCE``: the eager composition, one row per
-(token, expert), every all-to-all exposed; the same patch for every row). The error is reported as it comes: projected / published - 1
-for a figure, the projected value itself for a ratio or a bound. Nothing is tuned per row: the
-profile's efficiencies are its declared, sourced ones (``devices/b300.yaml``), and no skew is added
-(no multi-rank GPU run has measured a step-time spread).
-
-What the published configurations leave unknown (sequence length, batch, microbatches, recompute,
-precision of the headline runs) is assumed as the scenario files say, and reported in each row.
-
-Two rows check against a measured public run of another engine instead: Megatron-Bridge trains
-Qwen3-30B-A3B on 16 H100 SXM (BF16, TP 1, PP 1, EP 16, global batch 1,024 x 4,096 tokens, microbatch
-1, HybridEP with all-to-all overlap) at about 13,000 tokens/s/GPU without activation recompute. The
-same layout (``QWEN_ON_H100``, from ``scenarios/models/qwen3-30b-a3b.yaml``: dp 16 with ep 16, ZeRO-1,
-dropless sync dispatch, 64 microbatches of one sequence) is planned against the H100's memory and
-projected on ``h100-sxm``.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations
@@ -55,7 +35,7 @@ QWEN_ON_H100 = {
     "run": {"tokens_per_step": 1024 * 4096},
     "cluster": {"name": "h100-2node", "gpus": 16, "device": "h100-sxm"},
 }
-"""Megatron-Bridge's measured Qwen3-30B-A3B layout on 16 H100 (module docstring)."""
+"""Megatron-Bridge's measured Qwen3-30B-A3B layout on 16 H100 (docs/validation-tools.md)."""
 MEGATRON_BRIDGE_TOKENS_PER_S = 13_000
 
 

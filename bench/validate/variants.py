@@ -1,35 +1,5 @@
 """One scenario under several variants, side by side in one run, as ratios to a base variant.
-
-A variant is a name and a patch of the scenario as its file says it (``patched``: mappings merge
-key by key, anything else replaces). Per execute scenario, ``measure`` starts one resident worker
-per variant (``bench.ab.resident.ResidentSide``: one process, or one per rank on gloo, each built
-by ``bench.run.execute.build_trainer``), the base first, one after the other, each with a fresh
-empty inductor cache for the scenario. Only one worker runs at a time (the others wait on their
-command pipe, so every block has the whole machine); every worker answers within ``timeout_s`` or
-is killed with its ranks, and the scenario is recorded as failed. Then:
-
-1. one step per worker sizes the blocks (``block_s`` from the fastest worker's step), and one
-   unrecorded block per worker settles its allocators;
-2. ``pairs`` rounds (``rotation``): in each round every variant runs one block next to one block of
-   the base, a pair, the base first in even rounds and the variant first in odd ones, and the
-   order of the pairs within the round shifts by one every round, so no variant keeps the same
-   place (machine drift within a round spreads over the variants rather than landing on one).
-   Every block replays the same batches and routes.
-
-A pair's ratio is base seconds / variant seconds: the variant's throughput over the base's (below
-1: the variant is slower). ``ratio_summary`` reports the median, range and quartiles of the pairs'
-ratios and the Hodges-Lehmann estimate with its 95% interval (``bench.gate.paired``). Each worker's
-losses on the probe step (the first after the warm-up) and on the last block are kept, with their
-largest relative difference from the base's, and so is its time to be ready and, on Linux, its
-peak resident memory (``VmHWM`` of each of its ranks, reset once every worker is ready, so it covers
-the measured blocks, not the build or a compilation): host memory of the whole process (interpreter,
-torch and model included), meaningful as a difference between workers. The base runs a block for
-each variant's, so it trains further: its "last block" losses are those of its block at the same
-training position as the variants' last (its ``pairs``-th timed block), which identical workers
-match exactly.
-
-Two variants with the same patch are an A/A control: their ratio shows what two identical workers
-give on this machine.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations
@@ -174,7 +144,7 @@ def measure(
     side_factory: Callable[..., Any] = ResidentSide,
     root: Path = REPO_ROOT,
 ) -> dict[str, Any]:
-    """One scenario's rounds of paired blocks, every variant against the base (see the module docstring).
+    """One scenario's rounds of paired blocks, every variant against the base (see docs/validation-tools.md).
 
     ``side_factory(label, root, scenario, device, timeout_s)``: a context manager with ``block(steps)
     -> seconds`` and ``last_losses`` (``ResidentSide``; a fake in tests).

@@ -1,24 +1,6 @@
 """How much resident workers of identical code differ for their whole life (the A/B gate's pair bias),
 against how much their blocks vary: the variance components behind ``bench.gate.paired``.
-
-    python -m bench.validate.worker_bias SCENARIO [--workers 6] [--rounds 8] [--env KEY=VALUE ...]
-        [--no-aslr] [--records PATH]
-
-Starts ``--workers`` resident workers of this checkout (``bench.ab.resident.ResidentSide``), all
-alive at once, sizes blocks as the gate does, warms each with one unrecorded block, then runs
-``--rounds`` rounds in which every worker runs one block (the order reversed every other round). In
-log space, each block minus its round's mean removes the machine's drift; the one-way random-effects
-analysis of variance of what is left gives
-
-- the block noise: the standard deviation of one block around its worker's mean;
-- the worker bias: the standard deviation of the workers' lifelong means, less the block noise they
-  carry (``(MS_between - MS_within) / rounds``, floored at 0).
-
-Variants: ``--env OMP_PROC_BIND=close --env OMP_PLACES=cores`` binds each OpenMP thread to a core
-(the workers leave placement to the kernel, as the runner does); ``--no-aslr`` starts each worker
-under ``setarch -R``; any other environment variable (``PYTHONHASHSEED=0``, ``MALLOC_ARENA_MAX=1``)
-by ``--env``. ``--records``
-appends the result as one JSON line.
+More: docs/validation-tools.md.
 """
 
 from __future__ import annotations
@@ -39,7 +21,7 @@ from bench.validate.gate_power import machine
 
 
 def variance_components(times_s: list[list[float]]) -> dict[str, float | list[float]]:
-    """Block noise and worker bias (log space) of ``times_s[worker][round]``: see the module docstring."""
+    """Block noise and worker bias (log space) of ``times_s[worker][round]``: see docs/validation-tools.md."""
     workers, rounds = len(times_s), len(times_s[0])
     if workers < 2 or rounds < 2 or any(len(t) != rounds for t in times_s):
         raise ValueError("need at least 2 workers with the same number (at least 2) of rounds each")
