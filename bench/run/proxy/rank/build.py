@@ -15,7 +15,7 @@ import zlib
 import torch
 from torch import nn
 
-from bench.run.proxy.rank.peers import ProxyDispatcher, SimulatedPeers
+from bench.run.proxy.rank.peers import ProxyDispatchSpec
 from bench.run.proxy.rank.pipeline import ProxyPipeline
 from moe_engine.config import ModelConfig, ParallelConfig, RecomputeConfig
 from moe_engine.model import build_model
@@ -68,34 +68,30 @@ def build_proxy_rank(
     """This rank's share of the model on ``device``, its dispatchers and pipeline standing in for peers;
     its blocks recompute and compile as ``build_rank_model``'s do.
 
-    Each MoE layer's ``dispatcher.peers`` is a ``SimulatedPeers``; a caller may replace it. Its rows
-    are per (token, expert) whatever ``parallel.dispatch_rows`` says (``ProxyDispatcher``).
+    Each MoE layer is built with a ``ProxyDispatcher`` (``ProxyDispatchSpec``) whose ``peers`` is a
+    ``SimulatedPeers``; a caller may replace it. Its rows are per (token, expert) whatever
+    ``parallel.dispatch_rows`` says.
     """
     parallel.validate(config)
     check_proxy_layout(parallel)
-    seeds = peer_routing_seeds(config, groups)
-    config = rank_config(config, groups)
-    model = build_model(config, "meta", seed)
-    prepare_blocks(model, parallel, recompute, compile)
+    dispatch = None
     if parallel.ep > 1:
-        for layer in model.moe_layers():
-            layer.enable_expert_parallel(
-                groups.ep,
-                groups.coords.ep_rank,
-                parallel.ep,
-                parallel.dispatch,
-                parallel.capacity_factor,
-                parallel.a2a_chunks,
-            )
-            layer_peers = SimulatedPeers(config.moe, layer.router.layer_idx, seeds, config.d_model)
-            layer.dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, parallel.capacity_factor, layer_peers)
-            layer.dispatcher.chunks = parallel.a2a_chunks
+        dispatch = ProxyDispatchSpec(
+            group=groups.ep,
+            ep_rank=groups.coords.ep_rank,
+            ep=parallel.ep,
+            kind=parallel.dispatch,
+            capacity_factor=parallel.capacity_factor,
+            a2a_chunks=parallel.a2a_chunks,
+            peer_seeds=tuple(peer_routing_seeds(config, groups)),
+        )
+    config = rank_config(config, groups)
+    model = build_model(config, "meta", seed, dispatch)
+    prepare_blocks(model, parallel, recompute, compile)
     if parallel.pp == 1:
         module: nn.Module = model
         pipeline = None
     else:
-        # Imported here: the proxy pipeline is only needed for pipelined layouts.
-
         stage = groups.coords.pp_rank
         module = StageModule(model, stage_blocks(config.n_layers, parallel.pp)[stage])
         pipeline = ProxyPipeline(module, parallel, stage, groups.pp, config.d_model, config.dtype.torch_dtype)

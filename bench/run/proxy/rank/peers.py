@@ -24,8 +24,9 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from moe_engine.config import MoEConfig, RoutingMode
+from moe_engine.config import DispatchRows, MoEConfig, RoutingMode
 from moe_engine.moe.dispatch import AllToAllDispatcher, all_to_all_rows
+from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.router import Router
 
 
@@ -121,10 +122,12 @@ class ProxyDispatcher(AllToAllDispatcher):
         group,
         kind,
         capacity_factor: float,
+        chunks: int,
+        fused_kernels: bool,
         peers: PeerTraffic,
         fabrication: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ):
-        super().__init__(group, kind, capacity_factor)
+        super().__init__(group, kind, capacity_factor, chunks, fused_kernels)
         self.peers = peers
         self.fabrication = fabrication
 
@@ -146,3 +149,28 @@ class ProxyDispatcher(AllToAllDispatcher):
             received_S = self._recv_counts_SL.sum(dim=1, keepdim=True)
             real_R = (torch.arange(slot_capacity, device=send_RD.device) < received_S).flatten()
         return _PeerExchange.apply(send_RD, self, recv_splits, send_splits, combine, real_R)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyDispatchSpec(DispatchSpec):
+    """A proxy rank's dispatch: every MoE layer builds a ``ProxyDispatcher`` whose ``SimulatedPeers``
+    replay the other ep ranks' routers. Rows are always per (token, expert): the proxy fabricates
+    what each peer sends per expert, so ``rows`` must stay per-expert."""
+
+    peer_seeds: tuple[int | None, ...] = ()
+    """Routing seed of each rank of the ep group, None at this rank's own index (``ep_rank``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.local:
+            raise ValueError("a proxy dispatch needs an expert-parallel group")
+        if self.rows is not DispatchRows.PER_EXPERT:
+            raise ValueError(f"a proxy rank sends rows per expert, not {self.rows.value}")
+        if len(self.peer_seeds) != self.ep or [s is None for s in self.peer_seeds].count(True) != 1:
+            raise ValueError(f"peer_seeds needs one seed per ep rank and None at {self.ep_rank}: {self.peer_seeds}")
+        if self.peer_seeds[self.ep_rank] is not None:
+            raise ValueError(f"peer_seeds needs None at this rank's index {self.ep_rank}: {self.peer_seeds}")
+
+    def build(self, moe: MoEConfig, d_model: int, layer_idx: int, fused_kernels: bool) -> ProxyDispatcher:
+        peers = SimulatedPeers(moe, layer_idx, list(self.peer_seeds), d_model)
+        return ProxyDispatcher(self.group, self.kind, self.capacity_factor, self.a2a_chunks, fused_kernels, peers)

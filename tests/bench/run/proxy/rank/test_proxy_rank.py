@@ -5,6 +5,7 @@ world in this process, one rank at a time.
 """
 
 import contextlib
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -14,7 +15,7 @@ from tolerances import assert_close_to_scale, tolerance
 
 from bench.run.collective_log import CollectiveRecorder
 from bench.run.proxy.rank.build import build_proxy_rank
-from bench.run.proxy.rank.peers import PeerTraffic
+from bench.run.proxy.rank.peers import PeerTraffic, ProxyDispatcher, ProxyDispatchSpec, SimulatedPeers
 from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
 from moe_engine import build_model
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
@@ -125,6 +126,45 @@ def test_proxy_build_allocates_only_the_share():
     torch.testing.assert_close(rope.sin_SH, reference.sin_SH, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+def test_proxy_dispatchers_are_built_from_the_layout(fused):
+    # Rows per node in the layout: the proxy still sends them per expert (its peers replay per expert).
+    parallel = ParallelConfig.from_dict(
+        dict(dp=4, ep=4, dispatch="sync", capacity_factor=1.5, a2a_chunks=3, dispatch_rows="per-node", ranks_per_node=2)
+    )
+    config = dataclasses.replace(CONFIG, fused_kernels=fused)
+    with fake_rank(parallel, 2) as groups:
+        rank_model = build_proxy_rank(config, parallel, groups, torch.device("cpu"), seed=0)
+        layers = rank_model.moe_layers()
+        assert len(layers) == CONFIG.n_layers
+        for index, layer in enumerate(layers):
+            d = layer.dispatcher
+            assert type(d) is ProxyDispatcher and d.group is groups.ep and d.ep == 4
+            assert (d.kind.value, d.capacity_factor, d.chunks, d.fused_kernels) == ("sync", 1.5, 3, fused)
+            assert layer.experts.global_experts == range(4, 6)
+            assert isinstance(d.peers, SimulatedPeers)
+            # By hand: ep rank s (dp rank s) routes with seed 0 + 7919 s, the engine's per-dp-rank stride.
+            seeds = [None if r is None else r.config.routing_seed for r in d.peers.routers]
+            assert seeds == [0, 7919, None, 3 * 7919]
+            assert all(r.layer_idx == index for r in d.peers.routers if r is not None)
+            assert d.routing_streams() == [r for r in d.peers.routers if r is not None]
+
+
+def test_a_proxy_spec_refuses_what_a_proxy_cannot_send():
+    parallel = ParallelConfig.from_dict(dict(dp=2, ep=2))
+    with fake_rank(parallel, 1) as groups:
+        ok = dict(group=groups.ep, ep_rank=1, ep=2, peer_seeds=(7, None))
+        assert isinstance(ProxyDispatchSpec(**ok).build(CONFIG.moe, 32, 1, False), ProxyDispatcher)
+        with pytest.raises(ValueError, match="per expert"):
+            ProxyDispatchSpec(**ok, rows="per-rank")
+        with pytest.raises(ValueError, match="None at"):
+            ProxyDispatchSpec(**{**ok, "peer_seeds": (None, 7)})
+        with pytest.raises(ValueError, match="one seed per ep rank"):
+            ProxyDispatchSpec(**{**ok, "peer_seeds": (None,)})
+    with pytest.raises(ValueError, match="needs an expert-parallel group"):
+        ProxyDispatchSpec(peer_seeds=(None,))
+
+
 # ---- the step: real gloo ranks vs proxies ---------------------------------------------------------
 
 
@@ -231,6 +271,8 @@ LAYOUTS = {
         dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0, optimizer_sharding="zero1", dispatch_rows="per-expert"
     ),
     "dp2-ep2-sync": dict(dp=2, ep=2, dispatch="sync", dispatch_rows="per-expert"),
+    # Each direction's exchange cut in two: the proxy issues the real rank's chunked all-to-alls.
+    "dp2-ep2-sync-chunks2": dict(dp=2, ep=2, dispatch="sync", dispatch_rows="per-expert", a2a_chunks=2),
     "pp2-1f1b": dict(dp=1, pp=2, schedule="1f1b", microbatches=2),
 }
 
@@ -290,9 +332,7 @@ def test_padding_gradients_never_reach_the_sent_rows():
     # lands in an empty slot, so the proxy's fabricated gradient must not carry it to a real row.
     parallel = ParallelConfig.from_dict(dict(dp=2, ep=2, dispatch="no-sync", capacity_factor=1.0))
     with fake_rank(parallel, 1) as groups:
-        from bench.run.proxy.rank.peers import ProxyDispatcher
-
-        dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, 1.0, _FewerFromPeerZero())
+        dispatcher = ProxyDispatcher(groups.ep, parallel.dispatch, 1.0, 1, False, _FewerFromPeerZero())
         expert_TK = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3]])
         send_counts_SL = dispatcher.send_counts(expert_TK, 2)
         recv_counts_SL = dispatcher.exchange_counts(send_counts_SL, expert_TK)
