@@ -59,8 +59,7 @@ def _case(op: str, fused: bool, device: torch.device):
         return (torch.randn(*shape, device=device) * std).to(dtype).requires_grad_()
 
     if op in ("rms_norm", "add_rms_norm"):
-        norm = RMSNorm(s["width"], 1e-6).to(device=device, dtype=dtype)
-        norm.fused_kernels = fused
+        norm = RMSNorm(s["width"], 1e-6, fused_kernels=fused).to(device=device, dtype=dtype)
         x, residual = leaf(s["rows"], s["width"]), leaf(s["rows"], s["width"])
         if op == "rms_norm":
             return [x], lambda: norm(x)
@@ -70,9 +69,9 @@ def _case(op: str, fused: bool, device: torch.device):
         router = Router(
             s["width"],
             MoEConfig(num_experts=128, top_k=8, expert_hidden=s["hidden"], aux_loss_weight=0.01, z_loss_weight=0.001),
+            fused_kernels=fused,
         ).to(device)
         torch.nn.init.normal_(router.weight, std=0.02)
-        router.fused_kernels = fused
         x = leaf(s["rows"], s["width"])
 
         def route():
@@ -84,8 +83,7 @@ def _case(op: str, fused: bool, device: torch.device):
         gate, up = leaf(s["rows"], s["hidden"]), leaf(s["rows"], s["hidden"])
         return [gate, up], (lambda: kernels.swiglu(gate, up)) if fused else (lambda: F.silu(gate) * up)
     if op == "rope":
-        rope = RotaryEmbedding(s["head_dim"], s["seq"], 10000.0).to(device)
-        rope.fused_kernels = fused
+        rope = RotaryEmbedding(s["head_dim"], s["seq"], 10000.0, fused_kernels=fused).to(device)
         q, k = leaf(1, s["heads"], s["seq"], s["head_dim"]), leaf(1, s["heads"], s["seq"], s["head_dim"])
         return [q, k], lambda: torch.cat(rope(q, k), dim=-1)
     if op == "gather_rows_mx":
