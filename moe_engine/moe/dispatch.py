@@ -358,8 +358,7 @@ class AllToAllDispatcher(Dispatcher):
     In the no-sync variant every rank of the group must pass the same number of tokens (the
     equal-split buffers are sized from it); the sync variant accepts any. Every rank of the group
     must use the same ``chunks`` (chunked exchanges: docs/dispatch.md). With ``fused_kernels`` the
-    row gathers and the combine run as the fused ops; None follows the experts' own setting at each
-    call, for a dispatcher built outside ``DispatchSpec`` and set on a layer after its build.
+    row gathers and the combine run as the fused ops.
     """
 
     def __init__(
@@ -368,7 +367,7 @@ class AllToAllDispatcher(Dispatcher):
         kind: DispatchKind = DispatchKind.NO_SYNC,
         capacity_factor: float = 1.25,
         chunks: int = 1,
-        fused_kernels: bool | None = None,
+        fused_kernels: bool = False,
     ):
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
@@ -399,9 +398,6 @@ class AllToAllDispatcher(Dispatcher):
             return self._sync(x_TD, route, experts)
         return self._no_sync(x_TD, route, experts)
 
-    def _fused(self, experts: GroupedExperts) -> bool:
-        return experts.fused_kernels if self.fused_kernels is None else self.fused_kernels
-
     def send_counts(self, expert_TK: torch.Tensor, num_local: int) -> torch.Tensor:
         """(ep, L) rows these routes send each destination's local experts (after capacity drops)."""
         plan = plan_routing(expert_TK, self.ep * num_local)
@@ -410,7 +406,7 @@ class AllToAllDispatcher(Dispatcher):
         slot_capacity = capacity(expert_TK.numel(), self.ep, self.capacity_factor)
         return plan_slots(plan, self.ep, slot_capacity).kept_E.view(self.ep, -1)
 
-    # The two exchanges are methods so that a proxy rank (``bench.run.proxy_rank``) can stand in for its peers.
+    # The two exchanges are methods so that a proxy rank (``bench.run.proxy.rank``) can stand in for its peers.
     def exchange_counts(self, send_counts_SL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
         """(ep, L) rows each source sends this rank's local experts."""
         return all_to_all_rows(send_counts_SL, None, None, self.group, hand_over=False)
@@ -422,7 +418,7 @@ class AllToAllDispatcher(Dispatcher):
         return all_to_all(send_RD, self.group, recv_splits, send_splits)
 
     def _sync(self, x_TD, route, experts):
-        ep, fused = self.ep, self._fused(experts)
+        ep, fused = self.ep, self.fused_kernels
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
         send_counts_SL = plan.groups.counts_E.view(ep, -1)
         recv_counts_SL = self.exchange_counts(send_counts_SL, route.expert_TK)
@@ -450,7 +446,7 @@ class AllToAllDispatcher(Dispatcher):
         return combine(y_ND, route.weight_TK, plan.rows, fused), _no_drops(x_TD.device)
 
     def _no_sync(self, x_TD, route, experts):
-        ep, fused = self.ep, self._fused(experts)
+        ep, fused = self.ep, self.fused_kernels
         num_tokens, top_k = route.expert_TK.shape
         slot_capacity = capacity(num_tokens * top_k, ep, self.capacity_factor)
         plan = plan_routing(route.expert_TK, ep * experts.num_experts)
@@ -519,7 +515,7 @@ class AllToAllDispatcher(Dispatcher):
             if k + 1 < self.chunks:
                 pending = start_dispatch(k + 1)
             counts_L = _expert_rows(locals_[k], num_local)
-            y_MD = _run_received(recv_MD, locals_[k], counts_L, experts, padded, self._fused(experts))
+            y_MD = _run_received(recv_MD, locals_[k], counts_L, experts, padded, self.fused_kernels)
             if self._overlaps():
                 returns.start(y_MD, self.group, splits(send_rows[k]), splits(recv_rows[k]))
             else:

@@ -301,17 +301,3 @@ class GroupedExperts(nn.Module):
         if rows is None:
             return self.backend.forward(x, groups, self.gate_up, self.down)
         return self.backend.forward_gathered(x, rows, groups, self.gate_up, self.down)
-
-    def keep_only(self, experts: range) -> None:
-        """Keep the slice of ``experts`` (global indices) as new parameters with the same values."""
-        if experts.step != 1 or not (
-            self.global_experts.start <= experts.start < experts.stop <= self.global_experts.stop
-        ):
-            raise ValueError(f"experts {experts} are not a contiguous block of the held {self.global_experts}")
-        first = experts.start - self.global_experts.start
-        for name in ("gate_up", "down"):
-            old = getattr(self, name)
-            # A copy, so the full tensor can be freed once the caller drops its references.
-            new = old.detach()[first : first + len(experts)].clone()
-            setattr(self, name, nn.Parameter(new, requires_grad=old.requires_grad))
-        self.global_experts = experts

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from moe_engine.config import DispatchKind, DispatchRows, MoEConfig
+from moe_engine.config import MoEConfig
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.moe.dispatch import Dispatcher
 from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.router import Router
-
-if TYPE_CHECKING:
-    from moe_engine.parallel.groups import NodeGroups
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -90,32 +86,6 @@ class MoELayer(nn.Module):
         # microbatches by scaling each loss in backward (so gradients are final when a bucket fills).
         self.loss_scale = 1.0
 
-    def enable_expert_parallel(
-        self,
-        group,
-        ep_rank: int,
-        ep: int,
-        kind: DispatchKind = DispatchKind.NO_SYNC,
-        capacity_factor: float = 1.25,
-        a2a_chunks: int = 1,
-        rows: DispatchRows = DispatchRows.PER_EXPERT,
-        nodes: NodeGroups | None = None,
-    ) -> None:
-        """Become rank ``ep_rank``'s shard of an expert-parallel group after the build: keep only its
-        block of experts (new parameters, same values) and build the dispatcher
-        ``DispatchSpec(group, ep_rank, ep, kind, ...)`` gives.
-
-        The one path left that changes a layer after its build, kept while the benchmark's proxy rank
-        shards a model built on the meta device this way; everything else passes the ``DispatchSpec``
-        to the constructor."""
-        spec = DispatchSpec(group, ep_rank, ep, kind, capacity_factor, a2a_chunks, rows, nodes)
-        num_experts = self.config.num_experts
-        held = spec.local_experts(num_experts)
-        if self.experts.global_experts != range(num_experts):
-            raise RuntimeError(f"experts are already sharded (holding {self.experts.global_experts})")
-        self.experts.keep_only(held)
-        self.dispatcher = spec.build(self.config, self.d_model, self.router.layer_idx, self.fused_kernels)
-
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         route = self.router(x_TD)
@@ -144,8 +114,8 @@ _LAYER_STATS = ("last_router_loss", "last_counts_E", "last_dropped")
 
 
 def routing_streams(layers: Sequence[MoELayer]) -> list[Router]:
-    """Every router whose random stream a forward of ``layers`` draws from: their own, and a proxy's
-    simulated peers' (looked up now: a proxy's dispatcher is set after the build)."""
+    """Every router whose random stream a forward of ``layers`` draws from: their own, and those its
+    dispatcher replays besides (a proxy rank's simulated peers)."""
     return [r for layer in layers for r in (layer.router, *layer.dispatcher.routing_streams())]
 
 

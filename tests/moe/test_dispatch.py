@@ -318,17 +318,6 @@ def test_backends_ignore_trailing_padding_rows(backend):
         assert relative_error(p.grad, q.grad) <= tolerance(torch.float32, HIDDEN, depth=4)
 
 
-def test_keep_only_copies_the_block_into_new_parameters():
-    full = make_layer(0, "learned").experts
-    gate_up, down = full.gate_up, full.down
-    full.keep_only(range(2, 4))
-    assert full.global_experts == range(2, 4) and full.num_experts == 2
-    assert full.gate_up is not gate_up and full.gate_up.requires_grad
-    assert torch.equal(full.gate_up, gate_up[2:4]) and torch.equal(full.down, down[2:4])
-    with pytest.raises(ValueError, match="contiguous block"):
-        full.keep_only(range(2))
-
-
 def test_dispatcher_kinds_are_validated():
     assert DispatchKind("no-sync") is DispatchKind.NO_SYNC
     with pytest.raises(ValueError, match="capacity_factor"):
