@@ -39,7 +39,7 @@
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).
 #                      Two GPUs run the overlapped data-parallel step (node2-e8-ddp-ep2-bf16, overlap auto)
 #                      beside the plain one (node2-e8-ddp-ep2-no-overlap-bf16): suites.yaml's microbatch-overlap.
-#   profile      45 s: the quick CUDA sweep (cuda_quick_sweep in bench/run/device_sweep.py) times 365
+#   profile      45 s: the quick CUDA sweep (cuda_quick_sweep in bench/run/profile/sweep.py) times 365
 #                      points, 8.0 s by estimate_seconds: each call at the H200's peaks (estimates: 989
 #                      TFLOP/s bf16; 67 fp32, TF32 being off as in the engine; 4.8 TB/s), 3 calls of
 #                      warm-up and sizing, repeats of batches of 1 ms or more (3 to 10, 20 ms if they

@@ -50,9 +50,9 @@ Timing: each point is warmed up (2 calls), then timed ``time.perf_counter`` arou
 per-point budget. The default CPU sweep runs in about a minute or two on a 2-core machine. ``--quick``
 on a GPU times ``cuda_quick_sweep`` (its seconds by ``estimate_seconds``: bench/gpu-check.sh's header).
 
-The modules: the sweeps and their cost (``bench.run.device_sweep``), the timer and each curve's points
-(``bench.run.device_curves``), this CPU's cores, clock and FLOPs/cycle (``bench.machine.cpu_spec``), the
-profile document and its YAML (``bench.run.device_document``); this one runs them in order, under the
+The modules: the sweeps and their cost (``bench.run.profile.sweep``), the timer and each curve's points
+(``bench.run.profile.curves``), this CPU's cores, clock and FLOPs/cycle (``bench.machine.cpu_spec``), the
+profile document and its YAML (``bench.run.profile.document``); this one runs them in order, under the
 neighbours' load.
 """
 
@@ -70,7 +70,8 @@ from typing import Any
 import torch
 
 from bench.predict.device import DEVICES_DIR, DeviceProfile, load_profile
-from bench.run.device_curves import (
+from bench.run.network import calibrate_network
+from bench.run.profile.curves import (
     Timer,
     attention_points,
     free_op_seconds,
@@ -80,9 +81,8 @@ from bench.run.device_curves import (
     memory_points,
     stream_gbps,
 )
-from bench.run.device_document import Measured, cpu_facts, gpu_facts, profile_document, write_profile
-from bench.run.device_sweep import QUICK, Sweep, cpu_sweep, cuda_quick_sweep, cuda_sweep, tiny_sweep
-from bench.run.network import calibrate_network
+from bench.run.profile.document import Measured, cpu_facts, gpu_facts, profile_document, write_profile
+from bench.run.profile.sweep import QUICK, Sweep, cpu_sweep, cuda_quick_sweep, cuda_sweep, tiny_sweep
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 

@@ -16,7 +16,7 @@ import pytest
 
 from bench.micro import FUSED_OPS
 from bench.predict.device import load_profile
-from bench.run.device_sweep import cuda_quick_sweep, estimate_seconds, timed_points
+from bench.run.profile.sweep import cuda_quick_sweep, estimate_seconds, timed_points
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu-check.sh"

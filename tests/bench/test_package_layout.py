@@ -297,9 +297,8 @@ def test_every_import_inside_a_function_says_why():
 
 
 # Three or more sibling modules named ``<prefix>_...`` are a family that belongs in a subpackage. Pending, with
-# why: run/'s device profile modules (device_sweep, device_curves, device_document) move to run/profile/ once
-# tests/bench/test_gpu_check.py imports the sweep from there and pyproject's per-file lint ignore follows it.
-PREFIX_FAMILIES_PENDING = {("bench/run", "device")}
+# why (folder, prefix): none.
+PREFIX_FAMILIES_PENDING: set[tuple[str, str]] = set()
 
 
 def test_no_prefix_family_where_a_subpackage_belongs():

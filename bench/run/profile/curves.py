@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.run.device_sweep import DTYPES, Sweep, grouped_shapes, timed_fp32
+from bench.run.profile.sweep import DTYPES, Sweep, grouped_shapes, timed_fp32
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.moe.grouped_gemm import grouped_mm
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model

@@ -1,7 +1,7 @@
 """What ``moe-bench profile-device`` measures: the sweeps of sizes (``Sweep``: the CPU, GPU, quick and tiny
 ones), every point a sweep times (``timed_points``), and how long timing them takes (``estimate_seconds``).
 
-Arithmetic on sizes only; the timing is ``bench.run.device_curves``, what each point's work and seconds are
+Arithmetic on sizes only; the timing is ``bench.run.profile.curves``, what each point's work and seconds are
 is ``bench.run.profile_device``'s docstring.
 """
 
@@ -264,7 +264,7 @@ copies (up to 256 sets, a few launches each at about 10 us) and Python around th
 
 
 def estimate_seconds(sweep: Sweep, rates: dict[str, float] = H200_ESTIMATE) -> float:
-    """Seconds ``profile_device`` spends timing ``sweep``'s points at ``rates``, as ``bench.run.device_curves.Timer.median``
+    """Seconds ``profile_device`` spends timing ``sweep``'s points at ``rates``, as ``bench.run.profile.curves.Timer.median``
     spends them: each call at its FLOPs or bytes at peak (at least a launch), 3 calls of warm-up and
     sizing, then repeats of batches of about ``batch_seconds`` within ``point_seconds``, clamped to
     ``min_repeats``..``max_repeats``."""

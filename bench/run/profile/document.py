@@ -17,8 +17,8 @@ import yaml
 
 from bench.machine import CpuSpec, cpu_spec
 from bench.predict.device import DeviceProfile, profile_from_dict
-from bench.run.device_curves import significant
-from bench.run.device_sweep import Sweep
+from bench.run.profile.curves import significant
+from bench.run.profile.sweep import Sweep
 
 __all__ = ["DeviceFacts", "Measured", "cpu_facts", "efficiency", "gpu_facts", "profile_document", "write_profile"]
 
