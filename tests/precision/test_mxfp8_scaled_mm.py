@@ -46,10 +46,15 @@ def _scales(*shape, seed=0) -> torch.Tensor:
     return torch.randint(1, 255, shape, generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
 
 
+def _on(device: torch.device, scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` on ``device`` (moved as bytes), keeping its strides."""
+    return scales.view(torch.uint8).to(device).view(torch.float8_e8m0fnu)
+
+
 @pytest.mark.parametrize("rows, cols", [(1, 1), (5, 3), (128, 4), (130, 9), (300, 17), (256, 8)])
-def test_blocked_layout_by_index_formula(rows, cols):
+def test_blocked_layout_by_index_formula(rows, cols, device):
     scales = _scales(rows, cols)
-    blocked = smm.to_blocked(scales).view(torch.uint8)
+    blocked = smm.to_blocked(_on(device, scales)).view(torch.uint8).cpu()
     rows_p, cols_p = _round_up(rows, 128), _round_up(cols, 4)
     assert blocked.shape == (rows_p * cols_p,) and blocked.is_contiguous()
     r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
@@ -344,6 +349,40 @@ BLOCKED_CASES = [
     ((0, 0, 0), 4, 3, False),  # no expert rows: zero tiles only
     ((40, 90), 0, 130, True),  # columns over several chunks, strided scales
 ]
+
+
+@pytest.mark.parametrize("counts, padding, cols, strided", BLOCKED_CASES)
+def test_group_scales_on_the_device_by_index_formula(counts, padding, cols, strided, device):
+    """The A-scale layout as the test device computes it (CUDA: the kernel), against the index formula:
+    expert e's rows start at padded row sum_{i<e} round_up(rows_i, 128); every other byte is zero."""
+    g = torch.Generator().manual_seed(len(counts) + cols)
+    rows = sum(counts) + padding
+    codes = torch.randint(1, 256, (cols, rows) if strided else (rows, cols), generator=g, dtype=torch.uint8)
+    codes = codes.to(device)
+    scales = (codes.t() if strided else codes).view(torch.float8_e8m0fnu)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device)
+    got = smm.blocked_group_scales(scales, offsets).view(torch.uint8).cpu()
+    source = scales.view(torch.uint8).cpu()
+    cols_p = _round_up(cols, 4)
+    want = torch.zeros((_round_up(rows, 128) + 128 * len(counts)) * cols_p, dtype=torch.uint8)
+    start = padded_start = 0
+    for count in counts:
+        r, c = torch.meshgrid(torch.arange(count), torch.arange(cols), indexing="ij")
+        want[blocked_index(padded_start + r, c, cols_p)] = source[start : start + count]
+        start, padded_start = start + count, padded_start + _round_up(count, 128)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows, cols, end, dtype", ZERO_CASES)
+def test_tail_zeroing_on_the_device(rows, cols, end, dtype, device):
+    g = torch.Generator().manual_seed(rows + end)
+    before = torch.randn(rows, cols, generator=g).to(getattr(torch, dtype))
+    before[::3] = float("nan")  # garbage rows, as the op leaves them
+    offsets = torch.tensor([end // 2, end], dtype=torch.int32, device=device)
+    got = smm.zero_rows_after(before.to(device), offsets).cpu()
+    bits = torch.int16 if dtype == "bfloat16" else torch.int32
+    assert torch.equal(got[:end].view(bits), before[:end].view(bits))
+    assert torch.equal(got[end:].view(bits), torch.zeros_like(got[end:]).view(bits)), "+0.0 after the end"
 
 
 def test_blocked_group_scales_kernel_in_interpreter_matches_the_composition():
