@@ -159,9 +159,13 @@ run_step micro-cuda 150 "${micro[@]}" bench/micro -q --benchmark-enable --benchm
 # The node scenarios this host has the GPUs for (1 < dp * pp <= GPUs): 75 s each on top of the one-GPU set.
 node_scenarios=$("$python" -c "
 import torch
-from bench.run.runner import load_all, suite_files
+from bench.run.suites import load_all, suite_files
 gpus = torch.cuda.device_count()
-print(sum(1 < s.world_size <= gpus for s in load_all(suite_files('gpu', torch.device('cuda')))))")
+print(sum(1 < s.world_size <= gpus for s in load_all(suite_files('gpu', torch.device('cuda')))))") || {
+    # Without the count the suite step would get the one-GPU limit and time out on a node: stop here.
+    echo "gpu-check: could not count the gpu suite's node scenarios" >&2
+    exit 2
+}
 run_step suite-gpu $((210 + 75 * ${node_scenarios:-0})) "${suite[@]}" --out "$out/results" --no-plots
 run_step profile 45 "${profile[@]}" --base "$base" --out "$out/device-profile.yaml"
 run_step project 60 "$python" -m bench.cli project "${projected[@]}" --device "$out/device-profile.yaml" \

@@ -39,9 +39,6 @@ from bench.run.console import Reporter
 from bench.run.launch import Launch
 from bench.run.memory import CUDA_FREE_SOURCE, MEMORY_MARGIN, RankMemory, cuda_free_bytes, memory_shortfall
 from bench.run.process import run_with_timeout, worker_command, worker_env
-
-# bench/gpu-check.sh still reads the GPU suite through the runner: these two until it imports bench.run.suites.
-from bench.run.suites import load_all, suite_files  # noqa: F401
 from bench.run.worker import execute_outcome
 from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import Scenario
