@@ -83,8 +83,8 @@ def test_cutting_a_release_runs_its_baseline_here_and_records_where_it_is(tmp_pa
     import yaml
 
     from bench import results
+    from bench.commands import release as release_command
     from bench.commands.release import _record_baseline
-    from bench.run import suites
 
     scenario = tmp_path / "tiny.yaml"
     scenario.write_text(yaml.safe_dump(TINY))
@@ -92,7 +92,9 @@ def test_cutting_a_release_runs_its_baseline_here_and_records_where_it_is(tmp_pa
     write_releases([Release("0.1.0", SHA, "2025-01-01")], path)
     monkeypatch.setattr(record, "RELEASES_PATH", path)
     monkeypatch.setattr(results, "REPO_ROOT", tmp_path)
-    monkeypatch.setattr(suites, "suite_files", lambda name, device: [scenario] if name == "ci" else [])
+    monkeypatch.setattr(release_command, "REPO_ROOT", tmp_path)
+    # The command's own bindings of the repository root and the suite's files (it imports the names).
+    monkeypatch.setattr(release_command, "suite_files", lambda name, device: [scenario] if name == "ci" else [])
     code = _record_baseline(load_releases(path)[0], "ci")
     out = capsys.readouterr().out
     (release,) = load_releases(path)
