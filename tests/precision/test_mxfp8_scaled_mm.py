@@ -298,6 +298,23 @@ ZERO_SCRIPT = textwrap.dedent(
     """
 )
 
+
+def _interpreted(script: str, cases: list) -> list:
+    """What ``script`` prints last (JSON) for ``cases``, run in a fresh process under Triton's interpreter
+    (the variable must be set before triton is imported)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 ZERO_CASES = [
     # rows, columns, end of the last expert's rows, dtype
     (200, 300, 130, "bfloat16"),  # a tail starting inside a program's rows, columns over two programs
@@ -308,17 +325,7 @@ ZERO_CASES = [
 
 
 def test_zeroing_kernel_in_interpreter_writes_only_the_tail():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [sys.executable, "-c", ZERO_SCRIPT, json.dumps(ZERO_CASES)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    for case, got in zip(ZERO_CASES, json.loads(result.stdout.strip().splitlines()[-1])):
+    for case, got in zip(ZERO_CASES, _interpreted(ZERO_SCRIPT, ZERO_CASES)):
         assert got == {"in_place": True, "kept": True, "zeroed": True}, case
 
 
@@ -388,14 +395,4 @@ def test_tail_zeroing_on_the_device(rows, cols, end, dtype, device):
 def test_blocked_group_scales_kernel_in_interpreter_matches_the_composition():
     """The one-kernel A-scale layout gives the bytes of ``to_blocked(group_padded_rows(...))``, which
     the tests above check against the index formula and the op's contract."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [sys.executable, "-c", BLOCKED_SCRIPT, json.dumps(BLOCKED_CASES)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == [True] * len(BLOCKED_CASES)
+    assert _interpreted(BLOCKED_SCRIPT, BLOCKED_CASES) == [True] * len(BLOCKED_CASES)
