@@ -19,7 +19,7 @@ from bench.run.checkpointing import checkpoints_before_run
 from bench.run.console import SilentReporter
 from bench.run.suites import expand_paths, load_all, resolve_device, suite_files
 from bench.scenario import ScenarioError
-from bench.units import count, gib
+from bench.units import format_count, format_gib
 
 
 def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
@@ -138,7 +138,7 @@ def print_summary(outcomes) -> None:
         memory = headline_memory(m)
         params = ""
         if "total_params" in m:
-            params = f"{count(m['total_params']['median'])} / {count(m['active_params']['median'])}"
+            params = f"{format_count(m['total_params']['median'])} / {format_count(m['active_params']['median'])}"
         tokens = med("tokens_per_s_per_gpu", lambda v: f"{v:,.0f}")
         tflops = med("tflops_per_gpu", lambda v: f"{v:.3f}")
         if o.scenario.mode == "proxy":
@@ -150,7 +150,7 @@ def print_summary(outcomes) -> None:
             tokens,
             tflops,
             med("mfu", lambda v: f"{v:.1%}"),
-            gib(m[memory]["median"]) if memory else "",
+            format_gib(m[memory]["median"]) if memory else "",
             params,
             *([fit_verdict(o.details)] if table.columns[-1].header == "fits the GPU" else []),
         )

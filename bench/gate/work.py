@@ -12,7 +12,14 @@ from bench.gate.compare import Comparison, is_work_metric, paired_ratio
 from bench.gate.groups import Group
 from bench.metrics import WORK_METRIC_NAMES
 from bench.results import ResultDocument
-from bench.units import format_bytes, format_number, format_signed_percent, signed_bytes, signed_count, signed_number
+from bench.units import (
+    format_bytes,
+    format_number,
+    format_signed_bytes,
+    format_signed_count,
+    format_signed_number,
+    format_signed_percent,
+)
 
 WorkSide = ResultDocument | Mapping[str, Any] | tuple[Mapping[str, Any], Mapping[str, Any] | None]
 """One side of a work comparison: a result document, its JSON dict, or its (metrics, details)."""
@@ -147,24 +154,24 @@ def describe_work_change(
         changes = _collective_changes(base_ranks, cand_ranks, ranks)
         if name == "work_collective_calls":
             # The census says it all: "+1 all_reduce of 4 MiB per step (dp)".
-            head = f"{signed_count(delta)} collective calls per step ({format_number(base)} -> {format_number(cand)})"
+            head = f"{format_signed_count(delta)} collective calls per step ({format_number(base)} -> {format_number(cand)})"
             return "; ".join(changes) if changes else head
-        head = f"{signed_bytes(delta)} of collectives per step ({format_bytes(base)} -> {format_bytes(cand)})"
+        head = f"{format_signed_bytes(delta)} of collectives per step ({format_bytes(base)} -> {format_bytes(cand)})"
         return head + (": " + "; ".join(changes) if changes else "")
     relative = format_signed_percent(delta / base) if base else None
     totals = f"{format_number(base)} -> {format_number(cand)}"
     if name == "work_matmul_flops":
-        head = f"{relative or signed_number(delta)} matmul FLOPs per step ({totals})"
+        head = f"{relative or format_signed_number(delta)} matmul FLOPs per step ({totals})"
     elif name == "work_allocated_bytes":
         head = (
-            f"{signed_bytes(delta)} allocated per step "
+            f"{format_signed_bytes(delta)} allocated per step "
             f"({relative + ', ' if relative else ''}{format_bytes(base)} -> {format_bytes(cand)})"
         )
     elif name == "work_host_syncs":
-        head = f"{signed_count(delta)} host sync{'s' * (abs(delta) != 1)} per step ({totals})"
+        head = f"{format_signed_count(delta)} host sync{'s' * (abs(delta) != 1)} per step ({totals})"
     else:
         plural = "s" * (abs(delta) != 1)
-        head = f"{signed_count(delta)} op{plural} per step ({relative + ', ' if relative else ''}{totals})"
+        head = f"{format_signed_count(delta)} op{plural} per step ({relative + ', ' if relative else ''}{totals})"
     census_field, kind = _WORK_CENSUS.get(name, (None, "count"))
     changes = _census_changes(census_field, kind, base_ranks, cand_ranks, ranks) if census_field else []
     return head + (": " + ", ".join(changes) if changes else "")
@@ -172,7 +179,7 @@ def describe_work_change(
 
 def _census_changes(census_field: str, kind: str, base_ranks, cand_ranks, ranks: list[int]) -> list[str]:
     """``aten.clone.default +2`` per changed census entry, the largest changes first."""
-    fmt = {"bytes": signed_bytes, "flops": signed_number, "count": signed_count}[kind]
+    fmt = {"bytes": format_signed_bytes, "flops": format_signed_number, "count": format_signed_count}[kind]
     keys = set()
     for side in (base_ranks, cand_ranks):
         for census in side.values():
@@ -229,8 +236,8 @@ def _collective_text(op: str, group: str, calls: int, nbytes: int, cand_calls: i
         return f"{calls:+d} {op} per step ({group})"
     if not calls:
         plural = "s" * (cand_calls != 1)
-        return f"{op} ({group}) {signed_bytes(nbytes)} per step over the same {cand_calls} call{plural}"
-    return f"{calls:+d} {op} per step ({group}), {signed_bytes(nbytes)} in all"
+        return f"{op} ({group}) {format_signed_bytes(nbytes)} per step over the same {cand_calls} call{plural}"
+    return f"{calls:+d} {op} per step ({group}), {format_signed_bytes(nbytes)} in all"
 
 
 def _per_rank_text(per_rank: dict[int, float], fmt) -> str:

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 from bench.metrics import title as metric_title
 from bench.report.experiments import MemoryStack, PairBar, PairChart, ProjectionStack, VariantGroup, variant_order
 from bench.report.trends import Trend
-from bench.units import GIB, axis_scale, format_value, gib, percent
+from bench.units import GIB, axis_scale, format_gib, format_percent, format_value
 
 HEIGHT = 400
 PALETTE = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#FF9DA6", "#9D755D", "#BAB0AC", "#EECA3B")
@@ -408,8 +408,8 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
     for i, label in enumerate(labels):
         values = [dict(s.segments).get(label, 0.0) for s in stacks]
         hover = [
-            f"<b>{s.scenario}</b> (plan, version {s.version}, on {machine})<br>{label}: {gib(v)}, "
-            f"{percent(v / s.total)} of {gib(s.total)}"
+            f"<b>{s.scenario}</b> (plan, version {s.version}, on {machine})<br>{label}: {format_gib(v)}, "
+            f"{format_percent(v / s.total, 1)} of {format_gib(s.total)}"
             for s, v in zip(stacks, values)
         ]
         fig.add_trace(
@@ -448,7 +448,7 @@ def plan_memory_figure(machine: str, stacks: list[MemoryStack]) -> go.Figure:
             xshift=6,
             showarrow=False,
             font={"size": 11},
-            text=f"{gib(s.total, decimals=1)}: {percent(s.total / capacity, 0)} of {gib(capacity, decimals=1)} ({fits})",
+            text=f"{format_gib(s.total, decimals=1)}: {format_percent(s.total / capacity, 0)} of {format_gib(capacity, decimals=1)} ({fits})",
         )
     fig.update_layout(barmode="stack")
     fig.update_yaxes(tickvals=ys, ticktext=rows, autorange="reversed", automargin=True)

@@ -30,7 +30,7 @@ from bench.report.experiments import (
 from bench.report.release_table import ReleaseComparison, release_comparison
 from bench.report.trends import single_version_scenarios, trends
 from bench.results import ResultFileError, write_text_atomic
-from bench.units import format_percent, format_value, signed_percent
+from bench.units import format_percent, format_signed_percent, format_value
 
 __all__ = ["PAGE_NAME", "Report", "ReportError", "build_report"]
 
@@ -274,7 +274,9 @@ def _comparison(
     for table in comparison.tables:
         rows = []
         for row in table.rows:
-            change = signed_percent(row.change) if row.change is not None and abs(row.change) != float("inf") else "-"
+            change = (
+                format_signed_percent(row.change) if row.change is not None and abs(row.change) != float("inf") else "-"
+            )
             rows.append(
                 [
                     _e(row.metric),

@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from bench.units import gib
+from bench.units import format_gib
 
 # torch.tensor, torch.as_tensor and torch.from_numpy build their tensor outside the dispatcher and
 # hand it to this op: its output aliases its input, and is new.
@@ -186,10 +186,10 @@ def memory_shortfall(ranks: list[RankMemory], margin: float = MEMORY_MARGIN) -> 
         return None, rows
     _, label, members, planned, available = worst
     if len(members) == 1:
-        reason = f"planned {gib(planned, decimals=1)} per rank, {gib(available, decimals=1)} available"
+        reason = f"planned {format_gib(planned, decimals=1)} per rank, {format_gib(available, decimals=1)} available"
     else:
         reason = (
-            f"planned {gib(planned, decimals=1)} for the {len(members)} ranks sharing {label} "
-            f"({gib(max(m.planned for m in members), decimals=1)} on the most loaded), {gib(available, decimals=1)} available"
+            f"planned {format_gib(planned, decimals=1)} for the {len(members)} ranks sharing {label} "
+            f"({format_gib(max(m.planned for m in members), decimals=1)} on the most loaded), {format_gib(available, decimals=1)} available"
         )
     return f"{reason} ({members[0].source}); not started", rows

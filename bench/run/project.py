@@ -29,7 +29,7 @@ from bench.predict.skew import SkewModel
 from bench.run.proxy.rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
-from bench.units import gib
+from bench.units import format_gib
 from moe_engine.config import DataParallelMode, DispatchKind, ExpertOverlap, RecomputeMode, RoutingMode
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
@@ -392,7 +392,7 @@ def project_on_device(
         raise DoesNotFit(
             f"{scenario.name}: does not fit {profile.name} ({profile.file}: memory_gb = {profile.memory_gb:g}): "
             f"the most loaded rank (stage {fit['most_loaded_stage']}) needs "
-            f"{gib(fit['memory_need_bytes'], decimals=1)} by the plan, the device holds {gib(profile.memory_bytes, decimals=1)}"
+            f"{format_gib(fit['memory_need_bytes'], decimals=1)} by the plan, the device holds {format_gib(profile.memory_bytes, decimals=1)}"
         )
     traced = traced_scenario(scenario, microbatches)
     staged = stage_traces(traced, profile, share_stages, progress)
@@ -596,8 +596,8 @@ def summary(doc: dict[str, Any]) -> str:
     text = (
         f"{doc['scenario']} on {doc['world_size']} x {doc['device']}: step {doc['step_s']:.3f} s, "
         f"{doc['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {doc['tflops_per_gpu']:.0f} TFLOP/s/GPU, "
-        f"MFU {doc['mfu']:.1%}; memory {gib(mem['memory_need_bytes'], decimals=1)} of "
-        f"{gib(mem['device_memory_bytes'], decimals=1)}\n"
+        f"MFU {doc['mfu']:.1%}; memory {format_gib(mem['memory_need_bytes'], decimals=1)} of "
+        f"{format_gib(mem['device_memory_bytes'], decimals=1)}\n"
         f"  step: {parts}"
     )
     if len(doc["stages"]) > 1:

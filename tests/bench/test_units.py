@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from bench.units import GIB, MIB, axis_scale, format_bytes, format_value, gib, memory, signed_bytes, significant
+from bench.units import (
+    GIB,
+    MIB,
+    axis_scale,
+    format_bytes,
+    format_gib,
+    format_memory,
+    format_percent,
+    format_signed_bytes,
+    format_signed_percent,
+    format_significant,
+    format_value,
+)
 
 
 @pytest.mark.parametrize(
@@ -39,8 +51,8 @@ def test_format_value(value, unit, text):
 
 
 def test_significant_never_writes_an_exponent():
-    assert significant(1.2e-7) == "0.000000120"
-    assert significant(123456789.0) == "123,456,789"
+    assert format_significant(1.2e-7) == "0.000000120"
+    assert format_significant(123456789.0) == "123,456,789"
 
 
 @pytest.mark.parametrize(
@@ -62,22 +74,57 @@ def test_axis_scale(unit, values, factor, label):
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (gib(171917901824), "160.11 GiB"),
-        (gib(171917901824, decimals=1), "160.1 GiB"),
-        (gib(1500 * GIB), "1,500.00 GiB"),
-        (memory(52428800), "50.0 MiB"),
-        (memory(3 * GIB + GIB // 4, decimals=1), "3.2 GiB"),
-        (memory(1536), "1.5 KiB"),
-        (memory(0), "0 B"),
+        (format_gib(171917901824), "160.11 GiB"),
+        (format_gib(171917901824, decimals=1), "160.1 GiB"),
+        (format_gib(1500 * GIB), "1,500.00 GiB"),
+        (format_memory(52428800), "50.0 MiB"),
+        (format_memory(3 * GIB + GIB // 4, decimals=1), "3.2 GiB"),
+        (format_memory(1536), "1.5 KiB"),
+        (format_memory(0), "0 B"),
         (format_bytes(512), "512 B"),
         (format_bytes(4 * MIB), "4 MiB"),
         (format_bytes(1536), "1.5 KiB"),
         (format_bytes(-3 * GIB), "-3 GiB"),
         (format_bytes(5 * 1024 * 2**40), "5120 TiB"),
-        (signed_bytes(2 * MIB), "+2 MiB"),
-        (signed_bytes(-2 * MIB), "-2 MiB"),
+        (format_signed_bytes(2 * MIB), "+2 MiB"),
+        (format_signed_bytes(-2 * MIB), "-2 MiB"),
     ],
 )
 def test_bytes_as_every_report_writes_them(text, expected):
     """The run summary, the plan line, the page (GiB, MiB) and the gate's work lines (compact binary units)."""
     assert text == expected
+
+
+@pytest.mark.parametrize(
+    ("fraction", "decimals", "expected"),
+    [
+        (0.05, None, "5%"),  # 5 to 4 significant digits, trailing zeros dropped by "g"
+        (0.025, None, "2.5%"),
+        (0.123456, None, "12.35%"),  # 12.3456 -> 4 significant digits
+        (None, None, "-"),
+        (0.123, 1, "12.3%"),  # the page's noise column and the plan chart's shares
+        (0.0312, 1, "3.1%"),
+        (0.4217, 1, "42.2%"),
+        (0.876, 0, "88%"),  # the memory chart's "of capacity"
+        (1.0, 1, "100.0%"),
+    ],
+)
+def test_format_percent_both_forms(fraction, decimals, expected):
+    assert format_percent(fraction, decimals) == expected
+
+
+@pytest.mark.parametrize(
+    ("fraction", "expected"),
+    [
+        (0.0312, "+3.1%"),
+        (-0.5, "-50.0%"),
+        (-0.2, "-20.0%"),
+        (0.0, "+0.0%"),
+        (0.0006, "+0.1%"),  # from 0.05% up: one decimal
+        (0.000012, "+0.0012%"),  # below 0.05%: two significant digits, never "+0.0%"
+        (-0.00031, "-0.031%"),
+    ],
+)
+def test_format_signed_percent_never_hides_a_change(fraction, expected):
+    """The report page's change column and the gate's work lines write a relative change the same way."""
+    assert format_signed_percent(fraction) == expected

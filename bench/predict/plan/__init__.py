@@ -17,7 +17,7 @@ from bench.predict.plan.rank import (
     plan_rank,
     rank_holdings,
 )
-from bench.units import GIB, count, memory
+from bench.units import GIB, format_count, format_memory
 from moe_engine.config import DataParallelMode, DispatchKind, GradDtype, OptimizerSharding, RecomputeMode
 from moe_engine.flops import parameter_counts, recompute_flops_per_token, training_flops_per_token
 from moe_engine.parallel.layout import stage_blocks, stage_layers
@@ -243,7 +243,7 @@ def _engine_runs(scenario) -> dict[str, Any]:
 
 
 def _bytes(n: float) -> str:
-    return memory(n, decimals=1)
+    return format_memory(n, decimals=1)
 
 
 def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -> str:
@@ -265,7 +265,7 @@ def summary_line(name: str, metrics: dict[str, dict], details: dict[str, Any]) -
             "fits" if details["fits"] else "DOES NOT FIT"
         )
     line = (
-        f"{what}: {count(med['total_params'])} parameters ({count(med['active_params'])} active), "
+        f"{what}: {format_count(med['total_params'])} parameters ({format_count(med['active_params'])} active), "
         f"{per_rank}, {against}; sends {_bytes(med['comm_total_bytes'])} per step; checkpoint "
         f"{_bytes(med['checkpoint_bytes_total'])} ({_bytes(med['checkpoint_bytes_per_rank'])} per rank)"
     )

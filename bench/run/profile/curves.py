@@ -31,7 +31,7 @@ __all__ = [
     "grouped_gemm_points",
     "host_op_seconds",
     "memory_points",
-    "significant",
+    "round_significant",
     "stream_gbps",
 ]
 
@@ -75,13 +75,13 @@ class Timer:
         return statistics.median(times)
 
 
-def significant(x: float, digits: int = 4) -> float:
+def round_significant(x: float, digits: int = 4) -> float:
     """``x`` rounded to ``digits`` significant digits, as a profile records its figures."""
     return float(f"{x:.{digits}g}")
 
 
 def _point(work: float, seconds: float, shape: Sequence[int], **extra: Any) -> dict[str, Any]:
-    return {"work": work, "seconds": significant(seconds), "shape": [int(s) for s in shape], **extra}
+    return {"work": work, "seconds": round_significant(seconds), "shape": [int(s) for s in shape], **extra}
 
 
 def _sorted(points: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ import yaml
 
 from bench.machine import CpuSpec, cpu_spec
 from bench.predict.device import DeviceProfile, profile_from_dict
-from bench.run.profile.curves import significant
+from bench.run.profile.curves import round_significant
 from bench.run.profile.sweep import Sweep
 
 __all__ = ["DeviceFacts", "Measured", "cpu_facts", "efficiency", "gpu_facts", "profile_document", "write_profile"]
@@ -82,7 +82,7 @@ def _largest(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _fraction(value: float) -> float:
-    return significant(min(1.0, max(value, 1e-6)), 3)
+    return round_significant(min(1.0, max(value, 1e-6)), 3)
 
 
 def _base_network(base: DeviceProfile, sources: dict[str, str]) -> dict[str, float]:
@@ -115,10 +115,10 @@ def _cpu_peaks(spec: CpuSpec, measured: Measured, sources: dict[str, str]) -> di
     ghz, ghz_note = _cpu_clock(spec, measured, min(measured.threads, spec.cores))
     peak = {d: spec.cores * ghz * spec.flops_per_cycle[d] / 1e3 for d in ("fp32", "bf16")}
     peak_tflops = {
-        "fp32": significant(peak["fp32"]),
-        "bf16": significant(peak["bf16"]),
-        "fp8": significant(peak["bf16"]),
-        "mxfp8": significant(peak["bf16"]),
+        "fp32": round_significant(peak["fp32"]),
+        "bf16": round_significant(peak["bf16"]),
+        "fp8": round_significant(peak["bf16"]),
+        "mxfp8": round_significant(peak["bf16"]),
     }
     for d in ("fp32", "bf16"):
         sources[f"peak_tflops.{d}"] = (
@@ -150,9 +150,9 @@ def _calibrated_network(
     sources["network.latency_us"] = f"{stamp}: {network_source}: alpha from 1 KB all-reduces and all-to-alls"
     return {
         "gpus_per_node": int(ranks),
-        "intra_node_gbps": significant(network["gbps"]),
-        "inter_node_gbps": significant(network["gbps"]),
-        "latency_us": significant(network["latency_us"]),
+        "intra_node_gbps": round_significant(network["gbps"]),
+        "inter_node_gbps": round_significant(network["gbps"]),
+        "latency_us": round_significant(network["latency_us"]),
     }
 
 
@@ -169,7 +169,7 @@ def cpu_facts(
     ``base``'s network); their sources added to ``sources``."""
     spec = cpu_spec()
     peak_tflops = _cpu_peaks(spec, measured, sources)
-    memory_gb = significant(spec.memory_gb)
+    memory_gb = round_significant(spec.memory_gb)
     sources["memory_gb"] = (
         f"/proc/meminfo: MemTotal {spec.memory_gb * 1e9 / 1024:.0f} kB x 1024 bytes / 1e9, the "
         "physical RAM the kernel sees"
@@ -201,7 +201,7 @@ def cpu_facts(
         memory_gb=memory_gb,
         peak_tflops=peak_tflops,
         peak_scale=min(measured.threads, spec.cores) / spec.cores,  # the measurement ran on these cores
-        hbm_gbps=significant(measured.stream_gbps),
+        hbm_gbps=round_significant(measured.stream_gbps),
         network=net,
     )
 
@@ -215,7 +215,7 @@ def gpu_facts(measured: Measured, base: DeviceProfile, stamp: str, sources: dict
         sources[key] = text
     for d in peak_tflops:
         sources[f"peak_tflops.{d}"] = f"copied from {base.name}: {base.sources[f'peak_tflops.{d}']}"
-    memory_gb = significant(props.total_memory / 1e9)
+    memory_gb = round_significant(props.total_memory / 1e9)
     sources["memory_gb"] = f"{stamp}: torch.cuda.get_device_properties({dev}).total_memory / 1e9"
     sources["hbm_gbps"] = (
         f"copied from {base.name}: {base.sources['hbm_gbps']} (measured here: "
@@ -274,7 +274,7 @@ def efficiency(measured: Measured, facts: DeviceFacts, stamp: str, sources: dict
         f"hbm_gbps = {mem_fraction:.3f}" + (" (capped at 1)" if mem_fraction > 1 else "")
     )
     smallest_mem = min(curves["memory"]["fp32"], key=lambda p: p["work"])
-    out["launch_overhead_us"] = significant(smallest_mem["seconds"] * 1e6)
+    out["launch_overhead_us"] = round_significant(smallest_mem["seconds"] * 1e6)
     sources["efficiency.launch_overhead_us"] = (
         f"{stamp}: the smallest memory op, out-of-place torch.mul of {smallest_mem['shape'][0]} fp32 elements "
         f"per operand ({smallest_mem['work']} bytes moved), median over batches of calls"
@@ -282,12 +282,12 @@ def efficiency(measured: Measured, facts: DeviceFacts, stamp: str, sources: dict
     if facts.kind == "cpu":
         if measured.free_op_us is None or measured.host_op_seconds is None:
             raise ValueError("a CPU profile needs the measured free_op_us and host_op_seconds")
-        out["free_op_us"] = significant(measured.free_op_us)
+        out["free_op_us"] = round_significant(measured.free_op_us)
         sources["efficiency.free_op_us"] = (
             f"{stamp}: x.view(-1) (no kernel) dispatched from Python, median "
             f"over batches of {max(1, sweep.free_op_calls // 10)} calls"
         )
-        out["host_op_us"] = significant(measured.host_op_seconds * 1e6)
+        out["host_op_us"] = round_significant(measured.host_op_seconds * 1e6)
         sources["efficiency.host_op_us"] = (
             f"{stamp}: median wall time of a training step of a tiny model of the engine (d_model 32, 2 MoE "
             f"layers of 8 experts, 32 tokens, one process) divided by the {measured.host_ops} ops it dispatches"

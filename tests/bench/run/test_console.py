@@ -112,6 +112,6 @@ def test_plan_rows_give_their_fit_verdict_and_counts_in_t_b_m(tmp_path, capsys):
     [(1193.9e9, "1.19T"), (46.9e9, "46.9B"), (3.18e9, "3.18B"), (3.2e6, "3.2M"), (2.38e12, "2.38T"), (512, "512")],
 )
 def test_parameter_counts_read_in_t_b_m(n, text):
-    from bench.units import count
+    from bench.units import format_count
 
-    assert count(n) == text
+    assert format_count(n) == text
