@@ -13,7 +13,7 @@ from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
 from bench.metrics import headline_memory
 from bench.predict.device import ProfileError, load_profile
 from bench.predict.plan import summary_line
-from bench.report.comparisons import ComparisonError, comparison_lines, load_comparisons, pair_ratios
+from bench.report.comparisons import PairComparisonError, comparison_lines, load_comparisons, pair_ratios
 from bench.report.page import build_report
 from bench.run.checkpointing import checkpoints_before_run
 from bench.run.console import SilentReporter
@@ -39,7 +39,7 @@ def cmd_run(args: argparse.Namespace, plan_only: bool = False) -> int:
         if not files:
             return fail("no scenarios to run")
         scenarios = load_all(files)
-    except (ScenarioError, ComparisonError) as err:
+    except (ScenarioError, PairComparisonError) as err:
         return fail(str(err))
 
     # A plan is arithmetic in this process: any scenario, whatever its mode, and never a launch's rank.

@@ -23,12 +23,12 @@ EXACT_UP_TO = 400
 """Largest n*m whose interval uses the exact Mann-Whitney table; larger ones the normal approximation."""
 
 
-class ComparisonError(ValueError):
+class PairComparisonError(ValueError):
     """A comparisons section that cannot be used: ``<file>: comparisons.<i>.<field>: <reason>``."""
 
 
 @dataclass(frozen=True)
-class Comparison:
+class PairComparison:
     """One published comparison and the scenario pairs that measure it."""
 
     name: str
@@ -49,7 +49,7 @@ class Comparison:
 class PairRatio:
     """One pair's ratio in a set of results, or why there is none."""
 
-    comparison: Comparison
+    comparison: PairComparison
     """The comparison the pair belongs to."""
     numerator: str
     """Scenario name of the numerator."""
@@ -88,7 +88,7 @@ CONSOLE_WIDTH = 120
 """The widest line ``comparison_lines`` writes (logs are read in terminals and editors)."""
 
 
-def published_text(comparison: Comparison) -> str:
+def published_text(comparison: PairComparison) -> str:
     """The published figure, labelled as what it is: every figure the reference release published was
     measured on GPUs (B300 clusters), none on a CPU."""
     if comparison.reference.strip().lower().startswith("none"):
@@ -131,38 +131,38 @@ def comparison_lines(rows: Sequence[PairRatio], on_cpu: bool = False, width: int
     return lines
 
 
-def load_comparisons(path: Path | None = None) -> list[Comparison]:
+def load_comparisons(path: Path | None = None) -> list[PairComparison]:
     """The comparisons section of ``path`` (default: scenarios/suites.yaml); a malformed entry raises
-    ComparisonError naming its field."""
+    PairComparisonError naming its field."""
     path = Path(path or COMPARISONS_PATH)
     section = (yaml.safe_load(path.read_text()) or {}).get(COMPARISONS_KEY, [])
     if not isinstance(section, list):
-        raise ComparisonError(f"{path}: {COMPARISONS_KEY}: must be a list")
+        raise PairComparisonError(f"{path}: {COMPARISONS_KEY}: must be a list")
     comparisons, names = [], set()
     for i, entry in enumerate(section):
         where = f"{path}: {COMPARISONS_KEY}.{i}"
         if not isinstance(entry, dict):
-            raise ComparisonError(f"{where}: must be a mapping")
+            raise PairComparisonError(f"{where}: must be a mapping")
         for key in ("name", "label", "metric", "mirrors", "reference", "pairs"):
             if key not in entry:
-                raise ComparisonError(f"{where}.{key}: missing")
+                raise PairComparisonError(f"{where}.{key}: missing")
         metric = entry["metric"]
         metrics = (metric,) if isinstance(metric, str) else tuple(metric)
         if not metrics or not all(isinstance(m, str) and m for m in metrics):
-            raise ComparisonError(f"{where}.metric: a metric name or a list of them")
+            raise PairComparisonError(f"{where}.metric: a metric name or a list of them")
         pairs = entry["pairs"]
         if not isinstance(pairs, list) or not pairs:
-            raise ComparisonError(f"{where}.pairs: a non-empty list of [numerator, denominator]")
+            raise PairComparisonError(f"{where}.pairs: a non-empty list of [numerator, denominator]")
         for j, pair in enumerate(pairs):
             if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
-                raise ComparisonError(f"{where}.pairs.{j}: must be [numerator, denominator] scenario names")
+                raise PairComparisonError(f"{where}.pairs.{j}: must be [numerator, denominator] scenario names")
             if pair[0] == pair[1]:
-                raise ComparisonError(f"{where}.pairs.{j}: compares {pair[0]} with itself")
+                raise PairComparisonError(f"{where}.pairs.{j}: compares {pair[0]} with itself")
         if entry["name"] in names:
-            raise ComparisonError(f"{where}.name: duplicate comparison {entry['name']!r}")
+            raise PairComparisonError(f"{where}.name: duplicate comparison {entry['name']!r}")
         names.add(entry["name"])
         comparisons.append(
-            Comparison(
+            PairComparison(
                 name=str(entry["name"]),
                 label=str(entry["label"]),
                 metrics=metrics,
@@ -174,7 +174,9 @@ def load_comparisons(path: Path | None = None) -> list[Comparison]:
     return comparisons
 
 
-def pair_ratios(comparisons: list[Comparison], results: Mapping[str, tuple[str, Mapping[str, Any]]]) -> list[PairRatio]:
+def pair_ratios(
+    comparisons: list[PairComparison], results: Mapping[str, tuple[str, Mapping[str, Any]]]
+) -> list[PairRatio]:
     """Every pair with a result on at least one side that ran, in the section's order.
 
     ``results`` maps a scenario name to its (status, metrics). A pair with a side missing from the

@@ -14,7 +14,7 @@ from bench.gate.groups import Group
 from bench.metrics import MEMORY_PREFERENCE, THROUGHPUT_PREFERENCE
 from bench.predict.projection import STEP_KEYS
 from bench.report.collect import ResultSet, first_metric, median, spec_of
-from bench.report.comparisons import Comparison, load_comparisons, pair_ratios
+from bench.report.comparisons import PairComparison, load_comparisons, pair_ratios
 from bench.units import GIB
 
 # --------------------------------------------------------------------------------------------
@@ -45,14 +45,14 @@ class PairBar:
 
 @dataclass(frozen=True)
 class PairChart:
-    comparison: Comparison
+    comparison: PairComparison
     bars: tuple[PairBar, ...]
     """Pairs with a ratio."""
     unmeasured: tuple[PairBar, ...]
     """Pairs with results but no ratio, with the reason."""
 
 
-def pair_charts(results: ResultSet, comparisons: list[Comparison] | None = None) -> list[PairChart]:
+def pair_charts(results: ResultSet, comparisons: list[PairComparison] | None = None) -> list[PairChart]:
     """A chart per comparison that has a pair with results, in the section's order."""
     comparisons = load_comparisons() if comparisons is None else comparisons
     seen: set[tuple[str, str, str, str]] = set()

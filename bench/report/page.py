@@ -18,7 +18,7 @@ from bench.gate.verdict import accepted_lines
 from bench.release.record import Release, ReleaseError, load_releases
 from bench.report import charts
 from bench.report.collect import ReportError, ResultSet, choose_versions, load_result_set, problems
-from bench.report.comparisons import Comparison
+from bench.report.comparisons import PairComparison
 from bench.report.experiments import (
     EXPERTS,
     RECOMPUTE,
@@ -94,7 +94,7 @@ def build_report(
     tolerance: float = DEFAULT_TOLERANCE,
     releases: list[str | Release] | None = None,
     on_warning: Callable[[str], None] | None = None,
-    comparisons: list[Comparison] | None = None,
+    comparisons: list[PairComparison] | None = None,
 ) -> Report:
     """Write ``out_dir/index.html`` from the documents under ``results_dir``.
 
@@ -393,7 +393,7 @@ def _trends(page: _Page, results: ResultSet) -> None:
         )
 
 
-def _experiments(page: _Page, results: ResultSet, comparisons: list[Comparison] | None) -> None:
+def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparison] | None) -> None:
     """Each experiment the results can draw gets its section; the others are named once, at the end, with
     what they would need (so a page never shows an empty section)."""
     page.add(

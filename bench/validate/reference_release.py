@@ -73,7 +73,7 @@ def _error(published: Any, projected: Any, metric: str) -> float | str | None:
     return None
 
 
-def compare(device: str = "b300", progress=print, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
+def reference_report(device: str = "b300", progress=print, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
     """The report; ``engines``: which of ``ENGINES`` to project (the others' cells say "not run")."""
     profile = load_profile(device)
     docs: dict[str, dict[str, Any]] = {}
@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     engines = tuple(e for e in ENGINES if e in args.engines)
-    report = compare(args.device, progress=lambda line: print(line, file=sys.stderr, flush=True), engines=engines)
+    report = reference_report(
+        args.device, progress=lambda line: print(line, file=sys.stderr, flush=True), engines=engines
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     print(table(report))

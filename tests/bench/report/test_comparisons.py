@@ -12,7 +12,7 @@ from test_plot import make_doc, spec_for
 
 from bench.cli import main
 from bench.predict.plan import plan_scenario
-from bench.report.comparisons import Comparison, ComparisonError, load_comparisons, pair_ratios
+from bench.report.comparisons import PairComparison, PairComparisonError, load_comparisons, pair_ratios
 from bench.report.plot import plot_results
 from bench.results import metric, result_dir, write_result
 from bench.scenario import SCENARIOS_DIR, load_scenario
@@ -79,8 +79,8 @@ def side(status: str = "ok", **medians: float):
 
 
 def test_ratios_are_the_medians_divided():
-    fsdp = Comparison("a", "A / B", ("tokens_per_s_per_gpu",), "m", "2.68", (("ddp", "fsdp"), ("ddp2", "fsdp2")))
-    memory = Comparison(
+    fsdp = PairComparison("a", "A / B", ("tokens_per_s_per_gpu",), "m", "2.68", (("ddp", "fsdp"), ("ddp2", "fsdp2")))
+    memory = PairComparison(
         "m",
         "M",
         ("cuda_peak_active_bytes", "peak_tensor_bytes"),
@@ -108,7 +108,7 @@ def test_ratios_are_the_medians_divided():
 
 
 def test_a_side_without_the_metric_has_no_ratio():
-    c = Comparison("a", "A", ("tokens_per_s_per_gpu",), "m", "r", (("x", "y"),))
+    c = PairComparison("a", "A", ("tokens_per_s_per_gpu",), "m", "r", (("x", "y"),))
     (row,) = pair_ratios([c], {"x": side(tokens_per_s_per_gpu=1.0), "y": side(step_time_s=2.0)})
     assert row.ratio is None and row.note == "no tokens_per_s_per_gpu on both sides"
 
@@ -142,7 +142,7 @@ BAD_SECTIONS = [
 def test_a_malformed_section_names_the_field(tmp_path, text, message):
     path = tmp_path / "suites.yaml"
     path.write_text(text)
-    with pytest.raises(ComparisonError, match=re.escape(f"{path}: {message}")):
+    with pytest.raises(PairComparisonError, match=re.escape(f"{path}: {message}")):
         load_comparisons(path)
 
 
@@ -323,7 +323,7 @@ def test_the_interval_covers_a_known_ratio_as_often_as_it_says():
 
 
 def test_a_ratio_says_when_it_is_within_noise():
-    c = Comparison("a", "A", ("tokens_per_s_per_gpu", "peak_tensor_bytes"), "m", "r", (("x", "y"),))
+    c = PairComparison("a", "A", ("tokens_per_s_per_gpu", "peak_tensor_bytes"), "m", "r", (("x", "y"),))
     noisy = {
         "x": ("ok", {"tokens_per_s_per_gpu": metric([101.0, 99.0, 103.0, 98.0, 100.0], "t", "higher")}),
         "y": ("ok", {"tokens_per_s_per_gpu": metric([100.0, 102.0, 97.0, 99.0, 101.0], "t", "higher")}),
