@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from bench.metrics import title as metric_title
-from bench.report.experiments import MemoryStack, PairBar, PairChart, ProjectionStack, VariantGroup, variant_order
+from bench.report.experiments import MemoryStack, PairBar, PairChart, ProjectionStack, VariationGroup, variation_order
 from bench.report.trends import Trend
 from bench.units import GIB, axis_scale, format_gib, format_percent, format_value
 
@@ -269,32 +269,32 @@ def _legend_below(fig: go.Figure, names: list[str], height: int, plot_bottom_px:
     return height
 
 
-def sweep_figure(groups: list[VariantGroup]) -> go.Figure:
+def sweep_figure(groups: list[VariationGroup]) -> go.Figure:
     """Throughput and memory against the number of experts on one machine, a line per group of scenarios
     (each of one version: the newest that has the group)."""
     panels = [("throughput", "throughput_metric"), ("memory", "memory_metric")]
     panels = [(title, attr) for title, attr in panels if any(getattr(g, attr) for g in groups)]
     fig = make_subplots(rows=1, cols=len(panels), horizontal_spacing=0.12, subplot_titles=[t for t, _ in panels])
-    counts = sorted({v.value for g in groups for v in g.variants})
+    counts = sorted({v.value for g in groups for v in g.members})
     versions = {g.version for g in groups}
     names = [g.label + (f" ({g.version})" if len(versions) > 1 else "") for g in groups]
     for col, (_, attr) in enumerate(panels, start=1):
         drawn = [g for g in groups if getattr(g, attr)]
-        unit = drawn[0].variants[0].metrics[getattr(drawn[0], attr)]["unit"]
-        scale = axis_scale(unit, [v.metrics[getattr(g, attr)]["median"] for g in drawn for v in g.variants])
+        unit = drawn[0].members[0].metrics[getattr(drawn[0], attr)]["unit"]
+        scale = axis_scale(unit, [v.metrics[getattr(g, attr)]["median"] for g in drawn for v in g.members])
         for i, group in enumerate(groups):
             name = getattr(group, attr)
             if not name:
                 continue
-            medians = [float(v.metrics[name]["median"]) for v in group.variants]
+            medians = [float(v.metrics[name]["median"]) for v in group.members]
             hover = [
                 f"<b>{v.scenario}</b> on {group.machine}, version {group.version}<br>{v.value} experts: "
                 f"{metric_title(name)} {format_value(m, unit)}"
-                for v, m in zip(group.variants, medians)
+                for v, m in zip(group.members, medians)
             ]
             fig.add_trace(
                 go.Scatter(
-                    x=[v.value for v in group.variants],
+                    x=[v.value for v in group.members],
                     y=[m / scale.factor for m in medians],
                     mode="lines+markers",
                     name=names[i],
@@ -324,7 +324,7 @@ def sweep_figure(groups: list[VariantGroup]) -> go.Figure:
     return fig
 
 
-def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
+def recompute_figure(groups: list[VariationGroup]) -> go.Figure:
     """Throughput and memory of each activation-recompute mode: a row per scenario, a bar per mode,
     one panel per metric under the other (the scenario names need the width)."""
     panels = [
@@ -332,9 +332,9 @@ def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
         for title, attr in (("throughput", "throughput_metric"), ("memory", "memory_metric"))
         if any(getattr(g, attr) for g in groups)
     ]
-    modes = [str(m) for m in sorted({v.value for g in groups for v in g.variants}, key=variant_order)]
+    modes = [str(m) for m in sorted({v.value for g in groups for v in g.members}, key=variation_order)]
     places = {(g.machine, g.version) for g in groups}
-    labels = [g.variants[0].scenario + (f" ({g.machine}, {g.version})" if len(places) > 1 else "") for g in groups]
+    labels = [g.members[0].scenario + (f" ({g.machine}, {g.version})" if len(places) > 1 else "") for g in groups]
     # Each panel holds a row of bars per scenario: as many bars as modes, ROW_PX / 2 apiece plus a gap.
     panel_px = len(groups) * (len(modes) * ROW_PX // 2 + 12) + 40
     fig = make_subplots(
@@ -345,15 +345,15 @@ def recompute_figure(groups: list[VariantGroup]) -> go.Figure:
     )
     for row, (_, attr) in enumerate(panels, start=1):
         drawn = [g for g in groups if getattr(g, attr)]
-        unit = drawn[0].variants[0].metrics[getattr(drawn[0], attr)]["unit"]
-        scale = axis_scale(unit, [v.metrics[getattr(g, attr)]["median"] for g in drawn for v in g.variants])
+        unit = drawn[0].members[0].metrics[getattr(drawn[0], attr)]["unit"]
+        scale = axis_scale(unit, [v.metrics[getattr(g, attr)]["median"] for g in drawn for v in g.members])
         for i, mode in enumerate(modes):
             ys: list[str] = []
             xs: list[float] = []
             hover: list[str] = []
             for group, label in zip(groups, labels):
                 name = getattr(group, attr)
-                for v in group.variants:
+                for v in group.members:
                     if not name or str(v.value) != mode:
                         continue
                     value = float(v.metrics[name]["median"])

@@ -135,7 +135,9 @@ RECOMPUTE = Variation(("recompute",), recompute_mode)
 
 
 @dataclass(frozen=True)
-class Variant:
+class VariationMember:
+    """One scenario of a ``VariationGroup``: its value of the variation's field, and its metrics."""
+
     value: Any
     """The field's value in this scenario (8, 64, 128; none, selective, full)."""
     scenario: str
@@ -143,12 +145,14 @@ class Variant:
 
 
 @dataclass(frozen=True)
-class VariantGroup:
+class VariationGroup:
+    """Scenarios of one version, machine and mode whose specs differ only in one ``Variation``."""
+
     version: str
     machine: str
     mode: str
     """execute, plan or proxy: the members' mode."""
-    variants: tuple[Variant, ...]
+    members: tuple[VariationMember, ...]
     """Sorted by value."""
     throughput_metric: str | None
     """The throughput metric every member has (None: a plan, or none in common)."""
@@ -156,7 +160,7 @@ class VariantGroup:
 
     @property
     def label(self) -> str:
-        return " / ".join(v.scenario for v in self.variants)
+        return " / ".join(v.scenario for v in self.members)
 
 
 def _without(spec: dict[str, Any], path: tuple[str, ...]) -> str:
@@ -179,7 +183,7 @@ def _without(spec: dict[str, Any], path: tuple[str, ...]) -> str:
     return json.dumps(rest, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def variant_order(value: Any) -> tuple:
+def variation_order(value: Any) -> tuple:
     """Numbers in order, then the recompute modes none, selective, full, then other text."""
     order = {"none": 0, "selective": 1, "full": 2}
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -187,7 +191,7 @@ def variant_order(value: Any) -> tuple:
     return (1, order.get(str(value).split(" ")[0], 9), str(value))
 
 
-def variant_groups(results: ResultSet, variation: Variation) -> list[VariantGroup]:
+def variation_groups(results: ResultSet, variation: Variation) -> list[VariationGroup]:
     """Groups of ok scenarios of one version, machine and mode whose specs differ only in the
     variation's section, with two values or more; a group already found in a newer version is not
     repeated."""
@@ -209,14 +213,14 @@ def variant_groups(results: ResultSet, variation: Variation) -> list[VariantGrou
                 if len(members) < 2 or (machine, mode, rest) in seen:
                     continue
                 seen.add((machine, mode, rest))
-                ordered = sorted(members.items(), key=lambda kv: variant_order(kv[0]))
+                ordered = sorted(members.items(), key=lambda kv: variation_order(kv[0]))
                 groups = [g for _, g in ordered]
                 found.append(
-                    VariantGroup(
+                    VariationGroup(
                         version,
                         machine,
                         mode,
-                        tuple(Variant(value, g.scenario, g.metrics) for value, g in ordered),
+                        tuple(VariationMember(value, g.scenario, g.metrics) for value, g in ordered),
                         first_metric(groups, THROUGHPUT_PREFERENCE),
                         first_metric(groups, MEMORY_PREFERENCE),
                     )

@@ -25,7 +25,7 @@ from bench.report.experiments import (
     pair_charts,
     plan_memory,
     projection_stacks,
-    variant_groups,
+    variation_groups,
 )
 from bench.report.release_table import ReleaseComparison, release_comparison
 from bench.report.trends import single_version_scenarios, trends
@@ -401,7 +401,7 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
         "drawn from whatever results this folder holds (each at the newest version that has it).</p>"
     )
     undrawn: list[tuple[str, str]] = []
-    sweep = [g for g in variant_groups(results, EXPERTS) if g.throughput_metric or g.memory_metric]
+    sweep = [g for g in variation_groups(results, EXPERTS) if g.throughput_metric or g.memory_metric]
     if sweep:
         page.add("<h3>Expert-count sweep</h3>")
     else:
@@ -451,7 +451,7 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
                 f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}): {b.note}" for b in chart.unmeasured
             )
             page.add(f"<p class='small'>{_e(chart.comparison.label)}, no ratio: {_e(notes)}.</p>")
-    recompute = [g for g in variant_groups(results, RECOMPUTE) if g.throughput_metric or g.memory_metric]
+    recompute = [g for g in variation_groups(results, RECOMPUTE) if g.throughput_metric or g.memory_metric]
     if recompute:
         page.add("<h3>Activation recompute</h3>")
         page.chart(

@@ -32,7 +32,7 @@ from bench.report.experiments import (
     plan_memory,
     projection_stacks,
     recompute_mode,
-    variant_groups,
+    variation_groups,
 )
 from bench.report.release_table import release_comparison
 from bench.report.trends import trends
@@ -162,22 +162,22 @@ def test_pooled_runs_of_one_version_make_one_trend_point(tmp_path):
 
 
 def test_expert_sweep_and_recompute_groups_differ_in_that_field_only(results):
-    sweeps = {g.mode: g for g in variant_groups(results, EXPERTS)}
+    sweeps = {g.mode: g for g in variation_groups(results, EXPERTS)}
     assert sorted(sweeps) == ["execute", "plan"]
     runs = sweeps["execute"]
-    assert [(v.value, v.scenario) for v in runs.variants] == [(8, "e8-random-bf16"), (64, "e64-random-bf16")]
+    assert [(v.value, v.scenario) for v in runs.members] == [(8, "e8-random-bf16"), (64, "e64-random-bf16")]
     assert (runs.version, runs.machine, runs.throughput_metric, runs.memory_metric) == (
         NEW,
         MACHINE,
         "tokens_per_s_per_gpu",
         "peak_tensor_bytes",
     )
-    assert [v.metrics["tokens_per_s_per_gpu"]["median"] for v in runs.variants] == pytest.approx([800, 600])
+    assert [v.metrics["tokens_per_s_per_gpu"]["median"] for v in runs.members] == pytest.approx([800, 600])
     plans = sweeps["plan"]
-    assert [v.value for v in plans.variants] == [8, 128] and plans.memory_metric == "memory_total_bytes"
+    assert [v.value for v in plans.members] == [8, 128] and plans.memory_metric == "memory_total_bytes"
     assert plans.throughput_metric is None
-    (recompute,) = variant_groups(results, RECOMPUTE)
-    assert [(v.value, v.scenario) for v in recompute.variants] == [
+    (recompute,) = variation_groups(results, RECOMPUTE)
+    assert [(v.value, v.scenario) for v in recompute.members] == [
         ("none", "e8-ep2-nosync-bf16"),
         ("full", "e8-ep2-nosync-bf16-recompute-full"),
     ]
