@@ -24,7 +24,7 @@ from bench.predict.op_projection import engine_dispatch, project_priced_step, st
 from bench.predict.overlap import overlapped_pairs
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
-from bench.predict.projection import ZERO_BUBBLE, Schedule
+from bench.predict.projection import STEP_KEYS, ZERO_BUBBLE, Schedule
 from bench.predict.skew import SkewModel
 from bench.run.proxy.rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
@@ -574,24 +574,7 @@ def _peak_dtype(precision: str) -> str:
 def summary(doc: dict[str, Any]) -> str:
     """The projection in a few lines."""
     b = doc["breakdown_s"]
-    parts = ", ".join(
-        f"{k} {v * 1e3:.1f} ms"
-        for k, v in b.items()
-        if v
-        and k
-        in (
-            "compute",
-            "expert_comm",
-            "pipeline_comm",
-            "bubble",
-            "grad_sync_exposed",
-            "optimizer",
-            "param_gather_exposed",
-            "other_comm",
-            "skew",
-            "fsdp_gather_exposed",
-        )
-    )
+    parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in b.items() if v and k in STEP_KEYS)
     mem = doc["memory"]
     text = (
         f"{doc['scenario']} on {doc['world_size']} x {doc['device']}: step {doc['step_s']:.3f} s, "

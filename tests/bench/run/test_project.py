@@ -32,6 +32,7 @@ def test_projection_document_on_a_gpu(tmp_path, capsys):
             "param_gather_exposed",
             "other_comm",
             "skew",
+            "fsdp_gather_exposed",
         )
     }
     assert doc["step_s"] == pytest.approx(sum(steps.values()))
@@ -115,3 +116,36 @@ def test_a_layout_the_trace_cannot_build_exits_2_naming_the_field(tmp_path, caps
         == 2
     )
     assert "parallel.pp: an FSDP layout traces without pipeline stages, got pp 8" in capsys.readouterr().err
+
+
+def test_the_summary_names_the_step_parts_only():
+    """The step line lists the nonzero parts that add up to the step, in the document's order, and
+    leaves out what is reported beside the sum (hidden and total times)."""
+    from bench.run.project import summary
+
+    doc = {
+        "scenario": "s",
+        "world_size": 8,
+        "device": "h100-sxm",
+        "step_s": 0.5,
+        "tokens_per_s_per_gpu": 12_815.4,
+        "tflops_per_gpu": 400.2,
+        "mfu": 0.4046,
+        "memory": {"memory_need_bytes": 40 * 2**30, "device_memory_bytes": 80 * 2**30},
+        "stages": [{"pipeline_rank": 0, "trace_shared_with": None}],
+        "breakdown_s": {
+            "compute": 0.3,
+            "expert_comm": 0.1,
+            "expert_comm_hidden": 0.05,
+            "expert_comm_total": 0.15,
+            "bubble": 0.0,
+            "fsdp_gather_exposed": 0.06,
+            "grad_sync_total": 0.2,
+            "skew": 0.04,
+        },
+    }
+    assert summary(doc) == (
+        "s on 8 x h100-sxm: step 0.500 s, 12,815 tokens/s/GPU, 400 TFLOP/s/GPU, MFU 40.5%; "
+        "memory 40.0 GiB of 80.0 GiB\n"
+        "  step: compute 300.0 ms, expert_comm 100.0 ms, fsdp_gather_exposed 60.0 ms, skew 40.0 ms"
+    )
