@@ -32,6 +32,7 @@ from bench.run.checkpointing import (
 )
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.run.work import count_step_work, work_metrics
+from bench.run.worker_protocol import Peaks
 from bench.scenario import Scenario
 from moe_engine import checkpoint, kernels
 from moe_engine.flops import recompute_flops_per_token, training_flops_per_token
@@ -157,18 +158,16 @@ def _block_index(name: str) -> int:
 def execute(
     scenario: Scenario,
     device: torch.device,
-    peak_tflops: float | None,
+    peaks: Peaks,
     progress: Callable[[str], None] = lambda line: None,
     groups: ProcessGroups | None = None,
-    peak_tflops_fp8: float | None = None,
     checkpointing: CheckpointRun | None = None,
-    peak_tflops_source: str | None = None,
 ) -> ExecuteResult | None:
     """Run the scenario on this rank; every rank of a layout calls it. Rank 0 returns the result.
 
-    ``peak_tflops`` is the device's dense BF16 peak (``mfu``), ``peak_tflops_fp8`` its FP8 peak
-    (``mfu_fp8``, reported for MXFP8 runs); either may be None, and its MFU is then left out.
-    ``peak_tflops_source`` says where the peaks come from (the result records it as given).
+    ``peaks``: the device's dense BF16 peak (``mfu``), its FP8 peak (``mfu_fp8``, reported for MXFP8
+    runs) and where they come from (the result records it as given); a peak that is None leaves its
+    MFU out.
     ``checkpointing``: the checkpoints to take, and the one to resume from (``bench.run.checkpointing``).
     """
     run, config, parallel = scenario.run, scenario.model, scenario.parallel_config
@@ -256,11 +255,11 @@ def execute(
     hardware = [(flops_per_token + recompute_flops) * tokens_per_step / t / world / 1e12 for t in step_times]
     m["hardware_tflops_per_gpu"] = entry("hardware_tflops_per_gpu", hardware)
     # Reported, not gated: each is tflops_per_gpu (gated) over a constant peak (measured on CPUs).
-    if peak_tflops:
-        m["mfu"] = entry("mfu", [t / peak_tflops for t in tflops])
-    if peak_tflops_fp8 and scenario.precision == "mxfp8":
+    if peaks.bf16:
+        m["mfu"] = entry("mfu", [t / peaks.bf16 for t in tflops])
+    if peaks.fp8 and scenario.precision == "mxfp8":
         # The expert GEMMs run MXFP8, the rest bf16: the true bound lies between the two peaks.
-        m["mfu_fp8"] = entry("mfu_fp8", [t / peak_tflops_fp8 for t in tflops])
+        m["mfu_fp8"] = entry("mfu_fp8", [t / peaks.fp8 for t in tflops])
     m["loss"] = entry("loss", losses)
     if grad_norms:
         m["grad_norm"] = entry("grad_norm", grad_norms)
@@ -281,9 +280,9 @@ def execute(
         tokens_per_step=tokens_per_step,
         world_size=world,
         layout=parallel.to_dict(),
-        peak_tflops=peak_tflops,
-        peak_tflops_fp8=peak_tflops_fp8,
-        peak_tflops_source=peak_tflops_source if peak_tflops else None,
+        peak_tflops=peaks.bf16,
+        peak_tflops_fp8=peaks.fp8,
+        peak_tflops_source=peaks.source if peaks.bf16 else None,
         expert_backend=config.moe.backend.value,
         expert_backend_path=_backend_path(rank_model),
         fused_kernels=_fused_kernel_paths(rank_model, config),

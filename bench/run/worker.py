@@ -31,14 +31,7 @@ def execute_outcome(scenario: Scenario, request: WorkerRequest, device: torch.de
             result = run_proxy(scenario, device, progress, list(request.project_devices))
         else:
             result = execute(
-                scenario,
-                device,
-                request.peaks.bf16,
-                progress=progress,
-                groups=groups,
-                peak_tflops_fp8=request.peaks.fp8,
-                checkpointing=request.checkpoint,
-                peak_tflops_source=request.peaks.source,
+                scenario, device, request.peaks, progress=progress, groups=groups, checkpointing=request.checkpoint
             )
     except NonFiniteLoss as err:
         return WorkerOutcome("failed", str(err))

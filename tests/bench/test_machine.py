@@ -150,23 +150,34 @@ def test_a_gpu_without_fp8_says_so_for_an_mxfp8_run(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_execute_reports_mfu_against_both_peaks():
     from bench.run.execute import execute
+    from bench.run.worker_protocol import Peaks
     from bench.scenario import scenario_from_dict
 
-    result = execute(
-        scenario_from_dict(copy.deepcopy(TINY)),
-        torch.device("cpu"),
-        2.0,
-        peak_tflops_fp8=4.0,
-        peak_tflops_source="given by the test",
-    )
+    result = execute(scenario_from_dict(copy.deepcopy(TINY)), torch.device("cpu"), Peaks(2.0, 4.0, "given by the test"))
     m = result.metrics
     for mfu, mfu_fp8, tflops in zip(m["mfu"]["samples"], m["mfu_fp8"]["samples"], m["tflops_per_gpu"]["samples"]):
         assert mfu == pytest.approx(tflops / 2.0) and mfu_fp8 == pytest.approx(tflops / 4.0)
     assert result.details["peak_tflops_fp8"] == 4.0 and result.details["peak_tflops_source"] == "given by the test"
     bf16 = execute(
-        scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), 2.0, peak_tflops_fp8=4.0
+        scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16"}), torch.device("cpu"), Peaks(2.0, 4.0)
     )
     assert "mfu" in bf16.metrics and "mfu_fp8" not in bf16.metrics  # the FP8 peak bounds MXFP8 runs only
+
+
+@pytest.mark.slow
+def test_the_worker_measures_against_the_peaks_it_was_sent():
+    from bench.run.worker import execute_outcome
+    from bench.run.worker_protocol import Peaks, WorkerRequest
+    from bench.scenario import scenario_from_dict
+
+    scenario = scenario_from_dict(copy.deepcopy(TINY))
+    request = WorkerRequest(scenario.spec, None, "cpu", Peaks(2.0, 4.0, "the runner's words"))
+    outcome = execute_outcome(scenario, request, torch.device("cpu"), None)
+    m = outcome.metrics
+    for mfu, mfu_fp8, tflops in zip(m["mfu"]["samples"], m["mfu_fp8"]["samples"], m["tflops_per_gpu"]["samples"]):
+        assert mfu == pytest.approx(tflops / 2.0) and mfu_fp8 == pytest.approx(tflops / 4.0)
+    assert (outcome.details["peak_tflops"], outcome.details["peak_tflops_fp8"]) == (2.0, 4.0)
+    assert outcome.details["peak_tflops_source"] == "the runner's words"
 
 
 # Machine identity: results of two machines of one name are not compared -----------------------------

@@ -29,6 +29,7 @@ from bench.run.execute import execute
 from bench.run.memory import TensorMemoryTracker
 from bench.run.work import WORK_METRICS as WRITTEN
 from bench.run.work import count_step_work
+from bench.run.worker_protocol import Peaks
 from bench.scenario import scenario_from_dict
 from moe_engine.flops import training_flops_per_token
 from moe_engine.model import Block, Transformer
@@ -186,7 +187,7 @@ TINY = variant(model__fused_kernels=False)
 
 def _execute(spec=TINY, groups=None):
     torch.manual_seed(0)
-    result = execute(scenario_from_dict(spec), CPU, None, groups=groups)
+    result = execute(scenario_from_dict(spec), CPU, Peaks(), groups=groups)
     return None if result is None else (result.metrics, result.details)
 
 
