@@ -1,4 +1,4 @@
-"""``moe-bench plot``: PNG plots of every scenario across versions."""
+"""``moe-bench plot``: the report page's charts as PNG files, with an index.html of them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     """Add the command's parser(s) to ``sub``, the subparsers of ``moe-bench``."""
-    plot = sub.add_parser("plot", help="PNG plots of every scenario across versions, and an index.html")
+    plot = sub.add_parser(
+        "plot", help="the report page's charts as PNG files (and a trend of every metric), with an index.html"
+    )
     plot.add_argument("results_dir")
     plot.add_argument("--out", required=True)
     plot.set_defaults(func=cmd_plot)

@@ -9,14 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-
-import plotly.io as pio
-from plotly.offline import get_plotlyjs
+from typing import TYPE_CHECKING
 
 from bench.gate.compare import DEFAULT_TOLERANCE, MetricRow
 from bench.gate.verdict import accepted_lines
 from bench.release.record import Release, ReleaseError, load_releases
-from bench.report import charts
 from bench.report.collect import ReportError, ResultSet, choose_versions, load_result_set, problems
 from bench.report.comparisons import PairComparison
 from bench.report.experiments import (
@@ -32,6 +29,9 @@ from bench.report.trends import single_version_scenarios, trends
 from bench.results import ResultFileError, write_text_atomic
 from bench.units import format_percent, format_signed_percent, format_value
 
+if TYPE_CHECKING:
+    from bench.report.charts import Chart
+
 __all__ = ["PAGE_NAME", "Report", "ReportError", "build_report"]
 
 PAGE_NAME = "index.html"
@@ -44,8 +44,8 @@ class Report:
     path: Path
     charts: list[str] = field(default_factory=list)
     """The kind of each chart on the page, in page order (trend, pair, sweep, ...)."""
-    figures: list = field(default_factory=list)
-    """The chart's Plotly figures, in the same order."""
+    figures: list[Chart] = field(default_factory=list)
+    """The charts themselves (figure, series, hover texts), in the same order."""
     warnings: list[str] = field(default_factory=list)
     """Problems with the input that did not stop the page (unreadable files, the release record)."""
     comparison: ReleaseComparison | None = None
@@ -57,22 +57,22 @@ class _Page:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.charts: list[str] = []
-        self.figures: list = []
+        self.figures: list[Chart] = []
+        # heavy: matplotlib, loaded once a page is drawn (not for ``moe-bench --help``)
+        from bench.report import charts
+
+        self.draw = charts
 
     def add(self, text: str) -> None:
         self.parts.append(text)
 
-    def chart(self, kind: str, figure, caption: str) -> None:
-        div = pio.to_html(
-            figure,
-            include_plotlyjs=False,
-            full_html=False,
-            div_id=f"chart-{len(self.charts) + 1}",
-            config={"displaylogo": False, "responsive": True},
+    def chart(self, chart: Chart) -> None:
+        self.charts.append(chart.kind)
+        self.figures.append(chart)
+        self.add(
+            f'<figure class="chart" id="chart-{len(self.charts)}" data-chart="{chart.kind}" '
+            f'data-series="{len(chart.series)}">{chart.svg()}<figcaption>{_e(chart.caption)}</figcaption></figure>'
         )
-        self.charts.append(kind)
-        self.figures.append(figure)
-        self.add(f'<figure class="chart" data-chart="{kind}">{div}<figcaption>{_e(caption)}</figcaption></figure>')
 
 
 def _e(text: object) -> str:
@@ -377,13 +377,7 @@ def _trends(page: _Page, results: ResultSet) -> None:
     if not found:
         page.add("<p>No scenario finished ok in two versions yet.</p>")
     for trend in found:
-        page.chart(
-            "trend",
-            charts.trend_figure(trend, results.releases),
-            f"{trend.scenario} on {trend.machine}: the pooled median of each version (as the gate pools its "
-            "runs), the interquartile range as a band, min..max as bars; a metric with one sample has no "
-            "spread.",
-        )
+        page.chart(page.draw.trend_chart(trend, results.releases))
     single = single_version_scenarios(results)
     if single:
         items = "".join(f"<li>{_e(s)} <small>({_e(v)}, {_e(m)})</small></li>" for s, m, v in single)
@@ -413,12 +407,7 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
         )
     # A plan's GiB and a CPU run's MiB never share an axis, nor do two machines a chart.
     for mode, machine in dict.fromkeys((g.mode, g.machine) for g in sweep):
-        page.chart(
-            "sweep",
-            charts.sweep_figure([g for g in sweep if (g.mode, g.machine) == (mode, machine)]),
-            f"{_MODE_TEXT.get(mode, mode)} identical except for the number of experts (top-k and the expert "
-            "size stay, so the active parameters per token do).",
-        )
+        page.chart(page.draw.sweep_chart([g for g in sweep if (g.mode, g.machine) == (mode, machine)]))
     pairs = pair_charts(results, comparisons)
     if pairs:
         page.add(
@@ -436,16 +425,7 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
         )
     for chart in pairs:
         if chart.bars:
-            page.chart(
-                "pair",
-                charts.pair_figure(chart),
-                f"{chart.comparison.label}, mirrors {chart.comparison.mirrors}. Left, each pair's two "
-                "scenarios in one version on one machine; right, the ratio with its 95% interval: "
-                + "; ".join(
-                    f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}) = {b.described}" for b in chart.bars
-                )
-                + ".",
-            )
+            page.chart(page.draw.pair_chart(chart))
         if chart.unmeasured:
             notes = "; ".join(
                 f"{b.numerator} / {b.denominator} ({b.machine}, {b.version}): {b.note}" for b in chart.unmeasured
@@ -454,11 +434,7 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
     recompute = [g for g in variation_groups(results, RECOMPUTE) if g.throughput_metric or g.memory_metric]
     if recompute:
         page.add("<h3>Activation recompute</h3>")
-        page.chart(
-            "recompute",
-            charts.recompute_figure(recompute),
-            "Scenarios identical except their recompute section (mode none when absent).",
-        )
+        page.chart(page.draw.recompute_chart(recompute))
     else:
         undrawn.append(
             (
@@ -473,22 +449,11 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
     else:
         undrawn.append(("Plan memory per rank", "plan results of scenarios with a cluster (scenarios/olmo-core3)"))
     for machine, stacks in plans.items():
-        page.chart(
-            "plan-memory",
-            charts.plan_memory_figure(machine, stacks),
-            "The plan's memory of the most loaded rank, part by part as the plan adds it up (the larger of "
-            "the backward's transient memory and the optimizer step's), against the cluster's GPU memory.",
-        )
+        page.chart(page.draw.plan_memory_chart(machine, stacks))
     projections = projection_stacks(results)
     if projections:
         page.add("<h3>Projection breakdowns</h3>")
-        page.chart(
-            "projection",
-            charts.projection_figure(projections),
-            "Each proxy's projected step split into its parts (they add up to the step): on the scenario's "
-            "cluster with the measuring machine's compute, and op by op on each device profile it was "
-            "projected on.",
-        )
+        page.chart(page.draw.projection_chart(projections))
     else:
         undrawn.append(("Projection breakdowns", "proxy results (the proxy suite)"))
     if undrawn:
@@ -497,9 +462,6 @@ def _experiments(page: _Page, results: ResultSet, comparisons: list[PairComparis
             f"<details class='undrawn'><summary>Not drawn from these results: "
             f"{_e(', '.join(name for name, _ in undrawn))}</summary><ul>{items}</ul></details>"
         )
-
-
-_MODE_TEXT = {"execute": "Runs of scenarios", "plan": "Plans of layouts", "proxy": "Proxies of layouts"}
 
 
 _STYLE = """
@@ -525,6 +487,7 @@ pre { margin: 0; white-space: pre-wrap; max-width: 50em; font-size: 0.9em; }
 .gate-pass { background: #e0f5e0; } .gate-accepted { background: #e0ecfa; } .gate-inconclusive { background: #f0e6fa; }
 .gate-regressed, .gate-not-ok { background: #fde0e0; } .gate-not-compared { background: #fff4d0; } .gate-missing { background: #fff4d0; }
 .ok { color: #060; } figure.chart { margin: 1em 0 2em; } figcaption { font-size: 0.85em; color: #555; }
+figure.chart svg { display: block; max-width: 100%; height: auto; }
 nav { margin: 1em 0; }
 """
 
@@ -533,6 +496,5 @@ def _document(body: str) -> str:
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
-        f"<title>moe-bench results</title><style>{_STYLE}</style>"
-        f"<script type='text/javascript'>{get_plotlyjs()}</script></head>\n<body>\n{body}\n</body></html>\n"
+        f"<title>moe-bench results</title><style>{_STYLE}</style></head>\n<body>\n{body}\n</body></html>\n"
     )

@@ -1,16 +1,16 @@
 """``index.html`` of ``moe-bench plot``: a self-contained page with every figure, the reference release's
-comparisons (``comparison_rows``: each pair's ratio per version and machine, from the latest ok runs), the
+comparisons (``comparison_rows``: each pair's ratio per version and machine, pooled as the gate pools), the
 documents that are not ok, the files skipped and a table of every document (``write_index``).
 """
 
 from __future__ import annotations
 
 import html
-from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from bench.report.comparisons import PairRatio, load_comparisons, pair_ratios
+from bench.report.collect import ResultSet
+from bench.report.comparisons import PairComparison, PairRatio, load_comparisons, pair_ratios
 from bench.report.ordering import version_sort_key
 from bench.results import ResultDocument, ResultFileError, age_key
 
@@ -33,15 +33,17 @@ td.status-bad { color: #b42318; font-weight: 600; }
 """
 
 
-def comparison_rows(latest: dict[tuple[str, str, str], ResultDocument]) -> list[tuple[str, str, PairRatio]]:
-    """(version, machine, pair ratio) for every comparison pair with both sides' latest ok runs there."""
-    by_place: dict[tuple[str, str], dict[str, tuple[str, dict]]] = defaultdict(dict)
-    for (version, machine, scenario), doc in latest.items():
-        by_place[(version, machine)][scenario] = (doc.status, doc.metrics)
-    comparisons = load_comparisons()
+def comparison_rows(
+    results: ResultSet, comparisons: list[PairComparison] | None = None
+) -> list[tuple[str, str, PairRatio]]:
+    """(version, machine, pair ratio) for every comparison pair with both sides ok there (default
+    comparisons: those of ``scenarios/suites.yaml``)."""
+    comparisons = load_comparisons() if comparisons is None else comparisons
     rows = []
-    for version, machine in sorted(by_place, key=lambda place: (version_sort_key(place[0]), place[1])):
-        rows += [(version, machine, r) for r in pair_ratios(comparisons, by_place[(version, machine)])]
+    for version in results.versions:
+        for machine in results.machines:
+            by_name = {s: (g.status, g.metrics) for (s, m), g in results.ok_groups(version).items() if m == machine}
+            rows += [(version, machine, r) for r in pair_ratios(comparisons, by_name)]
     return rows
 
 

@@ -1,5 +1,9 @@
-"""The report page in headless Chromium: open it, wait until Plotly has drawn every chart, and save a
+"""The report page in headless Chromium: open it, check that every chart is drawn and legible, and save a
 screenshot of the whole page (``moe-bench report --screenshot``, the browser test).
+
+Each chart is an inline SVG drawn by matplotlib (``bench.report.charts``); its data series are tagged
+``series-N`` (a bar ``series-N-J``), its plot areas ``axes-N`` with their background ``area-N``, and
+its ``<figure>`` says how many series it has (``data-series``).
 
 Needs Selenium (the dev extras) and Chromium with its driver (Debian: ``chromium`` and
 ``chromium-driver``); without them ``BrowserMissing`` says which is missing.
@@ -16,26 +20,29 @@ from typing import Any
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 WIDTH = 1300
-DRAW_TIMEOUT_S = 15.0
 
-# What each chart drew: its traces (``g.trace`` in the plot area, one per trace of its data) and the
-# marks with a real geometry (a path longer than a degenerate "M0,0Z").
+# What each chart drew: the series its figure declares, the series the browser laid out with a real
+# geometry (a box of some width or height), and the marks (paths and markers) of those series.
 CHARTS_JS = """
 return [...document.querySelectorAll('figure.chart')].map(figure => {
-  const plot = figure.querySelector('.js-plotly-plot');
-  if (!plot) return {kind: figure.dataset.chart, rendered: false};
-  const marks = [...plot.querySelectorAll('.cartesianlayer g.trace path')]
-    .filter(p => (p.getAttribute('d') || '').length > 8);
-  return {kind: figure.dataset.chart, rendered: true, traces: (plot.data || []).length,
-          drawn: plot.querySelectorAll('.cartesianlayer g.trace').length, marks: marks.length};
+  const svg = figure.querySelector('svg');
+  const box = svg ? svg.getBoundingClientRect() : null;
+  if (!svg || box.width === 0 || box.height === 0) return {kind: figure.dataset.chart, rendered: false};
+  const tagged = [...svg.querySelectorAll('g[id^="series-"]')].filter(g => {
+    const r = g.getBoundingClientRect(); return r.width > 0 || r.height > 0; });
+  const marks = [...svg.querySelectorAll('g[id^="series-"] path, g[id^="series-"] use')].filter(m => {
+    const r = m.getBoundingClientRect(); return r.width > 0 || r.height > 0; });
+  return {kind: figure.dataset.chart, rendered: true, series: Number(figure.dataset.series),
+          drawn: new Set(tagged.map(g => g.id.split('-')[1])).size, marks: marks.length};
 });
 """
 
 
 # What each chart shows legibly, as laid out at the page's width: the texts whose drawn outlines
-# overlap (each text's box through its own transform, so rotated tick labels are boxes at their
-# angle; two convex boxes overlap when no edge's normal separates them by more than a pixel), and the
-# plot areas in which no mark of a trace is visible (each subplot's area from Plotly's own axes).
+# overlap (matplotlib draws each text as glyphs in a group under ``text_N``; each group's box goes
+# through its own transform, so rotated tick labels are boxes at their angle; two convex boxes overlap
+# when no edge's normal separates them by more than a pixel), and the plot areas in which no mark of a
+# series is visible.
 LEGIBILITY_JS = """
 const corners = t => {
   const b = t.getBBox(), m = t.getScreenCTM();
@@ -50,31 +57,29 @@ const apart = (a, b) => [a, b].some(poly => poly.some((c, i) => {
   const pa = proj(a), pb = proj(b);
   return Math.min(Math.max(...pa), Math.max(...pb)) - Math.max(Math.min(...pa), Math.min(...pb)) < 1.5;
 }));
+const said = g => [...g.childNodes].filter(n => n.nodeType === Node.COMMENT_NODE).map(n => n.data.trim()).join(' ');
 return [...document.querySelectorAll('figure.chart')].map(figure => {
-  const plot = figure.querySelector('.js-plotly-plot');
-  if (!plot || !plot._fullLayout) return {kind: figure.dataset.chart, overlaps: [], empty: []};
-  const texts = [...plot.querySelectorAll('.main-svg text, .main-svg tspan.line')]
-    .filter(t => !t.closest('.hoverlayer, .modebar, .legend .bg') && t.textContent.trim()
-                 && !(t.tagName === 'text' && t.querySelector('tspan.line')))
-    .map(t => ({text: t.textContent.trim(), box: corners(t)})).filter(t => t.box);
+  const svg = figure.querySelector('svg');
+  if (!svg) return {kind: figure.dataset.chart, overlaps: [], empty: []};
+  const texts = [...svg.querySelectorAll('g[id^="text_"]')].flatMap(g =>
+    [...g.children].filter(c => c.tagName === 'g').map(c => ({text: said(g), box: corners(c)})))
+    .filter(t => t.box && t.text);
   const overlaps = [];
   for (let i = 0; i < texts.length; i++)
     for (let j = i + 1; j < texts.length; j++)
       if (!apart(texts[i].box, texts[j].box)) overlaps.push([texts[i].text, texts[j].text]);
-  const origin = plot.getBoundingClientRect(), empty = [];
-  for (const [name, sub] of Object.entries(plot._fullLayout._plots || {})) {
-    const x = sub.xaxis, y = sub.yaxis;
-    const area = {left: origin.left + x._offset, right: origin.left + x._offset + x._length,
-                  top: origin.top + y._offset, bottom: origin.top + y._offset + y._length};
-    const node = plot.querySelector('.cartesianlayer .subplot.' + name);
-    const marks = node ? [...node.querySelectorAll('g.trace path, g.trace text')] : [];
-    const seen = marks.some(m => {
+  const empty = [];
+  for (const axes of svg.querySelectorAll('g[id^="axes-"]')) {
+    const background = axes.querySelector('g[id^="area-"] path');
+    if (!background) continue;
+    const area = background.getBoundingClientRect();
+    const seen = [...axes.querySelectorAll('g[id^="series-"] path, g[id^="series-"] use')].some(m => {
       const r = m.getBoundingClientRect();
       const w = Math.min(r.right, area.right) - Math.max(r.left, area.left);
       const h = Math.min(r.bottom, area.bottom) - Math.max(r.top, area.top);
       return w >= 0 && h >= 0 && (w > 1 || h > 1);
     });
-    if (!seen) empty.push(name);
+    if (!seen) empty.push(axes.id);
   }
   return {kind: figure.dataset.chart, overlaps: overlaps, empty: empty};
 });
@@ -90,7 +95,7 @@ class PageView:
     """What the browser saw of a page once its charts were drawn."""
 
     charts: list[dict[str, Any]]
-    """Per chart in page order: its kind, whether Plotly rendered it, its traces, drawn traces, marks."""
+    """Per chart in page order: its kind, whether its SVG was laid out, its series, drawn series, marks."""
     errors: list[str] = field(default_factory=list)
     """The console's SEVERE messages (script errors, failed loads)."""
     screenshot: Path | None = None
@@ -133,20 +138,9 @@ def chromium() -> Iterator[Any]:
 
 
 def view_page(browser: Any, page: Path, screenshot: Path | None = None) -> PageView:
-    """Load ``page``, wait (at most ``DRAW_TIMEOUT_S``) until every chart has drawn each of its traces, and
+    """Load ``page`` (the charts are drawn once it has loaded: they are SVG, no script draws them) and
     report what was drawn; with ``screenshot``, save the whole page there."""
-    # optional: selenium (``chromium`` checked it is there)
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
     browser.get(Path(page).resolve().as_uri())
-
-    def drawn(b: Any) -> bool:  # Plotly draws after the page loads
-        found = b.execute_script(CHARTS_JS)
-        return all(c["rendered"] and c["drawn"] == c["traces"] for c in found)
-
-    with contextlib.suppress(TimeoutException):  # the caller judges what is missing from PageView.charts
-        WebDriverWait(browser, DRAW_TIMEOUT_S, poll_frequency=0.2).until(drawn)
     view = PageView(charts=browser.execute_script(CHARTS_JS), legibility=browser.execute_script(LEGIBILITY_JS))
     if screenshot is not None:
         height = browser.execute_script("return document.documentElement.scrollHeight")
@@ -163,9 +157,9 @@ def undrawn(view: PageView) -> list[str]:
     """The charts the browser did not draw completely, for people."""
     return [
         f"chart {i + 1} ({c['kind']}): "
-        + ("not rendered" if not c["rendered"] else f"{c['drawn']} of {c['traces']} traces drawn, {c['marks']} marks")
+        + ("not rendered" if not c["rendered"] else f"{c['drawn']} of {c['series']} series drawn, {c['marks']} marks")
         for i, c in enumerate(view.charts)
-        if not c["rendered"] or c["drawn"] != c["traces"] or not c["traces"] or not c["marks"]
+        if not c["rendered"] or c["drawn"] != c["series"] or not c["series"] or not c["marks"]
     ]
 
 

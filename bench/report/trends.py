@@ -28,6 +28,8 @@ class TrendPoint:
     """Smallest sample; None for one sample."""
     high: float | None
     samples: int
+    values: tuple[float, ...] = ()
+    """The pooled samples themselves."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,9 @@ class Trend:
 def _point(version: str, entry: dict) -> TrendPoint:
     samples = [float(v) for v in entry["samples"]]
     if entry["spread"] is None or len(samples) < 2:
-        return TrendPoint(version, float(entry["median"]), None, None, None, None, len(samples))
+        return TrendPoint(version, float(entry["median"]), None, None, None, None, len(samples), tuple(samples))
     q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")  # as bench.results.metric
-    return TrendPoint(version, float(entry["median"]), q1, q3, min(samples), max(samples), len(samples))
+    return TrendPoint(version, float(entry["median"]), q1, q3, min(samples), max(samples), len(samples), tuple(samples))
 
 
 def headline_metrics(metric_sets: list[dict[str, dict]]) -> list[str]:
@@ -69,19 +71,25 @@ def headline_metrics(metric_sets: list[dict[str, dict]]) -> list[str]:
     return gated[:1]
 
 
-def trends(results: ResultSet) -> list[Trend]:
-    """Every (scenario, machine) with ok results in two versions or more, by scenario then machine."""
+def trends(results: ResultSet, min_versions: int = 2, every_metric: bool = False) -> list[Trend]:
+    """Every (scenario, machine) with ok results in ``min_versions`` versions or more, by scenario then
+    machine: its headline metrics (``every_metric``: each metric with samples, in the order first seen)."""
     by_key: dict[tuple[str, str], dict[str, dict[str, dict]]] = {}
     for version in results.versions:
         for key, group in results.ok_groups(version).items():
             by_key.setdefault(key, {})[version] = group.metrics
     found = []
     for (scenario, machine), per_version in sorted(by_key.items()):
-        if len(per_version) < 2:
+        if len(per_version) < min_versions:
             continue
         versions = sort_versions(per_version)
+        metric_sets = [per_version[v] for v in versions]
+        if every_metric:
+            names = list(dict.fromkeys(n for m in metric_sets for n, e in m.items() if e.get("samples")))
+        else:
+            names = headline_metrics(metric_sets)
         series = []
-        for name in headline_metrics([per_version[v] for v in versions]):
+        for name in names:
             points = [_point(v, per_version[v][name]) for v in versions if name in per_version[v]]
             last = next(per_version[v][name] for v in reversed(versions) if name in per_version[v])
             series.append(TrendSeries(name, last["unit"], last["better"], tuple(points)))

@@ -56,5 +56,5 @@ def test_the_expert_count_sweep_draws_one_machine_a_chart_and_one_version_a_line
     sweeps = [f for kind, f in zip(report.charts, report.figures) if kind == "sweep"]
     assert len(sweeps) == 2
     for figure, machine in zip(sweeps, ("cpu-2c-amd-epyc", "cpu-2c-intel-r-xeon")):
-        assert f"runs on {machine}, version 0.2.0" in figure.layout.title.text
-        assert [t.name for t in figure.data] == ["e8 / e64"]
+        assert f"runs on {machine}, version 0.2.0" in figure.title
+        assert figure.series == ["e8 / e64: throughput"]

@@ -1,4 +1,5 @@
-"""bench.report.plot: figures, index page, semantic version order and the expert-count sweep."""
+"""bench.report.plot: the report's charts as PNG files, the index page, semantic version order and the
+expert-count sweep."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.report import ordering, plot
+from bench.report import ordering
+from bench.report.collect import load_result_set
 from bench.report.ordering import sort_versions, version_sort_key
-from bench.report.plot import plot_results, sweep_groups
+from bench.report.plot import all_charts, plot_results
+from bench.report.trends import headline_metrics
 from bench.results import SCHEMA_VERSION, load_results, metric, result_dir, scenario_hash, write_result
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -197,7 +200,7 @@ def test_plot_results_writes_figures_and_index(results: Path, tmp_path: Path):
     names = {p.name for p in pngs}
     assert {
         "summary.png",
-        "expert_sweep.png",
+        "expert_sweep--gpu-box--execute.png",
         "gpu-box--smoke.png",
         "cpu-box--smoke.png",
         "gpu-box--plan-big.png",
@@ -223,15 +226,19 @@ def test_plot_results_writes_figures_and_index(results: Path, tmp_path: Path):
     assert rows.index("0.10.0") > rows.index("0.2.0")
 
 
-def test_sweep_groups_finds_the_expert_sweep(results: Path):
-    groups = sweep_groups(load_results(results))
-    assert len(groups) == 1
-    (group,) = groups
-    assert group["machine"] == "gpu-box" and group["version"] == "0.10.0" and group["top_k"] == 4
-    assert [p["num_experts"] for p in group["points"]] == [8, 32, 128]
-    assert [p["scenario"] for p in group["points"]] == ["sweep-e8", "sweep-e32", "sweep-e128"]
-    assert all(p["active_params"] is not None for p in group["points"])
-    assert group["points"][0]["throughput"] > group["points"][-1]["throughput"]
+def _sweeps(root: Path) -> list:
+    return [c for c in all_charts(load_result_set(root), comparisons=[]) if c.kind == "sweep"]
+
+
+def test_the_expert_sweep_draws_each_scenarios_median(results: Path):
+    (sweep,) = _sweeps(results)
+    assert "gpu-box, version 0.10.0" in sweep.title
+    name = "sweep-e8 / sweep-e32 / sweep-e128"
+    assert sweep.series == [f"{name}: throughput"]
+    (line,) = [ln for ln in sweep.figure.axes[0].lines if ln.get_gid() == "series-0"]
+    # The medians of execute_metrics(8 / n): 1005 tokens/s (the median of its four samples) scaled.
+    assert line.get_xdata().tolist() == [8, 32, 128]
+    assert line.get_ydata().tolist() == pytest.approx([1005 * 8 / n for n in (8, 32, 128)])
 
 
 def test_sweep_skipped_without_group(tmp_path: Path):
@@ -241,11 +248,10 @@ def test_sweep_skipped_without_group(tmp_path: Path):
     write(root, make_doc("0.3.0", "gpu-box", spec_for("b", num_experts=32, d_model=512), metrics=execute_metrics(0.5)))
     # The same pair split over two machines is not a sweep either.
     write(root, make_doc("0.3.0", "cpu-box", spec_for("c", num_experts=64), metrics=execute_metrics(0.4)))
-    assert sweep_groups(load_results(root)) == []
+    assert _sweeps(root) == []
     out = tmp_path / "plots"
     written = plot_results(root, out)
-    assert not (out / "expert_sweep.png").exists()
-    assert "expert_sweep.png" not in (out / "index.html").read_text()
+    assert "expert_sweep" not in (out / "index.html").read_text()
     assert {p.name for p in written} == {
         "summary.png",
         "gpu-box--a.png",
@@ -257,12 +263,17 @@ def test_sweep_skipped_without_group(tmp_path: Path):
         assert_png(p)
 
 
-def test_sweep_uses_newest_version_only(tmp_path: Path):
+def test_the_sweep_is_drawn_at_the_newest_version_that_has_it(tmp_path: Path):
     root = tmp_path / "results"
     for n in (8, 16):
         write(root, make_doc("0.1.0", "gpu-box", spec_for(f"e{n}", num_experts=n), metrics=execute_metrics(8 / n)))
     write(root, make_doc("0.2.0", "gpu-box", spec_for("e8", num_experts=8), metrics=execute_metrics(1.0)))
-    assert sweep_groups(load_results(root)) == []
+    (sweep,) = _sweeps(root)
+    assert "version 0.1.0" in sweep.title
+    for n in (8, 32):
+        write(root, make_doc("0.2.0", "gpu-box", spec_for(f"e{n}", num_experts=n), metrics=execute_metrics(8 / n)))
+    titles = [s.title for s in _sweeps(root)]
+    assert len(titles) == 1 and "version 0.2.0" in titles[0]
 
 
 def test_edge_cases_do_not_crash(tmp_path: Path):
@@ -297,19 +308,19 @@ def test_edge_cases_do_not_crash(tmp_path: Path):
     assert [p.name for p in written] == ["summary.png", "index.html"]
 
 
-def test_headline_metric_preference():
+def test_the_summary_draws_each_scenarios_first_headline_metric():
     tps = metric([1.0], "tokens/s", "higher")
     tfl = metric([1.0], "TFLOP/s", "higher")
     lat = metric([1.0], "s", "lower")
     info = metric([1.0], "GiB", None)
-    assert plot.headline_metric([{"tflops_per_gpu": tfl}, {"tokens_per_s_per_gpu": tps}]) == "tokens_per_s_per_gpu"
-    assert plot.headline_metric([{"step_time_s": lat, "tflops_per_gpu": tfl}]) == "tflops_per_gpu"
-    assert plot.headline_metric([{"mem": info, "step_time_s": lat}]) == "step_time_s"
-    assert plot.headline_metric([{"mem": info}]) is None
-    assert plot.headline_metric([]) is None
+    assert headline_metrics([{"tflops_per_gpu": tfl}, {"tokens_per_s_per_gpu": tps}]) == ["tokens_per_s_per_gpu"]
+    assert headline_metrics([{"step_time_s": lat, "tflops_per_gpu": tfl}]) == ["step_time_s"]
+    assert headline_metrics([{"mem": info, "tflops_per_gpu": tfl, "step_time_s": lat}]) == ["step_time_s"]
+    assert headline_metrics([{"mem": info}]) == []
+    assert headline_metrics([]) == []
 
 
-def test_single_sample_metrics_are_drawn_without_a_spread(tmp_path: Path, monkeypatch):
+def test_single_sample_metrics_are_drawn_without_a_spread(tmp_path: Path):
     """A one-sample metric (spread null) gets plain points: no min..max bars and no IQR band."""
     from matplotlib.collections import PolyCollection
     from matplotlib.container import ErrorbarContainer
@@ -328,25 +339,15 @@ def test_single_sample_metrics_are_drawn_without_a_spread(tmp_path: Path, monkey
                 },
             ),
         )
-    drawn = {}
-    save = plot._save
-
-    def capture(fig, path):
-        drawn[path.name] = {
-            ax.get_title(): (
-                any(isinstance(c, ErrorbarContainer) for c in ax.containers),
-                any(isinstance(c, PolyCollection) for c in ax.collections),
-            )
-            for ax in fig.axes
-            if ax.get_visible()
-        }
-        return save(fig, path)
-
-    monkeypatch.setattr(plot, "_save", capture)
-    plot_results(root, tmp_path / "plots")
-    axes = drawn["cpu-box--smoke.png"]
-    assert axes["step_time_s ↓ better"] == (True, True)  # bars, band
-    assert axes["peak_memory_gib ↓ better"] == (False, False)
+    (trend,) = [c for c in all_charts(load_result_set(root), comparisons=[]) if c.name == "cpu-box--smoke"]
+    drawn = {
+        name: (
+            any(isinstance(c, ErrorbarContainer) for c in ax.containers),
+            any(isinstance(c, PolyCollection) for c in ax.collections),
+        )
+        for name, ax in zip(trend.series, trend.figure.axes)
+    }
+    assert drawn == {"step_time_s": (True, True), "peak_memory_gib": (False, False)}  # bars and band, or neither
 
 
 def test_unreadable_result_files_are_skipped_and_listed(tmp_path: Path):
