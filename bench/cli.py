@@ -8,6 +8,7 @@ stopping its workers. Each command lives in its own module of ``bench.commands``
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from bench.commands import (
@@ -24,7 +25,10 @@ from bench.commands import (
     run,
     versions,
 )
+from bench.logs import console_logging
 from bench.termination import Terminated, sigterm_as_interrupt
+
+logger = logging.getLogger(__name__)
 
 COMMANDS = (run, compare, export, plot, report, ab, versions, release, project, profile_device, proxy_check, micro)
 """In the order ``moe-bench --help`` lists them."""
@@ -32,6 +36,11 @@ COMMANDS = (run, compare, export, plot, report, ab, versions, release, project, 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moe-bench", description=__doc__.splitlines()[0])
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v", "--verbose", action="store_true", help="also log debug lines, each with its module (stderr)"
+    )
+    loudness.add_argument("-q", "--quiet", action="store_true", help="log warnings and errors only (stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
@@ -43,14 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["run"]
     args = build_parser().parse_args(argv)
+    console_logging(logging.DEBUG if args.verbose else logging.WARNING if args.quiet else None)
     try:
         with sigterm_as_interrupt():
             return args.func(args)
     except Terminated:
-        print("moe-bench: terminated", file=sys.stderr)
+        logger.error("moe-bench: terminated")
         return 143
     except KeyboardInterrupt:
-        print("moe-bench: interrupted", file=sys.stderr)
+        logger.error("moe-bench: interrupted")
         return 130
 
 
