@@ -18,7 +18,7 @@ def cmd_profile_device(args: argparse.Namespace) -> int:
         device=args.device, threads=args.threads, name=args.name, base=args.base, ranks=args.ranks, quick=args.quick
     )
     try:
-        profile_device_command(options, args.out, progress=lambda line: print(line, flush=True), tiny=args.tiny)
+        profile_device_command(options, args.out, tiny=args.tiny)
     except (ValueError, ProfileError) as err:
         return fail(str(err))
     return EXIT_OK

@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.commands.common import EXIT_BAD_INPUT, fail, unwritable
 from bench.predict.breakdown import format_breakdown
 from bench.predict.device import DeviceProfile, ProfileError, load_profile
+from bench.run.console import trace_display
 from bench.run.suites import expand_paths, load_all
 from bench.scenario import ScenarioError
 
@@ -23,7 +24,6 @@ def cmd_project(args: argparse.Namespace) -> int:
         check_traceable,
         project_on_device,
         summary,
-        trace_progress,
     )
 
     devices: list[tuple[DeviceProfile, str | None]] = []  # (profile, why it stands in for the --device given, or None)
@@ -66,11 +66,10 @@ def cmd_project(args: argparse.Namespace) -> int:
             targets = [(load_profile(scenario.cluster.device), None)]
         for profile, fallback in targets:
             try:
-                with trace_progress(sys.stdout) as progress:
+                with trace_display(sys.stderr):
                     doc = project_on_device(
                         scenario,
                         profile,
-                        progress=progress,
                         share_stages=not args.every_stage,
                         breakdown=args.breakdown,
                     )

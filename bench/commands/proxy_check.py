@@ -9,7 +9,6 @@ from pathlib import Path
 
 from bench.commands.common import EXIT_FAILED, EXIT_OK, fail, unwritable
 from bench.predict.device import ProfileError, load_profile
-from bench.run.console import Reporter
 from bench.run.suites import expand_paths, load_all, resolve_device
 from bench.scenario import ScenarioError
 from moe_engine.parallel.layout import check_proxy_layout
@@ -48,16 +47,11 @@ def cmd_proxy_check(args: argparse.Namespace) -> int:
         except ProfileError as err:
             return fail(str(err))
     runner = Runner(resolve_device("cpu"), Path(args.out))
-    reporter = Reporter(len(scenarios) * args.runs)
     try:
-        report = check(
-            runner, scenarios, reporter.line, runs=args.runs, profile=profile, warmup_steps=args.warmup_steps
-        )
+        report = check(runner, scenarios, runs=args.runs, profile=profile, warmup_steps=args.warmup_steps)
     except RuntimeError as err:
         print(f"moe-bench: error: {err}", file=sys.stderr)
         return EXIT_FAILED
-    finally:
-        reporter.close()
     for world, net in report["networks"].items():
         print(f"gloo links, {world} ranks: latency {net['latency_us']:.1f} us, {net['gbps']:.2f} GB/s")
     for row in report["rows"]:

@@ -10,6 +10,7 @@ crash costs one scenario, not the suite.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 import time
@@ -42,6 +43,8 @@ from moe_engine.parallel.groups import ProcessGroups
 from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.precision.cpu_bf16 import bf16_gemms_in_fp32, gemm_details
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -159,7 +162,6 @@ def execute(
     scenario: Scenario,
     device: torch.device,
     peaks: Peaks,
-    progress: Callable[[str], None] = lambda line: None,
     groups: ProcessGroups | None = None,
     checkpointing: CheckpointRun | None = None,
 ) -> ExecuteResult | None:
@@ -186,7 +188,7 @@ def execute(
     record = _RankRecord(rank, counts={i: [] for i in moe_layers})
     dtype = config.dtype.torch_dtype
     total_steps = run.warmup_steps + run.steps * run.repeats
-    ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing, progress)
+    ckpt = _CheckpointSession(scenario, trainer, groups, batches, checkpointing)
     losses, grad_norms = [], []
     for step in range(ckpt.start_step, total_steps):
         tokens, labels = next(batches)
@@ -220,7 +222,7 @@ def execute(
                 dropped += int(layer.last_dropped)
             record.dropped.append(dropped)
         if rank == 0:
-            progress(
+            logger.info(
                 f"step {step + 1}/{total_steps} {'measured' if measured else 'warm-up'} "
                 f"loss {loss_value:.4f} time {elapsed:.3f}s"
             )
@@ -231,7 +233,7 @@ def execute(
     rank_tokens = tokens_per_step // parallel.dp
     record.work = _measure_work(scenario, trainer, rank_model, device, groups, flops_per_token * rank_tokens)
     if rank == 0:
-        progress(f"work step (counted, untimed) {record.work['seconds']:.3f}s")
+        logger.info(f"work step (counted, untimed) {record.work['seconds']:.3f}s")
     record.optimizer_state_bytes = trainer.state_bytes()
     records = _gather(record, groups)
     if rank != 0:
@@ -306,9 +308,8 @@ class _CheckpointSession:
         groups,
         batches: TokenBatches,
         run: CheckpointRun | None,
-        progress: Callable[[str], None],
     ):
-        self.run, self.trainer, self.batches, self.progress = run, trainer, batches, progress
+        self.run, self.trainer, self.batches = run, trainer, batches
         self.rank = groups.coords.rank if groups else 0
         self.active = run is not None and (run.policy is not None or run.resume is not None)
         self.start_step = 0
@@ -330,7 +331,7 @@ class _CheckpointSession:
             self.start_step = extra["step"]
             batches.restore(extra["data"])
             if self.rank == 0:
-                progress(f"resumed from {run.resume} at step {self.start_step} (loaded in {self.load_s:.2f}s)")
+                logger.info(f"resumed from {run.resume} at step {self.start_step} (loaded in {self.load_s:.2f}s)")
         if run.policy is not None:
             root = run.policy.root
         else:
@@ -395,7 +396,7 @@ class _CheckpointSession:
                 append_journal(
                     self.journal_root, {"event": "checkpoint", "attempt": self.run.attempt, "step": step + 1}
                 )
-                self.progress(f"checkpoint after step {step + 1}: training stalled {stall:.3f}s")
+                logger.info(f"checkpoint after step {step + 1}: training stalled {stall:.3f}s")
 
     def finish(self):
         return self.checkpointer.finish() if self.checkpointer else []

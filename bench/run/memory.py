@@ -138,7 +138,8 @@ class RankMemory:
 # the runner would create a CUDA context on every GPU (about 0.5 GB each) and hold it for the whole
 # suite, memory the workers then lack. Inside a launch each rank asks for its own GPU, which it uses anyway.
 _CUDA_FREE_QUERY = (
-    "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1]))]))"
+    "import json, sys, torch; "
+    "sys.stdout.write(json.dumps([torch.cuda.mem_get_info(i)[0] for i in range(int(sys.argv[1]))]))"
 )
 CUDA_FREE_SOURCE = "free memory of the GPU, torch.cuda.mem_get_info in a short-lived process"
 

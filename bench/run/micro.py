@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from bench.machine import machine_info
 from bench.metrics import entry
 from bench.release.version import engine_info
 from bench.results import SCHEMA_VERSION, result_dir, scenario_hash, utc_now, write_result
+
+logger = logging.getLogger(__name__)
 
 MICRO_DIR = Path(__file__).resolve().parent / "micro"
 
@@ -70,5 +73,5 @@ def run_micro(device: str, out_root: Path) -> int:
         "details": {"derived": report.get("derived", {})},
     }
     path = write_result(document, result_dir(out_root, engine["version"], machine["name"]))
-    print(f"micro-benchmarks: {status}; result in {path}")
+    logger.info(f"micro-benchmarks: {status}; result in {path}")
     return 0 if status == "ok" else 1

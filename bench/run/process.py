@@ -9,6 +9,7 @@ SIGTERM reaches it directly: whoever started it kills it on the way out (``kill_
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import signal
@@ -16,8 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+OUTPUT = logging.getLogger(f"{__name__}.output")
+"""Where ``run_with_timeout`` relays a started process's output, one INFO record a line: the console
+shows them, or, while a suite runs, the runner's console (``bench.run.console.Reporter``)."""
 
 
 def worker_command(world_size: int) -> list[str]:
@@ -59,9 +63,9 @@ def worker_env(world_size: int) -> dict[str, str]:
 
 
 def run_with_timeout(
-    command: list[str], timeout: float, on_line: Callable[[str], None], env: dict[str, str] | None = None
+    command: list[str], timeout: float, env: dict[str, str] | None = None
 ) -> tuple[int | None, list[str]]:
-    """Run ``command``, relaying its output lines; kill its whole process group after ``timeout``.
+    """Run ``command``, relaying its output lines (``OUTPUT``); kill its whole process group after ``timeout``.
 
     Returns (exit code or None on timeout, the last output lines).
     """
@@ -84,7 +88,7 @@ def run_with_timeout(
 
     threading.Thread(target=pump, daemon=True).start()
     try:
-        return _relay(process, lines, time.monotonic() + timeout, on_line)
+        return _relay(process, lines, time.monotonic() + timeout)
     except BaseException:
         # Interrupted (Ctrl-C, or SIGTERM through bench.termination): the worker's own session gets
         # neither signal.
@@ -92,9 +96,7 @@ def run_with_timeout(
         raise
 
 
-def _relay(
-    process: subprocess.Popen, lines: queue.Queue[str | None], deadline: float, on_line: Callable[[str], None]
-) -> tuple[int | None, list[str]]:
+def _relay(process: subprocess.Popen, lines: queue.Queue[str | None], deadline: float) -> tuple[int | None, list[str]]:
     """``run_with_timeout``'s loop: relay lines until the output ends (then wait) or the deadline passes."""
     tail: list[str] = []
     finished_output = False
@@ -111,7 +113,7 @@ def _relay(
             finished_output = True
         elif line:
             tail = (tail + [line])[-20:]
-            on_line(line)
+            OUTPUT.info(line)
         if finished_output:
             try:
                 return process.wait(timeout=max(0.0, deadline - time.monotonic())), tail

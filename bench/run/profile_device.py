@@ -60,9 +60,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import logging
 import multiprocessing
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,8 @@ from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
 __all__ = ["ProfileOptions", "profile_device", "profile_device_command"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def _sweep(options: ProfileOptions, dev: torch.device) -> Sweep:
     return sweep
 
 
-def _time_curves(timer: Timer, progress: Callable[[str], None]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+def _time_curves(timer: Timer) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """Every curve of the sweep by kind and dtype; a curve the fp32 cap left without points is left out."""
     dtypes = timer.sweep.dtypes
     curves: dict[str, dict[str, list]] = {
@@ -194,21 +196,21 @@ def _time_curves(timer: Timer, progress: Callable[[str], None]) -> dict[str, dic
         "memory": {},
     }
     for dtype in dtypes:
-        progress(f"gemm {dtype}")
-        curves["gemm"][dtype] = gemm_points(timer, dtype, progress)
+        logger.info(f"gemm {dtype}")
+        curves["gemm"][dtype] = gemm_points(timer, dtype)
     for dtype in dtypes:
-        progress(f"grouped_gemm {dtype}")
-        curves["grouped_gemm"][dtype] = grouped_gemm_points(timer, dtype, progress)
+        logger.info(f"grouped_gemm {dtype}")
+        curves["grouped_gemm"][dtype] = grouped_gemm_points(timer, dtype)
     for dtype in dtypes:
-        progress(f"attention {dtype}")
-        curves["attention"][dtype], curves["attention_backward"][dtype] = attention_points(timer, dtype, progress)
-    progress("memory")
+        logger.info(f"attention {dtype}")
+        curves["attention"][dtype], curves["attention_backward"][dtype] = attention_points(timer, dtype)
+    logger.info("memory")
     for dtype in dtypes:
-        curves["memory"][dtype] = memory_points(timer, dtype, progress)
+        curves["memory"][dtype] = memory_points(timer, dtype)
     return {kind: {d: points for d, points in by_dtype.items() if points} for kind, by_dtype in curves.items()}
 
 
-def _measure(dev: torch.device, sweep: Sweep, options: ProfileOptions, progress: Callable[[str], None]) -> Measured:
+def _measure(dev: torch.device, sweep: Sweep, options: ProfileOptions) -> Measured:
     """Time the curves, the stream bandwidth and (CPU) the free op and the host's time per op, with
     ``options.threads`` threads (restored after) under the neighbours' load."""
     timer = Timer(dev, sweep)
@@ -219,17 +221,17 @@ def _measure(dev: torch.device, sweep: Sweep, options: ProfileOptions, progress:
     neighbours = _Neighbours(options.ranks - 1 if dev.type == "cpu" and options.load else 0, threads)
     try:
         neighbours.__enter__()
-        progress(
+        logger.info(
             f"profile-device: {dev}, {threads} thread(s), {len(neighbours.processes)} neighbour rank(s) loading the host"
         )
-        curves = _time_curves(timer, progress)
-        stream, stream_numel = stream_gbps(timer, progress)
+        curves = _time_curves(timer)
+        stream, stream_numel = stream_gbps(timer)
         measured = Measured(dev, threads, sweep, curves, stream, stream_numel, len(neighbours.processes))
         if dev.type == "cpu":  # a GPU profile prices neither: its host queues kernels ahead of the device
             measured.free_op_us = free_op_seconds(timer) * 1e6
-            progress(f"free op x.view(-1): {measured.free_op_us:.3f} us")
+            logger.info(f"free op x.view(-1): {measured.free_op_us:.3f} us")
             measured.host_op_seconds, measured.host_ops = host_op_seconds(timer)
-            progress(
+            logger.info(
                 f"host time per op of a tiny training step ({measured.host_ops} ops): "
                 f"{measured.host_op_seconds * 1e6:.2f} us"
             )
@@ -239,15 +241,13 @@ def _measure(dev: torch.device, sweep: Sweep, options: ProfileOptions, progress:
     return measured
 
 
-def _network(
-    options: ProfileOptions, base: DeviceProfile | None, progress: Callable[[str], None]
-) -> tuple[dict[str, float] | None, str]:
+def _network(options: ProfileOptions, base: DeviceProfile | None) -> tuple[dict[str, float] | None, str]:
     """The gloo calibration (given, or measured when there is no base either) and where it comes from."""
     if options.network is not None or base is not None:
         return options.network, "the gloo calibration passed in (a bench.validate.netcal result)"
     ranks = options.ranks
-    progress(f"network: gloo between {ranks} local processes")
-    network = calibrate_network(ranks, progress)
+    logger.info(f"network: gloo between {ranks} local processes")
+    network = calibrate_network(ranks)
     return network, f"gloo between {ranks} local processes (bench.validate.netcal via calibrate_network)"
 
 
@@ -262,7 +262,7 @@ def _command(options: ProfileOptions, kind: str, name: str) -> str:
     )
 
 
-def profile_device(options: ProfileOptions | None = None, progress: Callable[[str], None] = print) -> dict[str, Any]:
+def profile_device(options: ProfileOptions | None = None) -> dict[str, Any]:
     """Measure ``options.device`` and return its profile as a dict (``bench.predict.device.profile_from_dict``
     form): its curves timed, then the network calibrated (or taken), then the document assembled."""
     options = options or ProfileOptions()
@@ -270,8 +270,8 @@ def profile_device(options: ProfileOptions | None = None, progress: Callable[[st
     base = load_profile(options.base) if options.base else None
     sweep = _sweep(options, dev)
     started = time.perf_counter()
-    measured = _measure(dev, sweep, options, progress)
-    network, network_source = _network(options, base, progress)
+    measured = _measure(dev, sweep, options)
+    network, network_source = _network(options, base)
     seconds = time.perf_counter() - started
 
     date = _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
@@ -290,16 +290,15 @@ def profile_device(options: ProfileOptions | None = None, progress: Callable[[st
 def profile_device_command(
     options: ProfileOptions,
     out: str | Path | None = None,
-    progress: Callable[[str], None] = print,
     tiny: bool = False,
 ) -> Path:
     """What ``moe-bench profile-device`` runs: measure, then write ``out`` (default ``devices/<name>.yaml``).
     ``tiny``: time ``tiny_sweep`` (seconds on a CPU: bench/gpu-check.sh --dry-run)."""
     if tiny:
         options = dataclasses.replace(options, sweep=tiny_sweep())
-    profile = profile_device(options, progress)
+    profile = profile_device(options)
     if tiny:
         profile["measured"]["command"] += " --tiny"
     path = write_profile(profile, out or DEVICES_DIR / f"{profile['name']}.yaml")
-    progress(f"profile-device: wrote {path} in {profile['measured']['seconds']} s")
+    logger.info(f"profile-device: wrote {path} in {profile['measured']['seconds']} s")
     return path

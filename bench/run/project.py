@@ -7,14 +7,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import os
+import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
-
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from typing import Any
 
 from bench.predict.breakdown import step_breakdown
 from bench.predict.collectives import Network
@@ -34,8 +31,7 @@ from moe_engine.config import DataParallelMode, DispatchKind, ExpertOverlap, Rec
 from moe_engine.flops import training_flops_per_token
 from moe_engine.parallel.layout import Layout, check_proxy_layout, stage_blocks
 
-if TYPE_CHECKING:
-    from rich.progress import TaskID
+logger = logging.getLogger(__name__)
 
 TRACED_MICROBATCHES = 2
 """Microbatches a projection traces: the first stands for every one but the last, where buckets launch."""
@@ -170,22 +166,34 @@ class StageTrace:
     """Spent on this stage: tracing and pricing, or retargeting a twin's."""
 
 
-class TraceProgress:
-    """What a projection tells while it traces its stages, as plain lines (logs, pipes, tests): each
-    stage as it starts, whether it is traced or takes an identical stage's trace, the trace's ops
-    now and then (every ``PROGRESS_EVERY_S``), and what it took."""
+class StageLog:
+    """What a projection tells while it traces its stages, as log records: each stage as it starts,
+    whether it is traced or takes an identical stage's trace, the trace's ops now and then (every
+    ``PROGRESS_EVERY_S``), and what it took. Each record carries ``stage_event`` (begin, stage, ops,
+    done), ``scenario``, ``stage``, ``stages``, ``rank`` and ``detail`` for a live display (``bench.run.console.TraceBars``);
+    every count of ops is a debug record, one now and then an info line."""
 
-    def __init__(self, line: Callable[[str], None] = lambda text: None):
-        self._line = line
+    def __init__(self) -> None:
         self._scenario, self._stages, self._sources = "", 1, [0]
         self._ranks: dict[int, int] = {}
         self._started = self._reported = time.perf_counter()
+
+    def _log(self, level: int, text: str, event: str, stage: int, detail: str = "") -> None:
+        extra = {
+            "stage_event": event,
+            "scenario": self._scenario,
+            "stage": stage,
+            "stages": self._stages,
+            "rank": self._ranks.get(stage),
+            "detail": detail,
+        }
+        logger.log(level, text, extra=extra)
 
     def begin(self, scenario: str, sources: list[int]) -> None:
         """A projection of ``scenario`` whose stage i takes stage ``sources[i]``'s trace."""
         self._scenario, self._stages, self._sources = scenario, len(sources), sources
         self._started = time.perf_counter()
-        self._line(f"{scenario}: {sharing_text(sources)}")
+        self._log(logging.INFO, f"{scenario}: {sharing_text(sources)}", "begin", 0)
 
     def where(self, stage: int) -> str:
         return f"{self._scenario}: stage {stage} of {self._stages} (rank {self._ranks.get(stage, '?')})"
@@ -198,18 +206,22 @@ class TraceProgress:
         if source == stage:
             twins = [s for s, src in enumerate(self._sources) if src == stage and s != stage]
             also = f"; its trace serves {_stages(twins)}" if twins else ""
-            self._line(f"{self.where(stage)}: tracing at full size, {microbatches} microbatches{also}")
-
-    def note(self, stage: int, text: str) -> None:
-        """A line of the stage's trace."""
-        self._line(f"{self.where(stage)}: {text}")
+            text = f"{self.where(stage)}: tracing at full size, {microbatches} microbatches{also}"
+            self._log(logging.INFO, text, "stage", stage, "tracing")
+        else:
+            text = f"{self.where(stage)}: taking stage {source}'s trace"
+            self._log(logging.DEBUG, text, "stage", stage, f"taking stage {source}'s trace")
 
     def ops(self, stage: int, count: int, phase: str) -> None:
         """The stage's trace holds ``count`` ops, the latest of ``phase`` (forward, backward, ...)."""
         now = time.perf_counter()
+        detail = f"{count:,} ops traced ({phase})"
         if now - self._reported >= PROGRESS_EVERY_S:
             self._reported = now
-            self._line(f"{self.where(stage)}: {count:,} ops traced ({phase}), {now - self._started:.0f}s elapsed")
+            text = f"{self.where(stage)}: {detail}, {now - self._started:.0f}s elapsed"
+            self._log(logging.INFO, text, "ops", stage, detail)
+        elif logger.isEnabledFor(logging.DEBUG):
+            self._log(logging.DEBUG, f"{self.where(stage)}: {detail}", "ops", stage, detail)
 
     def done(self, staged: StageTrace) -> None:
         """A stage is traced and priced, or has its twin's trace."""
@@ -218,82 +230,8 @@ class TraceProgress:
             what = f"traced {len(staged.trace.ops):,} ops in {staged.seconds:.0f}s"
         else:
             what = f"stage {staged.shared_with}'s trace (identical stage)"
-        self._line(f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed")
-
-    def close(self) -> None:
-        """The projection is over (a live display stops)."""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class LiveTraceProgress(TraceProgress):
-    """``TraceProgress`` on a terminal: rich progress bars, one for the stages and one per stage with
-    its ops traced so far and its time; a line per finished stage stays above them."""
-
-    def __init__(self, stream):
-        super().__init__()
-
-        self._progress = Progress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.fields[detail]}"),
-            TimeElapsedColumn(),
-            console=Console(file=stream),
-            transient=True,
-        )
-        self._progress.start()
-        self._overall: TaskID | None = None
-        self._tasks: dict[int, Any] = {}
-
-    def begin(self, scenario: str, sources: list[int]) -> None:
-        self._scenario, self._stages, self._sources = scenario, len(sources), sources
-        self._started = time.perf_counter()
-        self._progress.console.print(f"{scenario}: {sharing_text(sources)}", highlight=False, soft_wrap=True)
-        self._overall = self._progress.add_task(f"{scenario}: stages", total=len(sources), detail="")
-
-    def stage(self, stage: int, rank: int, microbatches: int) -> None:
-        self._ranks[stage] = rank
-        source = self._sources[stage]
-        what = "tracing" if source == stage else f"taking stage {source}'s trace"
-        self._tasks[stage] = self._progress.add_task(
-            f"  stage {stage} of {self._stages} (rank {rank})", total=None, detail=what
-        )
-
-    def note(self, stage: int, text: str) -> None:
-        self._progress.update(self._tasks[stage], detail=text)
-
-    def ops(self, stage: int, count: int, phase: str) -> None:
-        self._progress.update(self._tasks[stage], detail=f"{count:,} ops traced ({phase})")
-
-    def done(self, staged: StageTrace) -> None:
-        stage = staged.pipeline_rank
-        self._progress.remove_task(self._tasks.pop(stage))
-        assert self._overall is not None  # begin() added the stages' task
-        self._progress.advance(self._overall)
-        if staged.shared_with is None:
-            what = f"traced {len(staged.trace.ops):,} ops in {staged.seconds:.0f}s"
-        else:
-            what = f"shared: stage {staged.shared_with}'s trace (identical stage)"
-        self._progress.console.print(
-            f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed",
-            highlight=False,
-            soft_wrap=True,
-        )
-
-    def close(self) -> None:
-        self._progress.stop()
-
-
-def trace_progress(stream) -> TraceProgress:
-    """Progress bars on a terminal (not under CI), plain lines to ``stream`` otherwise."""
-    if stream.isatty() and not os.environ.get("CI"):
-        return LiveTraceProgress(stream)
-    return TraceProgress(lambda text: print(text, file=stream, flush=True))
+        text = f"{self.where(stage)}: {what}; {time.perf_counter() - self._started:.0f}s elapsed"
+        self._log(logging.INFO, text, "done", stage)
 
 
 def sharing_text(sources: list[int], done: bool = False) -> str:
@@ -326,12 +264,11 @@ def stage_traces(
     traced: Scenario,
     profile: DeviceProfile,
     share: bool = True,
-    progress: Callable[[str], None] | TraceProgress = lambda line: None,
 ) -> Iterator[StageTrace]:
     """Each pipeline stage's step of ``traced`` (the scenario as traced) at rank (stage, 0, 0), priced on
-    ``profile``; with ``share``, identical stages trace once (docs/projection-formulas.md). ``progress``: a
-    ``TraceProgress``, or a function that takes its lines."""
-    reporter = progress if isinstance(progress, TraceProgress) else TraceProgress(progress)
+    ``profile``; with ``share``, identical stages trace once (docs/projection-formulas.md). It logs its
+    stages as it goes (``StageLog``)."""
+    reporter = StageLog()
     parallel = traced.parallel_config
     assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp
     layout = Layout(parallel)
@@ -347,7 +284,6 @@ def stage_traces(
                 traced,
                 rank=rank,
                 fake=True,
-                progress=functools.partial(reporter.note, stage),
                 on_ops=functools.partial(reporter.ops, stage),
             )
             priced = price_ops(trace.ops, profile)
@@ -375,7 +311,6 @@ def project_on_device(
     profile: DeviceProfile,
     skew: SkewModel | None = None,
     microbatches: int | None = TRACED_MICROBATCHES,
-    progress: Callable[[str], None] | TraceProgress = lambda line: None,
     share_stages: bool = True,
     breakdown: bool = False,
 ) -> dict[str, Any]:
@@ -395,7 +330,7 @@ def project_on_device(
             f"{format_gib(fit['memory_need_bytes'], decimals=1)} by the plan, the device holds {format_gib(profile.memory_bytes, decimals=1)}"
         )
     traced = traced_scenario(scenario, microbatches)
-    staged = stage_traces(traced, profile, share_stages, progress)
+    staged = stage_traces(traced, profile, share_stages)
     return projection_document(scenario, profile, fit, staged, skew, breakdown)
 
 

@@ -15,6 +15,7 @@ starting (unless forced).
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -44,6 +45,8 @@ from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge
 from bench.scenario import Scenario
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,11 +108,11 @@ class Runner:
     def run(self, scenarios: list[Scenario]) -> list[Outcome]:
         reporter = self.reporter_factory(len(scenarios))
         outcomes = []
-        lock = results_lock(self.out_root, reporter.note) if self.writes_results and not self.plan_only else None
+        lock = results_lock(self.out_root) if self.writes_results and not self.plan_only else None
         try:
             for scenario in scenarios:
                 reporter.start(scenario, mode="plan" if self.plan_only else scenario.mode)
-                outcome = self.run_one(scenario, reporter.line)
+                outcome = self.run_one(scenario)
                 reporter.finish(outcome)
                 outcomes.append(outcome)
         finally:
@@ -118,14 +121,14 @@ class Runner:
             reporter.close()
         return outcomes
 
-    def run_one(self, scenario: Scenario, progress: Callable[[str], None]) -> Outcome:
+    def run_one(self, scenario: Scenario) -> Outcome:
         started = time.perf_counter()
         planned = self.plan_only or scenario.mode == "plan"
         if planned:
             metrics, details = plan_scenario(scenario)
             status, error, conditions = "ok", None, None
         else:
-            status, error, metrics, details, conditions = self._execute(scenario, progress)
+            status, error, metrics, details, conditions = self._execute(scenario)
         seconds = time.perf_counter() - started
         # The plan of an execute or proxy scenario is a result of its own: named apart, so that
         # comparisons never pool it with the scenario's runs (same spec, same hash).
@@ -248,7 +251,7 @@ class Runner:
         details = {"pools": pools, "margin": MEMORY_MARGIN, "shortfall": reason, "forced": self.force}
         return (None if self.force else reason), details
 
-    def _execute(self, scenario: Scenario, progress) -> tuple[str, str | None, dict, dict, dict | None]:
+    def _execute(self, scenario: Scenario) -> tuple[str, str | None, dict, dict, dict | None]:
         """Status, error, metrics, details and the machine's conditions over the run (``bench.run.conditions``;
         None where no worker ran, or inside a launch, whose other ranks share the machine by design)."""
         reason = self._skip_reason(scenario)
@@ -274,10 +277,10 @@ class Runner:
             outcome = self._execute_in_launch(scenario, request)
         elif scenario.mode == "execute":
             watch = Watch.start()
-            outcome = self._run_worker(scenario, request, progress)
+            outcome = self._run_worker(scenario, request)
             conditions = watch.finish()
         else:
-            outcome = self._run_worker(scenario, request, progress)
+            outcome = self._run_worker(scenario, request)
         details = merge_details(outcome.details, runner_details)
         return outcome.status, outcome.error, outcome.metrics, details, conditions
 
@@ -298,14 +301,14 @@ class Runner:
             project_devices=tuple(self.project_devices),
         )
 
-    def _run_worker(self, scenario: Scenario, request: WorkerRequest, progress) -> WorkerOutcome:
+    def _run_worker(self, scenario: Scenario, request: WorkerRequest) -> WorkerOutcome:
         timeout = scenario.run.timeout_s
         with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
             request_path, out_path = Path(tmp) / "request.json", Path(tmp) / "outcome.json"
             request_path.write_text(request.to_json())
             processes = 1 if scenario.mode == "proxy" else scenario.world_size
             command = worker_command(processes) + [str(request_path), str(out_path)]
-            returncode, tail = run_with_timeout(command, timeout, progress, env=worker_env(processes))
+            returncode, tail = run_with_timeout(command, timeout, env=worker_env(processes))
             if returncode is None:
                 outcome = WorkerOutcome("timeout", f"stopped after exceeding its timeout of {timeout:g} s")
             elif not out_path.exists():
@@ -349,7 +352,7 @@ class Runner:
 LOCK_NAME = ".moe-bench.lock"
 
 
-def results_lock(out_root: Path, say: Callable[[str], None]):
+def results_lock(out_root: Path):
     """Hold the results folder for this run: a second ``moe-bench run`` into the same folder waits
     (saying for whom) until the first ends. Two runs at once share the cores, and each would measure
     the other: both results would be noisy. The lock is the open file returned (``fcntl.flock``, released
@@ -362,7 +365,7 @@ def results_lock(out_root: Path, say: Callable[[str], None]):
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "another moe-bench run"
-        say(f"waiting: {holder} is running into {out_root} (two runs at once would measure each other)")
+        logger.info(f"waiting: {holder} is running into {out_root} (two runs at once would measure each other)")
         fcntl.flock(handle, fcntl.LOCK_EX)
     handle.seek(0)
     handle.truncate()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from moe_engine.config import DataParallelMode
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+
+logger = logging.getLogger(__name__)
 
 SHADOW_MAX_ELEMENTS = 1 << 22
 """A tensor gets a real shadow only up to this size: routing metadata is T * k or T * E elements."""
@@ -524,8 +527,8 @@ def rank_trainer(scenario: Scenario, rank: int = 0) -> Iterator[tuple[ParallelTr
         leave_fake_world()
 
 
-def _ops_lines(progress: Callable[[str], None]) -> Callable[[int, str], None]:
-    """An ``on_ops`` that reports in a line of ``progress`` at most every ``PROGRESS_EVERY_S``."""
+def _ops_lines() -> Callable[[int, str], None]:
+    """An ``on_ops`` that logs a line at most every ``PROGRESS_EVERY_S``."""
     started = reported = time.perf_counter()
 
     def on_ops(count: int, stage: str) -> None:
@@ -533,7 +536,7 @@ def _ops_lines(progress: Callable[[str], None]) -> Callable[[int, str], None]:
         now = time.perf_counter()
         if now - reported >= PROGRESS_EVERY_S:
             reported = now
-            progress(f"{count:,} ops traced ({stage}), {now - started:.0f}s")
+            logger.info(f"{count:,} ops traced ({stage}), {now - started:.0f}s")
 
     return on_ops
 
@@ -542,14 +545,13 @@ def trace_step(
     scenario: Scenario,
     rank: int = 0,
     fake: bool = True,
-    progress: Callable[[str], None] = lambda line: None,
     on_ops: Callable[[int, str], None] | None = None,
 ) -> StepTrace:
     """Trace one optimizer step of ``rank`` of ``scenario``'s layout at its own sizes.
 
     ``fake`` False runs the step for real (the scenario must fit this machine). The process must not
-    be in a process group: it joins a fake world for the duration. ``progress`` takes the trace's
-    lines; ``on_ops`` (count, stage) its count of ops as it grows (default: a line now and then).
+    be in a process group: it joins a fake world for the duration. It logs what it builds and traces;
+    ``on_ops`` (count, stage) takes its count of ops as it grows (default: a logged line now and then).
     """
     parallel = scenario.parallel_config
     world = scenario.world_size
@@ -562,10 +564,10 @@ def trace_step(
         # thread, 170 ms on two), and a traced step is made of ~10^5 such ops.
         torch.set_num_threads(1)
         groups = build_process_groups(Layout(parallel))
-        tracer = StepTracer(on_ops or _ops_lines(progress))
+        tracer = StepTracer(on_ops or _ops_lines())
         mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
         with mode, _fake_to_empty(fake), tracer:
-            progress(f"building rank {rank}'s share ({'fake tensors' if fake else 'real tensors'})")
+            logger.info(f"building rank {rank}'s share ({'fake tensors' if fake else 'real tensors'})")
             tracer.recording = False
             rank_model = _build_rank(scenario, groups, seed)
             trainer = ParallelTrainer(rank_model, parallel, groups, scenario.optimizer)
@@ -574,7 +576,7 @@ def trace_step(
             # Once-per-step work outside the microbatches (zeroing the gradient buffers, the update)
             # gets its stage, and each part of the step outside the model its location.
             _locate_parts(trainer, rank_model, tracer)
-            progress(f"tracing one step of {parallel.microbatches} microbatches")
+            logger.info(f"tracing one step of {parallel.microbatches} microbatches")
             with tracer.in_stage("forward"), tracer.locator:
                 trainer.step(tokens, labels)
         assert parallel.microbatches is not None  # ParallelConfig.__post_init__ resolves None to pp

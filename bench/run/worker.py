@@ -1,5 +1,8 @@
 """Worker process: execute one scenario and write its outcome as JSON.
 More: docs/step-measurement.md.
+
+Its stdout is the runner's to relay, a line at a time (``bench.run.process.run_with_timeout``): the
+``bench`` log records, as plain lines, and whatever else the process writes there.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench.logs import console_logging
 from bench.run.execute import ExecuteResult, NonFiniteLoss, execute
 from bench.run.launch import detect_launch, join_launch
 from bench.run.proxy.run import run_proxy
@@ -24,15 +28,12 @@ from moe_engine.parallel.layout import Layout
 
 def execute_outcome(scenario: Scenario, request: WorkerRequest, device: torch.device, groups) -> WorkerOutcome:
     """Run ``scenario`` on this rank's ``device`` as ``request`` asks; every failure becomes the outcome."""
-    progress = lambda line: print(line, flush=True)
     result: ExecuteResult | None
     try:
         if scenario.mode == "proxy":
-            result = run_proxy(scenario, device, progress, list(request.project_devices))
+            result = run_proxy(scenario, device, list(request.project_devices))
         else:
-            result = execute(
-                scenario, device, request.peaks, progress=progress, groups=groups, checkpointing=request.checkpoint
-            )
+            result = execute(scenario, device, request.peaks, groups=groups, checkpointing=request.checkpoint)
     except NonFiniteLoss as err:
         return WorkerOutcome("failed", str(err))
     except (torch.OutOfMemoryError, MemoryError) as err:
@@ -75,4 +76,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    console_logging(stream=sys.stdout)
     sys.exit(main())

@@ -5,15 +5,17 @@ More: docs/validation-tools.md.
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from bench.logs import quieted
 from bench.predict.collectives import Collective
 from bench.predict.device import DeviceProfile
 from bench.predict.skew import SkewModel, skew_seconds, sync_points
 from bench.run.network import calibrate_network
+from bench.run.process import OUTPUT
 from bench.run.project import project_on_device
 from bench.run.runner import Runner
 from bench.scenario import Scenario, scenario_from_dict
@@ -24,6 +26,8 @@ DEFAULT_SCENARIOS = (
     "scenarios/smoke/e8-ep2-sync-bf16.yaml",
     "scenarios/smoke/e8-pp2-1f1b-bf16.yaml",
 )
+
+logger = logging.getLogger(__name__)
 
 
 def proxy_spec(scenario: Scenario, rank: int, network: dict[str, Any]) -> dict[str, Any]:
@@ -81,8 +85,9 @@ def _proxies(runner: Runner, scenario: Scenario, network: dict[str, Any]) -> lis
     specs = [scenario_from_dict(proxy_spec(scenario, r, network)) for r in range(scenario.world_size)]
     # The real ranks share this machine's cores and memory bandwidth; so do the proxies, run at
     # the same time with one thread each, so that each measures its compute under the same load.
-    with ThreadPoolExecutor(max_workers=len(specs)) as pool:
-        proxies = list(pool.map(lambda spec: runner.run_one(spec, lambda line: None), specs))
+    # Side by side, their workers' lines would interleave into noise: only their warnings show.
+    with quieted(OUTPUT), ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        proxies = list(pool.map(runner.run_one, specs))
     for rank, proxy in enumerate(proxies):
         if proxy.status != "ok":
             raise RuntimeError(f"the proxy of {scenario.name} rank {rank} ended {proxy.status}: {proxy.error}")
@@ -92,7 +97,6 @@ def _proxies(runner: Runner, scenario: Scenario, network: dict[str, Any]) -> lis
 def check(
     runner: Runner,
     scenarios: list[Scenario],
-    progress: Callable[[str], None],
     runs: int = 1,
     profile: DeviceProfile | None = None,
     warmup_steps: int | None = None,
@@ -107,17 +111,17 @@ def check(
     worlds = sorted({s.world_size for s in scenarios})
     networks = {}
     for world in worlds:
-        progress(f"measuring gloo links between {world} ranks")
-        networks[world] = calibrate_network(world, progress)
+        logger.info(f"measuring gloo links between {world} ranks")
+        networks[world] = calibrate_network(world)
     rows = []
     for scenario in scenarios:
         for run in range(runs):
-            progress(f"{scenario.name}: real run {run + 1} of {runs} on {scenario.world_size} ranks")
-            real = runner.run_one(scenario, progress)
+            logger.info(f"{scenario.name}: real run {run + 1} of {runs} on {scenario.world_size} ranks")
+            real = runner.run_one(scenario)
             if real.status != "ok":
                 rows.append({"scenario": scenario.name, "run": run, "status": real.status, "error": real.error})
                 continue
-            progress(f"{scenario.name}: proxies of its {scenario.world_size} ranks, side by side")
+            logger.info(f"{scenario.name}: proxies of its {scenario.world_size} ranks, side by side")
             proxies = _proxies(runner, scenario, networks[scenario.world_size])
             measured = real.metrics["step_time_s"]["median"]
             samples = real.metrics["step_time_s"]["samples"]
@@ -139,7 +143,9 @@ def check(
                 "plan_memory_gap": [p.metrics["plan_memory_gap"]["median"] for p in proxies],
             }
             if profile is not None:
-                op_level = project_on_device(scenario, profile, skew=skew)
+                # One line says it (the real run's); the projection's stage lines would bury it.
+                with quieted("bench.run.project"), quieted("bench.run.trace"):
+                    op_level = project_on_device(scenario, profile, skew=skew)
                 row.update(
                     op_level_step_s=op_level["step_s"],
                     op_level_error=op_level["step_s"] / measured - 1,

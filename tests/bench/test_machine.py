@@ -94,7 +94,7 @@ def _fake_cuda_runner(monkeypatch, tmp_path, name: str):
     monkeypatch.setattr(runner_module, "cuda_free_bytes", lambda count: [80 * 2**30] * count)
     peaks = []
 
-    def fake_worker(command, timeout, on_line, env=None):
+    def fake_worker(command, timeout, env=None):
         peaks.append(WorkerRequest.from_json(Path(command[-2]).read_text()).peaks)
         Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
@@ -107,14 +107,14 @@ def test_an_mxfp8_run_gets_the_fp8_peak_too(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
     runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H200")
-    runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    runner.run_one(scenario_from_dict(copy.deepcopy(TINY)))
     (given,) = peaks
     assert given.bf16 == 989.5 and given.fp8 == 1979.0
     # The peaks' source the worker is told to record (its own field in the result).
     assert "H200 SXM" in given.source and "'NVIDIA H200'" in given.source
     # A bf16 run is measured against the BF16 peak alone.
     bf16 = scenario_from_dict({**copy.deepcopy(TINY), "precision": "bf16", "name": "bf"})
-    runner.run_one(bf16, lambda line: None)
+    runner.run_one(bf16)
     assert peaks[1].bf16 == 989.5 and peaks[1].fp8 is None
 
 
@@ -122,7 +122,7 @@ def test_a_pcie_part_is_not_measured_against_the_sxm_peak(monkeypatch, tmp_path)
     from bench.scenario import scenario_from_dict
 
     runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA H100 PCIe")
-    runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    runner.run_one(scenario_from_dict(copy.deepcopy(TINY)))
     assert peaks[0].bf16 == 756.5 and peaks[0].fp8 == 1513.0
 
 
@@ -130,7 +130,7 @@ def test_an_unknown_gpu_records_why_it_has_no_mfu(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
     runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA Hypothetical X1")
-    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)))
     assert peaks[0].bf16 is None and peaks[0].fp8 is None and peaks[0].source is None
     missing = outcome.details["mfu_unavailable"]
     assert set(missing) == {"mfu", "mfu_fp8"} and "'NVIDIA Hypothetical X1'" in missing["mfu"]
@@ -142,7 +142,7 @@ def test_a_gpu_without_fp8_says_so_for_an_mxfp8_run(monkeypatch, tmp_path):
     from bench.scenario import scenario_from_dict
 
     runner, peaks = _fake_cuda_runner(monkeypatch, tmp_path, "NVIDIA A100-SXM4-80GB")
-    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)), lambda line: None)
+    outcome = runner.run_one(scenario_from_dict(copy.deepcopy(TINY)))
     assert peaks[0].bf16 == 312.0 and peaks[0].fp8 is None
     assert "no FP8" in outcome.details["mfu_unavailable"]["mfu_fp8"] and "mfu" not in outcome.details["mfu_unavailable"]
 

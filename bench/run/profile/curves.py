@@ -8,6 +8,7 @@ What each point's work and seconds are: ``bench.run.profile_device``'s docstring
 from __future__ import annotations
 
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,8 @@ from bench.run.profile.sweep import DTYPES, Sweep, grouped_shapes, timed_fp32
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.moe.grouped_gemm import grouped_mm
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Timer",
@@ -97,7 +100,7 @@ def _cold(timer: Timer, make: Callable[[], tuple[torch.Tensor, ...]]) -> Callabl
     return lambda: pool[next(turn) % len(pool)]
 
 
-def gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def gemm_points(timer: Timer, dtype: str) -> list[dict[str, Any]]:
     points = []
     for m, n, k in timer.sweep.gemm_shapes:
         if not timed_fp32(timer.sweep, dtype, 2 * m * n * k):
@@ -112,7 +115,7 @@ def gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> li
         seconds = timer.median(lambda ab: torch.mm(*ab), setup=operands)
         work = 2 * m * n * k
         points.append(_point(work, seconds, (m, n, k)))
-        progress(f"  gemm {dtype} {m}x{n}x{k}: {seconds * 1e6:.1f} us, {work / seconds / 1e12:.3f} TFLOP/s")
+        logger.info(f"  gemm {dtype} {m}x{n}x{k}: {seconds * 1e6:.1f} us, {work / seconds / 1e12:.3f} TFLOP/s")
     for batch, m, n, k in timer.sweep.bmm_shapes:
         if not timed_fp32(timer.sweep, dtype, 2 * batch * m * n * k):
             continue
@@ -126,11 +129,11 @@ def gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> li
         seconds = timer.median(lambda ab: torch.bmm(*ab), setup=operands)
         work = 2 * batch * m * n * k
         points.append(_point(work, seconds, (batch, m, n, k)))
-        progress(f"  bmm {dtype} {batch}x{m}x{n}x{k}: {seconds * 1e6:.1f} us")
+        logger.info(f"  bmm {dtype} {batch}x{m}x{n}x{k}: {seconds * 1e6:.1f} us")
     return _sorted(points)
 
 
-def grouped_gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def grouped_gemm_points(timer: Timer, dtype: str) -> list[dict[str, Any]]:
     sweep = timer.sweep
     points = []
     for experts, rows, n, k in grouped_shapes(sweep):
@@ -152,16 +155,14 @@ def grouped_gemm_points(timer: Timer, dtype: str, progress: Callable[[str], None
         seconds = timer.median(grouped, setup=operands) / experts
         work = 2 * rows * n * k
         points.append(_point(work, seconds, (experts, rows, n, k)))
-        progress(
+        logger.info(
             f"  grouped_gemm {dtype} E={experts} rows={rows} N={n} K={k}: "
             f"{seconds * 1e6:.1f} us/group, {work / seconds / 1e12:.3f} TFLOP/s"
         )
     return _sorted(points)
 
 
-def attention_points(
-    timer: Timer, dtype: str, progress: Callable[[str], None]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def attention_points(timer: Timer, dtype: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The forward curve and the backward curve (a CPU's backward runs several times slower per FLOP)."""
     sweep = timer.sweep
     b, h = sweep.attention_batch_heads
@@ -192,7 +193,7 @@ def attention_points(
         bwd_work = 5 * fwd_work // 2  # 2.5 x the forward
         forward_points.append(_point(fwd_work, fwd_s, (b, h, s, d)))
         backward_points.append(_point(bwd_work, bwd_s, (b, h, s, d)))
-        progress(
+        logger.info(
             f"  attention {dtype} B={b} H={h} S={s} d={d}: fwd {fwd_s * 1e6:.1f} us "
             f"({fwd_work / fwd_s / 1e12:.3f} TFLOP/s), bwd {bwd_s * 1e6:.1f} us "
             f"({bwd_work / bwd_s / 1e12:.3f} TFLOP/s)"
@@ -200,7 +201,7 @@ def attention_points(
     return _sorted(forward_points), _sorted(backward_points)
 
 
-def memory_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+def memory_points(timer: Timer, dtype: str) -> list[dict[str, Any]]:
     """Out-of-place ``torch.mul`` of two operands of each size, cold (``_cold``), in ``dtype``."""
     points = []
     for numel in timer.sweep.memory_numel:
@@ -214,14 +215,14 @@ def memory_points(timer: Timer, dtype: str, progress: Callable[[str], None]) -> 
         seconds = timer.median(lambda ab: torch.mul(*ab), setup=operands)
         work = 3 * numel * DTYPES[dtype].itemsize
         points.append(_point(work, seconds, (numel,)))
-        progress(
+        logger.info(
             f"  memory mul {dtype} {numel} elements ({work} bytes): {seconds * 1e6:.2f} us, "
             f"{work / seconds / 1e9:.2f} GB/s"
         )
     return _sorted(points)
 
 
-def stream_gbps(timer: Timer, progress: Callable[[str], None]) -> tuple[float, int]:
+def stream_gbps(timer: Timer) -> tuple[float, int]:
     """Bandwidth of ``torch.add(a, b, out=c)`` (preallocated) at the two largest memory sizes: the best, its numel."""
     best = (0.0, 0)
     for numel in sorted(timer.sweep.memory_numel)[-2:]:
@@ -232,7 +233,7 @@ def stream_gbps(timer: Timer, progress: Callable[[str], None]) -> tuple[float, i
 
         seconds = timer.median(add)
         gbps = 3 * numel * a.element_size() / seconds / 1e9
-        progress(f"  memory add out= {numel} elements: {gbps:.2f} GB/s")
+        logger.info(f"  memory add out= {numel} elements: {gbps:.2f} GB/s")
         best = max(best, (gbps, numel))
     return best
 

@@ -5,6 +5,7 @@ reduction launches (``bench.run.proxy.run``'s docstring, "What is measured")."""
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import statistics
 import time
@@ -37,6 +38,8 @@ from moe_engine.parallel.data_parallel import DataParallelOptimizer
 from moe_engine.parallel.groups import ProcessGroups, build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer
+
+logger = logging.getLogger(__name__)
 
 
 def _batches(sequences: int, seq_len: int, vocab: int, device: torch.device, seed: int):
@@ -209,13 +212,11 @@ class RankMeasurement:
     """Per measured step, per bucket: ``_SyncProbe.record``."""
 
 
-def measure_rank(
-    scenario: Scenario, scale: ProxyScale, device: torch.device, progress
-) -> tuple[RankMeasurement, ProcessGroups]:
+def measure_rank(scenario: Scenario, scale: ProxyScale, device: torch.device) -> tuple[RankMeasurement, ProcessGroups]:
     parallel, config, run = scenario.parallel_config, scenario.model, scenario.run
     groups = build_process_groups(Layout(parallel))
     seed = scenario.spec["routing"]["seed"]
-    progress(
+    logger.info(
         f"building rank {scale.rank}'s share ({scale.blocks_run} of {scale.blocks_full} blocks of stage {scale.pp_rank})"
     )
     rank_model = build_proxy_rank(
@@ -270,7 +271,7 @@ def measure_rank(
             measured.syncs.append(probe.record())
             if loss is not None:
                 measured.losses.append(float(loss))
-        progress(
+        logger.info(
             f"step {step + 1}: {'measured' if is_measured else 'warm-up'} {wall - fabricated:.3f}s compute"
             f" (+{fabricated:.3f}s fabricating peers)"
         )
@@ -280,7 +281,7 @@ def measure_rank(
             "cuda_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
         }
     else:
-        progress("memory step (tracked tensors)")
+        logger.info("memory step (tracked tensors)")
         tokens, labels = next(batches)
         optimizer_step, peaks = optimizer.step, {}
         with TensorMemoryTracker(trainer.resident_tensors()) as tracker:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import copy
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -90,7 +90,6 @@ def _as_plan(spec: dict[str, Any]) -> Scenario:
 def run_proxy(
     scenario: Scenario,
     device: torch.device,
-    progress: Callable[[str], None] = lambda line: None,
     project_devices: Sequence[str] = (),
 ) -> ExecuteResult:
     """Run the proxy of ``scenario`` in this process (which must not be in a process group); the result
@@ -104,7 +103,7 @@ def run_proxy(
         torch.set_num_threads(scenario.proxy.threads)
     join_fake_world(scale.rank, scenario.world_size)
     try:
-        measured, groups = measure_rank(run_scenario, scale, device, progress)
+        measured, groups = measure_rank(run_scenario, scale, device)
         phases = group_phases(groups)
         family_groups: dict[str, str] = {"dense": groups.dp.group_name, "expert": groups.edp.group_name}
     finally:
@@ -199,7 +198,7 @@ def run_proxy(
             "scenario's network, not the scenario's GPUs",
         ],
         plan_vs_proxy=_plan_vs_proxy(plan_stage, plan_run, measured.memory, peak_key, device),
-        device_projections=_device_projections(scenario, project_devices, progress),
+        device_projections=_device_projections(scenario, project_devices),
         plan_full_scale={
             "memory_total_bytes": plan_full["stages"][scale.pp_rank]["memory_total_bytes"],
             "memory_bytes": plan_full["stages"][scale.pp_rank].get("memory_bytes"),
@@ -214,7 +213,7 @@ def run_proxy(
     return result
 
 
-def _device_projections(scenario: Scenario, extra: Sequence[str], progress) -> dict[str, Any]:
+def _device_projections(scenario: Scenario, extra: Sequence[str]) -> dict[str, Any]:
     """The op-level projection (``bench.run.project``) on each device: the scenario's own, then ``extra``."""
 
     assert scenario.cluster is not None  # run_proxy refuses a scenario without one
@@ -222,7 +221,7 @@ def _device_projections(scenario: Scenario, extra: Sequence[str], progress) -> d
     projections = {}
     for name in dict.fromkeys(names):
         try:
-            projections[name] = project_on_device(scenario, load_profile(name), progress=progress)
+            projections[name] = project_on_device(scenario, load_profile(name))
         except DoesNotFit as err:
             projections[name] = {"device": name, "fits": False, "error": str(err)}
         except NotTraceable as err:

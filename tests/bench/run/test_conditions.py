@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -132,14 +133,14 @@ def test_a_run_beside_a_busy_loop_is_noisy_and_the_page_reports_no_regression(tm
     assert "NOISY tiny" in page
 
 
-def test_a_second_run_into_one_results_folder_waits_and_says_why(tmp_path):
+def test_a_second_run_into_one_results_folder_waits_and_says_why(tmp_path, caplog):
     folder = tmp_path / "results"
     holder = subprocess.Popen(
         [
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path; from bench.run.runner import results_lock; "
-            "lock = results_lock(Path(sys.argv[1]), print); print('held', flush=True); time.sleep(1.5); lock.close()",
+            "lock = results_lock(Path(sys.argv[1])); print('held', flush=True); time.sleep(1.5); lock.close()",
             str(folder),
         ],
         stdout=subprocess.PIPE,
@@ -148,16 +149,16 @@ def test_a_second_run_into_one_results_folder_waits_and_says_why(tmp_path):
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        said: list[str] = []
         started = time.monotonic()
-        lock = results_lock(folder, said.append)
+        with caplog.at_level(logging.INFO, logger="bench.run.runner"):
+            lock = results_lock(folder)
         waited = time.monotonic() - started
         lock.close()
     finally:
         holder.kill()
         holder.wait()
     assert waited > 0.5, "the second run did not wait for the first"
-    (line,) = said
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "bench.run.runner"]
     assert line.startswith(f"waiting: moe-bench run (pid {holder.pid}") and str(folder) in line
     assert json.dumps(line)  # one printable line
     assert (folder / LOCK_NAME).exists()

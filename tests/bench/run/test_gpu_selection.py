@@ -46,7 +46,7 @@ class FakeNode:
         self.memory_queries.extend(f"cuda:{r}" for r in range(count))
         return [self.free] * count
 
-    def worker(self, command, timeout, on_line, env=None):
+    def worker(self, command, timeout, env=None):
         request = WorkerRequest.from_json(Path(command[-2]).read_text())
         self.launches[request.spec["name"]] = command
         self.requests[request.spec["name"]] = request

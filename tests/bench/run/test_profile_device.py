@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -44,12 +45,28 @@ MEMORY_WORK = {  # 3 x numel x element size
 }
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def profile():
-    lines = []
-    options = ProfileOptions("cpu", threads=1, name="tiny-cpu", sweep=tiny_sweep(), load=False, network=NETWORK)
-    result = profile_device(options, progress=lines.append)
-    assert any(line.startswith("  gemm bf16") for line in lines), "no progress lines"
+    logger, lines = logging.getLogger("bench.run"), _Lines()  # a module's fixture: caplog is a test's
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        options = ProfileOptions("cpu", threads=1, name="tiny-cpu", sweep=tiny_sweep(), load=False, network=NETWORK)
+        result = profile_device(options)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    assert any(line.startswith("  gemm bf16") for line in lines.lines), "no progress lines"
     return result
 
 
@@ -109,10 +126,10 @@ def test_written_file_loads(profile, tmp_path):
 def test_threads_are_restored_and_gpu_needs_a_base():
     before = torch.get_num_threads()
     options = ProfileOptions("cpu", threads=1, sweep=tiny_sweep(), network=NETWORK, load=False)
-    profile_device(options, progress=lambda line: None)
+    profile_device(options)
     assert torch.get_num_threads() == before
     with pytest.raises(ValueError, match="base"):
-        profile_device(ProfileOptions("cuda"), progress=lambda line: None)
+        profile_device(ProfileOptions("cuda"))
 
 
 def test_timed_points_are_the_points_timed_and_fp32_stops_at_the_cap(monkeypatch):
@@ -129,7 +146,7 @@ def test_timed_points_are_the_points_timed_and_fp32_stops_at_the_cap(monkeypatch
 
     monkeypatch.setattr(Timer, "median", counted)
     options = ProfileOptions("cpu", threads=1, sweep=sweep, base="cpu-2core", load=False)
-    result = profile_device(options, progress=lambda line: None)
+    result = profile_device(options)
     # bf16: 4 gemm + 4 grouped + 2 x 2 attention + 3 memory; fp32: 3 + 2 + 0 + 3; 2 stream sizes.
     assert len(calls) == len(timed_points(sweep)) == 25
     curves = result["curves"]

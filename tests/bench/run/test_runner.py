@@ -479,7 +479,7 @@ def test_force_starts_it_anyway(tmp_path, monkeypatch):
     fake_host(monkeypatch, 22.8)
     started = []
 
-    def fake_worker(command, timeout, on_line, env=None):
+    def fake_worker(command, timeout, env=None):
         started.append(command)
         Path(command[-1]).write_text(json.dumps({"status": "ok", "error": None, "metrics": {}, "details": {}}))
         return 0, []
@@ -652,7 +652,7 @@ def test_the_workers_peak_fields_reach_the_result_as_it_wrote_them(tmp_path, mon
     fake_host(monkeypatch, 64)
     worker_details = {"peak_tflops": 1.0, "peak_tflops_fp8": None, "peak_tflops_source": "the worker's own words"}
 
-    def fake_worker(command, timeout, on_line, env=None):
+    def fake_worker(command, timeout, env=None):
         Path(command[-1]).write_text(
             json.dumps({"status": "ok", "error": None, "metrics": {}, "details": worker_details})
         )
@@ -674,7 +674,7 @@ def test_the_peak_and_its_source_go_to_the_worker_which_records_them(tmp_path, m
 
     fake_host(monkeypatch, 64)  # measure_peak_tflops: 1.0 TFLOP/s
 
-    def worker_in_process(command, timeout, on_line, env=None):
+    def worker_in_process(command, timeout, env=None):
         return worker.main(command[command.index("bench.run.worker") + 1 :]), []
 
     monkeypatch.setattr(runner, "run_with_timeout", worker_in_process)

@@ -3,6 +3,7 @@ command says so (a stopped container, a CI timeout)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -44,22 +45,26 @@ def test_sigterm_stops_a_run_and_its_worker(tmp_path):
     assert left == [], f"processes left behind: {left}"
 
 
-def test_an_interrupt_while_relaying_a_worker_kills_its_session():
+def test_an_interrupt_while_relaying_a_worker_kills_its_session(caplog):
     """A worker that prints a line and then stays silent (a long step) would outlive its parent: it
     only notices a closed pipe when it next writes. The interrupt kills its session at once."""
-    from bench.run.process import run_with_timeout
+    from bench.run.process import OUTPUT, run_with_timeout
 
     env = {**os.environ, **owner_env()}
     silent = "import time; print('step 1', flush=True); time.sleep(120)"
 
-    def on_line(line: str) -> None:
-        raise KeyboardInterrupt  # as SIGTERM raises it (bench.termination), while the line is relayed
+    class Interrupting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            raise KeyboardInterrupt  # as SIGTERM raises it (bench.termination), while the line is relayed
 
+    handler = Interrupting()
+    OUTPUT.addHandler(handler)
     try:
-        with pytest.raises(KeyboardInterrupt):
-            run_with_timeout([sys.executable, "-c", silent], 60, on_line, env=env)
+        with caplog.at_level(logging.INFO, logger=OUTPUT.name), pytest.raises(KeyboardInterrupt):
+            run_with_timeout([sys.executable, "-c", silent], 60, env=env)
         left = owned_processes_after(env, timeout=5)
     finally:
+        OUTPUT.removeHandler(handler)
         for pid in owned_processes(env):
             os.kill(pid, signal.SIGKILL)
     assert left == [], f"the worker outlived the interrupt: {left}"

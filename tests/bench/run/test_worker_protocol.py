@@ -79,7 +79,7 @@ class FakeWorker:
         monkeypatch.setattr(runner, "available_memory_bytes", lambda device: (64 * 2**30, "MemAvailable"))
         monkeypatch.setattr(execute, "measure_peak_tflops", lambda device, dtype, seconds=1.0: 2.0)
 
-    def __call__(self, command, timeout, on_line, env=None):
+    def __call__(self, command, timeout, env=None):
         self.commands.append(command)
         self.requests.append(WorkerRequest.from_json(Path(command[-2]).read_text()))
         Path(command[-1]).write_text(WorkerOutcome("ok", None, {}, self.details).to_json())
@@ -90,7 +90,7 @@ def test_the_worker_gets_one_request_file_and_the_runner_adds_only_its_own_field
     worker = FakeWorker(monkeypatch, {"peak_tflops": 2.0, "peak_tflops_fp8": None, "peak_tflops_source": "given"})
     spec = {**copy.deepcopy(TINY), "checkpoint": {"every_steps": 1}}
     scenario = scenario_from_dict(spec)
-    outcome = runner.Runner(torch.device("cpu"), tmp_path).run_one(scenario, lambda line: None)
+    outcome = runner.Runner(torch.device("cpu"), tmp_path).run_one(scenario)
     (command,), (request,) = worker.commands, worker.requests
     assert command[:-2] == runner.worker_command(1) and not any(part.startswith("--") for part in command[-2:])
     assert request.device == "cpu" and request.peaks == Peaks(2.0, None, request.peaks.source)
@@ -109,14 +109,12 @@ def test_a_worker_field_the_runner_would_overwrite_is_refused(tmp_path, monkeypa
     FakeWorker(monkeypatch, {clash: "the worker's"})
     scenario = scenario_from_dict(copy.deepcopy(spec))
     with pytest.raises(DetailsClash, match=clash):
-        runner.Runner(torch.device("cpu"), tmp_path).run_one(scenario, lambda line: None)
+        runner.Runner(torch.device("cpu"), tmp_path).run_one(scenario)
 
 
 def test_a_worker_that_dies_gets_the_runners_fields_alone(tmp_path, monkeypatch):
     FakeWorker(monkeypatch, {})
-    monkeypatch.setattr(runner, "run_with_timeout", lambda command, timeout, on_line, env=None: (None, []))
-    outcome = runner.Runner(torch.device("cpu"), tmp_path).run_one(
-        scenario_from_dict(copy.deepcopy(PROXY)), lambda line: None
-    )
+    monkeypatch.setattr(runner, "run_with_timeout", lambda command, timeout, env=None: (None, []))
+    outcome = runner.Runner(torch.device("cpu"), tmp_path).run_one(scenario_from_dict(copy.deepcopy(PROXY)))
     assert outcome.status == "timeout" and outcome.details == {"peak_tflops": None}
     assert json.loads(outcome.path.read_text())["details"] == {"peak_tflops": None}

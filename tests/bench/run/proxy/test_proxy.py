@@ -311,7 +311,7 @@ def test_stage_sizes_come_from_the_plan_of_the_replayed_stage():
 @pytest.mark.slow
 def test_a_proxy_run_measures_its_rank(tmp_path):
     runner = Runner(torch.device("cpu"), tmp_path, reporter_factory=SilentReporter, project_devices=["h100-sxm"])
-    outcome = runner.run_one(scenario_from_dict(tiny()), lambda line: None)
+    outcome = runner.run_one(scenario_from_dict(tiny()))
     assert outcome.status == "ok", outcome.error
     import json
 

@@ -64,7 +64,7 @@ def measured():
     peers.repeat_rows = slow_repeat_rows
     join_fake_world(scale.rank, scenario.world_size)
     try:
-        result, _ = measure_rank(run_scenario, scale, torch.device("cpu"), lambda line: None)
+        result, _ = measure_rank(run_scenario, scale, torch.device("cpu"))
     finally:
         leave_fake_world()
         peers.repeat_rows = repeat_rows
