@@ -6,8 +6,8 @@ below 5% within that budget (``Calibration``, ``run_calibration``, ``render_cali
 from __future__ import annotations
 
 import functools
+import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,8 @@ from bench.ab.sides import START_MARGIN_S
 from bench.gate import paired
 from bench.results import REPO_ROOT
 from bench.scenario import Scenario
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Calibration", "render_calibration", "run_calibration"]
 
@@ -62,7 +64,6 @@ def run_calibration(
     budget_s: float,
     device: str = "auto",
     root: Path = REPO_ROOT,
-    log: Callable[[str], None] = print,
 ) -> list[Calibration]:
     """A/A: this checkout against itself, resident, for the whole budget of each execute scenario."""
     check_budget(budget_s)
@@ -73,11 +74,10 @@ def run_calibration(
             functools.partial(fresh_pair, root, root, scenario, device, timeout),
             0.0,
             budget_s,
-            log=log,
             stop_early=False,
         )
         found.append(Calibration(scenario.name, comparison))
-        log(
+        logger.info(
             f"calibrate {scenario.name}: {len(comparison.pairs)} worker pairs, {comparison.block_pairs} block pairs "
             f"of {comparison.steps_per_block} steps, noise {found[-1].noise:.2%} per block pair, pair bias "
             f"{found[-1].pair_bias:.2%}, smallest tolerance {found[-1].tolerance:.2%}"

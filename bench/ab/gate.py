@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import shutil
 import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,8 @@ from bench.metrics import names, noise_floor
 from bench.results import REPO_ROOT
 from bench.scenario import Scenario
 from bench.units import format_number, format_percent, format_ratio
+
+logger = logging.getLogger(__name__)
 
 SIDES = ("baseline", "candidate")
 
@@ -383,7 +386,6 @@ def run_ab(
     device: str = "auto",
     keep: Path | None = None,
     root: Path = REPO_ROOT,
-    log: Callable[[str], None] = print,
 ) -> ABReport:
     """Run the plan: per scenario one full run per side, then the resident blocks; the gate's report."""
     runs: dict[str, list[tuple[SideRun, SideRun]]] = {}
@@ -403,7 +405,7 @@ def run_ab(
                 version = results[side].version
                 if version:
                     versions[side] = version
-                log(
+                logger.info(
                     f"ab [{index}/{len(plan.scenarios)}] {scenario.name} {side}: {side_summary(results[side])} "
                     f"({time.perf_counter() - started:.1f} s)"
                 )
@@ -411,7 +413,7 @@ def run_ab(
             if scenario.mode != "execute" or any(results[s].status != "ok" for s in SIDES):
                 continue
             try:
-                comparison = _resident(sides, scenario, plan, device, log)
+                comparison = _resident(sides, scenario, plan, device)
             except WorkerFailedToStart as err:  # e.g. a baseline too old to build this scenario
                 raise ABError(str(err)) from None
             except WorkerDied as err:
@@ -420,7 +422,7 @@ def run_ab(
             comparisons.append(comparison)
             estimate = _estimate(comparison)
             lo, hi = estimate.interval
-            log(
+            logger.info(
                 f"ab [{index}/{len(plan.scenarios)}] {scenario.name} blocks: step time "
                 f"x{1 + estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
                 f"{len(comparison.pairs)} worker pairs, {comparison.block_pairs} block pairs of "
@@ -451,15 +453,12 @@ def run_ab(
     return report
 
 
-def _resident(
-    sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, log: Callable[[str], None]
-) -> ResidentComparison:
+def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str) -> ResidentComparison:
     timeout = scenario.run.timeout_s + START_MARGIN_S
     return compare_resident(
         functools.partial(fresh_pair, sides["baseline"], sides["candidate"], scenario, device, timeout),
         plan.tolerance,
         plan.budget_s,
-        log=log,
         extension_s=plan.budget_s,
         confirm=True,
     )

@@ -4,11 +4,11 @@ More: docs/gate-statistics.md.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,8 @@ from bench.report.collect import VERSIONS_MANIFEST
 from bench.report.page import build_report
 from bench.results import ResultDocument, ResultFileError, load_results, write_text_atomic
 from bench.units import format_number, format_ratio
+
+logger = logging.getLogger(__name__)
 
 CONTAINER_RESULTS = "/moe-results"
 """Where the results folder is mounted in each container (``moe-bench run --out`` points there)."""
@@ -80,7 +82,7 @@ def container_user(out: Path) -> str:
     return f"{stat.st_uid}:{stat.st_gid}"
 
 
-def run_image(client: Any, image: str, command: list[str], out: Path, gpus: bool, log: Callable[[str], None]) -> int:
+def run_image(client: Any, image: str, command: list[str], out: Path, gpus: bool) -> int:
     """``moe-bench COMMAND...`` in ``image`` with ``out`` mounted at CONTAINER_RESULTS; the exit code."""
     # optional: the Docker SDK (``connect`` checked it is there)
     from docker.types import DeviceRequest
@@ -98,7 +100,7 @@ def run_image(client: Any, image: str, command: list[str], out: Path, gpus: bool
     try:
         for chunk in container.logs(stream=True, follow=True):
             for line in chunk.decode(errors="replace").splitlines():
-                log(f"[{image}] {line}")
+                logger.info(f"[{image}] {line}")
         return int(container.wait().get("StatusCode", 1))
     finally:
         container.remove(force=True)
@@ -148,9 +150,7 @@ def _first_line(err: BaseException) -> str:
     return (errno[1] or errno[2]).strip() if errno else text.splitlines()[0][:300]
 
 
-def run_versions(
-    images: list[str], suite: str, out: Path, gpus: str = "auto", log: Callable[[str], None] = print
-) -> tuple[int, str]:
+def run_versions(images: list[str], suite: str, out: Path, gpus: str = "auto") -> tuple[int, str]:
     """Check, run every image, compare, write the report. Returns (exit code, the table). Raises VersionsError first."""
 
     if len(images) < 2:
@@ -173,27 +173,27 @@ def run_versions(
     def skip(err: ResultFileError) -> None:
         if err.path not in reported:
             reported.add(err.path)
-            log(f"versions: warning: {err}; skipped")
+            logger.warning(f"versions: warning: {err}; skipped")
 
     for image in images:
         before = set(out.rglob("*.json"))
-        log(f"versions: running suite {suite!r} in {image}{' with all GPUs' if use_gpus else ''}")
+        logger.info(f"versions: running suite {suite!r} in {image}{' with all GPUs' if use_gpus else ''}")
         command = ["run", "--suite", suite, "--out", CONTAINER_RESULTS, "--no-plots"]
         try:
-            code = run_image(client, image, command, out, use_gpus, log)
+            code = run_image(client, image, command, out, use_gpus)
         except DockerException as err:  # the engine failed mid-way: report it, go on with the others
-            log(f"versions: {image}: {_first_line(err)}")
+            logger.error(f"versions: {image}: {_first_line(err)}")
             code = -1
         new = sorted(set(out.rglob("*.json")) - before)
         written += new
         docs_by_image[image] = [d for path in new for d in load_results(path, on_bad_file=skip)]
         if code != 0:
             failed.append(image)
-            log(f"versions: {image} exited with code {code}")
+            logger.error(f"versions: {image} exited with code {code}")
     try:
         acceptances = [a for release in load_releases() for a in release.accepted]
     except ReleaseError as err:  # the report page says the same; the table goes on without acceptances
-        log(f"versions: warning: {err}")
+        logger.warning(f"versions: warning: {err}")
         acceptances = []
     table = compare_versions(docs_by_image, acceptances=acceptances)
     # The list of the images' result files first: they are one machine's, which the page's release
@@ -202,6 +202,6 @@ def run_versions(
     listed = "".join(f"{path.relative_to(out).as_posix()}\n" for path in written)
     write_text_atomic(out / VERSIONS_MANIFEST, listed)
     write_text_atomic(out / "report" / "versions.md", table)
-    report = build_report(out, out / "report", on_warning=lambda text: log(f"versions: warning: {text}"))
-    log(f"versions: table {out / 'report' / 'versions.md'}, report {report.path}")
+    report = build_report(out, out / "report", on_warning=lambda text: logger.warning(f"versions: warning: {text}"))
+    logger.info(f"versions: table {out / 'report' / 'versions.md'}, report {report.path}")
     return (1 if failed else 0), table

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import queue
@@ -29,6 +30,8 @@ import yaml
 from bench.gate import paired
 from bench.run.process import kill_process_group
 from bench.scenario import Scenario
+
+logger = logging.getLogger(__name__)
 
 WORKER_SCRIPT = Path(__file__).with_name("resident_worker.py")
 TARGET_BLOCK_S = 0.6
@@ -262,7 +265,6 @@ def compare_resident(
     open_pair: Callable[..., contextlib.AbstractContextManager[tuple[Side, Side]]],
     tolerance: float,
     budget_s: float,
-    log: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
     stop_early: bool = True,
     extension_s: float = 0.0,
@@ -293,19 +295,19 @@ def compare_resident(
             if result.verdict != "inconclusive" or deadline > budget_s or extension_s <= 0:
                 break
             deadline, stopped_by = budget_s + extension_s, "extension"
-            log(f"  inconclusive after {n} worker pairs: extending by {extension_s:g} s, once")
+            logger.info(f"  inconclusive after {n} worker pairs: extending by {extension_s:g} s, once")
         if n == paired.MIN_WORKER_PAIRS and result.estimate is not None:
             blocks = paired.blocks_per_pair(result.estimate, blocks, run.pair_s, run.block_pair_s)
-        _log_estimate(result, log)
+        _log_estimate(result)
     assert result.estimate is not None  # the loop stops after paired.MIN_WORKER_PAIRS pairs at least
     if confirm and paired.fails(result.estimate, tolerance):
         n = len(result.pairs)
         result.unconfirmed = result.estimate
-        log(
+        logger.info(
             f"  {result.verdict} at x{1 + result.estimate.slowdown:.3f} after {n} worker pairs: "
             f"confirming on {n} fresh pairs"
         )
-        _log_estimate(result, log)
+        _log_estimate(result)
         for _ in range(n):
             result = run.pair(blocks)
             _estimate(result, tolerance)
@@ -322,10 +324,10 @@ def _estimate(result: ResidentComparison, tolerance: float) -> None:
         result.verdict = paired.verdict(result.estimate, tolerance)
 
 
-def _log_estimate(result: ResidentComparison, log: Callable[[str], None]) -> None:
+def _log_estimate(result: ResidentComparison) -> None:
     if result.estimate is not None:
         lo, hi = result.estimate.interval
-        log(
+        logger.info(
             f"  {len(result.pairs)} worker pairs: x{1 + result.estimate.slowdown:.3f} [{1 + lo:.3f}, {1 + hi:.3f}], "
             f"pair spread {result.estimate.between_sd:.2%}, block spread {result.estimate.within_sd:.2%}"
         )

@@ -28,9 +28,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         acceptances = tuple(parse_accept_options(args.accept, with_releases=False))
         scenarios = load_all(files)
         if args.calibrate:
-            found = run_calibration(
-                scenarios, args.budget, device=device.type, log=lambda line: print(line, flush=True)
-            )
+            found = run_calibration(scenarios, args.budget, device=device.type)
             print(render_calibration(found, args.budget), end="")
             return EXIT_OK
         keep = Path(args.out) if args.out else None
@@ -54,7 +52,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        report = run_ab(plan, device=device.type, keep=keep, log=lambda line: print(line, flush=True))
+        report = run_ab(plan, device=device.type, keep=keep)
     except ABError as err:  # the baseline worktree could not be made
         return fail(str(err))
     print(report.render(), end="")

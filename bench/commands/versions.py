@@ -11,9 +11,7 @@ from bench.commands.common import fail
 
 def cmd_versions(args: argparse.Namespace) -> int:
     try:
-        code, table = run_versions(
-            args.images, args.suite, Path(args.out), args.gpus, log=lambda line: print(line, flush=True)
-        )
+        code, table = run_versions(args.images, args.suite, Path(args.out), args.gpus)
     except VersionsError as err:
         return fail(str(err))
     print(table, end="")

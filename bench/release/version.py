@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -14,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import moe_engine
+from bench.logs import console_logging
 from bench.release.git import NotACheckout, checkout_head, git
 from bench.release.record import ReleaseError, load_releases
 from bench.results import REPO_ROOT
+
+logger = logging.getLogger(__name__)
 
 RELEASE_TAGS = "v[0-9]*"
 """``git describe`` considers tags of this form (``v0.1.0``) as releases."""
@@ -126,12 +130,13 @@ def nearest_release(root: Path, commit: str) -> tuple[str, int] | None:
 def _main() -> int:
     """Print the checkout's ``engine`` record for the image build; exit 1 (and say why) outside a checkout."""
     try:
-        print(json.dumps(checkout_version(REPO_ROOT, moe_engine.__version__).record()))
+        sys.stdout.write(json.dumps(checkout_version(REPO_ROOT, moe_engine.__version__).record()) + "\n")
     except NotACheckout as err:
-        print(f"no version recorded: {err}", file=sys.stderr)
+        logger.error(f"no version recorded: {err}")
         return 1
     return 0
 
 
 if __name__ == "__main__":  # the image build bakes the version of the checkout it was built from
+    console_logging()
     sys.exit(_main())

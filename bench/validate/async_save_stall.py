@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -17,11 +18,14 @@ from unittest import mock
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
+from bench.logs import console_logging
 from bench.machine import machine_info
 from moe_engine import checkpoint
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, Precision, RoutingMode
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.train import OptimizerConfig
+
+logger = logging.getLogger(__name__)
 
 CONFIG = ModelConfig(
     vocab_size=96,
@@ -84,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the measurement document here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.write_delay_s < 0:
-        print("async_save_stall: --repeats must be positive and --write-delay-s not negative", file=sys.stderr)
+        logger.error("async_save_stall: --repeats must be positive and --write-delay-s not negative")
         return 2
     with tempfile.TemporaryDirectory(prefix="moe-async-stall-") as folder:
         report = measure(args.write_delay_s, args.repeats, Path(folder))
-    print(
+    sys.stdout.write(
         f"writes delayed {args.write_delay_s:g} s: sync save {report['sync_save_median_s']:.3f} s, async stall "
         f"{report['async_stall_median_s']:.3f} s (medians of {args.repeats}); stall / sync = "
-        f"{report['stall_ratio']:.3f}"
+        f"{report['stall_ratio']:.3f}\n"
     )
     if args.out:
         document = {
@@ -104,4 +108,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    console_logging()
     sys.exit(main())

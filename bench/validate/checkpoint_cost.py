@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import yaml
 
+from bench.logs import console_logging
 from bench.machine import machine_info
 from bench.predict.plan import plan_scenario
 from bench.release.version import engine_info
@@ -86,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(s, args.every_steps, args.device, Path(scratch)) for s in scenarios]
     for row in rows:
         sync, asy, res = row["sync"], row["async"], row["resume"]
-        print(
+        sys.stdout.write(
             f"{row['scenario']}: bytes/rank {sync.get('checkpoint_bytes_per_rank')} (plan "
             f"{row['planned_bytes_per_rank']:.0f}), total {sync.get('checkpoint_bytes_total')} (plan "
             f"{row['planned_bytes_total']:.0f}); sync save {sync.get('checkpoint_save_s')} stall "
             f"{sync.get('checkpoint_stall_s')}; async save {asy.get('checkpoint_save_s')} stall "
-            f"{asy.get('checkpoint_stall_s')}; load {res.get('checkpoint_load_s')}"
+            f"{asy.get('checkpoint_stall_s')}; load {res.get('checkpoint_load_s')}\n"
         )
     if args.out:
         document = {
@@ -107,4 +108,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    console_logging()
     sys.exit(main())

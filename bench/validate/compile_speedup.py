@@ -5,14 +5,18 @@ More: docs/validation-tools.md.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from bench.ab.resident import ResidentSide
+from bench.logs import console_logging
 from bench.scenario import Scenario
 from bench.validate import variants
 from bench.validate.variants import Variant
+
+logger = logging.getLogger(__name__)
 
 EAGER = Variant("eager", {"run": {"compile": False}})
 COMPILED = Variant("compiled", {"run": {"compile": True}})
@@ -35,11 +39,10 @@ def measure(
     pairs: int,
     block_s: float,
     timeout_s: float,
-    log: Callable[[str], None],
     side_factory: Callable[..., Any] = ResidentSide,
 ) -> dict[str, Any]:
     """One scenario's paired blocks, compiled against eager (see docs/validation-tools.md)."""
-    row = variants.measure(scenario, EAGER, [COMPILED], device, pairs, block_s, timeout_s, log, side_factory)
+    row = variants.measure(scenario, EAGER, [COMPILED], device, pairs, block_s, timeout_s, side_factory)
     common: dict[str, Any] = {
         key: row[key] for key in ("scenario", "file", "mode", "world_size", "status") if key in row
     }
@@ -49,7 +52,7 @@ def measure(
         return {**common, "error": row["error"], "ready_s": row["ready_s"]}
     ready_s = row["ready_s"]
     compile_s = ready_s["compiled"] - ready_s["eager"]
-    log(
+    logger.info(
         f"{scenario.name}: compile {compile_s:.1f} s; probe step losses "
         f"{row['probe_loss_rel_diff']['compiled']:.1e} apart"
     )
@@ -112,14 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = variants.run_suite(
         parser,
         args,
-        lambda scenario, log: measure(scenario, args.device, args.pairs, args.block_s, args.timeout_s, log),
+        lambda scenario: measure(scenario, args.device, args.pairs, args.block_s, args.timeout_s),
     )
     table = render(rows)
-    print(table)
+    sys.stdout.write(table + "\n")
     return variants.write_measurement(
         args, " ".join(["python -m bench.validate.compile_speedup", *argv]), rows, {}, table=table
     )
 
 
 if __name__ == "__main__":
+    console_logging()
     sys.exit(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import logging
 import statistics
 import sys
 import time
@@ -16,9 +17,12 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.logs import console_logging
 from bench.machine import machine_info
 from bench.run.trace import rank_trainer
 from bench.scenario import load_scenario
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SCENARIO = "scenarios/smoke/e8-dp2-bf16.yaml"
 DEFAULT_OUT = "docs/measurements/cpu-warmup-2core-cpu.json"
@@ -58,8 +62,9 @@ class _GroupShapes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> list[dict[str, Any]]:
-    """Median step time and new expert GEMM shapes per step, per block of steps (docs/validation-tools.md)."""
+def step_decay(scenario_path: str, steps: int, block: int) -> list[dict[str, Any]]:
+    """Median step time and new expert GEMM shapes per step, per block of steps (docs/validation-tools.md);
+    each block logged as it ends."""
 
     scenario = load_scenario(scenario_path)
     times: list[float] = []
@@ -75,7 +80,7 @@ def step_decay(scenario_path: str, steps: int, block: int, progress=print) -> li
             new_shapes.append(len(mode.shapes - seen))
             seen |= mode.shapes
             if (step + 1) % block == 0:
-                progress(
+                logger.info(
                     f"  steps {step + 2 - block}-{step + 1}: {statistics.median(times[-block:]) * 1e3:.1f} ms, "
                     f"{statistics.fmean(new_shapes[-block:]):.1f} new expert GEMM shapes a step"
                 )
@@ -97,17 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.steps < 1 or args.block < 1:
-        print("cpu_warmup: --steps and --block must be positive", file=sys.stderr)
+        logger.error("cpu_warmup: --steps and --block must be positive")
         return 2
     torch.set_num_threads(1)
     fresh = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         fresh[name] = fresh_shape_us(dtype)
-        print(
+        logger.info(
             f"{name} GEMM (M, 256) @ (256, 256) at a new M: first call {fresh[name]['first_call_us']:.0f} us, "
             f"repeat {fresh[name]['repeat_us']:.0f} us"
         )
-    print(f"{args.scenario}: rank 0, {args.steps} steps")
+    logger.info(f"{args.scenario}: rank 0, {args.steps} steps")
     blocks = step_decay(args.scenario, args.steps, args.block)
     report = {
         "command": "python -m bench.validate.cpu_warmup " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -120,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"report: {args.out}")
+    logger.info(f"report: {args.out}")
     return 0
 
 
 if __name__ == "__main__":
+    console_logging()
     sys.exit(main())

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import platform
@@ -28,10 +29,13 @@ from bench.ab.plan import ABPlan
 from bench.ab.resident import compare_resident, fresh_pair
 from bench.gate.formatting import parse_tolerance
 from bench.gate.paired import fails, suite_rate
+from bench.logs import console_logging
 from bench.results import REPO_ROOT
 from bench.run.suites import suite_files
 from bench.scenario import load_scenario
 from bench.termination import sigterm_as_interrupt
+
+logger = logging.getLogger(__name__)
 
 SLOWDOWNS = (0.05, 0.10)
 
@@ -112,7 +116,6 @@ def timing_run(
         functools.partial(fresh_pair, roots[0], roots[1], scenario, device, timeout),
         tolerance,
         budget_s,
-        log=lambda line: None,
         extension_s=budget_s,
         confirm=True,
     )
@@ -159,7 +162,7 @@ def suite_run(
         fraction = planted[1] if planted is not None and planted[0] == scenario.name else 0.0
         plan = ABPlan("HEAD", commit, [scenario], tolerance, budget_s, warn_above=warn_above)
         scenario_started = time.monotonic()
-        report = run_ab(plan, device=device, root=trees[fraction], log=lambda line: None)
+        report = run_ab(plan, device=device, root=trees[fraction])
         r = report.resident[0] if report.resident else None
         estimate = r.estimate if r is not None else None
         rows.append(
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
     if args.replay:
         timing = [r for r in load_records(Path(args.replay)) if r.get("kind") != "suite"]
-        print(render_replay(replay(timing, tolerance, (0.0, *slowdowns)), tolerance))
+        sys.stdout.write(render_replay(replay(timing, tolerance, (0.0, *slowdowns)), tolerance) + "\n")
         return 0
     files = args.scenario or [str(f) for f in suite_files(args.suite, torch_device(args.device))]
     loaded = [load_scenario(f) for f in files]
@@ -328,26 +331,25 @@ def main(argv: list[str] | None = None) -> int:
             if args.records:
                 with Path(args.records).open("a") as out:
                     out.write(json.dumps(record) + "\n")
-            print(
+            logger.info(
                 f"[{index}/{len(todo)}] {scenario.name} planted +{fraction:.0%}: {record['verdict']} "
-                f"x{1 + record['estimate']:.3f} ({record['worker_pairs']} worker pairs, {record['seconds']:.0f} s)",
-                flush=True,
+                f"x{1 + record['estimate']:.3f} ({record['worker_pairs']} worker pairs, {record['seconds']:.0f} s)"
             )
     work_records = []
     for plant in WORK_PLANTS:
         for run in range(args.work_runs):
             record = work_run(Path(args.work_scenario), plant, args.tolerance, args.budget, args.device)
             work_records.append(record)
-            print(
+            logger.info(
                 f"work {plant} [{run + 1}/{args.work_runs}]: detected={record['detected']} "
-                f"({record['seconds']:.0f} s) {record['findings'][:1]}",
-                flush=True,
+                f"({record['seconds']:.0f} s) {record['findings'][:1]}"
             )
     if args.json:
         Path(args.json).write_text(
             json.dumps({"settings": vars(args), "records": records, "work": work_records}, indent=1)
         )
-    print(render([r for r in records if r["tolerance"] == tolerance and r["budget_s"] == args.budget], work_records))
+    timing = [r for r in records if r["tolerance"] == tolerance and r["budget_s"] == args.budget]
+    sys.stdout.write(render(timing, work_records) + "\n")
     return 0
 
 
@@ -383,12 +385,11 @@ def suite_main(args, scenarios: list, records: list[dict], tolerance: float, war
                     out.write(json.dumps(record) + "\n")
             label = "A/A" if cell is None else f"{cell[0]} +{cell[1]:.0%}"
             failed_in = [row["scenario"] for row in record["scenarios"] if row["fails"]]
-            print(
+            logger.info(
                 f"[{index}/{len(todo)}] suite, {label}: {'FAIL (' + ', '.join(failed_in) + ')' if failed_in else 'PASS'}"
-                f"{', warned' if record['warned'] else ''} ({record['seconds']:.0f} s)",
-                flush=True,
+                f"{', warned' if record['warned'] else ''} ({record['seconds']:.0f} s)"
             )
-    print(render_suite(records))
+    sys.stdout.write(render_suite(records) + "\n")
     return 0
 
 
@@ -588,11 +589,14 @@ def _confirmations(runs: list[dict]) -> str:
 
 
 if __name__ == "__main__":
+    console_logging()
+    # One line a run is this tool's; the gate's own lines of each run (bench.ab) would bury them.
+    logging.getLogger("bench.ab").setLevel(logging.WARNING)
     # Stopped with SIGTERM or Ctrl-C, it still removes its clones and stops its workers; the records
     # written so far stay, and the next invocation resumes from them.
     try:
         with sigterm_as_interrupt():
             sys.exit(main())
     except KeyboardInterrupt:
-        print("gate_power: stopped; the runs already recorded are kept", file=sys.stderr)
+        logger.error("gate_power: stopped; the runs already recorded are kept")
         sys.exit(130)

@@ -373,23 +373,31 @@ def main(argv: list[str] | None = None) -> int:
     launches = distinct(record())
     results = compile_all(launches, targets)
     report = summary(launches, results)
+    sys.stdout.write(render(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    sys.stdout.write("".join(f"FAIL: {line}\n" for line in report["failures"]))
+    return 1 if report["failures"] else 0
+
+
+def render(report: dict) -> str:
+    """The report's lines as ``main`` writes them: each kernel's targets, the MXFP8 tiles, the totals."""
+    lines = []
     for kernel, info in report["kernels"].items():
         cells = ", ".join(
             f"{t} {v['max_registers']} regs{' SPILLS' if v['spills'] else ''}{' ' + '/'.join(v['ir_ops']) if v['ir_ops'] else ''}"
             for t, v in info["targets"].items()
         )
-        print(f"{kernel}: {info['specialisations']} specialisations; {cells}")
+        lines.append(f"{kernel}: {info['specialisations']} specialisations; {cells}")
     for target, tiles in report["mxfp8_gemm_tiles"].items():
-        print(f"MXFP8 GEMM tiles on {target}: " + ", ".join(f"{t} {'/'.join(ops) or '-'}" for t, ops in tiles.items()))
-    print(
+        lines.append(
+            f"MXFP8 GEMM tiles on {target}: " + ", ".join(f"{t} {'/'.join(ops) or '-'}" for t, ops in tiles.items())
+        )
+    lines.append(
         f"{report['specialisations']} specialisations, {report['compiles']} compiles in "
         f"{report['compile_seconds']:.0f} s"
     )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-    for line in report["failures"]:
-        print(f"FAIL: {line}")
-    return 1 if report["failures"] else 0
+    return "".join(line + "\n" for line in lines)
 
 
 if __name__ == "__main__":

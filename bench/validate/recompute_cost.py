@@ -8,6 +8,7 @@ import argparse
 import sys
 from typing import Any
 
+from bench.logs import console_logging
 from bench.validate import variants
 from bench.validate.variants import Variant
 
@@ -70,14 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = variants.run_suite(
         parser,
         args,
-        lambda scenario, log: variants.measure(
-            scenario, BASE, chosen, args.device, args.pairs, args.block_s, args.timeout_s, log
+        lambda scenario: variants.measure(
+            scenario, BASE, chosen, args.device, args.pairs, args.block_s, args.timeout_s
         ),
     )
     table = variants.render(rows, control=CONTROL.name)
     note = control_note(rows)
-    print(table)
-    print(note)
+    sys.stdout.write(f"{table}\n{note}\n")
     settings = {
         "base": {"name": BASE.name, "patch": BASE.patch},
         "variants": [{"name": v.name, "patch": v.patch} for v in chosen],
@@ -96,4 +96,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    console_logging()
     sys.exit(main())

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+from bench.logs import console_logging
 from bench.predict.device import load_profile
 from bench.run.project import DoesNotFit, memory_fit, project_on_device
 from bench.scenario import Scenario, load_scenario
 from bench.validate.variants import patched
+
+logger = logging.getLogger(__name__)
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scenarios"
 DEFAULT_OUT = Path("docs/measurements/reference-release-b300.json")
@@ -73,8 +77,9 @@ def _error(published: Any, projected: Any, metric: str) -> float | str | None:
     return None
 
 
-def reference_report(device: str = "b300", progress=print, engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
-    """The report; ``engines``: which of ``ENGINES`` to project (the others' cells say "not run")."""
+def reference_report(device: str = "b300", engines: tuple[str, ...] = ENGINES) -> dict[str, Any]:
+    """The report; ``engines``: which of ``ENGINES`` to project (the others' cells say "not run"). Each
+    projection is logged as it starts."""
     profile = load_profile(device)
     docs: dict[str, dict[str, Any]] = {}
 
@@ -85,7 +90,7 @@ def reference_report(device: str = "b300", progress=print, engines: tuple[str, .
         if key not in docs:
             scenario = base or load_scenario(SCENARIOS / "olmo-core3" / f"{name}.yaml")
             scenario = reference_path(scenario) if engine == "reference" else scenario
-            progress(f"projecting {key} on {on.name}")
+            logger.info(f"projecting {key} on {on.name}")
             try:
                 docs[key] = project_on_device(scenario, on) | {"assumed": _assumed(scenario)}
             except DoesNotFit as err:
@@ -288,17 +293,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     engines = tuple(e for e in ENGINES if e in args.engines)
-    report = reference_report(
-        args.device, progress=lambda line: print(line, file=sys.stderr, flush=True), engines=engines
-    )
+    report = reference_report(args.device, engines=engines)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    print(table(report))
-    print()
-    print(breakdown_table(report))
-    print(f"written to {args.out}")
+    sys.stdout.write(f"{table(report)}\n\n{breakdown_table(report)}\nwritten to {args.out}\n")
     return 0
 
 
 if __name__ == "__main__":
+    console_logging()
+    # A projection's stage lines would bury the one line this tool logs per projection.
+    for name in ("bench.run.project", "bench.run.trace"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     sys.exit(main())

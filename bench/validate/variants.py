@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import statistics
@@ -29,6 +30,8 @@ from bench.results import REPO_ROOT, utc_now
 from bench.run.process import session_processes
 from bench.run.suites import load_all, suite_files
 from bench.scenario import Scenario, scenario_from_dict
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def ratio_summary(base_s: list[float], variant_s: list[float]) -> dict[str, Any]
     }
     if len(ratios) >= 2:
         q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
-        # log_ratios(baseline, candidate) is log(candidate / baseline): here log(base / variant).
+        # log_ratios(baseline, candidate) is logger.info(candidate / baseline): here logger.info(base / variant).
         estimate = paired.hodges_lehmann(paired.log_ratios(variant_s, base_s))
         summary.update(
             quartiles=[q1, q3],
@@ -140,7 +143,6 @@ def measure(
     pairs: int,
     block_s: float,
     timeout_s: float,
-    log: Callable[[str], None],
     side_factory: Callable[..., Any] = ResidentSide,
     root: Path = REPO_ROOT,
 ) -> dict[str, Any]:
@@ -162,7 +164,7 @@ def measure(
         "variants": names,
     }
     if scenario.mode != "execute":
-        log(f"{scenario.name}: skipped, a {scenario.mode} scenario has no execution")
+        logger.info(f"{scenario.name}: skipped, a {scenario.mode} scenario has no execution")
         return {**row, "status": "skipped", "reason": f"a {scenario.mode} scenario has no execution"}
     row["world_size"] = scenario.world_size
     specs = {v.name: patched(scenario, v.patch) for v in (base, *variants)}
@@ -174,11 +176,11 @@ def measure(
         sides: dict[str, Any] = {}
         try:
             for name, spec in specs.items():
-                log(f"{scenario.name}: starting the {name} worker ({scenario.world_size} rank(s))")
+                logger.info(f"{scenario.name}: starting the {name} worker ({scenario.world_size} rank(s))")
                 started = time.monotonic()
                 sides[name] = stack.enter_context(side_factory(name, root, spec, device, timeout_s))
                 ready_s[name] = time.monotonic() - started
-                log(f"{scenario.name}: {name} worker ready in {ready_s[name]:.1f} s")
+                logger.info(f"{scenario.name}: {name} worker ready in {ready_s[name]:.1f} s")
             resets = [reset_peak_memory(side) for side in sides.values()]  # every one, not up to a failure
             peak_reset = all(resets)
             probe = {name: side.block(1) for name, side in sides.items()}
@@ -201,7 +203,7 @@ def measure(
                     base_s[variant].append(seconds[base.name])
                     if len(times[base.name]) == pairs:  # the base has trained as many steps as a variant at its end
                         base_matched = sides[base.name].last_losses
-                log(
+                logger.info(
                     f"{scenario.name}: round {index + 1}/{pairs} ({steps} steps a block): "
                     + ", ".join(f"{n} x{base_s[n][-1] / times[n][-1]:.3f}" for n in names)
                 )
@@ -209,7 +211,7 @@ def measure(
             last_losses[base.name] = base_matched
             peak_mib = {name: peak_memory_mib(side) for name, side in sides.items()}
         except WorkerDied as err:
-            log(f"{scenario.name}: failed: {err}")
+            logger.info(f"{scenario.name}: failed: {err}")
             return {**row, "status": "failed", "error": str(err), "ready_s": ready_s}
     tokens_per_step = scenario.run.tokens_per_step
     ratios = {name: ratio_summary(base_s[name], times[name]) for name in names}
@@ -232,7 +234,7 @@ def measure(
         "last_block_losses": last_losses,
         "last_block_loss_max_rel_diff": {n: loss_gap(last_losses[base.name], last_losses[n]) for n in names},
     }
-    log(
+    logger.info(
         f"{scenario.name}: "
         + "; ".join(f"{n} x{ratios[n]['median']:.3f} ({ratios[n]['min']:.3f} to {ratios[n]['max']:.3f})" for n in names)
         + f" (median of {pairs} pairs, throughput over {base.name})"
@@ -294,7 +296,7 @@ def add_run_arguments(parser, timeout_help: str) -> None:
     parser.add_argument("--out", help="write the measurement here (JSON)")
 
 
-def run_suite(parser, args, measure_one: Callable[[Scenario, Callable[[str], None]], dict[str, Any]]) -> list[dict]:
+def run_suite(parser, args, measure_one: Callable[[Scenario], dict[str, Any]]) -> list[dict]:
     """Check the shared arguments, then measure every scenario in order; one row each."""
 
     if args.pairs < 1 or args.block_s <= 0:
@@ -303,13 +305,9 @@ def run_suite(parser, args, measure_one: Callable[[Scenario, Callable[[str], Non
     scenarios = load_all(files)
     rows = []
     for index, scenario in enumerate(scenarios, 1):
-        log(f"[{index}/{len(scenarios)}] {scenario.name}")
-        rows.append(measure_one(scenario, log))
+        logger.info(f"[{index}/{len(scenarios)}] {scenario.name}")
+        rows.append(measure_one(scenario))
     return rows
-
-
-def log(line: str) -> None:
-    print(line, flush=True)
 
 
 def write_measurement(args, command: str, rows: list[dict], settings: Mapping[str, Any], **extra: Any) -> int:
@@ -334,5 +332,5 @@ def write_measurement(args, command: str, rows: list[dict], settings: Mapping[st
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(document, indent=1) + "\n")
-        log(f"wrote {args.out}")
+        logger.info(f"wrote {args.out}")
     return 0 if all(row["status"] in ("ok", "skipped") for row in rows) else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import statistics
 import sys
@@ -15,9 +16,12 @@ import time
 from pathlib import Path
 
 from bench.ab.resident import TARGET_BLOCK_S, ResidentSide
+from bench.logs import console_logging
 from bench.results import REPO_ROOT
 from bench.scenario import load_scenario
 from bench.validate.gate_power import machine
+
+logger = logging.getLogger(__name__)
 
 
 def variance_components(times_s: list[list[float]]) -> dict[str, float | list[float]]:
@@ -81,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bad = [e for e in args.env if "=" not in e]
     if bad or args.workers < 2 or args.rounds < 2:
-        print(
-            f"worker_bias: {'--env takes KEY=VALUE, got ' + bad[0] if bad else '--workers and --rounds must be 2 or more'}",
-            file=sys.stderr,
+        logger.error(
+            f"worker_bias: {'--env takes KEY=VALUE, got ' + bad[0] if bad else '--workers and --rounds must be 2 or more'}"
         )
         return 2
     env = dict(e.split("=", 1) for e in args.env)
@@ -92,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         with Path(args.records).open("a") as out:
             out.write(json.dumps(record) + "\n")
     means = ", ".join(f"{m:+.2%}" for m in record["worker_means"])
-    print(
+    sys.stdout.write(
         f"{record['scenario']} ({', '.join(args.env) or 'default'}{', no ASLR' if args.no_aslr else ''}): "
         f"worker bias {record['worker_bias']:.2%}, block noise {record['block_noise']:.2%} "
         f"({args.workers} workers x {args.rounds} rounds of {record['steps_per_block']} steps, "
-        f"{record['seconds']:.0f} s); worker means {means}"
+        f"{record['seconds']:.0f} s); worker means {means}\n"
     )
     return 0
 
 
 if __name__ == "__main__":
+    console_logging()
     sys.exit(main())

@@ -57,7 +57,6 @@ def run_fake(base_step, cand_step, tolerance, budget_s, stop_early=True, extensi
         fake_pairs(base_step, cand_step, order, clock, **kwargs),
         tolerance,
         budget_s,
-        log=lambda line: None,
         clock=lambda: clock[0],
         stop_early=stop_early,
         extension_s=extension_s,

@@ -361,7 +361,7 @@ def test_a_regression_in_one_scenario_only_fails_the_gate_naming_it(tmp_path, ti
     monkeypatch.setattr(
         ab, "_resident", lambda sides, scenario, *a, **k: comparison(scenario.name, slowdowns[scenario.name])
     )
-    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all(files), 0.03, 20.0), device="cpu", log=lambda line: None)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all(files), 0.03, 20.0), device="cpu")
     out = report.render()
     assert report.exit_code == 1 and [r.verdict for r in report.resident] == ["unchanged", "regressed", "unchanged"]
     findings = [line for line in out.splitlines() if line.startswith(("REGRESSION", "INCONCLUSIVE"))]
@@ -391,7 +391,7 @@ def test_a_slowdown_between_the_warning_and_the_tolerance_warns_and_passes(tmp_p
     def run(warn_above):
         monkeypatch.setattr(ab, "_resident", resident)
         plan = ABPlan("HEAD", "0" * 40, load_all(files), 0.045, 20.0, warn_above=warn_above)
-        report = ab.run_ab(plan, device="cpu", log=lambda line: None)
+        report = ab.run_ab(plan, device="cpu")
         return report, report.render().splitlines()
 
     report, lines = run(0.03)
@@ -424,7 +424,7 @@ def test_a_scenario_noisier_than_the_design_is_noted(tmp_path, monkeypatch, tiny
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: SideRun("ok", None, {}, "0.1.0"))
     monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
     monkeypatch.setattr(ab, "_resident", lambda *a, **k: noisy)
-    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.045, 20.0), device="cpu", log=lambda line: None)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.045, 20.0), device="cpu")
     notes = [line for line in report.render().splitlines() if "standard error" in line]
     assert report.exit_code == 0 and len(notes) == 1
     assert notes[0].startswith("NOTE tiny-ab step time: standard error 4.6% over 3 worker pairs, beyond the 4.3% up to")
@@ -446,7 +446,7 @@ def test_an_inconclusive_scenario_fails_the_gate_only_beyond_the_tolerance(
     wide = comparison("tiny-ab", slowdown, spread=0.03)
     assert wide.verdict == "inconclusive"
     monkeypatch.setattr(ab, "_resident", lambda *a, **k: wide)
-    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu", log=lambda line: None)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu")
     out = report.render()
     assert report.exit_code == int(fails)
     assert out.startswith("FAIL: " if fails else "PASS: ") and "1 inconclusive" in out.splitlines()[0]
@@ -471,7 +471,7 @@ def test_the_report_says_what_the_confirmation_did(tmp_path, tiny, monkeypatch, 
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: SideRun("ok", None, {}, "0.1.0"))
     monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
     monkeypatch.setattr(ab, "_resident", lambda *a, **k: final)
-    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu", log=lambda line: None)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu")
     lines = report.render().splitlines()
     assert report.exit_code == int(fails)
     if fails:
@@ -491,5 +491,5 @@ def test_the_gate_confirms_what_would_fail(monkeypatch, tiny):
     seen = {}
     monkeypatch.setattr(ab, "compare_resident", lambda *a, **k: seen.update(k))
     plan = ABPlan("HEAD", "0" * 40, [], 0.03, 20.0)
-    ab._resident({"baseline": Path("."), "candidate": Path(".")}, load_all([tiny])[0], plan, "cpu", print)
+    ab._resident({"baseline": Path("."), "candidate": Path(".")}, load_all([tiny])[0], plan, "cpu")
     assert seen["confirm"] is True and seen["extension_s"] == 20.0

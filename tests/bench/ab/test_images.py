@@ -140,14 +140,14 @@ def test_versions_marks_its_folder_so_the_page_compares_the_images_before_stored
     write_result(doc("0.2.0", 500.0, 60.0), out / "stored" / "0.2.0" / "box")
     versions = {"img:0.1.0": "0.1.0", "img:0.2.0": "0.2.0"}
 
-    def fake_run(client, image, command, folder, gpus, log):
+    def fake_run(client, image, command, folder, gpus):
         write_result(doc(versions[image], 1000.0, 90.0), folder / "images" / versions[image] / "box")
         return 0
 
     monkeypatch.setattr(images, "connect", lambda: object())
     monkeypatch.setattr(images, "check_images", lambda client, names: None)
     monkeypatch.setattr(images, "run_image", fake_run)
-    code, _ = images.run_versions(list(versions), "ci", out, gpus="none", log=lambda line: None)
+    code, _ = images.run_versions(list(versions), "ci", out, gpus="none")
     assert code == 0 and (out / "report" / "versions.md").is_file()
     page = (out / "report" / "index.html").read_text()
     assert "Compared from image results (moe-bench versions) in this results folder" in page

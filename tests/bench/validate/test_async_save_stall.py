@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 
 import pytest
@@ -25,6 +26,7 @@ def test_the_report_gives_the_stall_over_the_sync_save_and_restores_the_writer(t
     assert report["stall_ratio"] == pytest.approx(stall / sync, rel=1e-12)
 
 
-def test_bad_settings_are_refused(capsys):
+def test_bad_settings_are_refused(caplog, capsys):
     assert async_save_stall.main(["--repeats", "0"]) == 2
-    assert "--repeats must be positive" in capsys.readouterr().err
+    assert [r.levelno for r in caplog.records] == [logging.ERROR] and "--repeats must be positive" in caplog.text
+    assert capsys.readouterr().out == ""  # nothing measured

@@ -79,7 +79,7 @@ def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_p
     monkeypatch.setattr(gate_power, "head_commit", lambda tree: "f" * 40)
     roots = {}
 
-    def run_ab(plan, device, root, log):
+    def run_ab(plan, device, root):
         (scenario,) = plan.scenarios
         roots[scenario.name] = root
         assert plan.commit == "f" * 40 and plan.tolerance == 0.045 and plan.warn_above == 0.03

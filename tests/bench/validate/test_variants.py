@@ -191,7 +191,7 @@ def fake_measure(scenario, per_step_s, names, pairs=4):
     order, started = [], []
     factory = lambda *args: FakeSide(per_step_s, order, started, *args)
     base, others = Variant(names[0], {}), [Variant(n, {"run": {"compile": False}}) for n in names[1:]]
-    row = variants.measure(scenario, base, others, "cpu", pairs, 0.5, 60, lambda line: None, factory)
+    row = variants.measure(scenario, base, others, "cpu", pairs, 0.5, 60, factory)
     return row, order, started
 
 
@@ -215,7 +215,7 @@ def test_the_loop_probes_settles_then_runs_the_rotation_and_closes_every_worker(
 def test_compile_speedup_keeps_its_rows(tiny_file):
     order, started = [], []
     factory = lambda *args: FakeSide({"eager": 0.02, "compiled": 0.01}, order, started, *args)
-    row = compile_speedup.measure(tiny_scenario(tiny_file), "cpu", 3, 0.2, 60, lambda line: None, factory)
+    row = compile_speedup.measure(tiny_scenario(tiny_file), "cpu", 3, 0.2, 60, factory)
     assert {
         "scenario",
         "file",
@@ -267,7 +267,6 @@ def test_each_ratio_takes_the_base_block_of_its_own_pair_on_a_drifting_machine(t
         5,
         0.5,
         60,
-        lambda line: None,
         factory,
     )
     assert row["ratios"]["x"]["per_pair"] == pytest.approx([0.5] * 5)
@@ -293,7 +292,6 @@ def test_a_worker_that_dies_fails_the_scenario_and_every_worker_is_closed(tiny_f
         4,
         0.1,
         60,
-        lambda line: None,
         factory,
     )
     assert row["status"] == "failed" and "planted" in row["error"] and set(row["ready_s"]) == {"b", "x", "y"}
@@ -304,7 +302,7 @@ def test_a_worker_that_dies_fails_the_scenario_and_every_worker_is_closed(tiny_f
 def test_the_recompute_tool_measures_every_mode_and_an_identical_control(tiny_file, tmp_path, monkeypatch):
     calls = []
 
-    def fake(scenario, base, chosen, device, pairs, block_s, timeout_s, log):
+    def fake(scenario, base, chosen, device, pairs, block_s, timeout_s):
         calls.append((base, chosen))
         names = [v.name for v in chosen]
         ratio = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 
@@ -42,9 +43,10 @@ def test_no_bias_reads_as_none():
     assert found["worker_bias"] < 0.004 and found["block_noise"] == pytest.approx(0.01, rel=0.15)
 
 
-def test_bad_input_is_one_line(capsys):
+def test_bad_input_is_one_line(caplog):
     assert main(["x.yaml", "--env", "OMP_PROC_BIND"]) == 2
-    assert capsys.readouterr().err.strip() == "worker_bias: --env takes KEY=VALUE, got OMP_PROC_BIND"
+    assert caplog.messages == ["worker_bias: --env takes KEY=VALUE, got OMP_PROC_BIND"]
+    assert caplog.records[0].levelno == logging.ERROR
     assert main(["x.yaml", "--workers", "1"]) == 2
     with pytest.raises(ValueError, match="at least 2 workers"):
         variance_components([[1.0, 1.0]])
