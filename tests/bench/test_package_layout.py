@@ -5,6 +5,7 @@
 - no module imports another module's private name;
 - imports run down the layer list (``LAYERS``), imports inside functions included;
 - an import inside a function is rare and says why (heavy or optional);
+- no ``print`` outside the commands and the runner's console: modules log (``bench.logs``);
 - pure arithmetic (``bench.predict``, the gate's comparison modules) imports nothing
   that runs a model.
 """
@@ -309,3 +310,39 @@ def test_no_prefix_family_where_a_subpackage_belongs():
         families |= {(str(folder.relative_to(REPO_ROOT)), p) for p in prefixes if prefixes.count(p) >= 3}
     assert families - PREFIX_FAMILIES_PENDING == set()
     assert families >= PREFIX_FAMILIES_PENDING, "a family that is gone leaves PREFIX_FAMILIES_PENDING"
+
+
+# What a user reads as a command's output is written by the commands and the runner's console; every
+# other module logs (``logging.getLogger(__name__)``, shown by ``bench.logs.console_logging``).
+PRINT_ALLOWED = ("bench.commands", "bench.run.console")
+
+
+def print_calls(name: str) -> list[int]:
+    """Line numbers of the calls of the builtin ``print`` in the module."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"
+    ]
+
+
+def test_only_the_commands_and_the_console_print():
+    offenders = [
+        f"{MODULES[name].relative_to(REPO_ROOT)}:{line}"
+        for name in MODULES
+        if name.startswith("bench.") and not any(name == p or name.startswith(p + ".") for p in PRINT_ALLOWED)
+        for line in print_calls(name)
+    ]
+    assert offenders == [], "log instead (logging.getLogger(__name__)): " + ", ".join(offenders)
+
+
+def test_the_print_check_finds_a_print(tmp_path):
+    """The check reads calls, not text: neither a print in a string nor a rich console's ``console.print``
+    is one."""
+    source = 'text = "print(1)"\nconsole.print(text)\nif text:\n    print(text, flush=True)\n'
+    (tmp_path / "planted.py").write_text(source)
+    MODULES["bench.planted"] = tmp_path / "planted.py"
+    try:
+        assert print_calls("bench.planted") == [4]
+    finally:
+        del MODULES["bench.planted"]
