@@ -173,9 +173,6 @@ HEADLINE_ORDER = (
 THROUGHPUT_PREFERENCE = ("tokens_per_s_per_gpu", "projected_tokens_per_s_per_gpu", "rank_tokens_per_s")
 """A run's headline throughput: the first of these it has (measured, projected, the proxied rank's)."""
 
-HEADLINE_METRICS = ("tokens_per_s_per_gpu", "tflops_per_gpu")
-"""The summary plot's preferred metrics, in order (else the first metric with a direction)."""
-
 MEMORY_PREFERENCE = (
     "cuda_peak_active_bytes",
     "peak_tensor_bytes",
