@@ -35,7 +35,7 @@ WORKDIR /opt/moe-engine
 
 # A C/C++ compiler and Python's headers at run time: torch.compile's inductor builds its CPU kernels
 # with g++ against Python.h (run.compile on
-# a CPU host, tests/test_compile.py), and Triton compiles its small launcher with the C compiler on the
+# a CPU host, tests/unit/moe_engine/test_compile.py), and Triton compiles its small launcher with the C compiler on the
 # first kernel of a GPU run. The runtime base images carry none.
 RUN headers=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")/Python.h; \
     if ! command -v g++ >/dev/null || [ ! -f "$headers" ]; then \

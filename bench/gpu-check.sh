@@ -4,8 +4,8 @@
 #   bench/gpu-check.sh OUTDIR
 #   bench/gpu-check.sh --dry-run OUTDIR    every step on this CPU, with stand-ins of tiny sizes
 #
-# 1. the tests that touch CUDA: the CUDA-marked ones and the single-process engine tests on the device
-#    (MOE_TEST_DEVICE=cuda). The multi-process gloo tests are CPU tests and stay in CI;
+# 1. the tests marked cuda, the engine's single-process tests on the device among them (MOE_TEST_DEVICE=cuda
+#    marks every test taking the device fixture). The multi-process gloo tests are CPU tests and stay in CI;
 # 2. the micro-benchmarks on the GPU (pytest-benchmark JSON with the derived ratios);
 # 3. the `gpu` scenario suite through moe-bench (result documents under OUTDIR/results);
 # 4. the device's measured profile (moe-bench profile-device --quick, peaks and network from h200-sxm
@@ -46,7 +46,7 @@
 #                      fit), 10 ms making its operands. Twice that for kernels below peak (16 s), CUDA
 #                      start-up (about 15 s) and the first use of cuBLAS, the attention and grouped GEMM
 #                      kernels (about 5 s): 36 s.
-#                      (tests/bench/test_gpu_check.py recomputes the count and the estimate.)
+#                      (tests/integration/workers/test_gpu_check.py recomputes the count and the estimate.)
 #   project      60 s: the three one-GPU scenarios (scenarios/gpu/*.yaml, not gpu/node) traced at full
 #                      size under fake tensors and priced: 30 s of CPU time on a 2-core CPU machine
 #                      (about 10 s a scenario), doubled for a slower host core.
@@ -88,7 +88,7 @@ if [ $dry_run = 1 ]; then
     base=${GPU_CHECK_BASE:-cpu-2core}
     "$python" -c "import torch, triton; print('dry run on the CPU: torch', torch.__version__, 'triton', triton.__version__)" \
         >"$out/environment.txt" 2>&1
-    tests=(env -u MOE_TEST_DEVICE "$python" -m pytest tests/test_cuda.py tests/moe/test_grouped_gemm.py)
+    tests=(env -u MOE_TEST_DEVICE "$python" -m pytest tests/unit/moe_engine/test_cuda.py tests/unit/moe_engine/moe/test_grouped_gemm.py)
     # The micro-benchmarks' own module at tiny sizes, so that pytest-benchmark still writes its JSON.
     micro=(env MOE_BENCH_DEVICE=cpu MOE_BENCH_PROFILE="$base" "$python" -c "
 import sys, pytest, bench.micro.test_moe_layer as micro
@@ -126,12 +126,9 @@ else
     fi
     { nvidia-smi || true; "$python" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, torch.cuda.get_device_name())"; } \
         >"$out/environment.txt" 2>&1
-    cuda_tests=(tests/test_cuda.py tests/test_model.py tests/moe/test_grouped_gemm.py tests/moe/test_host_sync.py
-                tests/moe/test_mxfp8_experts.py tests/moe/test_layer.py tests/moe/test_router.py tests/precision
-                tests/kernels/test_fused_ops.py tests/kernels/test_fused_model.py tests/kernels/test_fused_routing.py
-                tests/kernels/test_saved_tensors.py tests/kernels/test_fused_router.py tests/kernels/test_fused_gather_mx.py
-                tests/moe/test_dedup_dispatch_cuda.py)
-    tests=(env MOE_TEST_DEVICE=cuda "$python" -m pytest "${cuda_tests[@]}")
+    # The tests marked cuda: by hand where only a GPU runs them, and by tests/conftest.py for every test
+    # taking the device fixture under MOE_TEST_DEVICE=cuda (tests/README.md).
+    tests=(env MOE_TEST_DEVICE=cuda "$python" -m pytest -m cuda tests)
     # Each fused op against its eager composition, its bytes/s set against the base profile's memory rate.
     micro=(env MOE_BENCH_DEVICE=cuda MOE_BENCH_PROFILE="$base" "$python" -m pytest)
     suite=("$python" -m bench.cli run --suite gpu --device cuda)

@@ -21,7 +21,7 @@ def build_adamw(param_groups: list[dict], config: OptimizerConfig) -> torch.opti
     step) instead of the per-parameter loop torch picks by default on a CPU (on CUDA it picks foreach
     already). The foreach update is the loop's bit for bit; torch's fused one is not (on a CPU it
     differed from the loop in the last bit of some fp32 masters), so it is not used: the masters stay
-    exactly today's (``tests/parallel/test_adamw.py``)."""
+    exactly today's (``tests/unit/moe_engine/parallel/test_adamw.py``)."""
     return torch.optim.AdamW(param_groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=True)
 
 

@@ -88,7 +88,7 @@ def kernel_zeroes_empty_groups(device: torch.device) -> bool:
     """Whether ``torch._grouped_mm`` on ``device`` writes an empty group's weight gradient itself.
 
     The CPU kernel computes each group with its own matmul, so an empty group gets the empty sum, 0
-    (``tests/moe/test_grouped_gemm.py`` checks it). On CUDA, ``torch._grouped_mm`` on B200 is
+    (``tests/unit/moe_engine/moe/test_grouped_gemm.py`` checks it). On CUDA, ``torch._grouped_mm`` on B200 is
     reported to leave it unwritten, so the engine zeroes it there.
     """
     return device.type == "cpu"

@@ -1,0 +1,342 @@
+"""Pipeline schedules and the overlapped step on gloo ranks against 1F1B and the plain step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_harness import run_ranks
+
+from moe_engine.config import ExpertOverlap, ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.parallel import overlap
+from moe_engine.parallel.groups import build_process_groups
+from moe_engine.parallel.layout import Layout
+from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+from moe_engine.train import OptimizerConfig
+
+CONFIG = ModelConfig(
+    vocab_size=96,
+    d_model=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    seq_len=8,
+    dtype="fp32",
+    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24, aux_loss_weight=0.01, shared_expert_hidden=16),
+)
+LOOP_CONFIG = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, backend="loop"))
+OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.1)
+SEQUENCES, STEPS = 8, 2
+# Fixed, so that a failure replays exactly (the model's init and the batches derive from it).
+SEED = 1234
+TIMEOUT = 240
+
+
+def overlap_violations(events: list[tuple]) -> list[str]:
+    """Expert all-to-alls waited for with nothing of the other microbatch run since their start, where
+    the rule does not allow it.
+
+    ``events``: ("run", p) when program p takes over, ("done", p), ("start", p[, id]) and ("wait", p[, id])
+    for an all-to-all program p started / waits for; outside an overlapped region p is -1 (not checked).
+    An all-to-all started while the other program still had work must see that program run (a
+    ("run", other) event) before its wait, unless it is waited at once inside a chain, as routing
+    counts or as a side buffer: then the program must still have an all-to-all in flight when it
+    hands over (``moe_engine.moe.dispatch.HandOver``). One started after the other finished has
+    nothing to hide behind."""
+    problems, pending = [], {0: [], 1: []}
+    done = {0: False, 1: False}
+    runs = {0: 0, 1: 0}
+    # Per program: exchanges waited at once in the current slice.
+    unfollowed: dict[int, list[int]] = {0: [], 1: []}
+    for index, (kind, p, *exchange) in enumerate(events):
+        if kind == "run":
+            other = 1 - p
+            if unfollowed[other] and not pending[other] and not done[p]:
+                problems.append(f"program {other} waited at once at events {unfollowed[other]} and handed over")
+            unfollowed[other] = []
+            runs[p] += 1
+            continue
+        if kind == "done":
+            done[p] = True
+            continue
+        if p < 0:
+            continue
+        other = 1 - p
+        if kind == "start":
+            pending[p].append((index, runs[other], done[other], exchange))
+        elif kind == "wait":
+            # Paired by the exchange's id where recorded (one waited at once may have started after one
+            # still in flight), else first in, first out.
+            at = next(i for i, entry in enumerate(pending[p]) if entry[3] == exchange) if exchange else 0
+            _, runs_then, other_done, _ = pending[p].pop(at)
+            if not other_done and runs[other] == runs_then:
+                unfollowed[p].append(index)
+    if any(pending.values()):
+        problems.append(f"all-to-alls never waited for: {pending}")
+    return problems
+
+
+class _Recorder:
+    """Records this rank's collectives per group and the expert all-to-alls' starts and waits."""
+
+    def __init__(self):
+        self.collectives: dict[tuple[int, ...], list[str]] = {}
+        self.events: list[tuple] = []
+
+    def install(self) -> None:
+        for name in ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast"):
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        events = self.events
+        overlap.Interleaver._record = lambda self, kind, p: events.append((kind, p))  # type: ignore[method-assign]
+
+    def _wrap(self, name, fn):
+        recorder = self
+
+        def wrapped(*args, group=None, async_op=False, **kwargs):
+            ranks = (
+                tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+            )
+            recorder.collectives.setdefault(ranks, []).append(name)
+            program = recorder._program()
+            exchange = len(recorder.events)
+            if name == "all_to_all_single":
+                recorder.events.append(("start", program, exchange))
+            work = fn(*args, group=group, async_op=async_op, **kwargs)
+            if name != "all_to_all_single":
+                return work
+            if not async_op:
+                recorder.events.append(("wait", program, exchange))
+                return work
+            return _RecordedWork(work, recorder, program, exchange)
+
+        return wrapped
+
+    @staticmethod
+    def _program() -> int:
+        from moe_engine.moe import dispatch
+
+        hook = dispatch.in_flight_hook
+        return hook.__self__.active if hook is not None else -1  # type: ignore[union-attr]
+
+
+class _RecordedWork:
+    def __init__(self, work, recorder: _Recorder, program: int, exchange: int):
+        self.work, self.recorder, self.program, self.exchange = work, recorder, program, exchange
+
+    def wait(self, *args, **kwargs):
+        self.recorder.events.append(("wait", self.program, self.exchange))
+        return self.work.wait(*args, **kwargs)
+
+
+def _batches(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, CONFIG.vocab_size, (SEQUENCES, CONFIG.seq_len + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def _trace_weight_gradients(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(action, parameter) of every expert weight gradient accumulated, the action being the pipeline
+    stage call running then: "I" (input backward), "W" (weight backward) or "B" (full backward)."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    current = ["-"]
+    trace: list[tuple[str, str]] = []
+
+    def traced(method, kind_of):
+        def run(self, *args, **kwargs):
+            current[0] = kind_of(kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                current[0] = "-"
+
+        return run
+
+    base = _PipelineStageBase
+    base.backward_one_chunk = traced(base.backward_one_chunk, lambda kw: "B" if kw.get("full_backward", True) else "I")  # type: ignore[method-assign]
+    base.backward_weight_one_chunk = traced(base.backward_weight_one_chunk, lambda kw: "W")  # type: ignore[method-assign]
+    for name, param in module.named_parameters():
+        if ".experts." in name:
+            # A tensor hook: the W action hands its gradients to autograd.grad, not to AccumulateGrad.
+            param.register_hook(lambda grad, name=name: trace.append((current[0], name)))
+    return trace
+
+
+def _train_rank(
+    parallel: ParallelConfig, seed: int, config: ModelConfig = CONFIG, guard: bool = False, trace_weights: bool = False
+):
+    recorder = _Recorder()
+    recorder.install()
+    groups = build_process_groups(Layout(parallel))
+    rank_model = build_rank_model(config, parallel, groups, torch.device("cpu"), seed)
+    trainer = ParallelTrainer(rank_model, parallel, groups, OPTIMIZER)
+    weight_trace = _trace_weight_gradients(rank_model.module) if trace_weights else []
+    share = SEQUENCES // parallel.dp
+    rows = slice(groups.coords.dp_rank * share, (groups.coords.dp_rank + 1) * share)
+    losses = []
+    if guard:
+        # Forward and backward (the optimizer's step is not part of the no-sync promise).
+        from moe_engine.host_sync import forbid_host_sync
+
+        accumulate = trainer._accumulate
+
+        def guarded(*args):
+            with forbid_host_sync():
+                return accumulate(*args)
+
+        trainer._accumulate = guarded  # type: ignore[method-assign]
+    for tokens, labels in _batches(seed):
+        losses.append(trainer.step(tokens[rows], labels[rows]))
+    params = {(name, groups.coords.ep_rank): p.detach().clone() for name, p in rank_model.module.named_parameters()}
+    return {
+        "rank": dist.get_rank(),
+        "losses": losses,
+        "params": params,
+        "collectives": recorder.collectives,
+        "events": recorder.events,
+        "overlapped": trainer.overlapped,
+        "weight_trace": weight_trace,
+    }
+
+
+def _run(parallel: ParallelConfig, config: ModelConfig = CONFIG, guard: bool = False, trace_weights: bool = False):
+    return run_ranks(_train_rank, parallel.world_size, parallel, SEED, config, guard, trace_weights, timeout=TIMEOUT)
+
+
+def _losses(ranks: list[dict]) -> torch.Tensor:
+    # Every rank holding the loss stage reports it; one per data-parallel rank.
+    return torch.stack([torch.stack(r["losses"]) for r in ranks if r["losses"][0] is not None])
+
+
+def _params(ranks: list[dict]) -> dict:
+    merged: dict = {}
+    for rank in ranks:
+        for key, value in rank["params"].items():
+            if key in merged:
+                torch.testing.assert_close(value, merged[key], rtol=0, atol=0, msg=f"replicas of {key} differ")
+            merged[key] = value
+    return merged
+
+
+def assert_same_training(got: list[dict], want: list[dict]) -> None:
+    # Microbatches add the same terms in another order: fp32 rounding only.
+    torch.testing.assert_close(_losses(got), _losses(want), rtol=1e-5, atol=0)
+    got_params, want_params = _params(got), _params(want)
+    assert set(got_params) == set(want_params)
+    for key, value in want_params.items():
+        torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=2e-6, msg=str(key))
+
+
+def assert_same_collective_order(ranks: list[dict]) -> None:
+    sequences: dict[tuple[int, ...], dict[int, list[str]]] = {}
+    for rank in ranks:
+        for group, ops in rank["collectives"].items():
+            sequences.setdefault(group, {})[rank["rank"]] = ops
+    for group, by_rank in sequences.items():
+        first = next(iter(by_rank.values()))
+        assert all(ops == first for ops in by_rank.values()), f"group {group}: members issue different sequences"
+
+
+# ---- the overlap checker on hand-written sequences ---------------------------------------------------
+
+
+# ---- pipelines: zero bubble and DualPipeV against 1F1B -------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule, virtual_stages, microbatches",
+    [("zbv", 2, 4), ("interleaved-zb", 2, 4), ("dualpipev", 2, 4)],
+    ids=["zbv", "interleaved-zb", "dualpipev"],
+)
+def test_zero_bubble_schedules_train_like_1f1b(schedule, virtual_stages, microbatches):
+    # The reference's experts are the per-expert loop under plain autograd: no split backward to share a bug with.
+    reference = _run(ParallelConfig(pp=2, schedule="1f1b", microbatches=microbatches), config=LOOP_CONFIG)
+    got = _run(
+        ParallelConfig(
+            pp=2, schedule=schedule, virtual_stages=virtual_stages, microbatches=microbatches, overlap="none"
+        )
+    )
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+
+
+@pytest.mark.slow
+def test_zero_bubble_runs_each_expert_weight_gradient_once_in_a_w_action():
+    # The experts' backward splits dX from dW: the schedule's I actions compute no expert dW, each W
+    # action computes it once (a dW also run in I, or twice, would count 2m per step).
+    parallel = ParallelConfig(pp=2, schedule="zbv", virtual_stages=2, microbatches=4)
+    got = _run(parallel, trace_weights=True)
+    for rank in got:
+        trace = rank["weight_trace"]
+        assert trace, "no expert weight gradient was traced"
+        assert {action for action, _ in trace} == {"W"}, sorted(set(trace))
+        names = {name for _, name in trace}
+        for name in names:
+            assert sum(1 for _, n in trace if n == name) == STEPS * parallel.microbatches, name
+
+
+@pytest.mark.slow
+def test_dualpipev_overlapped_with_expert_parallelism_trains_like_1f1b():
+    base = dict(pp=2, dp=2, ep=2, microbatches=4)
+    reference = _run(ParallelConfig(**base, schedule="1f1b"))
+    parallel = ParallelConfig(**base, schedule="dualpipev", virtual_stages=2)
+    assert parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
+    got = _run(parallel)
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+    for rank in got:
+        inside = [e for e in rank["events"] if e[0] == "run"]
+        assert inside, "no overlapped forward/backward ran"
+        assert overlap_violations(rank["events"]) == []
+
+
+# ---- the overlapped data-parallel step (pp = 1) ----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["no-sync", "sync"])
+def test_overlapped_data_parallel_step_trains_like_the_plain_step(dispatch):
+    base = dict(dp=2, ep=2, microbatches=2, dispatch=dispatch)
+    reference = _run(ParallelConfig(**base, overlap="none"))
+    parallel = ParallelConfig(**base)
+    assert parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
+    got = _run(parallel)
+    assert all(r["overlapped"] for r in got) and not any(r["overlapped"] for r in reference)
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+    for rank in got:
+        assert ("run", 1) in rank["events"], "the second microbatch never ran beside the first"
+        assert overlap_violations(rank["events"]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["no-sync", "sync"])
+def test_overlapped_step_with_rows_per_node_trains_like_the_plain_step(dispatch):
+    # Four ranks as two nodes of two: each dispatch and combine is a chain of two levels.
+    base = dict(dp=4, ep=4, microbatches=2, ranks_per_node=2, dispatch=dispatch, capacity_factor=4.0)
+    reference = _run(ParallelConfig(**base, overlap="none"))
+    got = _run(ParallelConfig(**base))
+    assert ParallelConfig(**base).resolved_dispatch_rows.value == "per-node"
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+    for rank in got:
+        assert ("run", 1) in rank["events"], "the second microbatch never ran beside the first"
+        assert overlap_violations(rank["events"]) == []
+
+
+@pytest.mark.slow
+def test_overlapped_data_parallel_step_with_chunks_and_zero1_has_no_host_sync():
+    base = dict(dp=2, ep=2, microbatches=4, a2a_chunks=2, optimizer_sharding="zero1")
+    reference = _run(ParallelConfig(**base, overlap="chunks"))
+    got = _run(ParallelConfig(**base, overlap="microbatches"), guard=True)
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+    for rank in got:
+        assert overlap_violations(rank["events"]) == []
+
+
+# ---- configuration -----------------------------------------------------------------------------------------
