@@ -1,59 +1,8 @@
 """``moe-bench profile-device``: measure this device's curves and write a device profile (``devices/*.yaml``).
 
-What is measured, on the device given (``cpu``, or ``cuda``/``cuda:N``), with ``torch.set_num_threads``
-set to the threads one real rank uses (``threads``; the project's 2-rank CPU runs use one each):
-
-- ``gemm`` (bf16, fp32): ``torch.mm(a_MK, b_KN)`` for square shapes and a grid of rectangles;
-  work = 2 M N K FLOPs, seconds = one call. Shape recorded: (M, N, K). Also ``torch.bmm`` of the
-  combine's batched products, shape (B, M, N, K), work 2 B M N K.
-- ``grouped_gemm`` (bf16, fp32): the experts' ``moe_engine.moe.grouped_gemm.grouped_mm(x, w, offsets)``,
-  x (E * rows, K) @ w (E, K, N) (w stored (E, N, K) and transposed, as ``experts.py`` passes
-  ``gate_up_EHD.transpose(1, 2)``), int32 offsets, every group ``rows`` rows; swept over rows per group
-  for a few (N, K) and expert counts. work = 2 rows N K (ONE group), seconds = one call / E, as
-  ``bench.predict.pricing`` prices a grouped GEMM group by group. Shape recorded: (E, rows, N, K).
-- ``attention`` (bf16, fp32): ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on (B, H, S, d)
-  tensors, d = 64, with autograd on (as in training). Forward points: work = 4 B H S S d / 2 (causal),
-  seconds = the forward; backward points: work = 2.5 x the forward FLOPs, seconds = ``out.backward``
-  alone (the forward of each backward is run outside the timed region, so this is fwd+bwd minus fwd
-  without the noise of a subtraction). The backward points are a curve of their own,
-  ``attention_backward``: a CPU's backward runs several times slower per FLOP than its forward.
-  Shape recorded: (B, H, S, d).
-- ``memory`` (bf16, fp32): ``torch.mul(a, b)`` out of place on tensors of 1 KB to 256 MB each, so the
-  small end is per-op overhead and the large end includes the first touch of the freshly allocated
-  output, as the engine's own out-of-place ops pay it. work = 3 x numel x element size. bf16 has a
-  curve of its own: a CPU computes it through fp32 and moves half the bytes per element.
-- Every curve's operands are cold: each call takes the next of several copies filling
-  ``Sweep.pool_bytes`` (256 MB by default), as a training step's ops read tensors written long before.
-- ``hbm_gbps`` (CPU): the DRAM bandwidth of ``torch.add(a, b, out=c)`` into a preallocated output at
-  the two largest memory sizes (no page faults), the better of the two; ``efficiency.memory`` is the
-  out-of-place curve's largest point as a fraction of it.
-- ``efficiency``: gemm, grouped_gemm, attention = the bf16 curve's largest point against the dense
-  peak of the cores the measurement ran on (CPU: peak x threads / cores); launch_overhead_us = the
-  smallest memory op; free_op_us (CPU) = a kernel-less ``x.view(-1)`` dispatched from Python;
-  host_op_us (CPU) = a tiny engine model's training step divided by the ops it dispatches (the
-  host's cost around each op: Python, autograd, the engine's code).
-- peaks (CPU): lscpu's cores x clock x FLOPs/cycle of the widest units its flags show (AMX-BF16: 1024
-  bf16 FLOPs/cycle/core; AVX-512: 2 FMA units x 16 fp32 lanes x 2). A KVM guest often shows no
-  "CPU max MHz"; then the clock is /proc/cpuinfo's, raised to the lowest clock the measured GEMMs
-  need when one of their points beats it (a lower bound of the real turbo clock, said so in ``sources``). No FP8
-  units on a CPU: fp8 and mxfp8 get the bf16 figure.
-- network (CPU): gloo between ``ranks`` local processes (``bench.run.network.calibrate_network``,
-  alpha from small all-reduces / all-to-alls, bandwidth from the large-minus-small slope), or the
-  ``base`` profile's network when one is given.
-
-On a GPU the peaks, ``hbm_gbps``, network and their sources come from an existing profile
-(``base``, e.g. ``h200-sxm``); the curves and efficiencies are measured; timings synchronize the
-device around each timed batch.
-
-Timing: each point is warmed up (2 calls), then timed ``time.perf_counter`` around batches of calls
-(a batch lasts about 1 ms so that a microsecond op is not all timer), median over repeats within a
-per-point budget. The default CPU sweep runs in about a minute or two on a 2-core machine. ``--quick``
-on a GPU times ``cuda_quick_sweep`` (its seconds by ``estimate_seconds``: bench/gpu-check.sh's header).
-
-The modules: the sweeps and their cost (``bench.run.profile.sweep``), the timer and each curve's points
-(``bench.run.profile.curves``), this CPU's cores, clock and FLOPs/cycle (``bench.machine.cpu_spec``), the
-profile document and its YAML (``bench.run.profile.document``); this one runs them in order, under the
-neighbours' load.
+What each curve times and how: docs/proxies-and-projections.md, "What profile-device measures". The sweeps
+and their cost are in ``bench.run.profile.sweep``, the timer and each curve's points in
+``bench.run.profile.curves``, the document in ``bench.run.profile.document``; this module runs them in order.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 cold operands, and each curve's points (GEMM, grouped GEMM, attention, memory), the DRAM stream bandwidth,
 a free op and the host's time per op of a tiny training step.
 
-What each point's work and seconds are: ``bench.run.profile_device``'s docstring.
+What each point's work and seconds are: docs/proxies-and-projections.md, "What profile-device measures".
 """
 
 from __future__ import annotations

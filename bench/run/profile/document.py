@@ -300,7 +300,7 @@ def curves_source(measured: Measured, stamp: str) -> str:
     dev, sweep = measured.device, measured.sweep
     text = (
         f"{stamp} on {dev}, {measured.threads} thread(s): medians of time.perf_counter around batches of calls after 2 "
-        "warm-up calls (bench/run/profile_device.py docstring: what each kind's work and seconds are)"
+        "warm-up calls (docs/proxies-and-projections.md: what each kind's work and seconds are)"
     )
     if dev.type == "cuda":
         text += (

@@ -2,7 +2,7 @@
 ones), every point a sweep times (``timed_points``), and how long timing them takes (``estimate_seconds``).
 
 Arithmetic on sizes only; the timing is ``bench.run.profile.curves``, what each point's work and seconds are
-is ``bench.run.profile_device``'s docstring.
+is in docs/proxies-and-projections.md ("What profile-device measures").
 """
 
 from __future__ import annotations

@@ -1,52 +1,7 @@
 """Proxy mode: run one rank of a scenario's layout for real in a fake world, then project the cluster.
 
-What runs
-    The process joins a fake world as ``proxy.rank`` of the layout's dp * pp ranks and builds only
-    that rank's share (``bench.run.proxy.rank``): its pipeline stage, its local experts, its optimizer
-    shard. Collectives are issued but move nothing; the recorder logs their sizes. Peers' traffic is
-    simulated from the routing mode (``bench.run.proxy.rank.peers``). On a CPU host ``proxy.cpu_scale``
-    shrinks the run: fewer blocks of the stage (every block of a stage has the same shapes), shorter
-    sequences, fewer sequences per microbatch, fewer microbatches, and fp32 for a CPU without bf16 units
-    (``cpu_scale.precision``: the plan it is checked against is then the fp32 plan of the same run);
-    the experts keep their shapes. A GPU host runs the
-    scenario's own sizes. The proxy runs as many microbatches as the schedule keeps in flight on the
-    rank (so the activation peak is the real one), at least 2 (the accumulation path) and at most the
-    scenario's.
-
-What is measured (at the run's scale)
-    Step time without the proxy's own work of fabricating peers' data, split into phases by
-    ``bench.run.phase_timer`` (attention, router, dispatch, experts, shared expert, dense FFN, block
-    norms and residuals, embedding, optimizer, gradient buffers = zeroing them and scaling each bucket
-    as its reduction launches, other = final norm, LM head, loss), the peak memory (CUDA allocator, or
-    tracked tensor bytes on CPU), overall and for forward/backward and the optimizer step apart; every
-    collective's bytes per step. Per gradient bucket (a ``SyncTimeline`` on the optimizer and the phase
-    timer read as it launches): the compute of the last backward left after its reduction launched,
-    split by how it scales (blocks, rest, embedding, later buckets' launches; fabrication left out),
-    its share's optimizer update, and its bytes (``details.sync_windows``). The collectives take no
-    time on the fake world, so these are the windows a real rank's collectives could hide under.
-
-Projection (``bench.predict.projection``)
-    At the run's scale, and scaled to the scenario's: per-microbatch compute of the stage's blocks
-    times full_blocks / run_blocks; the blocks and the rest of a microbatch (final norm, LM head,
-    loss) times full / run tokens per microbatch (linear in tokens: attention's quadratic term is not
-    rescaled); the embedding once per microbatch, unscaled (its backward makes a whole V x D
-    gradient); the optimizer times the rank's full / run optimizer-state bytes and the gradient
-    buffers' zeroing and scaling times its gradient bytes, once per step; gradient collectives'
-    bytes times their family's parameter ratio; all-to-all bytes times the token ratio and their
-    count times the block ratio; stage messages times the token ratio; over the scenario's
-    microbatches. ``project_run_scale`` and ``project_full_scale`` compute both from a
-    ``StepMeasurement`` and the stage's ``StageSize`` at either scale: arithmetic, no model runs.
-
-Overlap windows at the scenario's scale
-    ``scaled_sync_buckets``: each gradient bucket's reduction and ZeRO-1 gather, with the compute it
-    can hide under, grown from the run's blocks and tokens to the scenario's; the rules are with the
-    queue they feed, in ``bench.predict.projection``'s docstring ("Overlap windows of a scaled-down
-    run"). Collectives of the gradient groups that no bucket stands for (e.g. the expert-bias counts)
-    launch when the backward ends.
-
-Plan vs proxy
-    ``bench.predict.plan`` evaluated on exactly what the proxy ran (same blocks, tokens, microbatches), for the
-    rank's pipeline stage, next to the measured peak.
+What runs, what is measured and how it scales to the scenario: docs/proxies-and-projections.md, "What a
+proxy run measures and how it scales"; the rank's pieces are in ``bench.run.proxy.rank``.
 """
 
 from __future__ import annotations
