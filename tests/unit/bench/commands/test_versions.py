@@ -27,7 +27,12 @@ def test_the_table_is_printed_and_the_comparisons_exit_code_returned(monkeypatch
 
 def test_defaults(monkeypatch):
     calls = []
-    monkeypatch.setattr(versions, "run_versions", lambda *args: calls.append(args) or (0, ""))
+
+    def fake_run_versions(*args):
+        calls.append(args)
+        return 0, ""
+
+    monkeypatch.setattr(versions, "run_versions", fake_run_versions)
     assert main(["versions", "a", "b"]) == 0
     assert calls == [(["a", "b"], "default", Path("results"), "auto")]
 
