@@ -18,7 +18,7 @@ import random
 
 import torch
 import torch.nn.functional as F
-from tolerances import tolerance
+from tolerances import assert_close_to_scale, tolerance
 
 from moe_engine import kernels
 from moe_engine.moe.permute import RowMap, plan_routing, plan_slots, reorder_rows, sort_permutation
@@ -436,7 +436,7 @@ def run_eager(case: dict, dtype: torch.dtype, device="cpu") -> dict[str, torch.T
 
 
 def tolerances(case: dict, dtype: torch.dtype) -> dict[str, float]:
-    """Per compared value, ``tests/tolerances.tolerance`` of the chain that computes it.
+    """Per compared value, ``tests/support/tolerances.tolerance`` of the chain that computes it.
 
     RMSNorm: the mean of squares over the width (k = width), then elementwise roundings; backward adds
     the row sum of g * xhat, and the weight's gradient sums over the rows. SwiGLU: elementwise only
@@ -485,6 +485,16 @@ def tolerances(case: dict, dtype: torch.dtype) -> dict[str, float]:
         weighted = 0.0 if top_k <= 2 and dtype == torch.bfloat16 else tolerance(dtype, top_k)
         return {"rows": 0.0, "grad_x": sums, "out": weighted, "grad_y": 0.0, "grad_weight": tolerance(dtype, width)}
     raise ValueError(f"unknown op {op}")
+
+
+def assert_matches_eager(got: dict, want: dict, case: dict, dtype: torch.dtype, where: str) -> None:
+    """``got`` (a fused run) holds the names of ``want`` (the eager run), each within ``tolerances``."""
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    tols = tolerances(case, dtype)
+    for name, expected in want.items():
+        assert_close_to_scale(
+            got[name], expected, tols[name], msg=f"{where}, {case_id(case)}, {dtype}, {name}, seed {SEED}"
+        )
 
 
 # --- a small model -------------------------------------------------------------------------------------

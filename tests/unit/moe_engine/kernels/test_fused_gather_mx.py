@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from fused_cases import DTYPES, SEED
-from test_fused_trace import OpRecorder, model_step_ops
+from op_recording import OpRecorder, model_step_ops
 
 from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work
+from bench.results import REPO_ROOT
 from moe_engine import ModelConfig, kernels
 from moe_engine.kernels import gather_mx
 from moe_engine.moe.experts import GroupedExperts
@@ -25,7 +26,6 @@ from moe_engine.moe.permute import ExpertGroups, gather_tokens, plan_routing, pl
 from moe_engine.precision.mxfp8 import quantize
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 
 # --- inputs --------------------------------------------------------------------------------------------
@@ -154,10 +154,10 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gather_mx_interpreter")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save({"cases": cases()}, inputs)
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, MOE_KERNEL_SEED=str(SEED))
-    command = [sys.executable, "-c", _CHILD, str(inputs), str(outputs), str(HERE), str(HERE.parent)]
-    run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    command = [sys.executable, "-c", _CHILD, str(inputs), str(outputs), str(HERE), str(REPO_ROOT / "tests" / "support")]
+    run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     return torch.load(outputs)
 

@@ -23,9 +23,8 @@ from fused_cases import (
     router_tolerances,
     run_router,
 )
-from test_fused_trace import OpRecorder
-from test_saved_tensors import saved_while
-from test_triton_interpreter import run_interpreted
+from interpreted_kernels import run_interpreted
+from op_recording import OpRecorder, saved_while
 from tolerances import assert_close_to_scale, model_tolerance
 
 from moe_engine import ModelConfig, build_model, kernels

@@ -9,11 +9,19 @@ import dataclasses
 
 import pytest
 import torch
-from fused_cases import DTYPES, MODEL_CONFIG, SEED, case_id, model_batch, routing_cases, run_eager, run_fused
-from test_fused_ops import assert_matches_eager
-from test_fused_trace import OpRecorder
-from test_saved_tensors import saved_while
-from test_triton_interpreter import run_interpreted
+from fused_cases import (
+    DTYPES,
+    MODEL_CONFIG,
+    SEED,
+    assert_matches_eager,
+    case_id,
+    model_batch,
+    routing_cases,
+    run_eager,
+    run_fused,
+)
+from interpreted_kernels import run_interpreted
+from op_recording import OpRecorder, saved_while
 from tolerances import assert_close_to_scale, model_tolerance
 
 from moe_engine import ModelConfig, build_model, kernels

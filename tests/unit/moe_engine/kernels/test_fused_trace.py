@@ -2,13 +2,11 @@
 backward, and none of the eager ops it replaces runs: per op, in a dense model, in the routed
 experts' hand-written backward, in an MoE model's dispatch gather and combine, and in its routers."""
 
-from collections import Counter
-
 import pytest
 import torch
 from fused_cases import MODEL_CONFIG, case_id, cases, model_batch, run_fused
+from op_recording import OpRecorder, model_step_ops
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine import ModelConfig, build_model
 from moe_engine.config import Precision
@@ -16,33 +14,6 @@ from moe_engine.model import cast_parameters
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.moe.router import Router
-
-
-class OpRecorder(TorchDispatchMode):
-    """Every op dispatched inside, by schema name (``aten::mm``, ``moe_engine::rms_norm``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace != "prim":
-            self.ops[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
-
-    def fused(self) -> dict[str, int]:
-        return {name: n for name, n in self.ops.items() if name.startswith("moe_engine::")}
-
-
-def model_step_ops(config: ModelConfig) -> OpRecorder:
-    """The ops of one fake-tensor training step (forward and backward) of a model built from ``config``."""
-    tokens, labels = model_batch()
-    with FakeTensorMode() as mode:
-        model = build_model(config)
-        with OpRecorder() as recorder:
-            model.loss(mode.from_tensor(tokens), mode.from_tensor(labels)).backward()
-    return recorder
-
 
 EXPECTED = {
     "rms_norm": ({"moe_engine::rms_norm": 1, "moe_engine::rms_norm_backward": 1}, {"aten::rsqrt", "aten::mean"}),

@@ -4,21 +4,9 @@ more (silu(gate); the (N, V) fp32 log-probabilities)."""
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.graph import saved_tensors_hooks
+from op_recording import saved_while
 
 from moe_engine import kernels
-
-
-def saved_while(fn) -> list[torch.Tensor]:
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return saved
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

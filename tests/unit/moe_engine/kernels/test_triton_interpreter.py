@@ -7,21 +7,14 @@ interpreter truncates instead of rounding to nearest even): they read and write 
 patterns and round with integer operations (``moe_engine.kernels.storage``), which the first test
 checks bit for bit against torch's conversion."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from fused_cases import DTYPES, MODEL_CONFIG, SEED, case_id, cases, model_batch, run_eager
-from test_fused_ops import assert_matches_eager
+from fused_cases import DTYPES, MODEL_CONFIG, SEED, assert_matches_eager, case_id, cases, model_batch, run_eager
+from interpreted_kernels import run_interpreted
 from tolerances import assert_close_to_scale, model_tolerance
 
 from moe_engine import ModelConfig, build_model
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 MODEL_SEED = 3
 
 
@@ -51,18 +44,6 @@ def storage_inputs() -> torch.Tensor:
     )
     bits = torch.randint(-(2**31), 2**31, (4096,), generator=torch.Generator().manual_seed(SEED), dtype=torch.int64)
     return torch.cat([special, bits.to(torch.int32).view(torch.float32)])
-
-
-def run_interpreted(folder: Path, inputs: dict) -> dict:
-    """The child's outputs for ``inputs``, run with TRITON_INTERPRET=1."""
-    inputs_path, outputs_path = folder / "inputs.pt", folder / "outputs.pt"
-    torch.save(inputs, inputs_path)
-    path = os.pathsep.join([str(REPO), str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, MOE_KERNEL_SEED=str(SEED))
-    command = [sys.executable, str(HERE / "interpreter_child.py"), str(inputs_path), str(outputs_path)]
-    run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return torch.load(outputs_path)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
-"""Run by test_triton_interpreter.py in a fresh process with TRITON_INTERPRET=1 (Triton decides between
-compiling and interpreting when a kernel is defined, at import): every fused op's case through the
-Triton kernels on CPU tensors (the routing ops' and the router's cases too, when given), the storage
-helpers on chosen bit patterns, and a small model with fused kernels, as the inputs ask. Usage:
+"""Run by ``interpreted_kernels.run_interpreted`` in a fresh process with TRITON_INTERPRET=1 (Triton
+decides between compiling and interpreting when a kernel is defined, at import): every fused op's case
+through the Triton kernels on CPU tensors (the routing ops' and the router's cases too, when given), the
+storage helpers on chosen bit patterns, and a small model with fused kernels, as the inputs ask. Usage:
 interpreter_child.py INPUTS OUTPUTS (both ``torch.save`` files)."""
 
 import sys
