@@ -7,12 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_bf16_trainer
 from tolerances import assert_close_to_scale, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_engine import ModelConfig
-from moe_engine.config import MoEConfig, ParallelConfig
-from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 from moe_engine.precision import cpu_bf16
 from moe_engine.precision.cpu_bf16 import BF16GemmsInFp32
 
@@ -121,26 +119,8 @@ class _GemmDtypes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_bf16_trainer():
-    """A two-block bf16 MoE model's trainer, built from SEED (also used by tests/unit/bench/run/test_work.py)."""
-    config = ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        seq_len=16,
-        dtype="bf16",
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=24),
-    )
-    parallel = ParallelConfig()
-    return config, ParallelTrainer(
-        build_rank_model(config, parallel, None, torch.device("cpu"), seed=SEED), parallel, None
-    )
-
-
 def test_no_bf16_gemm_of_a_training_step_reaches_aten():
-    config, trainer = tiny_bf16_trainer()
+    config, trainer = tiny_bf16_trainer(SEED)
     tokens = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=torch.Generator().manual_seed(SEED))
     with _GemmDtypes() as below, BF16GemmsInFp32():
         trainer.step(tokens[:, :-1], tokens[:, 1:])
@@ -153,8 +133,8 @@ def test_no_bf16_gemm_of_a_training_step_reaches_aten():
 def test_training_steps_match_native_bf16():
     """Three steps with and without the mode: the losses agree within the rounding of the step's chain
     (its longest sums are the weight gradients' over the batch's tokens)."""
-    config, native = tiny_bf16_trainer()
-    _, moded = tiny_bf16_trainer()
+    config, native = tiny_bf16_trainer(SEED)
+    _, moded = tiny_bf16_trainer(SEED)
     gen = torch.Generator().manual_seed(SEED)
     for _ in range(3):
         tokens = torch.randint(0, config.vocab_size, (4, config.seq_len + 1), generator=gen)
