@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from dispatch_cases import make_case, make_layer, relative_error, shard, step
 from distributed_harness import run_ranks
-from test_dispatch import _step, make_case, make_layer, relative_error, shard
 from tolerances import assert_moves_close, in_quadrature, model_tolerance, moe_layer_tolerance, tolerance
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -23,9 +23,6 @@ from moe_engine.train import OptimizerConfig
 
 SEED = 20260
 """Fixed, so that a failure replays exactly (printed by the tests that draw from it)."""
-
-
-# ---- the chunk arithmetic ----------------------------------------------------------------------
 
 
 # ---- one MoE layer on 2 and 4 ranks ------------------------------------------------------------
@@ -59,7 +56,7 @@ def _layer_job(cases: list[dict], checks: bool) -> dict:
             layer = make_layer(case["seed"], case["routing"], case["backend"], routing_seed=rank)
             spec = DispatchSpec(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"], chunks)
             layer = shard(layer, spec)
-            results[case["name"], chunks] = _step(layer, case["x"][rank], case["grad"][rank])
+            results[case["name"], chunks] = step(layer, case["x"][rank], case["grad"][rank])
     if checks:
         results["order"] = {kind: _order_job(case, ORDER_CHUNKS) for kind, case in ORDER_CASES.items()}
         results["guard"] = _host_sync_job(ORDER_CHUNKS)

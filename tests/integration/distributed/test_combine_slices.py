@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dedup_dispatch_cases import D_MODEL, batch, sharded
 from distributed_harness import run_ranks
-from test_dedup_dispatch import D_MODEL, batch, sharded
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine.moe import dedup_dispatch, dispatch

@@ -13,8 +13,8 @@ import statistics
 import pytest
 import torch
 import torch.distributed as dist
+from dispatch_cases import shard
 from distributed_harness import run_ranks
-from test_dispatch import shard
 
 from moe_engine.config import MoEConfig
 from moe_engine.moe.dispatch_spec import DispatchSpec

@@ -3,65 +3,25 @@
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dedup_dispatch_cases import D_MODEL, EXPERTS, TOKENS, TOP_K, batch, make_layer, sharded, step
+from dispatch_cases import shard
 from distributed_harness import run_ranks
-from test_dispatch import shard
 
-from moe_engine.config import DispatchKind, MoEConfig
+from moe_engine.config import DispatchKind
 from moe_engine.host_sync import HostSyncError, forbid_host_sync, profile_host_syncs
 from moe_engine.moe.dispatch_spec import DispatchSpec
-from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.router import RouterOutput
 from moe_engine.parallel.groups import build_node_groups
 from moe_engine.parallel.layout import destination_share
 
 pytestmark = pytest.mark.slow
 
-D_MODEL, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 24, 8, 3, 20
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-def make_layer(routing_seed: int, routing: str = "learned") -> MoELayer:
-    torch.manual_seed(0)
-    moe = MoEConfig(num_experts=EXPERTS, top_k=TOP_K, expert_hidden=HIDDEN, routing=routing, routing_seed=routing_seed)
-    layer = MoELayer(D_MODEL, moe)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return layer
-
-
-def batch(rank: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{name}-{rank}".encode()))
-    return torch.randn(TOKENS, D_MODEL, generator=generator), torch.randn(TOKENS, D_MODEL, generator=generator)
-
-
-def step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
-    x = x_TD.clone().requires_grad_()
-    layer.zero_grad()
-    layer.router.reset_routing_generator()
-    y = layer(x)
-    (y * grad_TD).sum().backward()
-    layer.router.reset_routing_generator()  # the forward's routes, drawn again
-    return dict(
-        y=y.detach(),
-        grad_x=x.grad,
-        grad_router=layer.router.weight.grad,
-        grad_gate_up=layer.experts.gate_up.grad,
-        grad_down=layer.experts.down.grad,
-        dropped=layer.last_dropped,
-        expert_TK=layer.router(x_TD).expert_TK,
-    )
-
-
-def sharded(rows: str, kind: str, capacity_factor: float, chunks: int, nodes, routing: str = "learned") -> MoELayer:
-    rank = dist.get_rank()
-    spec = DispatchSpec(dist.group.WORLD, rank, dist.get_world_size(), kind, capacity_factor, chunks, rows, nodes)
-    return shard(make_layer(rank, routing), spec)
 
 
 # (name, rows, kind, capacity_factor, a2a_chunks); each is compared with per-expert rows of the same kind.
@@ -375,9 +335,6 @@ def test_bytes_sent_equal_the_hand_count(rows):
         crossing = [r for r in floats if (r[1] // 2 != rank // 2) and r[3] == r[2] * ROW_BYTES]
         dispatch, back = HAND_CROSSING[rows]
         assert sum(r[2] for r in crossing) == dispatch[rank] + back[rank], f"rank {rank} rows across nodes"
-
-
-# ---- the expectation the projection prices ------------------------------------------------------
 
 
 # ---- where an overlapped step hands over (moe_engine.moe.dispatch.HandOver) ------------------------------

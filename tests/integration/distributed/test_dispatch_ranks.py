@@ -3,91 +3,31 @@
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dispatch_cases import (
+    D_MODEL,
+    EXPERTS,
+    HIDDEN,
+    TOKENS,
+    TOP_K,
+    expected_kept,
+    make_case,
+    make_layer,
+    relative_error,
+    shard,
+    step,
+)
 from distributed_harness import run_ranks
 from tolerances import moe_layer_tolerance
 
-from moe_engine.config import MoEConfig
 from moe_engine.host_sync import HostSyncError, forbid_host_sync
 from moe_engine.moe.dispatch import LocalDispatcher
 from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.layer import MoELayer
-
-D_MODEL, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 24, 8, 2, 24
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
-
-
-def make_layer(seed: int, routing: str, backend: str = "torch", routing_seed: int = 0) -> MoELayer:
-    """Same parameters for every ``routing_seed``: it only seeds random and skewed expert choices."""
-    torch.manual_seed(seed)
-    moe = MoEConfig(
-        num_experts=EXPERTS,
-        top_k=TOP_K,
-        expert_hidden=HIDDEN,
-        routing=routing,
-        zipf_exponent=2.0,
-        backend=backend,
-        routing_seed=routing_seed,
-    )
-    layer = MoELayer(D_MODEL, moe)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return layer
-
-
-def shard(full: MoELayer, dispatch: DispatchSpec) -> MoELayer:
-    """A layer built with ``dispatch`` (its block of experts, its dispatcher) holding ``full``'s weights."""
-    layer = MoELayer(full.d_model, full.config, full.router.layer_idx, full.fused_kernels, dispatch)
-    held = layer.experts.global_experts
-    experts = {"experts.gate_up", "experts.down"}
-    state = {n: v[held.start : held.stop] if n in experts else v for n, v in full.state_dict().items()}
-    layer.load_state_dict(state)
-    return layer
-
-
-def make_case(name, ep, kind, capacity_factor, routing, backend="torch", tokens=None, seed=0):
-    """One expert-parallel configuration, with each rank's own fresh batch and output gradient."""
-    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    tokens = tokens or [TOKENS] * ep
-    x = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
-    grad = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
-    return dict(
-        name=name,
-        ep=ep,
-        kind=kind,
-        capacity_factor=capacity_factor,
-        routing=routing,
-        backend=backend,
-        seed=seed,
-        x=x,
-        grad=grad,
-    )
-
-
-def _step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
-    x = x_TD.clone().requires_grad_()
-    layer.zero_grad()
-    layer.router.reset_routing_generator()
-    y = layer(x)
-    (y * grad_TD).sum().backward()
-    return dict(
-        y=y.detach(),
-        grad_x=x.grad,
-        grad_router=layer.router.weight.grad,
-        grad_gate_up=layer.experts.gate_up.grad,
-        grad_down=layer.experts.down.grad,
-        dropped=layer.last_dropped,
-        counts=layer.last_counts_E,
-        experts=layer.experts.global_experts,
-    )
 
 
 def _sharded(case: dict, rank: int) -> MoELayer:
@@ -113,7 +53,7 @@ def _host_sync_checks(rank: int) -> dict:
 
 def _rank_job(cases: list[dict], guard: bool) -> dict:
     rank = dist.get_rank()
-    results = {case["name"]: _step(_sharded(case, rank), case["x"][rank], case["grad"][rank]) for case in cases}
+    results = {case["name"]: step(_sharded(case, rank), case["x"][rank], case["grad"][rank]) for case in cases}
     if guard:
         results["guard"] = _host_sync_checks(rank)
     return results
@@ -141,18 +81,6 @@ def results() -> dict:
     ep2 = run_ranks(_rank_job, 2, EP2_CASES, True, timeout=120)
     ep4 = run_ranks(_rank_job, 4, EP4_CASES, False, timeout=120)
     return {name: [rank_results[name] for rank_results in job] for job in (ep2, ep4) for name in job[0]}
-
-
-def expected_kept(expert_TK: torch.Tensor, ep: int, slot_capacity: int) -> torch.Tensor:
-    """bool (T, k): each destination keeps its first ``slot_capacity`` assignments by (expert, t, j)."""
-    per_rank = EXPERTS // ep
-    kept = torch.ones(expert_TK.numel(), dtype=torch.bool)
-    flat = expert_TK.flatten().tolist()
-    for dest in range(ep):
-        queue = sorted((e, n) for n, e in enumerate(flat) if e // per_rank == dest)
-        for _, n in queue[slot_capacity:]:
-            kept[n] = False
-    return kept.view_as(expert_TK)
 
 
 def kept_reference(layer: MoELayer, x_TD, grad_TD, kept_TK) -> dict:
@@ -190,7 +118,7 @@ def references(case: dict) -> list[dict]:
     for rank, (x_TD, grad_TD) in enumerate(zip(case["x"], case["grad"])):
         layer = make_layer(case["seed"], case["routing"], routing_seed=rank)
         assert isinstance(layer.dispatcher, LocalDispatcher)
-        ref = _step(layer, x_TD, grad_TD)
+        ref = step(layer, x_TD, grad_TD)
         layer.router.reset_routing_generator()
         expert_TK = layer.router(x_TD).expert_TK
         ref["kept"] = torch.ones_like(expert_TK, dtype=torch.bool)
@@ -244,6 +172,3 @@ def test_no_sync_has_no_host_sync_and_sync_is_caught(results):
     for outcome in results["guard"]:
         assert outcome["no-sync"] == "ok"
         assert outcome["sync"].startswith("HostSyncError") and "tolist" in outcome["sync"]
-
-
-# Single-process pieces -------------------------------------------------------------------------

@@ -1,14 +1,7 @@
-"""Chunked expert all-to-alls (``parallel.a2a_chunks``): the same function as one chunk, with every
-exchange but a layer's first dispatch and last combine running under other chunks' experts.
-
-- the chunk arithmetic (bounds, chunk-major order, a row map moved to it) against plain loops;
-- one MoE layer on 2 and 4 gloo ranks, sync and no-sync (with capacity drops, chunks of no rows):
-  output, input and parameter gradients and drops as with one chunk;
-- the order of exchanges and expert GEMMs, forward and backward;
-- no host sync in the chunked no-sync layer;
-- whole training steps in fp32 (losses, clipped norms, updates) chunked against one chunk: ZeRO-1 on
-  2 ranks, 1F1B pipelines and ZeRO-1 on 4, sync and no-sync.
-"""
+"""Chunked expert all-to-alls (``parallel.a2a_chunks``): the chunk arithmetic (bounds, chunk-major
+order, a row map moved to it) against plain loops. One MoE layer, the order of exchanges and expert
+GEMMs, the host syncs and whole training steps, chunked against one chunk on gloo ranks:
+tests/integration/distributed/test_chunked_dispatch_ranks.py."""
 
 from __future__ import annotations
 
@@ -84,14 +77,3 @@ def test_a_reordered_row_map_gathers_and_returns_the_same_rows():
     torch.testing.assert_close(new, old[order_R], rtol=0, atol=0)
     torch.testing.assert_close(new_grad, old_grad, rtol=0, atol=0)
     assert isinstance(moved, RowMap) and torch.equal(moved.kept_N, rows.kept_N)
-
-
-# ---- one MoE layer on 2 and 4 ranks ------------------------------------------------------------
-
-
-# ---- the order of exchanges and expert GEMMs -----------------------------------------------------
-
-
-# ---- whole training steps ----------------------------------------------------------------------
-
-SEQUENCES, STEPS, TRAIN_CHUNKS = 8, 2, 3

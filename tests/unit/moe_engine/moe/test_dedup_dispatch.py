@@ -1,40 +1,14 @@
-"""Rows per (token, rank) and per (token, node) compute what rows per (token, expert) compute, send
-the rows counted by hand, and drop the tail the capacity rule names."""
+"""Rows per (token, rank) and per (token, node): the expected destinations the projection prices, and
+the config's choice and validation of the rows. On gloo ranks (the function of rows per (token,
+expert), the bytes sent, the dropped tail, the hand-overs): tests/integration/distributed/
+test_dedup_dispatch_ranks.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from moe_engine.config import DispatchRows, ParallelConfig
-from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.layout import destination_share, expected_destinations
-
-pytestmark = pytest.mark.slow
-
-D_MODEL, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 24, 8, 3, 20
-
-
-def step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
-    x = x_TD.clone().requires_grad_()
-    layer.zero_grad()
-    layer.router.reset_routing_generator()
-    y = layer(x)
-    (y * grad_TD).sum().backward()
-    layer.router.reset_routing_generator()  # the forward's routes, drawn again
-    return dict(
-        y=y.detach(),
-        grad_x=x.grad,
-        grad_router=layer.router.weight.grad,
-        grad_gate_up=layer.experts.gate_up.grad,
-        grad_down=layer.experts.down.grad,
-        dropped=layer.last_dropped,
-        expert_TK=layer.router(x_TD).expert_TK,
-    )
-
-
-# ---- bytes on the wire --------------------------------------------------------------------------
-
 
 # ---- the expectation the projection prices ------------------------------------------------------
 
@@ -65,6 +39,3 @@ def test_config_resolves_and_validates_dispatch_rows():
     assert ParallelConfig.from_dict({"dp": 2, "ep": 2, "dispatch_rows": "per-rank"}).to_dict()["dispatch_rows"] == (
         "per-rank"
     )
-
-
-# ---- where an overlapped step hands over (moe_engine.moe.dispatch.HandOver) ------------------------------

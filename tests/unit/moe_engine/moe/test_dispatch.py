@@ -1,161 +1,18 @@
-"""Expert-parallel dispatch computes the single-process layer's function (or exactly its capacity-dropped
-version), reports its drops, and the no-sync variant never synchronises with the host."""
+"""Expert-parallel dispatch's single-process pieces: the capacity rule, the slot plan (both maps, the
+dropped tail), backends ignoring padding rows, and received padding rows coming back zero. On gloo
+ranks against the single-process layer: tests/integration/distributed/test_dispatch_ranks.py."""
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
-import torch.distributed as dist
-from distributed_harness import run_ranks
+from dispatch_cases import D_MODEL, EXPERTS, HIDDEN, TOP_K, expected_kept, relative_error
 from tolerances import tolerance
 
-from moe_engine.config import DispatchKind, ExpertBackendKind, MoEConfig
-from moe_engine.host_sync import HostSyncError, forbid_host_sync
+from moe_engine.config import DispatchKind, ExpertBackendKind
 from moe_engine.moe.dispatch import AllToAllDispatcher, capacity
-from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.experts import GroupedExperts
-from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.permute import ExpertGroups, combine, gather_tokens, plan_routing, plan_slots
-
-D_MODEL, HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 24, 8, 2, 24
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
-
-
-def make_layer(seed: int, routing: str, backend: str = "torch", routing_seed: int = 0) -> MoELayer:
-    """Same parameters for every ``routing_seed``: it only seeds random and skewed expert choices."""
-    torch.manual_seed(seed)
-    moe = MoEConfig(
-        num_experts=EXPERTS,
-        top_k=TOP_K,
-        expert_hidden=HIDDEN,
-        routing=routing,
-        zipf_exponent=2.0,
-        backend=backend,
-        routing_seed=routing_seed,
-    )
-    layer = MoELayer(D_MODEL, moe)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return layer
-
-
-def shard(full: MoELayer, dispatch: DispatchSpec) -> MoELayer:
-    """A layer built with ``dispatch`` (its block of experts, its dispatcher) holding ``full``'s weights."""
-    layer = MoELayer(full.d_model, full.config, full.router.layer_idx, full.fused_kernels, dispatch)
-    held = layer.experts.global_experts
-    experts = {"experts.gate_up", "experts.down"}
-    state = {n: v[held.start : held.stop] if n in experts else v for n, v in full.state_dict().items()}
-    layer.load_state_dict(state)
-    return layer
-
-
-def make_case(name, ep, kind, capacity_factor, routing, backend="torch", tokens=None, seed=0):
-    """One expert-parallel configuration, with each rank's own fresh batch and output gradient."""
-    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    tokens = tokens or [TOKENS] * ep
-    x = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
-    grad = [torch.randn(t, D_MODEL, generator=generator) for t in tokens]
-    return dict(
-        name=name,
-        ep=ep,
-        kind=kind,
-        capacity_factor=capacity_factor,
-        routing=routing,
-        backend=backend,
-        seed=seed,
-        x=x,
-        grad=grad,
-    )
-
-
-def _step(layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor) -> dict:
-    x = x_TD.clone().requires_grad_()
-    layer.zero_grad()
-    layer.router.reset_routing_generator()
-    y = layer(x)
-    (y * grad_TD).sum().backward()
-    return dict(
-        y=y.detach(),
-        grad_x=x.grad,
-        grad_router=layer.router.weight.grad,
-        grad_gate_up=layer.experts.gate_up.grad,
-        grad_down=layer.experts.down.grad,
-        dropped=layer.last_dropped,
-        counts=layer.last_counts_E,
-        experts=layer.experts.global_experts,
-    )
-
-
-def _sharded(case: dict, rank: int) -> MoELayer:
-    # Each rank draws its own random/skewed routing, as ranks with different data would.
-    layer = make_layer(case["seed"], case["routing"], case["backend"], routing_seed=rank)
-    return shard(layer, DispatchSpec(dist.group.WORLD, rank, case["ep"], case["kind"], case["capacity_factor"]))
-
-
-def _host_sync_checks(rank: int) -> dict:
-    """No-sync forward+backward inside the guard; the sync variant must trip it."""
-    outcome = {}
-    for kind in ("no-sync", "sync"):
-        layer = _sharded(make_case("guard", 2, kind, 1.0, "skewed"), rank)
-        x = torch.randn(TOKENS, D_MODEL, requires_grad=True)
-        try:
-            with forbid_host_sync():
-                layer(x).backward(torch.randn(TOKENS, D_MODEL))
-            outcome[kind] = "ok"
-        except HostSyncError as error:
-            outcome[kind] = f"HostSyncError: {error}"
-    return outcome
-
-
-def _rank_job(cases: list[dict], guard: bool) -> dict:
-    rank = dist.get_rank()
-    results = {case["name"]: _step(_sharded(case, rank), case["x"][rank], case["grad"][rank]) for case in cases}
-    if guard:
-        results["guard"] = _host_sync_checks(rank)
-    return results
-
-
-EP2_CASES = [
-    make_case("sync-learned", 2, "sync", 1.0, "learned"),
-    make_case("no-sync-learned", 2, "no-sync", 2.0, "learned"),
-    # Uneven loads, and ranks with different token counts (the sync variant allows it).
-    make_case("sync-skewed", 2, "sync", 1.0, "skewed", tokens=[24, 17]),
-    make_case("no-sync-random", 2, "no-sync", 2.0, "random"),
-    make_case("no-sync-drops", 2, "no-sync", 0.5, "skewed"),
-    make_case("no-sync-drops-loop", 2, "no-sync", 0.5, "skewed", backend="loop"),
-]
-EP4_CASES = [
-    make_case("ep4-no-sync-drops", 4, "no-sync", 1.0, "skewed"),
-    make_case("ep4-sync-random", 4, "sync", 1.0, "random"),
-]
-
-
-@pytest.fixture(scope="module")
-def results() -> dict:
-    """Every case's per-rank results: one spawned job per world size."""
-    ep2 = run_ranks(_rank_job, 2, EP2_CASES, True, timeout=120)
-    ep4 = run_ranks(_rank_job, 4, EP4_CASES, False, timeout=120)
-    return {name: [rank_results[name] for rank_results in job] for job in (ep2, ep4) for name in job[0]}
-
-
-def expected_kept(expert_TK: torch.Tensor, ep: int, slot_capacity: int) -> torch.Tensor:
-    """bool (T, k): each destination keeps its first ``slot_capacity`` assignments by (expert, t, j)."""
-    per_rank = EXPERTS // ep
-    kept = torch.ones(expert_TK.numel(), dtype=torch.bool)
-    flat = expert_TK.flatten().tolist()
-    for dest in range(ep):
-        queue = sorted((e, n) for n, e in enumerate(flat) if e // per_rank == dest)
-        for _, n in queue[slot_capacity:]:
-            kept[n] = False
-    return kept.view_as(expert_TK)
-
-
-# Single-process pieces -------------------------------------------------------------------------
 
 
 def test_capacity_is_the_factor_times_the_balanced_load():
