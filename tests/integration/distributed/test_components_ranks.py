@@ -5,32 +5,17 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from component_models import GQA
 from distributed_harness import run_ranks
 
 from moe_engine import build_model
-from moe_engine.config import DispatchKind, ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.config import DispatchKind, ParallelConfig
 from moe_engine.moe.dedup_dispatch import DedupDispatcher
 from moe_engine.moe.dispatch_spec import DispatchSpec
 from moe_engine.moe.layer import MoELayer
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import build_rank_model
-
-# A dense first block, qk-norm, a shared expert: every module kind that takes the switch.
-GQA = ModelConfig(
-    vocab_size=64,
-    d_model=16,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
-    seq_len=8,
-    n_dense_layers=1,
-    dense_hidden=24,
-    qk_norm=True,
-    dtype="fp32",
-    moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=12, shared_expert_hidden=8),
-)
-
 
 # (name, layout); the expected dispatcher of each is written out in _expected.
 LAYOUTS = [

@@ -3,67 +3,40 @@
 import pytest
 import torch
 import torch.distributed as dist
+from data_parallel_cases import (
+    BATCH,
+    OPT,
+    SEED,
+    SMALL_BUCKET,
+    assert_grads_match,
+    full_batch_reference,
+    grads_of,
+    params_of,
+    relative_error,
+    small_config,
+    token_batches,
+)
 from distributed_harness import run_ranks
-from tolerances import model_tolerance, tolerance
+from tolerances import tolerance
 
 from bench.run.sync_timeline import SyncTimeline
-from moe_engine import ModelConfig, MoEConfig, build_model
+from moe_engine import build_model
 from moe_engine.config import ParallelConfig
 from moe_engine.parallel.data_parallel import DataParallelOptimizer, ParamFamily, param_families
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
-from moe_engine.train import MasterWeightAdamW, OptimizerConfig
+from moe_engine.train import MasterWeightAdamW
 
 # Multi-rank jobs behind the module's fixtures: seconds each (the fast lane leaves them to CI).
 pytestmark = pytest.mark.slow
 
-SEED = 3
-BATCH = 4
 STEPS = 3
-# Smaller than most parameters: every matrix gets its own bucket, so many buckets launch in backward.
-SMALL_BUCKET = 1000
 TIMEOUT = 120
-# These tests check the reduction and update arithmetic; clipping has its own tests.
-OPT = OptimizerConfig(max_grad_norm=0.0)
-
-
-def _config(dtype: str, z_loss_weight: float = 0.001) -> ModelConfig:
-    # aux_loss_weight=0: the balance loss is a per-batch statistic, not a mean over tokens.
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=2,
-        seq_len=8,
-        n_dense_layers=1,
-        dense_hidden=32,
-        qk_norm=True,
-        dtype=dtype,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.0, z_loss_weight=z_loss_weight),
-    )
-
-
-def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    shape = (BATCH, 8)
-    return [
-        (torch.randint(0, 64, shape, generator=generator), torch.randint(0, 64, shape, generator=generator))
-        for _ in range(steps)
-    ]
 
 
 def _rank_slice(batch, rank: int, dp: int):
     per_rank = BATCH // dp
     return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
 
 
 def _hand_grad(index: int, rank: int, shape) -> torch.Tensor:
@@ -76,15 +49,11 @@ def _expert_names(model) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in experts}
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
 # ---- what every rank runs ----
 
 
 def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict:
-    model = build_model(_config(dtype), seed=SEED)
+    model = build_model(small_config(dtype), seed=SEED)
     opt = DataParallelOptimizer(model, groups, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
     history = []
     for batch in batches:
@@ -93,7 +62,7 @@ def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict
         opt.arm_overlap()
         model.loss(*_rank_slice(batch, rank, dp)).backward()
         opt.step()
-        history.append(_params(model))
+        history.append(params_of(model))
     # How many gathers were issued while later buckets' updates were still to come.
     early_gathers = sum(t < timeline.updates_end_s for t in timeline.gather_launch_s.values())
     return {
@@ -105,18 +74,18 @@ def _train(groups, dtype: str, shard: bool, batches, rank: int, dp: int) -> dict
 
 
 def _plain_one_step(groups, batch, rank: int) -> dict:
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     opt = DataParallelOptimizer(model, groups, OPT, shard=False)
     model.loss(*_rank_slice(batch, rank, 2)).backward()
     launched_in_backward = opt.launched_buckets
     opt.finish_grad_sync()
-    grads = _grads(model)
+    grads = grads_of(model)
     opt.step()
-    return {"grads": grads, "params": _params(model), "launched_in_backward": launched_in_backward}
+    return {"grads": grads, "params": params_of(model), "launched_in_backward": launched_in_backward}
 
 
 def _overlapped_backward(groups, batch, rank: int) -> dict:
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     seen = {}
 
     def record_launched(_) -> None:
@@ -131,7 +100,7 @@ def _overlapped_backward(groups, batch, rank: int) -> dict:
     after_backward = opt.launched_buckets
     opt.finish_grad_sync()
     return {
-        "grads": _grads(model),
+        "grads": grads_of(model),
         "launched_before_last_grad": seen["launched"],
         "launched_after_backward": after_backward,
         "buckets": len(opt.buckets),
@@ -141,7 +110,7 @@ def _overlapped_backward(groups, batch, rank: int) -> dict:
 def _accumulated_backward(groups, batch, rank: int) -> dict:
     # With a z-loss: the router losses enter backward scaled by the layers' loss_scale, as the
     # microbatch losses are, so the accumulated gradient is the full batch's.
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     for layer in model.moe_layers():
         layer.loss_scale = 0.5
     opt = DataParallelOptimizer(model, groups, OPT, shard=False, bucket_elements=SMALL_BUCKET)
@@ -152,7 +121,7 @@ def _accumulated_backward(groups, batch, rank: int) -> dict:
         (model.loss(t, target) / 2).backward()
         launched.append(opt.launched_buckets)
     opt.finish_grad_sync()
-    return {"grads": _grads(model), "launched": launched, "buckets": len(opt.buckets)}
+    return {"grads": grads_of(model), "launched": launched, "buckets": len(opt.buckets)}
 
 
 def _hidden_loss(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -164,13 +133,13 @@ def _hidden_loss(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _partial_backward(groups, batch, rank: int) -> dict:
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     opt = DataParallelOptimizer(model, groups, OPT, shard=False, bucket_elements=SMALL_BUCKET)
     opt.arm_overlap()
     _hidden_loss(model, _rank_slice(batch, rank, 2)[0]).backward()
     launched = opt.launched_buckets
     opt.finish_grad_sync()
-    return {"grads": _grads(model), "launched": launched, "buckets": len(opt.buckets)}
+    return {"grads": grads_of(model), "launched": launched, "buckets": len(opt.buckets)}
 
 
 def _hand_set(dp: int, ep: int) -> dict:
@@ -178,17 +147,17 @@ def _hand_set(dp: int, ep: int) -> dict:
     groups = build_process_groups(Layout(ParallelConfig(dp=dp, ep=ep)))
     out = {}
     for shard in (False, True):
-        model = build_model(_config("fp32"), seed=SEED)
+        model = build_model(small_config("fp32"), seed=SEED)
         opt = DataParallelOptimizer(model, groups, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
         with torch.no_grad():
             for index, (_, param) in enumerate(model.named_parameters()):
                 param.grad.copy_(_hand_grad(index, dist.get_rank(), param.shape))
         opt.finish_grad_sync()
-        grads = _grads(model)
+        grads = grads_of(model)
         opt.step()
         out[shard] = {
             "grads": grads,
-            "params": _params(model),
+            "params": params_of(model),
             "state_bytes": {f: opt.state_bytes(f) for f in ParamFamily},
             "buckets": {f: sum(1 for b in opt.buckets if b.family is f) for f in ParamFamily},
         }
@@ -198,7 +167,7 @@ def _hand_set(dp: int, ep: int) -> dict:
 def _dp2_job() -> dict:
     groups = build_process_groups(Layout(ParallelConfig(dp=2)))
     rank = groups.coords.dp_rank
-    batches = _batches(STEPS)
+    batches = token_batches(STEPS)
     return {
         "plain": _plain_one_step(groups, batches[0], rank),
         "overlap": _overlapped_backward(groups, batches[0], rank),
@@ -214,19 +183,6 @@ def _dp2_job() -> dict:
 # ---- references and fixtures ----
 
 
-def _reference(dtype: str, steps: int, z_loss_weight: float = 0.001) -> dict:
-    model = build_model(_config(dtype, z_loss_weight), seed=SEED)
-    opt = MasterWeightAdamW(model.parameters(), OPT)
-    initial, grads, history = _params(model), [], []
-    for tokens, labels in _batches(steps):
-        opt.zero_grad()
-        model.loss(tokens, labels).backward()
-        grads.append(_grads(model))
-        opt.step()
-        history.append(_params(model))
-    return {"initial": initial, "grads": grads, "params": history, "state_bytes": opt.state_bytes()}
-
-
 @pytest.fixture(scope="module")
 def dp2():
     return run_ranks(_dp2_job, 2, timeout=TIMEOUT)
@@ -234,20 +190,12 @@ def dp2():
 
 @pytest.fixture(scope="module")
 def reference_fp32():
-    return _reference("fp32", STEPS)
+    return full_batch_reference("fp32", STEPS)
 
 
 @pytest.fixture(scope="module")
 def hand_set_dp4_ep2():
     return run_ranks(_hand_set, 4, 4, 2, timeout=TIMEOUT)
-
-
-def _assert_grads_match(got: dict, want: dict, tol: float | None = None) -> None:
-    """Default: the model's gradients on the full batch against two half batches' reduced, which sum
-    the same terms in another order (fp32 rounding of the model's sums)."""
-    tol = model_tolerance(_config("fp32"), BATCH * 8) if tol is None else tol
-    for name, grad in want.items():
-        assert _relative_error(got[name], grad) <= tol, name
 
 
 def _assert_params_match(got: dict, want: dict) -> None:
@@ -266,7 +214,7 @@ def _assert_params_match(got: dict, want: dict) -> None:
 def test_ddp_gradients_equal_the_full_batch_gradient(dp2, reference_fp32):
     for rank_result in dp2:
         assert rank_result["plain"]["launched_in_backward"] == 0  # not armed: all launch on finish
-        _assert_grads_match(rank_result["plain"]["grads"], reference_fp32["grads"][0])
+        assert_grads_match(rank_result["plain"]["grads"], reference_fp32["grads"][0])
 
 
 def test_ddp_step_equals_single_process_adamw(dp2, reference_fp32):
@@ -280,22 +228,22 @@ def test_armed_buckets_launch_during_backward(dp2, reference_fp32):
         assert overlap["buckets"] >= 5
         assert overlap["launched_before_last_grad"] >= 3
         assert overlap["launched_after_backward"] == overlap["buckets"]
-        _assert_grads_match(overlap["grads"], reference_fp32["grads"][0])
+        assert_grads_match(overlap["grads"], reference_fp32["grads"][0])
 
 
 def test_accumulated_microbatches_equal_the_full_batch_gradient(dp2):
     # The z-loss is a mean over tokens, so two halves' losses average to the full batch's.
-    reference = _reference("fp32", 1)
+    reference = full_batch_reference("fp32", 1)
     for rank_result in dp2:
         accumulation = rank_result["accumulation"]
         # Armed for two backwards: nothing launches in the first, everything during the second.
         assert accumulation["launched"] == [0, accumulation["buckets"]]
-        _assert_grads_match(accumulation["grads"], reference["grads"][0])
+        assert_grads_match(accumulation["grads"], reference["grads"][0])
 
 
 def test_buckets_without_gradients_still_reduce_on_finish(dp2):
-    model = build_model(_config("fp32"), seed=SEED)
-    _hidden_loss(model, _batches(1)[0][0]).backward()
+    model = build_model(small_config("fp32"), seed=SEED)
+    _hidden_loss(model, token_batches(1)[0][0]).backward()
     reference = {name: torch.zeros_like(p) if p.grad is None else p.grad for name, p in model.named_parameters()}
     assert reference["lm_head.weight"].abs().max() == 0
     for rank_result in dp2:
@@ -303,7 +251,7 @@ def test_buckets_without_gradients_still_reduce_on_finish(dp2):
         # The LM head's bucket is first in the launch order and never completes, so everything
         # launches on finish (in order, as on every rank).
         assert partial["launched"] == 0
-        _assert_grads_match(partial["grads"], reference)
+        assert_grads_match(partial["grads"], reference)
 
 
 def test_zero1_steps_equal_single_process_adamw(dp2, reference_fp32):
@@ -326,7 +274,7 @@ def test_zero1_holds_half_the_optimizer_state(dp2, reference_fp32):
 
 
 def test_zero1_bf16_matches_bf16_single_process_and_shards_masters(dp2):
-    reference = _reference("bf16", STEPS)
+    reference = full_batch_reference("bf16", STEPS)
     # Masters (4 bytes) and moments (8) of every bf16 parameter; fp32 routers need no master.
     _assert_half_of(dp2, "zero1_bf16", reference["state_bytes"], bytes_per_element=12)
     initial = _flat(reference["initial"])
@@ -335,7 +283,7 @@ def test_zero1_bf16_matches_bf16_single_process_and_shards_masters(dp2):
             # bf16 forwards on half batches round differently, so compare how far the whole model
             # moved (bf16 itself is ~15% off the fp32 trajectory here; these runs agree to ~3%).
             moved_got, moved_want = _flat(got) - initial, _flat(want) - initial
-            assert _relative_error(moved_got, moved_want) <= 0.1
+            assert relative_error(moved_got, moved_want) <= 0.1
 
 
 def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -365,23 +313,23 @@ def _expected_grads(layout: Layout, rank: int, expert_names: set[str], names_sha
 
 
 def _reference_step(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     opt = MasterWeightAdamW(model.parameters(), OPT)
     for name, param in model.named_parameters():
         param.grad = expected[name].clone()
     opt.step()
-    return _params(model)
+    return params_of(model)
 
 
 def _check_hand_set(results: list[dict], dp: int, ep: int) -> None:
     layout = Layout(ParallelConfig(dp=dp, ep=ep))
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     experts = _expert_names(model)
     names_shapes = [(name, p.shape) for name, p in model.named_parameters()]
     for rank, result in enumerate(results):
         expected = _expected_grads(layout, rank, experts, names_shapes)
         # The all-reduce and the test sum up to four ranks' gradients in other orders.
-        _assert_grads_match(result[False]["grads"], expected, tol=tolerance(torch.float32, 4))
+        assert_grads_match(result[False]["grads"], expected, tol=tolerance(torch.float32, 4))
         reference = _reference_step(expected)
         _assert_params_match(result[False]["params"], reference)
         _assert_params_match(result[True]["params"], reference)
@@ -396,7 +344,7 @@ def test_one_rank_expert_group(dp2):
 
 
 def test_zero1_shards_each_family_over_its_own_group(hand_set_dp4_ep2):
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     families = param_families(model)
     layout = Layout(ParallelConfig(dp=4, ep=2))
     group_size = {ParamFamily.DENSE: 4, ParamFamily.EXPERT: 2}
@@ -412,9 +360,3 @@ def test_zero1_shards_each_family_over_its_own_group(hand_set_dp4_ep2):
     expert_moments = 8 * sum(p.numel() for p in families[ParamFamily.EXPERT])
     for result in hand_set_dp4_ep2:
         assert result[False]["state_bytes"][ParamFamily.EXPERT] == expert_moments
-
-
-# ---- single process (no collectives) ----
-
-
-# ---- gradient precision ----

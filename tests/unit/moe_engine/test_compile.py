@@ -1,5 +1,6 @@
 """Regional ``torch.compile`` (``run.compile``): compiled blocks train as the eager ones do, with every
-recompute mode and on the expert-parallel no-sync path, and break where ``moe_engine.compile`` says.
+recompute mode and on the expert-parallel no-sync path (on gloo ranks:
+tests/integration/distributed/test_compile_ranks.py), and break where ``moe_engine.compile`` says.
 
 Compiled and eager start from the same weights and see the same batches and routes (random routing:
 the routers' streams stay eager in both, so the variants route alike). Tolerances:
@@ -28,102 +29,35 @@ graphs and frames counted here would depend on the order of the tests.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import pytest
 import torch
 import torch._dynamo
-from tolerances import model_tolerance
+from compile_cases import (
+    CONFIG,
+    EP_ROW,
+    RECOMPUTE,
+    SEED,
+    STEPS,
+    assert_breaks_as_documented,
+    assert_close_to_eager,
+    documented_breaks,
+    train_steps,
+)
 from torch._dynamo.utils import counters
 
-import moe_engine.compile as compile_module
-from bench.results import REPO_ROOT
 from moe_engine.compile import graph_breaks
-from moe_engine.config import MLAConfig, ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig, RecomputePart
-from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
+from moe_engine.config import MLAConfig, ParallelConfig
+from moe_engine.parallel.trainer import build_rank_model
 from moe_engine.recompute import is_recomputed
-from moe_engine.train import OptimizerConfig
-
-CONFIG = ModelConfig(
-    vocab_size=96,
-    d_model=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    seq_len=8,
-    dtype="fp32",
-    moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32, routing="random", shared_expert_hidden=16),
-    # The reference step: the graph-break table below is the unfused model's.
-    fused_kernels=False,
-)
-# lr 1 and eps 1 make the updates nearly proportional to the gradients (as in tests/integration/distributed/test_trainer.py):
-# Adam's normalisation would turn the rounding noise of near-zero gradients into full-size updates.
-OPTIMIZER = OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0)
-SEQUENCES, STEPS = 4, 3
-# Fixed, so that a failure replays exactly (the model's init and the batches derive from it).
-SEED = 1234
-RECOMPUTE = {
-    "none": RecomputeConfig(),
-    "full": RecomputeConfig(mode="full"),
-    "selective": RecomputeConfig(mode="selective", parts=list(RecomputePart)),
-}
-# Every fp32 model compiled here is CONFIG or one of its size (the widest sum: the 96-word vocabulary).
-FP32_TOLERANCE = (
-    model_tolerance(CONFIG, SEQUENCES * CONFIG.seq_len, gradients=False),
-    model_tolerance(CONFIG, SEQUENCES * CONFIG.seq_len),
-)
-TOLERANCE = {"fp32": FP32_TOLERANCE, "bf16": (1e-3, 2**-4), "mxfp8": (1e-3, 2**-2)}
-"""(loss rtol, gradient tolerance relative to the gradient's largest magnitude), see the module docstring."""
-"""Grouped GEMMs of one expert forward + backward: 2 fprop, 2 dgrad, 2 wgrad."""
 
 
-def documented_breaks() -> dict[str, tuple[int, list[str]]]:
-    """The table of docs/compile-and-host-syncs.md: backend -> (graphs, break sites)."""
-    lines = (REPO_ROOT / "docs" / "compile-and-host-syncs.md").read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*backend\s*\|\s*graphs\s*\|\s*breaks", line))
-    table = {}
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        backend, graphs, sites = (cell.strip() for cell in line.strip("|").split("|"))
-        table[backend] = (int(graphs), [s.strip() for s in sites.split(",")])
-    return table
-
-
-def _batches(config: ModelConfig, sequences: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(STEPS):
-        tokens = torch.randint(0, config.vocab_size, (sequences, config.seq_len + 1), generator=generator)
-        yield tokens[:, :-1], tokens[:, 1:]
-
-
-def _train(config, parallel, groups, recompute, compiled, seed=SEED, rows=slice(None)):
-    """Losses, every step's gradients, and dynamo's compiled graphs and frames after each step."""
-    rank_model = build_rank_model(config, parallel, groups, torch.device("cpu"), seed, recompute, compile=compiled)
-    trainer = ParallelTrainer(rank_model, parallel, groups, OPTIMIZER)
-    params = dict(rank_model.module.named_parameters())
-    losses, grads, graphs, frames = [], [], [], []
-    for tokens, labels in _batches(config, SEQUENCES * parallel.dp, seed):
-        losses.append(trainer.step(tokens[rows], labels[rows]))
-        grads.append({n: trainer.optimizer.grad_view(p).float().clone() for n, p in params.items()})
-        graphs.append(counters["stats"]["unique_graphs"])
-        frames.append(counters["frames"]["total"])
-    return {"losses": torch.stack(losses), "grads": grads, "graphs": graphs, "frames": frames, "rank_model": rank_model}
-
-
-def _assert_close(compiled, eager, precision: str) -> None:
-    loss_rtol, grad_tol = TOLERANCE[precision]
-    torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=loss_rtol, atol=0)
-    for step, (got, want) in enumerate(zip(compiled["grads"], eager["grads"])):
-        for name, grad in want.items():
-            scale = grad.abs().max().item()
-            torch.testing.assert_close(
-                got[name],
-                grad,
-                rtol=0,
-                atol=grad_tol * scale,
-                msg=lambda m, step=step, name=name: f"step {step}, gradient of {name}: {m}",
-            )
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
 
 
 def _worst(compiled, eager) -> tuple[float, float]:
@@ -159,13 +93,13 @@ TRAINING_CASES = [(mode, "fp32") for mode in RECOMPUTE] + [("none", "bf16")]
 @pytest.mark.parametrize("mode, dtype", TRAINING_CASES, ids=[f"{m}-{d}" for m, d in TRAINING_CASES])
 def test_compiled_training_matches_eager(mode, dtype):
     config = dataclasses.replace(CONFIG, dtype=dtype)
-    eager = _train(config, ParallelConfig(), None, RECOMPUTE[mode], compiled=False)
+    eager = train_steps(config, ParallelConfig(), None, RECOMPUTE[mode], compiled=False)
     assert counters["stats"]["unique_graphs"] == 0
-    compiled = _train(config, ParallelConfig(), None, RECOMPUTE[mode], compiled=True)
+    compiled = train_steps(config, ParallelConfig(), None, RECOMPUTE[mode], compiled=True)
     print(f"{mode} {dtype}: worst loss, gradient deviation {_worst(compiled, eager)}")
-    _assert_close(compiled, eager, dtype)
+    assert_close_to_eager(compiled, eager, dtype)
     # Compiled for real, and as docs/compile-and-host-syncs.md says, whatever the recompute mode.
-    _assert_breaks_as_documented("torch grouped-mm", compiled, graph_breaks())
+    assert_breaks_as_documented("torch grouped-mm", compiled, graph_breaks())
 
 
 GRAPH_BREAK_MODELS = {
@@ -177,43 +111,36 @@ GRAPH_BREAK_MODELS = {
         CONFIG, moe=dataclasses.replace(CONFIG.moe, routing="learned")
     ),
 }
-"""The single-process rows of the docs page's table; the expert-parallel row is measured on 2 ranks below."""
-EP_ROW = "expert-parallel no-sync dispatch (ep 2)"
+"""The single-process rows of the docs page's table; the expert-parallel row (``EP_ROW``) is measured on 2
+gloo ranks: tests/integration/distributed/test_compile_ranks.py."""
 
 
 def test_the_table_has_a_test_for_every_row():
     assert set(documented_breaks()) == {*GRAPH_BREAK_MODELS, EP_ROW}
 
 
-def _assert_breaks_as_documented(row: str, run: dict, breaks: list[tuple[str, str]]) -> None:
-    """The documented graphs, all compiled on the first step (no frame compiled after it), and breaks."""
-    documented_graphs, documented_sites = documented_breaks()[row]
-    assert run["graphs"] == [documented_graphs] * STEPS, f"{row}: graphs after each step {run['graphs']}"
-    assert run["frames"] == [run["frames"][0]] * STEPS, f"{row}: frames compiled after each step {run['frames']}"
-    assert [site for site, _ in breaks] == documented_sites, f"{row}: measured {breaks}"
-    assert {reason for _, reason in breaks} == {compile_module.EAGER_REASON}, f"{row}: measured {breaks}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("row", list(GRAPH_BREAK_MODELS))
 def test_graph_breaks_are_the_documented_ones(row):
     config = GRAPH_BREAK_MODELS[row]
-    eager = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=False)
-    compiled = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
-    _assert_breaks_as_documented(row, compiled, graph_breaks())
-    _assert_close(compiled, eager, "mxfp8" if config.moe.backend.value == "mxfp8" else config.dtype.value)
+    eager = train_steps(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=False)
+    compiled = train_steps(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
+    assert_breaks_as_documented(row, compiled, graph_breaks())
+    assert_close_to_eager(compiled, eager, "mxfp8" if config.moe.backend.value == "mxfp8" else config.dtype.value)
 
 
 @pytest.mark.slow
 def test_blocks_of_a_class_share_their_compiled_code():
     """Four blocks compile what one block compiles, all on the first step: as many frames (a
     recompilation is one more) and graphs."""
-    one = _train(dataclasses.replace(CONFIG, n_layers=1), ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
+    one = train_steps(dataclasses.replace(CONFIG, n_layers=1), ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
     torch._dynamo.reset()
     counters.clear()
-    four = _train(dataclasses.replace(CONFIG, n_layers=4), ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
+    four = train_steps(
+        dataclasses.replace(CONFIG, n_layers=4), ParallelConfig(), None, RECOMPUTE["none"], compiled=True
+    )
     assert four["frames"] == one["frames"]
-    _assert_breaks_as_documented("torch grouped-mm", four, graph_breaks())
+    assert_breaks_as_documented("torch grouped-mm", four, graph_breaks())
 
 
 @pytest.mark.slow
@@ -230,9 +157,9 @@ def test_compiled_mla_interleaved_tied_model_matches_eager():
         tie_embeddings=True,
         mla=MLAConfig(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6),
     )
-    eager = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=False)
-    compiled = _train(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
-    _assert_close(compiled, eager, "fp32")
+    eager = train_steps(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=False)
+    compiled = train_steps(config, ParallelConfig(), None, RECOMPUTE["none"], compiled=True)
+    assert_close_to_eager(compiled, eager, "fp32")
     _, documented_sites = documented_breaks()["torch grouped-mm"]
     assert [site for site, _ in graph_breaks()] == documented_sites
     assert compiled["frames"] == [compiled["frames"][0]] * STEPS, "nothing compiled after the first step"

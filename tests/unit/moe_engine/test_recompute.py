@@ -11,111 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils.checkpoint
-from tolerances import assert_close_to_scale, assert_moves_close, in_quadrature, model_tolerance
+from recompute_cases import MODES, SEED, assert_same_training, small_config, token_batches, train_steps
 
 from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig, RecomputeConfig
-from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
-from moe_engine.recompute import is_recomputed
-from moe_engine.train import OptimizerConfig
-
-SEED = 2024
-STEPS = 2
-SEQUENCES = 8
-
-
-def _config(routing: str = "random", n_layers: int = 4, **moe) -> ModelConfig:
-    moe = {"num_experts": 4, "top_k": 2, "expert_hidden": 24, "shared_expert_hidden": 8, "routing": routing, **moe}
-    return ModelConfig(
-        vocab_size=96,
-        d_model=32,
-        n_layers=n_layers,
-        n_heads=4,
-        n_kv_heads=2,
-        seq_len=8,
-        dtype="fp32",
-        qk_norm=True,
-        moe=MoEConfig(**moe),
-    )
-
-
-MODES = {
-    "full": RecomputeConfig(mode="full"),
-    "full-every-2": RecomputeConfig(mode="full", every=2),
-    "full-first-1-per-stage": RecomputeConfig(mode="full", first_per_stage=1),
-    "attention": RecomputeConfig(mode="selective", parts=["attention"]),
-    "experts": RecomputeConfig(mode="selective", parts=["experts"]),
-    "norms": RecomputeConfig(mode="selective", parts=["norms"]),
-    "all-parts": RecomputeConfig(mode="selective", parts=["attention", "experts", "norms"]),
-}
-
-
-def _batches():
-    generator = torch.Generator().manual_seed(SEED)
-    for _ in range(STEPS):
-        tokens = torch.randint(0, 96, (SEQUENCES, 9), generator=generator)
-        yield tokens[:, :-1], tokens[:, 1:]
-
-
-def _full(tensor):
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _train(config: ModelConfig, parallel: ParallelConfig, recompute: RecomputeConfig, groups=None, rows=slice(None)):
-    """Losses, first-step gradients, final parameters and buffers of STEPS steps on this rank."""
-    rank_model = build_rank_model(config, parallel, groups, torch.device("cpu"), SEED, recompute=recompute)
-    initial = {n: _full(t).detach().clone() for n, t in rank_model.module.state_dict().items()}
-    trainer = ParallelTrainer(rank_model, parallel, groups, OptimizerConfig(lr=1.0, eps=1.0, weight_decay=0.0))
-    # FSDP's gradients are the parameters' own (sharded); the engine's DDP buffers hold them otherwise.
-    grad_of = getattr(trainer.optimizer, "grad_view", lambda param: param.grad)
-    losses, grads = [], None
-    for tokens, labels in _batches():
-        losses.append(trainer.step(tokens[rows], labels[rows]))
-        if grads is None:
-            grads = {n: _full(grad_of(p)).clone() for n, p in rank_model.module.named_parameters()}
-    state = {n: _full(t).detach().clone() for n, t in rank_model.module.state_dict().items()}
-    recomputed = sorted(n for n, m in rank_model.module.named_modules() if is_recomputed(m))
-    return {
-        "losses": losses,
-        "grads": grads,
-        "initial": initial,
-        "state": state,
-        "recomputed": recomputed,
-        "config": config,
-    }
-
-
-def _assert_same_training(got: dict, want: dict) -> None:
-    # The recompute runs the same kernels on the same inputs, but autograd may add a parameter's
-    # gradient contributions in another order: fp32 rounding of the model's sums at most.
-    assert got["losses"][0] is not None
-    tokens = SEQUENCES * want["config"].seq_len
-    loss_tol = model_tolerance(want["config"], tokens, gradients=False)
-    grad_tol = model_tolerance(want["config"], tokens)
-    torch.testing.assert_close(torch.stack(got["losses"]), torch.stack(want["losses"]), rtol=loss_tol, atol=0)
-    for name, grad in want["grads"].items():
-        assert_close_to_scale(got["grads"][name], grad, grad_tol, msg=f"gradient of {name}")
-    for name, value in want["state"].items():
-        if not value.is_floating_point():
-            assert torch.equal(got["state"][name], value), f"state {name}"
-            continue
-        # lr = 1 and eps = 1 make each update about proportional to its gradient: compare what the two
-        # steps moved, each carrying its gradient's rounding.
-        moved, want_moved = got["state"][name] - got["initial"][name], value - want["initial"][name]
-        assert_moves_close(
-            moved, want_moved, in_quadrature(grad_tol, grad_tol), want["initial"][name], STEPS, msg=f"state {name}"
-        )
+from moe_engine.parallel.trainer import build_rank_model
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("routing", ["random", "skewed", "learned"])
 def test_single_process_recompute_trains_like_no_recompute(mode, routing):
     # The aux-loss-free bias moves with the load counts: a recompute counted as a forward would move it.
-    config = _config(routing, expert_bias_rate=0.01 if routing == "learned" else 0.0)
+    config = small_config(routing, expert_bias_rate=0.01 if routing == "learned" else 0.0)
     parallel = ParallelConfig(microbatches=2)
-    reference = _train(config, parallel, RecomputeConfig())
-    got = _train(config, parallel, MODES[mode])
+    reference = train_steps(config, parallel, RecomputeConfig())
+    got = train_steps(config, parallel, MODES[mode])
     assert reference["recomputed"] == [] and got["recomputed"], "the mode recomputes something"
-    _assert_same_training(got, reference)
+    assert_same_training(got, reference)
 
 
 def _public_architecture_config() -> ModelConfig:
@@ -152,19 +63,21 @@ def _public_architecture_config() -> ModelConfig:
 def test_recompute_of_mla_interleaved_tied_model_trains_like_no_recompute(mode):
     config = _public_architecture_config()
     parallel = ParallelConfig(microbatches=2)
-    reference = _train(config, parallel, RecomputeConfig())
-    got = _train(config, parallel, MODES[mode])
+    reference = train_steps(config, parallel, RecomputeConfig())
+    got = train_steps(config, parallel, MODES[mode])
     assert got["recomputed"], "the mode recomputes something"
-    _assert_same_training(got, reference)
+    assert_same_training(got, reference)
 
 
 def _layer_statistics(recompute: RecomputeConfig) -> list[dict]:
     """The MoE layers' load counts and last-forward statistics after two microbatches' forward and backward."""
-    model = build_rank_model(_config(), ParallelConfig(), None, torch.device("cpu"), SEED, recompute=recompute).model
+    model = build_rank_model(
+        small_config(), ParallelConfig(), None, torch.device("cpu"), SEED, recompute=recompute
+    ).model
     # Without early stopping the recompute runs the whole block forward, the statistics' updates
     # included (with it, torch stops once the last saved tensor is rebuilt, which hides the question).
     with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        for tokens, labels in _batches():
+        for tokens, labels in token_batches():
             model.loss(tokens, labels).backward()
     return [
         {"load": layer.tokens_per_expert.clone(), "counts": layer.last_counts_E, "loss": layer.last_router_loss}
@@ -181,19 +94,21 @@ def test_a_recompute_is_not_counted_as_a_forward():
 
 
 def test_the_chosen_blocks_and_parts_are_the_ones_recomputed():
-    config = _config(n_layers=6)
+    config = small_config(n_layers=6)
     parallel = ParallelConfig()
-    full_every_2 = _train(config, parallel, RecomputeConfig(mode="full", every=2))["recomputed"]
+    full_every_2 = train_steps(config, parallel, RecomputeConfig(mode="full", every=2))["recomputed"]
     assert full_every_2 == ["blocks.0", "blocks.2", "blocks.4"]
-    parts = _train(config, parallel, RecomputeConfig(mode="selective", parts=["attention", "experts"]))["recomputed"]
+    parts = train_steps(config, parallel, RecomputeConfig(mode="selective", parts=["attention", "experts"]))[
+        "recomputed"
+    ]
     assert parts == sorted(f"blocks.{i}.{p}" for i in range(6) for p in ("attn", "ffn.experts"))
 
 
 def _saved_bytes(recompute: RecomputeConfig) -> int:
     """Bytes autograd keeps from one forward (counted once per storage)."""
-    config = _config()
+    config = small_config()
     rank_model = build_rank_model(config, ParallelConfig(), None, torch.device("cpu"), SEED, recompute=recompute)
-    tokens, _ = next(_batches())
+    tokens, _ = next(token_batches())
     storages = {}
 
     def pack(tensor):
@@ -214,6 +129,3 @@ def test_recompute_keeps_fewer_activations():
     assert full < 0.8 * none, (full, none)
     for part, saved in selective.items():
         assert saved < none, (part, saved, none)
-
-
-# ---- several ranks: the same layout with and without recompute ----

@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+from component_models import GQA
 
 from moe_engine import build_model
-from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.config import ParallelConfig
 from moe_engine.model import Block, Transformer
 from moe_engine.modules.mlp import SwiGLU
 from moe_engine.modules.norm import RMSNorm
@@ -21,20 +22,6 @@ from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.router import Router
 
-# A dense first block, qk-norm, a shared expert: every module kind that takes the switch.
-GQA = ModelConfig(
-    vocab_size=64,
-    d_model=16,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
-    seq_len=8,
-    n_dense_layers=1,
-    dense_hidden=24,
-    qk_norm=True,
-    dtype="fp32",
-    moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=12, shared_expert_hidden=8),
-)
 # Multi-head latent attention: its own norms (query and key-value latents).
 MLA = dataclasses.replace(
     GQA,

@@ -1,99 +1,25 @@
-"""DDP gradient buffers and the ZeRO-1 optimizer agree with single-process training on the full batch.
-
-Spawned jobs are few and grouped: one 2-rank job (dp=2) runs every model-level check and returns
-its tensors; one 4-rank job (dp=4, ep=2) checks the expert-family arithmetic on hand-set gradients.
-References are computed here, in the test process.
-"""
+"""The data-parallel optimizer in one process: exactly master-weight AdamW with and without ZeRO-1
+sharding, and the gradient buffers' precision. DDP gradient buffers and ZeRO-1 on gloo ranks against
+single-process training on the full batch: tests/integration/distributed/test_data_parallel_ranks.py."""
 
 import pytest
 import torch
-from tolerances import model_tolerance, tolerance
+from data_parallel_cases import (
+    OPT,
+    SEED,
+    SMALL_BUCKET,
+    assert_grads_match,
+    full_batch_reference,
+    grads_of,
+    params_of,
+    small_config,
+    token_batches,
+)
+from tolerances import tolerance
 
-from moe_engine import ModelConfig, MoEConfig, build_model
+from moe_engine import build_model
 from moe_engine.parallel.data_parallel import DataParallelOptimizer, ParamFamily, SyncObserver, param_families
-from moe_engine.train import MasterWeightAdamW, OptimizerConfig
-
-# Multi-rank jobs behind the module's fixtures: seconds each (the fast lane leaves them to CI).
-pytestmark = pytest.mark.slow
-
-SEED = 3
-BATCH = 4
-# Smaller than most parameters: every matrix gets its own bucket, so many buckets launch in backward.
-SMALL_BUCKET = 1000
-# These tests check the reduction and update arithmetic; clipping has its own tests.
-OPT = OptimizerConfig(max_grad_norm=0.0)
-
-
-def _config(dtype: str, z_loss_weight: float = 0.001) -> ModelConfig:
-    # aux_loss_weight=0: the balance loss is a per-batch statistic, not a mean over tokens.
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=2,
-        seq_len=8,
-        n_dense_layers=1,
-        dense_hidden=32,
-        qk_norm=True,
-        dtype=dtype,
-        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=16, aux_loss_weight=0.0, z_loss_weight=z_loss_weight),
-    )
-
-
-def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(11)
-    shape = (BATCH, 8)
-    return [
-        (torch.randint(0, 64, shape, generator=generator), torch.randint(0, 64, shape, generator=generator))
-        for _ in range(steps)
-    ]
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def _params(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
-# ---- what every rank runs ----
-
-
-# ---- references and fixtures ----
-
-
-def _reference(dtype: str, steps: int, z_loss_weight: float = 0.001) -> dict:
-    model = build_model(_config(dtype, z_loss_weight), seed=SEED)
-    opt = MasterWeightAdamW(model.parameters(), OPT)
-    initial, grads, history = _params(model), [], []
-    for tokens, labels in _batches(steps):
-        opt.zero_grad()
-        model.loss(tokens, labels).backward()
-        grads.append(_grads(model))
-        opt.step()
-        history.append(_params(model))
-    return {"initial": initial, "grads": grads, "params": history, "state_bytes": opt.state_bytes()}
-
-
-def _assert_grads_match(got: dict, want: dict, tol: float | None = None) -> None:
-    """Default: the model's gradients on the full batch against two half batches' reduced, which sum
-    the same terms in another order (fp32 rounding of the model's sums)."""
-    tol = model_tolerance(_config("fp32"), BATCH * 8) if tol is None else tol
-    for name, grad in want.items():
-        assert _relative_error(got[name], grad) <= tol, name
-
-
-# ---- dp=2 on the model ----
-
-
-# ---- expert-family arithmetic on hand-set gradients ----
-
+from moe_engine.train import OptimizerConfig
 
 # ---- single process (no collectives) ----
 
@@ -101,15 +27,15 @@ def _assert_grads_match(got: dict, want: dict, tol: float | None = None) -> None
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("shard", [False, True])
 def test_single_process_is_exactly_master_weight_adamw(dtype, shard):
-    reference = _reference(dtype, 2)
-    model = build_model(_config(dtype), seed=SEED)
+    reference = full_batch_reference(dtype, 2)
+    model = build_model(small_config(dtype), seed=SEED)
     opt = DataParallelOptimizer(model, None, OPT, shard=shard, bucket_elements=SMALL_BUCKET)
-    for step, (tokens, labels) in enumerate(_batches(2)):
+    for step, (tokens, labels) in enumerate(token_batches(2)):
         opt.zero_grad()
         opt.arm_overlap()
         model.loss(tokens, labels).backward()
         opt.step()
-        for name, param in _params(model).items():
+        for name, param in params_of(model).items():
             assert torch.equal(param, reference["params"][step][name]), name
     assert opt.state_bytes() == reference["state_bytes"]
     # Without collectives there is no separate reduce-scatter output: the state is all there is.
@@ -118,7 +44,7 @@ def test_single_process_is_exactly_master_weight_adamw(dtype, shard):
 
 @pytest.mark.parametrize("grad_dtype", ["fp32", "param"])
 def test_parameters_keep_identity_and_become_buffer_views(grad_dtype):
-    model = build_model(_config("bf16"), seed=SEED)
+    model = build_model(small_config("bf16"), seed=SEED)
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     opt = DataParallelOptimizer(model, None, OPT, bucket_elements=SMALL_BUCKET, grad_dtype=grad_dtype)
     for name, param in model.named_parameters():
@@ -139,27 +65,27 @@ def test_parameters_keep_identity_and_become_buffer_views(grad_dtype):
 
 
 def test_zero_grad_keeps_views_and_replaced_gradients_are_taken_back():
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     opt = DataParallelOptimizer(model, None, OPT)
-    tokens, labels = _batches(1)[0]
+    tokens, labels = token_batches(1)[0]
     model.loss(tokens, labels).backward()
     views = {name: p.grad for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)  # what a careless caller might do
     model.loss(tokens, labels).backward()
-    grads = _grads(model)
+    grads = grads_of(model)
     for name, param in model.named_parameters():
         assert param.grad is views[name], name
     opt.zero_grad()
     assert all(bool((p.grad == 0).all()) for p in model.parameters())
     model.loss(tokens, labels).backward()
     # The same backward of the same model and batch, in the same order: exactly the same numbers.
-    _assert_grads_match(_grads(model), grads, tol=0.0)
+    assert_grads_match(grads_of(model), grads, tol=0.0)
 
 
 def test_backward_into_a_reduced_bucket_is_an_error():
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     opt = DataParallelOptimizer(model, None, OPT)
-    tokens, labels = _batches(1)[0]
+    tokens, labels = token_batches(1)[0]
     opt.arm_overlap()
     model.loss(tokens, labels).backward()
     with pytest.raises(RuntimeError, match="a gradient arrived after its bucket was reduced"):
@@ -169,7 +95,7 @@ def test_backward_into_a_reduced_bucket_is_an_error():
 
 
 def test_a_sync_observer_is_told_each_launch_in_order():
-    model = build_model(_config("fp32"), seed=SEED)
+    model = build_model(small_config("fp32"), seed=SEED)
     opt = DataParallelOptimizer(model, None, OPT, shard=True, bucket_elements=SMALL_BUCKET)
     told = []
 
@@ -178,7 +104,7 @@ def test_a_sync_observer_is_told_each_launch_in_order():
             return lambda *bucket: told.append((event, *bucket))
 
     opt.sync_observer = Observer()
-    tokens, labels = _batches(1)[0]
+    tokens, labels = token_batches(1)[0]
     opt.arm_overlap()
     model.loss(tokens, labels).backward()
     launched_in_backward = len(told)
@@ -205,9 +131,9 @@ def test_microbatch_gradients_accumulate_in_the_buffer_dtype(grad_dtype):
     # Reference: each microbatch's bf16 gradient from autograd, summed by hand in fp32 (or in bf16,
     # in order, for grad_dtype "param"): the buffer must hold exactly that.
     microbatches = 4
-    model = build_model(_config("bf16"), seed=SEED)
+    model = build_model(small_config("bf16"), seed=SEED)
     params = [p for p in model.parameters() if p.requires_grad]
-    tokens, labels = _batches(1)[0]
+    tokens, labels = token_batches(1)[0]
     per_microbatch = [
         torch.autograd.grad(model.loss(t, target), params)
         for t, target in zip(tokens.chunk(microbatches), labels.chunk(microbatches))
@@ -232,9 +158,9 @@ def test_microbatch_gradients_accumulate_in_the_buffer_dtype(grad_dtype):
 
 
 def test_clipping_equals_clip_grad_norm_in_one_process():
-    model = build_model(_config("fp32"), seed=SEED)
-    reference = build_model(_config("fp32"), seed=SEED)
-    tokens, labels = _batches(1)[0]
+    model = build_model(small_config("fp32"), seed=SEED)
+    reference = build_model(small_config("fp32"), seed=SEED)
+    tokens, labels = token_batches(1)[0]
     reference.loss(tokens, labels).backward()
     want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
     opt = DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.05), bucket_elements=SMALL_BUCKET)
