@@ -1,43 +1,23 @@
 """The proxy rank against the real ranks it stands for, on gloo ranks."""
 
-import contextlib
 from collections import Counter
 
 import pytest
 import torch
 from distributed_harness import run_ranks
+from proxy_rank_world import CONFIG, fake_rank
 from tolerances import assert_close_to_scale, tolerance
 
 from bench.run.collective_log import CollectiveRecorder
 from bench.run.proxy.rank.build import build_proxy_rank
 from bench.run.proxy.rank.peers import PeerTraffic
-from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
-from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.config import ParallelConfig
 from moe_engine.moe.dispatch import AllToAllDispatcher
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
 
-CONFIG = ModelConfig(
-    vocab_size=96,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    seq_len=8,
-    dtype="fp32",
-    moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=24, shared_expert_hidden=16, routing="random"),
-)
 SEQUENCES = 8
-
-
-@contextlib.contextmanager
-def fake_rank(parallel: ParallelConfig, rank: int):
-    join_fake_world(rank, parallel.world_size)
-    try:
-        yield build_process_groups(Layout(parallel))
-    finally:
-        leave_fake_world()
 
 
 def _batch(seed: int, dp_rank: int, dp: int):
@@ -46,9 +26,6 @@ def _batch(seed: int, dp_rank: int, dp: int):
     share = SEQUENCES // dp
     tokens = tokens[dp_rank * share : (dp_rank + 1) * share]
     return tokens[:, :-1], tokens[:, 1:]
-
-
-# ---- the shard ---------------------------------------------------------------------------------
 
 
 # ---- the step: real gloo ranks vs proxies ---------------------------------------------------------
