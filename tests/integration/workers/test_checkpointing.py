@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runner import write_scenario
+from scenario_files import write_scenario
 
 from bench.cli import main
 from bench.results import REPO_ROOT, load_results

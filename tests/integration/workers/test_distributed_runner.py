@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from own_processes import owned_processes_after, owner_env
-from test_runner import variant, write_scenario
+from scenario_files import variant, write_scenario
 
 from bench.cli import main
 from bench.results import REPO_ROOT, load_results

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from scenario_files import TINY, variant, write_scenario
 
 from bench import results
 from bench.cli import main
@@ -16,40 +15,6 @@ from bench.results import load_results
 from bench.scenario import load_scenario
 from moe_engine.flops import training_flops_per_token
 from moe_engine.precision.cpu_bf16 import gemm_details
-
-TINY = {
-    "schema_version": 1,
-    "mode": "execute",
-    "model": {
-        "vocab_size": 128,
-        "d_model": 64,
-        "n_layers": 2,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "seq_len": 32,
-        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
-    },
-    "routing": {"mode": "random", "seed": 0},
-    "precision": "fp32",
-    "run": {"warmup_steps": 1, "steps": 3, "tokens_per_step": 128, "timeout_s": 120},
-}
-
-
-def write_scenario(tmp_path: Path, name: str, data) -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    return path
-
-
-def variant(**changes):
-    data = json.loads(json.dumps(TINY))
-    for dotted, value in changes.items():
-        node = data
-        *parents, leaf = dotted.split("__")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return data
 
 
 def run_cli(tmp_path, *scenarios) -> tuple[int, list]:
@@ -176,6 +141,3 @@ def test_the_gpu_memory_query_leaves_cuda_uninitialised_in_the_asking_process():
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["initialized"] is False
     assert len(answer["free"]) >= 1 and all(0 < f <= t for f, t in zip(answer["free"], answer["total"]))
-
-
-# ---- who writes what in the result's details ----------------------------------------------------

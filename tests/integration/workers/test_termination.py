@@ -12,7 +12,7 @@ import time
 
 import pytest
 from own_processes import owned_processes, owned_processes_after, owner_env
-from test_runner import variant, write_scenario
+from scenario_files import variant, write_scenario
 
 from bench.results import REPO_ROOT
 

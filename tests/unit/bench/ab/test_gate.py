@@ -1,4 +1,4 @@
-"""moe-bench ab: the paired gate's arithmetic, bad input, and one end-to-end A/B against HEAD."""
+"""moe-bench ab: the paired gate's arithmetic, bad input, and the gate over scenarios on faked sides."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from ab_checkout import TINY_AB, needs_checkout, worktrees, write_tiny_ab
 
 from bench.ab.gate import _estimate, paired_gate, paired_metric
 from bench.ab.plan import ABError, ABPlan, plan_ab
@@ -17,46 +18,10 @@ from bench.cli import main
 from bench.gate import paired
 from bench.results import REPO_ROOT, metric
 
-TINY = """\
-schema_version: 1
-description: A tiny MoE for the A/B tests.
-mode: execute
-model:
-  vocab_size: 512
-  d_model: 128
-  n_layers: 1
-  n_heads: 4
-  n_kv_heads: 2
-  seq_len: 128
-  moe: {num_experts: 4, top_k: 2, expert_hidden: 64}
-routing: {mode: random, seed: 0}
-precision: fp32
-run: {warmup_steps: 1, steps: 3, tokens_per_step: 512, timeout_s: 120}
-"""
-
-
-def in_checkout() -> bool:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO_ROOT, capture_output=True, text=True)
-    except OSError:  # no git
-        return False
-    return done.returncode == 0 and Path(done.stdout.strip()).resolve() == REPO_ROOT.resolve()
-
-
-needs_checkout = pytest.mark.skipif(
-    not in_checkout(), reason="not a git checkout (e.g. inside the image): ab needs the history"
-)
-
-
-def worktrees() -> str:
-    return subprocess.run(["git", "worktree", "list"], cwd=REPO_ROOT, capture_output=True, text=True).stdout
-
 
 @pytest.fixture
 def tiny(tmp_path: Path) -> Path:
-    path = tmp_path / "tiny-ab.yaml"
-    path.write_text(TINY)
-    return path
+    return write_tiny_ab(tmp_path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,7 +250,7 @@ def test_other_bad_input(tmp_path, argv, message, capsys):
 
 
 # --------------------------------------------------------------------------------------------
-# End to end: HEAD against this checkout
+# The gate over several scenarios, on faked sides (the end-to-end A/B: tests/integration/workers)
 # --------------------------------------------------------------------------------------------
 
 
@@ -304,7 +269,7 @@ def test_a_regression_in_one_scenario_only_fails_the_gate_naming_it(tmp_path, ti
     files = []
     for name in ("tiny-a", "tiny-b", "tiny-c"):
         files.append(tmp_path / f"{name}.yaml")
-        files[-1].write_text(TINY)
+        files[-1].write_text(TINY_AB)
     ok_doc = SideRun("ok", None, {}, "0.1.0")
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: ok_doc)
     monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
@@ -329,7 +294,7 @@ def test_a_slowdown_between_the_warning_and_the_tolerance_warns_and_passes(tmp_p
     files = []
     for name in ("tiny-a", "tiny-b", "tiny-c"):
         files.append(tmp_path / f"{name}.yaml")
-        files[-1].write_text(TINY)
+        files[-1].write_text(TINY_AB)
     monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: SideRun("ok", None, {}, "0.1.0"))
     monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
     slowdowns = {"tiny-a": 0.0, "tiny-b": 0.035, "tiny-c": 0.0}

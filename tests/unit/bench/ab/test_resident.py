@@ -1,4 +1,4 @@
-"""Resident A/B sides: same data and routing on both sides, alternation, and no process left behind."""
+"""Resident A/B comparisons on fake sides: alternation, bracketing, the stopping rule and the confirmation."""
 
 from __future__ import annotations
 
@@ -8,30 +8,6 @@ import pytest
 from fake_sides import run_fake
 
 from bench.gate import paired
-from bench.scenario import scenario_from_dict
-
-TINY = {
-    "schema_version": 1,
-    "description": "A tiny MoE for the resident-worker tests.",
-    "mode": "execute",
-    "model": {
-        "vocab_size": 256,
-        "d_model": 64,
-        "n_layers": 1,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "seq_len": 32,
-        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
-    },
-    "routing": {"mode": "random", "seed": 3},
-    "precision": "fp32",
-    "run": {"warmup_steps": 1, "steps": 2, "tokens_per_step": 128, "timeout_s": 120},
-}
-
-
-def scenario(**parallel):
-    spec = {**TINY, "parallel": parallel} if parallel else dict(TINY)
-    return scenario_from_dict(spec, "tiny-resident.yaml")
 
 
 def test_each_pair_warms_then_brackets_one_side_by_the_other_and_is_closed():

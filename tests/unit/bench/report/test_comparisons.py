@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_plot import make_doc, spec_for
+from result_docs import make_doc
 
 from bench.cli import main
 from bench.predict.plan import plan_scenario
@@ -212,7 +212,7 @@ def test_the_report_index_shows_each_pair_per_version_and_machine(tmp_path):
     def put(version, machine, name, tokens, status="ok"):
         metrics = {"tokens_per_s_per_gpu": metric([tokens, tokens], "tokens/s", "higher")} if status == "ok" else {}
         write_result(
-            make_doc(version, machine, spec_for(name), status=status, metrics=metrics),
+            make_doc(name, metrics, status=status, version=version, machine=machine),
             result_dir(results, version, machine),
         )
 

@@ -5,13 +5,12 @@ backward), every op has a kind, and the breakdown's tables add up to the project
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
 
 import pytest
-from test_project_stages import PIPELINE
+from pipeline_scenario import pipeline
 
 from bench.predict.breakdown import module_of, step_breakdown
 from bench.predict.device import load_profile
@@ -20,7 +19,7 @@ from bench.predict.ops import TensorSpec, TracedOp, op_kind, op_work
 from bench.predict.pricing import PricedOp, price_ops
 from bench.run.project import project_on_device, traced_scenario
 from bench.run.trace import trace_step
-from bench.scenario import load_scenario, scenario_from_dict
+from bench.scenario import load_scenario
 from bench.validate.variants import patched
 
 T = 1024  # tokens of one rank of e8-ep2-nosync-bf16 (2048 per step, dp 2)
@@ -223,24 +222,13 @@ def test_the_fake_trace_locates_every_op_as_the_real_step_does():
 # ---- the tables add up to the step -------------------------------------------------------------
 
 
-def _pipeline(**changes):
-    spec = copy.deepcopy(PIPELINE)
-    for path, value in changes.items():
-        node = spec
-        *parents, leaf = path.split(".")
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    return scenario_from_dict(spec)
-
-
 # Per-expert rows: the rows a proxy rank's trace sends, so that the independent counts below take the
 # traced exchanges as they are (the projection's pricing of the engine's rows per destination from them
 # is tests/unit/bench/predict/test_dispatch_rows.py's).
 LAYOUTS = {
     # Four stages (bubble, stage messages), ZeRO-1 gathers under the optimizer, expert all-to-alls,
     # 4 microbatches of which 2 are traced.
-    "pipeline": lambda: _pipeline(
+    "pipeline": lambda: pipeline(
         **{
             "parallel.microbatches": 4,
             "parallel.dispatch_rows": "per-expert",

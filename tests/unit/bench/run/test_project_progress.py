@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_project_stages import PIPELINE
+from pipeline_scenario import PIPELINE
 
 from bench.cli import main
 from bench.predict.device import load_profile

@@ -8,49 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from result_docs import make_doc
+from scenario_files import TINY, variant, write_scenario
 
 from bench import results
 from bench.cli import main
 from bench.results import load_results, write_result
 from bench.run.suites import suite_files
 from bench.scenario import SCENARIOS_DIR, load_scenario
-
-TINY = {
-    "schema_version": 1,
-    "mode": "execute",
-    "model": {
-        "vocab_size": 128,
-        "d_model": 64,
-        "n_layers": 2,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "seq_len": 32,
-        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
-    },
-    "routing": {"mode": "random", "seed": 0},
-    "precision": "fp32",
-    "run": {"warmup_steps": 1, "steps": 3, "tokens_per_step": 128, "timeout_s": 120},
-}
-
-
-def write_scenario(tmp_path: Path, name: str, data) -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
-    return path
-
-
-def variant(**changes):
-    data = json.loads(json.dumps(TINY))
-    for dotted, value in changes.items():
-        node = data
-        *parents, leaf = dotted.split("__")
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = value
-    return data
-
 
 ALL_SCENARIOS = sorted(p for p in SCENARIOS_DIR.rglob("*.yaml") if p.name != "suites.yaml")
 

@@ -1,34 +1,30 @@
 """bench.run.work: the exact work counters of one step, in every execute result, and the gate on them.
 
-The counters are checked against hand-computed values; the planted changes (an extra all-reduce,
-an extra copy, an extra host sync) are planted here, by monkeypatching the engine for one run.
+The counters are checked against hand-computed values; the planted changes (an extra copy, an extra
+host sync) are planted here, by monkeypatching the engine for one run. The extra all-reduce of two
+ranks is tests/integration/workers/test_work_runs.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import io
-import json
-from contextlib import redirect_stdout
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from result_docs import make_doc
-from test_runner import variant
+from tiny_models import tiny_bf16_trainer
 from torch.utils.flop_counter import FlopCounterMode
+from work_runs import TINY_UNFUSED, execute_once, run_gate, work_census, write_side, write_sides
 
 from bench.cli import main
 from bench.gate.work import work_verdicts
 from bench.metrics import WORK_METRIC_NAMES, spec_of
 from bench.results import write_result
-from bench.run.execute import execute
 from bench.run.memory import TensorMemoryTracker
 from bench.run.work import WORK_METRICS as WRITTEN
 from bench.run.work import count_step_work
-from bench.run.worker_protocol import Peaks
 from bench.scenario import scenario_from_dict
 from moe_engine.flops import training_flops_per_token
 from moe_engine.model import Block, Transformer
@@ -177,24 +173,11 @@ def test_the_gate_knows_every_counter_the_run_writes():
 
 # ---- an execute run --------------------------------------------------------------------------------
 
-
-# fp32, 2 layers, 8 experts top-2, random routing, 128 tokens a step; the reference (unfused) step,
-# whose FLOPs the hand count below restates op by op.
-TINY = variant(model__fused_kernels=False)
-
-
-def _execute(spec=TINY, groups=None):
-    torch.manual_seed(0)
-    result = execute(scenario_from_dict(spec), CPU, Peaks(), groups=groups)
-    return None if result is None else (result.metrics, result.details)
-
-
-def _census(details) -> list[dict]:
-    return [{k: v for k, v in rank.items() if k != "seconds"} for rank in details["work"]["ranks"]]
+# TINY_UNFUSED: fp32, 2 layers, 8 experts top-2, random routing, 128 tokens a step, the reference step.
 
 
 def test_execute_counts_the_flops_the_model_runs_and_repeats_them_exactly():
-    first, second = _execute(), _execute()
+    first, second = execute_once(), execute_once()
     metrics, details = first
     work = {name: entry for name, entry in metrics.items() if name.startswith("work_")}
     assert set(work) == set(WRITTEN)
@@ -202,11 +185,11 @@ def test_execute_counts_the_flops_the_model_runs_and_repeats_them_exactly():
         assert entry["spread"] is None and len(entry["samples"]) == 1, name
         assert (entry["unit"], entry["better"]) == (spec_of(name).unit, spec_of(name).better)
         assert entry == second[0][name], f"{name} differs between two runs"
-    assert _census(details) == _census(second[1])
+    assert work_census(details) == work_census(second[1])
 
     # The executed FLOPs, by hand, from the formula (moe_engine.flops, Megatron's convention) and
     # what it leaves out or counts otherwise:
-    model = scenario_from_dict(TINY).model
+    model = scenario_from_dict(TINY_UNFUSED).model
     tokens, layers, d, s = 128, model.n_layers, model.d_model, model.seq_len
     q_dim, experts, top_k = model.n_heads * model.head_dim, model.moe.num_experts, model.moe.top_k
     formula = training_flops_per_token(model, s) * tokens
@@ -228,39 +211,14 @@ def test_execute_counts_the_flops_the_model_runs_and_repeats_them_exactly():
 # ---- planted changes and the gate --------------------------------------------------------------
 
 
-def _only_work(metrics: dict) -> dict:
-    # Timings of two in-process runs differ by noise: the gate below is on the work counters alone.
-    return {name: entry for name, entry in metrics.items() if name.startswith("work_")}
-
-
-def _write_side(tmp_path: Path, label: str, name: str, run, spec=TINY) -> Path:
-    metrics, details = run
-    doc = make_doc(name, _only_work(metrics), spec=spec)
-    doc["details"] = json.loads(json.dumps(details))
-    folder = tmp_path / label
-    write_result(doc, folder / "v" / "m")
-    return folder
-
-
-def _sides(tmp_path: Path, base, cand, name: str = "tiny", spec=TINY) -> tuple[Path, Path]:
-    return _write_side(tmp_path, "base", name, base, spec), _write_side(tmp_path, "cand", name, cand, spec)
-
-
-def _gate(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with redirect_stdout(out):
-        code = main(["gate", *argv])
-    return code, out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def runs():
     """The tiny scenario as it is, with an extra copy in every block, and with an extra host sync."""
-    base = _execute()
+    base = execute_once()
     original_block, original_model = Block.forward, Transformer.forward
     try:
         Block.forward = lambda self, x, rope: original_block(self, x, rope).clone()
-        copied = _execute()
+        copied = execute_once()
         Block.forward = original_block
 
         def syncing(self, tokens):
@@ -269,14 +227,14 @@ def runs():
             return logits
 
         Transformer.forward = syncing
-        synced = _execute()
+        synced = execute_once()
     finally:
         Block.forward, Transformer.forward = original_block, original_model
     return {"base": base, "copy": copied, "sync": synced}
 
 
 def test_an_extra_copy_is_more_work_and_fails_the_gate_until_accepted(tmp_path, runs):
-    base, cand = _sides(tmp_path, runs["base"], runs["copy"])
+    base, cand = write_sides(tmp_path, runs["base"], runs["copy"])
     (before,), (after,) = runs["base"][1]["work"]["ranks"], runs["copy"][1]["work"]["ranks"]
     # one clone of the (4, 32, 64) fp32 block output in each of the 2 blocks
     clones = after["ops_by_name"]["aten.clone.default"] - before["ops_by_name"].get("aten.clone.default", 0)
@@ -285,7 +243,7 @@ def test_an_extra_copy_is_more_work_and_fails_the_gate_until_accepted(tmp_path, 
     assert after["allocated_bytes"] - before["allocated_bytes"] == 2 * 4 * 32 * 64 * 4
     assert after["matmul_flops"] == before["matmul_flops"] and after["host_syncs"] == before["host_syncs"]
 
-    code, report = _gate("--baseline", str(base), "--candidate", str(cand), "--tolerance", "50%")
+    code, report = run_gate("--baseline", str(base), "--candidate", str(cand), "--tolerance", "50%")
     assert code == 1, report
     assert "REGRESSION tiny work_aten_ops: work increased: +2 ops per step" in report
     assert "aten.clone.default +2" in report
@@ -293,18 +251,18 @@ def test_an_extra_copy_is_more_work_and_fails_the_gate_until_accepted(tmp_path, 
     assert "aten.clone.default +64 KiB" in report
     assert "work_matmul_flops" not in report and "work_host_syncs" not in report
 
-    code, report = _gate("--baseline", str(base), "--candidate", str(cand), "--accept-work")
+    code, report = run_gate("--baseline", str(base), "--candidate", str(cand), "--accept-work")
     assert code == 0, report
     assert "NOTE tiny work_aten_ops: work increased (accepted): +2 ops per step" in report
     assert "REGRESSION" not in report and "(2 accepted work increases)" in report
 
     # Accepting one counter leaves the other failing.
-    code, report = _gate("--baseline", str(base), "--candidate", str(cand), "--accept-work", "work_aten_ops")
+    code, report = run_gate("--baseline", str(base), "--candidate", str(cand), "--accept-work", "work_aten_ops")
     assert code == 1 and "REGRESSION tiny work_allocated_bytes" in report
     assert "work_aten_ops: work increased (accepted)" in report
 
     # The other way round, less work: reported, never failed.
-    code, report = _gate("--baseline", str(cand), "--candidate", str(base))
+    code, report = run_gate("--baseline", str(cand), "--candidate", str(base))
     assert code == 0 and "NOTE tiny work_aten_ops: work decreased: -2 ops per step" in report
 
 
@@ -312,15 +270,15 @@ def test_an_extra_host_sync_is_more_work(tmp_path, runs):
     (before,), (after,) = runs["base"][1]["work"]["ranks"], runs["sync"][1]["work"]["ranks"]
     assert after["host_syncs"] - before["host_syncs"] == 1
     assert after["syncs_by_site"]["aten::item"] - before["syncs_by_site"].get("aten::item", 0) == 1
-    base, cand = _sides(tmp_path, runs["base"], runs["sync"])
-    code, report = _gate("--baseline", str(base), "--candidate", str(cand))
+    base, cand = write_sides(tmp_path, runs["base"], runs["sync"])
+    code, report = run_gate("--baseline", str(base), "--candidate", str(cand))
     assert code == 1
     assert "REGRESSION tiny work_host_syncs: work increased: +1 host sync per step" in report
     assert "aten::item +1" in report
 
 
 def test_compare_prints_the_work_verdicts(tmp_path, runs, capsys):
-    base, cand = _sides(tmp_path, runs["base"], runs["sync"])
+    base, cand = write_sides(tmp_path, runs["base"], runs["sync"])
     assert main(["compare", str(base), str(cand), "--accept-work"]) == 0
     out = capsys.readouterr().out
     assert "NOTE tiny work_host_syncs: work increased (accepted): +1 host sync per step" in out
@@ -331,7 +289,7 @@ def test_documents_without_work_counters_get_no_work_verdict(tmp_path, runs):
     old = make_doc(
         "tiny",
         {"peak_tensor_bytes": {"unit": "bytes", "better": "lower", "samples": [1.0], "median": 1.0, "spread": None}},
-        spec=TINY,
+        spec=TINY_UNFUSED,
     )
     assert work_verdicts("tiny", old, runs["copy"]) == [
         "NOTE tiny: no work counters on one side (the baseline); work not compared"
@@ -339,22 +297,20 @@ def test_documents_without_work_counters_get_no_work_verdict(tmp_path, runs):
     assert work_verdicts("tiny", old, old) == []
     folder = tmp_path / "old"
     write_result(old, folder / "v" / "m")
-    cand = _write_side(tmp_path, "cand", "tiny", runs["copy"])
-    code, report = _gate("--baseline", str(folder), "--candidate", str(cand))
+    cand = write_side(tmp_path, "cand", "tiny", runs["copy"])
+    code, report = run_gate("--baseline", str(folder), "--candidate", str(cand))
     assert code == 0, report
     assert "no work counters on one side (the baseline)" in report
     assert "work_aten_ops: metric missing" not in report
 
 
-# ---- a planted collective on two gloo ranks ----------------------------------------------------------
+# ---- a bf16 step with its GEMMs in fp32 ---------------------------------------------------------------
 
 
 def test_the_counts_of_a_bf16_step_are_the_same_with_its_gemms_in_fp32():
     """``moe-bench run`` counts a bf16 step with ``BF16GemmsInFp32`` below the counters (entered first):
     every count, and the memory tracker's peak, equal those of the native bf16 step, so the work
     metrics of a CPU without bf16 arithmetic compare exactly with any other's."""
-    from test_cpu_bf16 import tiny_bf16_trainer
-
     from moe_engine.precision.cpu_bf16 import BF16GemmsInFp32
 
     tokens = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(7))

@@ -1,45 +1,24 @@
 """A proxy rank holds exactly its share, and runs what the real rank runs.
 
-The real runs are gloo ranks in fresh processes (``distributed_harness``); the proxies join a fake
-world in this process, one rank at a time.
+The proxies join a fake world in this process, one rank at a time; the comparisons with the real
+ranks, gloo ranks in fresh processes, are tests/integration/distributed/test_proxy_rank_ranks.py.
 """
 
-import contextlib
 import dataclasses
 
 import pytest
 import torch
+from proxy_rank_world import CONFIG, fake_rank
 
 from bench.run.proxy.rank.build import build_proxy_rank
 from bench.run.proxy.rank.peers import PeerTraffic, ProxyDispatcher, ProxyDispatchSpec, SimulatedPeers
-from bench.run.proxy.rank.world import join_fake_world, leave_fake_world
 from moe_engine import build_model
-from moe_engine.config import ModelConfig, MoEConfig, ParallelConfig
+from moe_engine.config import ParallelConfig
 from moe_engine.parallel.data_parallel import ParamFamily
-from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer
 
-CONFIG = ModelConfig(
-    vocab_size=96,
-    d_model=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    seq_len=8,
-    dtype="fp32",
-    moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=24, shared_expert_hidden=16, routing="random"),
-)
 EXPERT_PARAMS = ("experts.gate_up", "experts.down")
-
-
-@contextlib.contextmanager
-def fake_rank(parallel: ParallelConfig, rank: int):
-    join_fake_world(rank, parallel.world_size)
-    try:
-        yield build_process_groups(Layout(parallel))
-    finally:
-        leave_fake_world()
 
 
 # ---- the shard ---------------------------------------------------------------------------------
@@ -151,7 +130,7 @@ def test_a_proxy_spec_refuses_what_a_proxy_cannot_send():
         ProxyDispatchSpec(peer_seeds=(None,))
 
 
-# ---- the step: real gloo ranks vs proxies ---------------------------------------------------------
+# ---- the proxy's exchange: padding ----------------------------------------------------------------
 
 
 class _FewerFromPeerZero(PeerTraffic):
