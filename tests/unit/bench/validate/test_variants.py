@@ -5,43 +5,20 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
-import os
 
 import pytest
 import yaml
-from own_processes import owned_processes, owned_processes_after, owner_env
+from variant_scenario import TINY, write_tiny
 
 from bench.ab import resident
 from bench.scenario import SCENARIOS_DIR, load_scenario, scenario_from_dict
 from bench.validate import compile_speedup, recompute_cost, variants
 from bench.validate.variants import Variant
 
-TINY = {
-    "schema_version": 1,
-    "description": "A tiny MoE for the variant tests.",
-    "mode": "execute",
-    "model": {
-        "vocab_size": 256,
-        "d_model": 64,
-        "n_layers": 2,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "seq_len": 32,
-        "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32},
-    },
-    "routing": {"mode": "random", "seed": 3},
-    "precision": "fp32",
-    "recompute": {"mode": "none", "every": 2},
-    "run": {"warmup_steps": 1, "steps": 2, "tokens_per_step": 128, "timeout_s": 120},
-}
-
 
 @pytest.fixture
 def tiny_file(tmp_path):
-    path = tmp_path / "tiny-variants.yaml"
-    path.write_text(yaml.safe_dump(TINY))
-    return path
+    return write_tiny(tmp_path)
 
 
 def tiny_scenario(path):
@@ -351,63 +328,3 @@ def test_the_recompute_tool_measures_every_mode_and_an_identical_control(tiny_fi
 
 
 # --- one real run -------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_real_run_writes_its_document_and_leaves_no_worker_behind(tiny_file, tmp_path, monkeypatch):
-    owner = owner_env()
-    for name, value in owner.items():  # every worker and rank this test starts inherits the marker
-        monkeypatch.setenv(name, value)
-    sessions = []
-    enter = resident.ResidentSide.__enter__
-
-    def recording_enter(self):
-        side = enter(self)
-        sessions.append(os.getsid(side.process.pid))
-        assert side.process.pid in owned_processes(owner)  # the marker reaches the workers
-        return side
-
-    monkeypatch.setattr(resident.ResidentSide, "__enter__", recording_enter)
-    out = tmp_path / "out.json"
-    code = recompute_cost.main(
-        [
-            str(tiny_file),
-            "--variants",
-            "full",
-            "--no-control",
-            "--pairs",
-            "1",
-            "--block-s",
-            "0.05",
-            "--timeout-s",
-            "120",
-            "--out",
-            str(out),
-        ]
-    )
-    assert code == 0
-    document = json.loads(out.read_text())
-    assert {
-        "command",
-        "measured_at",
-        "machine",
-        "engine",
-        "settings",
-        "ratio",
-        "control_note",
-        "scenarios",
-        "table",
-    } <= set(document)
-    assert [v["name"] for v in document["settings"]["variants"]] == ["full"]
-    (row,) = document["scenarios"]
-    assert row["status"] == "ok" and row["base"] == "none" and row["variants"] == ["full"]
-    assert set(row["block_s"]) == {"none", "full"} and len(row["block_s"]["full"]) == 1
-    ratio = row["ratios"]["full"]
-    assert set(ratio) == {"per_pair", "median", "min", "max"} and math.isfinite(ratio["median"]) and ratio["median"] > 0
-    assert set(row["peak_rss_mib"]) == {"none", "full"} and all(v > 0 for v in row["peak_rss_mib"].values())
-    # Recompute replays the same forward: the probe step's losses agree.
-    assert row["probe_loss_rel_diff"]["full"] < 1e-5
-    assert "| tiny-variants | 1 | full vs none |" in document["table"]
-    assert len(sessions) == 2
-    assert owned_processes_after(owner) == []
