@@ -30,9 +30,10 @@ from bench.scenario import load_scenario
 from moe_engine import kernels
 from moe_engine.kernels import cross_entropy
 from moe_engine.moe.permute import plan_routing, plan_slots
-from moe_engine.precision import mxfp8_gemm, mxfp8_scaled_mm
-from moe_engine.precision.mxfp8_gemm import SCALED_MMA_TILES
-from moe_engine.precision.mxfp8_triton import quantize_triton
+from moe_engine.precision.mxfp8 import gemm as mxfp8_gemm
+from moe_engine.precision.mxfp8 import scaled_mm as mxfp8_scaled_mm
+from moe_engine.precision.mxfp8.gemm import SCALED_MMA_TILES
+from moe_engine.precision.mxfp8.kernels import quantize_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILES = (
@@ -297,7 +298,7 @@ def compile_all(launches: list[Launch], targets: Iterable[str]) -> list[tuple[La
 # --- 3. judging ----------------------------------------------------------------------------------------
 
 
-MXFP8_GEMM = "moe_engine.precision.mxfp8_gemm._mx_grouped_mm_kernel"
+MXFP8_GEMM = "moe_engine.precision.mxfp8.gemm._mx_grouped_mm_kernel"
 SCALED_MMA = "tc_gen5_mma_scaled"
 
 

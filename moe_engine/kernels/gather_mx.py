@@ -12,8 +12,8 @@ from torch import Tensor
 import moe_engine.kernels.dispatch as dispatch
 from moe_engine.kernels.routing import reference_gather
 from moe_engine.kernels.storage import on_device
-from moe_engine.precision.mxfp8 import BLOCK, pad_to_block
-from moe_engine.precision.mxfp8_triton import mx_blocks, quantize_auto
+from moe_engine.precision.mxfp8.blocks import BLOCK, pad_to_block
+from moe_engine.precision.mxfp8.kernels import mx_blocks, quantize_auto
 
 ROWS_PER_PROGRAM = 128
 """Rows of one program's tile, one block of 32 columns wide."""

@@ -41,8 +41,8 @@ from moe_engine.moe.expert_backend import (
 )
 from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups, RowMap
-from moe_engine.precision import mxfp8_gemm as mx
-from moe_engine.precision.mxfp8 import MXTensor
+from moe_engine.precision.mxfp8 import gemm as mx
+from moe_engine.precision.mxfp8.blocks import MXTensor
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -112,7 +112,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
     Which GEMM runs in which precision, and why the weight gradients stay in BF16 (token groups are
     not multiples of 32, so MX blocks along the token axis would straddle experts), is tabulated in
-    ``moe_engine.precision.mxfp8_gemm``. Each weight is quantized along its reduction axis twice per
+    ``moe_engine.precision.mxfp8.gemm``. Each weight is quantized along its reduction axis twice per
     step: along D / F for fprop, along 2F / D (a fresh quantization, not a transposed reuse) for dgrad.
 
     Saved for backward, besides the weights and offsets:
@@ -190,7 +190,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
 
 class MXFP8Backend(ExpertBackend):
-    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8_gemm``) with device-side offsets; no host sync
+    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8.gemm``) with device-side offsets; no host sync
     where the bf16 weight-gradient GEMMs take the CUTLASS path (``moe_engine.moe.grouped_gemm``).
 
     ``path`` names the implementation the last forward ran, read after it (``mx.path_label``: torch's

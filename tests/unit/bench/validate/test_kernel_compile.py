@@ -84,7 +84,7 @@ def test_an_autotuned_kernel_compiles_as_its_jit_function():
     from triton.runtime.jit import JITFunction
 
     from bench.validate.kernel_compile import unwrap
-    from moe_engine.precision import mxfp8_gemm
+    from moe_engine.precision.mxfp8 import gemm as mxfp8_gemm
 
     tuned = mxfp8_gemm._mx_grouped_mm_kernel
     assert not isinstance(tuned, JITFunction) and unwrap(tuned) is tuned.fn and isinstance(unwrap(tuned), JITFunction)

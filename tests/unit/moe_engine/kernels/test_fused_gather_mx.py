@@ -23,7 +23,7 @@ from moe_engine import ModelConfig, kernels
 from moe_engine.kernels import gather_mx
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups, gather_tokens, plan_routing, plan_slots, sort_permutation
-from moe_engine.precision.mxfp8 import quantize
+from moe_engine.precision.mxfp8.blocks import quantize
 
 HERE = Path(__file__).resolve().parent
 

@@ -52,8 +52,8 @@ def test_every_engine_launch_is_inside_on_device():
     unguarded = {path: [line for line, ok in found if not ok] for path, found in launches.items()}
     assert {path: lines for path, lines in unguarded.items() if lines} == {}
     # The check sees the launches it should: the fused ops' and the MXFP8 kernels'.
-    assert len(launches["precision/mxfp8_gemm.py"]) == 2  # the GEMM, the dequantize
-    assert len(launches["precision/mxfp8_triton.py"]) == 2  # the quantize along the last axis, along another
+    assert len(launches["precision/mxfp8/gemm.py"]) == 2  # the GEMM, the dequantize
+    assert len(launches["precision/mxfp8/kernels.py"]) == 2  # the quantize along the last axis, along another
     assert sum(len(found) for found in launches.values()) >= 12
 
 

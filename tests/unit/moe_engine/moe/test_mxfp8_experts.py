@@ -28,8 +28,8 @@ from moe_engine.model import cast_parameters
 from moe_engine.moe.experts import GroupedExperts, MXFP8Backend
 from moe_engine.moe.layer import MoELayer
 from moe_engine.moe.permute import ExpertGroups
-from moe_engine.precision import mxfp8
-from moe_engine.precision import mxfp8_gemm as mx
+from moe_engine.precision.mxfp8 import blocks as mxfp8
+from moe_engine.precision.mxfp8 import gemm as mx
 
 TOLERANCE = 0.15
 MXFP8_RAN = 0.005
@@ -103,7 +103,7 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def mxfp8_experts_reference(x_ND, grad_ND, counts, gate_up_EHD, down_EDF):
     """The MXFP8 experts' output and gradients, one expert at a time, from the GEMM table of
-    ``moe_engine.precision.mxfp8_gemm``: fprop and dgrad multiply MXFP8-rounded operands blocked along
+    ``moe_engine.precision.mxfp8.gemm``: fprop and dgrad multiply MXFP8-rounded operands blocked along
     their reduction dim, wgrad multiplies bf16 operands (x as fprop saw it), and backward sees h
     rounded to MXFP8."""
     y, grad_x, grad_gate_up, grad_down = [], [], [], []

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_engine.precision.mxfp8 import BLOCK, ScaleRounding, check_blocked_axis, quantize
+from moe_engine.precision.mxfp8.blocks import BLOCK, ScaleRounding, check_blocked_axis, quantize
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TILE_ELEMENTS = 4096

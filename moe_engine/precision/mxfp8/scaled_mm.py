@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine.kernels.storage import as_bits, on_device
-from moe_engine.precision.mxfp8 import BLOCK, MXTensor
+from moe_engine.precision.mxfp8.blocks import BLOCK, MXTensor
 
 try:
     import triton

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from bench.results import REPO_ROOT
-from moe_engine.precision.mxfp8 import ScaleRounding, quantize
-from moe_engine.precision.mxfp8_triton import _interpreted, quantize_auto, quantize_triton
+from moe_engine.precision.mxfp8.blocks import ScaleRounding, quantize
+from moe_engine.precision.mxfp8.kernels import _interpreted, quantize_auto, quantize_triton
 
 BLOCK = 32
 ROUNDINGS = list(ScaleRounding)
@@ -106,7 +106,7 @@ def assert_same_bytes(got: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, a
 
 _CHILD = """
 import sys, torch
-from moe_engine.precision import mxfp8_triton
+from moe_engine.precision.mxfp8 import kernels as mxfp8_triton
 assert mxfp8_triton._interpreted(), "TRITON_INTERPRET=1 did not reach the kernel definition"
 inputs = torch.load(sys.argv[1])
 outputs = {}

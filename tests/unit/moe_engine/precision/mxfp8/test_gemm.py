@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from tolerances import tolerance
 
 from bench.results import REPO_ROOT
-from moe_engine.precision import mxfp8_gemm as mx
-from moe_engine.precision.mxfp8 import dequantize, quantize
+from moe_engine.precision.mxfp8 import gemm as mx
+from moe_engine.precision.mxfp8.blocks import dequantize, quantize
 
 REPO = REPO_ROOT
 
@@ -113,7 +113,7 @@ def test_padding_k_is_exact():
 )
 def test_path_selection(capability, path, monkeypatch):
     """Triton has e4m3 only from capability 8.9: an A100 gets the emulation; torch's scaled op runs on
-    capability 10.x only (``mxfp8_scaled_mm``)."""
+    capability 10.x only (``mxfp8.scaled_mm``)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert mx.available_path("cpu") is mx.GemmPath.EMULATION
     assert mx.available_path("cuda") is mx.GemmPath(path)
@@ -125,7 +125,7 @@ INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
-    from moe_engine.precision import mxfp8_gemm as mx
+    from moe_engine.precision.mxfp8 import gemm as mx
 
     cases = json.loads(sys.argv[1])
     tuned = mx._mx_grouped_mm_kernel

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from moe_engine.precision.mxfp8 import MXTensor, ScaleRounding, dequantize, quantize
+from moe_engine.precision.mxfp8.blocks import MXTensor, ScaleRounding, dequantize, quantize
 
 BLOCK = 32
 E8M0_NAN = 0xFF

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.results import REPO_ROOT
-from moe_engine.precision.mxfp8 import dequantize
+from moe_engine.precision.mxfp8.blocks import dequantize
 
 REPO = REPO_ROOT
 SCALES = [0, 1, 2, 20, 100, 126, 127, 128, 150, 200, 253, 254, 255]
@@ -44,7 +44,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 
 _CHILD = """
 import sys, torch
-from moe_engine.precision import mxfp8_gemm
+from moe_engine.precision.mxfp8 import gemm as mxfp8_gemm
 data, scales = torch.load(sys.argv[1])
 out = {str(d): mxfp8_gemm.dequantize_rows_triton(data, scales, int(sys.argv[3]), d) for d in (torch.float32, torch.bfloat16)}
 torch.save(out, sys.argv[2])
@@ -74,8 +74,8 @@ def test_interpreted_dequantize_equals_eager(interpreted, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_cuda_dequantize_rows_equals_eager(dtype):
-    from moe_engine.precision.mxfp8 import MXTensor
-    from moe_engine.precision.mxfp8_gemm import dequantize_rows
+    from moe_engine.precision.mxfp8.blocks import MXTensor
+    from moe_engine.precision.mxfp8.gemm import dequantize_rows
 
     data, scales = operand()
     t = MXTensor(data.cuda().view(torch.float8_e4m3fn), scales.cuda().view(torch.float8_e8m0fnu), axis=-1)

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from moe_engine.kernels.storage import as_bits, on_device, store_f32
 from moe_engine.moe.grouped_gemm import grouped_mm as grouped_mm_checked
-from moe_engine.precision import mxfp8_scaled_mm as scaled_mm
-from moe_engine.precision.mxfp8 import BLOCK, MXTensor, pad_to_block
-from moe_engine.precision.mxfp8_triton import quantize_auto as quantize
+from moe_engine.precision.mxfp8 import scaled_mm as scaled_mm
+from moe_engine.precision.mxfp8.blocks import BLOCK, MXTensor, pad_to_block
+from moe_engine.precision.mxfp8.kernels import quantize_auto as quantize
 
 try:
     import triton

@@ -1,4 +1,4 @@
-"""The MXFP8 grouped GEMM through torch's ``scaled_grouped_mm`` (``mxfp8_scaled_mm``), without a GPU.
+"""The MXFP8 grouped GEMM through torch's ``scaled_grouped_mm`` (``mxfp8.scaled_mm``), without a GPU.
 
 The blocked scale layout is checked element by element against its index formula, written here from
 the specification of the layout (cuBLAS "1D block scaling factors layout", the ``SWIZZLE_32_4_4`` of
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from bench.results import REPO_ROOT
 from moe_engine.moe.experts import MXFP8Backend
 from moe_engine.moe.permute import ExpertGroups
-from moe_engine.precision import mxfp8_gemm as mx
-from moe_engine.precision import mxfp8_scaled_mm as smm
+from moe_engine.precision.mxfp8 import gemm as mx
+from moe_engine.precision.mxfp8 import scaled_mm as smm
 
 REPO = REPO_ROOT
 
@@ -278,7 +278,7 @@ ZERO_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
-    from moe_engine.precision import mxfp8_scaled_mm as smm
+    from moe_engine.precision.mxfp8 import scaled_mm as smm
 
     results = []
     for rows, cols, end, dtype in json.loads(sys.argv[1]):
@@ -333,7 +333,7 @@ BLOCKED_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
-    from moe_engine.precision import mxfp8_scaled_mm as smm
+    from moe_engine.precision.mxfp8 import scaled_mm as smm
 
     results = []
     for counts, padding, cols, strided in json.loads(sys.argv[1]):
