@@ -10,7 +10,7 @@ from bench.predict.device import ProfileError
 
 def cmd_profile_device(args: argparse.Namespace) -> int:
     # heavy: torch and the engine, loaded only when this command runs
-    from bench.run.profile_device import ProfileOptions, profile_device_command
+    from bench.run.profile.measure import ProfileOptions, profile_device_command
 
     if args.threads < 1 or args.ranks < 1:
         return fail("--threads and --ranks: must be at least 1")

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-import bench.run.profile_device
+import bench.run.profile.measure
 from bench.cli import main
 from bench.predict.device import ProfileError
-from bench.run.profile_device import ProfileOptions
+from bench.run.profile.measure import ProfileOptions
 
 
 @pytest.fixture
 def measured(monkeypatch):
     calls = []
     monkeypatch.setattr(
-        bench.run.profile_device,
+        bench.run.profile.measure,
         "profile_device_command",
         lambda options, out, tiny=False: calls.append((options, out, tiny)),
     )
@@ -47,6 +47,6 @@ def test_a_refused_measurement_is_one_line_of_bad_input(monkeypatch, capsys, err
     def refuse(options, out, tiny=False):
         raise error
 
-    monkeypatch.setattr(bench.run.profile_device, "profile_device_command", refuse)
+    monkeypatch.setattr(bench.run.profile.measure, "profile_device_command", refuse)
     assert main(["profile-device", "--device", "cuda:7"]) == 2
     assert capsys.readouterr().err == f"moe-bench: error: {error}\n"

@@ -1,4 +1,4 @@
-"""bench.run.profile_device (with bench.run.profile: sweep, curves, document): a tiny CPU sweep gives a profile the loader accepts, with the work of each
+"""bench.run.profile.measure (with bench.run.profile: sweep, curves, document): a tiny CPU sweep gives a profile the loader accepts, with the work of each
 point as the pricing counts it (hand-computed here, not recomputed by the module's own formulas).
 
 The gloo calibration is passed in (``network=``) so that the test runs no torchrun; the sweep is
@@ -17,8 +17,8 @@ import torch
 from bench.predict.device import load_profile, profile_from_dict
 from bench.run.profile.curves import Timer
 from bench.run.profile.document import write_profile
+from bench.run.profile.measure import ProfileOptions, profile_device
 from bench.run.profile.sweep import Sweep, estimate_seconds, timed_points, tiny_sweep
-from bench.run.profile_device import ProfileOptions, profile_device
 
 NETWORK = {"gbps": 1.5, "latency_us": 100.0}
 
