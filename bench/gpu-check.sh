@@ -17,8 +17,8 @@
 #
 # Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 14.75
 # minutes in all, steps.txt records the measured seconds):
-#   tests-cuda  420 s: the same selection takes 16 s on a 2-core CPU machine with its 44 CUDA tests
-#                      skipped; those compile Triton kernels after CUDA start-up (about 15 s): about 30
+#   tests-cuda  420 s: the selection is 331 tests (pytest --collect-only -m cuda under MOE_TEST_DEVICE=cuda, all
+#                      skipped on a CPU); they compile Triton kernels after CUDA start-up (about 15 s): about 30
 #                      distinct quantizer and GEMM specialisations, and the fused-op tests on the order of
 #                      100 more (their cases' sizes and dtypes; the engine itself launches 67 at the
 #                      reference models' sizes, counted by python -m bench.validate.kernel_compile, the

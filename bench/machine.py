@@ -16,42 +16,43 @@ import torch
 
 
 @dataclass(frozen=True)
-class DevicePeak:
-    """Dense peak TFLOP/s of one GPU model: vendor datasheet figures without sparsity."""
+class Peaks:
+    """The dense peak TFLOP/s a run's MFU is measured against, and where they come from (GPU rows: vendor
+    datasheet figures without sparsity)."""
 
-    bf16: float
-    """BF16 tensor-core peak (what ``mfu`` is measured against)."""
-    fp8: float | None
-    """FP8 tensor-core peak (what an MXFP8 run's ``mfu_fp8`` is measured against); None without FP8."""
-    source: str
-    """The datasheet the row comes from."""
+    bf16: float | None = None
+    """BF16 peak (what ``mfu`` is measured against); None: no MFU."""
+    fp8: float | None = None
+    """FP8 peak (what an MXFP8 run's ``mfu_fp8`` is measured against); None: no FP8 MFU."""
+    source: str | None = None
+    """Where the peaks come from (the result records it as given)."""
 
 
 # Keyed by the exact product name ``torch.cuda.get_device_name`` reports: variants of one chip differ
 # by 20-25% (an H100 PCIe or NVL is not an H100 SXM), so a name is never matched by a substring. A GPU
 # not listed gets no MFU (the result says why) rather than a guessed one. NVIDIA's datasheets print
 # the tensor-core figures with 2:4 sparsity; the dense figures below are half of those.
-GPU_PEAKS: dict[str, DevicePeak] = {
+GPU_PEAKS: dict[str, Peaks] = {
     # H100 datasheet (nvidia.com/en-us/data-center/h100), SXM column: BF16 1,979*, FP8 3,958* TFLOPS.
-    "NVIDIA H100 80GB HBM3": DevicePeak(989.5, 1979.0, "NVIDIA H100 datasheet, H100 SXM"),
+    "NVIDIA H100 80GB HBM3": Peaks(989.5, 1979.0, "NVIDIA H100 datasheet, H100 SXM"),
     # Same datasheet, PCIe column of the first edition: BF16 1,513*, FP8 3,026* TFLOPS.
-    "NVIDIA H100 PCIe": DevicePeak(756.5, 1513.0, "NVIDIA H100 datasheet, H100 PCIe"),
+    "NVIDIA H100 PCIe": Peaks(756.5, 1513.0, "NVIDIA H100 datasheet, H100 PCIe"),
     # Same datasheet, H100 NVL column: BF16 1,671*, FP8 3,341* TFLOPS.
-    "NVIDIA H100 NVL": DevicePeak(835.5, 1670.5, "NVIDIA H100 datasheet, H100 NVL"),
+    "NVIDIA H100 NVL": Peaks(835.5, 1670.5, "NVIDIA H100 datasheet, H100 NVL"),
     # H200 datasheet (nvidia.com/en-us/data-center/h200), H200 SXM column: BF16 1,979*, FP8 3,958* TFLOPS.
-    "NVIDIA H200": DevicePeak(989.5, 1979.0, "NVIDIA H200 datasheet, H200 SXM"),
+    "NVIDIA H200": Peaks(989.5, 1979.0, "NVIDIA H200 datasheet, H200 SXM"),
     # Same datasheet, H200 NVL column: BF16 1,671*, FP8 3,341* TFLOPS.
-    "NVIDIA H200 NVL": DevicePeak(835.5, 1670.5, "NVIDIA H200 datasheet, H200 NVL"),
+    "NVIDIA H200 NVL": Peaks(835.5, 1670.5, "NVIDIA H200 datasheet, H200 NVL"),
     # GH200 Grace Hopper datasheet, the H100 of a GH200 480GB: BF16 1,979*, FP8 3,958* TFLOPS.
-    "NVIDIA GH200 480GB": DevicePeak(989.5, 1979.0, "NVIDIA GH200 datasheet"),
+    "NVIDIA GH200 480GB": Peaks(989.5, 1979.0, "NVIDIA GH200 datasheet"),
     # HGX B200 datasheet (nvidia.com/en-us/data-center/hgx), 8 GPUs: BF16 36*, FP8 72* PFLOPS.
-    "NVIDIA B200": DevicePeak(2250.0, 4500.0, "NVIDIA HGX B200 datasheet, per GPU"),
+    "NVIDIA B200": Peaks(2250.0, 4500.0, "NVIDIA HGX B200 datasheet, per GPU"),
     # A100 datasheet (nvidia.com/en-us/data-center/a100): BF16 624* TFLOPS for the 40GB and 80GB
     # parts, PCIe and SXM alike; Ampere has no FP8 tensor cores.
-    "NVIDIA A100-SXM4-80GB": DevicePeak(312.0, None, "NVIDIA A100 datasheet, A100 80GB SXM"),
-    "NVIDIA A100-SXM4-40GB": DevicePeak(312.0, None, "NVIDIA A100 datasheet, A100 40GB SXM"),
-    "NVIDIA A100 80GB PCIe": DevicePeak(312.0, None, "NVIDIA A100 datasheet, A100 80GB PCIe"),
-    "NVIDIA A100-PCIE-40GB": DevicePeak(312.0, None, "NVIDIA A100 datasheet, A100 40GB PCIe"),
+    "NVIDIA A100-SXM4-80GB": Peaks(312.0, None, "NVIDIA A100 datasheet, A100 80GB SXM"),
+    "NVIDIA A100-SXM4-40GB": Peaks(312.0, None, "NVIDIA A100 datasheet, A100 40GB SXM"),
+    "NVIDIA A100 80GB PCIe": Peaks(312.0, None, "NVIDIA A100 datasheet, A100 80GB PCIe"),
+    "NVIDIA A100-PCIE-40GB": Peaks(312.0, None, "NVIDIA A100 datasheet, A100 40GB PCIe"),
 }
 
 
@@ -213,7 +214,7 @@ def machine_name(info: dict[str, Any]) -> str:
     return f"cpu-{info['cpu_cores']}c-{'-'.join(words)}"
 
 
-def device_peak(device: torch.device) -> tuple[DevicePeak | None, str]:
+def device_peak(device: torch.device) -> tuple[Peaks | None, str]:
     """The datasheet peaks of a CUDA device and where they come from, or None and why there are none."""
     if device.type != "cuda":
         return None, f"no datasheet peak for a {device.type} device"

@@ -22,6 +22,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from bench.machine import Peaks
 from bench.metrics import entry
 from bench.run.checkpointing import (
     Checkpointer,
@@ -33,7 +34,6 @@ from bench.run.checkpointing import (
 )
 from bench.run.memory import TensorMemoryTracker, rss_peak_bytes
 from bench.run.work import count_step_work, work_metrics
-from bench.run.worker_protocol import Peaks
 from bench.scenario import Scenario
 from moe_engine import checkpoint, kernels
 from moe_engine.flops import recompute_flops_per_token, training_flops_per_token

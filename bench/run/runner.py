@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from bench.machine import available_memory_bytes, device_peak, machine_identity, machine_info
+from bench.machine import Peaks, available_memory_bytes, device_peak, machine_identity, machine_info
 from bench.predict.plan import plan_scenario
 from bench.release.version import engine_info
 from bench.results import SCHEMA_VERSION, result_dir, scenario_file_entry, scenario_hash, utc_now, write_result
@@ -41,7 +41,7 @@ from bench.run.launch import Launch
 from bench.run.memory import CUDA_FREE_SOURCE, MEMORY_MARGIN, RankMemory, cuda_free_bytes, memory_shortfall
 from bench.run.process import run_with_timeout, worker_command, worker_env
 from bench.run.worker import execute_outcome
-from bench.run.worker_protocol import Peaks, WorkerOutcome, WorkerRequest, merge_details
+from bench.run.worker_protocol import WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import Scenario
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout

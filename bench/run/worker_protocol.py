@@ -14,19 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.machine import Peaks
 from bench.run.checkpointing import CheckpointPolicy, CheckpointRun
-
-
-@dataclass(frozen=True)
-class Peaks:
-    """The peaks a run's MFU is measured against, and where they come from."""
-
-    bf16: float | None = None
-    """Dense BF16 peak, TFLOP/s (``mfu``); None: no MFU."""
-    fp8: float | None = None
-    """Dense FP8 peak, TFLOP/s (``mfu_fp8`` of MXFP8 runs); None: no FP8 MFU."""
-    source: str | None = None
-    """Where the peaks come from (the result records it as given)."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ MARKED_MODULE = "tests/unit/moe_engine/test_cuda.py"
 
 def gpu_check_pytest_command(script: str) -> list[str]:
     """The words of gpu-check's GPU test command (the one run with MOE_TEST_DEVICE=cuda)."""
-    commands = [line for line in script.splitlines() if "MOE_TEST_DEVICE=cuda" in line and "pytest" in line]
+    lines = [line for line in script.splitlines() if not line.lstrip().startswith("#")]
+    commands = [line for line in lines if "MOE_TEST_DEVICE=cuda" in line and "pytest" in line]
     assert len(commands) == 1, commands
     line = commands[0].strip()
     return shlex.split(line[line.index("(") + 1 : line.rindex(")")])

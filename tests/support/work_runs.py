@@ -12,9 +12,9 @@ from result_docs import make_doc
 from scenario_files import variant
 
 from bench.cli import main
+from bench.machine import Peaks
 from bench.results import write_result
 from bench.run.execute import execute
-from bench.run.worker_protocol import Peaks
 from bench.scenario import scenario_from_dict
 
 # fp32, 2 layers, 8 experts top-2, random routing, 128 tokens a step; the reference (unfused) step,

@@ -149,8 +149,8 @@ def test_a_gpu_without_fp8_says_so_for_an_mxfp8_run(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_execute_reports_mfu_against_both_peaks():
+    from bench.machine import Peaks
     from bench.run.execute import execute
-    from bench.run.worker_protocol import Peaks
     from bench.scenario import scenario_from_dict
 
     result = execute(scenario_from_dict(copy.deepcopy(TINY)), torch.device("cpu"), Peaks(2.0, 4.0, "given by the test"))
@@ -166,8 +166,9 @@ def test_execute_reports_mfu_against_both_peaks():
 
 @pytest.mark.slow
 def test_the_worker_measures_against_the_peaks_it_was_sent():
+    from bench.machine import Peaks
     from bench.run.worker import execute_outcome
-    from bench.run.worker_protocol import Peaks, WorkerRequest
+    from bench.run.worker_protocol import WorkerRequest
     from bench.scenario import scenario_from_dict
 
     scenario = scenario_from_dict(copy.deepcopy(TINY))

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.machine import Peaks
 from bench.run import execute, runner
 from bench.run.checkpointing import CheckpointPolicy, CheckpointRun, policy_for
-from bench.run.worker_protocol import DetailsClash, Peaks, WorkerOutcome, WorkerRequest, merge_details
+from bench.run.worker_protocol import DetailsClash, WorkerOutcome, WorkerRequest, merge_details
 from bench.scenario import scenario_from_dict
 
 TINY = {
