@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from scenario_files import TINY
 
 from bench.cli import main
 from bench.gate.compare import compare
@@ -26,23 +27,6 @@ from bench.report.page import build_report
 from bench.results import REPO_ROOT, load_result, load_results, metric, write_result
 from bench.run.conditions import CALIBRATION_MOVE, SHARED_CORES, Snapshot, conditions
 from bench.run.runner import LOCK_NAME, results_lock
-
-TINY = {
-    "schema_version": 1,
-    "mode": "execute",
-    "model": {
-        "vocab_size": 128,
-        "d_model": 64,
-        "n_layers": 2,
-        "n_heads": 4,
-        "n_kv_heads": 2,
-        "seq_len": 32,
-        "moe": {"num_experts": 8, "top_k": 2, "expert_hidden": 32},
-    },
-    "routing": {"mode": "random", "seed": 0},
-    "precision": "fp32",
-    "run": {"warmup_steps": 1, "steps": 3, "tokens_per_step": 128, "timeout_s": 120},
-}
 
 
 def calibration(gflops: float) -> dict:
