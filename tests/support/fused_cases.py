@@ -166,6 +166,10 @@ def _routing_case(g, name, tokens, top_k, width, rows: RowMap, weight_dtype: str
     return {"op": "routing", "name": name, "tensors": tensors, "params": params}
 
 
+ROUTING_OPS = ("gather_rows", "combine_rows")
+"""The routing ops, by their names in ``kernels.kernel_paths``."""
+
+
 def routing_cases(seed: int = SEED) -> list[dict]:
     """The routing ops' cases: an expert receiving no rows, fixed-capacity slots with empty slots and
     dropped assignments (the no-sync dispatch), one token, widths that are not multiples of the column
@@ -722,3 +726,18 @@ def router_tolerances(case: dict) -> dict[str, float]:
         }
     )
     return tols
+
+
+def assert_router_matches(got: dict, case: dict, device, where: str) -> None:
+    """``got`` (``run_router(case, fused=True)``'s names) against the unfused router and the op's eager
+    formulas, within ``router_tolerances`` (bit for bit where that is 0)."""
+    want = run_router(case, fused=False, device=device)
+    want.update(router_op_eager(case, device))
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    tols = router_tolerances(case)
+    for name, expected in want.items():
+        msg = f"{where}, {case_id(case)}, {name}, seed {SEED}"
+        if tols[name] == 0.0:
+            assert torch.equal(got[name].cpu(), expected.cpu()), msg
+        else:
+            assert_close_to_scale(got[name], expected, tols[name], msg=msg)

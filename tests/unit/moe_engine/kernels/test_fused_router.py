@@ -4,10 +4,10 @@ w.r.t. its weight and its input as the same router with the switch off (torch.au
 ops, an independent reference), and the op alone equals the eager formulas differentiated by autograd
 (its weights, mean probabilities and logsumexp, and the logits' gradient for random gradients of all
 three). fp32 (the router computes in fp32), fresh random inputs (the seed is in every failure message;
-MOE_KERNEL_SEED repeats it), on the run's device (the reference path on a CPU, Triton on CUDA) and under
-Triton's interpreter on a CPU; within error-analysis tolerances (``fused_cases.router_tolerances``). A
-small MoE model with the routers' switch on runs the op once per MoE layer each way and computes the
-unfused model's loss and gradients."""
+MOE_KERNEL_SEED repeats it), on the run's device (the reference path on a CPU, Triton on CUDA), within
+error-analysis tolerances (``fused_cases.router_tolerances``); under Triton's interpreter in
+tests/integration/toolchains/test_fused_router_interpreted.py. A small MoE model with the routers'
+switch on runs the op once per MoE layer each way and computes the unfused model's loss and gradients."""
 
 import dataclasses
 
@@ -16,14 +16,13 @@ import torch
 from fused_cases import (
     MODEL_CONFIG,
     SEED,
+    assert_router_matches,
     case_id,
     model_batch,
     router_cases,
     router_op_eager,
-    router_tolerances,
     run_router,
 )
-from interpreted_kernels import run_interpreted
 from op_recording import OpRecorder, saved_while
 from tolerances import assert_close_to_scale, model_tolerance
 
@@ -34,39 +33,11 @@ from moe_engine.moe.router import Router
 OP_NAMES = {"moe_engine::router_scores", "moe_engine::router_scores_backward"}
 
 
-def assert_router_matches(got: dict, case: dict, device, where: str) -> None:
-    want = run_router(case, fused=False, device=device)
-    want.update(router_op_eager(case, device))
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    tols = router_tolerances(case)
-    for name, expected in want.items():
-        msg = f"{where}, {case_id(case)}, {name}, seed {SEED}"
-        if tols[name] == 0.0:
-            assert torch.equal(got[name].cpu(), expected.cpu()), msg
-        else:
-            assert_close_to_scale(got[name], expected, tols[name], msg=msg)
-
-
 @pytest.mark.parametrize("case", router_cases(), ids=case_id)
 def test_fused_router_equals_eager_router(case, device):
     path = kernels.kernel_paths(device, torch.float32)["router_scores"]
     assert path.implementation == ("triton" if device.type == "cuda" else "reference"), path
     assert_router_matches(run_router(case, fused=True, device=device), case, device, path.details)
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    return run_interpreted(tmp_path_factory.mktemp("router_interpreter"), {"router_cases": router_cases()})
-
-
-def test_interpreter_ran_the_router_kernels(interpreted):
-    assert interpreted["paths"]["fp32"]["router_scores"] == "triton"
-    assert interpreted["router_ran"] == "triton"
-
-
-@pytest.mark.parametrize("case", router_cases(), ids=case_id)
-def test_interpreted_router_kernels_equal_eager_router(interpreted, case):
-    assert_router_matches(interpreted["router"][case_id(case)], case, torch.device("cpu"), "Triton interpreter")
 
 
 def test_flag_off_is_the_eager_router_bit_for_bit(device):

@@ -1,9 +1,10 @@
 """The routing ops (``moe_engine::gather_rows``, ``combine_rows`` and their backwards) equal the eager
 composition of ``moe.permute`` differentiated by autograd, forward and backward, in fp32 and bf16, on
-fresh random inputs (the seed is in every failure message; MOE_KERNEL_SEED repeats it): on the run's
-device (the reference path on a CPU, Triton on CUDA) and under Triton's interpreter on a CPU. Bit for
-bit where the arithmetic is the same (``fused_cases.tolerances``). A small MoE model with fused
-kernels runs them and computes the unfused model's loss and gradients."""
+fresh random inputs (the seed is in every failure message; MOE_KERNEL_SEED repeats it), on the run's
+device (the reference path on a CPU, Triton on CUDA; under Triton's interpreter in
+tests/integration/toolchains/test_fused_routing_interpreted.py). Bit for bit where the arithmetic is
+the same (``fused_cases.tolerances``). A small MoE model with fused kernels runs them and computes the
+unfused model's loss and gradients."""
 
 import dataclasses
 
@@ -12,6 +13,7 @@ import torch
 from fused_cases import (
     DTYPES,
     MODEL_CONFIG,
+    ROUTING_OPS,
     SEED,
     assert_matches_eager,
     case_id,
@@ -20,7 +22,6 @@ from fused_cases import (
     run_eager,
     run_fused,
 )
-from interpreted_kernels import run_interpreted
 from op_recording import OpRecorder, saved_while
 from tolerances import assert_close_to_scale, model_tolerance
 
@@ -28,7 +29,6 @@ from moe_engine import ModelConfig, build_model, kernels
 from moe_engine.kernels import routing
 from moe_engine.moe.permute import combine, gather_tokens, plan_routing, plan_slots
 
-ROUTING_OPS = ("gather_rows", "combine_rows")
 ROUTING_OP_NAMES = {
     f"moe_engine::{name}" for name in ("gather_rows", "gather_rows_backward", "combine_rows", "combine_rows_backward")
 }
@@ -43,23 +43,6 @@ def test_fused_routing_equals_eager_composition(case, dtype, device):
     assert all(paths[op].implementation == expected for op in ROUTING_OPS), paths
     got = run_fused(case, torch_dtype, device)
     assert_matches_eager(got, run_eager(case, torch_dtype, device), case, torch_dtype, paths["combine_rows"].details)
-
-
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    return run_interpreted(tmp_path_factory.mktemp("routing_interpreter"), {"routing_cases": routing_cases()})
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_interpreter_ran_the_routing_kernels(interpreted, dtype):
-    assert all(interpreted["paths"][dtype][op] == "triton" for op in ROUTING_OPS), interpreted["paths"][dtype]
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("case", routing_cases(), ids=case_id)
-def test_interpreted_routing_kernels_equal_eager_composition(interpreted, case, dtype):
-    got = interpreted["routing"][case_id(case), dtype]
-    assert_matches_eager(got, run_eager(case, DTYPES[dtype]), case, DTYPES[dtype], "Triton interpreter")
 
 
 def test_combine_keeps_no_gathered_copy(device):

@@ -10,25 +10,20 @@ state (dtypes, strides, recipe and swizzle, scale shapes, per-group scale rows s
 sum_{i<e} round_up(rows_i, 128)), decodes the scales with that formula, and computes the product per
 expert in fp32: the engine's output through the stand-in equals the plain per-expert emulation only
 if the operands and scales are laid out as the op reads them.
-"""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
+The Triton kernels of the tail zeroing and the A-scale layout run under Triton's interpreter in
+tests/integration/toolchains/test_mxfp8_scaled_mm_interpreted.py.
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from scaled_mm_cases import BLOCKED_CASES, ZERO_CASES
 
-from bench.results import REPO_ROOT
 from moe_engine.moe.experts import MXFP8Backend
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.precision.mxfp8 import gemm as mx
 from moe_engine.precision.mxfp8 import scaled_mm as smm
-
-REPO = REPO_ROOT
 
 
 def blocked_index(row: torch.Tensor, col: torch.Tensor, cols_padded: int) -> torch.Tensor:
@@ -273,91 +268,6 @@ def test_experts_train_through_the_op_as_through_the_emulation(op, monkeypatch):
         assert ((g - w).norm() / w.norm()).item() < 2**-8, name
 
 
-# The interpreter is chosen when triton.jit runs, so the kernel module is imported in a fresh process.
-ZERO_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from moe_engine.precision.mxfp8 import scaled_mm as smm
-
-    results = []
-    for rows, cols, end, dtype in json.loads(sys.argv[1]):
-        g = torch.Generator().manual_seed(rows + end)
-        out = torch.randn(rows, cols, generator=g).to(getattr(torch, dtype))
-        out[::3] = float("nan")  # garbage rows, as the op leaves them
-        before = out.clone()
-        offsets = torch.tensor([end // 2, end], dtype=torch.int32)
-        got = smm.zero_rows_after(out, offsets)
-        results.append({
-            "in_place": got.data_ptr() == out.data_ptr(),
-            "kept": bool(torch.equal(got[:end].view(torch.int16 if dtype == "bfloat16" else torch.int32),
-                                     before[:end].view(torch.int16 if dtype == "bfloat16" else torch.int32))),
-            "zeroed": bool((got[end:] == 0).all()) and not torch.signbit(got[end:]).any().item(),
-        })
-    print(json.dumps(results))
-    """
-)
-
-
-def _interpreted(script: str, cases: list) -> list:
-    """What ``script`` prints last (JSON) for ``cases``, run in a fresh process under Triton's interpreter
-    (the variable must be set before triton is imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(cases)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-ZERO_CASES = [
-    # rows, columns, end of the last expert's rows, dtype
-    (200, 300, 130, "bfloat16"),  # a tail starting inside a program's rows, columns over two programs
-    (64, 48, 64, "bfloat16"),  # no tail
-    (70, 16, 0, "bfloat16"),  # no expert rows: all zeroed
-    (129, 8, 127, "float32"),
-]
-
-
-def test_zeroing_kernel_in_interpreter_writes_only_the_tail():
-    for case, got in zip(ZERO_CASES, _interpreted(ZERO_SCRIPT, ZERO_CASES)):
-        assert got == {"in_place": True, "kept": True, "zeroed": True}, case
-
-
-BLOCKED_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import torch
-    from moe_engine.precision.mxfp8 import scaled_mm as smm
-
-    results = []
-    for counts, padding, cols, strided in json.loads(sys.argv[1]):
-        g = torch.Generator().manual_seed(len(results))
-        rows = sum(counts) + padding
-        codes = torch.randint(0, 256, (cols, rows) if strided else (rows, cols), generator=g, dtype=torch.uint8)
-        scales = (codes.t() if strided else codes).view(torch.float8_e8m0fnu)
-        offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
-        got = smm.blocked_group_scales(scales, offsets).view(torch.uint8)
-        want = smm.to_blocked(smm.group_padded_rows(scales, offsets)).view(torch.uint8)
-        results.append(bool(got.shape == want.shape and torch.equal(got, want)))
-    print(json.dumps(results))
-    """
-)
-
-BLOCKED_CASES = [
-    # counts per expert, padding rows, scale columns (K / 32), scales a transposed view
-    ((5, 0, 17, 9, 0), 6, 2, False),
-    ((130, 1, 0, 300), 3, 9, False),  # groups over one tile, columns not a multiple of 4
-    ((0, 0, 0), 4, 3, False),  # no expert rows: zero tiles only
-    ((40, 90), 0, 130, True),  # columns over several chunks, strided scales
-]
-
-
 @pytest.mark.parametrize("counts, padding, cols, strided", BLOCKED_CASES)
 def test_group_scales_on_the_device_by_index_formula(counts, padding, cols, strided, device):
     """The A-scale layout as the test device computes it (CUDA: the kernel), against the index formula:
@@ -390,9 +300,3 @@ def test_tail_zeroing_on_the_device(rows, cols, end, dtype, device):
     bits = torch.int16 if dtype == "bfloat16" else torch.int32
     assert torch.equal(got[:end].view(bits), before[:end].view(bits))
     assert torch.equal(got[end:].view(bits), torch.zeros_like(got[end:]).view(bits)), "+0.0 after the end"
-
-
-def test_blocked_group_scales_kernel_in_interpreter_matches_the_composition():
-    """The one-kernel A-scale layout gives the bytes of ``to_blocked(group_padded_rows(...))``, which
-    the tests above check against the index formula and the op's contract."""
-    assert _interpreted(BLOCKED_SCRIPT, BLOCKED_CASES) == [True] * len(BLOCKED_CASES)
