@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import ast
 import re
+import shutil
+import subprocess
+import sys
 
 from bench.results import REPO_ROOT
 
 TESTS = REPO_ROOT / "tests"
-INTEGRATION_KINDS = {"distributed", "workers", "docker", "browser"}
+INTEGRATION_KINDS = {"distributed", "workers", "toolchains", "imports", "docker", "browser"}
 # What only an integration test may use: gloo ranks, Docker images, a browser, torchrun.
 PROCESS_STARTERS = re.compile(
     r"^\s*(from|import) (distributed_harness|image_build|selenium)\b|[\[,]\s*\"torch\.distributed\.run\"", re.M
@@ -38,6 +41,54 @@ def test_unit_tests_start_no_ranks_images_or_browsers():
         str(p.relative_to(REPO_ROOT)) for p in _test_modules(TESTS / "unit") if PROCESS_STARTERS.search(p.read_text())
     ]
     assert offenders == [], "these start processes: move the tests that do to tests/integration"
+
+
+PLANTED_UNIT_TESTS = """
+import os, subprocess, sys
+import pytest
+
+@pytest.fixture(scope="module")
+def child():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_an_interpreter_in_a_fixture(child):
+    pass
+
+def test_an_interpreter_in_the_test():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+def test_a_fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+def test_git_answers_a_fact():
+    subprocess.run(["git", "--version"], check=True, capture_output=True)
+"""
+
+
+def test_a_unit_test_that_starts_a_process_fails(tmp_path):
+    """The rule's runtime half (tests/unit/conftest.py), on planted unit tests in a copy of the folder."""
+    unit = tmp_path / "unit"
+    unit.mkdir()
+    shutil.copy(TESTS / "unit" / "conftest.py", unit / "conftest.py")
+    (unit / "test_planted.py").write_text(PLANTED_UNIT_TESTS)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", str(unit), "-q", "-rA", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    outcomes = {test: outcome for outcome, test in re.findall(r"^(PASSED|FAILED|ERROR) \S+::(\w+)", done.stdout, re.M)}
+    assert outcomes == {
+        "test_an_interpreter_in_a_fixture": "ERROR",
+        "test_an_interpreter_in_the_test": "FAILED",
+        "test_a_fork": "FAILED",
+        "test_git_answers_a_fact": "PASSED",
+    }, done.stdout
+    assert "tests that start processes go under tests/integration" in done.stdout
 
 
 def test_no_test_module_imports_another():

@@ -1,5 +1,5 @@
 """Regional ``torch.compile`` against eager training: the small model and its settings, the recompute
-modes, the tolerances (the reasons: tests/unit/moe_engine/test_compile.py's docstring), a training run
+modes, the tolerances (the reasons: tests/integration/toolchains/test_compile.py's docstring), a training run
 that records dynamo's graphs and frames after each step, and the graph breaks documented in
 docs/compile-and-host-syncs.md."""
 

@@ -1,5 +1,8 @@
-"""The console of a multi-rank run: no library chatter from the workers."""
+"""The console while workers run: their lines under their scenario, and no library chatter from the ranks of
+a multi-rank run."""
 
+import io
+import logging
 import os
 import re
 import signal
@@ -10,7 +13,8 @@ import pytest
 import yaml
 
 from bench.results import REPO_ROOT
-from bench.run.process import QUIET_LIBRARIES
+from bench.run.console import Reporter
+from bench.run.process import OUTPUT, QUIET_LIBRARIES, run_with_timeout
 
 TWO_RANKS = {
     "schema_version": 1,
@@ -70,3 +74,18 @@ def test_a_multi_rank_run_prints_no_library_chatter(tmp_path):
     assert process.returncode == 0, output
     assert "work step (counted, untimed)" in output  # the profiled step ran, where the markers came from
     assert [line for line in output.splitlines() if CHATTER.search(line)] == []
+
+
+def test_the_reporter_shows_a_workers_lines_under_its_scenario_while_open(caplog, monkeypatch):
+    monkeypatch.setenv("CI", "1")  # plain lines
+    stream, level = io.StringIO(), OUTPUT.level
+    reporter = Reporter(1, stream=stream)
+    with caplog.at_level(logging.INFO):
+        code, tail = run_with_timeout([sys.executable, "-c", "print('step 1/2'); print('work step')"], 60)
+        reporter.close()
+        OUTPUT.info("after the suite")
+    assert code == 0 and tail == ["step 1/2", "work step"]
+    assert stream.getvalue() == "    step 1/2\n    work step\n"
+    # While the reporter is open it alone takes them; closed, they are plain log lines again.
+    assert caplog.messages == ["after the suite"]
+    assert OUTPUT.propagate and OUTPUT.level == level

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import io
 import logging
-import subprocess
 import sys
 
 import pytest
 
 from bench.cli import build_parser
 from bench.logs import ConsoleHandler, console_logging, quieted
-from bench.results import REPO_ROOT
 
 
 @pytest.fixture
@@ -72,12 +70,3 @@ def test_verbose_and_quiet_flags():
     assert parser.parse_args(["-v", "run"]).verbose and parser.parse_args(["-q", "run"]).quiet
     with pytest.raises(SystemExit):
         parser.parse_args(["-v", "-q", "run"])
-
-
-def test_importing_bench_configures_no_logging():
-    code = (
-        "import logging, bench.cli, bench.run.runner, bench.validate.variants; "
-        "print(logging.getLogger('bench').handlers, logging.getLogger().handlers)"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
-    assert done.stdout.strip() == "[] []"

@@ -7,8 +7,6 @@ would only check that the module agrees with itself.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -331,15 +329,6 @@ def test_recompute_flops_are_what_the_recompute_runs(rc):
     assert extra["aten._grouped_mm"] == tokens * experts * (len(moe_blocks) if recomputes_experts else 0)
     outside = attentions * 2 * 32 * 64 + full_moe * (2 * 64 * 4 + 2 * 2 * 64)
     assert sum(extra.values()) == tokens * (recompute_flops_per_token(config, rc, [range(3)]) + outside)
-
-
-def test_flops_module_loads_no_model():
-    """Plans import the formulas for trillion-parameter configs: torch and the model must stay unloaded."""
-    code = (
-        "import sys, moe_engine.flops; "
-        "assert 'torch' not in sys.modules and 'moe_engine.model' not in sys.modules, sorted(sys.modules)"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- multi-head latent attention, interleaved MoE blocks, tied embeddings, head_dim ----------------

@@ -1,28 +1,8 @@
 """What the main job prints: the runner's lines and real warnings, no library chatter from the workers."""
 
-import io
-import logging
-import sys
-
 import pytest
 
-from bench.run.console import Reporter
-from bench.run.process import OUTPUT, QUIET_LIBRARIES, run_with_timeout, worker_env
-
-
-def test_the_reporter_shows_a_workers_lines_under_its_scenario_while_open(caplog, monkeypatch):
-    monkeypatch.setenv("CI", "1")  # plain lines
-    stream, level = io.StringIO(), OUTPUT.level
-    reporter = Reporter(1, stream=stream)
-    with caplog.at_level(logging.INFO):
-        code, tail = run_with_timeout([sys.executable, "-c", "print('step 1/2'); print('work step')"], 60)
-        reporter.close()
-        OUTPUT.info("after the suite")
-    assert code == 0 and tail == ["step 1/2", "work step"]
-    assert stream.getvalue() == "    step 1/2\n    work step\n"
-    # While the reporter is open it alone takes them; closed, they are plain log lines again.
-    assert caplog.messages == ["after the suite"]
-    assert OUTPUT.propagate and OUTPUT.level == level
+from bench.run.process import QUIET_LIBRARIES, worker_env
 
 
 def test_the_worker_environment_quiets_the_libraries_unless_the_caller_chose(monkeypatch):

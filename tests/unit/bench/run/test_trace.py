@@ -90,8 +90,8 @@ def test_traced_matmul_flops_match_the_flops_formula():
 
 @pytest.mark.slow
 def test_a_full_size_rank_traces_without_allocating_it():
-    # 47B on 8 ranks: the rank's parameters alone are ~40 GB; two microbatches of 16k tokens.
-    scenario = traced_scenario(load_scenario("scenarios/olmo-core3/moe-128e-47b.yaml"), 2)
+    # 47B on 8 ranks: the rank's parameters alone are ~40 GB; one microbatch of 16k tokens.
+    scenario = traced_scenario(load_scenario("scenarios/olmo-core3/moe-128e-47b.yaml"), 1)
     trace = trace_step(scenario, fake=True)
     grouped = [op for op in trace.ops if op.name == "aten._grouped_mm.default" and op.stage == "forward"]
     # 16 local experts per MoE block; each receives about 16384 * 4 / 128 * 8 = 4096 rows (random routing).

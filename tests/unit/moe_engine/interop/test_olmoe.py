@@ -1,8 +1,6 @@
 """The engine against transformers' OLMoE: same weights must give the same outputs and gradients (fp32)."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -154,8 +152,3 @@ def test_config_mapping():
     moe = config.moe
     assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.normalize_top_k) == (8, 2, 32, True)
     assert (moe.aux_loss_weight, moe.z_loss_weight) == (0.02, 0.0)
-
-
-def test_engine_imports_without_transformers():
-    code = "import sys, moe_engine.interop.olmoe; assert 'transformers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
