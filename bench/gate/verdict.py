@@ -24,7 +24,7 @@ class GateResult:
     exit_code: int
     """1 on any regression, scenario missing in the candidate, not ok in the candidate or
     mismatched; else 3 (``EXIT_NOT_COMPARED``) when a scenario was not compared (a noisy run, or two
-    machines): a busy or different machine is never read as a regression; 0 otherwise."""
+    machines) or none was: a busy or different machine is never read as a regression; 0 otherwise."""
     report: str
     """Readable text: a header line with the counts, then one line per finding."""
     comparison: Comparison
@@ -78,6 +78,11 @@ def gate(
             failures.append(issue.describe())
             if issue.kind in ("noisy", "different_machines"):
                 not_compared.append(failures[-1])
+
+    if not comparison.compared and not failures:
+        # Every baseline failed, or every scenario was skipped: a gate that checked nothing is no pass.
+        failures.append("NOTHING COMPARED: no scenario ran on both sides")
+        not_compared.append(failures[-1])
 
     notes: list[str] = []
     for issue in comparison.not_ok:

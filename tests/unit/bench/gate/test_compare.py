@@ -12,7 +12,7 @@ from bench.gate.compare import classify, compare, compare_paths
 from bench.gate.formatting import parse_tolerance
 from bench.gate.groups import group_documents
 from bench.gate.tables import render_rich_table, render_table, to_json
-from bench.gate.verdict import gate
+from bench.gate.verdict import EXIT_NOT_COMPARED, gate
 from bench.gate.work import work_verdicts
 from bench.results import load_results, metric, write_result
 
@@ -213,8 +213,11 @@ def test_failed_in_candidate_fails(tmp_path):
 def test_failed_in_baseline_only_is_reported_not_failed(tmp_path):
     result = run_gate(
         tmp_path,
-        [make_doc(status="failed", error="boom")],
-        [make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [make_doc(status="failed", error="boom"), make_doc("other", metrics={"tokens_per_s_per_gpu": tput(1000)})],
+        [
+            make_doc(metrics={"tokens_per_s_per_gpu": tput(1000)}),
+            make_doc("other", metrics={"tokens_per_s_per_gpu": tput(1000)}),
+        ],
     )
     assert result.exit_code == 0
     (issue,) = result.comparison.not_ok
@@ -325,7 +328,7 @@ def test_compare_paths_accepts_file_and_folder(tmp_path):
 
 def test_empty_sides(tmp_path):
     result = gate(compare([], []), 0.05)
-    assert result.exit_code == 0
+    assert result.exit_code == EXIT_NOT_COMPARED  # nothing checked is no pass
     assert render_table(result.comparison) == "(no metrics compared)\n"
 
 
@@ -383,8 +386,14 @@ def test_parse_tolerance_rejects(text):
 def test_skipped_on_both_sides_does_not_fail(tmp_path):
     result = run_gate(
         tmp_path,
-        [make_doc(status="skipped", error="needs CUDA")],
-        [make_doc(status="skipped", error="needs CUDA")],
+        [
+            make_doc(status="skipped", error="needs CUDA"),
+            make_doc("other", metrics={"tokens_per_s_per_gpu": tput(1000)}),
+        ],
+        [
+            make_doc(status="skipped", error="needs CUDA"),
+            make_doc("other", metrics={"tokens_per_s_per_gpu": tput(1000)}),
+        ],
     )
     assert result.exit_code == 0
     assert result.comparison.not_ok[0].side == "both"

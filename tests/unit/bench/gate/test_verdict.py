@@ -118,12 +118,29 @@ def test_which_side_is_not_ok_decides_between_a_failure_and_a_note():
     cand_failed = run([step(1.0)], [make_doc(status="failed", error="OOM")])
     assert cand_failed.exit_code == 1
     assert cand_failed.failures == (f"NOT-OK smoke-e8: candidate failed (OOM) {M}",)
-    base_failed = run([make_doc(status="failed", error="OOM")], [step(1.0)])
+    base_failed = run([make_doc(status="failed", error="OOM"), step(1.0, "other")], [step(1.0), step(1.0, "other")])
     assert base_failed.exit_code == 0
     assert f"NOTE NOT-OK smoke-e8: baseline failed (OOM) {M}" in base_failed.report.splitlines()
-    both_skipped = run([make_doc(status="skipped", error="no GPU")], [make_doc(status="skipped", error="no GPU")])
+    both_skipped = run(
+        [make_doc(status="skipped", error="no GPU"), step(1.0, "other")],
+        [make_doc(status="skipped", error="no GPU"), step(1.0, "other")],
+    )
     assert both_skipped.exit_code == 0
     assert f"NOTE NOT-OK smoke-e8: baseline skipped (no GPU); candidate skipped (no GPU) {M}" in both_skipped.report
+
+
+@pytest.mark.parametrize("base_status", ["failed", "skipped"])
+def test_a_gate_that_compared_nothing_is_not_a_pass(base_status):
+    """Every baseline run failed (or every scenario was skipped on both sides): nothing was checked."""
+
+    def cand(name):
+        return step(1.0, name) if base_status == "failed" else make_doc(name, status="skipped", error="no GPU")
+
+    base = [make_doc(name, status=base_status, error="no GPU") for name in ("a", "b")]
+    result = run(base, [cand("a"), cand("b")])
+    assert result.exit_code == EXIT_NOT_COMPARED
+    assert header_counts(result).startswith("NOT COMPARED: 0 scenario(s) compared")
+    assert result.failures == ("NOTHING COMPARED: no scenario ran on both sides",)
 
 
 def work(ops: float, **metrics) -> dict:
