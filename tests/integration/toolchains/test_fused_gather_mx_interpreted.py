@@ -6,7 +6,6 @@ is in every failure message; MOE_KERNEL_SEED repeats it); and the MXFP8 experts 
 the outputs and gradients of the unfused composition, bit for bit, with and without the padding rows of
 an expert-parallel receive buffer."""
 
-import os
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from fused_cases import DTYPES, SEED
 from gather_mx_cases import assert_identical, assert_same_bytes, cases
+from interpreted_kernels import interpreter_env
 
 from bench.results import REPO_ROOT
 
@@ -44,8 +44,7 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gather_mx_interpreter")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save({"cases": cases()}, inputs)
-    path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path, MOE_KERNEL_SEED=str(SEED))
+    env = interpreter_env(MOE_KERNEL_SEED=str(SEED))
     command = [sys.executable, "-c", _CHILD, str(inputs), str(outputs), str(SUPPORT)]
     run = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-4000:]

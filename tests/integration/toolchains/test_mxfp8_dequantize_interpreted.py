@@ -3,12 +3,12 @@ CPU in a fresh process under TRITON_INTERPRET=1 (it must be set before the kerne
 eager composition bit for bit: every E4M3 code under E8M0 scales from the smallest (2^-127, a subnormal
 fp32 factor) to the NaN scale, into fp32 and bf16, with the operand's K padding dropped."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted_kernels import interpreter_env
 from mxfp8_dequantize_cases import SIZE, assert_same_bits, expected, operand
 
 from bench.results import REPO_ROOT
@@ -29,9 +29,7 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mxfp8_dequantize")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save(operand(), inputs)
-    env = dict(
-        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
+    env = interpreter_env()
     command = [sys.executable, "-c", _CHILD, str(inputs), str(outputs), str(SIZE)]
     run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

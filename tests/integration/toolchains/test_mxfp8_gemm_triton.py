@@ -4,13 +4,13 @@ once per tuning config; and compiled for sm_100a without a GPU (Triton's bundled
 tiles Blackwell's tuning keeps hold the block-scaled MMA."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted_kernels import interpreter_env
 from tolerances import tolerance
 
 from bench.results import REPO_ROOT
@@ -64,7 +64,7 @@ INTERPRETER_CASES = [
 
 
 def test_triton_kernel_in_interpreter_matches_emulation():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env = interpreter_env()
     result = subprocess.run(
         [sys.executable, "-c", INTERPRETER_SCRIPT, json.dumps(INTERPRETER_CASES)],
         env=env,

@@ -6,12 +6,12 @@ TRITON_INTERPRET. So the interpreter run happens in a fresh subprocess with TRIT
 quantizes inputs this process wrote and hands the bytes back for comparison here.
 """
 
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from interpreted_kernels import interpreter_env
 from mxfp8_quantize_cases import ROUNDINGS, assert_same_bytes, cases
 
 from bench.results import REPO_ROOT
@@ -38,8 +38,7 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mxfp8_interpreter")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
     torch.save(cases(), inputs)
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    env = interpreter_env()
     command = [sys.executable, "-c", _CHILD, str(inputs), str(outputs)]
     run = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

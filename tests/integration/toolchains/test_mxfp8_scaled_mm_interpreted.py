@@ -4,11 +4,11 @@ last expert's rows only, in place, and the one-kernel A-scale layout gives the b
 it replaces."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
+from interpreted_kernels import interpreter_env
 from scaled_mm_cases import BLOCKED_CASES, ZERO_CASES
 
 from bench.results import REPO_ROOT
@@ -45,7 +45,7 @@ ZERO_SCRIPT = textwrap.dedent(
 def _interpreted(script: str, cases: list) -> list:
     """What ``script`` prints last (JSON) for ``cases``, run in a fresh process under Triton's interpreter
     (the variable must be set before triton is imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env = interpreter_env()
     result = subprocess.run(
         [sys.executable, "-c", script, json.dumps(cases)],
         env=env,
