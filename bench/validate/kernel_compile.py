@@ -162,8 +162,9 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     """Each Triton launch site of the engine at ``model``'s sizes, forward and backward, in bf16 (the
     GPU scenarios' dtype; the router computes in fp32): the fused ops through their public functions,
     the fused loss's row kernels on a chunk of logits of the model's vocabulary (the LM head's GEMMs
-    are torch's), the MXFP8 quantisation along both axes, its grouped GEMM, and the kernels around torch's scaled
-    GEMM (its A scales' layout, the zeroing of the rows it leaves unwritten)."""
+    are torch's), the experts' weight gradients added into fp32 buffers, the MXFP8 quantisation along both
+    axes, its grouped GEMM, and the kernels around torch's scaled GEMM (its A scales' layout, the zeroing
+    of the rows it leaves unwritten)."""
 
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
@@ -203,8 +204,20 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
         end = torch.tensor([rowmap.assignment_R.numel()], dtype=torch.int32)
         kernels.gather_rows_mx(x.detach(), rowmap.assignment_R, top_k, rowmap.filled_R, end)
 
-    # MXFP8: activations along their last axis, weights along either (the dgrad operands), the GEMM.
+    # The experts' weight gradients added into fp32 buffers, grad_h^T x and grad_y^T a, from the
+    # model's dtype and from fp32 (an fp32 model's operands take the FMA configs). The launch specialises
+    # the widths by their divisibility by 16 only, so a width of the same divisibility stands in for
+    # each (the full widths' tiles would keep the interpreter busy for minutes); every config runs.
     local_experts = min(experts, 16)
+    wgrad_offsets = torch.full((local_experts,), rows, dtype=torch.int32)
+    for operand_dtype in (dtype, torch.float32):
+        for m, k in ((2 * hidden, d), (d, hidden)):
+            m, k = _stand_in_width(m), _stand_in_width(k)
+            a_NM = torch.randn(rows, m, generator=g).to(operand_dtype)
+            b_NK = torch.randn(rows, k, generator=g).to(operand_dtype)
+            kernels.grouped_wgrad_accumulate(a_NM, b_NK, wgrad_offsets, torch.zeros(local_experts, m, k))
+
+    # MXFP8: activations along their last axis, weights along either (the dgrad operands), the GEMM.
     quantize_triton(torch.randn(rows, d, generator=g).to(dtype))
     quantize_triton(torch.randn(2, 64, 64, generator=g).to(dtype), axis=1)
     a = mxfp8_gemm.quantize_rows(torch.randn(rows, d, generator=g).to(dtype))
@@ -215,6 +228,11 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     # torch's scaled op (Blackwell) needs a GPU; the kernels around it do not.
     mxfp8_scaled_mm.zero_rows_after(torch.randn(rows, d, generator=g).to(dtype), offsets)
     mxfp8_scaled_mm.blocked_group_scales(a.scales, offsets)
+
+
+def _stand_in_width(width: int) -> int:
+    """A small width that a launch specialises as it does ``width``: divisible by 16 or not."""
+    return 64 if width % 16 == 0 else 64 + width % 16
 
 
 def record(python: str = sys.executable, timeout: float = 900) -> list[Launch]:

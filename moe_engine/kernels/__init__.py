@@ -11,6 +11,7 @@ import torch
 from moe_engine.kernels import activation as _activation
 from moe_engine.kernels import cross_entropy as _cross_entropy
 from moe_engine.kernels import gather_mx as _gather_mx
+from moe_engine.kernels import grouped_wgrad as _grouped_wgrad
 from moe_engine.kernels import norm as _norm
 from moe_engine.kernels import rotary as _rotary
 from moe_engine.kernels import router as _router
@@ -19,6 +20,7 @@ from moe_engine.kernels.activation import swiglu, swiglu_packed, swiglu_packed_b
 from moe_engine.kernels.cross_entropy import linear_cross_entropy
 from moe_engine.kernels.dispatch import KernelPath
 from moe_engine.kernels.gather_mx import gather_rows_mx
+from moe_engine.kernels.grouped_wgrad import grouped_wgrad_accumulate
 from moe_engine.kernels.norm import add_rms_norm, rms_norm
 from moe_engine.kernels.rotary import rope
 from moe_engine.kernels.router import router_scores
@@ -31,6 +33,7 @@ __all__ = [
     "gather_rows",
     "gather_rows_backward",
     "gather_rows_mx",
+    "grouped_wgrad_accumulate",
     "kernel_paths",
     "linear_cross_entropy",
     "paths_details",
@@ -55,6 +58,8 @@ def kernel_paths(device: torch.device | str, dtype: torch.dtype) -> dict[str, Ke
         "gather_rows_mx": _gather_mx.path(device, dtype),
         # The router computes in fp32 whatever the model's dtype.
         "router_scores": _router.path(device, torch.float32),
+        # The experts' weight gradients, from operands in the model's dtype into an fp32 buffer.
+        "grouped_wgrad_accumulate": _grouped_wgrad.path(device, dtype),
     }
 
 
