@@ -87,6 +87,12 @@ class PipelineSchedule(str, Enum):
         return self in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs weight gradients apart from input gradients (torch's
+        ``stage_backward_weight``, through ``autograd.grad``)."""
+        return self in (PipelineSchedule.INTERLEAVED_ZB, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
+
+    @property
     def multi_stage(self) -> bool:
         """Whether the schedule runs several stages per rank (``virtual_stages``)."""
         return self.v_shaped or self in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.INTERLEAVED_ZB)
@@ -567,6 +573,8 @@ class ParallelConfig:
     """Gradient elements per all-reduce bucket (buckets launch as soon as they fill in backward)."""
     grad_dtype: GradDtype = GradDtype.FP32
     """Precision of gradient accumulation and reduction (fp32 by default, also for bf16 parameters)."""
+    accumulate_in_gemm: bool = True
+    """The experts' weight-gradient GEMMs add into the ddp gradient buffer themselves (no extra pass)."""
     a2a_chunks: int = 1
     """Chunks of each MoE layer's expert all-to-alls (ep > 1): chunk k+1 moves while chunk k's experts compute."""
     overlap: ExpertOverlap = ExpertOverlap.AUTO

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from bench.predict.traced import OpWork, TensorSpec, TracedOp, dtype_bytes
 
-__all__ = ["FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
+__all__ = ["FUSED_GEMMS", "FUSED_OPS", "FusedPart", "fused_work", "is_fused"]
 
 NAMESPACE = "moe_engine"
 
@@ -32,8 +32,11 @@ FUSED_OPS = (
     "linear_cross_entropy_backward",
     *_ROUTING,
     "gather_rows_mx",
+    "grouped_wgrad_accumulate",
 )
 """Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
+FUSED_GEMMS = ("grouped_wgrad_accumulate",)
+"""Fused ops priced as the GEMM they are (``bench.predict.ops.op_work``), not as fused parts."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from bench.predict.fused_ops import fused_work
+from bench.predict.fused_ops import FUSED_GEMMS, fused_work, is_fused
 from bench.predict.traced import OpWork, TensorSpec, TracedOp, dtype_bytes
 
 __all__ = ["KINDS", "OpWork", "TensorSpec", "TracedOp", "dtype_bytes", "op_kind", "op_work"]
@@ -77,7 +77,7 @@ def op_kind(op: TracedOp) -> str:
     if op.packet in _FREE or namespace in ("profiler", "prim"):
         return "free"
     if namespace == "moe_engine":
-        return "fused"
+        return "grouped_gemm" if base in FUSED_GEMMS else "fused"
     if base in _GEMMS:
         return "gemm"
     if base == "_grouped_mm":
@@ -162,7 +162,12 @@ def op_work(op: TracedOp) -> OpWork:
     if kind == "gemm":
         return OpWork(kind, _gemm_flops(op), moved, dtype, shape=gemm_shape(op))
     if kind == "grouped_gemm":
-        a, b, out = op.inputs[0], op.inputs[1], op.outputs[0]
+        a, b = op.inputs[0], op.inputs[1]
+        if is_fused(op):  # grouped_wgrad_accumulate(a_NM, b_NK, offsets_E, out_EMK): out += a^T b per group
+            a, out = TensorSpec((a.shape[1], a.shape[0]), a.dtype), op.inputs[3]
+            moved += out.nbytes  # read above as an input, written back
+        else:
+            out = op.outputs[0]
         groups = max(len(op.group_rows) if op.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1), 1)
         flops = grouped_gemm_flops(a, b, out, op.group_rows)
         return OpWork(

@@ -351,9 +351,12 @@ class StepTracer(TorchDispatchMode):
             self._on_ops(len(self.ops), stage)
 
     def _group_rows(self, func, args, kwargs) -> tuple[int, ...] | None:
-        if func is not torch.ops.aten._grouped_mm.default:
+        if func is torch.ops.aten._grouped_mm.default:
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        elif str(func) == "moe_engine.grouped_wgrad_accumulate.default":
+            offs = args[2] if len(args) > 2 else kwargs.get("offsets_E")
+        else:
             return None
-        offs = args[2] if len(args) > 2 else kwargs.get("offs")
         if offs is None:
             return None
         offs = self._shadow(offs)

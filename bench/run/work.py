@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+import moe_engine.kernels  # noqa: F401  (registers the moe_engine:: ops the FLOP counter maps)
 from bench.metrics import WORK_METRIC_NAMES, entry
 from bench.run.collective_log import CollectiveRecorder
 from bench.run.memory import TensorMemoryTracker
@@ -91,15 +92,33 @@ class GroupedMMFlops:
     - 2-D a (M, K) x 2-D b (K, N), offsets over K (a weight gradient): ``2 * M * N`` per covered k;
     - 3-D x 3-D, no offsets: ``2 * G * M * K * N``.
 
-    The engine's offsets are never written in place after the GEMM, so reading them late reads what
+    ``accumulated`` is the formula of ``moe_engine::grouped_wgrad_accumulate(a, b, offsets, out)``, the
+    weight gradient ``_grouped_mm(a^T, b)`` added into ``out`` inside the GEMM; ``resolve`` counts it
+    apart (``accumulated_flops``). The engine's offsets are never written in place after the GEMM, so reading them late reads what
     the kernel read.
     """
 
     _get_raw = True
 
     def __init__(self):
-        self.pending: list[tuple[torch.Tensor, int]] = []
+        self.pending: list[tuple[torch.Tensor, int, bool]] = []
+        """Each call's offsets, FLOPs per covered unit, and whether it was an ``accumulated`` call."""
         self.fixed = 0
+        self._accumulating = False
+        self.accumulated_flops = 0
+        """What ``resolve`` found the ``accumulated`` calls did (after it runs)."""
+        self.accumulated = self._accumulated_formula()
+
+    def _accumulated_formula(self):
+        def formula(a_NM, b_NK, offsets_E, out_EMK, *args, out_val=None, **kwargs) -> int:
+            self._accumulating = True
+            try:
+                return self(a_NM.t(), b_NK, offsets_E)
+            finally:
+                self._accumulating = False
+
+        formula._get_raw = True  # type: ignore[attr-defined]
+        return formula
 
     def __call__(self, a, b, offs=None, *args, out_val=None, **kwargs) -> int:
         if a.dim() == 3 and b.dim() == 3:
@@ -112,15 +131,18 @@ class GroupedMMFlops:
             per_unit = 2 * a.shape[1] * a.shape[2]
         else:
             per_unit = 2 * a.shape[0] * b.shape[1]
-        self.pending.append((offs, per_unit))
+        self.pending.append((offs, per_unit, self._accumulating))
         return 0
 
     def resolve(self) -> int:
-        """The FLOPs of every call seen (one host read of all the offsets, outside the step)."""
+        """The FLOPs of every ``_grouped_mm`` call seen (one host read of all the offsets, outside the
+        step); those of the ``accumulated`` calls go to ``accumulated_flops``."""
         if not self.pending:
             return self.fixed
-        ends = torch.stack([offs[-1].to(torch.int64) for offs, _ in self.pending]).tolist()
-        return self.fixed + sum(end * per_unit for end, (_, per_unit) in zip(ends, self.pending))
+        ends = torch.stack([offs[-1].to(torch.int64) for offs, _, _ in self.pending]).tolist()
+        flops = [(end * per_unit, accumulated) for end, (_, per_unit, accumulated) in zip(ends, self.pending)]
+        self.accumulated_flops = sum(f for f, accumulated in flops if accumulated)
+        return self.fixed + sum(f for f, accumulated in flops if not accumulated)
 
 
 def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -139,6 +161,7 @@ def flop_counter(grouped: GroupedMMFlops) -> FlopCounterMode:
         display=False,
         custom_mapping={
             aten._grouped_mm: grouped,
+            torch.ops.moe_engine.grouped_wgrad_accumulate: grouped.accumulated,
             aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
         },
@@ -214,6 +237,8 @@ def count_step_work(
     grouped_flops = grouped.resolve()
     if grouped_flops:
         by_op["aten._grouped_mm"] = grouped_flops
+    if grouped.accumulated_flops:
+        by_op["moe_engine.grouped_wgrad_accumulate"] = grouped.accumulated_flops
     sites = _sync_sites(syncs)
     return StepWork(
         matmul_flops=sum(by_op.values()),

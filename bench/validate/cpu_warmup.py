@@ -53,9 +53,11 @@ class _GroupShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.ops.aten._grouped_mm.default:
-            a, b = args[0], args[1]
-            offsets = args[2] if len(args) > 2 else kwargs["offs"]
+        # The weight gradients added into the gradient buffer are the GEMM _grouped_mm(a^T, b) too.
+        accumulated = str(func) == "moe_engine.grouped_wgrad_accumulate.default"
+        if func is torch.ops.aten._grouped_mm.default or accumulated:
+            a, b = (args[0].t(), args[1]) if accumulated else (args[0], args[1])
+            offsets = args[2] if len(args) > 2 else kwargs["offsets_E" if accumulated else "offs"]
             ends = offsets.tolist()
             form = (tuple(a.shape[1:]), tuple(a.stride()), tuple(b.shape[1:]), tuple(b.stride()))
             self.shapes.update((form, end - begin) for begin, end in zip([0, *ends[:-1]], ends))

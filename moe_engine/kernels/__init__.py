@@ -1,6 +1,7 @@
-"""Fused ops for the memory-bound work of a step, each one ``torch.library.custom_op`` forward and one
-backward (so a trace sees one op each), with a Triton kernel on CUDA and the eager PyTorch
-composition as the reference and CPU path (``dispatch`` holds the rule).
+"""Fused ops, each one ``torch.library.custom_op`` (so a trace sees one op each), with a Triton kernel
+on CUDA and the eager PyTorch composition as the reference and CPU path (``dispatch`` holds the rule):
+the memory-bound work of a step, a forward and a backward op each, and one GEMM without a backward
+(``grouped_wgrad_accumulate``, the experts' weight gradients added into the fp32 gradient buffer).
 More: docs/kernels.md.
 """
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from moe_engine import kernels
+from moe_engine.moe.grouped_gemm import grouped_mm
 from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
 
 
@@ -105,11 +107,24 @@ def zero_empty_experts_(grad_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torc
     return grad_EXY.masked_fill_((counts_E == 0).view(-1, 1, 1), 0)
 
 
+class WeightGradOperands(NamedTuple):
+    """What one expert call's weight gradients are products of: per expert e and weight,
+    ``dW[e] = grad_out[rows of e].T @ inputs[rows of e]``."""
+
+    offsets_E: torch.Tensor
+    """Cumulative row ends of the experts (int32, on the device)."""
+    gate_up: tuple[torch.Tensor, torch.Tensor]
+    """(grad_h_NH, x_ND): gate_up's gradient is grad_h^T x per expert."""
+    down: tuple[torch.Tensor, torch.Tensor]
+    """(grad_y_ND, a_NF): down's gradient is grad_y^T a per expert."""
+
+
 class _WeightGradStash:
     """One expert call's weight gradients, between its two backward nodes.
 
-    The main node's backward (dX) leaves ``compute``, a closure over the tensors dW needs (grad_y, a,
-    grad_h, x); the weight node's backward runs it once and drops it.
+    The main node's backward (dX) leaves ``compute``, a closure that returns dW's operands (it may
+    build one, as the MXFP8 backend dequantizes x there); the weight node's backward runs it once
+    and drops it.
     """
 
     __slots__ = ("compute", "wanted")
@@ -117,7 +132,33 @@ class _WeightGradStash:
     def __init__(self, wanted: bool):
         self.wanted = wanted
         """Whether a weight gradient is wanted (some weight requires grad under grad mode)."""
-        self.compute: Callable[[], tuple[torch.Tensor | None, torch.Tensor | None]] | None = None
+        self.compute: Callable[[], WeightGradOperands] | None = None
+
+
+def _engine_accumulates(accumulator) -> bool:
+    """Whether this backward pass runs ``accumulator`` (a leaf's): true in a plain backward; false
+    under ``autograd.grad`` (the engine then hands the gradient back instead, and does not answer for
+    a leaf), e.g. in torch's zero-bubble weight phase."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:
+        return False
+
+
+def expert_weight_grad(
+    weight: torch.Tensor, accumulator, operands: tuple[torch.Tensor, torch.Tensor], offsets_E: torch.Tensor
+) -> torch.Tensor | None:
+    """The gradient of ``weight`` (E, X, Y) from its operands (grad_out_NX, inputs_NY), or None where
+    it was added inside the GEMM: when the weight has a ``main_grad`` (its view in a data-parallel
+    gradient buffer, ``moe_engine.parallel.data_parallel``) and this pass runs the weight's
+    ``accumulator`` (a plain backward), the product is added straight into it and the pass between a
+    bf16 gradient and the fp32 buffer disappears. Under ``autograd.grad`` the gradient is returned."""
+    grad_out_NX, inputs_NY = operands
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None and _engine_accumulates(accumulator):
+        kernels.grouped_wgrad_accumulate(grad_out_NX, inputs_NY, offsets_E, main_grad)
+        return None
+    return zero_empty_experts_(grouped_mm(grad_out_NX.t(), inputs_NY, offsets_E), offsets_E)
 
 
 class _ExpertWeightGrads(torch.autograd.Function):
@@ -129,6 +170,7 @@ class _ExpertWeightGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, stash, gate_up_EHD, down_EDF):
         ctx.stash = stash
+        ctx.weights = (gate_up_EHD, down_EDF)
         return gate_up_EHD.new_empty(0)
 
     @staticmethod
@@ -136,12 +178,14 @@ class _ExpertWeightGrads(torch.autograd.Function):
         compute, ctx.stash.compute = ctx.stash.compute, None
         if compute is None:
             raise RuntimeError("the experts' weight gradients ran without their input-gradient pass, or twice")
-        grad_gate_up_EHD, grad_down_EDF = compute()
-        return (
-            None,
-            grad_gate_up_EHD if ctx.needs_input_grad[1] else None,
-            grad_down_EDF if ctx.needs_input_grad[2] else None,
-        )
+        operands = compute()
+        # Inputs 1 and 2 are the weights, the first two of the node's edges (the stash has none).
+        edges = ctx.next_functions
+        grads = [
+            expert_weight_grad(weight, edges[i][0], pair, operands.offsets_E) if ctx.needs_input_grad[i + 1] else None
+            for i, (weight, pair) in enumerate(zip(ctx.weights, (operands.gate_up, operands.down)))
+        ]
+        return None, *grads
 
 
 class DeferredWeightGrads:

@@ -31,13 +31,13 @@ from moe_engine.config import ExpertBackendKind
 from moe_engine.moe.expert_backend import (
     ExpertBackend,
     LoopBackend,
+    WeightGradOperands,
     input_grad_wanted,
     split_token_grad,
     split_weights,
     swiglu,
     swiglu_backward,
     weights_only_reentry,
-    zero_empty_experts_,
 )
 from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups, RowMap
@@ -71,13 +71,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         grad_a_NF = grouped_mm(grad_y_ND, down_EDF, offsets_E)
         a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF, ctx.fused)
         if stash.wanted:
-
-            def weight_grads():
-                grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
-                grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
-                return grad_gate_up_EHD, grad_down_EDF
-
-            stash.compute = weight_grads
+            stash.compute = lambda: WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF))
         grad_x_ND = grouped_mm(grad_h_NH, gate_up_EHD, offsets_E) if input_grad_wanted(ctx, 0) else None
         return grad_x_ND, None, None, None, None, token_grad, None
 
@@ -174,9 +168,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
             def weight_grads():
                 x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
-                grad_gate_up_EHD = zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
-                grad_down_EDF = zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
-                return grad_gate_up_EHD, grad_down_EDF
+                return WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF))
 
             stash.compute = weight_grads
         grad_x_ND = None

@@ -282,8 +282,12 @@ class DataParallelOptimizer:
     parameter has accumulated is ``grad_view(param)``; ``param.grad`` is that view when the buffer
     has the parameter's dtype, and None between backwards otherwise. Use ``zero_grad()`` of this
     class, not the model's (a replaced gradient is copied back into its view, but only when its hook
-    runs). With ZeRO-1 only this rank's share of the reduced gradient is kept (in the bucket's
+    runs; a weight whose GEMM adds into ``main_grad`` raises instead). With ZeRO-1 only this rank's share of the reduced gradient is kept (in the bucket's
     reduce-scatter output); the view then holds this rank's local, scaled gradient.
+
+    ``accumulate_in_gemm``: each parameter's view is also its ``main_grad``, which the experts' weight
+    gradient GEMMs add into directly (Megatron's name and convention); False keeps every gradient on the
+    way through ``.grad`` (the reference path).
     """
 
     def __init__(
@@ -294,6 +298,7 @@ class DataParallelOptimizer:
         shard: bool = False,
         bucket_elements: int = 2**22,
         grad_dtype: GradDtype = GradDtype.FP32,
+        accumulate_in_gemm: bool = True,
     ):
         if bucket_elements < 1:
             raise ValueError(f"bucket_elements: must be >= 1, got {bucket_elements}")
@@ -316,6 +321,10 @@ class DataParallelOptimizer:
         for param in in_backward_order:
             view = self._grad_views[id(param)]
             param.grad = view if view.dtype == param.dtype else None
+            if accumulate_in_gemm:
+                # Where a weight's gradient GEMM can add into the buffer itself (the experts'), it does
+                # (``moe_engine.moe.expert_backend.expert_weight_grad``): no gradient reaches ``.grad``.
+                param.main_grad = view  # type: ignore[attr-defined]
         self._segments_by_bucket = [_segments(b) for b in self.buckets]
         self.segments = [seg for segments in self._segments_by_bucket for seg in segments]
         self.inner = build_adamw(
@@ -370,9 +379,17 @@ class DataParallelOptimizer:
     @torch.no_grad()
     def _accumulate(self, param: nn.Parameter) -> None:
         view = self._grad_views[id(param)]
+        if param.grad is None:
+            # The GEMM added it to ``main_grad``, the view. Where dtypes agree the view was ``.grad``:
+            # someone took it away (``model.zero_grad()``), and the buffer they meant to clear was not.
+            if view.dtype == param.dtype:
+                raise RuntimeError(
+                    "a parameter's gradient view was replaced by None (model.zero_grad()?) while its GEMM adds "
+                    "into the gradient buffer: clear gradients with DataParallelOptimizer.zero_grad()"
+                )
+            return
         if param.grad is view:
             return
-        assert param.grad is not None  # only the post-accumulate-grad hook calls it, with the gradient in place
         if view.dtype == param.dtype:
             # Someone replaced the gradient (set_to_none, or an assignment): put it back in the buffer.
             view.copy_(param.grad)
@@ -523,9 +540,14 @@ class DataParallelOptimizer:
         return tensors
 
     def remove_hooks(self) -> None:
+        """Detach from the model: no hooks, and no ``main_grad`` for a GEMM to add into."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for bucket in self.buckets:
+            for param in bucket.params:
+                if getattr(param, "main_grad", None) is self._grad_views[id(param)]:
+                    del param.main_grad  # type: ignore[attr-defined]
 
 
 class SyncObserver(Protocol):
@@ -557,4 +579,5 @@ def build_data_parallel_optimizer(
         shard=parallel.optimizer_sharding is OptimizerSharding.ZERO1,
         bucket_elements=parallel.bucket_elements,
         grad_dtype=parallel.grad_dtype,
+        accumulate_in_gemm=parallel.accumulate_in_gemm,
     )

@@ -161,9 +161,7 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
 
             def weight_grads():
                 x_ND = dequantize_rows(x_q, x_scale, dtype)
-                grad_gate_up_EHD = ex.zero_empty_experts_(grouped_mm(grad_h_NH.t(), x_ND, offsets_E), offsets_E)
-                grad_down_EDF = ex.zero_empty_experts_(grouped_mm(grad_y_ND.t(), a_NF, offsets_E), offsets_E)
-                return grad_gate_up_EHD, grad_down_EDF
+                return ex.WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF))
 
             stash.compute = weight_grads
         grad_x_ND = None

@@ -52,6 +52,17 @@ def ceil_div(a: int, n: int) -> int:
     return -(-a // n)
 
 
+def experts_wgrad_in_gemm(par: ParallelConfig) -> bool:
+    """Whether the experts' weight-gradient GEMMs add into the gradient buffer (``main_grad``) and no
+    whole weight gradient exists: under ddp, in a plain backward. FSDP's parameters have no such
+    buffer, and a schedule that splits the backward computes them through ``autograd.grad``."""
+    return (
+        par.accumulate_in_gemm
+        and par.dp_mode is DataParallelMode.DDP
+        and (par.pp == 1 or not par.schedule.splits_backward)
+    )
+
+
 def _backward_workspace_bytes(
     model: ModelConfig,
     h: _Rank,
@@ -64,7 +75,8 @@ def _backward_workspace_bytes(
 
     One MoE block's expert backward holds per row the gradient of the SwiGLU product, the recomputed
     product and the gradient of the pre-activations (4F) next to the local experts' weight gradients
-    (made whole before they are added into their buffer), plus what the block's recompute brought
+    (made whole before they are added into their buffer, except where their GEMM adds into the ddp
+    buffer itself: ``experts_wgrad_in_gemm``), plus what the block's recompute brought
     back if that is still alive; a recomputed block's recompute on its own. A block's backward runs
     after the LM head's, whose saved tensors of that microbatch are freed by then. The head's own
     backward: the cross-entropy's fp32 gradients of the log-probabilities and of the logits, then the
@@ -74,7 +86,9 @@ def _backward_workspace_bytes(
     in_blocks = [block.recompute_peak for block in blocks]
     if h.n_moe:
         rows = expert_rows(tokens, model, par) * a * 4 * moe.expert_hidden
-        experts = rows + a * (moe.num_experts // par.ep) * 3 * d * moe.expert_hidden
+        experts = rows
+        if not experts_wgrad_in_gemm(par):
+            experts += a * (moe.num_experts // par.ep) * 3 * d * moe.expert_hidden
         in_blocks.append(experts + max(block.during_expert_backward for block in blocks))
     freed = head_activation_bytes(model, tokens, b) if h.head else 0.0
     candidates = [0.0] + [max(0.0, c - freed) for c in in_blocks]

@@ -13,8 +13,10 @@ import pytest
 import yaml
 
 from bench.predict.plan import in_flight_microbatches, plan_scenario, stage_layers, summary_line
+from bench.predict.plan.rank import experts_wgrad_in_gemm
 from bench.results import REPO_ROOT
 from bench.scenario import load_scenario, scenario_from_dict
+from moe_engine.config import ParallelConfig
 from moe_engine.flops import parameter_counts
 
 OLMO_DIR = REPO_ROOT / "scenarios" / "olmo-core3"
@@ -352,11 +354,27 @@ def test_small_backward_workspace_and_optimizer_step():
     # 2 * 16 * 1000 and its weight gradient 2 * 1000 * 64 = 160000; the embedding's gradient 128000
     metrics, _ = small_plan(dp_mode="ddp", optimizer_sharding="none")
     assert median(metrics, "memory_backward_workspace_bytes") == 160000
-    # With F = 512 the experts' workspace is the larger: R 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512 - 72192
-    spec = small_spec()
+    # With F = 512 and the weight gradients made whole, the experts' workspace is the larger:
+    # R 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512 - 72192
+    spec = small_spec(accumulate_in_gemm=False)
     spec["model"]["moe"]["expert_hidden"] = 512
     _, details = plan_scenario(scenario_from_dict(spec))
     assert details["per_rank"]["memory_bytes"]["backward_workspace"] == 40 * 2 * 2048 + 2 * 4 * 3 * 64 * 512 - 72192
+    # Added inside their GEMM (the default under ddp, pp 1), they never exist: R 40 * 2 * 2048 - 72192
+    # = 91648 is below the LM head's 160000
+    spec["parallel"]["accumulate_in_gemm"] = True
+    _, details = plan_scenario(scenario_from_dict(spec))
+    assert details["per_rank"]["memory_bytes"]["backward_workspace"] == 160000
+    # ... also under a pipeline schedule that does not split the backward, but not under one that does
+    # (torch's weight phase takes the gradients through autograd.grad) nor under fsdp (no such buffer)
+    for parallel, whole in (
+        ({"pp": 2, "schedule": "1f1b", "microbatches": 4}, False),
+        ({"pp": 2, "schedule": "zbv", "virtual_stages": 2, "microbatches": 4}, True),
+        ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 2, "microbatches": 4}, True),
+        ({"dp_mode": "fsdp"}, True),
+        ({"accumulate_in_gemm": False}, True),
+    ):
+        assert experts_wgrad_in_gemm(ParallelConfig(**parallel)) is not whole, parallel
     # optimizer step: every family fits in one bucket (2^22 elements): dense 161088 + 1024 router elements,
     # experts 49152; 8 bytes of AdamW temporaries per element of the larger, and no fp32 gradient copy:
     # the buffers are fp32 already
@@ -437,7 +455,9 @@ def test_small_pipeline():
 
 
 def recompute_plan(recompute: dict | None = None, **parallel):
-    spec = small_spec(**parallel)
+    # The experts' weight gradients made whole (59392 below counts their 49152), so that each
+    # recompute's part of the workspace shows.
+    spec = small_spec(**{"accumulate_in_gemm": False, **parallel})
     spec["model"]["vocab_size"] = 100
     spec["recompute"] = recompute or {}
     return plan_scenario(scenario_from_dict(spec))

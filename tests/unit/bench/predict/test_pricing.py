@@ -56,6 +56,25 @@ def test_grouped_gemm_counts_only_rows_inside_groups():
     assert op_work(unknown).flops == 2 * 100 * 32 * 48
 
 
+def test_weight_gradient_accumulated_in_its_gemm_is_the_grouped_gemm_plus_its_output_read():
+    # grouped_wgrad_accumulate(a_NM, b_NK, offsets, out_EMK): out[e] += a[rows e]^T b[rows e], the
+    # same product as the weight gradient above (N=100 rows, 92 in groups; M=48, K=32), into an fp32
+    # out that the GEMM reads and writes (4 x 48 x 32 x 4 bytes each way).
+    fused = op(
+        "moe_engine.grouped_wgrad_accumulate.default",
+        [spec(100, 48), spec(100, 32), spec(4, dtype="torch.int32"), spec(4, 48, 32, dtype="torch.float32")],
+        [],
+        group_rows=(20, 30, 40, 2),
+    )
+    work = op_work(fused)
+    assert op_kind(fused) == "grouped_gemm"
+    assert work.flops == 2 * 48 * 32 * 92
+    assert work.groups == 4 and work.grouped_reduction
+    assert work.shape == (4, 23, 48, 32)  # (groups, rows per group, N, K) as a profile measures them
+    assert work.nbytes == 2 * 100 * 48 + 2 * 100 * 32 + 4 * 4 + 2 * (4 * 48 * 32 * 4)
+    assert work.dtype == "torch.bfloat16"
+
+
 def test_attention_flops_causal_forward_and_backward():
     q = spec(2, 4, 128, 64)
     fwd = op(

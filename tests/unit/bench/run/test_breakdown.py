@@ -158,9 +158,11 @@ def test_ops_land_in_the_modules_they_ran_in(fake):
     assert _modules(trace, "aten.mm.default", "forward", (T, e)) == ["router"] * 2
     assert _modules(trace, "aten.mm.default", "backward", (e, d)) == ["router"] * 2
     assert _modules(trace, "aten._softmax.default", "forward") == ["router"] * 2
-    # Every expert GEMM, forward (gate-up, down) and backward (data and weight gradients of both).
+    # Every expert GEMM, forward (gate-up, down) and backward (data gradients of both; their weight
+    # gradients added into the gradient buffer by their GEMMs).
     assert _modules(trace, "aten._grouped_mm.default", "forward") == ["experts"] * 4
-    assert _modules(trace, "aten._grouped_mm.default", "backward") == ["experts"] * 8
+    assert _modules(trace, "aten._grouped_mm.default", "backward") == ["experts"] * 4
+    assert _modules(trace, "moe_engine.grouped_wgrad_accumulate.default", "backward") == ["experts"] * 4
     assert set(_modules(trace, "aten.silu_backward.default")) == {"experts"}
     # Tokens go out twice per block (counts, rows) and come back once; the backward returns the
     # combine's gradients first, then the dispatch's.
@@ -196,8 +198,10 @@ def test_ops_land_in_the_modules_they_ran_in(fake):
 @pytest.mark.parametrize("name", ["e8-ep2-nosync-bf16-recompute-full", "e8-ep2-nosync-bf16-recompute-selective"])
 def test_recomputed_ops_land_in_their_modules(name):
     trace = trace_step(_unfused(load_scenario(f"scenarios/smoke/{name}.yaml")), rank=1)
-    # The recompute runs the experts' forward again inside the backward: 2 blocks x (2 forward + 4 backward).
-    assert _modules(trace, "aten._grouped_mm.default", "backward") == ["experts"] * 12
+    # The recompute runs the experts' forward again inside the backward: 2 blocks x (2 forward + 2 input
+    # gradients), and 2 blocks x 2 weight gradients added into the gradient buffer.
+    assert _modules(trace, "aten._grouped_mm.default", "backward") == ["experts"] * 8
+    assert _modules(trace, "moe_engine.grouped_wgrad_accumulate.default", "backward") == ["experts"] * 4
     assert set(_modules(trace, "aten._scaled_dot_product_flash_attention_for_cpu.default", "backward")) == {"attention"}
     if name.endswith("full"):
         assert _modules(trace, "aten.mm.default", "backward", (T, 8)) == ["router"] * 2

@@ -18,6 +18,7 @@ OPS = [
     "combine_rows",
     "gather_rows_mx",
     "router_scores",
+    "grouped_wgrad_accumulate",
 ]
 
 

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from moe_engine.config import ExpertBackendKind
+from moe_engine.moe import expert_backend as expert_backend_module
 from moe_engine.moe import experts as experts_module
 from moe_engine.moe.expert_backend import defer_weight_grads
 from moe_engine.moe.experts import GroupedExperts
@@ -77,13 +78,15 @@ def test_plain_backward_equals_the_loop(fused):
 class _GEMMCounter:
     def __init__(self, monkeypatch):
         self.calls = 0
-        inner = experts_module.grouped_mm
+        # The input gradients' GEMMs run in the experts module, the weight gradients' in expert_backend.
+        for module in (experts_module, expert_backend_module):
+            inner = module.grouped_mm
 
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return inner(*args, **kwargs)
+            def counted(*args, inner=inner, **kwargs):
+                self.calls += 1
+                return inner(*args, **kwargs)
 
-        monkeypatch.setattr(experts_module, "grouped_mm", counted)
+            monkeypatch.setattr(module, "grouped_mm", counted)
 
     def take(self) -> int:
         calls, self.calls = self.calls, 0

@@ -66,7 +66,8 @@ def test_parameters_keep_identity_and_become_buffer_views(grad_dtype):
 
 def test_zero_grad_keeps_views_and_replaced_gradients_are_taken_back():
     model = build_model(small_config("fp32"), seed=SEED)
-    opt = DataParallelOptimizer(model, None, OPT)
+    # Every gradient through .grad: a replaced one reaches the hook, which puts it back.
+    opt = DataParallelOptimizer(model, None, OPT, accumulate_in_gemm=False)
     tokens, labels = token_batches(1)[0]
     model.loss(tokens, labels).backward()
     views = {name: p.grad for name, p in model.named_parameters()}
@@ -80,6 +81,20 @@ def test_zero_grad_keeps_views_and_replaced_gradients_are_taken_back():
     model.loss(tokens, labels).backward()
     # The same backward of the same model and batch, in the same order: exactly the same numbers.
     assert_grads_match(grads_of(model), grads, tol=0.0)
+
+
+def test_a_cleared_view_is_an_error_where_a_gemm_adds_into_the_buffer():
+    """The experts' GEMMs add into the buffer whatever ``.grad`` holds, so ``model.zero_grad()`` would
+    leave the last backward's gradients in it: the hook says so rather than training on them."""
+    model = build_model(small_config("fp32"), seed=SEED)
+    opt = DataParallelOptimizer(model, None, OPT)
+    tokens, labels = token_batches(1)[0]
+    model.loss(tokens, labels).backward()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match=r"DataParallelOptimizer.zero_grad\(\)"):
+        model.loss(tokens, labels).backward()
+    opt.zero_grad()
+    model.loss(tokens, labels).backward()  # fine after the optimizer's zero_grad
 
 
 def test_backward_into_a_reduced_bucket_is_an_error():
