@@ -20,7 +20,7 @@
 #   tests-cuda  420 s: the selection is 331 tests (pytest --collect-only -m cuda under MOE_TEST_DEVICE=cuda, all
 #                      skipped on a CPU); they compile Triton kernels after CUDA start-up (about 15 s): about 30
 #                      distinct quantizer and GEMM specialisations, and the fused-op tests on the order of
-#                      100 more (their cases' sizes and dtypes; the engine itself launches 76 at the
+#                      100 more (their cases' sizes and dtypes; the engine itself launches 69 at the
 #                      reference models' sizes, counted by python -m bench.validate.kernel_compile, the
 #                      MXFP8 GEMM's 8 among them: it is tuned over 4 configs, each compiled on an sm90's
 #                      first call per (N, K, experts)), so some 10 GEMM shapes of the tests compile 4
@@ -36,8 +36,8 @@
 #                      13 Triton kernels at up to 3 s each). The grouped weight-gradient pair
 #                      (bench/micro/test_grouped_wgrad.py: the GEMM adding into fp32 against the GEMM and
 #                      an add, 4 benchmarks of 5 calls at 0.82 TFLOP each, under 10 ms a call at 10% of
-#                      the peak) first tunes the Triton GEMM over its 5 bf16 configs per shape: 10
-#                      compiles at up to 3 s each (estimate).
+#                      the peak) compiles the Triton GEMM once (one config per dtype; up to 3 s,
+#                      estimate).
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).

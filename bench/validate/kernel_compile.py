@@ -207,7 +207,7 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     # The experts' weight gradients added into fp32 buffers, grad_h^T x and grad_y^T a, from the
     # model's dtype and from fp32 (an fp32 model's operands take the FMA configs). The launch specialises
     # the widths by their divisibility by 16 only, so a width of the same divisibility stands in for
-    # each (the full widths' tiles would keep the interpreter busy for minutes); every config runs.
+    # each (the full widths' tiles would keep the interpreter busy for minutes); each dtype runs its config.
     local_experts = min(experts, 16)
     wgrad_offsets = torch.full((local_experts,), rows, dtype=torch.int32)
     for operand_dtype in (dtype, torch.float32):

@@ -21,26 +21,19 @@ OP = "grouped_wgrad_accumulate"
 MIN_CAPABILITY = (8, 0)
 """``tl.dot`` on bf16 needs the tensor cores of compute capability 8.0 (Ampere) on."""
 
-CONFIGS = (
-    # (BLOCK_M, BLOCK_K, BLOCK_R, num_warps, num_stages)
-    (128, 128, 64, 8, 3),
-    (128, 128, 32, 8, 4),
-    (128, 64, 64, 8, 3),
-    (64, 128, 64, 4, 3),
-    (64, 64, 64, 4, 4),
-)
-"""What the kernel is tuned over for bf16 operands, on its first call per (M, K, dtypes) on a device:
-out tiles of BLOCK_M x BLOCK_K, rows in steps of BLOCK_R. Each compiles without spills for sm_80,
-sm_90a and sm_100a (``python -m bench.validate.kernel_compile``); 128 x 64 on 4 warps used 252
-registers on sm_80, on 8 warps 128."""
-FP32_CONFIGS = (
-    (128, 128, 16, 8, 3),
-    (128, 64, 32, 8, 3),
-    (64, 128, 32, 8, 3),
-    (64, 64, 32, 4, 3),
-)
-"""The configs for fp32 operands, whose dot runs on the FMA units with its operands in registers:
-shorter row steps: 128 x 128 in steps of 32 rows spilled on sm_100a, in steps of 64 on sm_80."""
+CONFIGS = {
+    # operands: (BLOCK_M, BLOCK_K, BLOCK_R, num_warps, num_stages)
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float32: (128, 64, 32, 8, 3),
+}
+"""The one config each operand dtype runs: out tiles of BLOCK_M x BLOCK_K, rows in steps of BLOCK_R.
+Fixed, not tuned: a tuner would time every config inside the first backward (a clone of the fp32
+buffer per config, device syncs) and might choose differently from one run to the next, and with it
+the summation order, so that two runs' gradients would differ in their last bits. bf16 takes the tensor
+cores' usual 128 x 128 tile; fp32, whose dot runs on the FMA units with its operands in registers,
+a narrower tile and shorter row steps (128 x 128 in steps of 32 rows spilled on sm_100a). Both compile
+without spills for sm_80, sm_90a and sm_100a (``python -m bench.validate.kernel_compile``).
+gpu-check times the op against the two passes it replaces (``bench/micro/test_grouped_wgrad.py``)."""
 
 
 # --- the reference: the eager composition --------------------------------------------------------------
@@ -61,42 +54,11 @@ def reference_accumulate(a_NM: Tensor, b_NK: Tensor, offsets_E: Tensor, out_EMK:
 # --- the Triton kernel ---------------------------------------------------------------------------------
 
 
-def _run_once(kernel_call, quantiles):
-    """The interpreter's stand-in for timing: every config runs once (so each is exercised and, for
-    ``bench.validate.kernel_compile``, recorded), and the first one is kept."""
-    kernel_call()
-    return [0.0] * len(quantiles)
-
-
 _INTERPRETED = tl.constexpr(bool(triton.knobs.runtime.interpret))
 """Whether Triton's interpreter runs the kernel, whose dot does not take bf16 (it multiplies the bit
 patterns); read in the kernel, so that its launches look the same interpreted and compiled."""
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """The configs for the operands' dtype: fp32's dot runs on the FMA units and needs smaller tiles."""
-    fp32 = named_args["a_ptr"].dtype == torch.float32
-    wanted = set(FP32_CONFIGS if fp32 else CONFIGS)
-    return [c for c in configs if _config_tuple(c) in wanted]
-
-
-def _config_tuple(config) -> tuple[int, int, int, int, int]:
-    kw = config.kwargs
-    return (kw["BLOCK_M"], kw["BLOCK_K"], kw["BLOCK_R"], config.num_warps, config.num_stages)
-
-
-# Tuning runs every config on the real buffer, which the kernel adds into: ``restore_value`` puts the
-# buffer back after each run, so the result holds the product once.
-@triton.autotune(
-    configs=[
-        triton.Config({"BLOCK_M": bm, "BLOCK_K": bk, "BLOCK_R": br}, num_warps=warps, num_stages=stages)
-        for bm, bk, br, warps, stages in dict.fromkeys(CONFIGS + FP32_CONFIGS)
-    ],
-    key=["M", "K"],
-    restore_value=["out_ptr"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-    do_bench=_run_once if triton.knobs.runtime.interpret else None,
-)
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr,
@@ -166,10 +128,11 @@ def path(device: torch.device | str, dtype: torch.dtype, out_dtype: torch.dtype 
         capability = torch.cuda.get_device_capability(device)
         if capability < MIN_CAPABILITY:
             limit = "tl.dot needs compute capability {}.{}, the GPU has {}.{}".format(*MIN_CAPABILITY, *capability)
-    return dispatch.choose(OP, device, dtype, _grouped_wgrad_kernel.fn, limit)
+    return dispatch.choose(OP, device, dtype, _grouped_wgrad_kernel, limit)
 
 
 def _triton_accumulate(a_NM: Tensor, b_NK: Tensor, offsets_E: Tensor, out_EMK: Tensor) -> None:
+    block_m, block_k, block_r, warps, stages = CONFIGS[a_NM.dtype]
     a_NM = a_NM if a_NM.stride(-1) == 1 else a_NM.contiguous()
     b_NK = b_NK if b_NK.stride(-1) == 1 else b_NK.contiguous()
     num_groups, m, k = out_EMK.shape
@@ -177,9 +140,7 @@ def _triton_accumulate(a_NM: Tensor, b_NK: Tensor, offsets_E: Tensor, out_EMK: T
     if not (num_groups and m and k and n):
         return
 
-    def grid(meta):
-        return (triton.cdiv(k, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_M"]), num_groups)
-
+    grid = (triton.cdiv(k, block_k), triton.cdiv(m, block_m), num_groups)
     with on_device(out_EMK):
         _grouped_wgrad_kernel[grid](
             as_bits(a_NM),
@@ -191,7 +152,12 @@ def _triton_accumulate(a_NM: Tensor, b_NK: Tensor, offsets_E: Tensor, out_EMK: T
             k,
             a_NM.stride(0),
             b_NK.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_K=block_k,
+            BLOCK_R=block_r,
             BF16=a_NM.dtype == torch.bfloat16,
+            num_warps=warps,
+            num_stages=stages,
         )
 
 

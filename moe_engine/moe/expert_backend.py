@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import kernels
-from moe_engine.moe.grouped_gemm import grouped_mm
+from moe_engine.moe.grouped_gemm import check_operand, grouped_mm
 from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
 
 
@@ -156,6 +156,12 @@ def expert_weight_grad(
     grad_out_NX, inputs_NY = operands
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is not None and _engine_accumulates(accumulator):
+        # The operands torch's grouped GEMM would get, checked on every device as ``grouped_mm`` does
+        # (the op falls back to it where its kernel cannot run).
+        check_operand("a", grad_out_NX.t())
+        check_operand("b", inputs_NY)
+        # Returning no gradient, this node gives autograd no producer to order the weight's hook (the
+        # bucket's reduction) after: the order holds because the GEMM runs on the caller's stream.
         kernels.grouped_wgrad_accumulate(grad_out_NX, inputs_NY, offsets_E, main_grad)
         return None
     return zero_empty_experts_(grouped_mm(grad_out_NX.t(), inputs_NY, offsets_E), offsets_E)

@@ -321,10 +321,13 @@ class DataParallelOptimizer:
         for param in in_backward_order:
             view = self._grad_views[id(param)]
             param.grad = view if view.dtype == param.dtype else None
-            if accumulate_in_gemm:
+            if accumulate_in_gemm and view.dtype == torch.float32:
                 # Where a weight's gradient GEMM can add into the buffer itself (the experts'), it does
                 # (``moe_engine.moe.expert_backend.expert_weight_grad``): no gradient reaches ``.grad``.
+                # Only fp32 buffers: the kernel adds in fp32 (a bf16 buffer would take its two-pass path).
                 param.main_grad = view  # type: ignore[attr-defined]
+            elif hasattr(param, "main_grad"):
+                del param.main_grad  # an earlier optimizer's buffer
         self._segments_by_bucket = [_segments(b) for b in self.buckets]
         self.segments = [seg for segments in self._segments_by_bucket for seg in segments]
         self.inner = build_adamw(
@@ -363,7 +366,8 @@ class DataParallelOptimizer:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
         if bucket.launched:
-            # The gradient would land in a buffer that is being (or was) reduced, and be lost.
+            # The gradient would land (or, added by its GEMM, has landed) in a buffer that is being or
+            # was reduced: this step's gradients are wrong either way.
             raise RuntimeError(
                 "a gradient arrived after its bucket was reduced: arm_overlap(m) needs exactly m backwards "
                 "per step, and zero_grad() or step() before the next one"
@@ -382,7 +386,7 @@ class DataParallelOptimizer:
         if param.grad is None:
             # The GEMM added it to ``main_grad``, the view. Where dtypes agree the view was ``.grad``:
             # someone took it away (``model.zero_grad()``), and the buffer they meant to clear was not.
-            if view.dtype == param.dtype:
+            if view.dtype == param.dtype and getattr(param, "main_grad", None) is view:
                 raise RuntimeError(
                     "a parameter's gradient view was replaced by None (model.zero_grad()?) while its GEMM adds "
                     "into the gradient buffer: clear gradients with DataParallelOptimizer.zero_grad()"

@@ -20,6 +20,7 @@ from bench.predict.plan.activations import (
 from bench.predict.plan.bytes import BYTES, FP32_GRAD_BYTES, ROUTER_BYTES, Params, Pieces, PrecisionBytes
 from moe_engine.config import (
     DataParallelMode,
+    GradDtype,
     ModelConfig,
     OptimizerSharding,
     ParallelConfig,
@@ -54,10 +55,13 @@ def ceil_div(a: int, n: int) -> int:
 
 def experts_wgrad_in_gemm(par: ParallelConfig) -> bool:
     """Whether the experts' weight-gradient GEMMs add into the gradient buffer (``main_grad``) and no
-    whole weight gradient exists: under ddp, in a plain backward. FSDP's parameters have no such
-    buffer, and a schedule that splits the backward computes them through ``autograd.grad``."""
+    whole weight gradient exists: under ddp with fp32 buffers, in a plain backward. FSDP's parameters
+    have no such buffer, a bf16 one takes the op's two-pass path (an fp32 model's ``param`` buffers
+    would qualify: not counted, the plan stays an upper bound), and a schedule that splits the
+    backward computes them through ``autograd.grad``."""
     return (
         par.accumulate_in_gemm
+        and par.grad_dtype is GradDtype.FP32
         and par.dp_mode is DataParallelMode.DDP
         and (par.pp == 1 or not par.schedule.splits_backward)
     )

@@ -3,8 +3,7 @@ fresh process under TRITON_INTERPRET=1 (it must be set before the kernel is defi
 per-group fp64 loop: fp32 and bf16 operands added into a non-zero fp32 buffer, groups smaller than a tile
 and groups over several row steps, empty groups (first, in the middle, a last one with 0 rows), NaN
 padding rows after the last offset, widths that are not multiples of a tile, an operand with wider
-rows. Each case runs once per tuning config of its dtype, that config alone, and once through the
-tuning itself (which runs every config on the buffer it adds into: the buffer must hold one product).
+rows. Each case runs through the op, with its dtype's config (``grouped_wgrad.CONFIGS``).
 
 Tolerances (``tolerances.tolerance``): fp32 operands, the products summed in fp32 over a group's k rows;
 bf16 operands, the same: bf16 x bf16 products are exact in fp32, only their fp32 sums round."""
@@ -18,7 +17,6 @@ from interpreted_kernels import interpreter_env
 from tolerances import assert_close_to_scale, tolerance
 
 from bench.results import REPO_ROOT
-from moe_engine.kernels import grouped_wgrad
 
 _CHILD = """
 import sys, torch
@@ -26,20 +24,13 @@ from moe_engine import kernels
 from moe_engine.kernels import grouped_wgrad
 
 cases = torch.load(sys.argv[1])
-tuned = grouped_wgrad._grouped_wgrad_kernel
-all_configs = list(tuned.configs)
 outputs = {"paths": {str(d): kernels.kernel_paths("cpu", d)["grouped_wgrad_accumulate"].implementation
                      for d in (torch.float32, torch.bfloat16)}}
 for name, (a, b, offsets, out) in cases.items():
     outputs[("a stride", name)] = a.stride()
-    wanted = grouped_wgrad.FP32_CONFIGS if a.dtype == torch.float32 else grouped_wgrad.CONFIGS
-    configs = [c for c in all_configs if grouped_wgrad._config_tuple(c) in wanted]
-    # Each config alone, then the tuning over them all.
-    for label, run_configs in [(grouped_wgrad._config_tuple(c), [c]) for c in configs] + [("tuned", all_configs)]:
-        tuned.configs, tuned.cache = run_configs, {}
-        result = out.clone()
-        grouped_wgrad.grouped_wgrad_accumulate(a, b, offsets, result)
-        outputs[(name, label)] = result
+    result = out.clone()
+    grouped_wgrad.grouped_wgrad_accumulate(a, b, offsets, result)  # its dtype's config
+    outputs[(name, "op")] = result
 torch.save(outputs, sys.argv[2])
 """
 
@@ -95,8 +86,7 @@ def test_the_interpreter_ran_the_kernel(interpreted):
 
 
 def _labels(dtype):
-    configs = grouped_wgrad.FP32_CONFIGS if dtype == torch.float32 else grouped_wgrad.CONFIGS
-    return [*configs, "tuned"]
+    return ["op"]
 
 
 @pytest.mark.parametrize("name", list(CASES))

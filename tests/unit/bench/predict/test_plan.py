@@ -373,6 +373,7 @@ def test_small_backward_workspace_and_optimizer_step():
         ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 2, "microbatches": 4}, True),
         ({"dp_mode": "fsdp"}, True),
         ({"accumulate_in_gemm": False}, True),
+        ({"grad_dtype": "param"}, True),
     ):
         assert experts_wgrad_in_gemm(ParallelConfig(**parallel)) is not whole, parallel
     # optimizer step: every family fits in one bucket (2^22 elements): dense 161088 + 1024 router elements,

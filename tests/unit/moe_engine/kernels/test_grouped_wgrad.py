@@ -13,7 +13,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine import kernels
 from moe_engine.kernels import grouped_wgrad
-from moe_engine.kernels.storage import as_bits
 
 SEED = 0
 M, K = 48, 40
@@ -174,18 +173,9 @@ def test_paths_say_where_the_op_runs():
     assert not into_bf16.fused and into_bf16.details == "reference: the kernel adds into float32, not bfloat16"
 
 
-def test_configs_per_dtype_are_what_tuning_keeps():
-    """bf16 operands tune over ``CONFIGS``, fp32 over ``FP32_CONFIGS`` (the FMA dot's smaller steps)."""
-    kernel = grouped_wgrad._grouped_wgrad_kernel
-    for dtype, wanted in ((torch.bfloat16, grouped_wgrad.CONFIGS), (torch.float32, grouped_wgrad.FP32_CONFIGS)):
-        a_ptr = as_bits(torch.empty(4, 4, dtype=dtype))  # what the launcher hands the kernel
-        kept = grouped_wgrad._prune_configs(kernel.configs, {"a_ptr": a_ptr})
-        assert [grouped_wgrad._config_tuple(c) for c in kept] == list(wanted)
-
-
 @pytest.mark.cuda
 def test_cuda_op_reads_no_offsets_on_the_host(device):
-    """After its tuning (timing syncs), the op runs without a host sync."""
+    """After its first call (which compiles the kernel), the op runs without a host sync."""
     if device.type != "cuda":
         pytest.skip("a CUDA test (MOE_TEST_DEVICE=cuda)")
     a_NM, b_NK, offsets_E, out_EMK = _case(CASES["empty-middle"], torch.bfloat16, device)

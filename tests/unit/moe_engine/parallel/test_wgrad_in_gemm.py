@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from moe_engine.config import ExpertBackendKind, OptimizerConfig
+from moe_engine.config import ExpertBackendKind, GradDtype, OptimizerConfig
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.parallel.data_parallel import DataParallelOptimizer
@@ -72,6 +72,8 @@ def _train_buffers(dtype, backend, accumulate_in_gemm):
         y_ND = model(x_ND.clone().requires_grad_(), groups)
         with counted:
             y_ND.backward(grad_y_ND)
+    # Every bucket launched in backward: the weights' hooks fire though no gradient reaches .grad.
+    assert opt.launched_buckets == len(opt.buckets)
     opt.finish_grad_sync()
     return {name: opt.grad_view(p).clone() for name, p in model.named_parameters()}, counted.names
 
@@ -123,6 +125,13 @@ def test_autograd_grad_hands_the_gradients_back_and_leaves_the_buffers():
         assert not opt.grad_view(weight).any()
 
 
+def test_only_fp32_buffers_are_added_into():
+    """A bf16 buffer (``grad_dtype: param`` for bf16 weights) keeps the two passes: the kernel adds in fp32."""
+    model = _model(torch.bfloat16, ExpertBackendKind.TORCH)
+    DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), grad_dtype=GradDtype.PARAM)
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())
+
+
 def test_remove_hooks_takes_main_grad_away():
     model = _model(torch.bfloat16, ExpertBackendKind.TORCH)
     opt = DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), bucket_elements=300)
@@ -132,3 +141,7 @@ def test_remove_hooks_takes_main_grad_away():
     off = DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), accumulate_in_gemm=False)
     assert not any(hasattr(p, "main_grad") for p in model.parameters())
     off.remove_hooks()
+    # A later optimizer without it takes an earlier one's main_grad away too.
+    DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0))
+    DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), accumulate_in_gemm=False)
+    assert not any(hasattr(p, "main_grad") for p in model.parameters())
