@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from grouped_wgrad_cases import wgrad_case, wgrad_loop
 from interpreted_kernels import interpreter_env
 from tolerances import assert_close_to_scale, tolerance
 
@@ -47,23 +48,7 @@ PADDING = 5
 
 
 def _inputs(counts, dtype, a_width, seed):
-    g = torch.Generator().manual_seed(seed)
-    n = sum(counts)
-    a_storage = torch.randn(n + PADDING, a_width, generator=g)
-    b_NK = torch.randn(n + PADDING, K, generator=g)
-    a_storage[n:], b_NK[n:] = float("nan"), float("nan")
-    offsets_E = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-    out_EMK = torch.randn(len(counts), M, K, generator=g) * 8
-    return a_storage.to(dtype)[:, :M], b_NK.to(dtype), offsets_E, out_EMK
-
-
-def _loop(a_NM, b_NK, counts, out_EMK):
-    want = out_EMK.double().clone()
-    start = 0
-    for e, count in enumerate(counts):
-        want[e] += a_NM[start : start + count].double().t() @ b_NK[start : start + count].double()
-        start += count
-    return want
+    return wgrad_case(counts, M, K, dtype, seed, PADDING, a_width)
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +75,11 @@ def _labels(dtype):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_each_config_adds_each_group_like_a_loop(interpreted, name):
+def test_each_config_adds_each_group_like_awgrad_loop(interpreted, name):
     cases, outputs = interpreted
     counts, dtype, _ = CASES[name]
     a_NM, b_NK, _, out_EMK = cases[name]
-    want = _loop(a_NM, b_NK, counts, out_EMK)
+    want = wgrad_loop(a_NM, b_NK, counts, out_EMK)
     assert outputs[("a stride", name)] == a_NM.stride()  # the child got the column slice as it is
     tol = tolerance(torch.float32, max(counts))
     for label in _labels(dtype):

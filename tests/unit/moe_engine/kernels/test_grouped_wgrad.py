@@ -7,6 +7,7 @@ refused by name. The Triton kernel on a CPU: tests/integration/toolchains/test_g
 
 import pytest
 import torch
+from grouped_wgrad_cases import wgrad_case, wgrad_loop
 from tolerances import assert_close_to_scale, tolerance
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,26 +31,8 @@ PADDING = 6
 
 
 def _case(counts: list[int], dtype: torch.dtype, device: torch.device, seed: int = SEED):
-    """(a_NM, b_NK, offsets_E, out_EMK) with NaN padding rows and a non-zero out."""
-    g = torch.Generator().manual_seed(seed)
-    n = sum(counts)
-    a_NM = torch.randn(n + PADDING, M, generator=g)
-    b_NK = torch.randn(n + PADDING, K, generator=g)
-    a_NM[n:], b_NK[n:] = float("nan"), float("nan")
-    offsets_E = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-    out_EMK = torch.randn(len(counts), M, K, generator=g) * 4
-    return a_NM.to(dtype).to(device), b_NK.to(dtype).to(device), offsets_E.to(device), out_EMK.to(device)
-
-
-def _loop(a_NM, b_NK, counts, out_EMK) -> torch.Tensor:
-    """out + each group's a^T b, one group at a time in fp64."""
-    want = out_EMK.double().cpu().clone()
-    start = 0
-    for e, count in enumerate(counts):
-        rows = slice(start, start + count)
-        want[e] += a_NM[rows].double().cpu().t() @ b_NK[rows].double().cpu()
-        start += count
-    return want
+    """(a_NM, b_NK, offsets_E, out_EMK) with NaN padding rows and a non-zero out, on ``device``."""
+    return tuple(t.to(device) for t in wgrad_case(counts, M, K, dtype, seed, PADDING))
 
 
 def _path(device, dtype):
@@ -58,11 +41,11 @@ def _path(device, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(CASES))
-def test_accumulates_each_group_like_a_loop(device, name, dtype):
+def test_accumulates_each_group_like_awgrad_loop(device, name, dtype):
     counts = CASES[name]
     a_NM, b_NK, offsets_E, out_EMK = _case(counts, dtype, device)
     before = out_EMK.clone()
-    want = _loop(a_NM, b_NK, counts, before)
+    want = wgrad_loop(a_NM, b_NK, counts, before)
     kernels.grouped_wgrad_accumulate(a_NM, b_NK, offsets_E, out_EMK)
     assert out_EMK.dtype == torch.float32 and torch.isfinite(out_EMK).all()
     k = max(max(counts), 1)
@@ -90,7 +73,7 @@ def test_operands_with_wider_rows_and_a_strided_last_dim(device):
     g = torch.Generator().manual_seed(SEED + 1)
     a_NM = torch.cat([a_wide, torch.randn(a_wide.shape, generator=g).to(device)], dim=1)[:, :M]
     b_KN = b_NK.t().contiguous()
-    want = _loop(a_NM, b_NK, counts, out_EMK)
+    want = wgrad_loop(a_NM, b_NK, counts, out_EMK)
     kernels.grouped_wgrad_accumulate(a_NM, b_KN.t(), offsets_E, out_EMK)
     assert_close_to_scale(out_EMK.cpu().double(), want, tolerance(torch.float32, max(counts)))
 
