@@ -17,7 +17,7 @@
 #
 # Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 14.75
 # minutes in all, steps.txt records the measured seconds):
-#   tests-cuda  420 s: the selection is 331 tests (pytest --collect-only -m cuda under MOE_TEST_DEVICE=cuda, all
+#   tests-cuda  420 s: the selection is 348 tests (pytest --collect-only -m cuda under MOE_TEST_DEVICE=cuda, all
 #                      skipped on a CPU); they compile Triton kernels after CUDA start-up (about 15 s): about 30
 #                      distinct quantizer and GEMM specialisations, and the fused-op tests on the order of
 #                      100 more (their cases' sizes and dtypes; the engine itself launches 69 at the
@@ -37,7 +37,9 @@
 #                      (bench/micro/test_grouped_wgrad.py: the GEMM adding into fp32 against the GEMM and
 #                      an add, 4 benchmarks of 5 calls at 0.82 TFLOP each, under 10 ms a call at 10% of
 #                      the peak) compiles the Triton GEMM once (one config per dtype; up to 3 s,
-#                      estimate).
+#                      estimate). The dense pair (bench/micro/test_wgrad.py: cuBLAS adding into fp32
+#                      against mm and an add, 4 benchmarks of 7 calls at up to 0.96 TFLOP each) takes
+#                      under 10 ms a call at 10% of the peak.
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).

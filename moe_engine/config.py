@@ -574,7 +574,7 @@ class ParallelConfig:
     grad_dtype: GradDtype = GradDtype.FP32
     """Precision of gradient accumulation and reduction (fp32 by default, also for bf16 parameters)."""
     accumulate_in_gemm: bool = True
-    """The experts' weight-gradient GEMMs add into the ddp gradient buffer themselves (no extra pass)."""
+    """The experts' and dense projections' weight-gradient GEMMs add into the ddp gradient buffer themselves (no extra pass)."""
     a2a_chunks: int = 1
     """Chunks of each MoE layer's expert all-to-alls (ep > 1): chunk k+1 moves while chunk k's experts compute."""
     overlap: ExpertOverlap = ExpertOverlap.AUTO

@@ -33,10 +33,11 @@ FUSED_OPS = (
     *_ROUTING,
     "gather_rows_mx",
     "grouped_wgrad_accumulate",
+    "wgrad_accumulate",
 )
 """Every fused op the engine registers, each with its rule above (a test holds the two lists equal)."""
-FUSED_GEMMS = ("grouped_wgrad_accumulate",)
-"""Fused ops priced as the GEMM they are (``bench.predict.ops.op_work``), not as fused parts."""
+FUSED_GEMMS = {"grouped_wgrad_accumulate": "grouped_gemm", "wgrad_accumulate": "gemm"}
+"""Fused ops priced as the GEMM they are (``bench.predict.ops.op_work``), not as fused parts: their kind."""
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def op_kind(op: TracedOp) -> str:
     if op.packet in _FREE or namespace in ("profiler", "prim"):
         return "free"
     if namespace == "moe_engine":
-        return "grouped_gemm" if base in FUSED_GEMMS else "fused"
+        return FUSED_GEMMS.get(base, "fused")
     if base in _GEMMS:
         return "gemm"
     if base == "_grouped_mm":
@@ -160,6 +160,11 @@ def op_work(op: TracedOp) -> OpWork:
     dtype = op.inputs[0].dtype if op.inputs else (op.outputs[0].dtype if op.outputs else "torch.float32")
     moved = _moved_bytes(op)
     if kind == "gemm":
+        if is_fused(op):  # wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b
+            a, out = op.inputs[0], op.inputs[2]
+            shape = (out.shape[0], out.shape[1], a.shape[0])
+            # out read above as an input, written back
+            return OpWork(kind, 2.0 * math.prod(shape), moved + out.nbytes, dtype, shape=shape)
         return OpWork(kind, _gemm_flops(op), moved, dtype, shape=gemm_shape(op))
     if kind == "grouped_gemm":
         a, b = op.inputs[0], op.inputs[1]

@@ -155,6 +155,11 @@ def _cpu_flash_attention_backward_flops(
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def _wgrad_accumulate_flops(a_shape, b_shape, buffer_shape, *args, out_shape=None, **kwargs) -> int:
+    # moe_engine::wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def flop_counter(grouped: GroupedMMFlops) -> FlopCounterMode:
     """torch's FLOP counter with the formulas torch 2.13 lacks (the grouped GEMM, CPU attention)."""
     return FlopCounterMode(
@@ -162,6 +167,7 @@ def flop_counter(grouped: GroupedMMFlops) -> FlopCounterMode:
         custom_mapping={
             aten._grouped_mm: grouped,
             torch.ops.moe_engine.grouped_wgrad_accumulate: grouped.accumulated,
+            torch.ops.moe_engine.wgrad_accumulate: _wgrad_accumulate_flops,
             aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
             aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
         },

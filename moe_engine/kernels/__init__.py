@@ -1,7 +1,8 @@
 """Fused ops, each one ``torch.library.custom_op`` (so a trace sees one op each), with a Triton kernel
 on CUDA and the eager PyTorch composition as the reference and CPU path (``dispatch`` holds the rule):
-the memory-bound work of a step, a forward and a backward op each, and one GEMM without a backward
-(``grouped_wgrad_accumulate``, the experts' weight gradients added into the fp32 gradient buffer).
+the memory-bound work of a step, a forward and a backward op each, and two GEMMs without a backward
+that add weight gradients into the fp32 gradient buffer: the experts' (``grouped_wgrad_accumulate``) and
+the dense projections' (``wgrad_accumulate``, cuBLAS on CUDA).
 More: docs/kernels.md.
 """
 
@@ -26,6 +27,7 @@ from moe_engine.kernels.norm import add_rms_norm, rms_norm
 from moe_engine.kernels.rotary import rope
 from moe_engine.kernels.router import router_scores
 from moe_engine.kernels.routing import combine_rows, gather_rows, gather_rows_backward
+from moe_engine.kernels.wgrad import wgrad_accumulate
 
 __all__ = [
     "KernelPath",
@@ -44,6 +46,7 @@ __all__ = [
     "swiglu",
     "swiglu_packed",
     "swiglu_packed_backward",
+    "wgrad_accumulate",
 ]
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_engine.config import ModelConfig
+from moe_engine.modules.linear import Linear
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
 
@@ -22,10 +23,10 @@ class Attention(nn.Module):
         assert head_dim is not None  # ModelConfig resolves it for grouped-query attention
         self.head_dim = head_dim
         q_dim, kv_dim = config.n_heads * head_dim, config.n_kv_heads * head_dim
-        self.q_proj = nn.Linear(config.d_model, q_dim, bias=False)
-        self.k_proj = nn.Linear(config.d_model, kv_dim, bias=False)
-        self.v_proj = nn.Linear(config.d_model, kv_dim, bias=False)
-        self.o_proj = nn.Linear(q_dim, config.d_model, bias=False)
+        self.q_proj = Linear(config.d_model, q_dim, bias=False)
+        self.k_proj = Linear(config.d_model, kv_dim, bias=False)
+        self.v_proj = Linear(config.d_model, kv_dim, bias=False)
+        self.o_proj = Linear(q_dim, config.d_model, bias=False)
         self.per_head_norm = config.qk_norm_per_head
         q_norm_dim, k_norm_dim = (head_dim, head_dim) if self.per_head_norm else (q_dim, kv_dim)
         self.q_norm = RMSNorm(q_norm_dim, config.norm_eps, config.fused_kernels) if config.qk_norm else None

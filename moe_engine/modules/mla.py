@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_engine.config import ModelConfig
+from moe_engine.modules.linear import Linear
 from moe_engine.modules.norm import RMSNorm
 from moe_engine.modules.rope import RotaryEmbedding
 
@@ -22,22 +23,22 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank = mla.kv_lora_rank
         qk_dim = mla.qk_head_dim
         # Either the direct query projection or the three of the query latent.
-        self.q_proj: nn.Linear | None
-        self.q_a_proj: nn.Linear | None
+        self.q_proj: Linear | None
+        self.q_a_proj: Linear | None
         self.q_a_norm: RMSNorm | None
-        self.q_b_proj: nn.Linear | None
+        self.q_b_proj: Linear | None
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, heads * qk_dim, bias=False)
+            self.q_proj = Linear(d, heads * qk_dim, bias=False)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
         else:
             self.q_proj = None
-            self.q_a_proj = nn.Linear(d, mla.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(d, mla.q_lora_rank, bias=False)
             self.q_a_norm = RMSNorm(mla.q_lora_rank, config.norm_eps, config.fused_kernels)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
-        self.kv_a_proj = nn.Linear(d, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+            self.q_b_proj = Linear(mla.q_lora_rank, heads * qk_dim, bias=False)
+        self.kv_a_proj = Linear(d, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
         self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.norm_eps, config.fused_kernels)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(heads * mla.v_head_dim, d, bias=False)
+        self.kv_b_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = Linear(heads * mla.v_head_dim, d, bias=False)
         self.softmax_scale = qk_dim**-0.5
 
     def forward(self, x_BSD: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_engine import kernels
+from moe_engine.modules.linear import Linear
 
 
 class SwiGLU(nn.Module):
@@ -13,9 +14,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, fused_kernels: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        self.gate_proj = Linear(d_model, hidden, bias=False)
+        self.up_proj = Linear(d_model, hidden, bias=False)
+        self.down_proj = Linear(hidden, d_model, bias=False)
         self.fused_kernels = fused_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """What every expert backend builds on: the seam (``ExpertBackend``), the per-expert loop that is the
-reference, SwiGLU and its backward, empty experts' weight gradients, and the split of a backend's
-backward into an input-gradient node and a weight-gradient node (``moe_engine.moe.experts`` explains
-the split; ``docs/engine.md`` how the zero-bubble schedules use it).
+reference, SwiGLU and its backward, empty experts' weight gradients, and the experts' weight-gradient
+node of the split backward (``moe_engine.weight_grad_split`` explains the split; ``docs/engine.md`` how
+the zero-bubble schedules use it).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from moe_engine import kernels
 from moe_engine.moe.grouped_gemm import check_operand, grouped_mm
 from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
+from moe_engine.weight_grad_split import WeightGradStash, main_grad_to_add_into
 
 
 class ExpertBackend(ABC):
@@ -119,32 +120,6 @@ class WeightGradOperands(NamedTuple):
     """(grad_y_ND, a_NF): down's gradient is grad_y^T a per expert."""
 
 
-class _WeightGradStash:
-    """One expert call's weight gradients, between its two backward nodes.
-
-    The main node's backward (dX) leaves ``compute``, a closure that returns dW's operands (it may
-    build one, as the MXFP8 backend dequantizes x there); the weight node's backward runs it once
-    and drops it.
-    """
-
-    __slots__ = ("compute", "wanted")
-
-    def __init__(self, wanted: bool):
-        self.wanted = wanted
-        """Whether a weight gradient is wanted (some weight requires grad under grad mode)."""
-        self.compute: Callable[[], WeightGradOperands] | None = None
-
-
-def _engine_accumulates(accumulator) -> bool:
-    """Whether this backward pass runs ``accumulator`` (a leaf's): true in a plain backward; false
-    under ``autograd.grad`` (the engine then hands the gradient back instead, and does not answer for
-    a leaf), e.g. in torch's zero-bubble weight phase."""
-    try:
-        return bool(torch._C._will_engine_execute_node(accumulator))
-    except RuntimeError:
-        return False
-
-
 def expert_weight_grad(
     weight: torch.Tensor, accumulator, operands: tuple[torch.Tensor, torch.Tensor], offsets_E: torch.Tensor
 ) -> torch.Tensor | None:
@@ -154,14 +129,12 @@ def expert_weight_grad(
     ``accumulator`` (a plain backward), the product is added straight into it and the pass between a
     bf16 gradient and the fp32 buffer disappears. Under ``autograd.grad`` the gradient is returned."""
     grad_out_NX, inputs_NY = operands
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None and _engine_accumulates(accumulator):
+    main_grad = main_grad_to_add_into(weight, accumulator)
+    if main_grad is not None:
         # The operands torch's grouped GEMM would get, checked on every device as ``grouped_mm`` does
         # (the op falls back to it where its kernel cannot run).
         check_operand("a", grad_out_NX.t())
         check_operand("b", inputs_NY)
-        # Returning no gradient, this node gives autograd no producer to order the weight's hook (the
-        # bucket's reduction) after: the order holds because the GEMM runs on the caller's stream.
         kernels.grouped_wgrad_accumulate(grad_out_NX, inputs_NY, offsets_E, main_grad)
         return None
     return zero_empty_experts_(grouped_mm(grad_out_NX.t(), inputs_NY, offsets_E), offsets_E)
@@ -181,10 +154,7 @@ class _ExpertWeightGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _grad_token):
-        compute, ctx.stash.compute = ctx.stash.compute, None
-        if compute is None:
-            raise RuntimeError("the experts' weight gradients ran without their input-gradient pass, or twice")
-        operands = compute()
+        operands = ctx.stash.take()
         # Inputs 1 and 2 are the weights, the first two of the node's edges (the stash has none).
         edges = ctx.next_functions
         grads = [
@@ -199,14 +169,14 @@ class DeferredWeightGrads:
     computes their input gradients only, ``run_all()`` their weight gradients."""
 
     def __init__(self) -> None:
-        self._calls: list[tuple[_WeightGradStash, torch.Tensor]] = []
+        self._calls: list[tuple[WeightGradStash, torch.Tensor]] = []
 
     @property
     def pending(self) -> int:
         """Expert calls whose weight gradients have not run yet."""
         return len(self._calls)
 
-    def add(self, stash: _WeightGradStash, token: torch.Tensor) -> None:
+    def add(self, stash: WeightGradStash, token: torch.Tensor) -> None:
         self._calls.append((stash, token))
 
     def run_all(self) -> None:
@@ -238,27 +208,13 @@ def defer_weight_grads() -> Iterator[DeferredWeightGrads]:
         _deferrals.remove(deferred)
 
 
-def input_grad_wanted(ctx, index: int) -> bool:
-    """Whether this backward pass wants the gradient of input ``index`` (``ctx.needs_input_grad`` says
-    only whether it requires grad). ``stage_backward_weight`` re-enters the main node for the weights
-    alone; the engine then does not execute x's producer. The engine does not answer for a leaf under
-    ``autograd.grad``: wanted, to be safe."""
-    if not ctx.needs_input_grad[index]:
-        return False
-    node = ctx.next_functions[index][0]
-    try:
-        return node is None or bool(torch._C._will_engine_execute_node(node))
-    except RuntimeError:
-        return True
-
-
 def split_weights(
     x: torch.Tensor, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor
-) -> tuple[_WeightGradStash, torch.Tensor | None]:
+) -> tuple[WeightGradStash, torch.Tensor | None]:
     """The stash and the weight node's token for one expert call (no token where no weight gradient
     is wanted). Under ``defer_weight_grads()`` the token is queued there instead of given to the main
     node, unless x does not require grad (the output would then carry no graph)."""
-    stash = _WeightGradStash(torch.is_grad_enabled() and (gate_up_EHD.requires_grad or down_EDF.requires_grad))
+    stash = WeightGradStash(torch.is_grad_enabled() and (gate_up_EHD.requires_grad or down_EDF.requires_grad))
     if not stash.wanted:
         return stash, None
     token = _ExpertWeightGrads.apply(stash, gate_up_EHD, down_EDF)
@@ -266,13 +222,3 @@ def split_weights(
         _deferrals[-1].add(stash, token)
         return stash, None
     return stash, token
-
-
-def weights_only_reentry(ctx, stash: _WeightGradStash) -> bool:
-    """True when ``stage_backward_weight`` re-enters the main node: dX ran in the input pass, the
-    closure waits in the stash, and x's gradient is not wanted now."""
-    return stash.compute is not None and not input_grad_wanted(ctx, 0)
-
-
-def split_token_grad(ctx, like: torch.Tensor, index: int) -> torch.Tensor | None:
-    return like.new_empty(0) if ctx.needs_input_grad[index] else None

@@ -10,9 +10,9 @@ With ``fused_kernels`` (``ModelConfig.fused_kernels``, given at construction) th
 and its backward as fused ops (``moe_engine.kernels.swiglu``); the loop backend stays the reference.
 
 Split backward (grouped backends): each call is two autograd nodes, a main node whose backward computes
-the input gradient dX and a weight node (``_ExpertWeightGrads``) that computes dW. A zero-bubble
-pipeline schedule's input phase (``stage_backward_input``) reaches only the first, its weight phase
-(``stage_backward_weight``) the second; a plain backward runs both. ``defer_weight_grads()`` defers
+the input gradient dX and a weight node (``_ExpertWeightGrads``) that computes dW
+(``moe_engine.weight_grad_split``): a zero-bubble pipeline schedule's input phase reaches only the
+first, its weight phase the second; a plain backward runs both. ``defer_weight_grads()`` defers
 dW of the calls made inside it to ``DeferredWeightGrads.run_all()``.
 
 Rows arrive sorted by expert; expert e owns rows [offsets[e-1], offsets[e]). Rows after the last
@@ -32,17 +32,15 @@ from moe_engine.moe.expert_backend import (
     ExpertBackend,
     LoopBackend,
     WeightGradOperands,
-    input_grad_wanted,
-    split_token_grad,
     split_weights,
     swiglu,
     swiglu_backward,
-    weights_only_reentry,
 )
 from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups, RowMap
 from moe_engine.precision.mxfp8 import gemm as mx
 from moe_engine.precision.mxfp8.blocks import MXTensor
+from moe_engine.weight_grad_split import input_grad_wanted, split_token_grad, weights_only_reentry
 
 
 class _GroupedSwiGLU(torch.autograd.Function):

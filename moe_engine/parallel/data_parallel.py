@@ -285,8 +285,8 @@ class DataParallelOptimizer:
     runs; a weight whose GEMM adds into ``main_grad`` raises instead). With ZeRO-1 only this rank's share of the reduced gradient is kept (in the bucket's
     reduce-scatter output); the view then holds this rank's local, scaled gradient.
 
-    ``accumulate_in_gemm``: each parameter's view is also its ``main_grad``, which the experts' weight
-    gradient GEMMs add into directly (Megatron's name and convention); False keeps every gradient on the
+    ``accumulate_in_gemm``: each parameter's view is also its ``main_grad``, which the experts' and the
+    dense projections' weight-gradient GEMMs add into directly (Megatron's name and convention); False keeps every gradient on the
     way through ``.grad`` (the reference path).
     """
 
@@ -322,8 +322,8 @@ class DataParallelOptimizer:
             view = self._grad_views[id(param)]
             param.grad = view if view.dtype == param.dtype else None
             if accumulate_in_gemm and view.dtype == torch.float32:
-                # Where a weight's gradient GEMM can add into the buffer itself (the experts'), it does
-                # (``moe_engine.moe.expert_backend.expert_weight_grad``): no gradient reaches ``.grad``.
+                # Where a weight's gradient GEMM can add into the buffer itself (the experts', the dense
+                # projections'), it does (``moe_engine.weight_grad_split``): no gradient reaches ``.grad``.
                 # Only fp32 buffers: the kernel adds in fp32 (a bf16 buffer would take its two-pass path).
                 param.main_grad = view  # type: ignore[attr-defined]
             elif hasattr(param, "main_grad"):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
 import moe_engine.moe.expert_backend as ex
+from moe_engine import weight_grad_split as split
 from moe_engine.moe.grouped_gemm import grouped_mm
 from moe_engine.precision import fp8_rowwise as fp8
 
@@ -148,8 +149,8 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_ND):
         stash = ctx.stash
-        token_grad = ex.split_token_grad(ctx, grad_y_ND, 5)
-        if ex.weights_only_reentry(ctx, stash):
+        token_grad = split.split_token_grad(ctx, grad_y_ND, 5)
+        if split.weights_only_reentry(ctx, stash):
             return None, None, None, None, None, token_grad, None, None
         x_q, x_scale, h_NH, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         dtype, path = grad_y_ND.dtype, ctx.path
@@ -165,7 +166,7 @@ class _FP8GroupedSwiGLU(torch.autograd.Function):
 
             stash.compute = weight_grads
         grad_x_ND = None
-        if ex.input_grad_wanted(ctx, 0):
+        if split.input_grad_wanted(ctx, 0):
             gate_up_dgrad = quantize_weight(gate_up_EHD, transposed=True)
             grad_x_ND = fp8_grouped_mm(grad_h_NH, gate_up_dgrad, offsets_E, dtype, path)
         return grad_x_ND, None, None, None, None, token_grad, None, None

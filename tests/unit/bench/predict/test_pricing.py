@@ -75,6 +75,24 @@ def test_weight_gradient_accumulated_in_its_gemm_is_the_grouped_gemm_plus_its_ou
     assert work.dtype == "torch.bfloat16"
 
 
+def test_dense_weight_gradient_accumulated_in_its_gemm_is_the_gemm_plus_its_output_read():
+    # wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b, a dense projection's weight gradient from
+    # N=100 rows (M=48 outputs, K=32 inputs), into an fp32 out that cuBLAS reads and writes (48 x 32 x 4
+    # bytes each way).
+    fused = op(
+        "moe_engine.wgrad_accumulate.default",
+        [spec(100, 48), spec(100, 32), spec(48, 32, dtype="torch.float32")],
+        [],
+        stage="backward",
+    )
+    work = op_work(fused)
+    assert op_kind(fused) == "gemm"
+    assert work.flops == 2 * 48 * 32 * 100
+    assert work.shape == (48, 32, 100)  # (M, N, K) of the product, K the reduction
+    assert work.nbytes == 2 * 100 * 48 + 2 * 100 * 32 + 2 * (48 * 32 * 4)
+    assert work.dtype == "torch.bfloat16"
+
+
 def test_attention_flops_causal_forward_and_backward():
     q = spec(2, 4, 128, 64)
     fwd = op(

@@ -163,6 +163,8 @@ def test_ops_land_in_the_modules_they_ran_in(fake):
     assert _modules(trace, "aten._grouped_mm.default", "forward") == ["experts"] * 4
     assert _modules(trace, "aten._grouped_mm.default", "backward") == ["experts"] * 4
     assert _modules(trace, "moe_engine.grouped_wgrad_accumulate.default", "backward") == ["experts"] * 4
+    # The attention projections' weight gradients, added into the buffer by theirs (q, k, v, o a block).
+    assert _modules(trace, "moe_engine.wgrad_accumulate.default", "backward") == ["attention"] * 8
     assert set(_modules(trace, "aten.silu_backward.default")) == {"experts"}
     # Tokens go out twice per block (counts, rows) and come back once; the backward returns the
     # combine's gradients first, then the dispatch's.

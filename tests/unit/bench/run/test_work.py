@@ -92,6 +92,16 @@ def test_matmul_and_cpu_attention_flops_by_hand():
     assert work.matmul_flops == sum(work.flops_by_op.values())
 
 
+def test_dense_weight_gradient_added_in_its_gemm_is_counted_once():
+    from moe_engine import kernels
+
+    a_NM, b_NK = torch.randn(12, 6).bfloat16(), torch.randn(12, 10).bfloat16()
+    out_MK = torch.zeros(6, 10)
+    work = count_step_work(lambda: kernels.wgrad_accumulate(a_NM, b_NK, out_MK), CPU)
+    # out (6 x 10) += a^T b over 12 rows; the product and the add inside the op are not counted again.
+    assert work.flops_by_op == {"moe_engine.wgrad_accumulate": 2 * 6 * 10 * 12}
+
+
 def test_op_count_of_a_known_function_includes_autograds_backward():
     a = torch.randn(4, requires_grad=True)
     b = torch.randn(4, requires_grad=True)
