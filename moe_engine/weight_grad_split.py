@@ -3,9 +3,11 @@ the weight gradient goes: handed back, or added by its GEMM into the data-parall
 
 The layer's main node computes dX and leaves dW's operands in a ``WeightGradStash``; a weight node, whose
 inputs are the weights and whose output is an empty token the main node takes as an input, computes dW
-from them. A zero-bubble schedule's input phase (``stage_backward_input``) reaches only the main node,
-its weight phase (``stage_backward_weight``) the weight node; a plain backward runs both. The experts
-(``moe_engine.moe.experts``) and the dense projections (``moe_engine.modules.linear``) split this way.
+from them. A zero-bubble schedule's input phase (``stage_backward_input``) does not run the weight node;
+its weight phase (``stage_backward_weight``) starts again at the nodes the input phase saved gradients
+for (the main node, whose backward then hands over dW's operands) and runs it; a plain backward runs
+both at once. The experts (``moe_engine.moe.experts``) and the dense projections
+(``moe_engine.modules.linear``, whose node before torch's GEMM takes the token) split this way.
 
 A weight that has a ``main_grad`` (its fp32 view in a data-parallel gradient buffer,
 ``moe_engine.parallel.data_parallel``; Megatron's name) gets its gradient added there by the GEMM when

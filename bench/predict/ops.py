@@ -160,9 +160,9 @@ def op_work(op: TracedOp) -> OpWork:
     dtype = op.inputs[0].dtype if op.inputs else (op.outputs[0].dtype if op.outputs else "torch.float32")
     moved = _moved_bytes(op)
     if kind == "gemm":
-        if is_fused(op):  # wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b
+        if is_fused(op):  # wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b, a's leading dims the N rows
             a, out = op.inputs[0], op.inputs[2]
-            shape = (out.shape[0], out.shape[1], a.shape[0])
+            shape = (out.shape[0], out.shape[1], math.prod(a.shape[:-1]))
             # out read above as an input, written back
             return OpWork(kind, 2.0 * math.prod(shape), moved + out.nbytes, dtype, shape=shape)
         return OpWork(kind, _gemm_flops(op), moved, dtype, shape=gemm_shape(op))

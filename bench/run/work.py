@@ -5,6 +5,7 @@ More: docs/step-measurement.md.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -156,8 +157,8 @@ def _cpu_flash_attention_backward_flops(
 
 
 def _wgrad_accumulate_flops(a_shape, b_shape, buffer_shape, *args, out_shape=None, **kwargs) -> int:
-    # moe_engine::wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b
-    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    # moe_engine::wgrad_accumulate(a_NM, b_NK, out_MK): out += a^T b, a's leading dims the N rows
+    return 2 * math.prod(a_shape) * b_shape[-1]
 
 
 def flop_counter(grouped: GroupedMMFlops) -> FlopCounterMode:

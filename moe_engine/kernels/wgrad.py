@@ -15,10 +15,15 @@ OUT_DTYPE_OPERANDS = (torch.bfloat16, torch.float16)
 """Operand dtypes ``torch.addmm``'s ``out_dtype`` overload adds into an fp32 output on CUDA."""
 
 
+def _rows(t: Tensor) -> Tensor:
+    """(N, X) rows of a (..., X) tensor: the leading dims flattened (a view where the strides allow)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def weight_grad(a_NM: Tensor, b_NK: Tensor) -> Tensor:
-    """``a_NM^T @ b_NK`` in the operands' dtype, computed as autograd's linear computes a weight gradient
-    (``(b^T a)^T``: the same operands in the same order, so the same bits)."""
-    return b_NK.t().mm(a_NM).t()
+    """``a_NM^T @ b_NK`` in the operands' dtype (leading dims flattened into N), computed as autograd's
+    linear computes a weight gradient (``(b^T a)^T``: the same operands in the same order, so the same bits)."""
+    return _rows(b_NK).t().mm(_rows(a_NM)).t()
 
 
 def reference_accumulate(a_NM: Tensor, b_NK: Tensor, out_MK: Tensor) -> None:
@@ -27,16 +32,16 @@ def reference_accumulate(a_NM: Tensor, b_NK: Tensor, out_MK: Tensor) -> None:
 
 
 def _check(a_NM: Tensor, b_NK: Tensor, out_MK: Tensor) -> None:
-    if a_NM.dim() != 2 or b_NK.dim() != 2 or out_MK.dim() != 2:
+    if a_NM.dim() < 2 or b_NK.dim() < 2 or out_MK.dim() != 2:
         raise ValueError(
-            "wgrad_accumulate takes a_NM (N, M), b_NK (N, K) and out_MK (M, K); "
+            "wgrad_accumulate takes a_NM (..., M), b_NK (..., K) and out_MK (M, K); "
             f"got {a_NM.dim()}-D, {b_NK.dim()}-D and {out_MK.dim()}-D"
         )
-    want = (a_NM.shape[1], b_NK.shape[1])
-    if a_NM.shape[0] != b_NK.shape[0] or tuple(out_MK.shape) != want:
+    want = (a_NM.shape[-1], b_NK.shape[-1])
+    if a_NM.shape[:-1] != b_NK.shape[:-1] or tuple(out_MK.shape) != want:
         raise ValueError(
-            f"wgrad_accumulate: a_NM {tuple(a_NM.shape)} and b_NK {tuple(b_NK.shape)} need the same N and "
-            f"out_MK of shape {want}, got {tuple(out_MK.shape)}"
+            f"wgrad_accumulate: a_NM {tuple(a_NM.shape)} and b_NK {tuple(b_NK.shape)} need the same leading "
+            f"dims and out_MK of shape {want}, got {tuple(out_MK.shape)}"
         )
     if a_NM.dtype != b_NK.dtype:
         raise TypeError(f"wgrad_accumulate: a_NM is {a_NM.dtype} and b_NK {b_NK.dtype}: one dtype expected")
@@ -53,9 +58,9 @@ def wgrad_accumulate_op(a_NM: Tensor, b_NK: Tensor, out_MK: Tensor) -> None:
     if not a_NM.is_cuda:
         reference_accumulate(a_NM, b_NK, out_MK)
     elif a_NM.dtype in OUT_DTYPE_OPERANDS:
-        torch.addmm(out_MK, a_NM.t(), b_NK, out_dtype=torch.float32, out=out_MK)
+        torch.addmm(out_MK, _rows(a_NM).t(), _rows(b_NK), out_dtype=torch.float32, out=out_MK)
     else:
-        out_MK.addmm_(a_NM.t(), b_NK)
+        out_MK.addmm_(_rows(a_NM).t(), _rows(b_NK))
 
 
 @wgrad_accumulate_op.register_fake
@@ -66,7 +71,8 @@ def _(a_NM, b_NK, out_MK):
 
 def wgrad_accumulate(a_NM: Tensor, b_NK: Tensor, out_MK: Tensor) -> None:
     """``out_MK += a_NM^T @ b_NK`` in place, as one op: ``a_NM`` the output gradient's rows, ``b_NK``
-    the input's, ``out_MK`` an fp32 buffer view (a weight's ``main_grad``). On CUDA the GEMM adds into
+    the input's (leading dims alike, flattened into N inside the op, so that a caller's reshapes cost
+    nothing outside it), ``out_MK`` an fp32 buffer view (a weight's ``main_grad``). On CUDA the GEMM adds into
     it (bf16 or fp16 operands summed in fp32, rounded once); on the CPU the reference rounds the product
     to the operands' dtype first (``reference_accumulate``)."""
     wgrad_accumulate_op(a_NM, b_NK, out_MK)

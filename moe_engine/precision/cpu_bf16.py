@@ -24,6 +24,18 @@ _ROUNDED_OUTPUTS = {
 }
 
 
+def _accumulating_references() -> dict:
+    """The engine's ops that add a GEMM's product into a buffer (the weight gradients added into the fp32
+    gradient buffer), each with its reference composition: a GEMM and an add, which this mode then runs."""
+    # heavy: the kernels package registers the ops; imported when the mode first meets one
+    from moe_engine.kernels import grouped_wgrad, wgrad
+
+    return {
+        torch.ops.moe_engine.wgrad_accumulate.default: wgrad.reference_accumulate,
+        torch.ops.moe_engine.grouped_wgrad_accumulate.default: grouped_wgrad.reference_accumulate,
+    }
+
+
 def native_bf16_gemms() -> bool:
     """Whether this CPU's bf16 GEMMs run on bf16 instructions (oneDNN), the test ATen itself applies."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -39,10 +51,18 @@ def _upcast(value: object) -> object:
 
 class BF16GemmsInFp32(TorchDispatchMode):
     """While active, each CPU bf16 GEMM and flash attention (forward and backward) runs in fp32 on
-    fp32 copies of its bf16 operands, and its bf16 outputs are rounded back once."""
+    fp32 copies of its bf16 operands, and its bf16 outputs are rounded back once; the weight-gradient
+    ops that add a GEMM into a buffer run their GEMM and add the same way."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func.namespace == "moe_engine" and any(_is_bf16(a) for a in args):
+            reference = _accumulating_references().get(func)
+            if reference is not None:
+                # The op's GEMM runs inside it, where this mode no longer sees it: its reference
+                # composition instead, its GEMM under a mode of its own, as before the op existed.
+                with BF16GemmsInFp32():
+                    return reference(*args, **kwargs)
         rounded = _ROUNDED_OUTPUTS.get(func)
         if rounded is None or not any(_is_bf16(a) for a in args):
             return func(*args, **kwargs)

@@ -91,6 +91,14 @@ def test_dense_weight_gradient_accumulated_in_its_gemm_is_the_gemm_plus_its_outp
     assert work.shape == (48, 32, 100)  # (M, N, K) of the product, K the reduction
     assert work.nbytes == 2 * 100 * 48 + 2 * 100 * 32 + 2 * (48 * 32 * 4)
     assert work.dtype == "torch.bfloat16"
+    # The same rows as (4, 25, X) operands, a projection's (batch, sequence, features): the op's N is 4 x 25.
+    batched = op(
+        "moe_engine.wgrad_accumulate.default",
+        [spec(4, 25, 48), spec(4, 25, 32), spec(48, 32, dtype="torch.float32")],
+        [],
+        stage="backward",
+    )
+    assert op_work(batched) == work
 
 
 def test_attention_flops_causal_forward_and_backward():

@@ -100,6 +100,9 @@ def test_dense_weight_gradient_added_in_its_gemm_is_counted_once():
     work = count_step_work(lambda: kernels.wgrad_accumulate(a_NM, b_NK, out_MK), CPU)
     # out (6 x 10) += a^T b over 12 rows; the product and the add inside the op are not counted again.
     assert work.flops_by_op == {"moe_engine.wgrad_accumulate": 2 * 6 * 10 * 12}
+    # The rows as (3, 4) leading dims count the same.
+    work = count_step_work(lambda: kernels.wgrad_accumulate(a_NM.view(3, 4, 6), b_NK.view(3, 4, 10), out_MK), CPU)
+    assert work.flops_by_op == {"moe_engine.wgrad_accumulate": 2 * 6 * 10 * 12}
 
 
 def test_op_count_of_a_known_function_includes_autograds_backward():

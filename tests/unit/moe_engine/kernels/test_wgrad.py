@@ -57,6 +57,16 @@ def test_strided_operands(device):
     assert_close_to_scale(out_MK.cpu().double(), want, tolerance(torch.float32, N))
 
 
+def test_leading_dims_are_the_rows(device):
+    """(B, S, X) operands, as a projection's dY and x arrive: the op flattens them into N = B * S rows."""
+    a_NM, b_NK, out_MK = _case(torch.bfloat16, device, n=36)
+    want = out_MK.clone()
+    kernels.wgrad_accumulate(a_NM, b_NK, want)
+    kernels.wgrad_accumulate(a_NM.view(4, 9, M), b_NK.view(4, 9, K), out_MK)
+    assert torch.equal(out_MK, want)
+    assert torch.equal(wgrad.weight_grad(a_NM.view(4, 9, M), b_NK.view(4, 9, K)), wgrad.weight_grad(a_NM, b_NK))
+
+
 def test_no_rows_leave_the_buffer(device):
     a_NM, b_NK, out_MK = _case(torch.bfloat16, device, n=0)
     before = out_MK.clone()
@@ -91,13 +101,14 @@ def test_one_op_and_fake_tensors_run_nothing():
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda a, b, o: (a, b[:-1], o), ValueError, "the same N"),
+        (lambda a, b, o: (a, b[:-1], o), ValueError, "the same leading dims"),
         (lambda a, b, o: (a, b, o[:, :-1]), ValueError, r"out_MK of shape \(24, 20\)"),
         (lambda a, b, o: (a, b.float(), o), TypeError, "one dtype"),
         (lambda a, b, o: (a, b, o.bfloat16()), TypeError, "must be float32"),
-        (lambda a, b, o: (a[None], b, o), ValueError, "3-D"),
+        (lambda a, b, o: (a[None], b, o), ValueError, "the same leading dims"),
+        (lambda a, b, o: (a[0], b, o), ValueError, "1-D"),
     ],
-    ids=["rows", "out-shape", "dtypes", "out-dtype", "dims"],
+    ids=["rows", "out-shape", "dtypes", "out-dtype", "dims", "vector"],
 )
 def test_bad_inputs_are_refused_by_name(change, error, match):
     changed = change(*_case(torch.bfloat16, torch.device("cpu")))

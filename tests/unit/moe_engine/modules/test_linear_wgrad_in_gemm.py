@@ -12,6 +12,7 @@ import torch
 from tolerances import assert_close_to_scale, tolerance
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from moe_engine.config import OptimizerConfig
 from moe_engine.modules.linear import Linear
@@ -150,7 +151,8 @@ class _MMCounter(TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func is torch.ops.aten.mm.default
+        # The last projection's input is a strided view: torch computes its dX with a bmm.
+        self.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
         return func(*args, **(kwargs or {}))
 
     def take(self) -> int:
@@ -208,11 +210,11 @@ def test_linear_has_no_bias():
         Linear(D, 6, bias=True)
 
 
-def test_weights_only_pass_after_an_input_pass_skips_the_first_projections_dx():
-    """``autograd.grad`` for x, then for the weights alone: the second pass re-enters the projections'
-    main nodes; those whose input leads to no requested weight (the MLP's gate and up, fed by x * scale)
-    skip dX, the rest (down and the last projection) compute it again on the way to the weights: 4 dW
-    and 2 dX GEMMs. The gradients equal the plain model's."""
+def test_weights_only_pass_gives_the_plain_gradients():
+    """``autograd.grad`` for x, then for the weights alone: each weight's gradient once, equal to the plain
+    model's. The way to a projection's weight node passes its GEMM's dX node (torch's), so this pass
+    computes the four dX again beside the four dW; torch's zero-bubble weight phase does not (it starts
+    at the saved gradients: test_zero_bubble_phases_split_dx_from_dw)."""
     dtype = torch.float32
     plain = _model(dtype)
     x_BSD, grad_y = _inputs(dtype)[0]
@@ -220,13 +222,30 @@ def test_weights_only_pass_after_an_input_pass_skips_the_first_projections_dx():
     want = torch.autograd.grad(plain(x_BSD), [p for n, p in plain.named_parameters() if n in names], grad_y)
 
     model = _model(dtype)
-    DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), bucket_elements=200)
+    opt = DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), bucket_elements=200)
+    opt.zero_grad()
     x = x_BSD.clone().requires_grad_()
     y = model(x)
     torch.autograd.grad(y, x, grad_y, retain_graph=True)
     mms = _MMCounter()
     with mms:
         grads = torch.autograd.grad(y, [p for n, p in model.named_parameters() if n in names], grad_y)
-    assert mms.take() == 6
+    assert mms.take() == 8
     for name, got, expected in zip(names, grads, want):
         assert torch.equal(got, expected), name
+    assert not any(opt.grad_view(p).any() for p in model.parameters())
+
+
+def test_a_checkpointed_projection_is_not_run_again_in_backward():
+    """Non-reentrant checkpointing stops its recompute at the last saved tensor: the projection saves x
+    (and torch's GEMM its weight) before the GEMM runs, so the backward runs dX and the weight gradient
+    op, not the forward GEMM again, as for ``F.linear``."""
+    layer = Linear(D, 6)
+    DataParallelOptimizer(layer, None, OptimizerConfig(max_grad_norm=0.0))
+    x = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(SEED), requires_grad=True)
+    y = checkpoint(layer, x, use_reentrant=False)
+    counted = _CountOps()
+    with counted:
+        y.backward(torch.ones_like(y))
+    assert counted.names.count("aten.mm.default") == 1  # dX
+    assert counted.names.count(OP) == 1

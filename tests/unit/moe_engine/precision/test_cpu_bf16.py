@@ -162,3 +162,31 @@ def test_the_mode_may_be_entered_again(dtype):
     for _ in range(2):
         with gemms:
             assert (x @ x).dtype == dtype
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_weight_gradients_added_into_the_buffer_run_their_gemm_in_fp32(grouped):
+    """The ops that add a weight gradient into the fp32 buffer (``moe_engine::wgrad_accumulate`` and its
+    grouped twin) run their GEMM inside, below any mode: the mode runs their reference composition, so
+    that the product is computed in fp32, rounded to bf16 and added, bit for bit the two passes of the
+    ``.grad`` path under the mode, and no bf16 GEMM reaches ATen."""
+    from moe_engine import kernels
+    from moe_engine.kernels import wgrad
+
+    gen = torch.Generator().manual_seed(SEED)
+    a, b = bf16(21, 24, generator=gen), bf16(21, 16, generator=gen)
+    offsets = torch.tensor([9, 9, 21], dtype=torch.int32)
+    out = torch.randn((3, 24, 16) if grouped else (24, 16), generator=gen)
+    want = out.clone()
+    with BF16GemmsInFp32():
+        if grouped:
+            want.add_(torch._grouped_mm(a.t(), b, offs=offsets))
+        else:
+            want.add_(wgrad.weight_grad(a, b))
+    with _GemmDtypes() as below, BF16GemmsInFp32():
+        if grouped:
+            kernels.grouped_wgrad_accumulate(a, b, offsets, out)
+        else:
+            kernels.wgrad_accumulate(a, b, out)
+    assert below.seen and all(dtype == torch.float32 for _, dtype in below.seen), below.seen
+    assert torch.equal(out, want)
