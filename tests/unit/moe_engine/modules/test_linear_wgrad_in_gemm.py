@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_recording import OpRecorder
 from tolerances import assert_close_to_scale, tolerance
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from moe_engine.config import OptimizerConfig
@@ -22,7 +22,7 @@ from moe_engine.parallel.data_parallel import DataParallelOptimizer
 SEED = 20261207
 D, H = 16, 24
 BATCH, SEQ = 2, 5
-OP = "moe_engine.wgrad_accumulate.default"
+OP = "moe_engine::wgrad_accumulate"
 MICROBATCHES = 2
 
 
@@ -40,16 +40,6 @@ class _Model(torch.nn.Module):
         y_BSD = self.mlp(x_BSD * self.scale)
         # (B, S, D) -> (D, S, B): the projection's input is a strided view.
         return self.out(y_BSD.transpose(0, 2))
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _model(dtype):
@@ -72,6 +62,11 @@ def _inputs(dtype):
     ]
 
 
+def _gemms(recorder: OpRecorder) -> int:
+    # The last projection's input is a strided view: torch computes its dX with a bmm.
+    return recorder.ops["aten::mm"] + recorder.ops["aten::bmm"]
+
+
 def _train_buffers(dtype, accumulate_in_gemm):
     """The gradient buffers after the microbatches' backwards, the inputs' gradients, and the ops run."""
     model = _model(dtype)
@@ -80,7 +75,7 @@ def _train_buffers(dtype, accumulate_in_gemm):
     )
     opt.zero_grad()
     opt.arm_overlap(MICROBATCHES)
-    counted = _CountOps()
+    counted = OpRecorder()
     input_grads = []
     for x_BSD, grad_y in _inputs(dtype):
         x_BSD = x_BSD.clone().requires_grad_()
@@ -92,7 +87,7 @@ def _train_buffers(dtype, accumulate_in_gemm):
     assert opt.launched_buckets == len(opt.buckets)
     opt.finish_grad_sync()
     buffers = {name: opt.grad_view(p).clone() for name, p in model.named_parameters()}
-    return buffers, input_grads, counted.names, model
+    return buffers, input_grads, counted.ops, model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,8 +100,8 @@ def test_in_gemm_buffers_equal_the_through_grad_buffers(dtype):
     for got_grad, want_grad in zip(got_x, want_x):
         assert torch.equal(got_grad, want_grad)
     # Four projections per microbatch; none without main_grad.
-    assert got_ops.count(OP) == 4 * MICROBATCHES
-    assert want_ops.count(OP) == 0
+    assert got_ops[OP] == 4 * MICROBATCHES
+    assert want_ops[OP] == 0
     if dtype != torch.float32:  # fp32 weights' .grad is their buffer view
         assert all(p.grad is None for name, p in model.named_parameters() if name != "scale")
 
@@ -145,21 +140,6 @@ def test_autograd_grad_hands_the_gradients_back_and_leaves_the_buffers():
         assert not opt.grad_view(weight).any()
 
 
-class _MMCounter(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # The last projection's input is a strided view: torch computes its dX with a bmm.
-        self.calls += func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
-        return func(*args, **(kwargs or {}))
-
-    def take(self) -> int:
-        calls, self.calls = self.calls, 0
-        return calls
-
-
 def test_zero_bubble_phases_split_dx_from_dw():
     """With ``main_grad`` attached, torch's input phase runs the four projections' dX GEMMs and no
     weight gradient, its weight phase their four dW GEMMs; the gradients equal the plain model's."""
@@ -172,18 +152,17 @@ def test_zero_bubble_phases_split_dx_from_dw():
     model = _model(dtype)
     opt = DataParallelOptimizer(model, None, OptimizerConfig(max_grad_norm=0.0), bucket_elements=200)
     opt.zero_grad()
-    mms = _MMCounter()
     x = x_BSD.clone().requires_grad_()
     y = model(x)
-    with mms:
+    with OpRecorder() as mms:
         (grad_x,), param_groups = stage_backward_input([y], [grad_y], [x], model.parameters())
-    assert mms.take() == 4, "the input phase ran other GEMMs than the projections' dX"
+    assert _gemms(mms) == 4, "the input phase ran other GEMMs than the projections' dX"
     assert torch.equal(grad_x, x_plain.grad)
     for name, p in model.named_parameters():
         assert not opt.grad_view(p).any(), f"{name}: a weight gradient in the input phase"
-    with mms:
+    with OpRecorder() as mms:
         stage_backward_weight(model.parameters(), param_groups)
-    assert mms.take() == 4, "the weight phase ran other GEMMs than the projections' dW"
+    assert _gemms(mms) == 4, "the weight phase ran other GEMMs than the projections' dW"
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         # stage_backward_weight hands the gradients to .grad (the buffer view, for fp32 weights).
         assert torch.equal(p.grad, q.grad), name
@@ -194,15 +173,14 @@ def test_without_main_grad_it_is_plain_linear():
     layer = Linear(D, 6)
     reference = torch.nn.Linear(D, 6, bias=False)
     reference.load_state_dict(layer.state_dict())
-    counted = _CountOps()
+    counted = OpRecorder()
     with counted:
         y = layer(x)
         y.sum().backward()
     reference(x).sum().backward()
     assert torch.equal(y, reference(x))
     assert torch.equal(layer.weight.grad, reference.weight.grad)
-    assert OP not in counted.names
-    assert not any(name.startswith("moe_engine.") for name in counted.names)
+    assert counted.fused() == {}
 
 
 def test_linear_has_no_bias():
@@ -227,10 +205,9 @@ def test_weights_only_pass_gives_the_plain_gradients():
     x = x_BSD.clone().requires_grad_()
     y = model(x)
     torch.autograd.grad(y, x, grad_y, retain_graph=True)
-    mms = _MMCounter()
-    with mms:
+    with OpRecorder() as mms:
         grads = torch.autograd.grad(y, [p for n, p in model.named_parameters() if n in names], grad_y)
-    assert mms.take() == 8
+    assert _gemms(mms) == 8
     for name, got, expected in zip(names, grads, want):
         assert torch.equal(got, expected), name
     assert not any(opt.grad_view(p).any() for p in model.parameters())
@@ -244,8 +221,7 @@ def test_a_checkpointed_projection_is_not_run_again_in_backward():
     DataParallelOptimizer(layer, None, OptimizerConfig(max_grad_norm=0.0))
     x = torch.randn(3, 4, D, generator=torch.Generator().manual_seed(SEED), requires_grad=True)
     y = checkpoint(layer, x, use_reentrant=False)
-    counted = _CountOps()
-    with counted:
+    with OpRecorder() as counted:
         y.backward(torch.ones_like(y))
-    assert counted.names.count("aten.mm.default") == 1  # dX
-    assert counted.names.count(OP) == 1
+    assert counted.ops["aten::mm"] == 1  # dX
+    assert counted.ops[OP] == 1
