@@ -17,15 +17,16 @@
 #
 # Budget on one H200, by arithmetic until a GPU run measures it (each step's limit below; 14.75
 # minutes in all, steps.txt records the measured seconds):
-#   tests-cuda  420 s: the selection is 348 tests (pytest --collect-only -m cuda under MOE_TEST_DEVICE=cuda, all
+#   tests-cuda  420 s: the selection is 363 tests (pytest --collect-only -m cuda under MOE_TEST_DEVICE=cuda, all
 #                      skipped on a CPU); they compile Triton kernels after CUDA start-up (about 15 s): about 30
 #                      distinct quantizer and GEMM specialisations, and the fused-op tests on the order of
-#                      100 more (their cases' sizes and dtypes; the engine itself launches 69 at the
+#                      100 more (their cases' sizes and dtypes; the engine itself launches 73 at the
 #                      reference models' sizes, counted by python -m bench.validate.kernel_compile, the
 #                      MXFP8 GEMM's 8 among them: it is tuned over 4 configs, each compiled on an sm90's
 #                      first call per (N, K, experts)), so some 10 GEMM shapes of the tests compile 4
-#                      times each (estimate): about 160 compiles at 0.2-2.3 s each on a 2-core host, 370 s
-#                      at the upper end.
+#                      times each (estimate), and the MXFP8 weight gradients' two kernels some 6 more (their
+#                      dtypes and accumulate-or-not): about 166 compiles at 0.2-2.3 s each on a 2-core host,
+#                      385 s at the upper end.
 #   micro-cuda  150 s: 4 benchmarks of 7 calls each (pedantic: 2 warm-up, 5 rounds) of one layer's
 #                      forward and backward on 4,096 tokens, at most 0.31 TFLOP a call (0.3 ms at the
 #                      989 TFLOP/s bf16 peak, 3 ms at 10%): under 0.1 s in all; and each fused op
@@ -39,7 +40,10 @@
 #                      the peak) compiles the Triton GEMM once (one config per dtype; up to 3 s,
 #                      estimate). The dense pair (bench/micro/test_wgrad.py: cuBLAS adding into fp32
 #                      against mm and an add, 4 benchmarks of 7 calls at up to 0.96 TFLOP each) takes
-#                      under 10 ms a call at 10% of the peak.
+#                      under 10 ms a call at 10% of the peak. The MXFP8 weight-gradient pair
+#                      (bench/micro/test_mxfp8_wgrad.py: the operands' quantization and the block-scaled
+#                      GEMM against the bf16 one, 4 benchmarks of 7 calls at 0.82 TFLOP each) is as quick;
+#                      it compiles two Triton kernels once (up to 3 s each, estimate).
 #   suite-gpu   210 s: see the arithmetic in scenarios/suites.yaml (gpu suite). On one GPU the node
 #                      scenarios (gpu/node, 2-8 GPUs) are recorded skipped without starting; a host with
 #                      more GPUs runs those that fit and the limit grows by 75 s for each (same arithmetic).

@@ -227,6 +227,8 @@ class MoEConfig:
     """Factor on the routed experts' combine weights, after any top-k renormalisation (DeepSeek-V3: 2.5)."""
     backend: ExpertBackendKind = ExpertBackendKind.TORCH
     """Grouped-GEMM implementation of the experts."""
+    mxfp8_wgrad: bool = True
+    """With backend mxfp8: the weight-gradient GEMMs in MXFP8 too (blocks of 32 tokens per expert); False: bf16."""
 
     def __post_init__(self) -> None:
         _coerce_enums(self, "moe.")

@@ -44,6 +44,16 @@ RATIOS = {
         )
         for shape in ("gate_up", "down")
     },
+    # The experts' weight gradient in MXFP8 (its operands' quantization included) against the BF16 GEMM,
+    # both adding into the fp32 buffer (FLOP/s; a Blackwell speed-up: Hopper upcasts the e4m3 tiles).
+    **{
+        f"mxfp8_wgrad_over_bf16_{shape}": (
+            f"test_mxfp8_wgrad[{shape}-mxfp8]",
+            f"test_mxfp8_wgrad[{shape}-bf16]",
+            "flops",
+        )
+        for shape in ("gate_up", "down")
+    },
     # The same for a dense projection's weight gradient (cuBLAS with beta 1 against mm and an add).
     **{
         f"wgrad_fused_over_two_pass_{shape}": (
@@ -60,7 +70,9 @@ TARGETS = {
     **{
         key: 1.0
         for key in RATIOS
-        if key.startswith(("fused_over_eager_", "grouped_wgrad_fused_over_two_pass_", "wgrad_fused_over_two_pass_"))
+        if key.startswith(
+            ("fused_over_eager_", "grouped_wgrad_fused_over_two_pass_", "wgrad_fused_over_two_pass_", "mxfp8_wgrad_")
+        )
     },
 }
 

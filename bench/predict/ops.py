@@ -64,7 +64,15 @@ _FREE = {
     "aten.is_same_size",
     "aten.resize_",
 }
-REGIONS = ("mxfp8.grouped_mm", "mxfp8.quantize", "mxfp8.dequantize", "fp8.grouped_mm", "fp8.quantize", "fp8.dequantize")
+REGIONS = (
+    "mxfp8.grouped_mm",
+    "mxfp8.grouped_wgrad",
+    "mxfp8.quantize",
+    "mxfp8.dequantize",
+    "fp8.grouped_mm",
+    "fp8.quantize",
+    "fp8.dequantize",
+)
 """Engine functions that run as one kernel on a GPU and as several ATen ops on a CPU."""
 
 
@@ -198,21 +206,23 @@ def region_op(ops: Iterable[TracedOp], region: str) -> OpWork:
 
     mxfp8.grouped_mm: the grouped GEMM's FLOPs at the MX rate; its bytes are the quantized operands
     it reads (what the GPU kernel reads: fp8 values + scales) and the output it writes.
+    mxfp8.grouped_wgrad: the same, adding into an fp32 gradient buffer, which it reads as well.
     mxfp8.quantize: a memory-bound pass reading the input, writing fp8 values and scales.
     mxfp8.dequantize: a memory-bound pass reading fp8 values and scales, writing the output.
     fp8.*: the same for rowwise FP8 (``moe_engine.precision.fp8_experts``): the grouped GEMM at the fp8
     rate (a grouped_gemm of dtype e4m3), its operands 1 byte per value plus one fp32 scale per row.
     """
     ops = list(ops)
-    if region == "mxfp8.grouped_mm":
+    if region in ("mxfp8.grouped_mm", "mxfp8.grouped_wgrad"):
         gemms = [o for o in ops if op_kind(o) == "grouped_gemm"]
         if not gemms:
-            raise ValueError("an mxfp8.grouped_mm region without a grouped GEMM")
+            raise ValueError(f"an {region} region without a grouped GEMM")
         flops = sum(op_work(o).flops for o in gemms)
         g = gemms[-1]
         a, b, out = g.inputs[0], g.inputs[1], g.outputs[0]
-        # fp8 operands plus one scale byte per 32 values, the output at the GEMM's dtype.
-        nbytes = (a.numel + b.numel) * (1 + 1 / 32) + out.nbytes
+        # fp8 operands plus one scale byte per 32 values; the output at the GEMM's dtype, or the fp32
+        # buffer the weight-gradient kernel adds into, read and written.
+        nbytes = (a.numel + b.numel) * (1 + 1 / 32) + (8 * out.numel if region == "mxfp8.grouped_wgrad" else out.nbytes)
         groups = len(g.group_rows) if g.group_rows is not None else (b.shape[0] if len(b.shape) == 3 else 1)
         return OpWork("mx_gemm", flops, nbytes, "mxfp8", max(groups, 1))
     if region == "mxfp8.quantize":

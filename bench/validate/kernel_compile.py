@@ -32,8 +32,10 @@ from moe_engine.kernels import cross_entropy
 from moe_engine.moe.permute import plan_routing, plan_slots
 from moe_engine.precision.mxfp8 import gemm as mxfp8_gemm
 from moe_engine.precision.mxfp8 import scaled_mm as mxfp8_scaled_mm
+from moe_engine.precision.mxfp8 import wgrad as mxfp8_wgrad
 from moe_engine.precision.mxfp8.gemm import SCALED_MMA_TILES
 from moe_engine.precision.mxfp8.kernels import quantize_triton
+from moe_engine.precision.mxfp8.token_blocks import quantize_token_blocks_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_FILES = (
@@ -163,7 +165,7 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     GPU scenarios' dtype; the router computes in fp32): the fused ops through their public functions,
     the fused loss's row kernels on a chunk of logits of the model's vocabulary (the LM head's GEMMs
     are torch's), the experts' weight gradients added into fp32 buffers, the MXFP8 quantisation along both
-    axes, its grouped GEMM, and the kernels around torch's scaled GEMM (its A scales' layout, the zeroing
+    axes and along tokens, its grouped GEMMs (fprop/dgrad and wgrad), and the kernels around torch's scaled GEMM (its A scales' layout, the zeroing
     of the rows it leaves unwritten)."""
 
     g = torch.Generator().manual_seed(0)
@@ -225,6 +227,17 @@ def run_representative_ops(model, rows: int = ROWS) -> None:
     offsets = torch.full((local_experts,), rows, dtype=torch.int32)
     mxfp8_gemm.grouped_mm(a, b, offsets, dtype, path=mxfp8_gemm.GemmPath.TRITON)
     mxfp8_gemm.dequantize_rows_triton(a.data, a.scales, d, dtype)
+    # The MXFP8 weight gradients: the four operands blocked along tokens, each weight's GEMM added into
+    # an fp32 buffer (ddp) and handed back in the model's dtype (no buffer).
+    for m, k in ((2 * hidden, d), (d, hidden)):
+        m, k = _stand_in_width(m), _stand_in_width(k)
+        grad_out, inputs = (
+            quantize_token_blocks_triton(torch.randn(rows, width, generator=g).to(dtype), wgrad_offsets)
+            for width in (m, k)
+        )
+        triton_path = mxfp8_gemm.GemmPath.TRITON
+        mxfp8_wgrad.grouped_wgrad(grad_out, inputs, torch.zeros(local_experts, m, k), path=triton_path)
+        mxfp8_wgrad.grouped_wgrad(grad_out, inputs, out_dtype=dtype, path=triton_path)
     # torch's scaled op (Blackwell) needs a GPU; the kernels around it do not.
     mxfp8_scaled_mm.zero_rows_after(torch.randn(rows, d, generator=g).to(dtype), offsets)
     mxfp8_scaled_mm.blocked_group_scales(a.scales, offsets)
@@ -317,6 +330,7 @@ def compile_all(launches: list[Launch], targets: Iterable[str]) -> list[tuple[La
 
 
 MXFP8_GEMM = "moe_engine.precision.mxfp8.gemm._mx_grouped_mm_kernel"
+MXFP8_WGRAD = "moe_engine.precision.mxfp8.wgrad._mx_wgrad_kernel"
 SCALED_MMA = "tc_gen5_mma_scaled"
 
 
@@ -327,8 +341,9 @@ def scaled_mma_tiles() -> tuple[tuple[int, int], ...]:
 
 
 def failures(results: list[tuple[Launch, Compiled]], tiles: tuple[tuple[int, int], ...] | None = None) -> list[str]:
-    """What fails the check: compile errors, spills, and an MXFP8 GEMM config that Blackwell's tuning
-    keeps (``tiles``, default ``scaled_mma_tiles()``) without the scaled MMA in its sm_100a IR."""
+    """What fails the check: compile errors, spills, an MXFP8 GEMM config that Blackwell's tuning keeps
+    (``tiles``, default ``scaled_mma_tiles()``) and the MXFP8 weight-gradient GEMM without the scaled MMA
+    in their sm_100a IR."""
     out = []
     for launch, c in results:
         if not c.ok:
@@ -344,6 +359,8 @@ def failures(results: list[tuple[Launch, Compiled]], tiles: tuple[tuple[int, int
             tile = (constexprs.get("BLOCK_M"), constexprs.get("BLOCK_N"))
             if tile in (scaled_mma_tiles() if tiles is None else tiles) and SCALED_MMA not in c.ir_ops:
                 out.append(f"{c.kernel} on sm_100a at {tile[0]} x {tile[1]} lacks {SCALED_MMA}: {c.ir_ops}")
+        if c.kernel == MXFP8_WGRAD and c.target == "sm_100a" and SCALED_MMA not in c.ir_ops:
+            out.append(f"{c.kernel} on sm_100a lacks {SCALED_MMA}: {c.ir_ops}")
     return out
 
 

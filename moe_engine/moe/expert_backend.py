@@ -1,6 +1,6 @@
 """What every expert backend builds on: the seam (``ExpertBackend``), the per-expert loop that is the
-reference, SwiGLU and its backward, empty experts' weight gradients, and the experts' weight-gradient
-node of the split backward (``moe_engine.weight_grad_split`` explains the split; ``docs/engine.md`` how
+reference, SwiGLU and its backward, and the experts' weight gradients (bf16, or MXFP8 operands) with the
+weight-gradient node of the split backward (``moe_engine.weight_grad_split`` explains the split; ``docs/engine.md`` how
 the zero-bubble schedules use it).
 """
 
@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from moe_engine import kernels
-from moe_engine.moe.grouped_gemm import check_operand, grouped_mm
+from moe_engine.moe.grouped_gemm import check_operand, grouped_mm, zero_empty_experts_
 from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
+from moe_engine.precision.mxfp8 import wgrad as mx_wgrad
+from moe_engine.precision.mxfp8.token_blocks import TokenBlocked
 from moe_engine.weight_grad_split import WeightGradStash, main_grad_to_add_into
 
 
@@ -87,41 +89,24 @@ def swiglu_backward(
     return silu_NF.mul_(up_NF), grad_h_NH
 
 
-def kernel_zeroes_empty_groups(device: torch.device) -> bool:
-    """Whether ``torch._grouped_mm`` on ``device`` writes an empty group's weight gradient itself.
-
-    The CPU kernel computes each group with its own matmul, so an empty group gets the empty sum, 0
-    (``tests/unit/moe_engine/moe/test_grouped_gemm.py`` checks it). On CUDA, ``torch._grouped_mm`` on B200 is
-    reported to leave it unwritten, so the engine zeroes it there.
-    """
-    return device.type == "cpu"
-
-
-def zero_empty_experts_(grad_EXY: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """Zero the weight gradient of every expert that received no rows, in place, on the device,
-    where the kernel does not already (``kernel_zeroes_empty_groups``): a pass over the whole
-    gradient, about 3% of a CPU step of the 64-expert smoke model, is not paid where it is not needed.
-    """
-    if kernel_zeroes_empty_groups(grad_EXY.device):
-        return grad_EXY
-    counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
-    return grad_EXY.masked_fill_((counts_E == 0).view(-1, 1, 1), 0)
+WeightGradOperand = torch.Tensor | TokenBlocked
+"""An operand of an expert weight gradient: rows in expert order, or MXFP8 rows blocked along tokens."""
 
 
 class WeightGradOperands(NamedTuple):
     """What one expert call's weight gradients are products of: per expert e and weight,
-    ``dW[e] = grad_out[rows of e].T @ inputs[rows of e]``."""
+    ``dW[e] = grad_out[rows of e].T @ inputs[rows of e]``; tensors, or MXFP8 ``TokenBlocked`` ones."""
 
     offsets_E: torch.Tensor
     """Cumulative row ends of the experts (int32, on the device)."""
-    gate_up: tuple[torch.Tensor, torch.Tensor]
+    gate_up: tuple[WeightGradOperand, WeightGradOperand]
     """(grad_h_NH, x_ND): gate_up's gradient is grad_h^T x per expert."""
-    down: tuple[torch.Tensor, torch.Tensor]
+    down: tuple[WeightGradOperand, WeightGradOperand]
     """(grad_y_ND, a_NF): down's gradient is grad_y^T a per expert."""
 
 
 def expert_weight_grad(
-    weight: torch.Tensor, accumulator, operands: tuple[torch.Tensor, torch.Tensor], offsets_E: torch.Tensor
+    weight: torch.Tensor, accumulator, operands: tuple[WeightGradOperand, WeightGradOperand], offsets_E: torch.Tensor
 ) -> torch.Tensor | None:
     """The gradient of ``weight`` (E, X, Y) from its operands (grad_out_NX, inputs_NY), or None where
     it was added inside the GEMM: when the weight has a ``main_grad`` (its view in a data-parallel
@@ -130,6 +115,10 @@ def expert_weight_grad(
     bf16 gradient and the fp32 buffer disappears. Under ``autograd.grad`` the gradient is returned."""
     grad_out_NX, inputs_NY = operands
     main_grad = main_grad_to_add_into(weight, accumulator)
+    if isinstance(grad_out_NX, TokenBlocked):  # the MXFP8 backend's operands, blocked along tokens
+        assert isinstance(inputs_NY, TokenBlocked)
+        return mx_wgrad.grouped_wgrad(grad_out_NX, inputs_NY, main_grad, out_dtype=weight.dtype)
+    assert isinstance(inputs_NY, torch.Tensor)
     if main_grad is not None:
         # The operands torch's grouped GEMM would get, checked on every device as ``grouped_mm`` does
         # (the op falls back to it where its kernel cannot run).

@@ -40,6 +40,7 @@ from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups, RowMap
 from moe_engine.precision.mxfp8 import gemm as mx
 from moe_engine.precision.mxfp8.blocks import MXTensor
+from moe_engine.precision.mxfp8.token_blocks import quantize_token_blocks
 from moe_engine.weight_grad_split import input_grad_wanted, split_token_grad, weights_only_reentry
 
 
@@ -100,12 +101,15 @@ def _real_rows(x_ND: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
 
 
 class _MXFP8GroupedSwiGLU(torch.autograd.Function):
-    """The experts' SwiGLU with the four fprop/dgrad GEMMs in MXFP8 and the two wgrad GEMMs in BF16.
+    """The experts' SwiGLU with the four fprop/dgrad GEMMs in MXFP8, and the two wgrad GEMMs in MXFP8
+    (``mx_wgrad``) or BF16.
 
-    Which GEMM runs in which precision, and why the weight gradients stay in BF16 (token groups are
-    not multiples of 32, so MX blocks along the token axis would straddle experts), is tabulated in
-    ``moe_engine.precision.mxfp8.gemm``. Each weight is quantized along its reduction axis twice per
-    step: along D / F for fprop, along 2F / D (a fresh quantization, not a transposed reuse) for dgrad.
+    Which GEMM runs in which precision is tabulated in docs/precision.md. Each weight is quantized
+    along its reduction axis twice per step: along D / F for fprop, along 2F / D (a fresh
+    quantization, not a transposed reuse) for dgrad. The wgrad GEMMs reduce over tokens: their four
+    operands (grad_h, x, grad_y, a) are quantized in blocks of 32 rows within each expert's rows
+    (``moe_engine.precision.mxfp8.token_blocks``) when the weight phase runs; x, saved blocked along
+    D, is quantized a second time.
 
     Saved for backward, besides the weights and offsets:
 
@@ -129,7 +133,19 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, offsets_E, gate_up_EHD, down_EDF, stash, token, path, fused=False, rows: RowMap | None = None):
+    def forward(
+        ctx,
+        x,
+        offsets_E,
+        gate_up_EHD,
+        down_EDF,
+        stash,
+        token,
+        path,
+        fused=False,
+        rows: RowMap | None = None,
+        mx_wgrad=False,
+    ):
         if rows is None:  # x: the (N, D) rows in expert order
             x_mx = mx.quantize_rows(torch.where(_real_rows(x, offsets_E), x, 0))
         else:  # x: the (T, D) token rows, gathered and quantized in one op
@@ -142,7 +158,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         if any(ctx.needs_input_grad):
             h_mx = mx.quantize_rows(h_NH)
             ctx.save_for_backward(x_mx.data, x_mx.scales, h_mx.data, h_mx.scales, offsets_E, gate_up_EHD, down_EDF)
-            ctx.path, ctx.fused, ctx.rows, ctx.stash = path, fused, rows, stash
+            ctx.path, ctx.fused, ctx.rows, ctx.stash, ctx.mx_wgrad = path, fused, rows, stash, mx_wgrad
         return y_ND
 
     @staticmethod
@@ -150,7 +166,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         stash = ctx.stash
         token_grad = split_token_grad(ctx, grad_y_ND, 5)
         if weights_only_reentry(ctx, stash):
-            return None, None, None, None, None, token_grad, None, None, None
+            return None, None, None, None, None, token_grad, None, None, None, None
         x_data, x_scales, h_data, h_scales, offsets_E, gate_up_EHD, down_EDF = ctx.saved_tensors
         _, hidden2, d_model = gate_up_EHD.shape
         dtype, path = grad_y_ND.dtype, ctx.path
@@ -163,10 +179,14 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
         a_NF, grad_h_NH = swiglu_backward(h_NH, grad_a_NF, ctx.fused)
 
         if stash.wanted:
+            mx_wgrad = ctx.mx_wgrad
 
             def weight_grads():
                 x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
-                return WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF))
+                if not mx_wgrad:
+                    return WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF))
+                blocked = [quantize_token_blocks(t, offsets_E) for t in (grad_h_NH, x_ND, grad_y_ND, a_NF)]
+                return WeightGradOperands(offsets_E, (blocked[0], blocked[1]), (blocked[2], blocked[3]))
 
             stash.compute = weight_grads
         grad_x_ND = None
@@ -176,12 +196,13 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
             if ctx.rows is not None:  # back to the token rows: each token's kept rows summed
                 rows = ctx.rows
                 grad_x_ND = kernels.gather_rows_backward(grad_x_ND, rows.row_N, rows.top_k, rows.kept_N)
-        return grad_x_ND, None, None, None, None, token_grad, None, None, None
+        return grad_x_ND, None, None, None, None, token_grad, None, None, None, None
 
 
 class MXFP8Backend(ExpertBackend):
-    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8.gemm``) with device-side offsets; no host sync
-    where the bf16 weight-gradient GEMMs take the CUTLASS path (``moe_engine.moe.grouped_gemm``).
+    """MXFP8 grouped GEMMs (``moe_engine.precision.mxfp8.gemm``, and ``wgrad`` for the weight gradients)
+    with device-side offsets; no host sync where the weight-gradient GEMMs run the Triton kernel (MXFP8,
+    capability 8.9 on) or take the CUTLASS path (bf16, ``moe_engine.moe.grouped_gemm``).
 
     ``path`` names the implementation the last forward ran, read after it (``mx.path_label``: torch's
     ``scaled_grouped_mm`` on capability 10.x, or its fallback where a call's operands were not the
@@ -189,8 +210,10 @@ class MXFP8Backend(ExpertBackend):
     "torch-emulation" elsewhere); before any forward, the one the first CUDA device would get if present.
     """
 
-    def __init__(self, fused_swiglu: bool = False):
+    def __init__(self, fused_swiglu: bool = False, mx_wgrad: bool = True):
         super().__init__(fused_swiglu)
+        self.mx_wgrad = mx_wgrad
+        """The weight-gradient GEMMs in MXFP8 (``MoEConfig.mxfp8_wgrad``); False: in BF16."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.path: str = mx.path_label(mx.available_path(device), device)
 
@@ -198,7 +221,16 @@ class MXFP8Backend(ExpertBackend):
         path = mx.available_path(x_ND.device)
         stash, token = split_weights(x_ND, gate_up_EHD, down_EDF)
         y_ND = _MXFP8GroupedSwiGLU.apply(
-            x_ND, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, self.fused_swiglu
+            x_ND,
+            groups.offsets_E,
+            gate_up_EHD.detach(),
+            down_EDF.detach(),
+            stash,
+            token,
+            path,
+            self.fused_swiglu,
+            None,
+            self.mx_wgrad,
         )
         # Read after the call: torch's op may fall back per call, and Triton's IR exists once compiled.
         self.path = mx.path_label(path, x_ND.device)
@@ -211,7 +243,16 @@ class MXFP8Backend(ExpertBackend):
         path = mx.available_path(x_TD.device)
         stash, token = split_weights(x_TD, gate_up_EHD, down_EDF)
         y_ND = _MXFP8GroupedSwiGLU.apply(
-            x_TD, groups.offsets_E, gate_up_EHD.detach(), down_EDF.detach(), stash, token, path, True, rows
+            x_TD,
+            groups.offsets_E,
+            gate_up_EHD.detach(),
+            down_EDF.detach(),
+            stash,
+            token,
+            path,
+            True,
+            rows,
+            self.mx_wgrad,
         )
         self.path = mx.path_label(path, x_TD.device)
         return y_ND
@@ -237,7 +278,8 @@ def backend_class(kind: ExpertBackendKind) -> type[ExpertBackend]:
 
 class GroupedExperts(nn.Module):
     """SwiGLU experts of hidden size F, stored as two stacked weight tensors: all ``num_experts`` of
-    them, or the contiguous block ``held`` (global indices) an expert-parallel rank holds."""
+    them, or the contiguous block ``held`` (global indices) an expert-parallel rank holds.
+    ``mxfp8_wgrad``: with the mxfp8 backend, its weight-gradient GEMMs in MXFP8 (``MoEConfig.mxfp8_wgrad``)."""
 
     def __init__(
         self,
@@ -247,6 +289,7 @@ class GroupedExperts(nn.Module):
         backend: ExpertBackendKind,
         fused_kernels: bool = False,
         held: range | None = None,
+        mxfp8_wgrad: bool = True,
     ):
         super().__init__()
         held = range(num_experts) if held is None else held
@@ -254,7 +297,11 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"held experts {held} are not a contiguous block of range({num_experts})")
         self.gate_up = nn.Parameter(torch.empty(len(held), 2 * hidden, d_model))
         self.down = nn.Parameter(torch.empty(len(held), d_model, hidden))
-        self.backend = backend_class(ExpertBackendKind(backend))(fused_kernels)
+        backend_type = backend_class(ExpertBackendKind(backend))
+        if backend_type is MXFP8Backend:
+            self.backend: ExpertBackend = MXFP8Backend(fused_kernels, mxfp8_wgrad)
+        else:
+            self.backend = backend_type(fused_kernels)
         # Global indices of the experts held here (all of them without expert parallelism).
         self.global_experts = held
         self.total_experts = num_experts

@@ -69,6 +69,7 @@ class MoELayer(nn.Module):
             config.backend,
             fused_kernels,
             held=dispatch.local_experts(config.num_experts),
+            mxfp8_wgrad=config.mxfp8_wgrad,
         )
         self.shared_expert = (
             SwiGLU(d_model, config.shared_expert_hidden, fused_kernels) if config.shared_expert_hidden > 0 else None

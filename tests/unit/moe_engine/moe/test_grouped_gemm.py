@@ -144,7 +144,7 @@ def test_experts_without_tokens_get_exactly_zero_weight_gradients(backend, devic
     x = torch.randn(16, 32, device=device, dtype=dtype)
     # A kernel that leaves empty groups unwritten, on a device where the engine is told so.
     monkeypatch.setattr(torch, "_grouped_mm", _garbage_for_empty_groups(torch._grouped_mm))
-    monkeypatch.setattr("moe_engine.moe.expert_backend.kernel_zeroes_empty_groups", lambda device: False)
+    monkeypatch.setattr("moe_engine.moe.grouped_gemm.kernel_zeroes_empty_groups", lambda device: False)
     experts(x, ExpertGroups.from_counts(counts)).float().square().sum().backward()
     reference(x, ExpertGroups.from_counts(counts)).float().square().sum().backward()
     for name in ("gate_up", "down"):
@@ -187,7 +187,7 @@ def test_path_by_architecture_and_dtype(capability, dtype, expected, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_cpu_kernel_writes_zero_weight_gradients_for_empty_groups(dtype):
     """Why the engine skips its own zeroing on CPU: the kernel's empty groups are exact zeros."""
-    from moe_engine.moe.expert_backend import kernel_zeroes_empty_groups
+    from moe_engine.moe.grouped_gemm import kernel_zeroes_empty_groups
 
     assert kernel_zeroes_empty_groups(torch.device("cpu"))
     torch.manual_seed(SEED)

@@ -101,11 +101,11 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() @ b.float()).bfloat16()
 
 
-def mxfp8_experts_reference(x_ND, grad_ND, counts, gate_up_EHD, down_EDF):
+def mxfp8_experts_reference(x_ND, grad_ND, counts, gate_up_EHD, down_EDF, mx_wgrad=True):
     """The MXFP8 experts' output and gradients, one expert at a time, from the GEMM table of
-    ``moe_engine.precision.mxfp8.gemm``: fprop and dgrad multiply MXFP8-rounded operands blocked along
-    their reduction dim, wgrad multiplies bf16 operands (x as fprop saw it), and backward sees h
-    rounded to MXFP8."""
+    docs/precision.md: fprop and dgrad multiply MXFP8-rounded operands blocked along their reduction
+    dim; wgrad multiplies operands MXFP8-rounded in blocks of 32 of the expert's tokens (``mx_wgrad``;
+    x as fprop saw it, rounded again) or bf16 ones; backward sees h rounded to MXFP8."""
     y, grad_x, grad_gate_up, grad_down = [], [], [], []
     for x, grad_y, gate_up, down in zip(x_ND.split(counts), grad_ND.split(counts), gate_up_EHD, down_EDF):
         h = bf16_gemm(mx_round(x, 1), mx_round(gate_up, 1).T)  # fprop 1, reduction over D
@@ -118,38 +118,44 @@ def mxfp8_experts_reference(x_ND, grad_ND, counts, gate_up_EHD, down_EDF):
         a.backward(grad_a)
         grad_h = h_saved.grad
         grad_x.append(bf16_gemm(mx_round(grad_h, 1), mx_round(gate_up, 0)))  # dgrad 1, over 2F
-        grad_down.append(bf16_gemm(grad_y.T, a.detach()))  # wgrad 2, bf16
-        grad_gate_up.append(bf16_gemm(grad_h.T, mx_round(x, 1)))  # wgrad 1, bf16
+        if mx_wgrad:  # blocks along this expert's tokens (axis 0), zero-padded to 32
+            grad_down.append(bf16_gemm(mx_round(grad_y, 0).T, mx_round(a.detach(), 0)))  # wgrad 2, over tokens
+            grad_gate_up.append(bf16_gemm(mx_round(grad_h, 0).T, mx_round(mx_round(x, 1), 0)))  # wgrad 1
+        else:
+            grad_down.append(bf16_gemm(grad_y.T, a.detach()))  # wgrad 2, bf16
+            grad_gate_up.append(bf16_gemm(grad_h.T, mx_round(x, 1)))  # wgrad 1, bf16
     return torch.cat(y), torch.cat(grad_x), torch.stack(grad_gate_up), torch.stack(grad_down)
 
 
 # Against the reference above the backend differs only in summation order (an fp32 rounding that
 # rarely flips a bf16 or E4M3 rounding downstream): measured on CPU bit-identical, or 8e-6 normwise. One of
-# the four fprop/dgrad GEMMs run in bf16 instead leaves one operand unrounded, an error ~ u = 0.03
+# the six GEMMs run in the other precision leaves one operand rounded or not, an error ~ u = 0.03
 # (see the module docstring): measured 0.043-0.082 on the tensors downstream of it. 0.003 is more
 # than ten times below the latter and far above the former.
 GEMM_TOLERANCE = 0.003
 
 
+@pytest.mark.parametrize("mx_wgrad", [True, False], ids=["mxfp8-wgrad", "bf16-wgrad"])
 @pytest.mark.parametrize(
     "d_model, hidden, counts",
     [
-        (64, 64, [40, 0, 25, 31]),  # an expert without tokens
+        (64, 64, [40, 0, 25, 31]),  # an expert without tokens; 40 tokens: a full block and a part
         (96, 48, [17, 50, 9]),  # F = 48: fprop 2 reduces over blocks zero-padded to 64
     ],
 )
-def test_fprop_and_dgrad_gemms_quantize_exactly_their_operands(d_model, hidden, counts, device):
+def test_each_gemm_quantizes_exactly_its_operands(d_model, hidden, counts, mx_wgrad, device):
     """Each of the four fprop/dgrad GEMMs multiplies MXFP8-rounded operands (blocked along its
-    reduction dim), the two wgrad GEMMs bf16 ones: any one of them in the wrong precision fails."""
+    reduction dim), the two wgrad GEMMs operands blocked along each expert's tokens (``mxfp8_wgrad``)
+    or bf16 ones: any one of them in the wrong precision, or blocked across two experts, fails."""
     torch.manual_seed(0)
-    experts = GroupedExperts(d_model, hidden, len(counts), ExpertBackendKind.MXFP8)
+    experts = GroupedExperts(d_model, hidden, len(counts), ExpertBackendKind.MXFP8, mxfp8_wgrad=mx_wgrad)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.1)
     experts.bfloat16()
     generator = torch.Generator().manual_seed(1)
     x_ND = torch.randn(sum(counts), d_model, generator=generator).bfloat16()
     grad_ND = torch.randn(sum(counts), d_model, generator=generator).bfloat16()
-    expected = mxfp8_experts_reference(x_ND, grad_ND, counts, experts.gate_up.detach(), experts.down.detach())
+    expected = mxfp8_experts_reference(x_ND, grad_ND, counts, experts.gate_up.detach(), experts.down.detach(), mx_wgrad)
 
     experts.to(device)
     x = x_ND.to(device).requires_grad_()

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moe_engine.config import ExpertBackendKind, GradDtype, OptimizerConfig
+from moe_engine.moe import expert_backend
 from moe_engine.moe.experts import GroupedExperts
 from moe_engine.moe.permute import ExpertGroups
 from moe_engine.parallel.data_parallel import DataParallelOptimizer
@@ -22,10 +23,11 @@ OP = "moe_engine.grouped_wgrad_accumulate.default"
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, dtype: torch.dtype, backend: ExpertBackendKind):
+    def __init__(self, dtype: torch.dtype, backend: ExpertBackendKind, mxfp8_wgrad: bool = False):
         super().__init__()
         self.scale = torch.nn.Parameter(torch.randn(D).to(dtype))
-        self.experts = GroupedExperts(D, F, len(MICROBATCH_COUNTS[0]), backend).to(dtype)
+        experts = len(MICROBATCH_COUNTS[0])
+        self.experts = GroupedExperts(D, F, experts, backend, mxfp8_wgrad=mxfp8_wgrad).to(dtype)
         for p in self.experts.parameters():
             torch.nn.init.normal_(p, std=0.5)
 
@@ -54,14 +56,14 @@ def _inputs(dtype):
     return batches
 
 
-def _model(dtype, backend):
+def _model(dtype, backend, mxfp8_wgrad=False):
     torch.manual_seed(SEED)
-    return _Model(dtype, backend)
+    return _Model(dtype, backend, mxfp8_wgrad)
 
 
-def _train_buffers(dtype, backend, accumulate_in_gemm):
+def _train_buffers(dtype, backend, accumulate_in_gemm, mxfp8_wgrad=False):
     """The gradient buffers after two microbatches' backwards, and the ops those backwards ran."""
-    model = _model(dtype, backend)
+    model = _model(dtype, backend, mxfp8_wgrad)
     opt = DataParallelOptimizer(
         model, None, OptimizerConfig(max_grad_norm=0.0), bucket_elements=300, accumulate_in_gemm=accumulate_in_gemm
     )
@@ -78,7 +80,9 @@ def _train_buffers(dtype, backend, accumulate_in_gemm):
     return {name: opt.grad_view(p).clone() for name, p in model.named_parameters()}, counted.names
 
 
-@pytest.mark.parametrize("backend", [ExpertBackendKind.TORCH, ExpertBackendKind.MXFP8])
+@pytest.mark.parametrize(
+    "backend", [ExpertBackendKind.TORCH, ExpertBackendKind.MXFP8], ids=["torch", "mxfp8-bf16-wgrad"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_in_gemm_buffers_equal_the_through_grad_buffers(dtype, backend):
     want, want_ops = _train_buffers(dtype, backend, accumulate_in_gemm=False)
@@ -89,6 +93,31 @@ def test_in_gemm_buffers_equal_the_through_grad_buffers(dtype, backend):
     # Two weights per experts call, one call per microbatch; none without main_grad.
     assert got_ops.count(OP) == 2 * len(MICROBATCH_COUNTS)
     assert want_ops.count(OP) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8_wgrad_adds_into_the_buffers_itself(dtype, monkeypatch):
+    """The MXFP8 weight-gradient GEMM adds into the buffers itself (every call gets the weight's buffer,
+    none under ``accumulate_in_gemm: false``): the buffers the gradients handed back through ``.grad``
+    fill, bit for bit on the CPU, whose emulation rounds the product to bf16 either way; and no bf16
+    weight-gradient op runs."""
+    buffers_given = []
+    real = expert_backend.mx_wgrad.grouped_wgrad
+
+    def spy(a, b, out_EXY=None, **kwargs):
+        buffers_given.append(out_EXY is not None)
+        return real(a, b, out_EXY, **kwargs)
+
+    monkeypatch.setattr(expert_backend.mx_wgrad, "grouped_wgrad", spy)
+    want, want_ops = _train_buffers(dtype, ExpertBackendKind.MXFP8, accumulate_in_gemm=False, mxfp8_wgrad=True)
+    assert buffers_given == [False] * 2 * len(MICROBATCH_COUNTS)
+    buffers_given.clear()
+    got, got_ops = _train_buffers(dtype, ExpertBackendKind.MXFP8, accumulate_in_gemm=True, mxfp8_wgrad=True)
+    assert buffers_given == [True] * 2 * len(MICROBATCH_COUNTS)
+    assert got_ops.count(OP) == want_ops.count(OP) == 0
+    for name, grad in want.items():
+        assert grad.abs().sum() > 0, name
+        assert torch.equal(got[name], grad), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
