@@ -8,9 +8,10 @@ of values ~1.5 times the binade, plus some saturation at 448 with the specificat
 measured 0.029). A product of two quantized operands has ~ sqrt(2) u = 0.042 (measured 0.042). The
 layer output goes through four quantized operands, with the SwiGLU product of the two quantized halves
 of h in between: ~ sqrt(6) u = 0.073. Gradients see up to six quantized operands plus the MXFP8-saved
-h: ~ sqrt(8) u = 0.085. Measured over four seeds of the configurations below: output 0.077-0.083,
-input gradient 0.084-0.088, router 0.068-0.085, expert weights 0.076-0.084. The bound is 5 u = 0.15,
-under twice the expectation. The lower bound 0.005 checks that MXFP8 actually ran: one BF16 rounding
+h: ~ sqrt(8) u = 0.085; the expert weights' (MXFP8 weight-gradient GEMMs) two more: ~ sqrt(10) u = 0.095.
+Measured over four seeds of the configurations below: output 0.077-0.083, input gradient 0.084-0.088,
+router 0.068-0.085, expert weights 0.086-0.094 (0.076-0.084 with bf16 weight-gradient GEMMs). The bound
+is 5 u = 0.15, under twice the expectation. The lower bound 0.005 checks that MXFP8 actually ran: one BF16 rounding
 (unit roundoff 2^-9) stays below ~0.002 normwise, and the BF16 loop and grouped backends agree exactly.
 """
 
