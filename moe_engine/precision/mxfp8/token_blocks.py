@@ -140,6 +140,7 @@ def _quantize_token_blocks_kernel(
     offsets_ptr,
     block_ends_ptr,
     num_experts,
+    num_rows,
     cols,
     BLOCK: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -160,7 +161,8 @@ def _quantize_token_blocks_kernel(
     # The selected expert's entries, as masked sums (a gather from a block by a scalar index).
     first_block = tl.sum(tl.where(mine, tl.load(block_ends_ptr + e - 1, mask=before, other=0), 0), 0)
     row_start = tl.sum(tl.where(mine, tl.load(offsets_ptr + e - 1, mask=before, other=0), 0), 0)
-    row_end = tl.sum(tl.where(mine, tl.load(offsets_ptr + e, mask=live, other=0), 0), 0)
+    # Clamped to the operand's rows: an offset past them cannot make the kernel touch memory past them.
+    row_end = tl.minimum(tl.sum(tl.where(mine, tl.load(offsets_ptr + e, mask=live, other=0), 0), 0), num_rows)
     # A block past the last expert's (expert == num_experts, no entry selected: row_end 0) gets no rows:
     # all zeros, scale code 0.
     rows = row_start + (b - first_block) * BLOCK + tl.arange(0, BLOCK)
@@ -185,7 +187,7 @@ def quantize_token_blocks_triton(
     ends_E = block_ends(offsets_E)
     num_blocks = max_blocks(rows, experts)
     # Zeros: the rows past the last offset are no block's, and no program writes them.
-    data = torch.zeros(rows, cols, dtype=torch.uint8, device=t_NK.device)
+    data = torch.empty(rows, cols, dtype=torch.uint8, device=t_NK.device).zero_()
     scales = torch.empty(num_blocks, cols, dtype=torch.uint8, device=t_NK.device)
     if num_blocks and cols and experts:
         bf16 = t_NK.dtype == torch.bfloat16
@@ -199,6 +201,7 @@ def quantize_token_blocks_triton(
                 offsets_E.contiguous(),
                 ends_E,
                 experts,
+                rows,
                 cols,
                 BLOCK=BLOCK,
                 BLOCK_I=block_i,

@@ -2,8 +2,9 @@
 under TRITON_INTERPRET=1 (set before the kernels are defined): the token-block quantizer against the torch
 composition byte for byte (fp32 and bf16 rows, empty experts, NaN padding rows, an expert over several
 blocks), and the grouped GEMM against a per-expert fp64 loop over the specification's values, added into a
-non-zero fp32 buffer and handed back in fp32 and bf16; and the GEMM as the engine launches it, compiled for
-sm_100a without a GPU, holding Blackwell's block-scaled MMA.
+non-zero fp32 buffer and handed back in fp32 and bf16, every buffer guarded and every output poisoned
+(``fused_cases.poisoned_run``); and the GEMM as the engine launches it, compiled for sm_100a without a GPU,
+holding Blackwell's block-scaled MMA.
 
 Tolerances: the kernel sums exact E4M3 x E4M3 products in fp32 (``tolerances.tolerance`` over an expert's
 rows); a bf16 output is one rounding (2^-8 of the largest value) from that."""
@@ -22,23 +23,32 @@ from bench.results import REPO_ROOT
 X = 40
 _CHILD = """
 import sys, torch
+from fused_cases import poisoned_run
 from moe_engine.precision.mxfp8 import wgrad
 from moe_engine.precision.mxfp8.token_blocks import quantize_token_blocks_reference, quantize_token_blocks_triton
 
 cases = torch.load(sys.argv[1])
 outputs = {}
 for name, (a_NX, b_NY, offsets_E, out_EXY) in cases.items():
-    blocked = []
-    for operand, t in (("a", a_NX), ("b", b_NY)):
-        kernel, reference = quantize_token_blocks_triton(t, offsets_E), quantize_token_blocks_reference(t, offsets_E)
+    references = [quantize_token_blocks_reference(t, offsets_E) for t in (a_NX, b_NY)]
+    # Every buffer the kernels see has a poisoned tail, and every output they allocate starts as NaN (or
+    # the largest integer): an element left unwritten or a row mask off by one fails every time.
+    with poisoned_run() as guards:
+        offsets = guards.copy(offsets_E)
+        blocked = [quantize_token_blocks_triton(guards.copy(t), offsets) for t in (a_NX, b_NY)]
+        added = guards.copy(out_EXY)
+        wgrad.grouped_wgrad(*blocked, added, path="triton-dot-scaled")
+        handed_back = {
+            dtype: wgrad.grouped_wgrad(*blocked, out_dtype=dtype, path="triton-dot-scaled").clone()
+            for dtype in (torch.float32, torch.bfloat16)
+        }
+        added = added.clone()
+    for operand, kernel, reference in zip("ab", blocked, references):
         outputs[(name, operand, "codes equal")] = torch.equal(kernel.data_NK.view(torch.uint8), reference.data_NK.view(torch.uint8))
         outputs[(name, operand, "scales equal")] = torch.equal(kernel.scales_BK.view(torch.uint8), reference.scales_BK.view(torch.uint8))
-        blocked.append(kernel)
-    added = out_EXY.clone()
-    wgrad.grouped_wgrad(*blocked, added, path="triton-dot-scaled")
     outputs[(name, "added")] = added
-    for dtype in (torch.float32, torch.bfloat16):
-        outputs[(name, str(dtype))] = wgrad.grouped_wgrad(*blocked, out_dtype=dtype, path="triton-dot-scaled")
+    for dtype, out in handed_back.items():
+        outputs[(name, str(dtype))] = out
 torch.save(outputs, sys.argv[2])
 """
 
