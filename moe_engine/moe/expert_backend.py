@@ -18,7 +18,7 @@ from moe_engine import kernels
 from moe_engine.moe.grouped_gemm import check_operand, grouped_mm, zero_empty_experts_
 from moe_engine.moe.permute import ExpertGroups, RowMap, gather_tokens
 from moe_engine.precision.mxfp8 import wgrad as mx_wgrad
-from moe_engine.precision.mxfp8.token_blocks import TokenBlocked
+from moe_engine.precision.mxfp8.token_blocks import quantize_token_blocks
 from moe_engine.weight_grad_split import WeightGradStash, main_grad_to_add_into
 
 
@@ -89,36 +89,39 @@ def swiglu_backward(
     return silu_NF.mul_(up_NF), grad_h_NH
 
 
-WeightGradOperand = torch.Tensor | TokenBlocked
-"""An operand of an expert weight gradient: rows in expert order, or MXFP8 rows blocked along tokens."""
-
-
 class WeightGradOperands(NamedTuple):
     """What one expert call's weight gradients are products of: per expert e and weight,
-    ``dW[e] = grad_out[rows of e].T @ inputs[rows of e]``; tensors, or MXFP8 ``TokenBlocked`` ones."""
+    ``dW[e] = grad_out[rows of e].T @ inputs[rows of e]``."""
 
     offsets_E: torch.Tensor
     """Cumulative row ends of the experts (int32, on the device)."""
-    gate_up: tuple[WeightGradOperand, WeightGradOperand]
+    gate_up: tuple[torch.Tensor, torch.Tensor]
     """(grad_h_NH, x_ND): gate_up's gradient is grad_h^T x per expert."""
-    down: tuple[WeightGradOperand, WeightGradOperand]
+    down: tuple[torch.Tensor, torch.Tensor]
     """(grad_y_ND, a_NF): down's gradient is grad_y^T a per expert."""
+    mxfp8: bool = False
+    """The products in MXFP8: each weight's two operands quantized along each expert's tokens first."""
 
 
 def expert_weight_grad(
-    weight: torch.Tensor, accumulator, operands: tuple[WeightGradOperand, WeightGradOperand], offsets_E: torch.Tensor
+    weight: torch.Tensor,
+    accumulator,
+    operands: tuple[torch.Tensor, torch.Tensor],
+    offsets_E: torch.Tensor,
+    mxfp8: bool = False,
 ) -> torch.Tensor | None:
     """The gradient of ``weight`` (E, X, Y) from its operands (grad_out_NX, inputs_NY), or None where
     it was added inside the GEMM: when the weight has a ``main_grad`` (its view in a data-parallel
     gradient buffer, ``moe_engine.parallel.data_parallel``) and this pass runs the weight's
     ``accumulator`` (a plain backward), the product is added straight into it and the pass between a
-    bf16 gradient and the fp32 buffer disappears. Under ``autograd.grad`` the gradient is returned."""
+    bf16 gradient and the fp32 buffer disappears. Under ``autograd.grad`` the gradient is returned.
+    ``mxfp8``: the operands are quantized in blocks of 32 of each expert's tokens and multiplied in
+    MXFP8 (``moe_engine.precision.mxfp8.wgrad``), one weight's at a time."""
     grad_out_NX, inputs_NY = operands
     main_grad = main_grad_to_add_into(weight, accumulator)
-    if isinstance(grad_out_NX, TokenBlocked):  # the MXFP8 backend's operands, blocked along tokens
-        assert isinstance(inputs_NY, TokenBlocked)
-        return mx_wgrad.grouped_wgrad(grad_out_NX, inputs_NY, main_grad, out_dtype=weight.dtype)
-    assert isinstance(inputs_NY, torch.Tensor)
+    if mxfp8:
+        blocked_NX, blocked_NY = (quantize_token_blocks(t, offsets_E) for t in operands)
+        return mx_wgrad.grouped_wgrad(blocked_NX, blocked_NY, main_grad, out_dtype=weight.dtype)
     if main_grad is not None:
         # The operands torch's grouped GEMM would get, checked on every device as ``grouped_mm`` does
         # (the op falls back to it where its kernel cannot run).
@@ -147,7 +150,9 @@ class _ExpertWeightGrads(torch.autograd.Function):
         # Inputs 1 and 2 are the weights, the first two of the node's edges (the stash has none).
         edges = ctx.next_functions
         grads = [
-            expert_weight_grad(weight, edges[i][0], pair, operands.offsets_E) if ctx.needs_input_grad[i + 1] else None
+            expert_weight_grad(weight, edges[i][0], pair, operands.offsets_E, operands.mxfp8)
+            if ctx.needs_input_grad[i + 1]
+            else None
             for i, (weight, pair) in enumerate(zip(ctx.weights, (operands.gate_up, operands.down)))
         ]
         return None, *grads

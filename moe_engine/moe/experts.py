@@ -40,7 +40,6 @@ from moe_engine.moe.grouped_gemm import grouped_mm, grouped_mm_path
 from moe_engine.moe.permute import ExpertGroups, RowMap
 from moe_engine.precision.mxfp8 import gemm as mx
 from moe_engine.precision.mxfp8.blocks import MXTensor
-from moe_engine.precision.mxfp8.token_blocks import quantize_token_blocks
 from moe_engine.weight_grad_split import input_grad_wanted, split_token_grad, weights_only_reentry
 
 
@@ -106,10 +105,10 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
     Which GEMM runs in which precision is tabulated in docs/precision.md. Each weight is quantized
     along its reduction axis twice per step: along D / F for fprop, along 2F / D (a fresh
-    quantization, not a transposed reuse) for dgrad. The wgrad GEMMs reduce over tokens: their four
-    operands (grad_h, x, grad_y, a) are quantized in blocks of 32 rows within each expert's rows
-    (``moe_engine.precision.mxfp8.token_blocks``) when the weight phase runs; x, saved blocked along
-    D, is quantized a second time.
+    quantization, not a transposed reuse) for dgrad. The wgrad GEMMs reduce over tokens: each weight's
+    two operands (grad_h and x, grad_y and a) are quantized in blocks of 32 rows within each expert's
+    rows (``moe_engine.precision.mxfp8.token_blocks``) when its gradient is computed; x, saved blocked
+    along D, is quantized a second time.
 
     Saved for backward, besides the weights and offsets:
 
@@ -183,10 +182,7 @@ class _MXFP8GroupedSwiGLU(torch.autograd.Function):
 
             def weight_grads():
                 x_ND = mx.dequantize_rows(MXTensor(x_data, x_scales, axis=-1), d_model, dtype)
-                if not mx_wgrad:
-                    return WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF))
-                blocked = [quantize_token_blocks(t, offsets_E) for t in (grad_h_NH, x_ND, grad_y_ND, a_NF)]
-                return WeightGradOperands(offsets_E, (blocked[0], blocked[1]), (blocked[2], blocked[3]))
+                return WeightGradOperands(offsets_E, (grad_h_NH, x_ND), (grad_y_ND, a_NF), mxfp8=mx_wgrad)
 
             stash.compute = weight_grads
         grad_x_ND = None

@@ -11,12 +11,16 @@ import torch
 
 from moe_engine.precision.mxfp8.blocks import dequantize, quantize
 
-# name: rows per expert (empty experts, one row, several blocks, an exact multiple of 32), padding rows, width
+# name: rows per expert (empty experts, one row, several blocks, an exact multiple of 32), padding rows,
+# width, and the width of a weight gradient's other operand (X of an (E, X, width) gradient)
 CASES = {
-    "uneven": ([5, 0, 37, 64, 1, 0], 6, 48),
-    "first-empty-wide": ([0, 70, 33], 3, 96),
-    "one-expert": ([40], 0, 32),
-    "all-empty": ([0, 0, 0], 5, 16),
+    "uneven": ([5, 0, 37, 64, 1, 0], 6, 48, 40),
+    "first-empty-wide": ([0, 70, 33], 3, 96, 40),
+    "one-expert": ([40], 0, 32, 40),
+    "all-empty": ([0, 0, 0], 5, 16, 40),
+    # Wider than a column tile of the quantizer (128) and than an output tile of the GEMM (128 x 128),
+    # with experts whose first rows are not on 32-row boundaries.
+    "tiles": ([45, 0, 150, 19], 2, 160, 136),
 }
 
 

@@ -11,8 +11,9 @@ can need at most are kept, so that nothing is read on the host. torch's ``scaled
 torchao's recipe copy each expert's rows into a buffer padded to multiples of 32 instead; here the
 GEMM (``moe_engine.precision.mxfp8.wgrad``) masks the rows past an expert's end.
 
-Rows at or past the last offset (an expert-parallel buffer's padding) belong to no block: their codes
-are zero whatever they held (NaN included).
+Rows at or past the last offset (an expert-parallel buffer's padding) belong to no block: the GEMM never
+reads them, the Triton kernel leaves their codes unwritten (no pass over the whole operand to clear them),
+and ``TokenBlocked.dequantize`` gives 0 for them whatever they hold.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class TokenBlocked:
     """An (N, K) tensor in MXFP8 with blocks of 32 rows within each expert's rows (the module docstring)."""
 
     data_NK: torch.Tensor
-    """float8_e4m3fn codes, where the rows were; rows past the last offset hold 0."""
+    """float8_e4m3fn codes, where the rows were; rows past the last offset hold anything (the torch
+    composition writes 0 there, the Triton kernel nothing)."""
     scales_BK: torch.Tensor
     """float8_e8m0fnu scales, (max_blocks(N, E), K): block b's scale of each column."""
     offsets_E: torch.Tensor
@@ -81,11 +83,12 @@ class TokenBlocked:
         rows past the last offset."""
         rows = self.data_NK.shape[0]
         block_N = row_blocks(self.offsets_E, self.block_ends_E, rows)
-        # One more scale row, 2^0, for the rows no block owns (their codes are 0).
+        # One more scale row for the rows no block owns, which come out as 0 whatever their codes hold.
         biased_BK = F.pad(self.scales_BK.view(torch.uint8), (0, 0, 0, 1), value=127)
         biased_NK = biased_BK.index_select(0, block_N)
         scale_NK = torch.where(biased_NK == E8M0_NAN, float("nan"), torch.exp2(biased_NK.float() - 127))
-        return (self.data_NK.float() * scale_NK).to(dtype)
+        owned_N1 = (block_N < self.scales_BK.shape[0]).unsqueeze(1)
+        return torch.where(owned_N1, self.data_NK.float() * scale_NK, 0.0).to(dtype)
 
 
 @torch.profiler.record_function("mxfp8.quantize")
@@ -186,8 +189,8 @@ def quantize_token_blocks_triton(
     experts = offsets_E.shape[0]
     ends_E = block_ends(offsets_E)
     num_blocks = max_blocks(rows, experts)
-    # Zeros: the rows past the last offset are no block's, and no program writes them.
-    data = torch.empty(rows, cols, dtype=torch.uint8, device=t_NK.device).zero_()
+    # The rows past the last offset are no block's: no program writes them.
+    data = torch.empty(rows, cols, dtype=torch.uint8, device=t_NK.device)
     scales = torch.empty(num_blocks, cols, dtype=torch.uint8, device=t_NK.device)
     if num_blocks and cols and experts:
         bf16 = t_NK.dtype == torch.bfloat16

@@ -52,7 +52,7 @@ def grouped_wgrad(
     """``a[rows of e]^T @ b[rows of e]`` for each expert e, on the quantized values, summed in fp32:
     added into the contiguous fp32 ``out_EXY`` (E, X, Y) in place (returns None; an expert without rows
     leaves its slice as it was), or returned as a new (E, X, Y) tensor of ``out_dtype`` (zeros for an
-    expert without rows). ``a`` (N, X) and ``b`` (N, Y) are blocked by the same offsets. ``path``: triton
+    expert without rows). ``a`` (N, X) and ``b`` (N, Y) are blocked by one offsets tensor. ``path``: triton
     or emulation (None: ``available_path``; triton runs CPU tensors under TRITON_INTERPRET=1)."""
     _check(a, b, out_EXY)
     path = available_path(a.data_NK.device) if path is None else gemm.GemmPath(path)
@@ -67,10 +67,15 @@ def grouped_wgrad(
 
 
 def _check(a: TokenBlocked, b: TokenBlocked, out_EXY: torch.Tensor | None) -> None:
-    if a.data_NK.shape[0] != b.data_NK.shape[0] or a.offsets_E.shape != b.offsets_E.shape:
-        raise ValueError(
-            f"grouped_wgrad: a {tuple(a.data_NK.shape)} and b {tuple(b.data_NK.shape)} need the same rows and experts"
-        )
+    if a.data_NK.shape[0] != b.data_NK.shape[0]:
+        raise ValueError(f"grouped_wgrad: a {tuple(a.data_NK.shape)} and b {tuple(b.data_NK.shape)} need the same rows")
+    # One offsets tensor for both (compared by identity: its values stay on the device): the kernel numbers
+    # b's blocks by a's block ends.
+    if a.offsets_E is not b.offsets_E:
+        raise ValueError("grouped_wgrad: a and b must be blocked by one offsets tensor")
+    devices = {a.data_NK.device, b.data_NK.device} | ({out_EXY.device} if out_EXY is not None else set())
+    if len(devices) != 1:
+        raise ValueError(f"grouped_wgrad: all tensors on one device, got {sorted(map(str, devices))}")
     if out_EXY is None:
         return
     want = (a.offsets_E.shape[0], a.data_NK.shape[1], b.data_NK.shape[1])

@@ -24,7 +24,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_codes_and_scales_are_those_of_each_experts_padded_rows(name, dtype):
-    counts, padding, width = CASES[name]
+    counts, padding, width, _ = CASES[name]
     t_NK, offsets_E = token_operand(counts, padding, width, dtype, seed=len(name))
     blocked = quantize_token_blocks(t_NK, offsets_E)
     n = sum(counts)
@@ -74,10 +74,21 @@ def test_blocks_do_not_straddle_experts():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_gives_each_experts_values(dtype):
-    counts, padding, width = CASES["uneven"]
+    counts, padding, width, _ = CASES["uneven"]
     t_NK, offsets_E = token_operand(counts, padding, width, dtype, seed=11)
     values = quantize_token_blocks(t_NK, offsets_E).dequantize(torch.float64)
     assert torch.equal(values, dequantized_per_expert(t_NK, counts))
+
+
+def test_padding_rows_dequantize_to_zero_whatever_their_codes():
+    """The Triton kernel leaves the codes of rows past the last offset unwritten: any bytes there (NaN
+    codes included) dequantize to 0."""
+    t_NK, offsets_E = token_operand([9, 40], 3, 32, torch.float32, seed=2)
+    blocked = quantize_token_blocks(t_NK, offsets_E)
+    clean = blocked.dequantize(torch.float32)
+    _bytes(blocked.data_NK)[49:] = 0x7F  # an E4M3 NaN
+    assert torch.equal(blocked.dequantize(torch.float32), clean)
+    assert not clean[49:].any()
 
 
 def test_max_blocks_bounds_every_split():
@@ -111,9 +122,10 @@ def test_the_composition_is_the_cpu_path():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_cuda_kernel_writes_the_compositions_bytes(name, dtype):
-    counts, padding, width = CASES[name]
+    counts, padding, width, _ = CASES[name]
     t_NK, offsets_E = token_operand(counts, padding, width, dtype, seed=len(name))
     kernel = quantize_token_blocks(t_NK.cuda(), offsets_E.cuda())
     reference = quantize_token_blocks_reference(t_NK, offsets_E)
-    assert torch.equal(_bytes(kernel.data_NK).cpu(), _bytes(reference.data_NK))
+    n = sum(counts)  # the kernel leaves the padding rows' codes unwritten
+    assert torch.equal(_bytes(kernel.data_NK[:n]).cpu(), _bytes(reference.data_NK[:n]))
     assert torch.equal(_bytes(kernel.scales_BK).cpu(), _bytes(reference.scales_BK))

@@ -16,12 +16,10 @@ from moe_engine.precision.mxfp8 import wgrad
 from moe_engine.precision.mxfp8.gemm import GemmPath
 from moe_engine.precision.mxfp8.token_blocks import quantize_token_blocks
 
-X = 40
-
 
 def _case(name, dtype, seed):
-    counts, padding, width = CASES[name]
-    a_NX, offsets_E = token_operand(counts, padding, X, dtype, seed)
+    counts, padding, width, x_width = CASES[name]
+    a_NX, offsets_E = token_operand(counts, padding, x_width, dtype, seed)
     b_NY, _ = token_operand(counts, padding, width, dtype, seed + 100)
     return counts, a_NX, b_NY, offsets_E
 
@@ -35,7 +33,7 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_added_into_the_buffer_as_a_per_expert_loop(name, dtype):
     counts, a_NX, b_NY, offsets_E = _case(name, dtype, seed=len(name))
     a, b = quantize_token_blocks(a_NX, offsets_E), quantize_token_blocks(b_NY, offsets_E)
-    out_EXY = torch.randn(len(counts), X, b_NY.shape[1], generator=torch.Generator().manual_seed(1)) * 1e-3
+    out_EXY = torch.randn(len(counts), a_NX.shape[1], b_NY.shape[1], generator=torch.Generator().manual_seed(1)) * 1e-3
     before = out_EXY.clone()
     assert wgrad.grouped_wgrad(a, b, out_EXY) is None
     product = wgrad_loop(a_NX, b_NY, counts)
@@ -52,7 +50,7 @@ def test_handed_back_with_zeros_for_empty_experts(out_dtype):
     counts, a_NX, b_NY, offsets_E = _case("uneven", torch.bfloat16, seed=4)
     a, b = quantize_token_blocks(a_NX, offsets_E), quantize_token_blocks(b_NY, offsets_E)
     out = wgrad.grouped_wgrad(a, b, out_dtype=out_dtype)
-    assert out.dtype == out_dtype and out.shape == (len(counts), X, b_NY.shape[1])
+    assert out.dtype == out_dtype and out.shape == (len(counts), a_NX.shape[1], b_NY.shape[1])
     product = wgrad_loop(a_NX, b_NY, counts)
     for e, count in enumerate(counts):
         if count == 0:
@@ -65,12 +63,14 @@ def test_checks_its_operands():
     counts, a_NX, b_NY, offsets_E = _case("uneven", torch.float32, seed=2)
     a, b = quantize_token_blocks(a_NX, offsets_E), quantize_token_blocks(b_NY, offsets_E)
     with pytest.raises(ValueError, match="contiguous float32"):
-        wgrad.grouped_wgrad(a, b, torch.zeros(len(counts), X, b_NY.shape[1], dtype=torch.bfloat16))
+        wgrad.grouped_wgrad(a, b, torch.zeros(len(counts), a_NX.shape[1], b_NY.shape[1], dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="contiguous float32"):
-        wgrad.grouped_wgrad(a, b, torch.zeros(len(counts), b_NY.shape[1], X).transpose(1, 2))
+        wgrad.grouped_wgrad(a, b, torch.zeros(len(counts), b_NY.shape[1], a_NX.shape[1]).transpose(1, 2))
     short = quantize_token_blocks(b_NY[:-1], offsets_E)
     with pytest.raises(ValueError, match="same rows"):
         wgrad.grouped_wgrad(a, short)
+    with pytest.raises(ValueError, match="one offsets tensor"):
+        wgrad.grouped_wgrad(a, quantize_token_blocks(b_NY, offsets_E.clone()))
     with pytest.raises(ValueError, match="triton or emulation"):
         wgrad.grouped_wgrad(a, b, path=GemmPath.SCALED_GROUPED_MM)
 
@@ -83,9 +83,9 @@ def test_cpu_runs_the_emulation():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_cuda_path_adds_each_experts_product(name):
     counts, a_NX, b_NY, offsets_E = _case(name, torch.bfloat16, seed=len(name))
-    a = quantize_token_blocks(a_NX.cuda(), offsets_E.cuda())
-    b = quantize_token_blocks(b_NY.cuda(), offsets_E.cuda())
-    out_EXY = torch.zeros(len(counts), X, b_NY.shape[1], device="cuda")
+    offsets = offsets_E.cuda()
+    a, b = quantize_token_blocks(a_NX.cuda(), offsets), quantize_token_blocks(b_NY.cuda(), offsets)
+    out_EXY = torch.zeros(len(counts), a_NX.shape[1], b_NY.shape[1], device="cuda")
     wgrad.grouped_wgrad(a, b, out_EXY)
     # The Triton kernel adds its fp32 sums; the emulation (below capability 8.9) rounds them to bf16 first.
     triton = wgrad.available_path("cuda") is GemmPath.TRITON
