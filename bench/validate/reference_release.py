@@ -171,6 +171,10 @@ def reference_report(device: str = "b300", engines: tuple[str, ...] = ENGINES) -
     qwen = patched(load_scenario(SCENARIOS / "models" / "qwen3-30b-a3b.yaml"), QWEN_ON_H100)
     h100 = load_profile("h100-sxm")
     qwen_docs = [project("qwen3-30b-a3b-h100x16", e, qwen, h100) for e in ENGINES]
+    # The same layout with the experts' forward and input-gradient GEMMs in rowwise FP8 (Hopper's FP8 path).
+    qwen_fp8_docs = [
+        project("qwen3-30b-a3b-h100x16-fp8", e, patched(qwen, {"precision": "fp8"}), h100) for e in ENGINES
+    ]
     rows += [
         {
             "comparison": "Qwen3-30B-A3B on 16 H100, EP 16, microbatch 1, no recompute: memory per rank "
@@ -188,6 +192,18 @@ def reference_report(device: str = "b300", engines: tuple[str, ...] = ENGINES) -
             "published": MEGATRON_BRIDGE_TOKENS_PER_S,
             "projected": tuple(d.get("tokens_per_s_per_gpu", "does not fit") if d else NOT_RUN for d in qwen_docs),
             "scenarios": ["qwen3-30b-a3b-h100x16"],
+        },
+        {
+            "comparison": "FP8 (rowwise) over BF16, Qwen3-30B-A3B on 16 H100 (the layout above)",
+            "metric": "throughput ratio",
+            "published": "none found",
+            "projected": tuple(
+                f["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]
+                if "tokens_per_s_per_gpu" in f and "tokens_per_s_per_gpu" in b
+                else NOT_RUN
+                for f, b in zip(qwen_fp8_docs, qwen_docs)
+            ),
+            "scenarios": ["qwen3-30b-a3b-h100x16", "qwen3-30b-a3b-h100x16-fp8"],
         },
     ]
     for row in rows:
