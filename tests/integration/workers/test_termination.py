@@ -29,9 +29,17 @@ def test_sigterm_stops_a_run_and_its_worker(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not [p for p in owned_processes(env) if p != moe_bench.pid] and time.monotonic() < deadline:
+            if moe_bench.poll() is not None:  # it ended before starting a worker: say why, not a timeout
+                break
             time.sleep(0.2)
         workers = [p for p in owned_processes(env) if p != moe_bench.pid]
-        assert workers, "no worker started within 120 s"
+        if not workers:
+            if moe_bench.poll() is None:
+                moe_bench.kill()
+            _, stderr = moe_bench.communicate(timeout=60)
+            pytest.fail(
+                f"no worker started within 120 s (moe-bench exit code {moe_bench.returncode}):\n{stderr[-3000:]}"
+            )
         time.sleep(1.0)  # into its steps
         moe_bench.send_signal(signal.SIGTERM)
         _, stderr = moe_bench.communicate(timeout=60)
