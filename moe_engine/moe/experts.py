@@ -214,10 +214,19 @@ class MXFP8Backend(ExpertBackend):
         self.path: str = mx.path_label(mx.available_path(device), device)
 
     def forward(self, x_ND, groups, gate_up_EHD, down_EDF):
-        path = mx.available_path(x_ND.device)
-        stash, token = split_weights(x_ND, gate_up_EHD, down_EDF)
+        return self._run(x_ND, groups, gate_up_EHD, down_EDF, None)
+
+    def forward_gathered(self, x_TD, rows, groups, gate_up_EHD, down_EDF):
+        """With fused kernels, the gather and x's quantization are one op (``kernels.gather_rows_mx``)."""
+        if not self.fused_swiglu:
+            return super().forward_gathered(x_TD, rows, groups, gate_up_EHD, down_EDF)
+        return self._run(x_TD, groups, gate_up_EHD, down_EDF, rows)
+
+    def _run(self, x, groups, gate_up_EHD, down_EDF, rows: RowMap | None):
+        path = mx.available_path(x.device)
+        stash, token = split_weights(x, gate_up_EHD, down_EDF)
         y_ND = _MXFP8GroupedSwiGLU.apply(
-            x_ND,
+            x,
             groups.offsets_E,
             gate_up_EHD.detach(),
             down_EDF.detach(),
@@ -225,32 +234,11 @@ class MXFP8Backend(ExpertBackend):
             token,
             path,
             self.fused_swiglu,
-            None,
-            self.mx_wgrad,
-        )
-        # Read after the call: torch's op may fall back per call, and Triton's IR exists once compiled.
-        self.path = mx.path_label(path, x_ND.device)
-        return y_ND
-
-    def forward_gathered(self, x_TD, rows, groups, gate_up_EHD, down_EDF):
-        """With fused kernels, the gather and x's quantization are one op (``kernels.gather_rows_mx``)."""
-        if not self.fused_swiglu:
-            return super().forward_gathered(x_TD, rows, groups, gate_up_EHD, down_EDF)
-        path = mx.available_path(x_TD.device)
-        stash, token = split_weights(x_TD, gate_up_EHD, down_EDF)
-        y_ND = _MXFP8GroupedSwiGLU.apply(
-            x_TD,
-            groups.offsets_E,
-            gate_up_EHD.detach(),
-            down_EDF.detach(),
-            stash,
-            token,
-            path,
-            True,
             rows,
             self.mx_wgrad,
         )
-        self.path = mx.path_label(path, x_TD.device)
+        # Read after the call: torch's op may fall back per call, and Triton's IR exists once compiled.
+        self.path = mx.path_label(path, x.device)
         return y_ND
 
 
