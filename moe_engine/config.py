@@ -93,6 +93,12 @@ class PipelineSchedule(str, Enum):
         return self in (PipelineSchedule.INTERLEAVED_ZB, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
 
     @property
+    def pairs_microbatches(self) -> bool:
+        """Whether the microbatches overlap pairs this schedule's plan, under pp > 1
+        (``moe_engine.parallel.paired_plan``)."""
+        return self in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.DUALPIPEV)
+
+    @property
     def multi_stage(self) -> bool:
         """Whether the schedule runs several stages per rank (``virtual_stages``)."""
         return self.v_shaped or self in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.INTERLEAVED_ZB)
@@ -106,8 +112,9 @@ class ExpertOverlap(str, Enum):
     CHUNKS = "chunks"
     """Only the layer's own chunked dispatch (``a2a_chunks``): chunk k+1 moves while chunk k computes."""
     MICROBATCHES = "microbatches"
-    """One microbatch's all-to-alls in flight while another microbatch computes: DualPipeV's overlapped
-    forward/backward (pp > 1), or the overlapped data-parallel step (pp = 1, two or more microbatches)."""
+    """One microbatch's all-to-alls in flight while another microbatch computes: the pipeline plan's
+    neighbours paired (pp > 1, interleaved1f1b or dualpipev; ``moe_engine.parallel.paired_plan``), or the
+    overlapped data-parallel step (pp = 1, two or more microbatches)."""
     AUTO = "auto"
     """Chosen by the layout (``ParallelConfig.resolved_overlap``)."""
 
@@ -624,9 +631,10 @@ class ParallelConfig:
         _require(
             self.overlap is not ExpertOverlap.MICROBATCHES
             or (self.pp == 1 and (self.microbatches or 1) >= 2)
-            or (self.pp > 1 and self.schedule is PipelineSchedule.DUALPIPEV),
+            or (self.pp > 1 and self.schedule.pairs_microbatches),
             "parallel.overlap",
-            "microbatches overlap needs two or more microbatches (pp = 1) or schedule dualpipev (pp > 1); got "
+            "microbatches overlap needs two or more microbatches (pp = 1) or schedule interleaved1f1b or dualpipev "
+            "(pp > 1); got "
             f"pp={self.pp}, microbatches={self.microbatches}, schedule={self.schedule.value}",
         )
         _require(
@@ -687,13 +695,13 @@ class ParallelConfig:
     def resolved_overlap(self) -> ExpertOverlap:
         """The overlap that runs (never AUTO). AUTO: none without expert parallelism; else microbatches
         where the layout has two microbatches to pair (pp = 1 with two or more microbatches, or pp > 1
-        under dualpipev); else chunks where a2a_chunks > 1; else none."""
+        under interleaved1f1b or dualpipev); else chunks where a2a_chunks > 1; else none."""
         if self.overlap is not ExpertOverlap.AUTO:
             return self.overlap
         if self.ep == 1:
             return ExpertOverlap.NONE
         assert self.microbatches is not None  # __post_init__ resolves None to pp
-        if (self.pp == 1 and self.microbatches >= 2) or (self.pp > 1 and self.schedule is PipelineSchedule.DUALPIPEV):
+        if (self.pp == 1 and self.microbatches >= 2) or (self.pp > 1 and self.schedule.pairs_microbatches):
             return ExpertOverlap.MICROBATCHES
         return ExpertOverlap.CHUNKS if self.a2a_chunks > 1 else ExpertOverlap.NONE
 

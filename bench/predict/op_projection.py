@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from bench.predict.collectives import Collective, Network, collective_seconds
 from bench.predict.dispatch_rows import DispatchShape, expected_rows_per_token, node_groups, resolve_rows, side_bytes
 from bench.predict.ops import TracedOp
-from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Program, Segment, SyncBucket
+from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Pairs, Program, Segment, SyncBucket
 from bench.predict.pricing import PricedOp, is_stand_in
 from bench.predict.projection import Projection, RankTiming, Schedule, project_step
 from bench.predict.skew import SkewModel
@@ -442,11 +442,11 @@ def project_priced_step(
     flops_per_token: float,
     skew: SkewModel | None = None,
     overlap: str = "chunks",
-    pairs: tuple[float, float, float] | None = None,
+    pairs: Pairs | None = None,
 ) -> Projection:
     """The projected step of a priced trace (docs/projection-formulas.md); ``overlap``: ``project_step``'s;
-    ``pairs``: under the microbatches overlap, (pairs, forwards alone, backwards alone) of the rank's
-    step (``bench.predict.overlap.overlapped_pairs``)."""
+    ``pairs``: under the microbatches overlap, the rank's pairs and actions alone
+    (``bench.predict.overlap.overlapped_pairs``)."""
     microbatch_overlap = None
     if overlap == "microbatches":
         if pairs is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import NamedTuple
 
 from bench.predict.collectives import Collective, Network, collective_seconds, is_int, is_number
@@ -24,6 +23,7 @@ __all__ = [
     "NOTHING",
     "ExpertOverlap",
     "MicrobatchOverlap",
+    "Pairs",
     "Program",
     "Segment",
     "SyncBucket",
@@ -212,9 +212,11 @@ class MicrobatchOverlap:
     """Microbatch forwards that run alone, per step."""
     alone_backward: float
     """Microbatch backwards that run alone, per step."""
+    forward_pairs: float = 0.0
+    """Pairs of microbatch forwards run side by side (a pipeline's warm-up), per step."""
 
     def __post_init__(self) -> None:
-        for name in ("pairs", "alone_forward", "alone_backward"):
+        for name in ("pairs", "alone_forward", "alone_backward", "forward_pairs"):
             value = getattr(self, name)
             if not is_number(value) or not value >= 0:
                 raise ValueError(f"microbatch_overlap.{name}: must be a number >= 0, got {value!r}")
@@ -223,32 +225,46 @@ class MicrobatchOverlap:
         """The step's exposed all-to-all seconds, the routing counts' waits included; ``alone_hidden_*``:
         what a direction that runs alone hides by itself (its layers' chunked dispatch), per microbatch."""
         paired = interleaved_exposed_s(self.forward, self.backward)
+        forwards = interleaved_exposed_s(self.forward, self.forward)
         alone_f = interleaved_exposed_s(self.forward, NOTHING) - alone_hidden_forward_s
         alone_b = interleaved_exposed_s(self.backward, NOTHING) - alone_hidden_backward_s
-        return self.pairs * paired + self.alone_forward * alone_f + self.alone_backward * alone_b
+        return (
+            self.pairs * paired
+            + self.forward_pairs * forwards
+            + self.alone_forward * alone_f
+            + self.alone_backward * alone_b
+        )
 
 
-def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int) -> tuple[float, float, float]:
-    """(pairs, forwards alone, backwards alone) of one rank's step, in microbatches: pp = 1, the
-    overlapped data-parallel step pairs microbatch i's forward with i - 1's backward (m - 1 pairs, the
-    first forward and the last backward alone); dualpipev, the rank's OVERLAP_F_B actions in torch's
-    own ScheduleDualPipeV plan, each a pair of stage chunks (half a microbatch of the rank's blocks)."""
+class Pairs(NamedTuple):
+    """One rank's step as the microbatches overlap runs it, in microbatches (``MicrobatchOverlap``'s fields)."""
+
+    pairs: float
+    alone_forward: float
+    alone_backward: float
+    forward_pairs: float
+
+
+def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int, virtual_stages: int = 1) -> Pairs:
+    """One rank's pairs: pp = 1, the overlapped data-parallel step pairs microbatch i's forward with
+    i - 1's backward (m - 1 pairs, the first forward and the last backward alone); pp > 1, the actions
+    of torch's plan for the rank with its neighbours paired (``moe_engine.parallel.paired_plan``), each
+    a stage chunk (1 / v of a microbatch of the rank's blocks; dualpipev: v = 2)."""
     m = microbatches
     if pp == 1:
-        return float(m - 1), 1.0, 1.0
-    if kind != "dualpipev":
-        raise ValueError(f"overlap: microbatches overlap with pp > 1 runs under dualpipev, got {kind}")
-    # heavy: torch, only for DualPipeV; the rest of the arithmetic runs without it. torch's plan of the
-    # rank's actions (private, but it is what the engine's schedule runs).
-    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, _ComputationType
+        return Pairs(float(m - 1), 1.0, 1.0, 0.0)
+    # heavy: torch's pipelining schedules, only for a pipeline; the rest of the arithmetic runs without it.
+    from moe_engine.parallel.paired_plan import PAIRED_SCHEDULES, pair_counts, paired_actions, torch_plan
 
-    actions = ScheduleDualPipeV._calculate_single_rank_operations(
-        SimpleNamespace(pp_group_size=pp, _n_microbatches=m),  # type: ignore[arg-type]
-        pipeline_rank,
+    if kind not in PAIRED_SCHEDULES:
+        raise ValueError(
+            f"overlap: microbatches overlap with pp > 1 runs under {' or '.join(PAIRED_SCHEDULES)}, got {kind}"
+        )
+    v = 2 if kind == "dualpipev" else virtual_stages
+    counts = pair_counts(paired_actions(torch_plan(kind, pp, v, m, pipeline_rank)))
+    return Pairs(
+        counts.forward_backward / v, counts.forward_alone / v, counts.backward_alone / v, counts.forward_forward / v
     )
-    pairs = sum(1 for a in actions if a is not None and a.computation_type == _ComputationType.OVERLAP_F_B)
-    chunks = 2 * m  # each rank runs every microbatch through its two stages
-    return pairs / 2, (chunks - pairs) / 2, (chunks - pairs) / 2
 
 
 @dataclass(frozen=True)

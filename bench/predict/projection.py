@@ -213,8 +213,10 @@ def _overlap_assumption(overlaps: list[ExpertOverlap], overlap: str) -> str:
             "them with no compute between, per-node's two levels, once) and waiting for it when the other has "
             "started its next (or finished); routing counts are waited for at once, exposed; the all-to-alls "
             "queue on one link; forwards "
-            "and backwards with no partner (the first and last of pp = 1, dualpipev's lone actions) wait for "
-            "theirs, less what their chunks hide; no contention between the all-to-alls and compute"
+            "and backwards with no partner (the first and last of pp = 1; under a pipeline the paired plan's "
+            "actions alone: a forward pairs with its neighbour, a forward or a backward of another microbatch, "
+            "two backwards never) wait for theirs, less what their chunks hide; two forwards side by side "
+            "interleave by the same rule; no contention between the all-to-alls and compute"
         )
     chunked = [o for o in overlaps if o.chunks > 1] if overlap == "chunks" else []
     if not chunked:

@@ -396,7 +396,7 @@ def projection_document(
             flops_per_token,
             skew,
             overlap,
-            overlapped_pairs(schedule.kind, schedule.pp, staged.pipeline_rank, schedule.microbatches)
+            overlapped_pairs(schedule.kind, schedule.pp, staged.pipeline_rank, schedule.microbatches, schedule.chunks)
             if overlap == "microbatches"
             else None,
         )

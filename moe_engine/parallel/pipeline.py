@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.pipelining.schedules import (
+    FORWARD,
     OVERLAP_F_B,
     PipelineScheduleMulti,
     _Action,
@@ -33,6 +34,7 @@ from moe_engine.model import Transformer
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
 from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.overlap import Interleaver, overlaps_microbatches
+from moe_engine.parallel.paired_plan import paired_actions
 
 
 class _Stage(PipelineStage):
@@ -125,17 +127,17 @@ def rank_stages(config: ParallelConfig, pp_rank: int) -> list[int]:
     return list(range(pp_rank, config.num_stages, config.pp))
 
 
-def _overlap_forward_backward(action: _Action, ctx: _PipelineContext) -> None:
-    """DualPipeV's OVERLAP_F_B: one microbatch's forward beside another's full backward, switching at
-    each expert all-to-all (``moe_engine.parallel.overlap``). Each half is what the schedule's runtime
-    does for a FORWARD / FULL_BACKWARD action (torch 2.13's ``_PipelineScheduleRuntime``), receives,
-    loss and the hand-over between a rank's two adjacent stages included."""
+def _run_pair(action: _Action, ctx: _PipelineContext) -> None:
+    """An overlapped pair of the paired plan (``moe_engine.parallel.paired_plan``): two actions, each a
+    forward or a full backward, run side by side, switching at each expert all-to-all
+    (``moe_engine.parallel.overlap``). Each is what the schedule's runtime does for a FORWARD /
+    FULL_BACKWARD action (torch 2.13's ``_PipelineScheduleRuntime``), receives, loss and the hand-over
+    between a rank's two adjacent stages included."""
     schedule = ctx.schedule_ref
     assert isinstance(schedule, _PipelineScheduleRuntime) and action.sub_actions is not None
-    forward, backward = action.sub_actions
     stages = {stage.stage_index: stage for stage in schedule._stages}
 
-    def run_forward() -> None:
+    def run_forward(forward: _Action) -> None:
         index, mb = forward.stage_index, forward.microbatch_index
         assert mb is not None and ctx.arg_mbs is not None and ctx.kwarg_mbs is not None
         stage = stages[index]
@@ -147,7 +149,7 @@ def _overlap_forward_backward(action: _Action, ctx: _PipelineContext) -> None:
         if index + 1 in stages:
             stages[index + 1].set_local_fwd_input(output, mb)
 
-    def run_backward() -> None:
+    def run_backward(backward: _Action) -> None:
         index, mb = backward.stage_index, backward.microbatch_index
         assert mb is not None
         stage = stages[index]
@@ -160,7 +162,17 @@ def _overlap_forward_backward(action: _Action, ctx: _PipelineContext) -> None:
         if index - 1 in stages:
             stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
-    Interleaver().run(run_forward, run_backward)
+    first, second = (
+        functools.partial(run_forward if a.computation_type == FORWARD else run_backward, a) for a in action.sub_actions
+    )
+    Interleaver().run(first, second)
+
+
+def _pair_plan(schedule: _PipelineScheduleRuntime) -> None:
+    """Rewrite the schedule's plan with its neighbours paired (``paired_actions``) and let torch lower it
+    again (sends and receives)."""
+    schedule.pipeline_order = {rank: list(paired_actions(plan)) for rank, plan in schedule.pipeline_order.items()}
+    schedule._prepare_schedule_with_comms(schedule.pipeline_order)
 
 
 class Pipeline:
@@ -194,9 +206,10 @@ class Pipeline:
         loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / microbatches)
         stages = self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0]
         self.schedule = schedule(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-        if config.schedule is PipelineSchedule.DUALPIPEV and overlaps_microbatches(config, self.parameters_module):
-            assert isinstance(self.schedule, ScheduleDualPipeV)
-            self.schedule.register_custom_function(OVERLAP_F_B, _overlap_forward_backward)
+        if config.schedule.pairs_microbatches and overlaps_microbatches(config, self.parameters_module):
+            assert isinstance(self.schedule, _PipelineScheduleRuntime)
+            _pair_plan(self.schedule)
+            self.schedule.register_custom_function(OVERLAP_F_B, _run_pair)
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every microbatch; the mean loss on the last stage, else None."""

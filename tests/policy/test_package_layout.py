@@ -71,7 +71,7 @@ ARITHMETIC = (
     "bench.units",
 )
 # What arithmetic may reach inside the project: configuration, the FLOP formulas, the rank layout,
-# and the result/scenario documents. Everything else in the engine builds or runs a model.
+# the paired pipeline plan, and the result/scenario documents. Everything else in the engine builds or runs a model.
 ARITHMETIC_MAY_IMPORT = (
     "bench.results",
     "bench.metrics",
@@ -83,6 +83,8 @@ ARITHMETIC_MAY_IMPORT = (
     "moe_engine.flops",
     "moe_engine.parallel.layout",
     "moe_engine.parallel",
+    # torch's pipeline plans with their neighbours paired: the order of actions, no stage, no model.
+    "moe_engine.parallel.paired_plan",
 )
 # What measures or stands in for a run, used only by the benchmark: it lives in ``bench.run``
 # (collective_log, phase_timer, sync_timeline, proxy.rank), not in the engine.

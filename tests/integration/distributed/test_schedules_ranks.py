@@ -11,7 +11,7 @@ from distributed_harness import run_ranks
 from overlap_checks import overlap_violations
 
 from moe_engine.config import ExpertOverlap, ModelConfig, MoEConfig, ParallelConfig
-from moe_engine.parallel import overlap
+from moe_engine.parallel import overlap, pipeline
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
@@ -41,12 +41,21 @@ class _Recorder:
     def __init__(self):
         self.collectives: dict[tuple[int, ...], list[str]] = {}
         self.events: list[tuple] = []
+        self.pairs: list[tuple[str, str]] = []
 
     def install(self) -> None:
         for name in ("all_to_all_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast"):
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
         events = self.events
         overlap.Interleaver._record = lambda self, kind, p: events.append((kind, p))  # type: ignore[method-assign]
+        # The pipeline registers its pair runner when built, after this: each pair's kinds, as run.
+        run_pair, pairs = pipeline._run_pair, self.pairs
+
+        def recorded_pair(action, ctx):
+            pairs.append(tuple(a.computation_type.value for a in action.sub_actions))
+            return run_pair(action, ctx)
+
+        pipeline._run_pair = recorded_pair
 
     def _wrap(self, name, fn):
         recorder = self
@@ -155,6 +164,7 @@ def _train_rank(
         "collectives": recorder.collectives,
         "events": recorder.events,
         "overlapped": trainer.overlapped,
+        "pairs": recorder.pairs,
         "weight_trace": weight_trace,
     }
 
@@ -243,8 +253,26 @@ def test_dualpipev_overlapped_with_expert_parallelism_trains_like_1f1b():
     assert_same_training(got, reference)
     assert_same_collective_order(got)
     for rank in got:
-        inside = [e for e in rank["events"] if e[0] == "run"]
-        assert inside, "no overlapped forward/backward ran"
+        # torch's own OVERLAP_F_B actions, and its warm-up forwards paired two by two.
+        kinds = {tuple(sorted(pair)) for pair in rank["pairs"]}
+        assert kinds == {("F", "F"), ("B", "F")}, kinds
+        assert overlap_violations(rank["events"]) == []
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_overlapped_with_expert_parallelism_trains_like_1f1b():
+    # torch's interleaved plan with its neighbours paired: warm-up forwards two by two, the steady
+    # state's forward beside a backward (moe_engine.parallel.paired_plan).
+    base = dict(pp=2, dp=2, ep=2, microbatches=4)
+    reference = _run(ParallelConfig(**base, schedule="1f1b"))
+    parallel = ParallelConfig(**base, schedule="interleaved1f1b", virtual_stages=2)
+    assert parallel.resolved_overlap is ExpertOverlap.MICROBATCHES
+    got = _run(parallel)
+    assert_same_training(got, reference)
+    assert_same_collective_order(got)
+    for rank in got:
+        kinds = {tuple(sorted(pair)) for pair in rank["pairs"]}
+        assert kinds == {("F", "F"), ("B", "F")}, kinds
         assert overlap_violations(rank["events"]) == []
 
 

@@ -10,7 +10,7 @@ import pytest
 from bench.predict.collectives import Collective, Network
 from bench.predict.op_projection import step_prices
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
-from bench.predict.overlap import NOTHING, MicrobatchOverlap, Program, interleaved_exposed_s, overlapped_pairs
+from bench.predict.overlap import NOTHING, MicrobatchOverlap, Pairs, Program, interleaved_exposed_s, overlapped_pairs
 from bench.predict.pricing import PricedOp
 from bench.predict.projection import KINDS, STEP_KEYS, RankTiming, Schedule, bubble_s, project_step
 
@@ -138,12 +138,35 @@ def test_the_step_counts_the_routing_counts_as_exposed_by_hand():
 
 def test_overlapped_pairs():
     # pp = 1: m - 1 pairs, the first forward and the last backward alone.
-    assert overlapped_pairs("1f1b", 1, 0, 8) == (7.0, 1.0, 1.0)
-    # dualpipev, pp 2, 4 microbatches: rank 0 runs 3 OVERLAP_F_B actions of its 8 forward and 8
-    # backward stage chunks (torch's plan): 1.5 microbatches paired, 2.5 alone each way.
-    assert overlapped_pairs("dualpipev", 2, 0, 4) == (1.5, 2.5, 2.5)
-    with pytest.raises(ValueError, match="dualpipev"):
+    assert overlapped_pairs("1f1b", 1, 0, 8) == Pairs(7.0, 1.0, 1.0, 0.0)
+    # dualpipev, pp 2, 4 microbatches, rank 0's paired plan (tests/unit/moe_engine/parallel/test_paired_plan.py
+    # writes it out): 3 forward-backward pairs, 2 forward pairs, 1 forward and 5 backwards alone, in
+    # stage chunks of half a microbatch.
+    assert overlapped_pairs("dualpipev", 2, 0, 4) == Pairs(1.5, 0.5, 2.5, 1.0)
+    # interleaved1f1b, pp 2, 2 stages per rank, rank 1: 5, 1, 1 and 3 (the same test's hand plan).
+    assert overlapped_pairs("interleaved1f1b", 2, 1, 4, 2) == Pairs(2.5, 0.5, 1.5, 0.5)
+    with pytest.raises(ValueError, match="interleaved1f1b or dualpipev"):
         overlapped_pairs("1f1b", 2, 0, 4)
+
+
+@pytest.mark.parametrize(
+    "kind, pp, v, m", [("dualpipev", 8, 2, 64), ("interleaved1f1b", 8, 7, 64), ("interleaved1f1b", 4, 3, 8)]
+)
+def test_overlapped_pairs_run_every_microbatch_once_each_way(kind, pp, v, m):
+    for rank in range(pp):
+        got = overlapped_pairs(kind, pp, rank, m, v)
+        assert got.pairs + 2 * got.forward_pairs + got.alone_forward == pytest.approx(m, rel=1e-12)
+        assert got.pairs + got.alone_backward == pytest.approx(m, rel=1e-12)
+
+
+def test_two_forwards_side_by_side_by_hand():
+    # F1 0-0.5, counts 0.5-1.0, 1.0-1.5, rows 1.5-3.5, hands over; F2 1.5-2.0, its counts queue behind
+    # F1's rows (3.5-4.0), 4.0-4.5, rows 4.5-6.5, hands over; F1 resumes (arrived at 3.5), tail 4.5-5.5;
+    # F2 waits to 6.5, tail 6.5-7.5. Compute 4 s, makespan 7.5: 3.5 s exposed.
+    assert interleaved_exposed_s(COUNTS_F, COUNTS_F) == pytest.approx(3.5, rel=1e-12)
+    # m = 3: one forward pair, one forward beside a backward (0.5 s), two backwards alone (1 s each).
+    pairing = MicrobatchOverlap(COUNTS_F, COUNTS_B, pairs=1.0, alone_forward=0.0, alone_backward=2.0, forward_pairs=1.0)
+    assert pairing.exposed_s() == pytest.approx(3.5 + 0.5 + 2 * 1.0, rel=1e-12)
 
 
 def _step(overlap: str, forward: Program, backward: Program, m: int = 4):
@@ -238,13 +261,13 @@ def test_breakdown_adds_up_to_the_step(kind, overlap):
     ]
     per_step = [Collective("all_reduce", ranks, rng.randrange(10**9), "grad")]
     net = Network(gpus_per_node=2, intra_node_gbps=100.0, inter_node_gbps=10.0, latency_us=5.0)
-    if overlap == "microbatches" and kind != "dualpipev":
-        overlap = "chunks"  # the engine runs the microbatches overlap under pp > 1 with dualpipev only
+    if overlap == "microbatches" and kind not in ("dualpipev", "interleaved1f1b"):
+        overlap = "chunks"  # the engine pairs a pipeline's plan under these two only
     pairing = None
     if overlap == "microbatches":
         forward = Program(((rng.uniform(0, 0.5), rng.uniform(0, 0.5)),), microbatch_s * 0.3)
         backward = Program(((rng.uniform(0, 0.5), rng.uniform(0, 0.5)),), microbatch_s * 0.2)
-        pairing = MicrobatchOverlap(forward, backward, *overlapped_pairs(kind, 2, 0, 8))
+        pairing = MicrobatchOverlap(forward, backward, *overlapped_pairs(kind, 2, 0, 8, v))
     projection = project_step(
         0,
         timing,

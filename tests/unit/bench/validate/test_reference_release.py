@@ -25,7 +25,7 @@ def test_the_1_2t_scenario_ships_a_schedule_that_overlaps():
     big = load_scenario(SCENARIOS / "olmo-core3" / "moe-1.2t-512gpu.yaml")
     p = big.parallel_config
     assert (p.pp, p.dp, p.ep) == (8, 64, 64)
-    assert p.schedule.value == "dualpipev" and p.resolved_overlap.value == "microbatches"
+    assert (p.schedule.value, p.virtual_stages) == ("interleaved1f1b", 7) and p.resolved_overlap.value == "microbatches"
 
 
 def test_the_qwen_layout_is_megatron_bridges():

@@ -48,6 +48,9 @@ def test_auto_overlap_follows_the_layout():
     dualpipev = dict(pp=2, dp=2, ep=2, microbatches=4, schedule="dualpipev", virtual_stages=2)
     assert resolved(**dualpipev) is ExpertOverlap.MICROBATCHES
     assert resolved(**dualpipev, overlap="none") is ExpertOverlap.NONE
+    interleaved = dict(pp=2, dp=2, ep=2, microbatches=4, schedule="interleaved1f1b", virtual_stages=2)
+    assert resolved(**interleaved) is ExpertOverlap.MICROBATCHES
+    assert resolved(**dict(interleaved, ep=1)) is ExpertOverlap.NONE
 
 
 @pytest.mark.parametrize(
@@ -57,7 +60,8 @@ def test_auto_overlap_follows_the_layout():
         (dict(pp=2, schedule="dualpipev", virtual_stages=3, microbatches=6), "exactly two stages per rank"),
         (dict(pp=2, schedule="1f1b", virtual_stages=2, microbatches=4), "more than one stage per rank"),
         (dict(dp=2, ep=2, microbatches=1, overlap="microbatches"), "two or more microbatches"),
-        (dict(pp=2, schedule="1f1b", microbatches=4, overlap="microbatches"), "schedule dualpipev"),
+        (dict(pp=2, schedule="1f1b", microbatches=4, overlap="microbatches"), "interleaved1f1b or dualpipev"),
+        (dict(pp=2, schedule="zbv", virtual_stages=2, microbatches=4, overlap="microbatches"), "or dualpipev"),
         (dict(dp=2, microbatches=2, overlap="microbatches", dp_mode="fsdp"), "dp_mode ddp"),
     ],
 )
