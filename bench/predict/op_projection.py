@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from bench.predict.collectives import Collective, Network, collective_seconds
 from bench.predict.dispatch_rows import DispatchShape, expected_rows_per_token, node_groups, resolve_rows, side_bytes
 from bench.predict.ops import TracedOp
-from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, Pairs, Program, Segment, SyncBucket
+from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, PairedPipeline, Pairs, Program, Segment, SyncBucket
 from bench.predict.pricing import PricedOp, is_stand_in
 from bench.predict.projection import Projection, RankTiming, Schedule, project_step
 from bench.predict.skew import SkewModel
@@ -443,10 +443,11 @@ def project_priced_step(
     skew: SkewModel | None = None,
     overlap: str = "chunks",
     pairs: Pairs | None = None,
+    pipeline: PairedPipeline | None = None,
 ) -> Projection:
     """The projected step of a priced trace (docs/projection-formulas.md); ``overlap``: ``project_step``'s;
     ``pairs``: under the microbatches overlap, the rank's pairs and actions alone
-    (``bench.predict.overlap.overlapped_pairs``)."""
+    (``bench.predict.overlap.overlapped_pairs``); ``pipeline``: under pp > 1, the paired plan they come from."""
     microbatch_overlap = None
     if overlap == "microbatches":
         if pairs is None:
@@ -457,7 +458,10 @@ def project_priced_step(
                 "the microbatches overlap cannot be priced"
             )
         microbatch_overlap = MicrobatchOverlap(
-            prices.programs["forward"].priced(rank, net), prices.programs["backward"].priced(rank, net), *pairs
+            prices.programs["forward"].priced(rank, net),
+            prices.programs["backward"].priced(rank, net),
+            *pairs,
+            pipeline=pipeline,
         )
     projection = project_step(
         rank,

@@ -23,6 +23,7 @@ __all__ = [
     "NOTHING",
     "ExpertOverlap",
     "MicrobatchOverlap",
+    "PairedPipeline",
     "Pairs",
     "Program",
     "Segment",
@@ -212,11 +213,12 @@ class MicrobatchOverlap:
     """Microbatch forwards that run alone, per step."""
     alone_backward: float
     """Microbatch backwards that run alone, per step."""
-    forward_pairs: float = 0.0
-    """Pairs of microbatch forwards run side by side (a pipeline's warm-up), per step."""
+    pipeline: PairedPipeline | None = None
+    """Under pp > 1, the paired plan the pairs come from: the bubble is the rank's idle time in its
+    replay (``bench.predict.pipeline_replay``); None: pp = 1."""
 
     def __post_init__(self) -> None:
-        for name in ("pairs", "alone_forward", "alone_backward", "forward_pairs"):
+        for name in ("pairs", "alone_forward", "alone_backward"):
             value = getattr(self, name)
             if not is_number(value) or not value >= 0:
                 raise ValueError(f"microbatch_overlap.{name}: must be a number >= 0, got {value!r}")
@@ -225,15 +227,25 @@ class MicrobatchOverlap:
         """The step's exposed all-to-all seconds, the routing counts' waits included; ``alone_hidden_*``:
         what a direction that runs alone hides by itself (its layers' chunked dispatch), per microbatch."""
         paired = interleaved_exposed_s(self.forward, self.backward)
-        forwards = interleaved_exposed_s(self.forward, self.forward)
         alone_f = interleaved_exposed_s(self.forward, NOTHING) - alone_hidden_forward_s
         alone_b = interleaved_exposed_s(self.backward, NOTHING) - alone_hidden_backward_s
-        return (
-            self.pairs * paired
-            + self.forward_pairs * forwards
-            + self.alone_forward * alone_f
-            + self.alone_backward * alone_b
-        )
+        return self.pairs * paired + self.alone_forward * alone_f + self.alone_backward * alone_b
+
+
+@dataclass(frozen=True)
+class PairedPipeline:
+    """A layout's paired pipeline plan (``moe_engine.parallel.paired_plan``), and the rank measured."""
+
+    kind: str
+    """The schedule (interleaved1f1b or dualpipev)."""
+    pp: int
+    """Pipeline ranks."""
+    virtual_stages: int
+    """Stages per rank (dualpipev: 2)."""
+    microbatches: int
+    """Microbatches per step."""
+    pipeline_rank: int
+    """The measured rank's place in the pipeline."""
 
 
 class Pairs(NamedTuple):
@@ -242,29 +254,26 @@ class Pairs(NamedTuple):
     pairs: float
     alone_forward: float
     alone_backward: float
-    forward_pairs: float
 
 
 def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int, virtual_stages: int = 1) -> Pairs:
     """One rank's pairs: pp = 1, the overlapped data-parallel step pairs microbatch i's forward with
     i - 1's backward (m - 1 pairs, the first forward and the last backward alone); pp > 1, the actions
-    of torch's plan for the rank with its neighbours paired (``moe_engine.parallel.paired_plan``), each
-    a stage chunk (1 / v of a microbatch of the rank's blocks; dualpipev: v = 2)."""
+    of the rank's paired plan (``moe_engine.parallel.paired_plan``), each a stage chunk (1 / v of a
+    microbatch of the rank's blocks; dualpipev: v = 2)."""
     m = microbatches
     if pp == 1:
-        return Pairs(float(m - 1), 1.0, 1.0, 0.0)
+        return Pairs(float(m - 1), 1.0, 1.0)
     # heavy: torch's pipelining schedules, only for a pipeline; the rest of the arithmetic runs without it.
-    from moe_engine.parallel.paired_plan import PAIRED_SCHEDULES, pair_counts, paired_actions, torch_plan
+    from moe_engine.parallel.paired_plan import PAIRED_SCHEDULES, pair_counts, paired_plan, torch_plan
 
     if kind not in PAIRED_SCHEDULES:
         raise ValueError(
             f"overlap: microbatches overlap with pp > 1 runs under {' or '.join(PAIRED_SCHEDULES)}, got {kind}"
         )
     v = 2 if kind == "dualpipev" else virtual_stages
-    counts = pair_counts(paired_actions(torch_plan(kind, pp, v, m, pipeline_rank)))
-    return Pairs(
-        counts.forward_backward / v, counts.forward_alone / v, counts.backward_alone / v, counts.forward_forward / v
-    )
+    counts = pair_counts(paired_plan(kind, torch_plan(kind, pp, v, m, pipeline_rank)))
+    return Pairs(counts.pairs / v, counts.forward_alone / v, counts.backward_alone / v)
 
 
 @dataclass(frozen=True)

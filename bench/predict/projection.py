@@ -15,7 +15,16 @@ from bench.predict.collectives import (
     is_int,
     is_number,
 )
-from bench.predict.overlap import ExpertOverlap, MicrobatchOverlap, SyncBucket, expert_hidden_s, simulate_sync
+from bench.predict.overlap import (
+    NOTHING,
+    ExpertOverlap,
+    MicrobatchOverlap,
+    SyncBucket,
+    expert_hidden_s,
+    interleaved_exposed_s,
+    simulate_sync,
+)
+from bench.predict.pipeline_replay import ChunkSeconds, replay_idle_s
 from bench.predict.skew import SkewModel, skew_seconds, sync_points
 
 __all__ = [
@@ -205,6 +214,43 @@ def bubble_s(schedule: Schedule, t_mb: float, timing: RankTiming) -> float:
     return (pp - 1) * max(0.0, per_chunk) / v
 
 
+PAIRED_BUBBLE = (
+    "the bubble of a paired plan (pp > 1, microbatches overlap) replaces the schedule's formula: the measured "
+    "rank's idle seconds in a replay of every rank's paired plan, each action as soon as its rank is free and "
+    "its inputs have arrived, taking the measured rank's seconds for its kind (a stage chunk's compute, exposed "
+    "all-to-alls and stage messages, 1/v of a microbatch's); messages between ranks take no time in the replay"
+)
+
+
+def paired_bubble_s(
+    pairing: MicrobatchOverlap, timing: RankTiming, pipe_s: float, hidden_forward_s: float, hidden_backward_s: float
+) -> float:
+    """The bubble of a paired pipeline plan: the measured rank's idle seconds in a replay of every rank's
+    plan (``bench.predict.pipeline_replay``), each stage chunk's action taking the measured rank's
+    seconds for its kind, 1/v of a microbatch's: its compute (the microbatch's, split between forward and
+    backward as the programs split it; the weight backward's share from ``timing``), its exposed
+    all-to-alls by the interleaving rule, and half the microbatch's stage messages per direction."""
+    assert pairing.pipeline is not None
+    plan = pairing.pipeline
+    v = 2 if plan.kind == "dualpipev" else plan.virtual_stages
+    forward, backward = pairing.forward, pairing.backward
+    programs_s = forward.compute_s + backward.compute_s
+    share = forward.compute_s / programs_s if programs_s else 0.5
+    f = timing.microbatch_s * share
+    b = timing.microbatch_s - f
+    w = min(b, timing.weight_grad_s or 0.0)
+    alone_f = max(0.0, interleaved_exposed_s(forward, NOTHING) - hidden_forward_s)
+    alone_b = max(0.0, interleaved_exposed_s(backward, NOTHING) - hidden_backward_s)
+    chunk = ChunkSeconds(
+        forward=(f + alone_f + pipe_s / 2) / v,
+        backward=(b + alone_b + pipe_s / 2) / v,
+        input_backward=(b - w + alone_b + pipe_s / 2) / v,
+        weight_backward=w / v,
+        forward_backward=(f + b + interleaved_exposed_s(forward, backward) + pipe_s) / v,
+    )
+    return replay_idle_s(plan.kind, plan.pp, plan.virtual_stages, plan.microbatches, plan.pipeline_rank, chunk)
+
+
 def _overlap_assumption(overlaps: list[ExpertOverlap], overlap: str) -> str:
     if overlap == "microbatches":
         return (
@@ -214,9 +260,8 @@ def _overlap_assumption(overlaps: list[ExpertOverlap], overlap: str) -> str:
             "started its next (or finished); routing counts are waited for at once, exposed; the all-to-alls "
             "queue on one link; forwards "
             "and backwards with no partner (the first and last of pp = 1; under a pipeline the paired plan's "
-            "actions alone: a forward pairs with its neighbour, a forward or a backward of another microbatch, "
-            "two backwards never) wait for theirs, less what their chunks hide; two forwards side by side "
-            "interleave by the same rule; no contention between the all-to-alls and compute"
+            "actions alone: its fill's forwards, its drain's backwards) wait for theirs, less what their "
+            "chunks hide; no contention between the all-to-alls and compute"
         )
     chunked = [o for o in overlaps if o.chunks > 1] if overlap == "chunks" else []
     if not chunked:
@@ -371,13 +416,14 @@ def project_step(
 
     m = schedule.microbatches
     expert_total = _seconds(per_microbatch, "expert", rank, net)
+    hidden_alone = (
+        expert_hidden_s(expert_overlap, rank, net, "forward"),
+        expert_hidden_s(expert_overlap, rank, net, "backward"),
+    )
     if overlap == "microbatches":
         if microbatch_overlap is None:
             raise ValueError("microbatch_overlap: the microbatches overlap needs the interleaved programs")
-        exposed = microbatch_overlap.exposed_s(
-            expert_hidden_s(expert_overlap, rank, net, "forward"),
-            expert_hidden_s(expert_overlap, rank, net, "backward"),
-        )
+        exposed = microbatch_overlap.exposed_s(*hidden_alone)
         # Per microbatch: the step's exposed seconds spread over its m microbatches.
         expert = min(expert_total, max(0.0, exposed / m))
         expert_hidden = expert_total - expert
@@ -392,12 +438,17 @@ def project_step(
     unbucketed = [SyncBucket(c, 0.0) for c in per_step if c.phase == "grad"]
     grad = simulate_sync([*grad_buckets, *unbucketed], rank, net)
     gather = simulate_sync(gather_buckets, rank, net)
+    replayed = overlap == "microbatches" and microbatch_overlap is not None and microbatch_overlap.pipeline is not None
     breakdown = {
         "compute": m * timing.microbatch_s,
         "expert_comm": m * expert,
         "pipeline_comm": m * pipe,
         "fsdp_gather_exposed": m * fsdp_exposed,
-        "bubble": bubble_s(schedule, t_mb, timing),
+        "bubble": (
+            paired_bubble_s(microbatch_overlap, timing, pipe, *hidden_alone)
+            if replayed and microbatch_overlap is not None
+            else bubble_s(schedule, t_mb, timing)
+        ),
         "grad_sync_exposed": grad.exposed_s,
         "optimizer": timing.optimizer_s,
         "param_gather_exposed": gather.exposed_s,
@@ -425,5 +476,6 @@ def project_step(
         tflops_per_gpu=flops_per_token * tokens_per_step / step / world_size / 1e12,
         breakdown_s=breakdown,
         assumptions=_assumptions(schedule, net, len(grad_buckets), len(gather_buckets))
-        + [_overlap_assumption(expert_overlap, overlap), _skew_assumption(skew)],
+        + [_overlap_assumption(expert_overlap, overlap), _skew_assumption(skew)]
+        + ([PAIRED_BUBBLE] if replayed else []),
     )

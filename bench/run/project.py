@@ -18,7 +18,7 @@ from bench.predict.collectives import Network
 from bench.predict.device import DeviceProfile
 from bench.predict.dispatch_rows import DispatchShape
 from bench.predict.op_projection import engine_dispatch, project_priced_step, step_prices
-from bench.predict.overlap import overlapped_pairs
+from bench.predict.overlap import PairedPipeline, overlapped_pairs
 from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import STEP_KEYS, ZERO_BUBBLE, Schedule
@@ -398,6 +398,9 @@ def projection_document(
             overlap,
             overlapped_pairs(schedule.kind, schedule.pp, staged.pipeline_rank, schedule.microbatches, schedule.chunks)
             if overlap == "microbatches"
+            else None,
+            PairedPipeline(schedule.kind, schedule.pp, schedule.chunks, schedule.microbatches, staged.pipeline_rank)
+            if overlap == "microbatches" and schedule.pp > 1
             else None,
         )
         projections.append(stage_projection)

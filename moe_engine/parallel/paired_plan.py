@@ -1,17 +1,25 @@
-"""Overlapped pairs in a pipeline plan: torch's plan of a rank's forwards and backwards, with each two
-adjacent actions of different microbatches merged into one ``OVERLAP_F_B`` action, run side by side
-(``moe_engine.parallel.overlap``).
+"""Overlapped pairs in a pipeline plan: the plan of a rank's forwards and backwards that runs one
+microbatch's forward beside another's full backward as one ``OVERLAP_F_B`` action, each hiding the
+other's expert all-to-alls (``moe_engine.parallel.overlap``).
 
-torch's ``ScheduleDualPipeV`` pairs a forward with a backward in its steady state and runs the rest
-alone; ``ScheduleInterleaved1F1B`` pairs nothing. Pairing the plan's neighbours hides one microbatch's
-expert all-to-alls behind the other's compute in both: a steady state's forward and backward, and the
-warm-up's forwards two by two. Two backwards are never paired: on a GPU autograd runs every backward of
-a device on one thread, which the first backward's hand-over would block. Only the order of the plan
-is read and rewritten; torch lowers it (sends, receives) and runs it. More: docs/schedules-and-recompute.md.
+torch's ``ScheduleDualPipeV`` plans its pairs itself, and runs as torch plans it. torch's
+``ScheduleInterleaved1F1B`` pairs nothing; its steady state alternates a forward and a backward. A pair
+starts when both its inputs have arrived and hands on both outputs when it ends, so pairing that
+forward with the backward after it, as the plan stands, would make neighbouring ranks take turns:
+rank r's backward waits for rank r+1's pair, which waits for the forward rank r is pairing it with.
+Each backward first moves past the forward after it (one more forward in the warm-up, one more stage
+chunk of activations held), so its gradient is on its way a pair earlier; then each backward pairs with
+the forward after it. Nothing else pairs: two forwards side by side (the warm-up's) would hold back the
+first one's output and lengthen the pipeline's fill by more than they hide, and two backwards cannot
+run side by side on a GPU (autograd runs a device's backwards on one thread, which the first one's
+hand-over would block). ``bench.predict.pipeline_replay`` replays the plans. Only the order of torch's
+plan is read and rewritten; torch lowers it (sends, receives) and runs it.
+More: docs/schedules-and-recompute.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -32,19 +40,17 @@ PAIRED_SCHEDULES = tuple(s.value for s in PipelineSchedule if s.pairs_microbatch
 
 
 def _pairable(first: _Action, second: _Action) -> bool:
-    """Whether two neighbouring actions may run side by side: a forward beside a forward or a full
-    backward, of two microbatches (one microbatch's actions depend on each other)."""
-    kinds = (first.computation_type, second.computation_type)
+    """Whether two neighbouring actions may run side by side: a forward and a full backward of two
+    microbatches (one microbatch's actions depend on each other)."""
     return (
         first.sub_actions is None
         and second.sub_actions is None
-        and all(k in (FORWARD, FULL_BACKWARD) for k in kinds)
-        and FORWARD in kinds
+        and {first.computation_type, second.computation_type} == {FORWARD, FULL_BACKWARD}
         and first.microbatch_index != second.microbatch_index
     )
 
 
-def paired_actions(actions: list[_Action | None]) -> list[_Action]:
+def paired_actions(actions: Sequence[_Action | None]) -> list[_Action]:
     """A rank's compute-only plan with its neighbours paired, left to right: an action joins the next
     when both may run side by side (``_pairable``), else runs alone. Idle slots (None) are dropped: the
     runtime waits for its inputs, not for slots."""
@@ -59,6 +65,36 @@ def paired_actions(actions: list[_Action | None]) -> list[_Action]:
             paired.append(plan[i])
             i += 1
     return paired
+
+
+def backwards_one_forward_later(actions: Sequence[_Action | None]) -> list[_Action]:
+    """The plan with each full backward moved past the forward after it (of another microbatch), left to
+    right: the steady state's F B F B becomes F F B F B, one more forward in the warm-up."""
+    plan = [a for a in actions if a is not None]
+    i = 0
+    while i + 1 < len(plan):
+        backward, forward = plan[i], plan[i + 1]
+        if (
+            backward.computation_type == FULL_BACKWARD
+            and forward.computation_type == FORWARD
+            and backward.microbatch_index != forward.microbatch_index
+        ):
+            plan[i], plan[i + 1] = forward, backward
+            i += 2
+        else:
+            i += 1
+    return plan
+
+
+def paired_plan(schedule: str, actions: Sequence[_Action | None]) -> list[_Action]:
+    """What the engine runs for torch's plan ``actions`` of one rank under ``schedule``: interleaved
+    1F1B's backwards one forward later, each then paired with the forward after it; DualPipeV's plan as
+    torch plans it (its own pairs)."""
+    if schedule not in PAIRED_SCHEDULES:
+        raise ValueError(f"paired plan: schedule {schedule} is not paired (one of {', '.join(PAIRED_SCHEDULES)})")
+    if schedule == "interleaved1f1b":
+        return paired_actions(backwards_one_forward_later(actions))
+    return [a for a in actions if a is not None]
 
 
 def torch_plan(schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int) -> list[_Action | None]:
@@ -85,10 +121,8 @@ def torch_plan(schedule: str, pp: int, virtual_stages: int, microbatches: int, r
 class PairCounts:
     """What a rank's paired plan runs, in stage chunks (one stage's share of a microbatch)."""
 
-    forward_backward: int
-    """Pairs of a forward beside a backward."""
-    forward_forward: int
-    """Pairs of two forwards."""
+    pairs: int
+    """Pairs of a forward beside a full backward."""
     forward_alone: int
     """Forwards run alone."""
     backward_alone: int
@@ -97,14 +131,7 @@ class PairCounts:
 
 def pair_counts(actions: list[_Action]) -> PairCounts:
     """Count a paired plan's actions by kind."""
-    fb = ff = f = b = 0
-    for action in actions:
-        if action.sub_actions is not None:
-            forwards = sum(1 for s in action.sub_actions if s.computation_type == FORWARD)
-            ff += forwards == 2
-            fb += forwards == 1
-        elif action.computation_type == FORWARD:
-            f += 1
-        elif action.computation_type in (FULL_BACKWARD, BACKWARD_INPUT):
-            b += 1
-    return PairCounts(forward_backward=fb, forward_forward=ff, forward_alone=f, backward_alone=b)
+    pairs = sum(1 for a in actions if a.sub_actions is not None)
+    forwards = sum(1 for a in actions if a.computation_type == FORWARD)
+    backwards = sum(1 for a in actions if a.computation_type in (FULL_BACKWARD, BACKWARD_INPUT))
+    return PairCounts(pairs=pairs, forward_alone=forwards, backward_alone=backwards)

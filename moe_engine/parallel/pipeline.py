@@ -34,7 +34,7 @@ from moe_engine.model import Transformer
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
 from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.overlap import Interleaver, overlaps_microbatches
-from moe_engine.parallel.paired_plan import paired_actions
+from moe_engine.parallel.paired_plan import paired_plan
 
 
 class _Stage(PipelineStage):
@@ -168,10 +168,10 @@ def _run_pair(action: _Action, ctx: _PipelineContext) -> None:
     Interleaver().run(first, second)
 
 
-def _pair_plan(schedule: _PipelineScheduleRuntime) -> None:
-    """Rewrite the schedule's plan with its neighbours paired (``paired_actions``) and let torch lower it
-    again (sends and receives)."""
-    schedule.pipeline_order = {rank: list(paired_actions(plan)) for rank, plan in schedule.pipeline_order.items()}
+def _pair_plan(schedule: _PipelineScheduleRuntime, kind: str) -> None:
+    """Rewrite the schedule's plan as ``paired_plan`` pairs it and let torch lower it again (sends and
+    receives)."""
+    schedule.pipeline_order = {rank: list(paired_plan(kind, plan)) for rank, plan in schedule.pipeline_order.items()}
     schedule._prepare_schedule_with_comms(schedule.pipeline_order)
 
 
@@ -206,9 +206,11 @@ class Pipeline:
         loss_fn = functools.partial(_scaled_loss, stage=last, scale=1 / microbatches)
         stages = self.stages if issubclass(schedule, PipelineScheduleMulti) else self.stages[0]
         self.schedule = schedule(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-        if config.schedule.pairs_microbatches and overlaps_microbatches(config, self.parameters_module):
+        # Decided for the whole model, not this rank's blocks: every rank must lower the same plan,
+        # or their sends and receives would not match.
+        if config.schedule.pairs_microbatches and overlaps_microbatches(config, model):
             assert isinstance(self.schedule, _PipelineScheduleRuntime)
-            _pair_plan(self.schedule)
+            _pair_plan(self.schedule, config.schedule.value)
             self.schedule.register_custom_function(OVERLAP_F_B, _run_pair)
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:

@@ -58,6 +58,7 @@ ARITHMETIC = (
     "bench.predict.dispatch_rows",
     "bench.predict.op_kinds",
     "bench.predict.breakdown",
+    "bench.predict.pipeline_replay",
     "bench.gate.compare",
     "bench.gate.groups",
     "bench.gate.work",

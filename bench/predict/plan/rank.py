@@ -20,6 +20,7 @@ from bench.predict.plan.activations import (
 from bench.predict.plan.bytes import BYTES, FP32_GRAD_BYTES, ROUTER_BYTES, Params, Pieces, PrecisionBytes
 from moe_engine.config import (
     DataParallelMode,
+    ExpertOverlap,
     GradDtype,
     ModelConfig,
     OptimizerSharding,
@@ -29,8 +30,12 @@ from moe_engine.config import (
 )
 
 
-def in_flight_microbatches(schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int) -> float:
-    """Whole-rank microbatches whose activations rank ``rank`` holds at its peak (see docs/memory-plan.md)."""
+def in_flight_microbatches(
+    schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int, paired: bool = False
+) -> float:
+    """Whole-rank microbatches whose activations rank ``rank`` holds at its peak (see docs/memory-plan.md);
+    ``paired``: the plan runs pairs (``moe_engine.parallel.paired_plan``: interleaved 1F1B's one more
+    forward in the warm-up)."""
     v, m = virtual_stages, microbatches
     if pp == 1:
         return 1.0
@@ -41,7 +46,8 @@ def in_flight_microbatches(schedule: str, pp: int, virtual_stages: int, microbat
     elif schedule == "dualpipev":
         chunks = min(m * v, 2 * pp + 1)
     else:
-        chunks = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1)
+        extra = 1 if paired and schedule == "interleaved1f1b" else 0
+        chunks = min(m * v, 2 * (pp - rank - 1) + (v - 1) * pp + 1 + extra)
     return chunks / v
 
 
@@ -283,7 +289,8 @@ def plan_rank(
     per_mb = sum(block.kept for block in blocks) + (head_activation_bytes(model, tokens, b) if h.head else 0)
     full = recompute.mode is RecomputeMode.FULL
     n_moe_full = sum(1 for i in h.layers if i in recomputed and model.is_moe_layer(i)) if full else 0
-    in_flight = in_flight_microbatches(par.schedule.value, pp, v, m, h.rank)
+    paired = par.resolved_overlap is ExpertOverlap.MICROBATCHES and recompute.mode is not RecomputeMode.FULL
+    in_flight = in_flight_microbatches(par.schedule.value, pp, v, m, h.rank, paired)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
     memory: dict[str, float] = dict(_state_memory(h, b, par))

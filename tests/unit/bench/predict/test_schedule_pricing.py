@@ -10,7 +10,16 @@ import pytest
 from bench.predict.collectives import Collective, Network
 from bench.predict.op_projection import step_prices
 from bench.predict.ops import OpWork, TensorSpec, TracedOp
-from bench.predict.overlap import NOTHING, MicrobatchOverlap, Pairs, Program, interleaved_exposed_s, overlapped_pairs
+from bench.predict.overlap import (
+    NOTHING,
+    MicrobatchOverlap,
+    PairedPipeline,
+    Pairs,
+    Program,
+    interleaved_exposed_s,
+    overlapped_pairs,
+)
+from bench.predict.pipeline_replay import ChunkSeconds, replay_idle_s
 from bench.predict.pricing import PricedOp
 from bench.predict.projection import KINDS, STEP_KEYS, RankTiming, Schedule, bubble_s, project_step
 
@@ -138,13 +147,13 @@ def test_the_step_counts_the_routing_counts_as_exposed_by_hand():
 
 def test_overlapped_pairs():
     # pp = 1: m - 1 pairs, the first forward and the last backward alone.
-    assert overlapped_pairs("1f1b", 1, 0, 8) == Pairs(7.0, 1.0, 1.0, 0.0)
-    # dualpipev, pp 2, 4 microbatches, rank 0's paired plan (tests/unit/moe_engine/parallel/test_paired_plan.py
-    # writes it out): 3 forward-backward pairs, 2 forward pairs, 1 forward and 5 backwards alone, in
-    # stage chunks of half a microbatch.
-    assert overlapped_pairs("dualpipev", 2, 0, 4) == Pairs(1.5, 0.5, 2.5, 1.0)
-    # interleaved1f1b, pp 2, 2 stages per rank, rank 1: 5, 1, 1 and 3 (the same test's hand plan).
-    assert overlapped_pairs("interleaved1f1b", 2, 1, 4, 2) == Pairs(2.5, 0.5, 1.5, 0.5)
+    assert overlapped_pairs("1f1b", 1, 0, 8) == Pairs(7.0, 1.0, 1.0)
+    # dualpipev, pp 2, 4 microbatches: rank 0 runs 3 OVERLAP_F_B actions of its 8 forward and 8
+    # backward stage chunks (torch's plan): 1.5 microbatches paired, 2.5 alone each way.
+    assert overlapped_pairs("dualpipev", 2, 0, 4) == Pairs(1.5, 2.5, 2.5)
+    # interleaved1f1b, pp 2, 2 stages per rank, rank 0's paired plan (written out by hand in
+    # tests/unit/moe_engine/parallel/test_paired_plan.py): 3 pairs, 5 forwards and 5 backwards alone.
+    assert overlapped_pairs("interleaved1f1b", 2, 0, 4, 2) == Pairs(1.5, 2.5, 2.5)
     with pytest.raises(ValueError, match="interleaved1f1b or dualpipev"):
         overlapped_pairs("1f1b", 2, 0, 4)
 
@@ -155,18 +164,8 @@ def test_overlapped_pairs():
 def test_overlapped_pairs_run_every_microbatch_once_each_way(kind, pp, v, m):
     for rank in range(pp):
         got = overlapped_pairs(kind, pp, rank, m, v)
-        assert got.pairs + 2 * got.forward_pairs + got.alone_forward == pytest.approx(m, rel=1e-12)
+        assert got.pairs + got.alone_forward == pytest.approx(m, rel=1e-12)
         assert got.pairs + got.alone_backward == pytest.approx(m, rel=1e-12)
-
-
-def test_two_forwards_side_by_side_by_hand():
-    # F1 0-0.5, counts 0.5-1.0, 1.0-1.5, rows 1.5-3.5, hands over; F2 1.5-2.0, its counts queue behind
-    # F1's rows (3.5-4.0), 4.0-4.5, rows 4.5-6.5, hands over; F1 resumes (arrived at 3.5), tail 4.5-5.5;
-    # F2 waits to 6.5, tail 6.5-7.5. Compute 4 s, makespan 7.5: 3.5 s exposed.
-    assert interleaved_exposed_s(COUNTS_F, COUNTS_F) == pytest.approx(3.5, rel=1e-12)
-    # m = 3: one forward pair, one forward beside a backward (0.5 s), two backwards alone (1 s each).
-    pairing = MicrobatchOverlap(COUNTS_F, COUNTS_B, pairs=1.0, alone_forward=0.0, alone_backward=2.0, forward_pairs=1.0)
-    assert pairing.exposed_s() == pytest.approx(3.5 + 0.5 + 2 * 1.0, rel=1e-12)
 
 
 def _step(overlap: str, forward: Program, backward: Program, m: int = 4):
@@ -267,7 +266,9 @@ def test_breakdown_adds_up_to_the_step(kind, overlap):
     if overlap == "microbatches":
         forward = Program(((rng.uniform(0, 0.5), rng.uniform(0, 0.5)),), microbatch_s * 0.3)
         backward = Program(((rng.uniform(0, 0.5), rng.uniform(0, 0.5)),), microbatch_s * 0.2)
-        pairing = MicrobatchOverlap(forward, backward, *overlapped_pairs(kind, 2, 0, 8, v))
+        pairing = MicrobatchOverlap(
+            forward, backward, *overlapped_pairs(kind, 2, 0, 8, v), pipeline=PairedPipeline(kind, 2, v, 8, 0)
+        )
     projection = project_step(
         0,
         timing,
@@ -374,3 +375,21 @@ def test_zero_bubble_layouts_reduce_their_gradients_after_the_backward():
     assert plain["grad_sync_hidden"] > 0
     assert zero_bubble["grad_sync_hidden"] == 0.0
     assert zero_bubble["grad_sync_exposed"] == pytest.approx(zero_bubble["grad_sync_total"])
+
+
+def test_a_paired_pipelines_bubble_is_its_replay():
+    # interleaved1f1b, pp 2, 2 stages per rank, 4 microbatches, no all-to-all: a microbatch's forward 1 s,
+    # backward 2 s, so a stage chunk's forward 0.5 s, backward 1 s, a pair their sum. The bubble is rank
+    # 0's idle time in the replay, half of what it is with the chunk's seconds doubled.
+    forward, backward = Program((), 1.0), Program((), 2.0)
+    pipeline = PairedPipeline("interleaved1f1b", 2, 2, 4, 0)
+    pairing = MicrobatchOverlap(forward, backward, *overlapped_pairs("interleaved1f1b", 2, 0, 4, 2), pipeline=pipeline)
+    timing = RankTiming(microbatch_s=3.0, optimizer_s=0.0)
+    schedule = Schedule(pp=2, virtual_stages=2, microbatches=4, kind="interleaved1f1b")
+    step = project_step(
+        0, timing, [], [], schedule, NET, 4096, 2, 1e6, overlap="microbatches", microbatch_overlap=pairing
+    )
+    doubled = ChunkSeconds(forward=1.0, backward=2.0, input_backward=2.0, weight_backward=0.0, forward_backward=3.0)
+    assert step.breakdown_s["bubble"] == pytest.approx(replay_idle_s("interleaved1f1b", 2, 2, 4, 0, doubled) / 2)
+    assert step.breakdown_s["bubble"] > 0
+    assert step.step_s == pytest.approx(4 * 3.0 + step.breakdown_s["bubble"], rel=1e-12)

@@ -13,7 +13,14 @@ from torch.distributed.pipelining.schedules import (
     generate_stage_to_rank_mapping,
 )
 
-from moe_engine.parallel.paired_plan import PairCounts, pair_counts, paired_actions, torch_plan
+from moe_engine.parallel.paired_plan import (
+    PairCounts,
+    backwards_one_forward_later,
+    pair_counts,
+    paired_actions,
+    paired_plan,
+    torch_plan,
+)
 
 LAYOUTS = [
     ("interleaved1f1b", 2, 2, 4),
@@ -43,28 +50,31 @@ def _flat(actions):
 def test_pairing_keeps_torchs_actions_and_order(schedule, pp, v, m):
     for rank in range(pp):
         plan = torch_plan(schedule, pp, v, m, rank)
-        paired = paired_actions(plan)
-        assert list(_flat(paired)) == list(_flat([a for a in plan if a is not None]))
+        assert list(_flat(paired_actions(plan))) == list(_flat([a for a in plan if a is not None]))
+        # The shipped plan: the same actions (each backward at most one forward later).
+        shipped = list(_flat(paired_plan(schedule, plan)))
+        assert sorted(map(_name, shipped)) == sorted(map(_name, _flat([a for a in plan if a is not None])))
 
 
 @pytest.mark.parametrize("schedule, pp, v, m", LAYOUTS)
-def test_pairs_hold_two_microbatches_and_a_forward(schedule, pp, v, m):
+def test_pairs_hold_a_forward_and_a_backward_of_two_microbatches(schedule, pp, v, m):
     for rank in range(pp):
-        paired = paired_actions(torch_plan(schedule, pp, v, m, rank))
+        paired = paired_plan(schedule, torch_plan(schedule, pp, v, m, rank))
         for action in paired:
             if action.sub_actions is None:
                 continue
             first, second = action.sub_actions
             assert first.microbatch_index != second.microbatch_index, _name(action)
-            kinds = {first.computation_type, second.computation_type}
-            assert kinds <= {FORWARD, FULL_BACKWARD} and FORWARD in kinds, _name(action)
-        # Greedy: no two neighbours left alone that could have run side by side.
-        for a, b in itertools.pairwise(paired):
-            if a.sub_actions is None and b.sub_actions is None:
-                kinds = {a.computation_type, b.computation_type}
-                assert not (
-                    kinds <= {FORWARD, FULL_BACKWARD} and FORWARD in kinds and a.microbatch_index != b.microbatch_index
-                ), (_name(a), _name(b))
+            assert {first.computation_type, second.computation_type} == {FORWARD, FULL_BACKWARD}, _name(action)
+        if schedule == "interleaved1f1b":
+            # Every forward next to a backward of another microbatch is in a pair.
+            for x, y in itertools.pairwise(paired):
+                if x.sub_actions is None and y.sub_actions is None:
+                    kinds = {x.computation_type, y.computation_type}
+                    assert not (kinds == {FORWARD, FULL_BACKWARD} and x.microbatch_index != y.microbatch_index), (
+                        _name(x),
+                        _name(y),
+                    )
 
 
 @pytest.mark.parametrize("schedule, pp, v, m", LAYOUTS)
@@ -72,55 +82,51 @@ def test_torch_lowers_the_paired_plan(schedule, pp, v, m):
     stages = pp * v
     style = "v" if schedule == "dualpipev" else "loop"
     to_rank = generate_stage_to_rank_mapping(pp, stages, style=style)
-    paired = {rank: paired_actions(torch_plan(schedule, pp, v, m, rank)) for rank in range(pp)}
+    paired = {rank: paired_plan(schedule, torch_plan(schedule, pp, v, m, rank)) for rank in range(pp)}
     lowered = _add_send_recv({r: list(a) for r, a in paired.items()}, lambda s: to_rank[s], stages)
     for rank, actions in paired.items():
         assert [a for a in lowered[rank] if a.is_compute_op] == actions
 
 
-def test_interleaved_plan_paired_by_hand():
+def test_interleaved_plan_paired_as_it_stands_by_hand():
     # torch's interleaved 1F1B, pp 2, two stages per rank, 4 microbatches, rank 1 (stages 1 and 3):
     # F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 F3.3 B3.3 B1.2 B1.3. Stage 3 holds the
     # loss: F3.0 and B3.0 are one microbatch, so F3.0 runs alone and B3.0 pairs with F3.1.
     paired = paired_actions(torch_plan("interleaved1f1b", 2, 2, 4, 1))
-    assert [_name(a) for a in paired] == [
-        "[F1.0&F1.1]",
-        "F3.0",
-        "[B3.0&F3.1]",
-        "[B3.1&F1.2]",
-        "[B1.0&F1.3]",
-        "[B1.1&F3.2]",
-        "[B3.2&F3.3]",
-        "B3.3",
-        "B1.2",
-        "B1.3",
-    ]
-    assert pair_counts(paired) == PairCounts(forward_backward=5, forward_forward=1, forward_alone=1, backward_alone=3)
+    assert " ".join(map(_name, paired)) == (
+        "F1.0 F1.1 F3.0 [B3.0&F3.1] [B3.1&F1.2] [B1.0&F1.3] [B1.1&F3.2] [B3.2&F3.3] B3.3 B1.2 B1.3"
+    )
+    assert pair_counts(paired) == PairCounts(pairs=5, forward_alone=3, backward_alone=3)
 
 
-def test_dualpipev_plan_paired_by_hand():
-    # torch's DualPipeV, pp 2, 4 microbatches, rank 0 (stages 0 and 3): its own OVERLAP_F_B actions stay;
-    # the warm-up's forwards pair two by two; I, W and the backwards stay alone.
-    paired = paired_actions(torch_plan("dualpipev", 2, 2, 4, 0))
-    assert [_name(a) for a in paired] == [
-        "[F0.0&F0.1]",
-        "[F0.2&F3.0]",
-        "I3.0",
-        "W3.0",
-        "F3.1",
-        "[F0.3&B3.1]",
-        "[F3.2&B0.0]",
-        "B3.2",
-        "[F3.3&B0.1]",
-        "B3.3",
-        "I0.2",
-        "W0.2",
-        "I0.3",
-        "W0.3",
-    ]
-    assert pair_counts(paired) == PairCounts(forward_backward=3, forward_forward=2, forward_alone=1, backward_alone=5)
+def test_backwards_move_one_forward_later_by_hand():
+    # Rank 0 of the same layout: F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2
+    # B0.3. Each backward passes the forward after it (the cool-down's have none to pass), then pairs
+    # with it.
+    plan = backwards_one_forward_later(torch_plan("interleaved1f1b", 2, 2, 4, 0))
+    assert " ".join(map(_name, plan)) == (
+        "F0.0 F0.1 F2.0 F2.1 F0.2 F0.3 B2.0 F2.2 B2.1 F2.3 B0.0 B0.1 B2.2 B2.3 B0.2 B0.3"
+    )
+    paired = paired_plan("interleaved1f1b", torch_plan("interleaved1f1b", 2, 2, 4, 0))
+    assert " ".join(map(_name, paired)) == (
+        "F0.0 F0.1 F2.0 F2.1 F0.2 [F0.3&B2.0] [F2.2&B2.1] [F2.3&B0.0] B0.1 B2.2 B2.3 B0.2 B0.3"
+    )
+    assert pair_counts(paired) == PairCounts(pairs=3, forward_alone=5, backward_alone=5)
+
+
+def test_dualpipev_runs_as_torch_plans_it():
+    # pp 2, 4 microbatches, rank 0: torch's own OVERLAP_F_B actions, I and W steps, nothing added.
+    plan = torch_plan("dualpipev", 2, 2, 4, 0)
+    paired = paired_plan("dualpipev", plan)
+    assert paired == [a for a in plan if a is not None]
+    assert " ".join(map(_name, paired)) == (
+        "F0.0 F0.1 F0.2 F3.0 I3.0 W3.0 F3.1 [F0.3&B3.1] [F3.2&B0.0] B3.2 [F3.3&B0.1] B3.3 I0.2 W0.2 I0.3 W0.3"
+    )
+    assert pair_counts(paired) == PairCounts(pairs=3, forward_alone=5, backward_alone=5)
 
 
 def test_unpaired_schedule_is_refused():
     with pytest.raises(ValueError, match="not paired"):
         torch_plan("zbv", 2, 2, 4, 0)
+    with pytest.raises(ValueError, match="not paired"):
+        paired_plan("1f1b", [])
