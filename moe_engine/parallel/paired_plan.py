@@ -9,7 +9,7 @@ forward with the backward after it, as the plan stands, would make neighbouring 
 rank r's backward waits for rank r+1's pair, which waits for the forward rank r is pairing it with.
 Each backward first moves past the forward after it (one more forward in the warm-up, one more stage
 chunk of activations held), so its gradient is on its way a pair earlier; then each backward pairs with
-the forward after it. Nothing else pairs: two forwards side by side (the warm-up's) would hold back the
+the forward it moved past. Nothing else pairs: two forwards side by side (the warm-up's) would hold back the
 first one's output and lengthen the pipeline's fill by more than they hide, and two backwards cannot
 run side by side on a GPU (autograd runs a device's backwards on one thread, which the first one's
 hand-over would block). ``bench.predict.pipeline_replay`` replays the plans. Only the order of torch's
@@ -88,8 +88,8 @@ def backwards_one_forward_later(actions: Sequence[_Action | None]) -> list[_Acti
 
 def paired_plan(schedule: str, actions: Sequence[_Action | None]) -> list[_Action]:
     """What the engine runs for torch's plan ``actions`` of one rank under ``schedule``: interleaved
-    1F1B's backwards one forward later, each then paired with the forward after it; DualPipeV's plan as
-    torch plans it (its own pairs)."""
+    1F1B's backwards one forward later, each then paired with the forward it moved past; DualPipeV's plan
+    as torch plans it (its own pairs)."""
     if schedule not in PAIRED_SCHEDULES:
         raise ValueError(f"paired plan: schedule {schedule} is not paired (one of {', '.join(PAIRED_SCHEDULES)})")
     if schedule == "interleaved1f1b":

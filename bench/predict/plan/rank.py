@@ -289,7 +289,9 @@ def plan_rank(
     per_mb = sum(block.kept for block in blocks) + (head_activation_bytes(model, tokens, b) if h.head else 0)
     full = recompute.mode is RecomputeMode.FULL
     n_moe_full = sum(1 for i in h.layers if i in recomputed and model.is_moe_layer(i)) if full else 0
-    paired = par.resolved_overlap is ExpertOverlap.MICROBATCHES and recompute.mode is not RecomputeMode.FULL
+    # As the engine decides (overlaps_microbatches): a fully recomputed MoE block anywhere runs the plain order.
+    replays_routes = full and any(model.is_moe_layer(i) for i in recomputed)
+    paired = par.resolved_overlap is ExpertOverlap.MICROBATCHES and not replays_routes
     in_flight = in_flight_microbatches(par.schedule.value, pp, v, m, h.rank, paired)
     a2a_buffer = 2 * tokens * model.moe.top_k * model.d_model * b.comm * dispatch_pad(par) if ep > 1 else 0
     pipe_buffer = 2 * tokens * model.d_model * b.activation if pp > 1 else 0
