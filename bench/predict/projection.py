@@ -232,7 +232,7 @@ def paired_bubble_s(
     all-to-alls by the interleaving rule, and half the microbatch's stage messages per direction."""
     assert pairing.pipeline is not None
     plan = pairing.pipeline
-    v = 2 if plan.kind == "dualpipev" else plan.virtual_stages
+    v = plan.virtual_stages
     forward, backward = pairing.forward, pairing.backward
     programs_s = forward.compute_s + backward.compute_s
     share = forward.compute_s / programs_s if programs_s else 0.5
