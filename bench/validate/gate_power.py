@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     tolerance = parse_tolerance(args.tolerance)
     slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
     if args.replay:
-        timing = [r for r in load_records(Path(args.replay)) if r.get("kind") != "suite"]
+        replayed = load_records(Path(args.replay))
+        timing = [r for r in replayed if r.get("kind") != "suite"] + suite_scenario_runs(replayed)
         sys.stdout.write(render_replay(replay(timing, tolerance, (0.0, *slowdowns)), tolerance) + "\n")
         return 0
     files = args.scenario or [str(f) for f in suite_files(args.suite, torch_device(args.device))]
@@ -424,6 +425,25 @@ def replay(
             hits = sum(fails_once(delta, r["worker_pairs"], r["pair_sd"]) for r in runs for _ in range(draws))
             rates[scenario, slowdown] = hits / (draws * len(runs))
     return rates
+
+
+def suite_scenario_runs(records: list[dict]) -> list[dict]:
+    """Each whole-suite run's scenario gates as the runs ``replay`` draws afresh: its worker pairs, and
+    their spread from the estimate's standard error (``se`` = the pair centres' spread over the square
+    root of the pairs, ``bench.gate.paired.PooledEstimate.se``); a gate with fewer than two pairs (a
+    plan scenario's) has none."""
+    return [
+        {
+            "scenario": row["scenario"],
+            "planted": row["planted"],
+            "worker_pairs": row["worker_pairs"],
+            "pair_sd": row["se"] * math.sqrt(row["worker_pairs"]),
+        }
+        for record in records
+        if record.get("kind") == "suite"
+        for row in record["scenarios"]
+        if row.get("se") and row.get("worker_pairs", 0) >= 2
+    ]
 
 
 def render_replay(rates: dict[tuple[str, float], float], tolerance: float) -> str:

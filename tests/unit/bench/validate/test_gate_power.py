@@ -46,3 +46,18 @@ def test_the_replay_agrees_with_the_confirmed_rules_arithmetic():
     table = gate_power.render_replay(rates, 0.045).splitlines()
     assert table[0] == "| scenario (tolerance 4.5%) | A/A failed | +5% caught | +10% caught |"
     assert table[-1] == f"suite false alarms: {rates['s', 0.0]:.1%}"
+
+
+def test_the_replay_draws_a_suite_runs_scenario_gates_from_their_standard_errors():
+    """A whole-suite record holds each scenario's estimate, standard error and worker pairs: the replay
+    draws each scenario gate with as many pairs, their spread se * sqrt(pairs); a plan scenario's gate
+    (no pairs) is not drawn."""
+    row = {"scenario": "s", "planted": 0.0, "se": 0.02, "worker_pairs": 4, "fails": False}
+    plan = {"scenario": "plan", "planted": 0.0, "se": None, "worker_pairs": 0, "fails": False}
+    suite = {"kind": "suite", "planted": 0.0, "planted_scenario": None, "scenarios": [row, plan]}
+    runs = gate_power.suite_scenario_runs([suite, record(0.0, "unchanged", 0.001)])
+    assert runs == [{"scenario": "s", "planted": 0.0, "worker_pairs": 4, "pair_sd": 0.04}]
+    # The same rates as a per-scenario record of that spread (the test above): the confirmed rule's.
+    drawn = gate_power.replay(runs, 0.045, (0.05,), draws=20_000, seed=3)
+    _, expected = paired.fail_rates(0.05, 0.02, 0.045)
+    assert abs(drawn["s", 0.05] - expected) < 4 * math.sqrt(expected * (1 - expected) / 20_000)
