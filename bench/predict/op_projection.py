@@ -457,11 +457,13 @@ def project_priced_step(
                 "trace: the expert all-to-alls of a direction do not split evenly over the traced microbatches; "
                 "the microbatches overlap cannot be priced"
             )
+        backward = prices.programs["backward"].priced(rank, net)
         microbatch_overlap = MicrobatchOverlap(
             prices.programs["forward"].priced(rank, net),
-            prices.programs["backward"].priced(rank, net),
+            backward,
             *pairs,
             pipeline=pipeline,
+            weight_s=min(prices.timing.weight_grad_s or 0.0, backward.compute_s),
         )
     projection = project_step(
         rank,

@@ -34,6 +34,8 @@ __all__ = [
     "interleaved_exposed_s",
     "overlapped_pairs",
     "simulate_sync",
+    "sliced",
+    "without_compute",
 ]
 
 
@@ -212,16 +214,38 @@ class MicrobatchOverlap:
     alone_forward: float
     """Microbatch forwards that run alone, per step."""
     alone_backward: float
-    """Microbatch backwards that run alone, per step."""
+    """Microbatch backwards (full or input) that run alone, per step."""
+    input_beside_weight: float = 0.0
+    """Microbatch input backwards with an earlier one's weight backward beside them, per step."""
+    backward_beside_weight: float = 0.0
+    """Microbatch full backwards with an earlier one's weight backward beside them, per step."""
     pipeline: PairedPipeline | None = None
     """Under pp > 1, the paired plan the pairs come from: the bubble is the rank's idle time in its
     replay (``bench.predict.pipeline_replay``); None: pp = 1."""
+    weight_s: float = 0.0
+    """One microbatch's weight backward, seconds (its share of ``backward``'s compute)."""
 
     def __post_init__(self) -> None:
-        for name in ("pairs", "alone_forward", "alone_backward"):
+        for name in ("pairs", "alone_forward", "alone_backward", "input_beside_weight", "backward_beside_weight"):
             value = getattr(self, name)
             if not is_number(value) or not value >= 0:
                 raise ValueError(f"microbatch_overlap.{name}: must be a number >= 0, got {value!r}")
+        if not is_number(self.weight_s) or not 0 <= self.weight_s <= self.backward.compute_s:
+            raise ValueError(
+                f"microbatch_overlap.weight_s: must be a number in [0, {self.backward.compute_s}], got {self.weight_s!r}"
+            )
+
+    @property
+    def input_backward(self) -> Program:
+        """One microbatch's input backward: the backward less its weight gradients, spread over its
+        segments in proportion to their compute."""
+        return without_compute(self.backward, self.weight_s)
+
+    @property
+    def weight_slices(self) -> Program:
+        """One microbatch's weight backward as it runs beside a backward: one slice at each of that
+        backward's hand-overs."""
+        return sliced(self.weight_s, sum(s.hands_over for s in self.backward.segments))
 
     def exposed_s(self, alone_hidden_forward_s: float = 0.0, alone_hidden_backward_s: float = 0.0) -> float:
         """The step's exposed all-to-all seconds, the routing counts' waits included; ``alone_hidden_*``:
@@ -229,7 +253,29 @@ class MicrobatchOverlap:
         paired = interleaved_exposed_s(self.forward, self.backward)
         alone_f = interleaved_exposed_s(self.forward, NOTHING) - alone_hidden_forward_s
         alone_b = interleaved_exposed_s(self.backward, NOTHING) - alone_hidden_backward_s
-        return self.pairs * paired + self.alone_forward * alone_f + self.alone_backward * alone_b
+        beside_weight = self.input_beside_weight * interleaved_exposed_s(
+            self.input_backward, self.weight_slices
+        ) + self.backward_beside_weight * interleaved_exposed_s(self.backward, self.weight_slices)
+        return self.pairs * paired + self.alone_forward * alone_f + self.alone_backward * alone_b + beside_weight
+
+
+def without_compute(program: Program, seconds: float) -> Program:
+    """``program`` less ``seconds`` of its compute, taken from each segment and the tail in proportion."""
+    if not program.compute_s:
+        return program
+    keep = max(0.0, 1 - seconds / program.compute_s)
+    return Program(
+        tuple(Segment(s.compute_s * keep, s.alltoall_s, s.hands_over) for s in program.segments),
+        program.tail_s * keep,
+    )
+
+
+def sliced(seconds: float, slices: int) -> Program:
+    """Compute with no all-to-all of its own, run in ``slices`` equal slices beside another program: one
+    at each of that program's hand-overs (a segment with no all-to-all hands straight back), the last as
+    the tail."""
+    n = max(1, slices)
+    return Program(tuple(Segment(seconds / n, 0.0) for _ in range(n - 1)), seconds / n)
 
 
 @dataclass(frozen=True)
@@ -254,6 +300,8 @@ class Pairs(NamedTuple):
     pairs: float
     alone_forward: float
     alone_backward: float
+    input_beside_weight: float = 0.0
+    backward_beside_weight: float = 0.0
 
 
 def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int, virtual_stages: int = 1) -> Pairs:
@@ -273,7 +321,13 @@ def overlapped_pairs(kind: str, pp: int, pipeline_rank: int, microbatches: int, 
         )
     v = 2 if kind == "dualpipev" else virtual_stages
     counts = pair_counts(paired_plan(kind, torch_plan(kind, pp, v, m, pipeline_rank)))
-    return Pairs(counts.pairs / v, counts.forward_alone / v, counts.backward_alone / v)
+    return Pairs(
+        counts.pairs / v,
+        counts.forward_alone / v,
+        counts.backward_alone / v,
+        counts.input_beside_weight / v,
+        counts.backward_beside_weight / v,
+    )
 
 
 @dataclass(frozen=True)

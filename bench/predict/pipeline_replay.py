@@ -5,7 +5,7 @@ step's bubble under the microbatches overlap (``moe_engine.parallel.paired_plan`
 A pair starts when both its actions' inputs are there and hands on both outputs when it ends. The
 inputs: a forward needs the previous stage's forward of its microbatch; a backward its own forward
 and the next stage's backward (the last stage: its forward only); a weight backward its input
-backward. Messages between stages take no time here (their seconds are the sender's, in its
+backward (run before it, alone or in an earlier pair). Messages between stages take no time here (their seconds are the sender's, in its
 actions). Formulas: docs/projection-formulas.md, "Bubble of a paired plan". Pure arithmetic.
 """
 
@@ -33,6 +33,10 @@ class ChunkSeconds:
     """A weight backward."""
     forward_backward: float
     """A forward beside a full backward."""
+    input_beside_weight: float = 0.0
+    """An input backward beside an earlier chunk's weight backward."""
+    backward_beside_weight: float = 0.0
+    """A full backward beside an earlier chunk's weight backward."""
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -46,7 +50,10 @@ def _seconds(action, chunk: ChunkSeconds) -> float:
     from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
 
     if action.sub_actions is not None:
-        return chunk.forward_backward
+        kinds = {a.computation_type for a in action.sub_actions}
+        if FORWARD in kinds:
+            return chunk.forward_backward
+        return chunk.input_beside_weight if BACKWARD_INPUT in kinds else chunk.backward_beside_weight
     return {
         FORWARD: chunk.forward,
         FULL_BACKWARD: chunk.backward,

@@ -128,9 +128,12 @@ class RankTiming:
     """The forward's share of microbatch_s (F), seconds; the zero-bubble schedules' bubble needs it."""
     weight_grad_s: float | None = None
     """The backward's weight gradients in microbatch_s (W), seconds; the zero-bubble schedules' bubble needs it."""
+    weight_add_s: float = 0.0
+    """Per step, compute beyond m microbatches: a paired plan's split weight backwards adding their gradients
+    into the buffer (``bench.predict.split_weights``), seconds."""
 
     def __post_init__(self) -> None:
-        for name in ("microbatch_s", "optimizer_s"):
+        for name in ("microbatch_s", "optimizer_s", "weight_add_s"):
             value = getattr(self, name)
             if not is_number(value) or not value >= 0:
                 raise ValueError(f"timing.{name}: must be a number >= 0, got {value!r}")
@@ -241,12 +244,17 @@ def paired_bubble_s(
     w = min(b, timing.weight_grad_s or 0.0)
     alone_f = max(0.0, interleaved_exposed_s(forward, NOTHING) - hidden_forward_s)
     alone_b = max(0.0, interleaved_exposed_s(backward, NOTHING) - hidden_backward_s)
+    # The weight backward beside a backward: the programs' own split (``MicrobatchOverlap.weight_s``),
+    # priced at the measured rank's seconds.
+    slices = pairing.weight_slices
     chunk = ChunkSeconds(
         forward=(f + alone_f + pipe_s / 2) / v,
         backward=(b + alone_b + pipe_s / 2) / v,
         input_backward=(b - w + alone_b + pipe_s / 2) / v,
         weight_backward=w / v,
         forward_backward=(f + b + interleaved_exposed_s(forward, backward) + pipe_s) / v,
+        input_beside_weight=(b + interleaved_exposed_s(pairing.input_backward, slices) + pipe_s / 2) / v,
+        backward_beside_weight=(b + w + interleaved_exposed_s(backward, slices) + pipe_s / 2) / v,
     )
     return replay_idle_s(plan.kind, plan.pp, plan.virtual_stages, plan.microbatches, plan.pipeline_rank, chunk)
 
@@ -440,7 +448,7 @@ def project_step(
     gather = simulate_sync(gather_buckets, rank, net)
     replayed = overlap == "microbatches" and microbatch_overlap is not None and microbatch_overlap.pipeline is not None
     breakdown = {
-        "compute": m * timing.microbatch_s,
+        "compute": m * timing.microbatch_s + timing.weight_add_s,
         "expert_comm": m * expert,
         "pipeline_comm": m * pipe,
         "fsdp_gather_exposed": m * fsdp_exposed,

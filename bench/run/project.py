@@ -23,6 +23,7 @@ from bench.predict.plan import plan_scenario
 from bench.predict.pricing import PricedOp, price_ops
 from bench.predict.projection import STEP_KEYS, ZERO_BUBBLE, Schedule
 from bench.predict.skew import SkewModel
+from bench.predict.split_weights import split_weight_add_s
 from bench.run.proxy.rank.pipeline import stage_order
 from bench.run.trace import PROGRESS_EVERY_S, StepTrace, retarget, trace_step
 from bench.scenario import Scenario, scenario_from_dict
@@ -377,6 +378,9 @@ def projection_document(
             prices = dataclasses.replace(
                 prices, grad_buckets=[dataclasses.replace(b, window_s=0.0) for b in prices.grad_buckets]
             )
+        if overlap == "microbatches":
+            added = split_weight_add_s(scenario.model, parallel, scenario.precision, profile, staged.pipeline_rank)
+            prices = dataclasses.replace(prices, timing=dataclasses.replace(prices.timing, weight_add_s=added))
         if schedule.chunks > 1:
             # A rank of v stages sends and receives each microbatch's activations and gradients at each.
             prices = dataclasses.replace(

@@ -12,8 +12,11 @@ chunk of activations held), so its gradient is on its way a pair earlier; then e
 the forward it moved past. Nothing else pairs: two forwards side by side (the warm-up's) would hold back the
 first one's output and lengthen the pipeline's fill by more than they hide, and two backwards cannot
 run side by side on a GPU (autograd runs a device's backwards on one thread, which the first one's
-hand-over would block). ``bench.predict.pipeline_replay`` replays the plans. Only the order of torch's
-plan is read and rewritten; torch lowers it (sends, receives) and runs it.
+hand-over would block). The cool-down's backwards, alone, split instead: each but the first stage's into
+its input and weight backwards, and each weight backward runs beside the next backward, inside its
+expert all-to-alls (a weight backward has none of its own, so it runs within the other's hand-overs on
+the same thread). ``bench.predict.pipeline_replay`` replays the plans. Only the order of torch's plan is
+read and rewritten; torch lowers it (sends, receives) and runs it.
 More: docs/schedules-and-recompute.md.
 """
 
@@ -25,6 +28,7 @@ from types import SimpleNamespace
 
 from torch.distributed.pipelining.schedules import (
     BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
     OVERLAP_F_B,
@@ -86,14 +90,37 @@ def backwards_one_forward_later(actions: Sequence[_Action | None]) -> list[_Acti
     return plan
 
 
+def weights_beside_backwards(actions: Sequence[_Action]) -> list[_Action]:
+    """The paired plan with its cool-down (the full backwards alone at its end) split: each backward of a
+    stage after the first into its input backward and its weight backward, the weight backward run beside
+    the next backward of the cool-down (input, or the first stage's full backward, first in the pair:
+    it is what hands over); the last weight backward alone. The first stage's backwards stay whole: its
+    input backward computes nothing (no input gradient to send), so its weight backward would hold every
+    all-to-all."""
+    plan = list(actions)
+    start = len(plan)
+    while start > 0 and plan[start - 1].sub_actions is None and plan[start - 1].computation_type == FULL_BACKWARD:
+        start -= 1
+    split, waiting = plan[:start], None
+    for backward in plan[start:]:
+        stage, mb = backward.stage_index, backward.microbatch_index
+        first = backward if stage == 0 else _Action(stage, BACKWARD_INPUT, mb)
+        split.append(first if waiting is None else _Action(-1, OVERLAP_F_B, None, (first, waiting)))
+        waiting = None if stage == 0 else _Action(stage, BACKWARD_WEIGHT, mb)
+    if waiting is not None:
+        split.append(waiting)
+    return split
+
+
 def paired_plan(schedule: str, actions: Sequence[_Action | None]) -> list[_Action]:
     """What the engine runs for torch's plan ``actions`` of one rank under ``schedule``: interleaved
-    1F1B's backwards one forward later, each then paired with the forward it moved past; DualPipeV's plan
-    as torch plans it (its own pairs)."""
+    1F1B's backwards one forward later, each then paired with the forward it moved past, and its
+    cool-down's weight backwards beside the backwards after them; DualPipeV's plan as torch plans it (its
+    own pairs)."""
     if schedule not in PAIRED_SCHEDULES:
         raise ValueError(f"paired plan: schedule {schedule} is not paired (one of {', '.join(PAIRED_SCHEDULES)})")
     if schedule == "interleaved1f1b":
-        return paired_actions(backwards_one_forward_later(actions))
+        return weights_beside_backwards(paired_actions(backwards_one_forward_later(actions)))
     return [a for a in actions if a is not None]
 
 
@@ -127,11 +154,24 @@ class PairCounts:
     """Forwards run alone."""
     backward_alone: int
     """Full or input backwards run alone (weight backwards, which send nothing, not counted)."""
+    input_beside_weight: int = 0
+    """Input backwards with an earlier chunk's weight backward beside them."""
+    backward_beside_weight: int = 0
+    """Full backwards with an earlier chunk's weight backward beside them."""
+
+
+def pair_kinds(action: _Action) -> frozenset:
+    """The computation types of a pair's two actions (empty for an action alone)."""
+    return frozenset(a.computation_type for a in action.sub_actions or ())
 
 
 def pair_counts(actions: list[_Action]) -> PairCounts:
     """Count a paired plan's actions by kind."""
-    pairs = sum(1 for a in actions if a.sub_actions is not None)
-    forwards = sum(1 for a in actions if a.computation_type == FORWARD)
-    backwards = sum(1 for a in actions if a.computation_type in (FULL_BACKWARD, BACKWARD_INPUT))
-    return PairCounts(pairs=pairs, forward_alone=forwards, backward_alone=backwards)
+    kinds = [pair_kinds(a) for a in actions]
+    return PairCounts(
+        pairs=sum(FORWARD in k for k in kinds),
+        forward_alone=sum(1 for a in actions if a.computation_type == FORWARD),
+        backward_alone=sum(1 for a in actions if a.computation_type in (FULL_BACKWARD, BACKWARD_INPUT)),
+        input_beside_weight=sum(k == {BACKWARD_INPUT, BACKWARD_WEIGHT} for k in kinds),
+        backward_beside_weight=sum(k == {FULL_BACKWARD, BACKWARD_WEIGHT} for k in kinds),
+    )

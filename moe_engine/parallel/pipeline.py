@@ -4,6 +4,7 @@ More: docs/schedules-and-recompute.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -18,7 +19,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining._backward import stage_backward_weight
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
     OVERLAP_F_B,
     PipelineScheduleMulti,
@@ -31,6 +35,7 @@ from torch.distributed.pipelining.schedules import (
 from moe_engine import kernels
 from moe_engine.config import ParallelConfig, PipelineSchedule
 from moe_engine.model import Transformer
+from moe_engine.moe import dispatch
 from moe_engine.moe.layer import MoELayer, forward_leaves_no_trace
 from moe_engine.parallel.layout import stage_blocks
 from moe_engine.parallel.overlap import Interleaver, overlaps_microbatches
@@ -128,11 +133,11 @@ def rank_stages(config: ParallelConfig, pp_rank: int) -> list[int]:
 
 
 def _run_pair(action: _Action, ctx: _PipelineContext) -> None:
-    """An overlapped pair of the paired plan (``moe_engine.parallel.paired_plan``): two actions, each a
-    forward or a full backward, run side by side, switching at each expert all-to-all
-    (``moe_engine.parallel.overlap``). Each is what the schedule's runtime does for a FORWARD /
-    FULL_BACKWARD action (torch 2.13's ``_PipelineScheduleRuntime``), receives, loss and the hand-over
-    between a rank's two adjacent stages included."""
+    """An overlapped pair of the paired plan (``moe_engine.parallel.paired_plan``): a forward beside a
+    full backward, run side by side, switching at each expert all-to-all (``moe_engine.parallel.overlap``);
+    or a backward with an earlier chunk's weight backward inside its all-to-alls (``_WeightSlices``).
+    Each action is what the schedule's runtime does for it (torch 2.13's ``_PipelineScheduleRuntime``),
+    receives, loss and the hand-over between a rank's two adjacent stages included."""
     schedule = ctx.schedule_ref
     assert isinstance(schedule, _PipelineScheduleRuntime) and action.sub_actions is not None
     stages = {stage.stage_index: stage for stage in schedule._stages}
@@ -156,16 +161,125 @@ def _run_pair(action: _Action, ctx: _PipelineContext) -> None:
         if not stage.is_last and index + 1 not in stages:
             _wait_batch_p2p(schedule.bwd_recv_ops.pop((index, mb)))
         loss = schedule._maybe_get_loss(stage, mb)
-        schedule.backward_counter[index] += 1
-        last = schedule.backward_counter[index] == schedule._n_microbatches
-        stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+        full = backward.computation_type != BACKWARD_INPUT
+        last = False
+        if full:
+            schedule.backward_counter[index] += 1
+            last = schedule.backward_counter[index] == schedule._n_microbatches
+        stage.backward_one_chunk(mb, loss=loss, full_backward=full, last_backward=last)
         if index - 1 in stages:
             stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
-    first, second = (
-        functools.partial(run_forward if a.computation_type == FORWARD else run_backward, a) for a in action.sub_actions
+    first, second = action.sub_actions
+    if second.computation_type == BACKWARD_WEIGHT:
+        index, mb = second.stage_index, second.microbatch_index
+        assert mb is not None
+        schedule.backward_counter[index] += 1
+        weights = _WeightSlices(stages[index], mb)
+        with weights.inside_all_to_alls():
+            run_backward(first)
+        weights.finish()
+        return
+    Interleaver().run(
+        *(functools.partial(run_forward if a.computation_type == FORWARD else run_backward, a) for a in (first, second))
     )
-    Interleaver().run(first, second)
+
+
+class _WeightSlices:
+    """One stage chunk's weight backward (torch's ``backward_weight_one_chunk`` of a stage after the
+    first: ``stage_backward_weight`` over the parameter groups its input backward saved), run in slices
+    at the expert all-to-alls of the backward it is paired with: each slice while one all-to-all is in
+    flight, on the thread that waits for it (on a GPU, autograd's device thread: a reentrant backward).
+
+    Slices take parameter groups in order, about one share of their elements each. A weight backward
+    issues no collective, so every rank's collectives keep their order.
+
+    torch's weight backward adds each gradient to ``.grad`` past the weight's accumulator, so past its
+    post-accumulate hooks: once a weight's last group has run, its hooks run here, as the accumulator
+    would have run them. The data-parallel optimizer's hook moves the gradient into its (fp32) buffer
+    and counts the backward, so the cool-down's gradients neither add up in the weights' dtype nor hold
+    their buckets' reductions until the backward ends."""
+
+    def __init__(self, stage, mb: int):
+        if stage.is_first:
+            raise ValueError("a weight backward of the first stage holds its whole backward: it runs alone")
+        _, groups, _, _ = stage.backward_state.pop(mb)
+        stage.dw_runner.pop(mb)  # the input backward's placeholder for this weight backward
+        self.stage = stage
+        self.groups: list = list(groups or [])
+        # Two exchanges of rows per MoE layer hand over in a backward: its combine's and its dispatch's.
+        slices = max(1, 2 * sum(isinstance(m, MoELayer) for m in stage.submod.modules()))
+        self.share = max(1, sum(p.numel() for g in self.groups for p in _group_weights(g)) // slices)
+        # A weight in several groups has its hooks run once, after its last group: one backward.
+        self.groups_left: dict[int, int] = {}
+        for group in self.groups:
+            for weight in _group_weights(group):
+                self.groups_left[id(weight)] = self.groups_left.get(id(weight), 0) + 1
+        self.given: set[int] = set()
+
+    def _run_slice(self) -> None:
+        taken, size = [], 0
+        while self.groups and size < self.share:
+            group = self.groups.pop(0)
+            size += sum(p.numel() for p in _group_weights(group))
+            taken.append(group)
+        if taken:
+            # Only a group with a gradient to propagate gives its weights one (torch skips the rest).
+            for group in taken:
+                if any(grad is not None for grads in group["grads"] for grad in grads):
+                    self.given.update(id(weight) for weight in _group_weights(group))
+            # Inside a backward grad mode is off, and torch finds each weight's accumulator through a view.
+            with torch.enable_grad():
+                stage_backward_weight(self.stage.submod.parameters(), taken)
+            self._run_post_accumulate_hooks(taken)
+
+    def _run_post_accumulate_hooks(self, groups: list) -> None:
+        for group in groups:
+            for weight in _group_weights(group):
+                self.groups_left[id(weight)] -= 1
+                if self.groups_left[id(weight)] == 0 and id(weight) in self.given:
+                    # What AccumulateGrad runs after adding a gradient (FSDP2 runs them by hand too).
+                    for hook in tuple((weight._post_accumulate_grad_hooks or {}).values()):
+                        hook(weight)
+
+    @contextlib.contextmanager
+    def inside_all_to_alls(self):
+        """Within: each expert all-to-all in flight runs one slice (none left: nothing)."""
+        if dispatch.in_flight_hook is not None:
+            raise RuntimeError("an overlapped region is already running")
+
+        def hook() -> None:
+            dispatch.in_flight_hook = None  # a slice runs no all-to-all of its own
+            try:
+                self._run_slice()
+            finally:
+                dispatch.in_flight_hook = hook
+
+        dispatch.in_flight_hook = hook
+        try:
+            yield
+        finally:
+            dispatch.in_flight_hook = None
+
+    def finish(self) -> None:
+        """The slices no all-to-all ran."""
+        while self.groups:
+            self._run_slice()
+
+
+def _run_weight_alone(action: _Action, ctx: _PipelineContext) -> None:
+    """The paired plan's last weight backward, alone: what the runtime does for a BACKWARD_WEIGHT
+    action, through ``_WeightSlices`` so that its weights' hooks run."""
+    schedule = ctx.schedule_ref
+    assert isinstance(schedule, _PipelineScheduleRuntime) and action.microbatch_index is not None
+    stage = next(s for s in schedule._stages if s.stage_index == action.stage_index)
+    schedule.backward_counter[action.stage_index] += 1
+    _WeightSlices(stage, action.microbatch_index).finish()
+
+
+def _group_weights(group: dict) -> list:
+    # torch's parameter groups name their weights by gradient accumulators; their variables are the weights.
+    return [acc.variable for acc in group["params"] if hasattr(acc, "variable")]
 
 
 def _pair_plan(schedule: _PipelineScheduleRuntime, kind: str) -> None:
@@ -212,6 +326,9 @@ class Pipeline:
             assert isinstance(self.schedule, _PipelineScheduleRuntime)
             _pair_plan(self.schedule, config.schedule.value)
             self.schedule.register_custom_function(OVERLAP_F_B, _run_pair)
+            if config.schedule is PipelineSchedule.INTERLEAVED_1F1B:
+                # Its plan's only weight backwards are the cool-down's (DualPipeV's are torch's own).
+                self.schedule.register_custom_function(BACKWARD_WEIGHT, _run_weight_alone)
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of every microbatch; the mean loss on the last stage, else None."""

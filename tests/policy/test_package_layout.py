@@ -59,6 +59,7 @@ ARITHMETIC = (
     "bench.predict.op_kinds",
     "bench.predict.breakdown",
     "bench.predict.pipeline_replay",
+    "bench.predict.split_weights",
     "bench.gate.compare",
     "bench.gate.groups",
     "bench.gate.work",

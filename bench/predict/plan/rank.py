@@ -25,6 +25,7 @@ from moe_engine.config import (
     ModelConfig,
     OptimizerSharding,
     ParallelConfig,
+    PipelineSchedule,
     RecomputeConfig,
     RecomputeMode,
 )
@@ -64,12 +65,16 @@ def experts_wgrad_in_gemm(par: ParallelConfig) -> bool:
     whole weight gradient exists: under ddp with fp32 buffers, in a plain backward. FSDP's parameters
     have no such buffer, a bf16 one takes the op's two-pass path (an fp32 model's ``param`` buffers
     would qualify: not counted, the plan stays an upper bound), and a schedule that splits the
-    backward computes them through ``autograd.grad``."""
+    backward computes them through ``autograd.grad``: a zero-bubble one, or interleaved 1F1B's paired
+    plan in its cool-down (``moe_engine.parallel.paired_plan``)."""
+    paired_split = (
+        par.schedule is PipelineSchedule.INTERLEAVED_1F1B and par.resolved_overlap is ExpertOverlap.MICROBATCHES
+    )
     return (
         par.accumulate_in_gemm
         and par.grad_dtype is GradDtype.FP32
         and par.dp_mode is DataParallelMode.DDP
-        and (par.pp == 1 or not par.schedule.splits_backward)
+        and (par.pp == 1 or not (par.schedule.splits_backward or paired_split))
     )
 
 

@@ -12,6 +12,7 @@ from overlap_checks import overlap_violations
 
 from moe_engine.config import ExpertOverlap, ModelConfig, MoEConfig, ParallelConfig
 from moe_engine.parallel import overlap, pipeline
+from moe_engine.parallel.data_parallel import DataParallelOptimizer
 from moe_engine.parallel.groups import build_process_groups
 from moe_engine.parallel.layout import Layout
 from moe_engine.parallel.trainer import ParallelTrainer, build_rank_model
@@ -56,6 +57,15 @@ class _Recorder:
             return run_pair(action, ctx)
 
         pipeline._run_pair = recorded_pair
+        # A weight backward's slices beside a backward (not a program of their own: -1).
+        run_slice = pipeline._WeightSlices._run_slice
+
+        def recorded_slice(slices):
+            if slices.groups:
+                events.append(("slice", -1))
+            return run_slice(slices)
+
+        pipeline._WeightSlices._run_slice = recorded_slice  # type: ignore[method-assign]
 
     def _wrap(self, name, fn):
         recorder = self
@@ -83,8 +93,9 @@ class _Recorder:
     def _program() -> int:
         from moe_engine.moe import dispatch
 
-        hook = dispatch.in_flight_hook
-        return hook.__self__.active if hook is not None else -1  # type: ignore[union-attr]
+        # Only an interleaved pair's hook is a program's; a weight backward's slices run in no program.
+        owner = getattr(dispatch.in_flight_hook, "__self__", None)
+        return owner.active if isinstance(owner, overlap.Interleaver) else -1
 
 
 class _RecordedWork:
@@ -142,6 +153,9 @@ def _train_rank(
     weight_trace = _trace_weight_gradients(rank_model.module) if trace_weights else []
     share = SEQUENCES // parallel.dp
     rows = slice(groups.coords.dp_rank * share, (groups.coords.dp_rank + 1) * share)
+    launched_in_backward: list[int] = []
+    if isinstance(trainer.optimizer, DataParallelOptimizer):
+        trainer.optimizer.sync_observer = _LaunchCounter(trainer.optimizer, launched_in_backward)
     losses = []
     if guard:
         # Forward and backward (the optimizer's step is not part of the no-sync promise).
@@ -166,7 +180,24 @@ def _train_rank(
         "overlapped": trainer.overlapped,
         "pairs": recorder.pairs,
         "weight_trace": weight_trace,
+        "launched_in_backward": launched_in_backward,
     }
+
+
+class _LaunchCounter:
+    """A ``SyncObserver`` that notes, per step, how many buckets' reductions launched during the backward."""
+
+    def __init__(self, optimizer, counts: list[int]):
+        self.optimizer, self.counts = optimizer, counts
+
+    def backward_ended(self) -> None:
+        self.counts.append(self.optimizer.launched_buckets)
+
+    def reduce_launched(self, bucket: int) -> None: ...
+    def reductions_waited(self) -> None: ...
+    def gather_launched(self, bucket: int) -> None: ...
+    def updates_ended(self) -> None: ...
+    def gathers_waited(self) -> None: ...
 
 
 def _run(parallel: ParallelConfig, config: ModelConfig = CONFIG, guard: bool = False, trace_weights: bool = False):
@@ -255,10 +286,35 @@ def test_overlapped_pipeline_with_expert_parallelism_trains_like_1f1b(schedule):
     got = _run(parallel)
     assert_same_training(got, reference)
     assert_same_collective_order(got)
+    if schedule == "interleaved1f1b":
+        # The cool-down's weight backwards hand their gradients to the buffer as they run, as 1F1B's
+        # full backwards do: their buckets reduce during the backward, not after it.
+        launched = {rank["rank"]: rank["launched_in_backward"] for rank in got}
+        assert launched == {rank["rank"]: rank["launched_in_backward"] for rank in reference}, launched
+        assert all(count > 0 for counts in launched.values() for count in counts), launched
     for rank in got:
         kinds = {tuple(sorted(pair)) for pair in rank["pairs"]}
-        assert kinds == {("B", "F")}, kinds
+        if schedule == "dualpipev":
+            assert kinds == {("B", "F")}, kinds
+        else:
+            # The cool-down's weight backwards beside the backwards after them, inside their all-to-alls.
+            assert {("B", "F"), ("I", "W")} <= kinds <= {("B", "F"), ("I", "W"), ("B", "W")}, kinds
+            assert _slices_in_flight(rank["events"]) >= sum(pair[1] == "W" for pair in rank["pairs"]) > 0
         assert overlap_violations(rank["events"]) == []
+
+
+def _slices_in_flight(events: list[tuple]) -> int:
+    """Weight-backward slices run while an expert all-to-all was in flight (started, not waited for)."""
+    in_flight: set = set()
+    count = 0
+    for kind, _, *exchange in events:
+        if kind == "start":
+            in_flight.add(tuple(exchange))
+        elif kind == "wait":
+            in_flight.discard(tuple(exchange))
+        elif kind == "slice":
+            count += bool(in_flight)
+    return count
 
 
 # ---- the overlapped data-parallel step (pp = 1) ----------------------------------------------------------

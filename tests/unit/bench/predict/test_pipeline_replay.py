@@ -4,14 +4,30 @@ make neighbouring ranks take turns."""
 from __future__ import annotations
 
 import pytest
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B, _Action
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    _Action,
+)
 
 from bench.predict.pipeline_replay import ChunkSeconds, replay, replay_idle_s
 from bench.predict.plan.rank import in_flight_microbatches
 from moe_engine.parallel.paired_plan import paired_actions, paired_plan, torch_plan
 
-# Compute only: a forward 1 s, a backward 2 s, a pair the sum of its two (nothing hidden).
-PLAIN = ChunkSeconds(forward=1.0, backward=2.0, input_backward=1.0, weight_backward=1.0, forward_backward=3.0)
+# Compute only: a forward 1 s, a backward 2 s (input 1 s, weight 1 s), a pair the sum of its two
+# (nothing hidden).
+PLAIN = ChunkSeconds(
+    forward=1.0,
+    backward=2.0,
+    input_backward=1.0,
+    weight_backward=1.0,
+    forward_backward=3.0,
+    input_beside_weight=2.0,
+    backward_beside_weight=3.0,
+)
 
 
 def F(stage: int, mb: int) -> _Action:
@@ -45,6 +61,19 @@ def test_a_pair_waits_for_both_inputs_and_hands_on_both_at_its_end_by_hand():
     assert replay(plans, 2, quicker) == {0: (8.0, 6.0), 1: (6.0, 5.0)}
 
 
+def test_a_weight_backward_beside_a_later_input_backward_by_hand():
+    # Rank 1 holds the last stage: F1.0 1-2, I1.0 2-3 (its gradient leaves at 3, not at 4 as a full
+    # backward's would), F1.1 3-4, then I1.1 beside W1.0 (2 s, PLAIN) 4-6 and W1.1 alone 6-7. Rank 0:
+    # F0.0 0-1, F0.1 1-2, B0.0 after I1.0 3-5, B0.1 after the pair 6-8.
+    W = lambda stage, mb: _Action(stage, BACKWARD_WEIGHT, mb)
+    I = lambda stage, mb: _Action(stage, BACKWARD_INPUT, mb)  # noqa: E741
+    plans = {
+        0: [F(0, 0), F(0, 1), B(0, 0), B(0, 1)],
+        1: [F(1, 0), I(1, 0), F(1, 1), pair(I(1, 1), W(1, 0)), W(1, 1)],
+    }
+    assert replay(plans, 2, PLAIN) == {0: (8.0, 6.0), 1: (7.0, 6.0)}
+
+
 def test_a_plan_that_waits_for_itself_is_refused():
     plans = {0: [B(0, 0), F(0, 0)], 1: [F(1, 0), B(1, 0)]}
     with pytest.raises(ValueError, match="malformed"):
@@ -75,7 +104,9 @@ def test_pairing_costs_the_fill_not_the_steady_state(kind, pp, v, m):
         return _end(paired, pp * v) - _end(torch_plans, pp * v)
 
     shipped = cost(m, lambda plan: paired_plan(kind, plan)), cost(2 * m, lambda plan: paired_plan(kind, plan))
-    assert shipped[0] == shipped[1] >= 0, shipped
+    assert shipped[0] == shipped[1], shipped
+    if kind == "dualpipev":
+        assert shipped[0] >= 0
     if kind == "interleaved1f1b":
         as_it_stands = cost(m, paired_actions), cost(2 * m, paired_actions)
         assert as_it_stands[1] > 2 * as_it_stands[0] > 0, as_it_stands

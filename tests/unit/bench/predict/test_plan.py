@@ -371,6 +371,20 @@ def test_small_backward_workspace_and_optimizer_step():
         ({"pp": 2, "schedule": "1f1b", "microbatches": 4}, False),
         ({"pp": 2, "schedule": "zbv", "virtual_stages": 2, "microbatches": 4}, True),
         ({"pp": 2, "schedule": "dualpipev", "virtual_stages": 2, "microbatches": 4}, True),
+        # interleaved 1F1B's paired plan (expert parallelism: microbatches overlap) splits its cool-down
+        ({"pp": 2, "ep": 2, "dp": 2, "schedule": "interleaved1f1b", "virtual_stages": 2, "microbatches": 4}, True),
+        (
+            {
+                "pp": 2,
+                "ep": 2,
+                "dp": 2,
+                "schedule": "interleaved1f1b",
+                "virtual_stages": 2,
+                "microbatches": 4,
+                "overlap": "none",
+            },
+            False,
+        ),
         ({"dp_mode": "fsdp"}, True),
         ({"accumulate_in_gemm": False}, True),
         ({"grad_dtype": "param"}, True),

@@ -7,6 +7,7 @@ that the module agrees with itself.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -237,6 +238,7 @@ def test_schedule_rejects_bad_fields(kwargs, match):
     [
         ({"microbatch_s": -1.0}, "timing.microbatch_s"),
         ({"optimizer_s": -1.0}, "timing.optimizer_s"),
+        ({"weight_add_s": -1.0}, "timing.weight_add_s"),
     ],
 )
 def test_timing_rejects_bad_fields(kwargs, match):
@@ -357,6 +359,17 @@ def test_pp1_gradient_sync_hidden_under_backward():
     assert p.tokens_per_s_per_gpu == approx(8192 / step / 8)
     assert p.tflops_per_gpu == approx(6e9 * 8192 / step / 8 / 1e12)
     check_breakdown(p)
+
+
+def test_split_weight_backwards_add_to_compute_once_per_step():
+    # weight_add_s is per step: 4 microbatches of 0.3 s under 1F1B, plus 0.05 s of adds, not 4 x 0.05.
+    schedule = Schedule(pp=2, virtual_stages=1, microbatches=4, kind="1f1b")
+    common = dict(tokens_per_step=8192, world_size=8, flops_per_token=6e9)
+    plain = project_step(0, TIMING, [], [], schedule, NET, **common)
+    added = project_step(0, dataclasses.replace(TIMING, weight_add_s=0.05), [], [], schedule, NET, **common)
+    assert added.breakdown_s["compute"] == approx(4 * 0.3 + 0.05)
+    assert added.step_s == approx(plain.step_s + 0.05)
+    check_breakdown(added)
 
 
 def test_pp1_gradient_sync_partly_exposed():

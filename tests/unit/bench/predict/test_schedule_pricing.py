@@ -145,6 +145,30 @@ def test_the_step_counts_the_routing_counts_as_exposed_by_hand():
     assert sum(b[k] for k in STEP_KEYS) == pytest.approx(step.step_s, rel=1e-12)
 
 
+def test_a_weight_backward_beside_an_input_backward_by_hand():
+    # A backward of 3 s compute (two 1 s segments, 1 s tail) and two 0.5 s all-to-alls; 0.6 s of it
+    # weight gradients. The input backward keeps 0.8 of each piece: 0.8, 0.8, tail 0.8. Beside it
+    # another microbatch's weight backward in two 0.3 s slices, one per hand-over:
+    # I 0-0.8, its all-to-all 0.8-1.3; W 0.8-1.1; I waits 1.1-1.3, computes 1.3-2.1, all-to-all
+    # 2.1-2.6; W 2.1-2.4; I waits 2.4-2.6, its tail 2.6-3.4: 0.4 s exposed, where alone it is 1 s.
+    backward = Program(((1.0, 0.5), (1.0, 0.5)), 1.0)
+    pairing = MicrobatchOverlap(backward, backward, 0.0, 0.0, 0.0, 1.0, 0.0, weight_s=0.6)
+    inputs, slices = pairing.input_backward, pairing.weight_slices
+    assert [x for seg in inputs.segments for x in seg[:2]] + [inputs.tail_s] == pytest.approx([0.8, 0.5, 0.8, 0.5, 0.8])
+    assert [x for seg in slices.segments for x in seg[:2]] + [slices.tail_s] == pytest.approx([0.3, 0.0, 0.3])
+    assert interleaved_exposed_s(pairing.input_backward, pairing.weight_slices) == pytest.approx(0.4, rel=1e-12)
+    assert pairing.exposed_s() == pytest.approx(0.4, rel=1e-12)
+    # Weight gradients as long as the all-to-alls hide them whole (1.5 s: slices of 0.75 s).
+    covering = MicrobatchOverlap(backward, backward, 0.0, 0.0, 0.0, 1.0, 0.0, weight_s=1.5)
+    assert covering.exposed_s() == pytest.approx(0.0, abs=1e-12)
+    # A full backward (the first stage's) beside them: its own compute waits for its own all-to-alls as
+    # before; the slices hide 0.3 s of each: 0.4 s again.
+    full = MicrobatchOverlap(backward, backward, 0.0, 0.0, 0.0, 0.0, 1.0, weight_s=0.6)
+    assert full.exposed_s() == pytest.approx(0.4, rel=1e-12)
+    with pytest.raises(ValueError, match="weight_s"):
+        MicrobatchOverlap(backward, backward, 0.0, 0.0, 0.0, weight_s=3.5)
+
+
 def test_overlapped_pairs():
     # pp = 1: m - 1 pairs, the first forward and the last backward alone.
     assert overlapped_pairs("1f1b", 1, 0, 8) == Pairs(7.0, 1.0, 1.0)
@@ -152,8 +176,9 @@ def test_overlapped_pairs():
     # backward stage chunks (torch's plan): 1.5 microbatches paired, 2.5 alone each way.
     assert overlapped_pairs("dualpipev", 2, 0, 4) == Pairs(1.5, 2.5, 2.5)
     # interleaved1f1b, pp 2, 2 stages per rank, rank 0's paired plan (written out by hand in
-    # tests/unit/moe_engine/parallel/test_paired_plan.py): 3 pairs, 5 forwards and 5 backwards alone.
-    assert overlapped_pairs("interleaved1f1b", 2, 0, 4, 2) == Pairs(1.5, 2.5, 2.5)
+    # tests/unit/moe_engine/parallel/test_paired_plan.py): 3 pairs, 5 forwards and 3 backwards alone, an
+    # input and a full backward each beside a weight backward.
+    assert overlapped_pairs("interleaved1f1b", 2, 0, 4, 2) == Pairs(1.5, 2.5, 1.5, 0.5, 0.5)
     with pytest.raises(ValueError, match="interleaved1f1b or dualpipev"):
         overlapped_pairs("1f1b", 2, 0, 4)
 
@@ -165,7 +190,8 @@ def test_overlapped_pairs_run_every_microbatch_once_each_way(kind, pp, v, m):
     for rank in range(pp):
         got = overlapped_pairs(kind, pp, rank, m, v)
         assert got.pairs + got.alone_forward == pytest.approx(m, rel=1e-12)
-        assert got.pairs + got.alone_backward == pytest.approx(m, rel=1e-12)
+        backwards = got.alone_backward + got.input_beside_weight + got.backward_beside_weight
+        assert got.pairs + backwards == pytest.approx(m, rel=1e-12)
 
 
 def _step(overlap: str, forward: Program, backward: Program, m: int = 4):
@@ -393,3 +419,33 @@ def test_a_paired_pipelines_bubble_is_its_replay():
     assert step.breakdown_s["bubble"] == pytest.approx(replay_idle_s("interleaved1f1b", 2, 2, 4, 0, doubled) / 2)
     assert step.breakdown_s["bubble"] > 0
     assert step.step_s == pytest.approx(4 * 3.0 + step.breakdown_s["bubble"], rel=1e-12)
+
+
+def test_a_paired_interleaved_pipeline_adds_its_split_weight_gradients_to_compute():
+    # interleaved 1F1B's paired plan splits its cool-down: each weight backward's gradients are added into
+    # the buffer in a pass of their own (bench.predict.split_weights), on top of m microbatches' compute.
+    from bench.predict.device import load_profile
+    from bench.predict.split_weights import split_weight_add_s
+    from bench.run.project import project_on_device
+    from bench.scenario import load_scenario
+    from bench.validate.variants import patched
+
+    base = load_scenario("scenarios/smoke/e8-pp2-ep2-bf16.yaml")
+    paired = patched(
+        base,
+        {
+            "model": {"n_layers": 4},
+            "parallel": {
+                "microbatches": 4,
+                "schedule": "interleaved1f1b",
+                "virtual_stages": 2,
+                "overlap": "microbatches",
+            },
+        },
+    )
+    profile = load_profile("h100-sxm")
+    doc = project_on_device(paired, profile)
+    slowest = next(s for s in doc["stages"] if s["pipeline_rank"] == doc["slowest_stage"])
+    added = split_weight_add_s(paired.model, paired.parallel_config, paired.precision, profile, doc["slowest_stage"])
+    assert added > 0
+    assert doc["breakdown_s"]["compute"] == pytest.approx(4 * slowest["microbatch_s"] + added)

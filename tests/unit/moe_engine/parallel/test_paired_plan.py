@@ -7,6 +7,8 @@ import itertools
 
 import pytest
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
     FULL_BACKWARD,
     _add_send_recv,
@@ -46,14 +48,25 @@ def _flat(actions):
             yield action
 
 
+def _whole(names):
+    """Names with each input and weight backward as the full backward they split from."""
+    return sorted({"B" + n[1:] if n[0] in "IW" else n for n in names})
+
+
 @pytest.mark.parametrize("schedule, pp, v, m", LAYOUTS)
 def test_pairing_keeps_torchs_actions_and_order(schedule, pp, v, m):
     for rank in range(pp):
         plan = torch_plan(schedule, pp, v, m, rank)
         assert list(_flat(paired_actions(plan))) == list(_flat([a for a in plan if a is not None]))
-        # The shipped plan: the same actions (each backward at most one forward later).
-        shipped = list(_flat(paired_plan(schedule, plan)))
-        assert sorted(map(_name, shipped)) == sorted(map(_name, _flat([a for a in plan if a is not None])))
+        # The shipped plan: the same actions (each backward at most one forward later, a cool-down's
+        # backward as its input and weight backwards).
+        shipped = [_name(a) for a in _flat(paired_plan(schedule, plan))]
+        torchs = [_name(a) for a in _flat([a for a in plan if a is not None])]
+        assert len(shipped) == len(set(shipped))
+        assert _whole(shipped) == _whole(torchs)
+        added = {kind: {n[1:] for n in set(shipped) - set(torchs) if n[0] == kind} for kind in "IWB"}
+        removed = {n[1:] for n in set(torchs) - set(shipped)}
+        assert added["I"] == added["W"] == removed and not added["B"]
 
 
 @pytest.mark.parametrize("schedule, pp, v, m", LAYOUTS)
@@ -64,6 +77,16 @@ def test_pairs_hold_a_forward_and_a_backward_of_two_microbatches(schedule, pp, v
             if action.sub_actions is None:
                 continue
             first, second = action.sub_actions
+            kinds = (first.computation_type, second.computation_type)
+            if BACKWARD_WEIGHT in kinds:
+                # A weight backward beside a later backward (it hands over), never its own input's.
+                assert schedule == "interleaved1f1b" and kinds in (
+                    (BACKWARD_INPUT, BACKWARD_WEIGHT),
+                    (FULL_BACKWARD, BACKWARD_WEIGHT),
+                )
+                assert (first.stage_index, first.microbatch_index) != (second.stage_index, second.microbatch_index)
+                assert kinds[0] == BACKWARD_INPUT or first.stage_index == 0, _name(action)
+                continue
             assert first.microbatch_index != second.microbatch_index, _name(action)
             assert {first.computation_type, second.computation_type} == {FORWARD, FULL_BACKWARD}, _name(action)
         if schedule == "interleaved1f1b":
@@ -107,11 +130,26 @@ def test_backwards_move_one_forward_later_by_hand():
     assert " ".join(map(_name, plan)) == (
         "F0.0 F0.1 F2.0 F2.1 F0.2 F0.3 B2.0 F2.2 B2.1 F2.3 B0.0 B0.1 B2.2 B2.3 B0.2 B0.3"
     )
-    paired = paired_plan("interleaved1f1b", torch_plan("interleaved1f1b", 2, 2, 4, 0))
+    paired = paired_actions(plan)
     assert " ".join(map(_name, paired)) == (
         "F0.0 F0.1 F2.0 F2.1 F0.2 [F0.3&B2.0] [F2.2&B2.1] [F2.3&B0.0] B0.1 B2.2 B2.3 B0.2 B0.3"
     )
-    assert pair_counts(paired) == PairCounts(pairs=3, forward_alone=5, backward_alone=5)
+    # The cool-down's backwards after B0.1 (stage 0: whole, nothing waiting) split: I2.2 alone, W2.2
+    # beside I2.3, W2.3 beside B0.2 (stage 0's full backward), B0.3 whole and nothing left waiting.
+    shipped = paired_plan("interleaved1f1b", torch_plan("interleaved1f1b", 2, 2, 4, 0))
+    assert " ".join(map(_name, shipped)) == (
+        "F0.0 F0.1 F2.0 F2.1 F0.2 [F0.3&B2.0] [F2.2&B2.1] [F2.3&B0.0] B0.1 I2.2 [I2.3&W2.2] [B0.2&W2.3] B0.3"
+    )
+    assert pair_counts(shipped) == PairCounts(
+        pairs=3, forward_alone=5, backward_alone=3, input_beside_weight=1, backward_beside_weight=1
+    )
+
+
+def test_a_cool_down_ending_in_a_later_stage_leaves_its_last_weight_backward_alone():
+    # Rank 1 of the same layout (stages 1 and 3): its cool-down B3.3 B1.2 B1.3 splits whole; W1.3 has
+    # no backward after it.
+    shipped = paired_plan("interleaved1f1b", torch_plan("interleaved1f1b", 2, 2, 4, 1))
+    assert " ".join(map(_name, shipped)).endswith("I3.3 [I1.2&W3.3] [I1.3&W1.2] W1.3")
 
 
 def test_dualpipev_runs_as_torch_plans_it():
