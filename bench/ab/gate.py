@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.ab.deadline import SuiteDeadline
 from bench.ab.plan import ABError, ABPlan
 from bench.ab.resident import (
     ResidentComparison,
@@ -269,6 +270,7 @@ STOPPED_BY_TEXT = {
     "budget": "its budget",
     "extension": "budget and its extension",
     "confirmation": "and the confirmation",
+    "deadline": "its budget; the gate's time limit left no room to extend it",
 }
 """How a resident comparison ended, as the inconclusive line says it (``ResidentComparison.stopped_by``)."""
 
@@ -277,7 +279,15 @@ def _confirmation_text(r: ResidentComparison) -> str:
     """``; confirmed: x<first> on the first <n> worker pairs`` for a failing estimate its confirmation kept."""
     if r.unconfirmed is None or r.estimate is None:
         return ""
-    return f"; confirmed: x{format_ratio(1 + r.unconfirmed.slowdown)} on the first {r.unconfirmed.worker_pairs} worker pairs"
+    cut = (
+        f" ({r.confirmation_pairs} of {r.unconfirmed.worker_pairs} fresh pairs: the gate's time limit)"
+        if r.confirmation_pairs < r.unconfirmed.worker_pairs
+        else ""
+    )
+    return (
+        f"; confirmed: x{format_ratio(1 + r.unconfirmed.slowdown)} on the first {r.unconfirmed.worker_pairs} "
+        f"worker pairs{cut}"
+    )
 
 
 def _acceptance_text(named: tuple[Acceptance, ...], within: bool) -> str:
@@ -386,8 +396,14 @@ def run_ab(
     device: str = "auto",
     keep: Path | None = None,
     root: Path = REPO_ROOT,
+    deadline: SuiteDeadline | None = None,
 ) -> ABReport:
-    """Run the plan: per scenario one full run per side, then the resident blocks; the gate's report."""
+    """Run the plan: per scenario one full run per side, then the resident blocks; the gate's report.
+    Scenarios that time no blocks (plan mode) run first, so that the time limit (``plan.deadline_s``,
+    or ``deadline``: one shared with other calls) is shared out between the ones that do."""
+    if deadline is None and plan.deadline_s is not None:
+        deadline = SuiteDeadline(plan.deadline_s, [s.name for s in plan.scenarios if s.mode == "execute"])
+    scenarios = sorted(plan.scenarios, key=lambda s: s.mode == "execute")
     runs: dict[str, list[tuple[SideRun, SideRun]]] = {}
     versions: dict[str, str] = {}
     comparisons: list[ResidentComparison] = []
@@ -397,7 +413,9 @@ def run_ab(
         work = keep if keep is not None else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="moe-ab-")))
         base_root = stack.enter_context(worktree(root, plan.commit))
         sides = {"baseline": base_root, "candidate": Path(root)}
-        for index, scenario in enumerate(plan.scenarios, 1):
+        for index, scenario in enumerate(scenarios, 1):
+            if deadline is not None:
+                deadline.scenario_starts(scenario.name)
             results = {}
             for side in SIDES:
                 started = time.perf_counter()
@@ -413,7 +431,7 @@ def run_ab(
             if scenario.mode != "execute" or any(results[s].status != "ok" for s in SIDES):
                 continue
             try:
-                comparison = _resident(sides, scenario, plan, device)
+                comparison = _resident(sides, scenario, plan, device, deadline)
             except WorkerFailedToStart as err:  # e.g. a baseline too old to build this scenario
                 raise ABError(str(err)) from None
             except WorkerDied as err:
@@ -453,7 +471,9 @@ def run_ab(
     return report
 
 
-def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str) -> ResidentComparison:
+def _resident(
+    sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: str, deadline: SuiteDeadline | None
+) -> ResidentComparison:
     timeout = scenario.run.timeout_s + START_MARGIN_S
     return compare_resident(
         functools.partial(fresh_pair, sides["baseline"], sides["candidate"], scenario, device, timeout),
@@ -461,6 +481,7 @@ def _resident(sides: dict[str, Path], scenario: Scenario, plan: ABPlan, device: 
         plan.budget_s,
         extension_s=plan.budget_s,
         confirm=True,
+        deadline=deadline,
     )
 
 

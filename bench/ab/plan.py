@@ -47,6 +47,9 @@ class ABPlan:
     warn_above: float | None = None
     """A step-time slowdown beyond this (and within the tolerance) is a warning that passes
     (docs/gates-and-releases.md#the-operating-point); None: no warnings."""
+    deadline_s: float | None = None
+    """The whole gate's time limit, seconds: what the rule adds past a scenario's budget (an extension,
+    a confirmation's pairs) is cut to fit it (``bench.ab.deadline``); None: no limit."""
 
 
 def check_budget(budget_s: float) -> None:
@@ -68,6 +71,7 @@ def plan_ab(
     accept_increase: frozenset[str] = frozenset(),
     acceptances: tuple[Acceptance, ...] = (),
     warn_above: float | None = None,
+    deadline_s: float | None = None,
 ) -> ABPlan:
     """Check everything before any work; raises ABError with a one-line reason. ``acceptances``: the
     command line's; the releases' (``releases_path``) are added, to apply where the versions say."""
@@ -76,6 +80,8 @@ def plan_ab(
         raise ABError(
             f"--warn-above {warn_above:.2%} must lie between 0 and the tolerance ({tolerance:.2%}), which fails the gate"
         )
+    if deadline_s is not None and not deadline_s >= budget_s:
+        raise ABError(f"--deadline {deadline_s:g} s must be at least the --budget ({budget_s:g} s)")
     if not scenarios:
         raise ABError("no scenarios to run")
     if try_git(root, "rev-parse", "--is-inside-work-tree") is None:
@@ -105,8 +111,11 @@ def plan_ab(
             accept_increase,
             acceptances,
             warn_above,
+            deadline_s,
         )
     commit = try_git(root, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}") if not ref.startswith("-") else None
     if commit is None:
         raise ABError(f"--baseline-ref {ref}: no such commit, branch or tag in this repository")
-    return ABPlan(ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances, warn_above)
+    return ABPlan(
+        ref, commit, scenarios, tolerance, budget_s, accept_work, accept_increase, acceptances, warn_above, deadline_s
+    )

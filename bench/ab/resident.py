@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from bench.ab.deadline import SuiteDeadline
 from bench.gate import paired
 from bench.run.process import kill_process_group
 from bench.scenario import Scenario
@@ -236,10 +237,17 @@ class ResidentComparison:
     verdict: str = "inconclusive"
     stopped_by: str = ""
     """"decided" (the interval got narrower than the tolerance), "budget" (time ran out),
-    "extension" (time ran out again after the one extension an inconclusive verdict gets) or
-    "confirmation" (the fresh pairs that confirm a failing estimate are done)."""
+    "extension" (time ran out again after the one extension an inconclusive verdict gets),
+    "deadline" (an extension the gate's time limit had no room for) or "confirmation" (the fresh
+    pairs that confirm a failing estimate are done, or as many as the gate's time limit held)."""
     unconfirmed: paired.PooledEstimate | None = None
     """The estimate that a confirmation put to the test (None where none ran)."""
+
+    @property
+    def confirmation_pairs(self) -> int:
+        """Fresh pairs the confirmation ran: as many as the first reading's, or fewer where the gate's
+        time limit cut it (0: none ran)."""
+        return len(self.pairs) - self.unconfirmed.worker_pairs if self.unconfirmed is not None else 0
 
     @property
     def baseline_s(self) -> list[float]:
@@ -269,11 +277,14 @@ def compare_resident(
     stop_early: bool = True,
     extension_s: float = 0.0,
     confirm: bool = False,
+    deadline: SuiteDeadline | None = None,
 ) -> ResidentComparison:
     """Run fresh worker pairs (``open_pair(candidate_first=...)``) until the pooled interval decides (``stop_early``) or ``budget_s``
     is spent; an inconclusive verdict then gets ``extension_s`` more, once (``bench.gate.paired``).
     With ``confirm``, a comparison that would fail the gate (``paired.fails``) is confirmed: as many
     fresh pairs again, and the verdict is read over all of them (``bench.gate.paired``, Confirmation).
+    ``deadline``: the gate's time limit, which the extension (with one pair past it) and the
+    confirmation's pairs must fit in (``bench.ab.deadline``), a pair taking what the last one took.
 
     Each pair: one unrecorded warm block per side, then ``B`` blocks of one side bracketed by ``B + 1``
     of the other (``WorkerPairBlocks``), the sides changing places from pair to pair;
@@ -283,18 +294,26 @@ def compare_resident(
     """
     start = clock()
     run = _PairRunner(open_pair, clock)
-    blocks, deadline, stopped_by = paired.MIN_BLOCKS_PER_PAIR, budget_s, "budget"
+    blocks, ends_s, stopped_by = paired.MIN_BLOCKS_PER_PAIR, budget_s, "budget"
     while True:
         result = run.pair(blocks)
         n = len(result.pairs)
         _estimate(result, tolerance)
         if stop_early and result.estimate is not None and paired.decided_pooled(result.estimate, tolerance):
             stopped_by = "decided"
+            if deadline is not None and ends_s == budget_s:
+                deadline.budget_spent()
             break
-        if clock() - start >= deadline and n >= paired.MIN_WORKER_PAIRS:
-            if result.verdict != "inconclusive" or deadline > budget_s or extension_s <= 0:
+        if clock() - start >= ends_s and n >= paired.MIN_WORKER_PAIRS:
+            if ends_s == budget_s and deadline is not None:
+                deadline.budget_spent()
+            if result.verdict != "inconclusive" or ends_s > budget_s or extension_s <= 0:
                 break
-            deadline, stopped_by = budget_s + extension_s, "extension"
+            if deadline is not None and deadline.left_s() < extension_s + run.last_pair_s:
+                stopped_by = "deadline"
+                logger.info(f"  inconclusive after {n} worker pairs: the gate's time limit leaves no room to extend")
+                break
+            ends_s, stopped_by = budget_s + extension_s, "extension"
             logger.info(f"  inconclusive after {n} worker pairs: extending by {extension_s:g} s, once")
         if n == paired.MIN_WORKER_PAIRS and result.estimate is not None:
             blocks = paired.blocks_per_pair(result.estimate, blocks, run.pair_s, run.block_pair_s)
@@ -309,6 +328,11 @@ def compare_resident(
         )
         _log_estimate(result)
         for _ in range(n):
+            if deadline is not None and deadline.left_s() < run.last_pair_s:
+                logger.info(
+                    f"  the gate's time limit holds no more pairs: confirmed on {result.confirmation_pairs} of {n}"
+                )
+                break
             result = run.pair(blocks)
             _estimate(result, tolerance)
         stopped_by = "confirmation"
@@ -343,6 +367,8 @@ class _PairRunner:
         """Seconds to start and warm the last pair of workers."""
         self.block_pair_s = 0.0
         """Seconds of one block pair in the last pair."""
+        self.last_pair_s = 0.0
+        """Seconds the last pair took, start-up to close."""
 
     def pair(self, blocks: int) -> ResidentComparison:
         """One fresh worker pair with ``blocks`` block pairs, added to the comparison (returned)."""
@@ -373,5 +399,6 @@ class _PairRunner:
                 record[inner.label].append(inner.block(steps))
                 record[outer.label].append(outer.block(steps))
             self.block_pair_s = (self.clock() - blocks_started) / blocks
+        self.last_pair_s = self.clock() - pair_started
         self.result.pairs.append(times)
         return self.result

@@ -43,12 +43,14 @@ def cmd_ab(args: argparse.Namespace) -> int:
             accept_increase=accept_increase,
             acceptances=acceptances,
             warn_above=parse_tolerance(args.warn_above) if args.warn_above else None,
+            deadline_s=args.deadline,
         )
     except (ABError, ScenarioError, ValueError, WorkerDied) as err:
         return fail(str(err))
     print(
         f"ab: baseline {plan.label} ({plan.commit[:12]}) vs this checkout: {len(plan.scenarios)} scenario(s), "
-        f"resident blocks for up to {plan.budget_s:g} s each",
+        f"resident blocks for up to {plan.budget_s:g} s each"
+        + (f", the whole gate within {plan.deadline_s:g} s" if plan.deadline_s is not None else ""),
         flush=True,
     )
     try:
@@ -70,6 +72,13 @@ def register(sub) -> None:
         type=float,
         default=60.0,
         help="seconds of alternating resident blocks per scenario, at most (default 60)",
+    )
+    ab.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="the whole gate's time limit: a scenario's extension and confirmation pairs are cut to fit it, "
+        "keeping time for the scenarios after it (docs/gates-and-releases.md#the-operating-point; default: none)",
     )
     ab.add_argument(
         "--calibrate",

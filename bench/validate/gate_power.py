@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.ab.deadline import SuiteDeadline
 from bench.ab.gate import run_ab
 from bench.ab.plan import ABPlan
 from bench.ab.resident import compare_resident, fresh_pair
@@ -150,6 +151,7 @@ def suite_run(
     warn_above: float | None,
     budget_s: float,
     device: str,
+    deadline_s: float | None = None,
 ) -> dict:
     """One whole gate of ``scenarios`` as CI runs it, against HEAD: the candidate of scenario ``planted[0]``
     is the clone slowed by ``planted[1]`` (``trees[fraction]``), of every other the identical clone
@@ -157,12 +159,17 @@ def suite_run(
 
     commit = head_commit(trees[0.0])
     started = time.monotonic()
+    # As one run_ab over the suite runs it: plan-mode scenarios first, one time limit shared by all.
+    ordered = sorted(scenarios, key=lambda s: s.mode == "execute")
+    deadline = (
+        SuiteDeadline(deadline_s, [s.name for s in ordered if s.mode == "execute"]) if deadline_s is not None else None
+    )
     rows = []
-    for scenario in scenarios:
+    for scenario in ordered:
         fraction = planted[1] if planted is not None and planted[0] == scenario.name else 0.0
-        plan = ABPlan("HEAD", commit, [scenario], tolerance, budget_s, warn_above=warn_above)
+        plan = ABPlan("HEAD", commit, [scenario], tolerance, budget_s, warn_above=warn_above, deadline_s=deadline_s)
         scenario_started = time.monotonic()
-        report = run_ab(plan, device=device, root=trees[fraction])
+        report = run_ab(plan, device=device, root=trees[fraction], deadline=deadline)
         r = report.resident[0] if report.resident else None
         estimate = r.estimate if r is not None else None
         rows.append(
@@ -178,6 +185,7 @@ def suite_run(
                 "worker_pairs": len(r.pairs) if r is not None else 0,
                 "stopped_by": r.stopped_by if r is not None else None,
                 "unconfirmed_estimate": None if r is None or r.unconfirmed is None else r.unconfirmed.slowdown,
+                "unconfirmed_worker_pairs": None if r is None or r.unconfirmed is None else r.unconfirmed.worker_pairs,
                 "seconds": time.monotonic() - scenario_started,
             }
         )
@@ -192,6 +200,7 @@ def suite_run(
         "tolerance": tolerance,
         "warn_above": warn_above,
         "budget_s": budget_s,
+        "deadline_s": deadline_s,
         "commit": commit,
         "machine": machine(),
     }
@@ -274,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-runs", type=int, default=0, help="runs per planted work change")
     parser.add_argument("--budget", type=float, default=45.0, help="the gate's seconds per scenario (CI: 45)")
     parser.add_argument("--tolerance", default="4.5%", help="the gate's tolerance (CI: 4.5%%)")
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        help="the whole gate's time limit, seconds (CI: 570; with --suite-runs; default: none)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--records", help="append every run's record here (JSON lines); runs already there are skipped")
     parser.add_argument(
@@ -357,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
 def suite_main(args, scenarios: list, records: list[dict], tolerance: float, warn_above, slowdowns) -> int:
     """``--suite-runs``: the missing whole-suite runs, A/A and each (execute scenario, slowdown), round-robin;
     ``scenarios``: every scenario of the suite (a plan scenario's gate is its two full runs)."""
-    settings = dict(tolerance=tolerance, warn_above=warn_above, budget_s=args.budget)
+    settings = dict(tolerance=tolerance, warn_above=warn_above, budget_s=args.budget, deadline_s=args.deadline)
     records = [r for r in records if r.get("kind") == "suite" and all(r.get(k) == v for k, v in settings.items())]
     cells: list[tuple[str, float] | None] = [None] + [
         (s.name, f) for f in slowdowns for s in scenarios if s.mode == "execute"
@@ -379,7 +393,7 @@ def suite_main(args, scenarios: list, records: list[dict], tolerance: float, war
             for fraction in {0.0, *slowdowns}
         }
         for index, cell in enumerate(todo, 1):
-            record = suite_run(scenarios, trees, cell, tolerance, warn_above, args.budget, args.device)
+            record = suite_run(scenarios, trees, cell, tolerance, warn_above, args.budget, args.device, args.deadline)
             records.append(record)
             if args.records:
                 with Path(args.records).open("a") as out:

@@ -39,7 +39,7 @@ ORDER = [
     "python -m pytest -m slow --durations=30",
     "moe-bench report results --out docs/report --screenshot docs/report.png",
     "moe-bench release --latest",
-    "moe-bench ab --suite ci --tolerance 4.5% --warn-above 3% --budget 45",
+    "moe-bench ab --suite ci --tolerance 4.5% --warn-above 3% --budget 45 --deadline 570",
 ]
 
 

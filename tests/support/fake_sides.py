@@ -51,8 +51,21 @@ def fake_pairs(base_step, cand_step, order, clock, pair_bias=0.0, noise=0.0, see
     return open_pair
 
 
-def run_fake(base_step, cand_step, tolerance, budget_s, stop_early=True, extension_s=0.0, confirm=False, **kwargs):
-    order, clock = [], [0.0]
+def run_fake(
+    base_step,
+    cand_step,
+    tolerance,
+    budget_s,
+    stop_early=True,
+    extension_s=0.0,
+    confirm=False,
+    deadline=None,
+    clock=None,
+    **kwargs,
+):
+    """``compare_resident`` on fake sides; ``clock``: a one-item list of seconds to share (with a
+    ``deadline`` built on it, ``bench.ab.deadline.SuiteDeadline``), else a fresh one from 0."""
+    order, clock = [], clock if clock is not None else [0.0]
     result = compare_resident(
         fake_pairs(base_step, cand_step, order, clock, **kwargs),
         tolerance,
@@ -61,5 +74,6 @@ def run_fake(base_step, cand_step, tolerance, budget_s, stop_early=True, extensi
         stop_early=stop_early,
         extension_s=extension_s,
         confirm=confirm,
+        deadline=deadline,
     )
     return result, order

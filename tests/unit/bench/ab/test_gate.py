@@ -242,6 +242,7 @@ def test_latest_release_is_the_default_baseline(tmp_path, tiny):
         (["--tolerance", "lots"], "tolerance"),
         (["--suite", "nope"], "no such suite"),
         (["--tolerance", "3%", "--warn-above", "4.5%"], "--warn-above 4.50% must lie between 0 and the tolerance"),
+        (["--budget", "45", "--deadline", "30"], "--deadline 30 s must be at least the --budget (45 s)"),
     ],
 )
 def test_other_bad_input(tmp_path, argv, message, capsys):
@@ -407,5 +408,60 @@ def test_the_gate_confirms_what_would_fail(monkeypatch, tiny):
     seen = {}
     monkeypatch.setattr(ab, "compare_resident", lambda *a, **k: seen.update(k))
     plan = ABPlan("HEAD", "0" * 40, [], 0.03, 20.0)
-    ab._resident({"baseline": Path("."), "candidate": Path(".")}, load_all([tiny])[0], plan, "cpu")
+    ab._resident({"baseline": Path("."), "candidate": Path(".")}, load_all([tiny])[0], plan, "cpu", None)
     assert seen["confirm"] is True and seen["extension_s"] == 20.0
+
+
+def test_the_report_says_where_the_time_limit_cut_the_confirmation(tmp_path, tiny, monkeypatch):
+    """A confirmation the gate's time limit held to one of its three fresh pairs, and an extension it
+    refused: the findings say so."""
+    from bench.ab import gate as ab
+    from bench.run.suites import load_all
+
+    first, final = comparison("tiny-ab", 0.08), comparison("tiny-ab", 0.06)
+    final.pairs, final.stopped_by, final.unconfirmed = first.pairs + final.pairs[:1], "confirmation", first.estimate
+    final.estimate = paired.pooled([p.log_ratios for p in final.pairs])
+    final.verdict = paired.verdict(final.estimate, 0.03)
+    monkeypatch.setattr(ab, "run_side", lambda root, scenario, out, device: SideRun("ok", None, {}, "0.1.0"))
+    monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
+    monkeypatch.setattr(ab, "_resident", lambda *a, **k: final)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu")
+    finding = next(line for line in report.render().splitlines() if line.startswith("REGRESSION"))
+    assert finding.endswith(
+        "; confirmed: x1.080 on the first 3 worker pairs (1 of 3 fresh pairs: the gate's time limit)"
+    )
+    wide = comparison("tiny-ab", 0.0, spread=0.04)
+    wide.stopped_by = "deadline"
+    monkeypatch.setattr(ab, "_resident", lambda *a, **k: wide)
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu")
+    note = next(line for line in report.render().splitlines() if line.startswith("NOTE"))
+    assert "(12 s, its budget; the gate's time limit left no room to extend it)" in note
+
+
+def test_the_time_limit_is_shared_out_between_the_scenarios_that_time_blocks(tmp_path, monkeypatch):
+    """A plan-mode scenario runs first; each execute scenario is told to the limit as it starts, and gets it."""
+    from bench.ab import gate as ab
+    from bench.run.suites import load_all
+
+    files = []
+    for name, mode in (("tiny-a", "execute"), ("tiny-plan", "plan"), ("tiny-b", "execute")):
+        files.append(tmp_path / f"{name}.yaml")
+        cluster = "cluster: {name: one-node, gpus: 1, device: b300}\n" if mode == "plan" else ""
+        files[-1].write_text(TINY_AB.replace("mode: execute", f"mode: {mode}") + cluster)
+    order, limits = [], []
+
+    def resident(sides, scenario, plan, device, deadline):
+        limits.append((scenario.name, deadline.scenarios_after, deadline.limit_s))
+        return comparison(scenario.name, 0.0)
+
+    def side(root, scenario, out, device):
+        order.append(scenario.name)
+        return SideRun("ok", None, {}, "0.1.0")
+
+    monkeypatch.setattr(ab, "run_side", side)
+    monkeypatch.setattr(ab, "worktree", lambda root, commit: contextlib.nullcontext(tmp_path))
+    monkeypatch.setattr(ab, "_resident", resident)
+    plan = ABPlan("HEAD", "0" * 40, load_all(files), 0.03, 20.0, deadline_s=570.0)
+    ab.run_ab(plan, device="cpu")
+    assert order == ["tiny-plan", "tiny-plan", "tiny-a", "tiny-a", "tiny-b", "tiny-b"]
+    assert limits == [("tiny-a", 1, 570.0), ("tiny-b", 0, 570.0)]

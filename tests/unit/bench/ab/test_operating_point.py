@@ -45,12 +45,12 @@ def test_the_operating_point_is_where_the_two_noise_limits_meet():
 
 def test_ci_and_the_docs_use_the_operating_point():
     ci = (REPO_ROOT / ".ci/run").read_text()
-    assert "moe-bench ab --suite ci --tolerance 4.5% --warn-above 3% --budget 45" in ci
+    assert "moe-bench ab --suite ci --tolerance 4.5% --warn-above 3% --budget 45 --deadline 570" in ci
     docs = (REPO_ROOT / "docs/gates-and-releases.md").read_text()
     section = docs.split("## The operating point", 1)[1].split("\n## ", 1)[0]
     point = paired.operating_point(SCENARIOS)
     assert f"{point.tolerance:.2%}" in section and f"{point.se_limit:.2%}" in section
-    assert "moe-bench ab --suite ci --tolerance 4.5% --warn-above 3% --budget 45" in docs
+    assert "moe-bench ab --suite ci --tolerance 4.5% --warn-above 3% --budget 45 --deadline 570" in docs
 
 
 def test_warns_between_the_two_thresholds_only():

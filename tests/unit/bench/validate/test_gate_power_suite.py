@@ -79,7 +79,7 @@ def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_p
     monkeypatch.setattr(gate_power, "head_commit", lambda tree: "f" * 40)
     roots = {}
 
-    def run_ab(plan, device, root):
+    def run_ab(plan, device, root, deadline=None):
         (scenario,) = plan.scenarios
         roots[scenario.name] = root
         assert plan.commit == "f" * 40 and plan.tolerance == 0.045 and plan.warn_above == 0.03
@@ -100,11 +100,38 @@ def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_p
     assert not same["fails"] and set(roots.values()) == {trees[0.0]}
 
 
+def test_a_suite_run_shares_one_time_limit_as_the_gate_does(tmp_path, monkeypatch):
+    """With a time limit, the plan-mode scenario runs first and every scenario's gate gets the same
+    ``SuiteDeadline``, told which scenario runs; the record carries the limit."""
+    trees = {0.0: fake_tree(tmp_path, "same")}
+    monkeypatch.setattr(gate_power, "head_commit", lambda tree: "f" * 40)
+    seen = []
+
+    def run_ab(plan, device, root, deadline=None):
+        (scenario,) = plan.scenarios
+        seen.append((scenario.name, deadline, plan.deadline_s))
+        report = ABReport("HEAD", "this checkout", plan.tolerance, 1, warn_above=plan.warn_above)
+        report.resident = (
+            [ResidentComparison(scenario.name, 1, verdict="unchanged")] if scenario.mode == "execute" else []
+        )
+        return report
+
+    monkeypatch.setattr(gate_power, "run_ab", run_ab)
+    scenarios = [SimpleNamespace(name=n, mode=m) for n, m in (("a", "execute"), ("p", "plan"), ("b", "execute"))]
+    record = gate_power.suite_run(scenarios, trees, None, 0.045, 0.03, 45.0, "cpu", deadline_s=570.0)
+    assert [name for name, _, _ in seen] == ["p", "a", "b"]
+    deadlines = {id(d) for _, d, _ in seen}
+    assert len(deadlines) == 1 and seen[0][1].scenarios == ["a", "b"] and seen[0][1].limit_s == 570.0
+    assert {limit for _, _, limit in seen} == {570.0} and record["deadline_s"] == 570.0
+    without = gate_power.suite_run(scenarios, trees, None, 0.045, 0.03, 45.0, "cpu")
+    assert without["deadline_s"] is None and seen[-1][1] is None
+
+
 def test_suite_runs_resume_from_their_records(tmp_path, monkeypatch, capsys):
     """Each whole-suite run is appended as it ends; a second invocation runs only what is missing."""
     ran = []
 
-    def suite_run(scenarios, trees, cell, tolerance, warn_above, budget_s, device):
+    def suite_run(scenarios, trees, cell, tolerance, warn_above, budget_s, device, deadline_s=None):
         ran.append(cell)
         name, fraction = cell if cell else (None, 0.0)
         return suite_record(planted_scenario=name, planted=fraction) | {"tolerance": tolerance}
@@ -131,3 +158,6 @@ def test_suite_runs_resume_from_their_records(tmp_path, monkeypatch, capsys):
     argv[2] = "5"
     assert gate_power.main(argv) == 0  # two A/A runs more, nothing else
     assert ran == [None, None]
+    ran.clear()
+    assert gate_power.main([*argv, "--deadline", "570"]) == 0  # another rule: none of the records counts
+    assert ran.count(None) == 5 and len(ran) == 5 + 4
