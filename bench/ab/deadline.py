@@ -22,6 +22,8 @@ class SuiteDeadline:
     def __init__(self, limit_s: float, scenarios: list[str], clock: Callable[[], float] = time.monotonic):
         if not limit_s > 0:
             raise ValueError(f"deadline: must be > 0 seconds, got {limit_s!r}")
+        if len(set(scenarios)) != len(scenarios):
+            raise ValueError(f"deadline: scenarios must be distinct, got {scenarios}")
         self.limit_s = limit_s
         self.scenarios = list(scenarios)
         self.clock = clock
@@ -35,9 +37,10 @@ class SuiteDeadline:
         """Scenario ``name`` starts (its full runs next)."""
         self._scenario, self._scenario_started = name, self.clock()
 
-    def budget_spent(self) -> None:
-        """The running scenario has reached the end of its budget (or decided before it)."""
-        self.reserve_s = max(self.reserve_s, self.clock() - self._scenario_started)
+    def budget_spent(self, unused_s: float = 0.0) -> None:
+        """The running scenario has reached the end of its budget, or decided ``unused_s`` seconds before
+        it (counted: a later scenario may need its whole budget)."""
+        self.reserve_s = max(self.reserve_s, self.clock() - self._scenario_started + max(0.0, unused_s))
 
     @property
     def scenarios_after(self) -> int:

@@ -276,15 +276,19 @@ STOPPED_BY_TEXT = {
 
 
 def _confirmation_text(r: ResidentComparison) -> str:
-    """``; confirmed: x<first> on the first <n> worker pairs`` for a failing estimate its confirmation kept."""
+    """``; confirmed: x<first> on the first <n> worker pairs`` for a failing estimate its confirmation kept,
+    and what the gate's time limit cut of it (the extension before it, its fresh pairs)."""
     if r.unconfirmed is None or r.estimate is None:
         return ""
+    refused = "; not extended: the gate's time limit had no room" if r.extension_refused else ""
+    if r.confirmation_pairs == 0:
+        return f"{refused}; not confirmed: the gate's time limit left no room for fresh pairs"
     cut = (
         f" ({r.confirmation_pairs} of {r.unconfirmed.worker_pairs} fresh pairs: the gate's time limit)"
         if r.confirmation_pairs < r.unconfirmed.worker_pairs
         else ""
     )
-    return (
+    return refused + (
         f"; confirmed: x{format_ratio(1 + r.unconfirmed.slowdown)} on the first {r.unconfirmed.worker_pairs} "
         f"worker pairs{cut}"
     )

@@ -242,6 +242,9 @@ class ResidentComparison:
     pairs that confirm a failing estimate are done, or as many as the gate's time limit held)."""
     unconfirmed: paired.PooledEstimate | None = None
     """The estimate that a confirmation put to the test (None where none ran)."""
+    extension_refused: bool = False
+    """An inconclusive verdict the gate's time limit had no room to extend (kept when a confirmation
+    follows and ``stopped_by`` says so)."""
 
     @property
     def confirmation_pairs(self) -> int:
@@ -302,7 +305,7 @@ def compare_resident(
         if stop_early and result.estimate is not None and paired.decided_pooled(result.estimate, tolerance):
             stopped_by = "decided"
             if deadline is not None and ends_s == budget_s:
-                deadline.budget_spent()
+                deadline.budget_spent(unused_s=budget_s - (clock() - start))
             break
         if clock() - start >= ends_s and n >= paired.MIN_WORKER_PAIRS:
             if ends_s == budget_s and deadline is not None:
@@ -310,7 +313,7 @@ def compare_resident(
             if result.verdict != "inconclusive" or ends_s > budget_s or extension_s <= 0:
                 break
             if deadline is not None and deadline.left_s() < extension_s + run.last_pair_s:
-                stopped_by = "deadline"
+                stopped_by, result.extension_refused = "deadline", True
                 logger.info(f"  inconclusive after {n} worker pairs: the gate's time limit leaves no room to extend")
                 break
             ends_s, stopped_by = budget_s + extension_s, "extension"

@@ -186,6 +186,7 @@ def suite_run(
                 "stopped_by": r.stopped_by if r is not None else None,
                 "unconfirmed_estimate": None if r is None or r.unconfirmed is None else r.unconfirmed.slowdown,
                 "unconfirmed_worker_pairs": None if r is None or r.unconfirmed is None else r.unconfirmed.worker_pairs,
+                "extension_refused": r is not None and r.extension_refused,
                 "seconds": time.monotonic() - scenario_started,
             }
         )
@@ -303,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warn-above", default="3%", help="the gate's warning threshold (CI: 3%%; with --suite-runs)")
     parser.add_argument("--json", help="also write this invocation's records here, as one JSON document")
     args = parser.parse_args(argv)
+    if args.deadline is not None and not args.deadline >= args.budget:
+        parser.error(f"--deadline {args.deadline:g} s must be at least the --budget ({args.budget:g} s)")
     tolerance = parse_tolerance(args.tolerance)
     slowdowns = [parse_tolerance(x) for x in args.slowdowns.split(",") if x.strip()]
     if args.replay:

@@ -31,9 +31,26 @@ def test_the_limit_left_keeps_a_reserve_for_each_scenario_after_by_hand():
     assert deadline.scenarios_after == 3
 
 
-def test_a_limit_must_be_positive():
+def test_a_limit_must_be_positive_over_distinct_scenarios():
     with pytest.raises(ValueError, match="deadline"):
         SuiteDeadline(0, ["a"])
+    with pytest.raises(ValueError, match="distinct"):
+        SuiteDeadline(600, ["a", "a"])
+
+
+def test_a_scenario_that_decides_early_reserves_its_whole_budget():
+    # Decided 25 s before its budget's end: a later scenario may need those 25 s, so they are reserved.
+    now = [0.0]
+    deadline = SuiteDeadline(600, ["a", "b"], clock=lambda: now[0])
+    deadline.scenario_starts("a")
+    now[0] = 50.0
+    deadline.budget_spent(unused_s=25.0)
+    assert deadline.reserve_s == 75.0
+    clock = [0.0]
+    limited = _deadline(10_000, clock, later=1)
+    result, _ = run_fake(0.01, 0.01, tolerance=0.05, budget_s=600, deadline=limited, clock=clock)
+    assert result.stopped_by == "decided" and result.seconds < 600
+    assert limited.reserve_s == pytest.approx(600)
 
 
 def _deadline(limit_s: float, clock: list[float], later: int = 0) -> SuiteDeadline:
@@ -54,6 +71,17 @@ def test_no_room_to_extend_ends_the_comparison_at_its_budget():
     assert (result.verdict, result.stopped_by) == ("inconclusive", "deadline")
     once, _ = run_fake(0.01, 0.01, **{**INCONCLUSIVE, "extension_s": 0.0})
     assert len(result.pairs) == len(once.pairs) and result.estimate == once.estimate
+
+
+def test_a_refused_extension_is_kept_when_a_confirmation_follows():
+    # 2% slower against a 1% tolerance: inconclusive beyond the tolerance at the budget, no room to extend,
+    # so the confirmation runs (3 fresh pairs fit) and says what ended the comparison; the refusal is kept.
+    clock = [0.0]
+    result, _ = run_fake(
+        0.01, 0.0102, deadline=_deadline(200, clock, later=1), clock=clock, confirm=True, **{**INCONCLUSIVE, "seed": 0}
+    )
+    assert result.stopped_by == "confirmation" and result.extension_refused
+    assert result.unconfirmed is not None and result.confirmation_pairs == 3
 
 
 def test_a_limit_with_room_changes_nothing():

@@ -430,6 +430,13 @@ def test_the_report_says_where_the_time_limit_cut_the_confirmation(tmp_path, tin
     assert finding.endswith(
         "; confirmed: x1.080 on the first 3 worker pairs (1 of 3 fresh pairs: the gate's time limit)"
     )
+    final.pairs, final.estimate, final.extension_refused = first.pairs, first.estimate, True
+    report = ab.run_ab(ABPlan("HEAD", "0" * 40, load_all([tiny]), 0.03, 20.0), device="cpu")
+    finding = next(line for line in report.render().splitlines() if line.startswith("REGRESSION"))
+    assert finding.endswith(
+        "; not extended: the gate's time limit had no room; not confirmed: the gate's time limit left no room "
+        "for fresh pairs"
+    )
     wide = comparison("tiny-ab", 0.0, spread=0.04)
     wide.stopped_by = "deadline"
     monkeypatch.setattr(ab, "_resident", lambda *a, **k: wide)

@@ -102,7 +102,7 @@ def test_a_suite_run_plants_one_scenario_and_fails_when_any_scenario_fails(tmp_p
 
 def test_a_suite_run_shares_one_time_limit_as_the_gate_does(tmp_path, monkeypatch):
     """With a time limit, the plan-mode scenario runs first and every scenario's gate gets the same
-    ``SuiteDeadline``, told which scenario runs; the record carries the limit."""
+    ``SuiteDeadline`` (run_ab tells it which scenario runs); the record carries the limit."""
     trees = {0.0: fake_tree(tmp_path, "same")}
     monkeypatch.setattr(gate_power, "head_commit", lambda tree: "f" * 40)
     seen = []
