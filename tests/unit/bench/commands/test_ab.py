@@ -25,7 +25,13 @@ def planned(monkeypatch):
         state.plans.append(
             {"ref": ref, "scenarios": [s.name for s in scenarios], "tolerance": tolerance, "budget": budget, **kwargs}
         )
-        return SimpleNamespace(label="release 0.3.0", commit="0123456789abcdef", scenarios=scenarios, budget_s=budget)
+        return SimpleNamespace(
+            label="release 0.3.0",
+            commit="0123456789abcdef",
+            scenarios=scenarios,
+            budget_s=budget,
+            deadline_s=kwargs.get("deadline_s"),
+        )
 
     def fake_run_ab(plan, device, keep):
         state.runs.append((device, keep))
@@ -40,11 +46,12 @@ def test_options_reach_the_plan_and_the_report_decides_the_exit_code(tmp_path, p
     argv = ["ab", SMOKE, "--baseline-ref", "v0.3.0", "--budget", "30", "--tolerance", "3%", "--warn-above", "1.5%"]
     argv += ["--accept-work", "work_aten_ops", "--accept-increase", "peak_tensor_bytes", "--device", "cpu"]
     argv += ["--accept", "step_time_s@e8-random-bf16<=4%: slower on purpose", "--out", str(tmp_path / "keep")]
+    argv += ["--deadline", "300"]
     assert main(argv) == 1
     (plan,) = planned.plans
     assert plan["ref"] == "v0.3.0"
     assert plan["scenarios"] == ["e8-random-bf16"]
-    assert (plan["tolerance"], plan["budget"], plan["warn_above"]) == (0.03, 30.0, 0.015)
+    assert (plan["tolerance"], plan["budget"], plan["warn_above"], plan["deadline_s"]) == (0.03, 30.0, 0.015, 300.0)
     assert plan["accept_work"] == {"work_aten_ops"}
     assert plan["accept_increase"] == {"peak_tensor_bytes"}
     (acceptance,) = plan["acceptances"]
@@ -52,7 +59,7 @@ def test_options_reach_the_plan_and_the_report_decides_the_exit_code(tmp_path, p
     assert planned.runs == [("cpu", tmp_path / "keep")]
     assert capsys.readouterr().out == (
         "ab: baseline release 0.3.0 (0123456789ab) vs this checkout: 1 scenario(s), resident blocks for up to 30 s "
-        "each\nREPORT\n"
+        "each, the whole gate within 300 s\nREPORT\n"
     )
 
 
@@ -68,6 +75,7 @@ def test_defaults_the_ci_suite_and_no_kept_results(planned, monkeypatch):
     assert suites == ["ci"]
     (plan,) = planned.plans
     assert (plan["ref"], plan["tolerance"], plan["budget"], plan["warn_above"]) == (None, 0.05, 60.0, None)
+    assert plan["deadline_s"] is None
     assert (plan["accept_work"], plan["accept_increase"], plan["acceptances"]) == (None, frozenset(), ())
     assert planned.runs == [("cpu", None)]
     assert main(["ab", "--suite", "gpu", "--device", "cpu"]) == 1
