@@ -22,10 +22,13 @@ def test_sigterm_stops_a_run_and_its_worker(tmp_path):
     # Enough steps that the worker is still training when the signal comes.
     scenario = write_scenario(tmp_path, "long", variant(run__steps=100_000, run__timeout_s=600))
     env = {**os.environ, **owner_env(), "PYTHONPATH": str(REPO_ROOT)}
-    command = [sys.executable, "-m", "bench.cli", "run", str(scenario), "--out", str(tmp_path / "r"), "--no-plots"]
-    moe_bench = subprocess.Popen(
-        [*command, "--device", "cpu"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    # -X faulthandler: a SIGABRT makes it print every thread's traceback, should it hang before its worker.
+    command = [sys.executable, "-X", "faulthandler", "-m", "bench.cli", "run", str(scenario)]
+    command += ["--out", str(tmp_path / "r"), "--no-plots", "--device", "cpu"]
+    # Files, not pipes: nobody reads a pipe while the test waits, and a full one would stop moe-bench there.
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        moe_bench = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
     try:
         deadline = time.monotonic() + 120
         while not [p for p in owned_processes(env) if p != moe_bench.pid] and time.monotonic() < deadline:
@@ -35,14 +38,16 @@ def test_sigterm_stops_a_run_and_its_worker(tmp_path):
         workers = [p for p in owned_processes(env) if p != moe_bench.pid]
         if not workers:
             if moe_bench.poll() is None:
-                moe_bench.kill()
-            _, stderr = moe_bench.communicate(timeout=60)
+                moe_bench.send_signal(signal.SIGABRT)
+                moe_bench.wait(timeout=60)
             pytest.fail(
-                f"no worker started within 120 s (moe-bench exit code {moe_bench.returncode}):\n{stderr[-3000:]}"
+                f"no worker started within 120 s (moe-bench exit code {moe_bench.returncode}):\n"
+                f"stdout: {out_path.read_text()[-2000:]}\nstderr: {err_path.read_text()[-6000:]}"
             )
         time.sleep(1.0)  # into its steps
         moe_bench.send_signal(signal.SIGTERM)
-        _, stderr = moe_bench.communicate(timeout=60)
+        moe_bench.wait(timeout=60)
+        stderr = err_path.read_text()
         left = owned_processes_after(env, timeout=30)
     finally:
         for pid in owned_processes(env):
