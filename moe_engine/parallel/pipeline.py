@@ -204,7 +204,8 @@ class _WeightSlices:
         if stage.is_first:
             raise ValueError("a weight backward of the first stage holds its whole backward: it runs alone")
         _, groups, _, _ = stage.backward_state.pop(mb)
-        stage.dw_runner.pop(mb)  # the input backward's placeholder for this weight backward
+        # torch's input backward leaves a no-op dw_runner entry that its weight backward consumes: this one does.
+        stage.dw_runner.pop(mb)
         self.stage = stage
         self.groups: list = list(groups or [])
         # Two exchanges of rows per MoE layer hand over in a backward: its combine's and its dispatch's.
